@@ -1,0 +1,133 @@
+"""
+:class:`LoadBalancer`: the public object that ties the pieces together.
+
+The twistd plugin is one user of it; an existing Twisted application is another -- it can
+mount :meth:`LoadBalancer.resource` under a path of its own ``Site`` and attach
+:meth:`LoadBalancer.service` to its service hierarchy.  Reactor and agents are injectable so
+tests run the whole balancer in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from twisted.application.service import IService, MultiService, Service
+from twisted.internet.interfaces import IReactorTime
+from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.web.iweb import IAgent
+from twisted.web.resource import IResource
+from twisted.web.server import Site
+
+from ._backend import Pool
+from ._config import Config, build_config
+from ._health import HealthChecker
+from ._policies import LeastConnections
+from ._proxy import ProxyResource
+from ._routing import Router
+
+#: vLLM (uvicorn) closes idle keep-alive connections after 5 s; reusing one it is closing
+#: would fail a POST, so pooled connections are dropped a little sooner.
+CACHED_CONNECTION_TIMEOUT = 4.0
+#: Agent's default of 2 idle connections per backend makes a busy proxy open and close a
+#: connection per request; LLM fleets run hundreds of concurrent requests per backend.
+MAX_PERSISTENT_PER_HOST = 256
+
+
+class _ConnectionPoolService(Service):
+    """Closes the upstream connection pool when the balancer stops."""
+
+    def __init__(self, pool: HTTPConnectionPool) -> None:
+        self._pool = pool
+
+    def stopService(self) -> Any:
+        super().stopService()
+        return self._pool.closeCachedConnections()
+
+
+class LoadBalancer:
+    """
+    A least-connections, health-checked, streaming reverse proxy over a set of backends.
+
+    ``LoadBalancer(["127.0.0.1:8002", "127.0.0.1:8003"], health_interval=2)`` takes the
+    same options as the command line (underscores for dashes); or pass a ready
+    :class:`~txlb.Config` as ``config``.
+    """
+
+    def __init__(
+        self,
+        backends: Iterable[str] | None = None,
+        *,
+        config: Config | None = None,
+        reactor: Any = None,
+        agent: IAgent | None = None,
+        probe_agent: IAgent | None = None,
+        **options: object,
+    ) -> None:
+        if config is None:
+            given: dict[str, object | None] = {
+                name.replace("_", "-"): value for name, value in options.items()
+            }
+            if backends is not None:
+                given["backends"] = list(backends)
+            config = build_config(given, environ={})
+        elif backends is not None or options:
+            raise TypeError("pass either config or backends/options, not both")
+        if reactor is None:
+            from twisted.internet import reactor as default_reactor
+
+            reactor = default_reactor
+        self.config = config
+        self.reactor = reactor
+        self._connection_pool: HTTPConnectionPool | None = None
+        if agent is None:
+            connection_pool = self._connection_pool = HTTPConnectionPool(reactor, persistent=True)
+            connection_pool.maxPersistentPerHost = MAX_PERSISTENT_PER_HOST
+            connection_pool.cachedConnectionTimeout = CACHED_CONNECTION_TIMEOUT  # type: ignore[assignment]
+            agent = Agent(reactor, connectTimeout=config.connect_timeout, pool=connection_pool)
+        if probe_agent is None:
+            # Probes use fresh connections: a probe must prove the backend still accepts.
+            probe_agent = Agent(
+                reactor,
+                connectTimeout=config.health_timeout,
+                pool=HTTPConnectionPool(reactor, persistent=False),
+            )
+        self.pool = Pool(config.backends)
+        self.router = Router(self.pool, LeastConnections())
+        self.agent = agent
+        self.health = HealthChecker(
+            self.pool,
+            probe_agent,
+            reactor,
+            interval=config.health_interval,
+            timeout=config.health_timeout,
+            path=config.health_path,
+            rise=config.rise,
+            fall=config.fall,
+        )
+
+    def resource(self) -> IResource:
+        """The proxy as a twisted.web resource, to serve as a Site's root or mount below it."""
+        clock: IReactorTime = self.reactor
+        return ProxyResource(
+            self.router,
+            self.agent,
+            clock,
+            read_timeout=self.config.read_timeout,
+            retry_after=self.config.health_interval,
+        )
+
+    def site(self) -> Site:
+        """A ``Site`` serving only the proxy (what ``twistd llmlb`` listens with)."""
+        return Site(self.resource())
+
+    def service(self) -> IService:
+        """
+        The balancer's background work (health checks, upstream connection pool) as one
+        service; attach it to an application so it starts and stops with it.
+        """
+        services = MultiService()
+        self.health.setServiceParent(services)
+        if self._connection_pool is not None:
+            _ConnectionPoolService(self._connection_pool).setServiceParent(services)
+        return services

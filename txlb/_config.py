@@ -1,0 +1,315 @@
+"""
+One frozen :class:`Config`, built from the command line, the environment, a TOML file and
+the defaults, in that order of precedence.
+
+Every option is described once, in :data:`OPTIONS`; the command-line parser (``tap.py``), the
+environment lookup, the TOML reader and the documentation all read that table, so an option
+cannot exist in one place and be forgotten in another.  Validation happens here, before any
+port is opened, and every problem is a :class:`ConfigError` whose message names the option
+and the offending value -- the one line an operator sees when start-up refuses.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import attrs
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """
+    A bad option value, unreadable config file or malformed backend.
+
+    The message is complete on its own (it names the option and the value), so callers can
+    print it as the single line that explains why start-up stopped.
+    """
+
+
+@attrs.frozen
+class BackendSpec:
+    """
+    One backend as configured: where it is and how much work it may take.
+
+    ``models`` empty means "learn them from the backend's ``/v1/models``".
+    """
+
+    host: str
+    port: int
+    weight: int = 1
+    max_conns: int = 0
+    models: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> str:
+        """The ``host:port`` name used in headers, logs, status and the admin API."""
+        return f"{self.host}:{self.port}"
+
+
+# --- value parsers: each takes a str (command line, environment) or a native TOML value -----
+
+
+def _number(option: str, value: object) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"--{option}: {value!r} is not a number")
+    if isinstance(value, int | float):
+        return float(value)
+    try:
+        return float(str(value).strip())
+    except ValueError:
+        raise ConfigError(f"--{option}: {value!r} is not a number") from None
+
+
+def parse_duration(option: str, value: object) -> float:
+    """Seconds, decimals allowed; must be positive."""
+    seconds = _number(option, value)
+    if not seconds > 0 or seconds == float("inf"):
+        raise ConfigError(f"--{option}: {value!r} must be a positive number of seconds")
+    return seconds
+
+
+def parse_count(option: str, value: object) -> int:
+    """A whole number, at least 1."""
+    count = parse_nonnegative_int(option, value)
+    if count < 1:
+        raise ConfigError(f"--{option}: {value!r} must be at least 1")
+    return count
+
+
+def parse_nonnegative_int(option: str, value: object) -> int:
+    """A whole number, 0 or more."""
+    if isinstance(value, bool):
+        raise ConfigError(f"--{option}: {value!r} is not a whole number")
+    if isinstance(value, int):
+        number = value
+    else:
+        text = str(value).strip()
+        if not re.fullmatch(r"\d+", text):
+            raise ConfigError(f"--{option}: {value!r} is not a whole number")
+        number = int(text)
+    if number < 0:
+        raise ConfigError(f"--{option}: {value!r} must not be negative")
+    return number
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
+
+
+def parse_size(option: str, value: object) -> int:
+    """Bytes, or a number with a ``KiB``, ``MiB`` or ``GiB`` suffix."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]iB|B)?\s*", str(value), re.IGNORECASE)
+    if not match:
+        raise ConfigError(f"--{option}: {value!r} is not a size (bytes, or N with KiB/MiB/GiB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").upper()])
+
+
+def parse_path(option: str, value: object) -> str:
+    """An absolute URL path such as ``/health``."""
+    text = str(value)
+    if not text.startswith("/") or any(c.isspace() for c in text):
+        raise ConfigError(f"--{option}: {value!r} must be a URL path starting with '/'")
+    return text
+
+
+def parse_listen(option: str, value: object) -> str:
+    """
+    A port number or a Twisted server endpoint string.
+
+    A bare number means ``tcp:N``; anything else is checked by Twisted's own endpoint parser
+    so a typo is caught at start-up, not when the port is opened.
+    """
+    text = str(value).strip()
+    if re.fullmatch(r"\d+", text):
+        port = int(text)
+        if port > 65535:
+            raise ConfigError(f"--{option}: {value!r} is not a valid port")
+        return f"tcp:{port}"
+    if not text:
+        raise ConfigError(f"--{option}: {value!r} is not an endpoint")
+    from twisted.internet import reactor
+    from twisted.internet.endpoints import serverFromString
+
+    try:
+        serverFromString(reactor, text)
+    except Exception as error:  # the parser raises ValueError, KeyError, TypeError...
+        raise ConfigError(
+            f"--{option}: {value!r} is not a Twisted endpoint ({error!s})"
+        ) from None
+    return text
+
+
+def parse_backend_address(option: str, value: str) -> BackendSpec:
+    """``host:port`` or ``http://host:port`` (a trailing ``/`` is allowed, a path is not)."""
+    text = value.strip()
+    url = text if "://" in text else f"http://{text}"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ConfigError(f"--{option}: {value!r} is not host:port") from None
+    if (
+        parts.scheme != "http"
+        or not parts.hostname
+        or port is None
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.username
+    ):
+        raise ConfigError(f"--{option}: {value!r} is not host:port or http://host:port")
+    return BackendSpec(host=parts.hostname, port=port)
+
+
+def parse_backends(option: str, value: object) -> tuple[BackendSpec, ...]:
+    """
+    Comma-separated addresses (command line, environment), or the TOML ``[[backends]]``
+    tables / a TOML list of address strings.
+    """
+    items: Sequence[object]
+    if isinstance(value, str):
+        items = [part for part in value.split(",") if part.strip()]
+    elif isinstance(value, list):
+        items = value
+    else:
+        raise ConfigError(f"--{option}: {value!r} is not a list of backends")
+    specs = tuple(_backend_item(option, item) for item in items)
+    if not specs:
+        raise ConfigError(f"--{option}: {value!r} names no backend")
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.key in seen:
+            raise ConfigError(f"--{option}: backend {spec.key} is listed twice")
+        seen.add(spec.key)
+    return specs
+
+
+_BACKEND_TABLE_KEYS = {"url", "weight", "max_conns", "models"}
+
+
+def _backend_item(option: str, item: object) -> BackendSpec:
+    if isinstance(item, str):
+        return parse_backend_address(option, item)
+    if not isinstance(item, dict):
+        raise ConfigError(f"--{option}: {item!r} is not a backend")
+    unknown = sorted(set(item) - _BACKEND_TABLE_KEYS)
+    if unknown:
+        raise ConfigError(f"backends: unknown key {unknown[0]!r} in {item!r}")
+    if "url" not in item:
+        raise ConfigError(f"backends: {item!r} has no 'url'")
+    if not isinstance(item["url"], str):
+        raise ConfigError(f"backends.url: {item['url']!r} is not a string")
+    spec = parse_backend_address("backends.url", item["url"])
+    weight = parse_count("backends.weight", item.get("weight", 1))
+    max_conns = parse_nonnegative_int("backends.max_conns", item.get("max_conns", 0))
+    models = item.get("models", [])
+    if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
+        raise ConfigError(f"backends.models: {models!r} is not a list of model names")
+    return attrs.evolve(spec, weight=weight, max_conns=max_conns, models=tuple(models))
+
+
+@attrs.frozen
+class OptionSpec:
+    """One option: its long name, environment variable, default and parser."""
+
+    name: str
+    default: object
+    parse: Callable[[str, Any], Any]
+    help: str
+    env: str | None = None
+
+    @property
+    def attribute(self) -> str:
+        return self.name.replace("-", "_")
+
+
+DEFAULT_BACKENDS = ",".join(f"127.0.0.1:{port}" for port in range(8002, 8010))
+
+OPTIONS: tuple[OptionSpec, ...] = (
+    OptionSpec("listen", "tcp:8000", parse_listen,
+               "Port number or Twisted endpoint string to serve clients on.", "LB_PORT"),
+    OptionSpec("backends", DEFAULT_BACKENDS, parse_backends,
+               "Comma-separated host:port or http://host:port backends.", "LB_BACKENDS"),
+    OptionSpec("health-interval", 10.0, parse_duration,
+               "Seconds between active probes of each backend.", "LB_HC_INTERVAL"),
+    OptionSpec("health-path", "/health", parse_path, "Path probed on each backend."),
+    OptionSpec("health-timeout", 5.0, parse_duration, "Seconds a probe may take."),
+    OptionSpec("fall", 3, parse_count,
+               "Consecutive ambiguous probe failures (timeout, reset) that mark a backend down."),
+    OptionSpec("rise", 1, parse_count,
+               "Consecutive successful probes that bring a down backend back."),
+    OptionSpec("connect-timeout", 5.0, parse_duration,
+               "Seconds to open an upstream connection."),
+    OptionSpec("read-timeout", 300.0, parse_duration,
+               "Seconds the upstream may stay silent (before headers or between chunks)."),
+)
+
+_BY_NAME = {spec.name: spec for spec in OPTIONS}
+
+
+@attrs.frozen
+class Config:
+    """Everything the balancer needs to start, validated.  Build with :func:`build_config`."""
+
+    backends: tuple[BackendSpec, ...]
+    listen: str = "tcp:8000"
+    health_interval: float = 10.0
+    health_path: str = "/health"
+    health_timeout: float = 5.0
+    fall: int = 3
+    rise: int = 1
+    connect_timeout: float = 5.0
+    read_timeout: float = 300.0
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    """Read the ``--config`` file, turning every way it can fail into a ConfigError."""
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except OSError as error:
+        raise ConfigError(f"--config: cannot read {path!r}: {error.strerror}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"--config: {path!r} is not valid TOML: {error}") from None
+    return data
+
+
+def build_config(
+    command_line: Mapping[str, object | None],
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """
+    Merge the sources in precedence order: command line > environment > TOML > default.
+
+    ``command_line`` maps long option names (``"health-interval"``) to the value given on
+    the command line, or ``None`` when it was not given; it may also hold ``"config"``.
+    """
+    env = os.environ if environ is None else environ
+    config_path = command_line.get("config") or env.get("LB_CONFIG")
+    file_values: dict[str, Any] = {}
+    if config_path:
+        file_values = read_toml(str(config_path))
+        unknown = sorted(set(file_values) - set(_BY_NAME))
+        if unknown:
+            raise ConfigError(f"--config: unknown key {unknown[0]!r} in {config_path}")
+
+    values: dict[str, Any] = {}
+    for spec in OPTIONS:
+        given = command_line.get(spec.name)
+        if given is None and spec.env and spec.env in env:
+            given = env[spec.env]
+        if given is None and spec.name in file_values:
+            given = file_values[spec.name]
+        if given is None:
+            given = spec.default
+        values[spec.attribute] = spec.parse(spec.name, given)
+    return Config(**values)

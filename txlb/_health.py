@@ -1,0 +1,131 @@
+"""
+Active health checks: a service that probes every backend's health path on a timer.
+
+Why ``/health`` and not ``/v1/models``: vLLM's API server keeps answering ``/v1/models``
+with 200 after its engine process has died; only ``/health`` turns to 503.
+
+Why the loop never waits for its probes: a ``LoopingCall`` whose function returns a
+Deferred waits for it before scheduling the next run, and stops for good on an unhandled
+failure.  Here each tick starts the probes and returns at once; every probe has its own
+timeout on the injected clock and swallows its own errors, and a backend whose previous
+probe is still running is skipped rather than probed twice.  So one hung backend can
+neither stall nor stop the checks of the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from treq import collect
+from treq.client import HTTPClient
+from twisted.application.service import Service
+from twisted.internet import error as neterror
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.iweb import IAgent, IResponse
+
+from ._backend import Backend, Pool
+
+log = Logger()
+
+#: Probe failures that say for certain nothing healthy is there: mark down at once.
+_DEFINITIVE = (
+    neterror.ConnectionRefusedError,
+    neterror.NoRouteError,
+    neterror.DNSLookupError,
+    neterror.UnknownHostError,
+)
+
+
+class HealthChecker(Service):
+    """Probes each backend every ``interval`` seconds and applies the rise/fall rules."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        agent: IAgent,
+        clock: IReactorTime,
+        interval: float,
+        timeout: float,
+        path: str,
+        rise: int,
+        fall: int,
+    ) -> None:
+        self.pool = pool
+        self.clock = clock
+        self.interval = interval
+        self.timeout = timeout
+        self.path = path.encode("ascii")
+        self.rise = rise
+        self.fall = fall
+        self._http = HTTPClient(agent)
+        self._loop: LoopingCall | None = None
+        self._probing: dict[Backend, Deferred[Any]] = {}
+
+    def startService(self) -> None:
+        super().startService()
+        loop = self._loop = LoopingCall(self.probe_all)
+        loop.clock = self.clock
+        # Probe at once: backends start eligible, and a dead one should leave rotation
+        # within one probe, not one interval.
+        loop.start(self.interval, now=True).addErrback(
+            lambda failure: log.failure("health check loop stopped", failure)
+        )
+
+    def stopService(self) -> None:
+        super().stopService()
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        for pending in list(self._probing.values()):
+            pending.cancel()
+
+    def probe_all(self) -> None:
+        """Start a probe of every backend that is not still being probed."""
+        for backend in self.pool:
+            if backend not in self._probing:
+                self.probe(backend)
+
+    def probe(self, backend: Backend) -> Deferred[None]:
+        """
+        Probe one backend now.  The returned Deferred never fails; it fires once the
+        backend's state has been updated.
+        """
+        url = backend.base_url + self.path
+        request = self._http.get(url, allow_redirects=False)
+        request.addCallback(self._read_body)
+        request.addTimeout(self.timeout, self.clock)
+        self._probing[backend] = request
+        done: Deferred[None] = request.addCallbacks(
+            lambda code: self._answered(backend, code),
+            lambda failure: self._failed(backend, failure),
+        )
+        done.addBoth(self._forget, backend)
+        return done
+
+    def _read_body(self, response: IResponse) -> Deferred[int]:
+        # Read the (tiny) body so the connection finishes cleanly; the status is what counts.
+        body: Deferred[None] = collect(response, lambda _data: None)
+        return body.addCallback(lambda _: response.code)
+
+    def _answered(self, backend: Backend, code: int) -> None:
+        if code == 200:
+            self.pool.probe_succeeded(backend, self.rise)
+        else:
+            self.pool.probe_failed(backend, f"health: HTTP {code}", definitive=True,
+                                   fall=self.fall)
+
+    def _failed(self, backend: Backend, failure: Failure) -> None:
+        if not self.running or self.pool.get(backend.key) is not backend:
+            return  # shutting down, or removed while the probe ran
+        if failure.check(neterror.TimeoutError):
+            reason = f"health: no answer within {self.timeout:g}s"
+        else:
+            reason = f"health: {failure.getErrorMessage()}"
+        definitive = failure.check(*_DEFINITIVE) is not None
+        self.pool.probe_failed(backend, reason, definitive=definitive, fall=self.fall)
+
+    def _forget(self, result: object, backend: Backend) -> None:
+        self._probing.pop(backend, None)
