@@ -51,8 +51,9 @@ class BackendSpec:
 
     @property
     def key(self) -> str:
-        """The ``host:port`` name used in headers, logs, status and the admin API."""
-        return f"{self.host}:{self.port}"
+        """The ``host:port`` name used in URLs, headers, logs, status and the admin API."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
 
 
 # --- value parsers: each takes a str (command line, environment) or a native TOML value -----

@@ -20,6 +20,7 @@ from treq import collect
 from treq.client import HTTPClient
 from twisted.application.service import Service
 from twisted.internet import error as neterror
+from twisted.internet import defer
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
@@ -120,7 +121,7 @@ class HealthChecker(Service):
     def _failed(self, backend: Backend, failure: Failure) -> None:
         if not self.running or self.pool.get(backend.key) is not backend:
             return  # shutting down, or removed while the probe ran
-        if failure.check(neterror.TimeoutError):
+        if failure.check(defer.TimeoutError, neterror.TimeoutError):
             reason = f"health: no answer within {self.timeout:g}s"
         else:
             reason = f"health: {failure.getErrorMessage()}"

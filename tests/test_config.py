@@ -1,0 +1,142 @@
+"""Options, environment, TOML and their precedence; every bad value names itself."""
+
+from __future__ import annotations
+
+import os
+
+from twisted.python import usage
+from twisted.trial.unittest import SynchronousTestCase
+
+from txlb import BackendSpec, ConfigError, build_config
+from txlb.tap import Options
+
+NONE: dict[str, str] = {}
+
+
+class BuildConfigTests(SynchronousTestCase):
+    def write(self, text: str) -> str:
+        path = self.mktemp()
+        with open(path, "w") as handle:
+            handle.write(text)
+        return path
+
+    def test_defaults(self) -> None:
+        config = build_config({}, NONE)
+        self.assertEqual(config.listen, "tcp:8000")
+        self.assertEqual([b.key for b in config.backends],
+                         [f"127.0.0.1:{p}" for p in range(8002, 8010)])
+        self.assertEqual((config.health_interval, config.health_path, config.health_timeout),
+                         (10.0, "/health", 5.0))
+        self.assertEqual((config.fall, config.rise), (3, 1))
+        self.assertEqual((config.connect_timeout, config.read_timeout), (5.0, 300.0))
+
+    def test_backend_forms(self) -> None:
+        config = build_config({"backends": "10.0.0.1:8002, http://gpu-3:9000/,[::1]:7"}, NONE)
+        self.assertEqual(
+            config.backends,
+            (BackendSpec("10.0.0.1", 8002), BackendSpec("gpu-3", 9000), BackendSpec("::1", 7)),
+        )
+
+    def test_port_number_means_tcp(self) -> None:
+        self.assertEqual(build_config({"listen": "9000"}, NONE).listen, "tcp:9000")
+        self.assertEqual(build_config({}, {"LB_PORT": "9001"}).listen, "tcp:9001")
+        endpoint = "tcp:8000:interface=127.0.0.1"
+        self.assertEqual(build_config({"listen": endpoint}, NONE).listen, endpoint)
+
+    def test_precedence(self) -> None:
+        """command line > environment > config file > default"""
+        path = self.write('health-interval = 3\nread-timeout = 40\nfall = 7\n')
+        env = {"LB_HC_INTERVAL": "4", "LB_CONFIG": path}
+        config = build_config({"health-interval": None, "read-timeout": "50"}, env)
+        self.assertEqual(config.health_interval, 4.0)   # env beats file
+        self.assertEqual(config.read_timeout, 50.0)     # command line beats file
+        self.assertEqual(config.fall, 7)                # file beats default
+        self.assertEqual(config.rise, 1)                # default
+        config = build_config({"health-interval": "5", "config": path}, env)
+        self.assertEqual(config.health_interval, 5.0)   # command line beats env
+
+    def test_toml_backends(self) -> None:
+        path = self.write(
+            'listen = "tcp:0"\n'
+            '[[backends]]\nurl = "http://127.0.0.1:8002"\nweight = 2\nmax_conns = 16\n'
+            'models = ["llama"]\n'
+            '[[backends]]\nurl = "127.0.0.1:8003"\n'
+        )
+        config = build_config({"config": path}, NONE)
+        self.assertEqual(
+            config.backends,
+            (BackendSpec("127.0.0.1", 8002, 2, 16, ("llama",)), BackendSpec("127.0.0.1", 8003)),
+        )
+
+    def assertRejected(self, given: dict[str, object], *words: str) -> None:
+        error = self.assertRaises(ConfigError, build_config, given, NONE)
+        message = str(error)
+        self.assertNotIn("\n", message)
+        for word in words:
+            self.assertIn(word, message)
+
+    def test_bad_values_name_option_and_value(self) -> None:
+        self.assertRejected({"health-interval": "abc"}, "--health-interval", "'abc'")
+        self.assertRejected({"health-interval": "0"}, "--health-interval", "'0'")
+        self.assertRejected({"health-timeout": "-1"}, "--health-timeout", "'-1'")
+        self.assertRejected({"fall": "0"}, "--fall", "'0'")
+        self.assertRejected({"rise": "1.5"}, "--rise", "'1.5'")
+        self.assertRejected({"read-timeout": "nan"}, "--read-timeout", "'nan'")
+        self.assertRejected({"connect-timeout": "soon"}, "--connect-timeout", "'soon'")
+        self.assertRejected({"health-path": "health"}, "--health-path", "'health'")
+        self.assertRejected({"listen": "bogus:1"}, "--listen", "'bogus:1'")
+        self.assertRejected({"listen": "70000"}, "--listen", "'70000'")
+        self.assertRejected({"backends": "localhost"}, "--backends", "'localhost'")
+        self.assertRejected({"backends": "h:1/v1"}, "--backends", "'h:1/v1'")
+        self.assertRejected({"backends": "https://h:1"}, "--backends", "'https://h:1'")
+        self.assertRejected({"backends": ","}, "--backends")
+        self.assertRejected({"backends": "h:1,h:1"}, "--backends", "h:1", "twice")
+
+    def test_bad_files(self) -> None:
+        self.assertRejected({"config": "/nonexistent/lb.toml"}, "--config", "/nonexistent/lb.toml")
+        self.assertRejected({"config": self.write("listen = ")}, "--config", "not valid TOML")
+        self.assertRejected({"config": self.write("lisen = 1")}, "--config", "'lisen'")
+        self.assertRejected({"config": self.write("fall = true")}, "--fall", "True")
+        self.assertRejected({"config": self.write('[[backends]]\nweight = 2')},
+                            "backends", "'url'")
+        self.assertRejected({"config": self.write('[[backends]]\nurl = "h:1"\nwieght = 2')},
+                            "backends", "'wieght'")
+        self.assertRejected({"config": self.write('[[backends]]\nurl = "h:1"\nweight = 0')},
+                            "backends.weight", "0")
+        self.assertRejected({"config": self.write('[[backends]]\nurl = "h:1"\nmodels = "m"')},
+                            "backends.models", "'m'")
+
+
+class OptionsTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        saved = {k: v for k, v in os.environ.items() if k.startswith("LB_")}
+        for key in saved:
+            del os.environ[key]
+        self.addCleanup(os.environ.update, saved)
+
+    def test_parse(self) -> None:
+        options = Options()
+        options.parseOptions(["--listen", "tcp:0", "--backends", "127.0.0.1:1", "--rise", "2"])
+        self.assertEqual(options.config.listen, "tcp:0")
+        self.assertEqual(options.config.rise, 2)
+        self.assertEqual([b.key for b in options.config.backends], ["127.0.0.1:1"])
+
+    def test_environment(self) -> None:
+        os.environ["LB_BACKENDS"] = "127.0.0.1:5"
+        options = Options()
+        options.parseOptions([])
+        self.assertEqual([b.key for b in options.config.backends], ["127.0.0.1:5"])
+
+    def test_bad_value_is_usage_error(self) -> None:
+        error = self.assertRaises(
+            usage.UsageError, Options().parseOptions, ["--health-interval", "often"]
+        )
+        self.assertEqual(str(error), "--health-interval: 'often' is not a number")
+
+    def test_every_option_documented(self) -> None:
+        text = str(Options())
+        for name in ("listen", "backends", "config", "health-interval", "health-path",
+                     "health-timeout", "fall", "rise", "connect-timeout", "read-timeout"):
+            self.assertIn(f"--{name}", text)
+        self.assertIn("LB_PORT", text)
+        self.assertIn("LB_HC_INTERVAL", text)

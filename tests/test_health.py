@@ -1,0 +1,111 @@
+"""The prober on an injected clock, with every probe answered (or not) by the test."""
+
+from __future__ import annotations
+
+from twisted.internet import error as neterror
+from twisted.internet.task import Clock
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.client import ResponseNeverReceived
+
+from txlb import BackendSpec, Pool
+from txlb._health import HealthChecker
+
+from .helpers import FakeResponse, FakeUpstream, UpstreamCall
+
+A = BackendSpec("127.0.0.1", 8002)
+B = BackendSpec("127.0.0.1", 8003)
+
+
+class HealthCheckerTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.agent = FakeUpstream()
+        self.pool = Pool((A, B))
+        self.a = self.pool.get(A.key)
+        self.b = self.pool.get(B.key)
+        self.checker = HealthChecker(
+            self.pool, self.agent, self.clock, interval=2, timeout=1, path="/health",
+            rise=2, fall=3,
+        )
+        self.checker.startService()
+        self.addCleanup(self.checker.stopService)
+
+    def pending(self, spec: BackendSpec) -> UpstreamCall:
+        calls = [c for c in self.agent.calls if spec.key.encode() in c.uri
+                 and not c.deferred.called]
+        self.assertEqual(len(calls), 1, f"expected one pending probe of {spec.key}")
+        return calls[0]
+
+    def answer(self, spec: BackendSpec, code: int) -> None:
+        self.pending(spec).respond(FakeResponse(code, length=0)).end()
+
+    def test_probes_every_backend_at_start(self) -> None:
+        uris = sorted(c.uri for c in self.agent.calls)
+        self.assertEqual(uris, [b"http://127.0.0.1:8002/health", b"http://127.0.0.1:8003/health"])
+        self.assertEqual({c.method for c in self.agent.calls}, {b"GET"})
+
+    def test_non_200_marks_down_at_once(self) -> None:
+        self.answer(A, 503)
+        self.assertFalse(self.a.healthy)
+        self.assertEqual(self.a.last_probe_error, "health: HTTP 503")
+        self.answer(B, 200)
+        self.assertTrue(self.b.healthy)
+
+    def test_refused_marks_down_at_once(self) -> None:
+        self.pending(A).fail(neterror.ConnectionRefusedError())
+        self.assertFalse(self.a.healthy)
+
+    def test_ambiguous_failures_need_fall_in_a_row(self) -> None:
+        self.pending(A).fail(ResponseNeverReceived([Failure(neterror.ConnectionLost())]))
+        self.assertTrue(self.a.healthy)
+        self.clock.advance(2)
+        self.clock.advance(1)  # timeout: no answer within 1 s
+        self.assertTrue(self.a.healthy)
+        self.assertEqual(self.a.last_probe_error, "health: no answer within 1s")
+        self.clock.advance(1)  # third probe starts at t=4
+        self.pending(A).fail(ResponseNeverReceived([Failure(neterror.ConnectionLost())]))
+        self.assertFalse(self.a.healthy)
+
+    def test_success_resets_the_fall_count(self) -> None:
+        for _ in range(5):
+            self.pending(A).fail(ResponseNeverReceived([Failure(neterror.ConnectionLost())]))
+            self.clock.advance(2)
+            self.answer(A, 200)
+            self.clock.advance(2)
+        self.assertTrue(self.a.healthy)
+
+    def test_rise_successes_bring_it_back(self) -> None:
+        self.answer(A, 503)
+        self.clock.advance(2)
+        self.answer(A, 200)
+        self.assertFalse(self.a.healthy)  # rise=2
+        self.clock.advance(2)
+        self.answer(A, 200)
+        self.assertTrue(self.a.healthy)
+
+    def test_hung_probe_stalls_nothing(self) -> None:
+        """
+        A backend whose probe never answers is not probed twice at once, and the other
+        backends keep being probed every interval.
+        """
+        checker = HealthChecker(self.pool, self.agent, self.clock, interval=2, timeout=30,
+                                path="/health", rise=1, fall=3)
+        self.checker.stopService()
+        self.agent.calls.clear()
+        checker.startService()
+        self.addCleanup(checker.stopService)
+        for _ in range(5):
+            self.answer(B, 200)
+            self.clock.advance(2)
+        probes_of_a = [c for c in self.agent.calls if b"8002" in c.uri]
+        self.assertEqual(len(probes_of_a), 1)
+        self.assertEqual(len([c for c in self.agent.calls if b"8003" in c.uri]), 6)
+
+    def test_stop_cancels_probes_and_loop(self) -> None:
+        self.checker.stopService()
+        self.assertTrue(all(c.cancelled for c in self.agent.calls))
+        count = len(self.agent.calls)
+        self.clock.advance(100)
+        self.assertEqual(len(self.agent.calls), count)
+        self.assertTrue(self.a.healthy and self.b.healthy)
