@@ -168,7 +168,8 @@ class StreamingTests(ProxyTestCase):
         """
         client, response = self.start_stream()
         response.send(b"data: 1\n\n")
-        client.transport.producer.pauseProducing()  # what the TCP transport does when its buffer is full
+        # what the TCP transport does when its send buffer is full:
+        client.transport.producer.pauseProducing()
         self.assertTrue(response.transport.paused)
         client.transport.producer.resumeProducing()
         self.assertFalse(response.transport.paused)

@@ -19,8 +19,8 @@ from typing import Any
 from treq import collect
 from treq.client import HTTPClient
 from twisted.application.service import Service
-from twisted.internet import error as neterror
 from twisted.internet import defer
+from twisted.internet import error as neterror
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall

@@ -84,7 +84,8 @@ async def _main(reactor: Any, argv: list[str]) -> None:
 
     sims = [SimulatedVLLM(reactor, models=(MODEL,), tokens_per_second=20.0)
             for _ in range(args.backends)]
-    ports = [listen_simulated(reactor, sim).getHost().port for sim in sims]
+    ports: list[int] = [listen_simulated(reactor, sim).getHost().port  # type: ignore[attr-defined]
+                        for sim in sims]
     balancer = LoadBalancer([f"127.0.0.1:{port}" for port in ports], reactor=reactor,
                             listen=listen, health_interval=2)
     try:
@@ -95,7 +96,7 @@ async def _main(reactor: Any, argv: list[str]) -> None:
             f"holds that port; pick another, e.g. --listen tcp:8100:interface=127.0.0.1"
         ) from None
     balancer.service().startService()
-    port = listening.getHost().port
+    port = listening.getHost().port  # type: ignore[attr-defined]
     url = f"http://127.0.0.1:{port}"
     print(f"txlb demo: {len(sims)} simulated vLLM backends on 127.0.0.1 ports "
           f"{', '.join(map(str, ports))}")

@@ -1,0 +1,162 @@
+"""
+Shared pieces of the integration tests: real sockets on 127.0.0.1, port 0 everywhere.
+
+Waiting is always for a condition with a deadline (:func:`wait_until`), never a fixed
+sleep: the test proceeds the moment the condition holds and fails loudly if it never does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from twisted.internet import defer, reactor, task
+from twisted.internet.protocol import Protocol, connectionDone
+from twisted.python.failure import Failure
+from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IResponse
+
+from txlb._proxy import BytesProducer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def wait_until(condition: Callable[[], bool], timeout: float = 10.0,
+                     what: str = "condition") -> None:
+    """Poll ``condition`` on the reactor every 10 ms until it holds, or fail after timeout."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await task.deferLater(reactor, 0.01)
+
+
+class Chunks(Protocol):
+    """Collects a response body, remembering when each read arrived."""
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[float, bytes]] = []
+        self.done: defer.Deferred[bytes] = defer.Deferred()
+        self.clean: bool | None = None
+
+    def dataReceived(self, data: bytes) -> None:
+        self.chunks.append((time.monotonic(), data))
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self.clean = reason.check(ResponseDone) is not None
+        self.done.callback(self.body)
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(data for _, data in self.chunks)
+
+
+def chat_body(stream: bool = True, **extra: Any) -> bytes:
+    return json.dumps({
+        "model": "sim-model", "stream": stream,
+        "messages": [{"role": "user", "content": "hello"}], **extra,
+    }).encode()
+
+
+class Client:
+    """An HTTP client for the tests (Agent, so nothing is decoded or followed)."""
+
+    def __init__(self) -> None:
+        self.pool = HTTPConnectionPool(reactor, persistent=False)
+        self.agent = Agent(reactor, pool=self.pool)
+
+    async def request(self, url: str, method: bytes = b"GET", body: bytes | None = None,
+                      headers: dict[bytes, list[bytes]] | None = None) -> IResponse:
+        producer = BytesProducer(body) if body is not None else None
+        return await self.agent.request(method, url.encode(), Headers(headers or {}), producer)
+
+    async def fetch(self, url: str, method: bytes = b"GET", body: bytes | None = None,
+                    headers: dict[bytes, list[bytes]] | None = None,
+                    ) -> tuple[IResponse, Chunks]:
+        response = await self.request(url, method, body, headers)
+        chunks = Chunks()
+        response.deliverBody(chunks)
+        await chunks.done
+        return response, chunks
+
+
+def header(response: IResponse, name: bytes) -> str | None:
+    values = response.headers.getRawHeaders(name)
+    return values[0].decode() if values else None
+
+
+def twistd_command(*args: str) -> list[str]:
+    return [os.path.join(os.path.dirname(sys.executable), "twistd"), "-n", "--pidfile=",
+            "llmlb", *args]
+
+
+def clean_environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LB_")}
+    env["PYTHONPATH"] = str(ROOT)  # the source tree under test, not a stale install
+    return env
+
+
+class TwistdProcess:
+    """``twistd -n llmlb`` as a child process; learns its port from its own log."""
+
+    def __init__(self, *args: str) -> None:
+        handle, name = tempfile.mkstemp(prefix="txlb-twistd-", suffix=".log")
+        self.log_path = Path(name)
+        self._log = os.fdopen(handle, "wb")
+        self.process = subprocess.Popen(
+            twistd_command("--listen", "tcp:0:interface=127.0.0.1", *args),
+            stdout=self._log, stderr=subprocess.STDOUT, env=clean_environment(), cwd=ROOT,
+        )
+        self.port = 0
+        self.final_output = ""
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    async def started(self) -> None:
+        def listening() -> bool:
+            if self.process.poll() is not None:
+                raise AssertionError(f"twistd exited early:\n{self.output()}")
+            match = re.search(r"Site starting on (\d+)", self.output())
+            if match:
+                self.port = int(match.group(1))
+            return bool(match)
+
+        await wait_until(listening, timeout=30, what="twistd to listen")
+
+    async def stop(self) -> int:
+        """SIGTERM, wait for the exit, and return the exit status (Popen's convention)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        await wait_until(lambda: self.process.poll() is not None, timeout=30,
+                         what="twistd to exit")
+        self._log.close()
+        if self.log_path.exists():
+            self.final_output = self.output()
+            self.log_path.unlink()
+        return self.process.returncode
+
+    def rss_bytes(self) -> int:
+        with open(f"/proc/{self.pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
