@@ -96,7 +96,7 @@ async def _main(reactor: Any, argv: list[str]) -> None:
             f"holds that port; pick another, e.g. --listen tcp:8100:interface=127.0.0.1"
         ) from None
     balancer.service().startService()
-    port = listening.getHost().port  # type: ignore[attr-defined]
+    port = listening.getHost().port
     url = f"http://127.0.0.1:{port}"
     print(f"txlb demo: {len(sims)} simulated vLLM backends on 127.0.0.1 ports "
           f"{', '.join(map(str, ports))}")
