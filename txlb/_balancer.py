@@ -24,6 +24,7 @@ from ._config import Config, build_config
 from ._health import HealthChecker
 from ._policies import LeastConnections
 from ._proxy import ProxyResource
+from ._resultlog import open_result_log
 from ._routing import Router
 
 #: vLLM (uvicorn) closes idle keep-alive connections after 5 s; reusing one it is closing
@@ -45,15 +46,19 @@ class _ProxySite(Site):
         pass
 
 
-class _ConnectionPoolService(Service):
-    """Closes the upstream connection pool when the balancer stops."""
+class _CleanupService(Service):
+    """Releases what the balancer holds (pooled connections, the log file) when it stops."""
 
-    def __init__(self, pool: HTTPConnectionPool) -> None:
-        self._pool = pool
+    def __init__(self, balancer: LoadBalancer) -> None:
+        self._balancer = balancer
 
     def stopService(self) -> Any:
         super().stopService()
-        return self._pool.closeCachedConnections()
+        if self._balancer.result_log is not None:
+            self._balancer.result_log.close()
+        if self._balancer.connection_pool is not None:
+            return self._balancer.connection_pool.closeCachedConnections()
+        return None
 
 
 class LoadBalancer:
@@ -90,9 +95,9 @@ class LoadBalancer:
             reactor = default_reactor
         self.config = config
         self.reactor = reactor
-        self._connection_pool: HTTPConnectionPool | None = None
+        self.connection_pool: HTTPConnectionPool | None = None
         if agent is None:
-            connection_pool = self._connection_pool = HTTPConnectionPool(reactor, persistent=True)
+            connection_pool = self.connection_pool = HTTPConnectionPool(reactor, persistent=True)
             connection_pool.maxPersistentPerHost = MAX_PERSISTENT_PER_HOST
             connection_pool.cachedConnectionTimeout = CACHED_CONNECTION_TIMEOUT  # type: ignore[assignment]
             agent = Agent(reactor, connectTimeout=config.connect_timeout, pool=connection_pool)
@@ -103,6 +108,9 @@ class LoadBalancer:
                 connectTimeout=config.health_timeout,
                 pool=HTTPConnectionPool(reactor, persistent=False),
             )
+        self.result_log = open_result_log(
+            config.log_file, config.log_max_bytes, config.log_backups, config.log_format, reactor
+        )
         self.pool = Pool(config.backends)
         self.router = Router(self.pool, LeastConnections())
         self.agent = agent
@@ -126,6 +134,7 @@ class LoadBalancer:
             clock,
             read_timeout=self.config.read_timeout,
             retry_after=self.config.health_interval,
+            on_end=self.result_log.record if self.result_log is not None else None,
         )
 
     def site(self) -> Site:
@@ -139,6 +148,5 @@ class LoadBalancer:
         """
         services = MultiService()
         self.health.setServiceParent(services)
-        if self._connection_pool is not None:
-            _ConnectionPoolService(self._connection_pool).setServiceParent(services)
+        _CleanupService(self).setServiceParent(services)
         return services

@@ -218,6 +218,21 @@ def _backend_item(option: str, item: object) -> BackendSpec:
     return attrs.evolve(spec, weight=weight, max_conns=max_conns, models=tuple(models))
 
 
+def parse_log_file(option: str, value: object) -> str:
+    """A file path, ``-`` (standard output) or ``none``."""
+    text = str(value).strip()
+    if not text or "\0" in text:
+        raise ConfigError(f"--{option}: {value!r} is not a file path, '-' or 'none'")
+    return text
+
+
+def parse_log_format(option: str, value: object) -> str:
+    text = str(value).strip().lower()
+    if text not in ("text", "json"):
+        raise ConfigError(f"--{option}: {value!r} is not 'text' or 'json'")
+    return text
+
+
 @attrs.frozen
 class OptionSpec:
     """One option: its long name, environment variable, default and parser."""
@@ -252,6 +267,15 @@ OPTIONS: tuple[OptionSpec, ...] = (
                "Seconds to open an upstream connection."),
     OptionSpec("read-timeout", 300.0, parse_duration,
                "Seconds the upstream may stay silent (before headers or between chunks)."),
+    OptionSpec("log-file", "lb_results.log", parse_log_file,
+               "The result log: a path, '-' for standard output, 'none' to disable.",
+               "LB_LOG_FILE"),
+    OptionSpec("log-max-bytes", "50MiB", parse_size,
+               "Rotate the result log when it reaches this size (bytes, KiB, MiB, GiB)."),
+    OptionSpec("log-backups", 3, parse_nonnegative_int,
+               "Rotated result logs kept (<name>.1 is the newest)."),
+    OptionSpec("log-format", "text", parse_log_format,
+               "Result log format: 'text' (one line per request) or 'json' (JSON lines)."),
 )
 
 _BY_NAME = {spec.name: spec for spec in OPTIONS}
@@ -270,6 +294,10 @@ class Config:
     rise: int = 1
     connect_timeout: float = 5.0
     read_timeout: float = 300.0
+    log_file: str = "lb_results.log"
+    log_max_bytes: int = 50 * 1024**2
+    log_backups: int = 3
+    log_format: str = "text"
 
 
 def read_toml(path: str) -> dict[str, Any]:

@@ -40,10 +40,19 @@ def error_body(status: int, message: str, error_type: str | None = None) -> byte
 
 def write_json(request: IRequest, status: int, payload: object) -> None:
     """Finish ``request`` with a JSON body (used for status pages and errors alike)."""
-    body = json.dumps(payload).encode("utf-8")
+    write_body(request, status, json.dumps(payload).encode("utf-8"))
+
+
+def write_body(
+    request: IRequest, status: int, body: bytes, retry_after: int | None = None
+) -> None:
+    """Finish ``request`` with a ready JSON ``body`` (and ``Retry-After`` when given)."""
     request.setResponseCode(status)
-    request.responseHeaders.setRawHeaders(b"content-type", [b"application/json"])
-    request.responseHeaders.setRawHeaders(b"content-length", [str(len(body)).encode()])
+    headers = request.responseHeaders
+    headers.setRawHeaders(b"content-type", [b"application/json"])
+    headers.setRawHeaders(b"content-length", [str(len(body)).encode()])
+    if retry_after is not None:
+        headers.setRawHeaders(b"retry-after", [str(retry_after).encode()])
     request.write(body)
     request.finish()
 
@@ -56,12 +65,4 @@ def write_error(
     retry_after: int | None = None,
 ) -> None:
     """Finish ``request`` with an OpenAI-style error (and ``Retry-After`` when given)."""
-    body = error_body(status, message, error_type)
-    request.setResponseCode(status)
-    headers = request.responseHeaders
-    headers.setRawHeaders(b"content-type", [b"application/json"])
-    headers.setRawHeaders(b"content-length", [str(len(body)).encode()])
-    if retry_after is not None:
-        headers.setRawHeaders(b"retry-after", [str(retry_after).encode()])
-    request.write(body)
-    request.finish()
+    write_body(request, status, error_body(status, message, error_type), retry_after)

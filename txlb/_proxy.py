@@ -12,6 +12,7 @@ falls exactly once" true by construction rather than by care.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from twisted.internet import error as neterror
@@ -27,10 +28,11 @@ from twisted.web.server import NOT_DONE_YET, Request
 from zope.interface import implementer
 
 from ._backend import Lease, Pool
-from ._errors import write_error, write_json
+from ._errors import error_body, write_body, write_json
 from ._headers import downstream_response_headers, flatten, upstream_request_headers
 from ._relay import BodyRelay
 from ._routing import Router
+from ._summary import RequestRecord
 
 log = Logger()
 
@@ -97,6 +99,17 @@ def local_path(request: Request) -> bytes:
     return forwarded_uri(request).partition(b"?")[0]
 
 
+RecordSink = Callable[[RequestRecord], None]
+
+
+def read_body(request: Request) -> bytes:
+    """The request body twisted.web has already read (into memory or a temporary file)."""
+    if request.content is None:
+        return b""
+    request.content.seek(0)
+    return request.content.read()
+
+
 class Exchange:
     """
     One client request forwarded to one backend.
@@ -104,29 +117,35 @@ class Exchange:
     States: ``waiting`` (request sent, no response head yet), ``relaying`` (head written
     to the client, body flowing) and ``ended``.  The client can go away in either of the
     first two; the read watchdog can fire in either; the upstream can fail in either.
+    Every one of those paths calls :meth:`_end` exactly once, which releases the slot and
+    hands the finished :class:`RequestRecord` to the result log.
     """
 
     def __init__(
         self,
         request: Request,
+        record: RequestRecord,
         lease: Lease,
         pool: Pool,
         agent: IAgent,
         clock: IReactorTime,
         read_timeout: float,
+        on_end: RecordSink,
     ) -> None:
         self.request = request
+        self.record = record
         self.lease = lease
         self.pool = pool
         self.agent = agent
         self.clock = clock
         self.read_timeout = read_timeout
+        self.on_end = on_end
         self.state = "waiting"
         self.client_gone = False
-        self.timed_out = False
         self._upstream: Deferred[IResponse] | None = None
         self._producer: IPushProducer | None = None
         self._watchdog: IDelayedCall | None = None
+        record.backend = lease.backend.key
 
     # -- start ------------------------------------------------------------------------------
 
@@ -142,11 +161,7 @@ class Exchange:
         upstream_headers = Headers()
         for name, value in headers:
             upstream_headers.addRawHeader(name, value)
-
-        body = b""
-        if request.content is not None:
-            request.content.seek(0)
-            body = request.content.read()
+        body = self.record.request_body
         producer = None
         if body or request.getHeader(b"content-length") is not None:
             producer = BytesProducer(body)
@@ -170,6 +185,7 @@ class Exchange:
         self._arm_watchdog()
         request = self.request
         backend = self.lease.backend
+        self.record.status = response.code
         request.setResponseCode(response.code, response.phrase)
         out = request.responseHeaders
         for name, value in downstream_response_headers(
@@ -181,6 +197,8 @@ class Exchange:
             values = response.headers.getRawHeaders(name)
             if values:
                 out.setRawHeaders(name, values)
+        content_type = response.headers.getRawHeaders(b"content-type")
+        self.record.content_type = content_type[0] if content_type else None
         if (
             response.length is not UNKNOWN_LENGTH
             and response.code not in _NO_BODY_STATUSES
@@ -203,13 +221,17 @@ class Exchange:
             return
         if self._watchdog is not None:
             self._watchdog.reset(self.read_timeout)
+        record = self.record
+        if record.first_byte is None:
+            record.first_byte = self.clock.seconds()
+        record.capture(data)
         self.request.write(data)
 
     def body_ended(self, failure: Failure | None) -> None:
         if self.state != "relaying":
             return  # we stopped it ourselves (client gone, timeout): already ended
         self._producer = None  # finished: stopping it now would kill a reusable connection
-        self._end()
+        self._end("ok" if failure is None else "upstream_error")
         self.request.unregisterProducer()
         if failure is None:
             self.request.finish()
@@ -228,38 +250,35 @@ class Exchange:
         if self.state == "ended":
             return  # the client left, or the watchdog fired: already answered
         backend = self.lease.backend
-        self._end()
         if failure.check(*_UNREACHABLE) or _is_reset(failure):
             self.pool.mark_down(backend, f"proxy: {failure.getErrorMessage()}")
-            self._respond_error(502, f"backend {backend.key} could not be reached")
+            self._fail(502, f"backend {backend.key} could not be reached", "upstream_error")
         elif failure.check(*_CONNECT_TIMEOUT):
-            self._respond_error(504, f"timed out connecting to backend {backend.key}")
+            self._fail(504, f"timed out connecting to backend {backend.key}", "timeout")
         else:
             log.warn(
                 "request to {backend} failed: {error}",
                 backend=backend.key,
                 error=failure.getErrorMessage(),
             )
-            self._respond_error(502, f"bad response from backend {backend.key}")
+            self._fail(502, f"bad response from backend {backend.key}", "upstream_error")
 
     def _read_timed_out(self) -> None:
         self._watchdog = None
         backend = self.lease.backend
-        state = self.state
-        if state == "ended":
+        if self.state == "ended":
             return
-        self.timed_out = True
-        self._end()
         log.warn(
             "backend {backend} silent for {timeout}s; giving up",
             backend=backend.key,
             timeout=self.read_timeout,
         )
-        if state == "waiting":
-            self._respond_error(
-                504, f"backend {backend.key} sent nothing for {self.read_timeout:g}s"
+        if self.state == "waiting":
+            self._fail(
+                504, f"backend {backend.key} sent nothing for {self.read_timeout:g}s", "timeout"
             )
         else:
+            self._end("timeout")
             self.request.unregisterProducer()
             self._truncate_client()
 
@@ -267,13 +286,24 @@ class Exchange:
         if self.state == "ended":
             return
         self.client_gone = True
-        self._end()
+        self._end("client_abort")
+
+    def _fail(self, status: int, message: str, outcome: str) -> None:
+        """Answer with an error of txlb's own, before any of the response was sent."""
+        body = error_body(status, message)
+        self.record.status = status
+        self.record.content_type = b"application/json"
+        self.record.capture(body)
+        self._end(outcome)
+        if not self.client_gone:
+            write_body(self.request, status, body)
 
     # -- every way out ----------------------------------------------------------------------
 
-    def _end(self) -> None:
+    def _end(self, outcome: str) -> None:
         """
-        Leave the exchange: release the slot, stop the watchdog, stop the upstream.
+        Leave the exchange: release the slot, stop the watchdog, stop the upstream, and
+        hand the record to the result log.
 
         Cancelling the pending Agent request or stopping the upstream transport closes the
         backend connection, which is how vLLM learns to abort the generation.
@@ -289,16 +319,15 @@ class Exchange:
         if self._producer is not None:
             producer, self._producer = self._producer, None
             producer.stopProducing()
+        self.record.outcome = outcome
+        self.record.ended = self.clock.seconds()
+        self.on_end(self.record)
 
     def _arm_watchdog(self) -> None:
         if self._watchdog is not None and self._watchdog.active():
             self._watchdog.reset(self.read_timeout)
         else:
             self._watchdog = self.clock.callLater(self.read_timeout, self._read_timed_out)
-
-    def _respond_error(self, status: int, message: str) -> None:
-        if not self.client_gone:
-            write_error(self.request, status, message)
 
     def _truncate_client(self) -> None:
         """
@@ -311,9 +340,13 @@ class Exchange:
 
     def _bug(self, failure: Failure) -> None:
         log.failure("unexpected error in the proxy", failure)
-        if self.state != "ended":
-            self._end()
-            self._respond_error(502, "internal proxy error")
+        if self.state == "ended":
+            return
+        if self.request.startedWriting:
+            self._end("proxy_error")
+            self._truncate_client()
+        else:
+            self._fail(502, "internal proxy error", "proxy_error")
 
 
 def _is_reset(failure: Failure) -> bool:
@@ -340,6 +373,7 @@ class ProxyResource(Resource):
         clock: IReactorTime,
         read_timeout: float,
         retry_after: float,
+        on_end: RecordSink | None = None,
     ) -> None:
         super().__init__()
         self.router = router
@@ -347,17 +381,38 @@ class ProxyResource(Resource):
         self.clock = clock
         self.read_timeout = read_timeout
         self.retry_after = max(1, math.ceil(retry_after))
+        self.on_end: RecordSink = on_end or (lambda record: None)
 
     def render(self, request: Request) -> object:
         request.defaultContentType = None
         if request.method == b"GET" and local_path(request) == STATUS_PATH:
             write_json(request, 200, self.router.pool.status())
             return NOT_DONE_YET
+        record = RequestRecord(
+            started=self.clock.seconds(),
+            method=request.method,
+            path=local_path(request),
+            orid_header=request.getHeader(b"x-orid"),
+            request_body=read_body(request),
+        )
         lease = self.router.pick()
         if lease is None:
-            write_error(request, 503, "no backend is available", retry_after=self.retry_after)
+            self._refuse(request, record, 503, "no backend is available", self.retry_after)
             return NOT_DONE_YET
         Exchange(
-            request, lease, self.router.pool, self.agent, self.clock, self.read_timeout
+            request, record, lease, self.router.pool, self.agent, self.clock,
+            self.read_timeout, self.on_end,
         ).start()
         return NOT_DONE_YET
+
+    def _refuse(self, request: Request, record: RequestRecord, status: int, message: str,
+                retry_after: int | None = None) -> None:
+        """Answer a request txlb will not forward, and log it like any other."""
+        body = error_body(status, message)
+        record.status = status
+        record.outcome = "proxy_error"
+        record.content_type = b"application/json"
+        record.capture(body)
+        record.ended = self.clock.seconds()
+        self.on_end(record)
+        write_body(request, status, body, retry_after)

@@ -1,0 +1,237 @@
+"""
+The result log: one line per proxied request, the file on-call engineers grep.
+
+Two promises shape this module:
+
+* **Failure isolation.**  A log that cannot be written (disk full, directory gone,
+  permission denied) must never fail, delay or drop a request.  Every write is guarded;
+  the first failure is reported once on the service log, lines are dropped (and counted)
+  while it lasts, the file is reopened at most every :data:`RETRY_SECONDS`, and recovery
+  is reported with the number of lines lost.
+* **Nothing per chunk.**  The proxy hands over a finished :class:`RequestRecord`; the
+  summary is computed and written once, when the request has ended.
+
+Rotation is Twisted's own ``LogFile`` (size-based; ``name.1`` is the newest backup).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from typing import Any, Protocol
+
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.python.logfile import LogFile
+
+from ._summary import RequestRecord, Summary, summarize
+
+log = Logger()
+
+#: How often a failed log is retried, and how often a healthy one checks that its file is
+#: still the one at its path (a deleted directory or an external move would otherwise send
+#: every line into an unlinked file).
+RETRY_SECONDS = 5.0
+
+
+def _escape(text: str) -> str:
+    """Keep one record on one physical line: newlines are written as ``\\n``."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
+def _flag(value: bool) -> str:
+    return "True" if value else "False"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _stamp(summary: Summary) -> str:
+    return time.strftime("%m-%d %H:%M:%S", time.localtime(summary.time))
+
+
+def _extras(summary: Summary) -> str:
+    """``key=value`` fields the seed format did not have, only when they say something."""
+    extra = ""
+    if summary.outcome != "ok":
+        extra += f" end={summary.outcome}"
+    if summary.truncated:
+        extra += " trunc=True"
+    return extra
+
+
+def format_text(summary: Summary) -> str:
+    """The contract's text line (without the newline)."""
+    head = f"{_stamp(summary)} orid={_escape(summary.orid)} {summary.backend}"
+    if summary.kind == "completion":
+        ctok = (f"{'-' if summary.completion_tokens is None else summary.completion_tokens}"
+                f"/{'-' if summary.max_tokens is None else summary.max_tokens}")
+        return (
+            f"{head} status={summary.status} finish={summary.finish or '-'} ctok={ctok} "
+            f"thinking={_flag(summary.thinking)} think={_flag(summary.think)} "
+            f"empty={_flag(summary.empty)} clen={summary.clen} ttft={_seconds(summary.ttft)} "
+            f"dur={_seconds(summary.dur)}{_extras(summary)} | {_escape(summary.preview)}"
+        )
+    if summary.kind == "error":
+        keys = ("-" if summary.req_keys is None
+                else "[" + ",".join(repr(k) for k in summary.req_keys) + "]")
+        return (
+            f"{head} status={summary.status} req_keys={keys} method={summary.method} "
+            f"path={_escape(summary.path)} dur={_seconds(summary.dur)}{_extras(summary)} "
+            f"ERR_BODY | {_escape(summary.err_body)}"
+        )
+    return (f"{head} {summary.method} {_escape(summary.path)} status={summary.status} "
+            f"dur={_seconds(summary.dur)}{_extras(summary)}")
+
+
+def format_json(summary: Summary) -> str:
+    """The same fields as one JSON object (``--log-format json``)."""
+    fields: dict[str, Any] = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(summary.time))
+        + f".{int(summary.time % 1 * 1000):03d}",
+        "orid": summary.orid,
+        "backend": summary.backend,
+        "method": summary.method,
+        "path": summary.path,
+        "status": summary.status,
+        "kind": summary.kind,
+        "end": summary.outcome,
+        "ttft": None if summary.ttft is None else round(summary.ttft, 3),
+        "dur": round(summary.dur, 3),
+    }
+    if summary.kind == "completion":
+        fields.update(
+            finish=summary.finish, ctok=summary.completion_tokens,
+            max_tokens=summary.max_tokens, thinking=summary.thinking, think=summary.think,
+            empty=summary.empty, clen=summary.clen, preview=summary.preview,
+        )
+    elif summary.kind == "error":
+        fields.update(req_keys=summary.req_keys, err_body=summary.err_body)
+    if summary.truncated:
+        fields["trunc"] = True
+    return json.dumps(fields, ensure_ascii=False)
+
+
+FORMATS = {"text": format_text, "json": format_json}
+
+
+class _Sink(Protocol):
+    def write(self, data: bytes) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class ResultLog:
+    """
+    Writes one line per finished request to a rotating file (or standard output).
+
+    ``path`` ``"-"`` means standard output: the process's file descriptor 1, not
+    ``sys.stdout``, which twistd redirects into its own service log.
+    """
+
+    def __init__(self, path: str, max_bytes: int, backups: int, fmt: str,
+                 clock: IReactorTime) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.backups = backups
+        self.format = FORMATS[fmt]
+        self.clock = clock
+        self.written = 0
+        self.dropped = 0
+        self._sink: _Sink | None = None
+        self._failing = False
+        self._next_check = 0.0
+        self._identity: tuple[int, int] | None = None
+        self._open()
+
+    def record(self, record: RequestRecord) -> None:
+        """Summarise and write one finished request.  Never raises."""
+        try:
+            line = self.format(summarize(record)) + "\n"
+        except Exception:
+            log.failure("could not summarise a request for the result log")
+            return
+        self._write(line.encode("utf-8"))
+
+    def close(self) -> None:
+        if self._sink is not None:
+            sink, self._sink = self._sink, None
+            with contextlib.suppress(OSError):
+                sink.close()
+
+    # -- the guarded file ---------------------------------------------------------------
+
+    def _open(self) -> None:
+        self._next_check = self.clock.seconds() + RETRY_SECONDS
+        try:
+            if self.path == "-":
+                self._sink = open(1, "wb", buffering=0, closefd=False)  # noqa: SIM115
+            else:
+                self._sink = LogFile.fromFullPath(
+                    self.path, rotateLength=self.max_bytes, maxRotatedFiles=self.backups
+                )
+                self._identity = self._file_identity()
+        except OSError as error:
+            self._sink = None
+            self._failed(error)
+
+    def _write(self, data: bytes) -> None:
+        now = self.clock.seconds()
+        if now >= self._next_check:
+            self._check_file()
+        if self._sink is None:
+            self.dropped += 1
+            return
+        try:
+            self._sink.write(data)
+        except (OSError, ValueError) as error:  # ValueError: write to a closed file
+            self.dropped += 1
+            self.close()
+            self._failed(error)
+            return
+        self.written += 1
+        if self._failing:
+            self._failing = False
+            log.info("result log {path} is writable again; {dropped} lines were lost",
+                     path=self.path, dropped=self.dropped)
+
+    def _check_file(self) -> None:
+        """Reopen a failed log, or one whose file is no longer the one at its path."""
+        self._next_check = self.clock.seconds() + RETRY_SECONDS
+        if self._sink is None:
+            self._open()
+            return
+        if self.path == "-":
+            return
+        try:
+            if self._file_identity() == self._identity:
+                return
+        except OSError:
+            pass  # the path is gone: reopen (which recreates it, or reports why not)
+        # Reopening after our own rotation is harmless: it appends to the same new file.
+        self.close()
+        self._open()
+
+    def _file_identity(self) -> tuple[int, int]:
+        on_disk = os.stat(self.path)
+        return (on_disk.st_dev, on_disk.st_ino)
+
+    def _failed(self, error: Exception) -> None:
+        if not self._failing:
+            self._failing = True
+            log.error(
+                "cannot write the result log {path}: {error}; requests are unaffected, "
+                "lines are dropped until it can be written again (retried every {retry:g}s)",
+                path=self.path, error=error, retry=RETRY_SECONDS,
+            )
+
+
+def open_result_log(path: str, max_bytes: int, backups: int, fmt: str,
+                    clock: IReactorTime) -> ResultLog | None:
+    """The result log for the ``--log-file`` value, or ``None`` for ``none``."""
+    if path == "none":
+        return None
+    return ResultLog(path, max_bytes, backups, fmt, clock)
