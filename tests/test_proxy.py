@@ -363,3 +363,106 @@ class LeastConnectionsTests(ProxyTestCase):
             self.upstream.last.respond(FakeResponse(200, length=0)).end()
         counts = {b.key: b.requests for b in self.lb.pool}
         self.assertEqual(counts, {key: 4 for key in backends})
+
+
+class EdgeCaseTests(ProxyTestCase):
+    """Request targets, synchronous agent failures, slow clients, HEAD."""
+
+    def test_absolute_form_forwarded_in_origin_form(self) -> None:
+        client = self.client()
+        client.send(b"GET http://lb.example/v1/models?x=1 HTTP/1.1\r\nHost: lb.example\r\n\r\n")
+        self.assertTrue(self.upstream.last.uri.endswith((b":8002/v1/models?x=1",
+                                                         b":8003/v1/models?x=1")),
+                        self.upstream.last.uri)
+
+    def test_target_that_is_not_a_path_is_400(self) -> None:
+        client = self.client()
+        client.send(b"GET v1/models HTTP/1.1\r\nHost: lb.example\r\n\r\n")
+        self.assertEqual(client.response().status, 400)
+        self.assertEqual(self.upstream.calls, [])
+
+    def test_asterisk_answered_by_twisted_web_not_forwarded(self) -> None:
+        client = self.client()
+        client.send(b"OPTIONS * HTTP/1.1\r\nHost: lb.example\r\n\r\n")
+        self.assertEqual(client.response().status, 200)
+        self.assertEqual(self.upstream.calls, [])
+
+    def test_agent_raising_synchronously_is_502(self) -> None:
+        def explode(*args: object) -> None:
+            raise ValueError("invalid method")
+
+        self.upstream.request = explode  # type: ignore[assignment,method-assign]
+        client = self.client()
+        client.request(b"GET", b"/")
+        self.assertEqual(client.response().status, 502)
+        self.assertEqual(sum(self.active().values()), 0)
+
+    def test_already_failed_request_is_502(self) -> None:
+        from twisted.internet.defer import fail
+
+        self.upstream.request = (  # type: ignore[method-assign]
+            lambda *a, **k: fail(neterror.ConnectionRefusedError()))
+        client = self.client()
+        client.request(b"GET", b"/")
+        self.assertEqual(client.response().status, 502)
+        self.assertEqual(sum(self.active().values()), 0)
+
+    def test_head_sent_before_the_first_byte_of_body(self) -> None:
+        client = self.client()
+        client.request(b"POST", b"/v1/chat/completions", body=b'{"stream": true}')
+        self.upstream.last.respond(FakeResponse(200, [(b"Content-Type", b"text/event-stream")]))
+        self.assertTrue(client.transport.value().startswith(b"HTTP/1.1 200 OK\r\n"))
+        self.assertEqual(client.response().body, b"")
+
+    def test_failure_before_first_body_byte_truncates(self) -> None:
+        client = self.client()
+        client.request(b"GET", b"/stream")
+        response = self.upstream.last.respond(FakeResponse(200))
+        response.end(Failure(ResponseFailed([Failure(neterror.ConnectionLost())])))
+        result = client.response()
+        self.assertEqual(result.status, 200)
+        self.assertFalse(result.complete)
+        self.assertTrue(client.transport.disconnected)
+
+    def test_slow_client_does_not_trip_the_read_timeout(self) -> None:
+        """While the client is the one not reading, the backend's silence is not its fault."""
+        self.build(BACKENDS, read_timeout=10)
+        client = self.client()
+        client.request(b"GET", b"/stream")
+        response = self.upstream.last.respond(FakeResponse(200))
+        response.send(b"a")
+        client.transport.producer.pauseProducing()
+        self.clock.advance(60)
+        self.assertFalse(client.transport.disconnected)
+        self.assertFalse(response.transport.stopped)
+        client.transport.producer.resumeProducing()
+        self.assertFalse(response.transport.paused)
+        self.clock.advance(10)  # now the backend really is silent
+        self.assertTrue(client.transport.disconnected)
+        self.assertTrue(response.transport.stopped)
+
+    def test_head_keeps_content_length(self) -> None:
+        client = self.client()
+        client.request(b"HEAD", b"/file")
+        self.upstream.last.respond(
+            FakeResponse(200, [(b"Content-Length", b"1234")], length=0)).end()
+        raw = client.transport.value()
+        self.assertIn(b"Content-Length: 1234\r\n", raw)
+        self.assertTrue(raw.endswith(b"\r\n\r\n"))
+
+    def test_reset_triggers_an_immediate_probe(self) -> None:
+        probes = FakeUpstream()
+        self.lb = LoadBalancer(BACKENDS, reactor=self.clock, agent=self.upstream,
+                               probe_agent=probes)
+        self.site = Site(self.lb.resource(), reactor=self.clock)
+        client = self.client()
+        client.request(b"GET", b"/")
+        key = self.upstream.last.uri.split(b"/")[2]
+        self.upstream.last.fail(ResponseNeverReceived([Failure(neterror.ConnectionLost())]))
+        self.assertEqual([c.uri for c in probes.calls], [b"http://" + key + b"/health"])
+        probes.last.respond(FakeResponse(200, length=0)).end()
+        self.assertTrue(all(b.healthy for b in self.lb.pool))  # a stale pooled connection
+
+    def test_unknown_option_refused(self) -> None:
+        self.assertRaises(TypeError, LoadBalancer, BACKENDS, reactor=self.clock,
+                          helth_interval=2)

@@ -20,7 +20,7 @@ from twisted.web.resource import IResource
 from twisted.web.server import Site
 
 from ._backend import Pool
-from ._config import Config, build_config
+from ._config import OPTIONS, Config, build_config
 from ._health import HealthChecker
 from ._policies import LeastConnections
 from ._proxy import ProxyResource
@@ -81,6 +81,9 @@ class LoadBalancer:
         **options: object,
     ) -> None:
         if config is None:
+            unknown = sorted(set(options) - {spec.attribute for spec in OPTIONS})
+            if unknown:
+                raise TypeError(f"LoadBalancer() got an unknown option {unknown[0]!r}")
             given: dict[str, object | None] = {
                 name.replace("_", "-"): value for name, value in options.items()
             }
@@ -135,6 +138,7 @@ class LoadBalancer:
             read_timeout=self.config.read_timeout,
             retry_after=self.config.health_interval,
             on_end=self.result_log.record if self.result_log is not None else None,
+            on_suspect=self.health.probe_soon,
         )
 
     def site(self) -> Site:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -162,9 +163,11 @@ def parse_backend_address(option: str, value: str) -> BackendSpec:
     if (
         parts.scheme != "http"
         or not parts.hostname
-        or port is None
+        or not port
         or parts.path not in ("", "/")
         or parts.query
+        or parts.fragment
+        or "#" in text
         or parts.username
     ):
         raise ConfigError(f"--{option}: {value!r} is not host:port or http://host:port")
@@ -280,6 +283,14 @@ OPTIONS: tuple[OptionSpec, ...] = (
 
 _BY_NAME = {spec.name: spec for spec in OPTIONS}
 
+#: Keys the contract defines whose features are still to come: a config file written for
+#: them is accepted (with a warning) rather than refused, so it keeps working on upgrade.
+PLANNED_KEYS = frozenset({
+    "policy", "retries", "retry-window", "max-body", "affinity", "slow-start", "workers",
+    "queue-timeout", "shutdown-timeout", "rate-limit", "rate-burst", "rate-key", "admin",
+    "admin-token", "routes",
+})
+
 
 @attrs.frozen
 class Config:
@@ -327,6 +338,10 @@ def build_config(
     file_values: dict[str, Any] = {}
     if config_path:
         file_values = read_toml(str(config_path))
+        for key in sorted(set(file_values) & PLANNED_KEYS):
+            warnings.warn(f"{config_path}: {key!r} is not supported by this version of "
+                          "txlb yet and is ignored", stacklevel=2)
+            del file_values[key]
         unknown = sorted(set(file_values) - set(_BY_NAME))
         if unknown:
             raise ConfigError(f"--config: unknown key {unknown[0]!r} in {config_path}")
@@ -334,11 +349,12 @@ def build_config(
     values: dict[str, Any] = {}
     for spec in OPTIONS:
         given = command_line.get(spec.name)
+        label = spec.name
         if given is None and spec.env and spec.env in env:
-            given = env[spec.env]
+            given, label = env[spec.env], f"{spec.name} (from {spec.env})"
         if given is None and spec.name in file_values:
-            given = file_values[spec.name]
+            given, label = file_values[spec.name], f"{spec.name} (from {config_path})"
         if given is None:
             given = spec.default
-        values[spec.attribute] = spec.parse(spec.name, given)
+        values[spec.attribute] = spec.parse(label, given)
     return Config(**values)

@@ -111,7 +111,14 @@ class HealthChecker(Service):
         body: Deferred[None] = collect(response, lambda _data: None)
         return body.addCallback(lambda _: response.code)
 
+    def probe_soon(self, backend: Backend) -> None:
+        """Probe ``backend`` now unless a probe of it is already running."""
+        if backend not in self._probing:
+            self.probe(backend)
+
     def _answered(self, backend: Backend, code: int) -> None:
+        if self.pool.get(backend.key) is not backend:
+            return  # removed while the probe ran
         if code == 200:
             self.pool.probe_succeeded(backend, self.rise)
         else:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from twisted.internet import error as neterror
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.interfaces import IConsumer, IDelayedCall, IPushProducer, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -27,7 +27,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 from zope.interface import implementer
 
-from ._backend import Lease, Pool
+from ._backend import Backend, Lease, Pool
 from ._errors import error_body, write_body, write_json
 from ._headers import downstream_response_headers, flatten, upstream_request_headers
 from ._relay import BodyRelay
@@ -86,7 +86,15 @@ def forwarded_uri(request: Request) -> bytes:
     percent-decoded, losing ``%2F``), dropping the segments of the mount point when the
     proxy is mounted below the root of a larger site.
     """
-    raw_path, question, query = request.uri.partition(b"?")
+    uri = request.uri
+    if uri[:8].lower().startswith((b"http://", b"https://")):
+        # absolute-form (RFC 9112 3.2.2), as sent to proxies: forward in origin-form
+        authority_and_path = uri.split(b"://", 1)[1]
+        slash = authority_and_path.find(b"/")
+        uri = b"/" if slash < 0 else authority_and_path[slash:]
+        if uri.startswith(b"?"):
+            uri = b"/" + uri
+    raw_path, question, query = uri.partition(b"?")
     mounted = len(request.prepath or ())
     if mounted:
         segments = raw_path.split(b"/")
@@ -131,6 +139,7 @@ class Exchange:
         clock: IReactorTime,
         read_timeout: float,
         on_end: RecordSink,
+        on_suspect: Callable[[Backend], object],
     ) -> None:
         self.request = request
         self.record = record
@@ -140,6 +149,7 @@ class Exchange:
         self.clock = clock
         self.read_timeout = read_timeout
         self.on_end = on_end
+        self.on_suspect = on_suspect
         self.state = "waiting"
         self.client_gone = False
         self._upstream: Deferred[IResponse] | None = None
@@ -168,14 +178,16 @@ class Exchange:
 
         request.notifyFinish().addErrback(self._client_lost)
         self._arm_watchdog()
-        self._upstream = self.agent.request(
+        # maybeDeferred: Agent raises synchronously for a URI or method it rejects, and its
+        # Deferred may already have fired; either way every path reaches the callbacks.
+        upstream = self._upstream = maybeDeferred(
+            self.agent.request,
             request.method,
             backend.base_url + forwarded_uri(request),
             upstream_headers,
             producer,
         )
-        self._upstream.addCallbacks(self._got_response, self._request_failed)
-        self._upstream.addErrback(self._bug)
+        upstream.addCallbacks(self._got_response, self._request_failed).addErrback(self._bug)
 
     # -- response head ----------------------------------------------------------------------
 
@@ -199,14 +211,19 @@ class Exchange:
                 out.setRawHeaders(name, values)
         content_type = response.headers.getRawHeaders(b"content-type")
         self.record.content_type = content_type[0] if content_type else None
-        if (
-            response.length is not UNKNOWN_LENGTH
-            and response.code not in _NO_BODY_STATUSES
-            and request.method != b"HEAD"
-        ):
+        if request.method == b"HEAD" or response.code in _NO_BODY_STATUSES:
+            # no body follows: the backend's own Content-Length (if any) describes the
+            # resource, and Agent leaves it in the headers for these
+            length = response.headers.getRawHeaders(b"content-length")
+            if length:
+                out.setRawHeaders(b"content-length", length)
+        elif response.length is not UNKNOWN_LENGTH:
             out.setRawHeaders(b"content-length", [str(response.length).encode()])
         out.setRawHeaders(b"x-backend", [backend.key.encode()])
         out.setRawHeaders(b"x-backend-port", [str(backend.port).encode()])
+        # Send the head now, as nginx does: an SSE client sees its 200 while the engine is
+        # still queueing or prefilling, not only with the first token.
+        request.write(b"")
         response.deliverBody(BodyRelay(self))
 
     # -- IRelayOwner: the body --------------------------------------------------------------
@@ -214,7 +231,30 @@ class Exchange:
     def body_started(self, producer: IPushProducer) -> None:
         self._producer = producer
         if self.state == "relaying":
-            self.request.registerProducer(producer, True)
+            self.request.registerProducer(self, True)
+
+    # -- IPushProducer: the client's flow control, passed upstream ------------------------
+
+    def pauseProducing(self) -> None:
+        """
+        The client's socket is full: stop reading from the backend.  The read watchdog is
+        suspended too -- while the client is the slow one, the backend's silence is ours.
+        """
+        if self._producer is not None:
+            self._producer.pauseProducing()
+        if self._watchdog is not None and self._watchdog.active():
+            self._watchdog.cancel()
+        self._watchdog = None
+
+    def resumeProducing(self) -> None:
+        if self._producer is not None:
+            self._producer.resumeProducing()
+        if self.state == "relaying":
+            self._arm_watchdog()
+
+    def stopProducing(self) -> None:
+        if self._producer is not None:
+            self._producer.stopProducing()
 
     def body_chunk(self, data: bytes) -> None:
         if self.state != "relaying":
@@ -252,6 +292,10 @@ class Exchange:
         backend = self.lease.backend
         if failure.check(*_UNREACHABLE) or _is_reset(failure):
             self.pool.mark_down(backend, f"proxy: {failure.getErrorMessage()}")
+            if not failure.check(*_UNREACHABLE):
+                # A reset may be a pooled keep-alive connection the backend had just
+                # closed, not a dead backend: probe now, so a healthy one is back at once.
+                self.on_suspect(backend)
             self._fail(502, f"backend {backend.key} could not be reached", "upstream_error")
         elif failure.check(*_CONNECT_TIMEOUT):
             self._fail(504, f"timed out connecting to backend {backend.key}", "timeout")
@@ -374,6 +418,7 @@ class ProxyResource(Resource):
         read_timeout: float,
         retry_after: float,
         on_end: RecordSink | None = None,
+        on_suspect: Callable[[Backend], object] | None = None,
     ) -> None:
         super().__init__()
         self.router = router
@@ -382,6 +427,7 @@ class ProxyResource(Resource):
         self.read_timeout = read_timeout
         self.retry_after = max(1, math.ceil(retry_after))
         self.on_end: RecordSink = on_end or (lambda record: None)
+        self.on_suspect: Callable[[Backend], object] = on_suspect or (lambda backend: None)
 
     def render(self, request: Request) -> object:
         request.defaultContentType = None
@@ -395,13 +441,16 @@ class ProxyResource(Resource):
             orid_header=request.getHeader(b"x-orid"),
             request_body=read_body(request),
         )
+        if not record.path.startswith(b"/"):
+            self._refuse(request, record, 400, "request target must be a path")
+            return NOT_DONE_YET
         lease = self.router.pick()
         if lease is None:
             self._refuse(request, record, 503, "no backend is available", self.retry_after)
             return NOT_DONE_YET
         Exchange(
             request, record, lease, self.router.pool, self.agent, self.clock,
-            self.read_timeout, self.on_end,
+            self.read_timeout, self.on_end, self.on_suspect,
         ).start()
         return NOT_DONE_YET
 
