@@ -109,15 +109,27 @@ def clean_environment() -> dict[str, str]:
 class TwistdProcess:
     """``twistd -n llmlb`` as a child process; learns its port from its own log."""
 
+    @staticmethod
+    def defaults(args: tuple[str, ...]) -> list[str]:
+        """No fixed admin port (8001 may be taken) and no stray log file, unless asked."""
+        extra = []
+        if "--admin" not in args:
+            extra += ["--admin", "none"]
+        if "--log-file" not in args:
+            extra += ["--log-file", "none"]
+        return extra
+
     def __init__(self, *args: str) -> None:
         handle, name = tempfile.mkstemp(prefix="txlb-twistd-", suffix=".log")
         self.log_path = Path(name)
         self._log = os.fdopen(handle, "wb")
+        self.args = args
         self.process = subprocess.Popen(
-            twistd_command("--listen", "tcp:0:interface=127.0.0.1", *args),
+            twistd_command("--listen", "tcp:0:interface=127.0.0.1", *self.defaults(args), *args),
             stdout=self._log, stderr=subprocess.STDOUT, env=clean_environment(), cwd=ROOT,
         )
         self.port = 0
+        self.admin_port = 0
         self.final_output = ""
 
     @property
@@ -128,6 +140,10 @@ class TwistdProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -135,10 +151,14 @@ class TwistdProcess:
         def listening() -> bool:
             if self.process.poll() is not None:
                 raise AssertionError(f"twistd exited early:\n{self.output()}")
-            match = re.search(r"Site starting on (\d+)", self.output())
+            output = self.output()
+            match = re.search(r"_ProxySite starting on (\d+)", output)
             if match:
                 self.port = int(match.group(1))
-            return bool(match)
+            admin = re.search(r"_AdminSite starting on (\d+)", output)
+            if admin:
+                self.admin_port = int(admin.group(1))
+            return bool(match) and (admin is not None or "--admin" not in self.args)
 
         await wait_until(listening, timeout=30, what="twistd to listen")
 

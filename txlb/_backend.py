@@ -2,20 +2,25 @@
 Backend state and the :class:`Pool` that owns it.
 
 Everything that changes a backend -- the proxy taking and releasing in-flight slots, the
-prober marking it up or down -- goes through the Pool's methods, so the rules (a slot is
-released exactly once, a passive ejection resets the rise counter) live in one place.
+prober marking it up or down, an operator draining, adding or removing it -- goes through
+the Pool's methods, so the rules (a slot is released exactly once, a drained backend stays
+drained whatever its health, a removed backend leaves only once idle) live in one place.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import attrs
+from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
 from ._config import BackendSpec
 
 log = Logger()
+
+#: Weight of the newest sample in the latency averages shown in status.
+EWMA_ALPHA = 0.2
 
 
 @attrs.define(eq=False)
@@ -30,11 +35,18 @@ class Backend:
     spec: BackendSpec
     healthy: bool = True
     draining: bool = False
+    removing: bool = False
     active: int = 0
     successes_in_a_row: int = 0
     failures_in_a_row: int = 0
     last_probe_error: str | None = None
     requests: int = 0
+    responses: dict[str, int] = attrs.field(factory=dict)
+    ejections: int = 0
+    probes_ok: int = 0
+    probes_failed: int = 0
+    ewma_duration: float | None = None
+    ewma_ttft: float | None = None
 
     @property
     def key(self) -> str:
@@ -78,6 +90,28 @@ class Backend:
             "last_probe_error": self.last_probe_error,
         }
 
+    def detailed_status(self) -> dict[str, object]:
+        """The admin port's fuller view: adds models, counters and latency."""
+        return {
+            **self.status(),
+            "removing": self.removing,
+            "models": list(self.spec.models),
+            "responses": dict(sorted(self.responses.items())),
+            "ejections": self.ejections,
+            "probes_ok": self.probes_ok,
+            "probes_failed": self.probes_failed,
+            "latency_ewma_s": _rounded(self.ewma_duration),
+            "ttft_ewma_s": _rounded(self.ewma_ttft),
+        }
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+def _ewma(previous: float | None, sample: float) -> float:
+    return sample if previous is None else previous + EWMA_ALPHA * (sample - previous)
+
 
 @attrs.define(eq=False)
 class Lease:
@@ -89,12 +123,14 @@ class Lease:
     """
 
     backend: Backend
+    _on_release: Callable[[Backend], None]
     released: bool = False
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             self.backend.active -= 1
+            self._on_release(self.backend)
 
 
 class Pool:
@@ -102,6 +138,7 @@ class Pool:
 
     def __init__(self, specs: tuple[BackendSpec, ...] = ()) -> None:
         self._backends: dict[str, Backend] = {}
+        self._idle_waiters: list[Deferred[None]] = []
         for spec in specs:
             self.add(spec)
 
@@ -114,11 +151,45 @@ class Pool:
     def get(self, key: str) -> Backend | None:
         return self._backends.get(key)
 
+    # -- membership ---------------------------------------------------------------------
+
     def add(self, spec: BackendSpec) -> Backend:
         if spec.key in self._backends:
             raise ValueError(f"backend {spec.key} already exists")
         backend = self._backends[spec.key] = Backend(spec)
         return backend
+
+    def remove(self, backend: Backend) -> None:
+        """
+        Drain ``backend`` and forget it once its last in-flight request ends (at once if
+        idle), so removing a GPU never cuts a running generation.
+        """
+        backend.draining = True
+        backend.removing = True
+        self._forget_if_idle(backend)
+
+    def _forget_if_idle(self, backend: Backend) -> None:
+        if backend.removing and backend.active == 0 and self.get(backend.key) is backend:
+            del self._backends[backend.key]
+            log.info("backend {backend} removed", backend=backend.key)
+
+    # -- operator state -----------------------------------------------------------------
+
+    def drain(self, backend: Backend) -> None:
+        """No new requests; in-flight ones finish.  Survives health changes."""
+        if not backend.draining:
+            backend.draining = True
+            log.info("backend {backend} draining ({active} in flight)",
+                     backend=backend.key, active=backend.active)
+
+    def undrain(self, backend: Backend) -> None:
+        if backend.removing:
+            raise ValueError(f"backend {backend.key} is being removed")
+        if backend.draining:
+            backend.draining = False
+            log.info("backend {backend} undrained", backend=backend.key)
+
+    # -- in-flight accounting -----------------------------------------------------------
 
     def acquire(self, backend: Backend) -> Lease:
         """
@@ -128,13 +199,40 @@ class Pool:
         """
         backend.active += 1
         backend.requests += 1
-        return Lease(backend)
+        return Lease(backend, self._released)
+
+    def _released(self, backend: Backend) -> None:
+        self._forget_if_idle(backend)
+        if self._idle_waiters and self.in_flight == 0:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for waiter in waiters:
+                waiter.callback(None)
+
+    def when_idle(self) -> Deferred[None]:
+        """Fires once no request is in flight on any backend (at once if none is)."""
+        if self.in_flight == 0:
+            return succeed(None)
+        waiter: Deferred[None] = Deferred()
+        self._idle_waiters.append(waiter)
+        return waiter
+
+    def record_result(self, backend: Backend, status: int, duration: float,
+                      ttft: float | None) -> None:
+        """Count a finished request's status class and fold its timings into the averages."""
+        status_class = f"{status // 100}xx"
+        backend.responses[status_class] = backend.responses.get(status_class, 0) + 1
+        backend.ewma_duration = _ewma(backend.ewma_duration, duration)
+        if ttft is not None:
+            backend.ewma_ttft = _ewma(backend.ewma_ttft, ttft)
+
+    # -- health -------------------------------------------------------------------------
 
     def mark_down(self, backend: Backend, reason: str) -> None:
         """Take a backend out of rotation now (definitive failure or passive ejection)."""
         backend.successes_in_a_row = 0
         if backend.healthy:
             backend.healthy = False
+            backend.ejections += 1
             log.warn("backend {backend} marked down: {reason}", backend=backend.key,
                      reason=reason)
 
@@ -145,6 +243,7 @@ class Pool:
 
     def probe_succeeded(self, backend: Backend, rise: int) -> None:
         """A 200 from the health path: ``rise`` of these in a row bring a backend back."""
+        backend.probes_ok += 1
         backend.failures_in_a_row = 0
         backend.successes_in_a_row += 1
         backend.last_probe_error = None
@@ -157,11 +256,18 @@ class Pool:
         down at once; ambiguous ones (timeout, reset) only after ``fall`` in a row, so one
         lost packet does not take a GPU out of rotation.
         """
+        backend.probes_failed += 1
         backend.successes_in_a_row = 0
         backend.failures_in_a_row += 1
         backend.last_probe_error = reason
         if definitive or backend.failures_in_a_row >= fall:
             self.mark_down(backend, reason)
+
+    # -- views --------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return sum(backend.active for backend in self._backends.values())
 
     def status(self) -> dict[str, object]:
         """The body of ``GET /__lb_status``."""

@@ -13,19 +13,25 @@ from collections.abc import Iterable
 from typing import Any
 
 from twisted.application.service import IService, MultiService, Service
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
 from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.iweb import IAgent
 from twisted.web.resource import IResource
 from twisted.web.server import Site
 
+from ._admin import Admin
 from ._backend import Pool
 from ._config import OPTIONS, Config, build_config
 from ._health import HealthChecker
+from ._metrics import Metrics
 from ._policies import LeastConnections
 from ._proxy import ProxyResource
 from ._resultlog import open_result_log
 from ._routing import Router
+from ._summary import RequestRecord, summarize
+
+log = Logger()
 
 #: vLLM (uvicorn) closes idle keep-alive connections after 5 s; reusing one it is closing
 #: would fail a POST, so pooled connections are dropped a little sooner.
@@ -46,18 +52,42 @@ class _ProxySite(Site):
         pass
 
 
-class _CleanupService(Service):
-    """Releases what the balancer holds (pooled connections, the log file) when it stops."""
+class _LifecycleService(Service):
+    """
+    Stops the balancer gracefully: refuse new requests, let those in flight finish for up
+    to ``shutdown_timeout`` seconds, end the rest, then release the upstream connection
+    pool and close the result log (last, so every request's line is written).
+    """
 
     def __init__(self, balancer: LoadBalancer) -> None:
         self._balancer = balancer
 
-    def stopService(self) -> Any:
+    def stopService(self) -> Deferred[None]:
         super().stopService()
-        if self._balancer.result_log is not None:
-            self._balancer.result_log.close()
-        if self._balancer.connection_pool is not None:
-            return self._balancer.connection_pool.closeCachedConnections()
+        balancer = self._balancer
+        balancer.proxy.shutting_down = True
+        in_flight = balancer.pool.in_flight
+        if in_flight:
+            log.info("shutting down: waiting up to {timeout:g}s for {count} requests in flight",
+                     timeout=balancer.config.shutdown_timeout, count=in_flight)
+        timer = balancer.reactor.callLater(balancer.config.shutdown_timeout, self._give_up)
+        idle = balancer.pool.when_idle()
+        idle.addCallback(lambda _: timer.cancel() if timer.active() else None)
+        idle.addCallback(lambda _: self._release())
+        return idle
+
+    def _give_up(self) -> None:
+        log.warn("shutdown timeout: ending {count} requests still in flight",
+                 count=self._balancer.pool.in_flight)
+        self._balancer.proxy.abort_all("the balancer is shutting down")
+
+    def _release(self) -> Deferred[None] | None:
+        balancer = self._balancer
+        if balancer.result_log is not None:
+            balancer.result_log.close()
+        if balancer.connection_pool is not None:
+            done: Deferred[None] = balancer.connection_pool.closeCachedConnections()
+            return done
         return None
 
 
@@ -115,6 +145,7 @@ class LoadBalancer:
             config.log_file, config.log_max_bytes, config.log_backups, config.log_format, reactor
         )
         self.pool = Pool(config.backends)
+        self.metrics = Metrics(self.pool)
         self.router = Router(self.pool, LeastConnections())
         self.agent = agent
         self.health = HealthChecker(
@@ -127,19 +158,43 @@ class LoadBalancer:
             rise=config.rise,
             fall=config.fall,
         )
+        self.proxy = ProxyResource(
+            self.router,
+            self.agent,
+            reactor,
+            read_timeout=config.read_timeout,
+            retry_after=config.health_interval,
+            on_end=self._request_ended,
+            on_suspect=self.health.probe_soon,
+        )
+
+    def _request_ended(self, record: RequestRecord) -> None:
+        """
+        Summarise a finished request once, for the status counters, the metrics and the
+        result log alike.  Never raises: bookkeeping must not fail a request.
+        """
+        try:
+            summary = summarize(record)
+        except Exception:
+            log.failure("could not summarise a finished request")
+            return
+        backend = self.pool.get(summary.backend)
+        if backend is not None and record.status is not None:
+            self.pool.record_result(backend, summary.status, summary.dur, summary.ttft)
+        self.metrics.observe(summary)
+        if self.result_log is not None:
+            self.result_log.write(summary)
 
     def resource(self) -> IResource:
         """The proxy as a twisted.web resource, to serve as a Site's root or mount below it."""
-        clock: IReactorTime = self.reactor
-        return ProxyResource(
-            self.router,
-            self.agent,
-            clock,
-            read_timeout=self.config.read_timeout,
-            retry_after=self.config.health_interval,
-            on_end=self.result_log.record if self.result_log is not None else None,
-            on_suspect=self.health.probe_soon,
-        )
+        return self.proxy
+
+    def admin_resource(self) -> IResource:
+        """The admin API (Klein): status, drain, membership, metrics and the dashboard."""
+        admin = Admin(self.pool, self.metrics, self.config.admin_token,
+                      on_added=self.health.probe_soon, clock=self.reactor.seconds)
+        resource: IResource = admin.app.resource()
+        return resource
 
     def site(self) -> Site:
         """A ``Site`` serving only the proxy (what ``twistd llmlb`` listens with)."""
@@ -152,5 +207,5 @@ class LoadBalancer:
         """
         services = MultiService()
         self.health.setServiceParent(services)
-        _CleanupService(self).setServiceParent(services)
+        _LifecycleService(self).setServiceParent(services)
         return services

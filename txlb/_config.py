@@ -236,6 +236,42 @@ def parse_log_format(option: str, value: object) -> str:
     return text
 
 
+def parse_admin(option: str, value: object) -> str:
+    """``none``, a port (on loopback: the admin API is not for the world) or an endpoint."""
+    text = str(value).strip()
+    if text.lower() == "none":
+        return "none"
+    if re.fullmatch(r"\d+", text):
+        return parse_listen(option, text) + ":interface=127.0.0.1"
+    return parse_listen(option, text)
+
+
+def parse_token(option: str, value: object) -> str | None:
+    if value is None:
+        return None
+    text = str(value)
+    if not text.strip() or any(c.isspace() for c in text):
+        raise ConfigError(f"--{option}: the token must be non-empty and contain no spaces")
+    return text
+
+
+_LOOPBACK = re.compile(r"^(127\.\d+\.\d+\.\d+|::1|localhost)$")
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """
+    Whether a server endpoint string listens only where the local machine can reach it:
+    a TCP port bound to a loopback interface, or a UNIX socket.
+    """
+    parts = re.split(r"(?<!\\):", endpoint)
+    if parts[0].lower() == "unix":
+        return True
+    for part in parts[1:]:
+        if part.startswith("interface="):
+            return bool(_LOOPBACK.match(part[len("interface="):].replace("\\:", ":")))
+    return False
+
+
 @attrs.frozen
 class OptionSpec:
     """One option: its long name, environment variable, default and parser."""
@@ -279,6 +315,13 @@ OPTIONS: tuple[OptionSpec, ...] = (
                "Rotated result logs kept (<name>.1 is the newest)."),
     OptionSpec("log-format", "text", parse_log_format,
                "Result log format: 'text' (one line per request) or 'json' (JSON lines)."),
+    OptionSpec("admin", "tcp:8001:interface=127.0.0.1", parse_admin,
+               "Admin endpoint (status, drain, metrics); a bare port binds 127.0.0.1; "
+               "'none' disables it.", "LB_ADMIN"),
+    OptionSpec("admin-token", None, parse_token,
+               "Require 'Authorization: Bearer <token>' on the admin port.", "LB_ADMIN_TOKEN"),
+    OptionSpec("shutdown-timeout", 30.0, parse_duration,
+               "Seconds in-flight requests get to finish on SIGTERM/SIGINT."),
 )
 
 _BY_NAME = {spec.name: spec for spec in OPTIONS}
@@ -287,8 +330,7 @@ _BY_NAME = {spec.name: spec for spec in OPTIONS}
 #: them is accepted (with a warning) rather than refused, so it keeps working on upgrade.
 PLANNED_KEYS = frozenset({
     "policy", "retries", "retry-window", "max-body", "affinity", "slow-start", "workers",
-    "queue-timeout", "shutdown-timeout", "rate-limit", "rate-burst", "rate-key", "admin",
-    "admin-token", "routes",
+    "queue-timeout", "rate-limit", "rate-burst", "rate-key", "routes",
 })
 
 
@@ -309,6 +351,9 @@ class Config:
     log_max_bytes: int = 50 * 1024**2
     log_backups: int = 3
     log_format: str = "text"
+    admin: str = "tcp:8001:interface=127.0.0.1"
+    admin_token: str | None = None
+    shutdown_timeout: float = 30.0
 
 
 def read_toml(path: str) -> dict[str, Any]:
@@ -356,5 +401,5 @@ def build_config(
             given, label = file_values[spec.name], f"{spec.name} (from {config_path})"
         if given is None:
             given = spec.default
-        values[spec.attribute] = spec.parse(label, given)
+        values[spec.attribute] = None if given is None else spec.parse(label, given)
     return Config(**values)

@@ -140,6 +140,7 @@ class Exchange:
         read_timeout: float,
         on_end: RecordSink,
         on_suspect: Callable[[Backend], object],
+        live: set[Exchange],
     ) -> None:
         self.request = request
         self.record = record
@@ -150,6 +151,7 @@ class Exchange:
         self.read_timeout = read_timeout
         self.on_end = on_end
         self.on_suspect = on_suspect
+        self.live = live
         self.state = "waiting"
         self.client_gone = False
         self._upstream: Deferred[IResponse] | None = None
@@ -332,6 +334,16 @@ class Exchange:
         self.client_gone = True
         self._end("client_abort")
 
+    def abort(self, reason: str) -> None:
+        """End the exchange from outside (shutdown): an error if nothing was sent yet,
+        else a truncated response."""
+        if self.state == "waiting":
+            self._fail(503, reason, "shutdown")
+        elif self.state == "relaying":
+            self._end("shutdown")
+            self.request.unregisterProducer()
+            self._truncate_client()
+
     def _fail(self, status: int, message: str, outcome: str) -> None:
         """Answer with an error of txlb's own, before any of the response was sent."""
         body = error_body(status, message)
@@ -353,6 +365,7 @@ class Exchange:
         backend connection, which is how vLLM learns to abort the generation.
         """
         self.state = "ended"
+        self.live.discard(self)
         self.lease.release()
         if self._watchdog is not None and self._watchdog.active():
             self._watchdog.cancel()
@@ -428,6 +441,8 @@ class ProxyResource(Resource):
         self.retry_after = max(1, math.ceil(retry_after))
         self.on_end: RecordSink = on_end or (lambda record: None)
         self.on_suspect: Callable[[Backend], object] = on_suspect or (lambda backend: None)
+        self.live: set[Exchange] = set()
+        self.shutting_down = False
 
     def render(self, request: Request) -> object:
         request.defaultContentType = None
@@ -444,15 +459,29 @@ class ProxyResource(Resource):
         if not record.path.startswith(b"/"):
             self._refuse(request, record, 400, "request target must be a path")
             return NOT_DONE_YET
+        if self.shutting_down:
+            # a new request on a kept-alive connection while draining: refuse it and close
+            self._refuse(request, record, 503, "the balancer is shutting down",
+                         self.retry_after)
+            if request.channel is not None:
+                request.channel.loseConnection()
+            return NOT_DONE_YET
         lease = self.router.pick()
         if lease is None:
             self._refuse(request, record, 503, "no backend is available", self.retry_after)
             return NOT_DONE_YET
-        Exchange(
+        exchange = Exchange(
             request, record, lease, self.router.pool, self.agent, self.clock,
-            self.read_timeout, self.on_end, self.on_suspect,
-        ).start()
+            self.read_timeout, self.on_end, self.on_suspect, self.live,
+        )
+        self.live.add(exchange)
+        exchange.start()
         return NOT_DONE_YET
+
+    def abort_all(self, reason: str) -> None:
+        """End every request still in flight (the shutdown timeout ran out)."""
+        for exchange in list(self.live):
+            exchange.abort(reason)
 
     def _refuse(self, request: Request, record: RequestRecord, status: int, message: str,
                 retry_after: int | None = None) -> None:

@@ -150,9 +150,18 @@ class ResultLog:
     def record(self, record: RequestRecord) -> None:
         """Summarise and write one finished request.  Never raises."""
         try:
-            line = self.format(summarize(record)) + "\n"
+            summary = summarize(record)
         except Exception:
             log.failure("could not summarise a request for the result log")
+            return
+        self.write(summary)
+
+    def write(self, summary: Summary) -> None:
+        """Write one summarised request.  Never raises."""
+        try:
+            line = self.format(summary) + "\n"
+        except Exception:
+            log.failure("could not format a result log line")
             return
         self._write(line.encode("utf-8"))
 

@@ -8,14 +8,20 @@ on the command line" from "not given" and apply the precedence rule
 
 from __future__ import annotations
 
+import signal
 import sys
+from typing import Any
 
 from twisted.application import strports
-from twisted.application.service import IService, MultiService
+from twisted.application.service import IService, MultiService, Service
+from twisted.logger import Logger
 from twisted.python import usage
+from twisted.web.server import Site
 
 from ._balancer import LoadBalancer
-from ._config import OPTIONS, Config, ConfigError, build_config
+from ._config import OPTIONS, Config, ConfigError, build_config, is_loopback_endpoint
+
+log = Logger()
 
 
 def _describe(name: str) -> str:
@@ -52,10 +58,58 @@ class Options(usage.Options):
             raise usage.UsageError(str(error)) from None
 
 
+class _CleanExitOnSignals(Service):
+    """
+    Make SIGTERM/SIGINT a graceful stop that exits 0.
+
+    twistd's own handler re-raises the signal once shut down, so the process "dies of
+    SIGTERM" even after a clean drain; supervisors other than systemd count that as a
+    failure.  This installs handlers (once the reactor runs, after Twisted's own) that
+    stop the reactor the same way, draining in-flight requests, without that.
+    """
+
+    def __init__(self, reactor: Any) -> None:
+        self._reactor = reactor
+
+    def startService(self) -> None:
+        super().startService()
+        self._reactor.callWhenRunning(self._install)
+
+    def _install(self) -> None:
+        for number in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(number, self._stop)
+
+    def _stop(self, number: int, frame: object) -> None:
+        log.info("received {signal}: draining, then exiting",
+                 signal=signal.Signals(number).name)
+        self._reactor.callFromThread(self._stop_once)
+
+    def _stop_once(self) -> None:
+        if self._reactor.running:
+            self._reactor.stop()
+
+
+class _AdminSite(Site):
+    """The admin port's Site: no tracebacks in answers (they are JSON errors instead)."""
+
+    displayTracebacks = False
+
+
 def makeService(options: Options) -> IService:
-    """The balancer's background services plus the listening port."""
-    balancer = LoadBalancer(config=options.config)
+    """The balancer's background services plus the listening ports."""
+    from twisted.internet import reactor
+
+    config = options.config
+    balancer = LoadBalancer(config=config)
     top = MultiService()
     balancer.service().setServiceParent(top)
-    strports.service(options.config.listen, balancer.site()).setServiceParent(top)
+    _CleanExitOnSignals(reactor).setServiceParent(top)
+    strports.service(config.listen, balancer.site()).setServiceParent(top)
+    if config.admin != "none":
+        if config.admin_token is None and not is_loopback_endpoint(config.admin):
+            log.warn("the admin API ({endpoint}) is reachable from other machines and has "
+                     "no --admin-token: anyone who can reach it can drain or remove backends",
+                     endpoint=config.admin)
+        admin_site = _AdminSite(balancer.admin_resource())
+        strports.service(config.admin, admin_site).setServiceParent(top)
     return top

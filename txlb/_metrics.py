@@ -1,0 +1,138 @@
+"""
+Prometheus metrics, on a registry of the balancer's own.
+
+Two kinds of metric, two sources:
+
+* **State** (in flight, healthy, draining, ejections, probe results) is read from the
+  :class:`~txlb._backend.Pool` at scrape time by :class:`PoolCollector`, so it is exact by
+  construction and follows backends as they are added and removed.
+* **Events** (requests by status class, duration and time-to-first-byte histograms, tokens
+  generated) are observed once per finished request, from the same summary the result log
+  writes.
+
+A registry per balancer (not prometheus_client's global one) lets several balancers live in
+one process, and tests scrape exactly what one balancer did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from twisted.web.resource import Resource
+from twisted.web.server import Request
+
+from ._backend import Pool
+from ._summary import Summary
+
+#: 10 ms to 5 min: from a cached short completion to a long reasoning generation.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
+                   120.0, 300.0)
+QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class PoolCollector:
+    """Per-backend state, read from the pool at each scrape."""
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+
+    def describe(self) -> list[Metric]:
+        return []  # dynamic label sets: nothing to pre-register
+
+    def collect(self) -> Iterator[Metric]:
+        backends = list(self._pool)
+        gauges = {
+            "in_flight": GaugeMetricFamily(
+                "txlb_backend_in_flight", "Requests in flight on the backend now.",
+                labels=["backend"]),
+            "healthy": GaugeMetricFamily(
+                "txlb_backend_healthy", "1 if the backend is healthy, else 0.",
+                labels=["backend"]),
+            "draining": GaugeMetricFamily(
+                "txlb_backend_draining", "1 if the backend is draining, else 0.",
+                labels=["backend"]),
+            "max_conns": GaugeMetricFamily(
+                "txlb_backend_max_conns", "The backend's in-flight cap (0 = none).",
+                labels=["backend"]),
+        }
+        ejections = CounterMetricFamily(
+            "txlb_backend_ejections", "Times the backend was marked down.", labels=["backend"])
+        probes = CounterMetricFamily(
+            "txlb_health_probes", "Health probes by result.", labels=["backend", "result"])
+        for backend in backends:
+            key = [backend.key]
+            gauges["in_flight"].add_metric(key, backend.active)
+            gauges["healthy"].add_metric(key, 1 if backend.healthy else 0)
+            gauges["draining"].add_metric(key, 1 if backend.draining else 0)
+            gauges["max_conns"].add_metric(key, backend.spec.max_conns)
+            ejections.add_metric(key, backend.ejections)
+            probes.add_metric([backend.key, "ok"], backend.probes_ok)
+            probes.add_metric([backend.key, "failed"], backend.probes_failed)
+        yield from gauges.values()
+        yield ejections
+        yield probes
+        yield GaugeMetricFamily("txlb_backends_healthy", "Healthy backends.",
+                                value=sum(1 for b in backends if b.healthy))
+        yield GaugeMetricFamily("txlb_backends_total", "Configured backends.",
+                                value=len(backends))
+
+
+class Metrics:
+    """The balancer's Prometheus registry and the per-request observations."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(PoolCollector(pool))
+        self.requests = Counter(
+            "txlb_requests", "Finished requests by backend, method and status class.",
+            ["backend", "method", "status_class"], registry=self.registry)
+        self.duration = Histogram(
+            "txlb_request_duration_seconds", "Time from request arrival to its end.",
+            ["backend"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ttfb = Histogram(
+            "txlb_time_to_first_byte_seconds",
+            "Time from request arrival to the first byte of the response body.",
+            ["backend"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tokens = Counter(
+            "txlb_completion_tokens", "Completion tokens generated (usage.completion_tokens).",
+            ["backend"], registry=self.registry)
+        self.client_aborts = Counter(
+            "txlb_client_aborts", "Requests whose client disconnected before the end.",
+            ["backend"], registry=self.registry)
+        self.queue_wait = Histogram(
+            "txlb_queue_wait_seconds",
+            "Time requests waited for a backend slot (max_conns queueing).",
+            buckets=QUEUE_BUCKETS, registry=self.registry)
+        self.retries = Counter(
+            "txlb_retries", "Requests retried on another backend.", registry=self.registry)
+
+    def observe(self, summary: Summary) -> None:
+        backend = summary.backend
+        self.requests.labels(backend, summary.method, f"{summary.status // 100}xx").inc()
+        self.duration.labels(backend).observe(summary.dur)
+        if summary.ttft is not None:
+            self.ttfb.labels(backend).observe(summary.ttft)
+        if summary.completion_tokens:
+            self.tokens.labels(backend).inc(summary.completion_tokens)
+        if summary.outcome == "client_abort":
+            self.client_aborts.labels(backend).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsResource(Resource):
+    """``GET /metrics``: the Prometheus text format, generated per scrape."""
+
+    isLeaf = True
+
+    def __init__(self, metrics: Metrics) -> None:
+        super().__init__()
+        self._metrics = metrics
+
+    def render_GET(self, request: Request) -> bytes:
+        request.setHeader(b"content-type", CONTENT_TYPE_PLAIN_0_0_4.encode())
+        return self._metrics.exposition()
