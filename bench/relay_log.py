@@ -14,19 +14,29 @@ hundred times and the per-request log path once.
 For each measurement the balancer's own CPU time (``utime + stime`` from
 ``/proc/PID/stat``, a delta over the run) is divided by the number of SSE events the
 client received through it, giving **CPU µs per relayed event**.  The ratio of that
-figure, log on / log off, is the answer: the log's cost (summarising the captured
-response and writing one line, once per request) amortised over the events of the
-request.  CPU per event rather than throughput is the headline because the offered load
-is capped by the simulators' decode speed, so both balancers relay the same rate and
-the difference shows up as CPU, not events per second.
+figure, log on / log off, is the answer: whatever per-request work ``--log-file none``
+skips (writing the line, and summarising the captured response if nothing else needs
+the summary), amortised over the events of the request, plus anything the log might add
+per chunk.  CPU per event rather than throughput is the headline because the offered
+load is capped by the simulators' decode speed, so both balancers relay the same rate
+and a difference shows up as CPU, not events per second.
+
+Two checks go with it.  The log-on balancer's file must grow by exactly one line per
+request sent (counted per run).  And the two per-request steps of the log --
+``summarize`` and ``ResultLog.write`` -- are timed in process on a real simulator
+response, which predicts the ratio the process runs should find and shows how it
+compares with the run-to-run noise.  ``--source DIR`` runs the balancers from another
+checkout (for instance an older revision exported with ``git archive``), to compare
+revisions with the same harness.
 
 Why it is set up this way
 -------------------------
 * **Real processes, real sockets.**  The balancer is started exactly as operators start
   it, so the measurement includes Twisted's HTTP parsing, chunked encoding and the
   file writes, not a mocked-out path.
-* **Alternating runs** (on, off, on, off, ...) so drift on a shared, noisy machine
-  affects both variants alike; every round is reported so the spread is visible.
+* **Alternating runs** (on, off, on, off, ...) after a short warm-up of each, so drift
+  on a shared, noisy machine affects both variants alike; every run is reported, and the
+  ratio is given per round as well as pooled, so the spread is visible.
 * **Pinning.**  With ``taskset`` available, the balancers get CPU 0 and the simulators
   plus load generator CPU 1, so the client side does not steal the proxy's CPU.  The
   client side's own CPU use is reported to show whether it kept up.
@@ -37,7 +47,7 @@ Why it is set up this way
 
 Run from the repository root::
 
-    python -m bench.relay_log            # about two minutes
+    python -m bench.relay_log            # about two minutes (3 rounds of 15 s each)
     python -m bench.relay_log --help
 
 The table is printed and written to ``bench/results/relay_log.md``.
@@ -55,6 +65,7 @@ import platform
 import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -347,9 +358,12 @@ class Children:
     workdir: Path
     started: list[Child] = field(default_factory=list)
 
-    def spawn(self, name: str, argv: Sequence[str], **kwargs: Any) -> Child:
+    def spawn(self, name: str, argv: Sequence[str], source: Path = ROOT,
+              **kwargs: Any) -> Child:
+        """Start ``argv`` with ``source`` (a txlb checkout) first on its ``PYTHONPATH``."""
         output = self.workdir / f"{name}.out"
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        path = os.pathsep.join(dict.fromkeys([str(source), str(ROOT)]))
+        env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
         with open(output, "wb") as out:
             process = subprocess.Popen(
                 list(argv), stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir,
@@ -459,19 +473,45 @@ def measure(children: Children, balancer: Balancer, sims_pid: int, args: argpars
     return Measurement(balancer.label, round_, proxy1 - proxy0, sims1 - sims0, stats, lines)
 
 
+def free_port() -> int:
+    """A port nothing listens on right now (bind to 0, read it, release it)."""
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        return int(probe.getsockname()[1])
+
+
+def balancer_options(source: Path) -> set[str]:
+    """The long options ``twistd llmlb`` accepts, from its ``--help``."""
+    help_text = subprocess.run(
+        [TWISTD, "llmlb", "--help"], capture_output=True, text=True,
+        env=dict(os.environ, PYTHONPATH=str(source)), cwd=tempfile.gettempdir(),
+    ).stdout
+    return set(re.findall(r"--([a-z][a-z-]*)", help_text))
+
+
 def start_balancer(children: Children, label: str, backends: str, log: Path | None,
-                   core: int | None) -> Balancer:
+                   core: int | None, source: Path, options: set[str]) -> Balancer:
+    """
+    ``twistd -n llmlb`` on a free loopback port, log on (``log``) or off (``None``).
+
+    Side ports the balancer may open (an admin API) are switched off, so two balancers can
+    run at once and nothing but the relay path differs.
+    """
+    port = free_port()
+    extra = ["--admin", "none"] if "admin" in options else []
     child = children.spawn(
         f"llmlb-{label}",
         pinned(core, [
             TWISTD, "-n", "--pidfile=", "llmlb",
-            "--listen", f"tcp:0:interface={HOST}",
+            "--listen", f"tcp:{port}:interface={HOST}",
             "--backends", backends,
             "--log-file", str(log) if log else "none",
             "--log-max-bytes", "1GiB",
+            *extra,
         ]),
+        source=source,
     )
-    port = int(wait_for(child, r"starting on (\d+)").group(1))
+    wait_for(child, rf"starting on {port}\b")
     return Balancer(label, child, port, log)
 
 
@@ -491,7 +531,16 @@ def system_info() -> dict[str, str]:
     }
 
 
-def render(results: list[Measurement], cost: LogCost, args: argparse.Namespace,
+def revision(source: Path) -> str:
+    """`` at <commit>`` (``+ changes`` if the tree is dirty), or nothing outside git."""
+    head = _output(["git", "-C", str(source), "rev-parse", "--short", "HEAD"])
+    if not re.fullmatch(r"[0-9a-f]+", head):
+        return ""
+    dirty = _output(["git", "-C", str(source), "status", "--porcelain", "--", "txlb"])
+    return f" at {head}" + (" + uncommitted changes to txlb/" if dirty else "")
+
+
+def render(results: list[Measurement], cost: LogCost, sample: str, args: argparse.Namespace,
            info: dict[str, str], pinning: str) -> str:
     """The Markdown report: settings, one row per run, summary and log-line check."""
     out = [
@@ -504,6 +553,7 @@ def render(results: list[Measurement], cost: LogCost, args: argparse.Namespace,
         f"- simulators: 4 backends in one process, {args.tokens_per_second:g} tokens/s per"
         f" stream, max-num-seqs {args.max_num_seqs}",
         f"- pinning: {pinning}",
+        f"- balancer source: `{args.source}`{revision(args.source)}",
         "",
         "| run | log | proxy CPU s | events | CPU µs/event | requests | events/s"
         " | proxy CPU % | client-side CPU % | log lines |",
@@ -531,6 +581,10 @@ def render(results: list[Measurement], cost: LogCost, args: argparse.Namespace,
     }
     pair_ratios = [on / off for on, off in zip(per_event["on"], per_event["off"], strict=False)]
     requests_on = sum(m.requests for m in by["on"])
+
+    def expect(us_per_request: float) -> float:
+        return 1 + us_per_request / cost.events / pooled["off"]
+
     lines_on = sum(m.log_lines or 0 for m in by["on"])
     out += [
         "",
@@ -544,13 +598,17 @@ def render(results: list[Measurement], cost: LogCost, args: argparse.Namespace,
         "",
         f"**Ratio log on / log off, CPU µs per relayed event: {ratio:.3f}**"
         f" ({(ratio - 1) * 100:+.1f} %); per round: "
-        + ", ".join(f"{r:.3f}" for r in pair_ratios),
+        + ", ".join(f"{r:.3f}" for r in pair_ratios)
+        + f" (median {statistics.median(pair_ratios):.3f}).",
         "",
-        f"Cross-check, in process (pinned like the balancers): `ResultLog.record` of one"
-        f" such response ({cost.events_per_request} events) takes"
-        f" {cost.us_per_request:.0f} µs, i.e. {cost.us_per_request / cost.events_per_request:.2f}"
-        f" µs per event, which predicts a ratio of about"
-        f" {1 + cost.us_per_request / cost.events_per_request / pooled['off']:.3f}.",
+        f"Cross-check, in process, pinned like the balancers, on one such response"
+        f" ({cost.events} events): `summarize` {cost.summarize_us:.0f} µs"
+        f" ({cost.summarize_us / cost.events:.2f} µs/event), `ResultLog.write` (format + write"
+        f" one line) {cost.write_us:.1f} µs ({cost.write_us / cost.events:.3f} µs/event)."
+        f" Expected ratio if only format + write is log-only: {expect(cost.write_us):.3f};"
+        f" if summarising is log-only too: {expect(cost.summarize_us + cost.write_us):.3f}.",
+        "",
+        f"Sample log line: `{sample[:200]}`",
         "",
         f"Log check (log-on balancer, measured runs): {requests_on} requests sent,"
         f" {lines_on} lines written"
@@ -562,26 +620,28 @@ def render(results: list[Measurement], cost: LogCost, args: argparse.Namespace,
 
 @dataclass
 class LogCost:
-    """The in-process cost of logging one request, as a cross-check of the process runs."""
+    """In-process cost of the two per-request steps of the log, as a cross-check."""
 
-    us_per_request: float
-    events_per_request: int
+    summarize_us: float  # parse the captured response into a Summary
+    write_us: float  # format the line and write it to the file
+    events: int  # SSE events in the response
 
 
 def log_cost_in_process(sim_port: int, tokens: int, workdir: Path, core: int | None,
                         repeat: int = 1000) -> LogCost:
     """
-    Time ``ResultLog.record`` (summarise, format, write one line) in this process on the
-    response a simulator really sends, captured the way the proxy captures it (one piece
-    per event).  This is the work the log-on balancer does per request and the log-off
-    one does not, so it predicts the ratio the process runs should show.
+    Time, in this process, what logging one request costs: ``summarize`` over the response
+    a simulator really sends (captured the way the proxy captures it, one piece per
+    event), then ``ResultLog.write`` of the summary (format one line, write it).  Pinned
+    to the balancers' CPU.  Which of the two steps the log-off balancer skips depends on
+    the balancer (it may summarise every request anyway, for metrics), so both are shown.
     """
     import http.client
 
     from twisted.internet.task import Clock
 
     from txlb._resultlog import ResultLog
-    from txlb._summary import RequestRecord
+    from txlb._summary import RequestRecord, summarize
 
     body = json.dumps({
         "model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}],
@@ -610,13 +670,15 @@ def log_cost_in_process(sim_port: int, tokens: int, workdir: Path, core: int | N
         if core is not None:
             os.sched_setaffinity(0, {core})
         start = time.process_time()
-        for r in records:
-            log.record(r)
-        elapsed = time.process_time() - start
+        summaries = [summarize(r) for r in records]
+        middle = time.process_time()
+        for summary in summaries:
+            log.write(summary)
+        end = time.process_time()
     finally:
         os.sched_setaffinity(0, affinity)
         log.close()
-    return LogCost(elapsed / repeat * 1e6, len(events))
+    return LogCost((middle - start) / repeat * 1e6, (end - middle) / repeat * 1e6, len(events))
 
 
 def orchestrate(args: argparse.Namespace) -> str:
@@ -636,9 +698,12 @@ def orchestrate(args: argparse.Namespace) -> str:
             ports = json.loads(wait_for(sims, r"(\{.*\})").group(1))["ports"]
             backends = ",".join(f"{HOST}:{port}" for port in ports)
             log = Path(tmp) / "results.log"
+            source = args.source.resolve()
+            options = balancer_options(source)
             balancers = {
-                "on": start_balancer(children, "on", backends, log, core_proxy),
-                "off": start_balancer(children, "off", backends, None, core_proxy),
+                label: start_balancer(children, label, backends, path, core_proxy, source,
+                                      options)
+                for label, path in (("on", log), ("off", None))
             }
             print(f"simulators on {ports}; balancers: log on :{balancers['on'].port},"
                   f" log off :{balancers['off'].port}", flush=True)
@@ -657,9 +722,11 @@ def orchestrate(args: argparse.Namespace) -> str:
                           flush=True)
                     results.append(m)
             cost = log_cost_in_process(ports[0], args.tokens, Path(tmp), core_proxy)
+            with open(log, errors="replace") as lines:
+                sample = lines.readline().strip()
         finally:
             children.stop_all()
-    return render(results, cost, args, system_info(), pinning)
+    return render(results, cost, sample, args, system_info(), pinning)
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -680,6 +747,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tokens-per-second", type=float, default=200.0,
                         help="simulated decode speed per stream")
     parser.add_argument("--max-num-seqs", type=int, default=1024)
+    parser.add_argument("--source", type=Path, default=ROOT,
+                        help="txlb checkout the balancers run from (default: this one)")
     parser.add_argument("--no-save", action="store_true", help=f"do not write {RESULTS}")
     sub = parser.add_subparsers(dest="role")
     sims = sub.add_parser("_sims", help=argparse.SUPPRESS)

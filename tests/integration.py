@@ -162,9 +162,12 @@ class TwistdProcess:
 
         await wait_until(listening, timeout=30, what="twistd to listen")
 
-    async def stop(self) -> int:
-        """SIGTERM, wait for the exit, and return the exit status (Popen's convention)."""
-        if self.process.poll() is None:
+    async def stop(self, signal_it: bool = True) -> int:
+        """
+        SIGTERM (unless ``signal_it`` is false: the test already sent one), wait for the
+        exit, and return the exit status (Popen's convention).
+        """
+        if signal_it and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         await wait_until(lambda: self.process.poll() is not None, timeout=30,
                          what="twistd to exit")

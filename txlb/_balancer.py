@@ -14,6 +14,7 @@ from typing import Any
 
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred
+from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.iweb import IAgent
@@ -73,7 +74,10 @@ class _LifecycleService(Service):
         timer = balancer.reactor.callLater(balancer.config.shutdown_timeout, self._give_up)
         idle = balancer.pool.when_idle()
         idle.addCallback(lambda _: timer.cancel() if timer.active() else None)
-        idle.addCallback(lambda _: self._release())
+        # Continue on a later reactor turn: the last request's release happens in the
+        # middle of its own cleanup, and letting the reactor's shutdown (which drops every
+        # connection) run inside that call stack would pull its client out from under it.
+        idle.addCallback(lambda _: deferLater(balancer.reactor, 0, self._release))
         return idle
 
     def _give_up(self) -> None:

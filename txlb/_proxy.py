@@ -274,7 +274,7 @@ class Exchange:
             return  # we stopped it ourselves (client gone, timeout): already ended
         self._producer = None  # finished: stopping it now would kill a reusable connection
         self._end("ok" if failure is None else "upstream_error")
-        self.request.unregisterProducer()
+        self._detach()
         if failure is None:
             self.request.finish()
         else:
@@ -325,7 +325,7 @@ class Exchange:
             )
         else:
             self._end("timeout")
-            self.request.unregisterProducer()
+            self._detach()
             self._truncate_client()
 
     def _client_lost(self, failure: Failure) -> None:
@@ -341,7 +341,7 @@ class Exchange:
             self._fail(503, reason, "shutdown")
         elif self.state == "relaying":
             self._end("shutdown")
-            self.request.unregisterProducer()
+            self._detach()
             self._truncate_client()
 
     def _fail(self, status: int, message: str, outcome: str) -> None:
@@ -385,6 +385,11 @@ class Exchange:
             self._watchdog.reset(self.read_timeout)
         else:
             self._watchdog = self.clock.callLater(self.read_timeout, self._read_timed_out)
+
+    def _detach(self) -> None:
+        """Unregister the exchange as the client's producer, if the client is still there."""
+        if self.request.channel is not None:
+            self.request.unregisterProducer()
 
     def _truncate_client(self) -> None:
         """
