@@ -273,17 +273,15 @@ class Exchange:
         if self.state != "relaying":
             return  # we stopped it ourselves (client gone, timeout): already ended
         self._producer = None  # finished: stopping it now would kill a reusable connection
-        self._end("ok" if failure is None else "upstream_error")
-        self._detach()
         if failure is None:
-            self.request.finish()
+            self._end("ok", self._finish_client)
         else:
             log.warn(
                 "upstream {backend} failed mid-response: {error}",
                 backend=self.lease.backend.key,
                 error=failure.getErrorMessage(),
             )
-            self._truncate_client()
+            self._end("upstream_error", self._cut_client)
 
     # -- failures ---------------------------------------------------------------------------
 
@@ -324,9 +322,7 @@ class Exchange:
                 504, f"backend {backend.key} sent nothing for {self.read_timeout:g}s", "timeout"
             )
         else:
-            self._end("timeout")
-            self._detach()
-            self._truncate_client()
+            self._end("timeout", self._cut_client)
 
     def _client_lost(self, failure: Failure) -> None:
         if self.state == "ended":
@@ -340,9 +336,7 @@ class Exchange:
         if self.state == "waiting":
             self._fail(503, reason, "shutdown")
         elif self.state == "relaying":
-            self._end("shutdown")
-            self._detach()
-            self._truncate_client()
+            self._end("shutdown", self._cut_client)
 
     def _fail(self, status: int, message: str, outcome: str) -> None:
         """Answer with an error of txlb's own, before any of the response was sent."""
@@ -350,16 +344,16 @@ class Exchange:
         self.record.status = status
         self.record.content_type = b"application/json"
         self.record.capture(body)
-        self._end(outcome)
-        if not self.client_gone:
-            write_body(self.request, status, body)
+        self._end(outcome, None if self.client_gone else
+                  lambda: write_body(self.request, status, body))
 
     # -- every way out ----------------------------------------------------------------------
 
-    def _end(self, outcome: str) -> None:
+    def _end(self, outcome: str, answer_client: Callable[[], object] | None = None) -> None:
         """
-        Leave the exchange: release the slot, stop the watchdog, stop the upstream, and
-        hand the record to the result log.
+        Leave the exchange: release the slot, stop the watchdog, stop the upstream, give
+        the client its ending (``answer_client``), and only then hand the record to the
+        bookkeeping (summary, metrics, result log), so none of that delays the client.
 
         Cancelling the pending Agent request or stopping the upstream transport closes the
         backend connection, which is how vLLM learns to abort the generation.
@@ -376,6 +370,8 @@ class Exchange:
         if self._producer is not None:
             producer, self._producer = self._producer, None
             producer.stopProducing()
+        if answer_client is not None:
+            answer_client()
         self.record.outcome = outcome
         self.record.ended = self.clock.seconds()
         self.on_end(self.record)
@@ -385,6 +381,14 @@ class Exchange:
             self._watchdog.reset(self.read_timeout)
         else:
             self._watchdog = self.clock.callLater(self.read_timeout, self._read_timed_out)
+
+    def _finish_client(self) -> None:
+        self._detach()
+        self.request.finish()
+
+    def _cut_client(self) -> None:
+        self._detach()
+        self._truncate_client()
 
     def _detach(self) -> None:
         """Unregister the exchange as the client's producer, if the client is still there."""
@@ -405,8 +409,7 @@ class Exchange:
         if self.state == "ended":
             return
         if self.request.startedWriting:
-            self._end("proxy_error")
-            self._truncate_client()
+            self._end("proxy_error", self._cut_client)
         else:
             self._fail(502, "internal proxy error", "proxy_error")
 
