@@ -49,6 +49,11 @@ class Fleet:
         return self.sims[self.keys.index(key or "")]
 
 
+def proxied_paths(sim: SimulatedVLLM) -> list[bytes]:
+    """What a simulator received from clients, without the prober's own requests."""
+    return [r.path for r in sim.requests if r.path not in (b"/health", b"/v1/models")]
+
+
 class InProcessTests(TestCase):
     timeout = 60
 
@@ -103,7 +108,7 @@ class InProcessTests(TestCase):
         completion = json.loads(chunks.body)
         self.assertEqual(completion["choices"][0]["finish_reason"], "length")
         sim = self.fleet.sim(header(response, b"x-backend"))
-        self.assertEqual(sim.requests[-1].path, b"/v1/completions")
+        self.assertEqual(proxied_paths(sim), [b"/v1/completions"])
 
     @defer.inlineCallbacks
     def test_backend_error_passed_through(self) -> Any:
@@ -162,7 +167,7 @@ class InProcessTests(TestCase):
         self.assertEqual(response.code, 200)
         self.assertTrue(chunks.body.endswith(b"data: [DONE]\n\n"))
         sim = self.fleet.sim(header(response, b"x-backend"))
-        self.assertEqual(sim.requests[-1].path, b"/v1/chat/completions?trace=1")
+        self.assertEqual(proxied_paths(sim), [b"/v1/chat/completions?trace=1"])
 
     @defer.inlineCallbacks
     def test_dead_backend_502_ejected_then_back(self) -> Any:
@@ -170,19 +175,19 @@ class InProcessTests(TestCase):
         url = self.start(fleet, health_interval=0.2)
         port_number = fleet.ports[0].getHost().port
         yield fleet.ports[0].stopListening()
-        response, chunks = yield defer.ensureDeferred(self.client.fetch(url + "/v1/models"))
+        response, chunks = yield defer.ensureDeferred(self.client.fetch(url + "/metrics"))
         self.assertEqual(response.code, 502)
         self.assertEqual(json.loads(chunks.body)["error"]["code"], 502)
         backend = next(iter(self.lb.pool))
         self.assertFalse(backend.healthy)
-        response, _ = yield defer.ensureDeferred(self.client.fetch(url + "/v1/models"))
+        response, _ = yield defer.ensureDeferred(self.client.fetch(url + "/metrics"))
         self.assertEqual(response.code, 503)
         self.assertIsNotNone(header(response, b"retry-after"))
         # restarted on the same port: the prober brings it back by itself
         port = listen_simulated(reactor, fleet.sims[0], port=port_number)
         self.addCleanup(port.stopListening)
         yield defer.ensureDeferred(wait_until(lambda: backend.healthy, what="recovery"))
-        response, _ = yield defer.ensureDeferred(self.client.fetch(url + "/v1/models"))
+        response, _ = yield defer.ensureDeferred(self.client.fetch(url + "/metrics"))
         self.assertEqual(response.code, 200)
 
     @defer.inlineCallbacks
@@ -194,7 +199,7 @@ class InProcessTests(TestCase):
         yield defer.ensureDeferred(wait_until(lambda: not dead.healthy,  # type: ignore[union-attr]
                                               what="dead engine marked down"))
         for _ in range(4):
-            response, _ = yield defer.ensureDeferred(self.client.fetch(url + "/v1/models"))
+            response, _ = yield defer.ensureDeferred(self.client.fetch(url + "/metrics"))
             self.assertEqual(header(response, b"x-backend"), fleet.keys[1])
 
 
@@ -258,7 +263,7 @@ class TwistdTests(TestCase):
         yield defer.ensureDeferred(lb.started())
         client = Client()
         self.addCleanup(client.pool.closeCachedConnections)
-        yield defer.ensureDeferred(client.fetch(lb.url + "/v1/models"))  # warm up
+        yield defer.ensureDeferred(client.fetch(lb.url + "/metrics"))  # warm up
         baseline = lb.rss_bytes()
         peak = [baseline]
         sampler = LoopingCall(lambda: peak.append(lb.rss_bytes()))

@@ -70,7 +70,7 @@ class DrainWithStreamTests(TestCase):
         state = json.loads(body.body)
         self.assertEqual((drained.code, state["draining"], state["active"]), (200, True, 1))
         for _ in range(3):
-            other, _ = yield defer.ensureDeferred(client.fetch(url + "/v1/models"))
+            other, _ = yield defer.ensureDeferred(client.fetch(url + "/metrics"))
             self.assertNotEqual(header(other, b"x-backend"), streaming)
 
         yield stream.done

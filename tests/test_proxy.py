@@ -81,7 +81,7 @@ class ForwardingTests(ProxyTestCase):
         self.assertEqual(call.header(b"x-forwarded-proto"), [b"http"])
 
     def test_get_without_body_sends_no_body(self) -> None:
-        self.client().request(b"GET", b"/v1/models")
+        self.client().request(b"GET", b"/v1/embeddings")
         self.assertIsNone(self.upstream.last.body)
         self.assertEqual(self.upstream.last.header(b"x-forwarded-for"), [b"10.1.2.3"])
 
@@ -370,9 +370,9 @@ class EdgeCaseTests(ProxyTestCase):
 
     def test_absolute_form_forwarded_in_origin_form(self) -> None:
         client = self.client()
-        client.send(b"GET http://lb.example/v1/models?x=1 HTTP/1.1\r\nHost: lb.example\r\n\r\n")
-        self.assertTrue(self.upstream.last.uri.endswith((b":8002/v1/models?x=1",
-                                                         b":8003/v1/models?x=1")),
+        client.send(b"GET http://lb.example/v1/files?x=1 HTTP/1.1\r\nHost: lb.example\r\n\r\n")
+        self.assertTrue(self.upstream.last.uri.endswith((b":8002/v1/files?x=1",
+                                                         b":8003/v1/files?x=1")),
                         self.upstream.last.uri)
 
     def test_target_that_is_not_a_path_is_400(self) -> None:

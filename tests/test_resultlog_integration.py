@@ -98,13 +98,13 @@ class ResultLogLineTests(TestCase):
 
     @defer.inlineCallbacks
     def test_other_path_and_proxy_error(self) -> Any:
-        yield defer.ensureDeferred(self.client.fetch(self.url + "/v1/models"))
+        yield defer.ensureDeferred(self.client.fetch(self.url + "/metrics"))
         for backend in self.lb.pool:
             self.lb.pool.mark_down(backend, "test")
-        yield defer.ensureDeferred(self.client.fetch(self.url + "/v1/models"))
+        yield defer.ensureDeferred(self.client.fetch(self.url + "/metrics"))
         first, second = self.lines()
-        self.assertRegex(first, r" orid=- 127\.0\.0\.1:\d+ GET /v1/models status=200 dur=")
-        self.assertIn(" orid=- - status=503 req_keys=- method=GET path=/v1/models ", second)
+        self.assertRegex(first, r" orid=- 127\.0\.0\.1:\d+ GET /metrics status=200 dur=")
+        self.assertIn(" orid=- - status=503 req_keys=- method=GET path=/metrics ", second)
         self.assertIn(" end=proxy_error ERR_BODY | {\"error\": ", second)
 
     @defer.inlineCallbacks
@@ -144,7 +144,7 @@ class ResultLogProcessTests(TestCase):
         yield defer.ensureDeferred(lb.started())
         client = Client()
         self.addCleanup(client.pool.closeCachedConnections)
-        yield defer.ensureDeferred(client.fetch(lb.url + "/v1/models", headers={
+        yield defer.ensureDeferred(client.fetch(lb.url + "/metrics", headers={
             b"x-orid": [b"stdout-check"], b"authorization": [b"Bearer sk-never-logged"]}))
         yield defer.ensureDeferred(wait_until(lambda: "orid=stdout-check" in lb.output(),
                                               what="log line on stdout"))

@@ -47,6 +47,12 @@ class Backend:
     probes_failed: int = 0
     ewma_duration: float | None = None
     ewma_ttft: float | None = None
+    peak_ewma: float | None = None
+    peak_ewma_at: float | None = None
+    engine_depth: float | None = None
+    started_since_scrape: int = 0
+    learned_models: tuple[str, ...] | None = None
+    model_entries: dict[str, dict[str, object]] = attrs.field(factory=dict)
 
     @property
     def key(self) -> str:
@@ -63,6 +69,24 @@ class Backend:
     @property
     def weight(self) -> int:
         return self.spec.weight
+
+    @property
+    def effective_weight(self) -> float:
+        """The weight policies use (the configured weight; slow start may lower it)."""
+        return float(self.spec.weight)
+
+    @property
+    def models(self) -> tuple[str, ...] | None:
+        """
+        The models this backend serves: configured, else learned from its ``/v1/models``;
+        ``None`` while unknown (not configured and not learned yet).
+        """
+        return self.spec.models or self.learned_models
+
+    def serves(self, model: str) -> bool:
+        """Whether a request for ``model`` may go here (an unknown list may hold it)."""
+        models = self.models
+        return models is None or model in models
 
     @property
     def base_url(self) -> bytes:
@@ -95,7 +119,9 @@ class Backend:
         return {
             **self.status(),
             "removing": self.removing,
-            "models": list(self.spec.models),
+            "models": list(self.models or ()),
+            "engine_depth": self.engine_depth,
+            "latency_peak_ewma_s": _rounded(self.peak_ewma),
             "responses": dict(sorted(self.responses.items())),
             "ejections": self.ejections,
             "probes_ok": self.probes_ok,
@@ -125,6 +151,7 @@ class Lease:
     backend: Backend
     _on_release: Callable[[Backend], None]
     released: bool = False
+    waited: float = 0.0
 
     def release(self) -> None:
         if not self.released:
@@ -139,6 +166,9 @@ class Pool:
     def __init__(self, specs: tuple[BackendSpec, ...] = ()) -> None:
         self._backends: dict[str, Backend] = {}
         self._idle_waiters: list[Deferred[None]] = []
+        #: Called whenever a backend may take more requests than before (the router's
+        #: queue listens here instead of polling).
+        self.on_capacity: list[Callable[[], object]] = []
         for spec in specs:
             self.add(spec)
 
@@ -157,7 +187,12 @@ class Pool:
         if spec.key in self._backends:
             raise ValueError(f"backend {spec.key} already exists")
         backend = self._backends[spec.key] = Backend(spec)
+        self._capacity_changed()
         return backend
+
+    def _capacity_changed(self) -> None:
+        for listener in list(self.on_capacity):
+            listener()
 
     def remove(self, backend: Backend) -> None:
         """
@@ -188,6 +223,7 @@ class Pool:
         if backend.draining:
             backend.draining = False
             log.info("backend {backend} undrained", backend=backend.key)
+            self._capacity_changed()
 
     # -- in-flight accounting -----------------------------------------------------------
 
@@ -199,10 +235,12 @@ class Pool:
         """
         backend.active += 1
         backend.requests += 1
+        backend.started_since_scrape += 1
         return Lease(backend, self._released)
 
     def _released(self, backend: Backend) -> None:
         self._forget_if_idle(backend)
+        self._capacity_changed()
         if self._idle_waiters and self.in_flight == 0:
             waiters, self._idle_waiters = self._idle_waiters, []
             for waiter in waiters:
@@ -225,6 +263,22 @@ class Pool:
         if ttft is not None:
             backend.ewma_ttft = _ewma(backend.ewma_ttft, ttft)
 
+    # -- what the prober learns ---------------------------------------------------------
+
+    def set_models(self, backend: Backend, entries: list[dict[str, object]]) -> None:
+        """The backend's ``/v1/models`` answer: the ids it serves and their descriptions."""
+        ids = tuple(str(entry["id"]) for entry in entries if "id" in entry)
+        backend.model_entries = {str(entry["id"]): entry for entry in entries if "id" in entry}
+        if ids != backend.learned_models:
+            log.info("backend {backend} serves {models}", backend=backend.key,
+                     models=", ".join(ids) or "no model")
+        backend.learned_models = ids
+
+    def set_engine_depth(self, backend: Backend, running: float, waiting: float) -> None:
+        """The engine's own queue, scraped from its ``/metrics``; restarts the local count."""
+        backend.engine_depth = running + waiting
+        backend.started_since_scrape = 0
+
     # -- health -------------------------------------------------------------------------
 
     def mark_down(self, backend: Backend, reason: str) -> None:
@@ -240,6 +294,7 @@ class Pool:
         if not backend.healthy:
             backend.healthy = True
             log.info("backend {backend} is back up", backend=backend.key)
+            self._capacity_changed()
 
     def probe_succeeded(self, backend: Backend, rise: int) -> None:
         """A 200 from the health path: ``rise`` of these in a row bring a backend back."""

@@ -9,6 +9,8 @@ tests run the whole balancer in memory.
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,14 +24,15 @@ from twisted.web.resource import IResource
 from twisted.web.server import Site
 
 from ._admin import Admin
+from ._affinity import BoundedLoadRing
 from ._backend import Pool
 from ._config import OPTIONS, Config, build_config
 from ._health import HealthChecker
 from ._metrics import Metrics
-from ._policies import LeastConnections
+from ._policies import PeakEwmaLatency, make_policy
 from ._proxy import ProxyResource
 from ._resultlog import open_result_log
-from ._routing import Router
+from ._routing import ModelRoute, Router
 from ._summary import RequestRecord, summarize
 
 log = Logger()
@@ -112,6 +115,7 @@ class LoadBalancer:
         reactor: Any = None,
         agent: IAgent | None = None,
         probe_agent: IAgent | None = None,
+        rng: random.Random | None = None,
         **options: object,
     ) -> None:
         if config is None:
@@ -150,7 +154,19 @@ class LoadBalancer:
         )
         self.pool = Pool(config.backends)
         self.metrics = Metrics(self.pool)
-        self.router = Router(self.pool, LeastConnections())
+        retry_after = max(1, math.ceil(config.health_interval))
+        self.policy = make_policy(config.policy, reactor.seconds, rng)
+        self.router = Router(
+            self.pool,
+            self.policy,
+            reactor,
+            queue_timeout=config.queue_timeout,
+            retry_after=retry_after,
+            routes={r.model: ModelRoute(r.model, r.targets) for r in config.routes},
+            affinity=BoundedLoadRing() if config.affinity else None,
+            rng=rng,
+        )
+        self.router.on_queue_wait = self.metrics.queue_wait.observe
         self.agent = agent
         self.health = HealthChecker(
             self.pool,
@@ -161,6 +177,7 @@ class LoadBalancer:
             path=config.health_path,
             rise=config.rise,
             fall=config.fall,
+            scrape_engine_queue=config.policy == "queue-depth",
         )
         self.proxy = ProxyResource(
             self.router,
@@ -170,6 +187,7 @@ class LoadBalancer:
             retry_after=config.health_interval,
             on_end=self._request_ended,
             on_suspect=self.health.probe_soon,
+            affinity=config.affinity,
         )
 
     def _request_ended(self, record: RequestRecord) -> None:
@@ -185,6 +203,8 @@ class LoadBalancer:
         backend = self.pool.get(summary.backend)
         if backend is not None and record.status is not None:
             self.pool.record_result(backend, summary.status, summary.dur, summary.ttft)
+            if isinstance(self.policy, PeakEwmaLatency) and summary.ttft is not None:
+                self.policy.observe(backend, summary.ttft)
         self.metrics.observe(summary)
         if self.result_log is not None:
             self.result_log.write(summary)

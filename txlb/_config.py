@@ -272,6 +272,68 @@ def is_loopback_endpoint(endpoint: str) -> bool:
     return False
 
 
+POLICIES = ("least-conn", "round-robin", "random", "p2c", "latency", "queue-depth")
+
+
+def parse_policy(option: str, value: object) -> str:
+    text = str(value).strip().lower()
+    if text not in POLICIES:
+        raise ConfigError(f"--{option}: {value!r} is not one of {', '.join(POLICIES)}")
+    return text
+
+
+def parse_affinity(option: str, value: object) -> str | None:
+    """``header:NAME``, ``user`` or ``none``."""
+    text = str(value).strip()
+    if text.lower() in ("none", ""):
+        return None
+    if text == "user":
+        return text
+    kind, _, name = text.partition(":")
+    if kind.lower() != "header" or not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", name):
+        raise ConfigError(f"--{option}: {value!r} is not 'header:NAME' or 'user'")
+    return f"header:{name}"
+
+
+@attrs.frozen
+class RouteSpec:
+    """A ``[[routes]]`` entry: clients ask for ``model``, backends get one of ``targets``."""
+
+    model: str
+    targets: tuple[tuple[str, int], ...]
+
+
+def parse_routes(option: str, value: object) -> tuple[RouteSpec, ...]:
+    if isinstance(value, tuple) and not value:
+        return ()
+    if not isinstance(value, list):
+        raise ConfigError(f"routes: {value!r} is not a list of [[routes]] tables")
+    routes = []
+    seen: set[str] = set()
+    for item in value:
+        if not isinstance(item, dict):
+            raise ConfigError(f"routes: {item!r} is not a table")
+        unknown = sorted(set(item) - {"model", "to"})
+        if unknown:
+            raise ConfigError(f"routes: unknown key {unknown[0]!r} in {item!r}")
+        model, targets = item.get("model"), item.get("to")
+        if not isinstance(model, str) or not model:
+            raise ConfigError(f"routes.model: {model!r} is not a model name")
+        if model in seen:
+            raise ConfigError(f"routes.model: {model!r} is routed twice")
+        seen.add(model)
+        if not isinstance(targets, dict) or not targets:
+            raise ConfigError(f"routes.to: {targets!r} is not a table of model = weight")
+        pairs = []
+        for target, weight in targets.items():
+            if isinstance(weight, bool) or not isinstance(weight, int) or weight < 1:
+                raise ConfigError(f"routes.to: weight {weight!r} of {target!r} is not a "
+                                  "whole number of at least 1")
+            pairs.append((str(target), weight))
+        routes.append(RouteSpec(model, tuple(pairs)))
+    return tuple(routes)
+
+
 @attrs.frozen
 class OptionSpec:
     """One option: its long name, environment variable, default and parser."""
@@ -281,6 +343,7 @@ class OptionSpec:
     parse: Callable[[str, Any], Any]
     help: str
     env: str | None = None
+    cli: bool = True
 
     @property
     def attribute(self) -> str:
@@ -322,6 +385,15 @@ OPTIONS: tuple[OptionSpec, ...] = (
                "Require 'Authorization: Bearer <token>' on the admin port.", "LB_ADMIN_TOKEN"),
     OptionSpec("shutdown-timeout", 30.0, parse_duration,
                "Seconds in-flight requests get to finish on SIGTERM/SIGINT."),
+    OptionSpec("policy", "least-conn", parse_policy,
+               "Backend choice: least-conn, round-robin, random, p2c, latency, queue-depth.",
+               "LB_POLICY"),
+    OptionSpec("queue-timeout", 30.0, parse_duration,
+               "Seconds a request may wait when every backend for it is at max_conns."),
+    OptionSpec("affinity", None, parse_affinity,
+               "Session affinity: 'header:NAME' or 'user' (bounded-load consistent hashing)."),
+    OptionSpec("routes", (), parse_routes,
+               "Model aliases split by weight (config file [[routes]] only).", cli=False),
 )
 
 _BY_NAME = {spec.name: spec for spec in OPTIONS}
@@ -329,8 +401,8 @@ _BY_NAME = {spec.name: spec for spec in OPTIONS}
 #: Keys the contract defines whose features are still to come: a config file written for
 #: them is accepted (with a warning) rather than refused, so it keeps working on upgrade.
 PLANNED_KEYS = frozenset({
-    "policy", "retries", "retry-window", "max-body", "affinity", "slow-start", "workers",
-    "queue-timeout", "rate-limit", "rate-burst", "rate-key", "routes",
+    "retries", "retry-window", "max-body", "slow-start", "workers",
+    "rate-limit", "rate-burst", "rate-key",
 })
 
 
@@ -354,6 +426,10 @@ class Config:
     admin: str = "tcp:8001:interface=127.0.0.1"
     admin_token: str | None = None
     shutdown_timeout: float = 30.0
+    policy: str = "least-conn"
+    queue_timeout: float = 30.0
+    affinity: str | None = None
+    routes: tuple[RouteSpec, ...] = ()
 
 
 def read_toml(path: str) -> dict[str, Any]:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from treq import collect
+from treq import collect, json_content, text_content
 from treq.client import HTTPClient
 from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet import error as neterror
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, gatherResults
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -41,6 +41,24 @@ _DEFINITIVE = (
 )
 
 
+def prometheus_sum(text: str, name: str) -> float | None:
+    """The sum of every sample of metric ``name`` in Prometheus text (``None`` if absent)."""
+    total = None
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        rest = line[len(name):]
+        if rest[:1] not in ("{", " "):
+            continue  # another metric whose name starts the same way
+        try:
+            value = float(rest.rsplit(None, 1)[-1] if "}" not in rest
+                          else rest.split("}", 1)[1].split()[0])
+        except (ValueError, IndexError):
+            continue
+        total = (total or 0.0) + value
+    return total
+
+
 class HealthChecker(Service):
     """Probes each backend every ``interval`` seconds and applies the rise/fall rules."""
 
@@ -54,7 +72,9 @@ class HealthChecker(Service):
         path: str,
         rise: int,
         fall: int,
+        scrape_engine_queue: bool = False,
     ) -> None:
+        self.scrape_engine_queue = scrape_engine_queue
         self.pool = pool
         self.clock = clock
         self.interval = interval
@@ -116,14 +136,62 @@ class HealthChecker(Service):
         if backend not in self._probing:
             self.probe(backend)
 
-    def _answered(self, backend: Backend, code: int) -> None:
+    def _answered(self, backend: Backend, code: int) -> Deferred[Any] | None:
         if self.pool.get(backend.key) is not backend:
-            return  # removed while the probe ran
-        if code == 200:
-            self.pool.probe_succeeded(backend, self.rise)
-        else:
+            return None  # removed while the probe ran
+        if code != 200:
             self.pool.probe_failed(backend, f"health: HTTP {code}", definitive=True,
                                    fall=self.fall)
+            return None
+        was_down = not backend.healthy
+        self.pool.probe_succeeded(backend, self.rise)
+        extras = []
+        if not backend.spec.models and (backend.learned_models is None or was_down):
+            # learn what it serves at first sight, and again whenever it comes back up
+            # (it may have been restarted with another model)
+            extras.append(self._learn_models(backend))
+        if self.scrape_engine_queue:
+            extras.append(self._scrape_engine_queue(backend))
+        if not extras:
+            return None
+        return gatherResults(extras, consumeErrors=True)
+
+    def _fetch(self, backend: Backend, path: bytes) -> Deferred[Any]:
+        request = self._http.get(backend.base_url + path, allow_redirects=False)
+        request.addTimeout(self.timeout, self.clock)
+        return request
+
+    def _learn_models(self, backend: Backend) -> Deferred[None]:
+        def learned(answer: Any) -> None:
+            data = answer.get("data") if isinstance(answer, dict) else None
+            if not isinstance(data, list):
+                raise ValueError("no 'data' list")
+            self.pool.set_models(backend, [e for e in data if isinstance(e, dict)])
+
+        def failed(failure: Failure) -> None:
+            log.warn("could not learn the models of {backend}: {error}",
+                     backend=backend.key, error=failure.getErrorMessage())
+
+        request = self._fetch(backend, b"/v1/models")
+        request.addCallback(json_content)
+        return request.addCallback(learned).addErrback(failed)
+
+    def _scrape_engine_queue(self, backend: Backend) -> Deferred[None]:
+        def scraped(text: str) -> None:
+            running = prometheus_sum(text, "vllm:num_requests_running")
+            waiting = prometheus_sum(text, "vllm:num_requests_waiting")
+            if running is None or waiting is None:
+                raise ValueError("no vllm:num_requests_running/waiting in /metrics")
+            self.pool.set_engine_depth(backend, running, waiting)
+
+        def failed(failure: Failure) -> None:
+            backend.engine_depth = None  # fall back to local counts rather than stale ones
+            log.debug("could not scrape {backend}/metrics: {error}",
+                      backend=backend.key, error=failure.getErrorMessage())
+
+        request = self._fetch(backend, b"/metrics")
+        request.addCallback(text_content)
+        return request.addCallback(scraped).addErrback(failed)
 
     def _failed(self, backend: Backend, failure: Failure) -> None:
         if not self.running or self.pool.get(backend.key) is not backend:

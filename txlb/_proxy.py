@@ -11,12 +11,13 @@ falls exactly once" true by construction rather than by care.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from typing import Any
 
 from twisted.internet import error as neterror
-from twisted.internet.defer import Deferred, maybeDeferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, maybeDeferred, succeed
 from twisted.internet.interfaces import IConsumer, IDelayedCall, IPushProducer, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -31,12 +32,13 @@ from ._backend import Backend, Lease, Pool
 from ._errors import error_body, write_body, write_json
 from ._headers import downstream_response_headers, flatten, upstream_request_headers
 from ._relay import BodyRelay
-from ._routing import Router
-from ._summary import RequestRecord
+from ._routing import Router, RoutingError
+from ._summary import RequestRecord, parse_json_object
 
 log = Logger()
 
 STATUS_PATH = b"/__lb_status"
+MODELS_PATH = b"/v1/models"
 
 #: Connection failures that mean "nothing is listening there": the backend is down.
 _UNREACHABLE = (
@@ -440,8 +442,10 @@ class ProxyResource(Resource):
         retry_after: float,
         on_end: RecordSink | None = None,
         on_suspect: Callable[[Backend], object] | None = None,
+        affinity: str | None = None,
     ) -> None:
         super().__init__()
+        self.affinity = affinity
         self.router = router
         self.agent = agent
         self.clock = clock
@@ -454,13 +458,19 @@ class ProxyResource(Resource):
 
     def render(self, request: Request) -> object:
         request.defaultContentType = None
-        if request.method == b"GET" and local_path(request) == STATUS_PATH:
-            write_json(request, 200, self.router.pool.status())
+        path = local_path(request)
+        if request.method == b"GET" and path == STATUS_PATH:
+            status = self.router.pool.status()
+            status["queue"] = self.router.queue_status()
+            write_json(request, 200, status)
+            return NOT_DONE_YET
+        if request.method == b"GET" and path == MODELS_PATH:
+            write_json(request, 200, self.router.model_list())
             return NOT_DONE_YET
         record = RequestRecord(
             started=self.clock.seconds(),
             method=request.method,
-            path=local_path(request),
+            path=path,
             orid_header=request.getHeader(b"x-orid"),
             request_body=read_body(request),
         )
@@ -474,17 +484,63 @@ class ProxyResource(Resource):
             if request.channel is not None:
                 request.channel.loseConnection()
             return NOT_DONE_YET
-        lease = self.router.pick()
-        if lease is None:
-            self._refuse(request, record, 503, "no backend is available", self.retry_after)
-            return NOT_DONE_YET
+        model, session = self._route_keys(request, record)
+        waiting = self.router.acquire(model, session)
+
+        def client_left(failure: Failure) -> None:
+            waiting.cancel()  # leaves the queue if still queued; no-op once started
+
+        request.notifyFinish().addErrback(client_left)
+        waiting.addCallbacks(
+            lambda lease: self._forward(request, record, lease),
+            lambda failure: self._not_routed(request, record, failure),
+        ).addErrback(lambda failure: log.failure("routing a request failed", failure))
+        return NOT_DONE_YET
+
+    def _route_keys(self, request: Request, record: RequestRecord) -> tuple[str | None, str | None]:
+        """
+        The model a request names (after alias resolution, rewriting the body for the
+        backend) and its session key for affinity.  A body that is not a JSON object is
+        forwarded untouched and routes like a request without a model.
+        """
+        body = parse_json_object(record.request_body)
+        model = None
+        if body is not None and isinstance(body.get("model"), str):
+            model = body["model"]
+            target = self.router.resolve(model)
+            if target != model:
+                body["model"] = model = target
+                record.request_body = json.dumps(body).encode("utf-8")
+        session = None
+        if self.affinity == "user":
+            if body is not None and isinstance(body.get("user"), str | int):
+                session = str(body["user"])
+        elif self.affinity is not None:
+            value = request.getHeader(self.affinity.split(":", 1)[1].encode("ascii"))
+            session = value.decode("utf-8", "replace") if value else None
+        return model, session
+
+    def _forward(self, request: Request, record: RequestRecord, lease: Lease) -> None:
+        record.queue_wait = lease.waited
         exchange = Exchange(
             request, record, lease, self.router.pool, self.agent, self.clock,
             self.read_timeout, self.on_end, self.on_suspect, self.live,
         )
         self.live.add(exchange)
         exchange.start()
-        return NOT_DONE_YET
+
+    def _not_routed(self, request: Request, record: RequestRecord, failure: Failure) -> None:
+        if failure.check(CancelledError):
+            # the client left while queued: log it like any client abort
+            record.outcome = "client_abort"
+            record.queue_wait = self.clock.seconds() - record.started
+            record.ended = self.clock.seconds()
+            self.on_end(record)
+            return
+        error = failure.value
+        if not isinstance(error, RoutingError):
+            failure.raiseException()
+        self._refuse(request, record, error.status, error.message, error.retry_after)
 
     def abort_all(self, reason: str) -> None:
         """End every request still in flight (the shutdown timeout ran out)."""

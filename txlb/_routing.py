@@ -1,27 +1,211 @@
 """
-Request -> an in-flight slot on one eligible backend.
+Request -> an in-flight slot on one eligible backend: model-aware, queueing at the caps.
 
-The choice and the slot are taken in one synchronous call (:meth:`Router.pick`), so no
+The choice and the slot are taken in one synchronous step (:meth:`Router._take`), so no
 other request can run between "this backend has the fewest in flight" and "it now has one
 more" -- the property that keeps a burst of N requests on B backends at ceil(N/B) each.
+
+When every backend that could serve a request is at its ``max_conns``, the request waits
+in a FIFO queue.  Nothing polls: the pool tells the router whenever capacity appears (a
+slot released, a backend up, undrained or added) and the queue is served in order, each
+waiter the moment a backend it may use has room.
 """
 
 from __future__ import annotations
 
-from ._backend import Lease, Pool
+import random
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+
+import attrs
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+
+from ._affinity import BoundedLoadRing
+from ._backend import Backend, Lease, Pool
 from ._policies import IPolicy
+
+log = Logger()
+
+
+class RoutingError(Exception):
+    """A request no backend will take: answered with ``status`` and ``message``."""
+
+    def __init__(self, status: int, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry_after = retry_after
+
+
+@attrs.frozen
+class ModelRoute:
+    """A client-facing model name split by weight over target models (``[[routes]]``)."""
+
+    model: str
+    targets: tuple[tuple[str, int], ...]
+
+
+@attrs.define(eq=False)
+class _Waiter:
+    model: str | None
+    session: str | None
+    exclude: frozenset[str]
+    since: float
+    deferred: Deferred[Lease] | None = None
+    timer: IDelayedCall | None = None
 
 
 class Router:
-    """Filters the pool down to eligible backends and lets the policy choose among them."""
+    """Filters the pool down to what may serve a request and lets the policy choose."""
 
-    def __init__(self, pool: Pool, policy: IPolicy) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        policy: IPolicy,
+        clock: IReactorTime,
+        queue_timeout: float = 30.0,
+        retry_after: int = 1,
+        routes: Mapping[str, ModelRoute] | None = None,
+        affinity: BoundedLoadRing | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
         self.pool = pool
         self.policy = policy
+        self.clock = clock
+        self.queue_timeout = queue_timeout
+        self.retry_after = retry_after
+        self.routes = dict(routes or {})
+        self.affinity = affinity
+        self._rng = rng or random.Random()
+        self._queue: deque[_Waiter] = deque()
+        self.on_queue_wait: Callable[[float], object] = lambda seconds: None
+        pool.on_capacity.append(self._dispatch)
 
-    def pick(self) -> Lease | None:
-        """An in-flight slot on the chosen backend, or ``None`` if no backend is eligible."""
-        candidates = [backend for backend in self.pool if backend.eligible]
+    # -- models ---------------------------------------------------------------------------
+
+    def resolve(self, model: str) -> str:
+        """An alias's target, drawn by weight; any other model name as it is."""
+        route = self.routes.get(model)
+        if route is None:
+            return model
+        names = [name for name, _ in route.targets]
+        weights = [weight for _, weight in route.targets]
+        return self._rng.choices(names, weights=weights)[0]
+
+    def served_models(self) -> list[str]:
+        """Every model some known backend serves (healthy or not), and the aliases."""
+        models: set[str] = set(self.routes)
+        for backend in self.pool:
+            models.update(backend.models or ())
+        return sorted(models)
+
+    def model_list(self) -> dict[str, object]:
+        """``GET /v1/models``: the union over healthy backends, in OpenAI's list shape."""
+        entries: dict[str, dict[str, object]] = {}
+        for backend in self.pool:
+            if not backend.healthy:
+                continue
+            for model in backend.models or ():
+                entry = backend.model_entries.get(model) or {
+                    "id": model, "object": "model", "created": 0, "owned_by": "txlb"}
+                entries.setdefault(model, dict(entry))
+        for alias in self.routes:
+            entries.setdefault(alias, {"id": alias, "object": "model", "created": 0,
+                                       "owned_by": "txlb"})
+        return {"object": "list", "data": [entries[m] for m in sorted(entries)]}
+
+    # -- taking a slot ------------------------------------------------------------------
+
+    def acquire(self, model: str | None = None, session: str | None = None,
+                exclude: frozenset[str] = frozenset()) -> Deferred[Lease]:
+        """
+        A slot on a backend that serves ``model`` (any backend for ``None``), now or once
+        one frees up.  Fails with :class:`RoutingError`: 404 when no backend serves the
+        model, 503 when none can take it (all down or draining, or the queue wait ran out).
+        Cancelling the Deferred (the client left) takes the request out of the queue.
+        """
+        serving = self._serving(model, exclude)
+        if model is not None and not serving and not any(
+                b.serves(model) for b in self.pool):
+            served = ", ".join(self.served_models()) or "none"
+            return fail(RoutingError(
+                404, f"The model `{model}` does not exist. Served models: {served}"))
+        lease = self._take(serving, session)
+        if lease is not None:
+            return succeed(lease)
+        if not self._queue_worthy(serving):
+            what = f"model `{model}`" if model is not None else "this request"
+            return fail(RoutingError(503, f"no backend is available for {what}",
+                                     self.retry_after))
+        return self._enqueue(_Waiter(model, session, exclude, self.clock.seconds()))
+
+    def _serving(self, model: str | None, exclude: frozenset[str]) -> list[Backend]:
+        return [b for b in self.pool
+                if b.key not in exclude and not b.removing
+                and (model is None or b.serves(model))]
+
+    @staticmethod
+    def _queue_worthy(serving: Sequence[Backend]) -> bool:
+        """Worth waiting for: some backend is up and in rotation, only full."""
+        return any(b.healthy and not b.draining and b.spec.max_conns for b in serving)
+
+    def _take(self, serving: Sequence[Backend], session: str | None) -> Lease | None:
+        candidates = [b for b in serving if b.eligible]
         if not candidates:
             return None
-        return self.pool.acquire(self.policy.choose(candidates))
+        if session is not None and self.affinity is not None:
+            chosen = self.affinity.choose(session, candidates)
+        else:
+            chosen = self.policy.choose(candidates)
+        return self.pool.acquire(chosen)
+
+    # -- the queue ----------------------------------------------------------------------
+
+    def _enqueue(self, waiter: _Waiter) -> Deferred[Lease]:
+        def cancel(_: Deferred[Lease]) -> None:
+            self._leave(waiter)
+
+        waiter.deferred = Deferred(cancel)
+        waiter.timer = self.clock.callLater(self.queue_timeout, self._expire, waiter)
+        self._queue.append(waiter)
+        return waiter.deferred
+
+    def _leave(self, waiter: _Waiter) -> None:
+        if waiter in self._queue:
+            self._queue.remove(waiter)
+        if waiter.timer is not None and waiter.timer.active():
+            waiter.timer.cancel()
+
+    def _expire(self, waiter: _Waiter) -> None:
+        waiter.timer = None
+        self._leave(waiter)
+        waited = self.clock.seconds() - waiter.since
+        self.on_queue_wait(waited)
+        assert waiter.deferred is not None
+        waiter.deferred.errback(RoutingError(
+            503, f"every backend stayed at its max_conns for {waited:g}s", self.retry_after))
+
+    def _dispatch(self) -> None:
+        """Capacity appeared: serve waiters in arrival order, each as soon as it fits."""
+        for waiter in list(self._queue):
+            if waiter not in self._queue:
+                continue  # served by a nested dispatch (a release while we were serving)
+            lease = self._take(self._serving(waiter.model, waiter.exclude), waiter.session)
+            if lease is None:
+                continue
+            self._leave(waiter)
+            waited = self.clock.seconds() - waiter.since
+            lease.waited = waited
+            self.on_queue_wait(waited)
+            assert waiter.deferred is not None
+            waiter.deferred.callback(lease)
+
+    def queue_status(self) -> dict[str, object]:
+        now = self.clock.seconds()
+        return {
+            "length": len(self._queue),
+            "oldest_wait_s": round(now - self._queue[0].since, 3) if self._queue else 0.0,
+            "timeout_s": self.queue_timeout,
+        }

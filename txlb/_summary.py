@@ -50,6 +50,7 @@ class RequestRecord:
     response: list[bytes] = attrs.field(factory=list)
     captured: int = 0
     truncated: bool = False
+    queue_wait: float | None = None
 
     def capture(self, data: bytes) -> None:
         """Keep ``data`` for the summary while under the limit (called per chunk: cheap)."""
@@ -91,7 +92,8 @@ class Summary:
     truncated: bool = False
 
 
-def _json_object(body: bytes) -> dict[str, Any] | None:
+def parse_json_object(body: bytes) -> dict[str, Any] | None:
+    """``body`` as a JSON object, or ``None`` if it is not one."""
     if not body or body.lstrip()[:1] != b"{":
         return None
     try:
@@ -118,7 +120,7 @@ def _sse_payloads(data: bytes) -> list[dict[str, Any]]:
         payload = line[5:].strip()
         if payload == b"[DONE]":
             continue
-        event = _json_object(payload)
+        event = parse_json_object(payload)
         if event is not None:
             events.append(event)
     return events
@@ -164,7 +166,7 @@ def parse_completion(body: bytes, content_type: bytes | None) -> _Completion:
         for event in _sse_payloads(body):
             completion.add(event, "delta")
     else:
-        answer = _json_object(body)
+        answer = parse_json_object(body)
         if answer is not None:
             completion.add(answer, "message")
     return completion
@@ -181,7 +183,7 @@ def orid_of(header: bytes | None, request: dict[str, Any] | None) -> str:
 
 def summarize(record: RequestRecord) -> Summary:
     """Turn what the proxy saw into the fields of the log line."""
-    request = _json_object(record.request_body)
+    request = parse_json_object(record.request_body)
     body = b"".join(record.response)
     status = record.status if record.status is not None else 499
     common: dict[str, Any] = {

@@ -41,7 +41,7 @@ class Options(usage.Options):
     )
     optParameters = [
         ["config", "c", None, "TOML config file. [env LB_CONFIG]"],
-        *[[spec.name, None, None, _describe(spec.name)] for spec in OPTIONS],
+        *[[spec.name, None, None, _describe(spec.name)] for spec in OPTIONS if spec.cli],
     ]
 
     config: Config
