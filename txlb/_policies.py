@@ -175,7 +175,8 @@ class PeakEwmaLatency:
         if previous is None or seconds > previous:
             backend.peak_ewma = seconds
         else:
-            elapsed = max(0.0, now - (backend.peak_ewma_at or now))
+            stamp = backend.peak_ewma_at if backend.peak_ewma_at is not None else now
+            elapsed = max(0.0, now - stamp)
             weight = math.exp(-elapsed / self.decay) if self.decay > 0 else 0.0
             backend.peak_ewma = previous * weight + seconds * (1 - weight)
         backend.peak_ewma_at = now
