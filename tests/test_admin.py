@@ -26,7 +26,7 @@ class AdminTestCase(SynchronousTestCase):
         self.clock = Clock()
         self.upstream = FakeUpstream()
         self.probes = FakeUpstream()
-        options: dict[str, Any] = {"log_file": "none"}
+        options: dict[str, Any] = {"log_file": "none", "retries": 0}
         if self.token:
             options["admin_token"] = self.token
         self.lb = LoadBalancer([A, B], reactor=self.clock, agent=self.upstream,

@@ -102,19 +102,19 @@ class BuildConfigTests(SynchronousTestCase):
         self.assertIn(f"--fall (from {path}): 0", str(error))
 
     def test_planned_keys_accepted_with_a_warning(self) -> None:
-        path = self.write('max-body = "1MiB"\nretries = 2\nfall = 4\n')
+        path = self.write('workers = 2\nfall = 4\n')
         config = build_config({"config": path}, NONE)
         self.assertEqual(config.fall, 4)
         warnings = self.flushWarnings()
-        self.assertEqual(len(warnings), 2)
-        self.assertIn("'max-body' is not supported", str(warnings[0]["message"]))
+        self.assertEqual(len(warnings), 1)
+        self.assertIn("'workers' is not supported", str(warnings[0]["message"]))
 
     def test_bad_files(self) -> None:
         self.assertRejected({"config": "/nonexistent/lb.toml"}, "--config", "/nonexistent/lb.toml")
         self.assertRejected({"config": self.write("listen = ")}, "--config", "not valid TOML")
         self.assertRejected({"config": self.write("lisen = 1")}, "--config", "'lisen'")
         self.assertRejected({"config": self.write("fall = true")}, "--fall", "True")
-        self.assertRejected({"config": self.write("retries = 1\nlisen = 1")}, "'lisen'")
+        self.assertRejected({"config": self.write("workers = 1\nlisen = 1")}, "'lisen'")
         self.assertRejected({"config": self.write('[[backends]]\nweight = 2')},
                             "backends", "'url'")
         self.assertRejected({"config": self.write('[[backends]]\nurl = "h:1"\nwieght = 2')},

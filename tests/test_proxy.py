@@ -227,6 +227,7 @@ class ErrorTests(ProxyTestCase):
         return error
 
     def test_refused_is_502_and_marks_down(self) -> None:
+        self.build(BACKENDS, retries=0)
         client = self.client()
         client.request(b"GET", b"/")
         key = self.upstream.last.uri.split(b"/")[2].decode()
@@ -241,6 +242,7 @@ class ErrorTests(ProxyTestCase):
         self.assertNotIn(key.encode(), self.upstream.last.uri)
 
     def test_reset_before_response_is_502_and_marks_down(self) -> None:
+        self.build(BACKENDS, retries=0)
         client = self.client()
         client.request(b"GET", b"/")
         self.upstream.last.fail(

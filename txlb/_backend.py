@@ -53,6 +53,10 @@ class Backend:
     started_since_scrape: int = 0
     learned_models: tuple[str, ...] | None = None
     model_entries: dict[str, dict[str, object]] = attrs.field(factory=dict)
+    up_since: float | None = None
+    errors_in_a_row: int = 0
+    outlier_ejections: int = 0
+    ejected_until: float | None = None
 
     @property
     def key(self) -> str:
@@ -127,6 +131,8 @@ class Backend:
             "probes_ok": self.probes_ok,
             "probes_failed": self.probes_failed,
             "latency_ewma_s": _rounded(self.ewma_duration),
+            "outlier_ejections": self.outlier_ejections,
+            "ejected_until": self.ejected_until,
             "ttft_ewma_s": _rounded(self.ewma_ttft),
         }
 
@@ -160,10 +166,30 @@ class Lease:
             self._on_release(self.backend)
 
 
+@attrs.frozen
+class OutlierRule:
+    """
+    Passive outlier detection, as Envoy does it: ``consecutive_5xx`` answers of 5xx in a
+    row eject a backend for ``base_cooldown`` seconds times the number of times it was
+    ejected (capped at :data:`MAX_COOLDOWN_FACTOR`), and never more than half the fleet
+    is out for this reason at once.  ``consecutive_5xx`` 0 disables it.
+    """
+
+    consecutive_5xx: int = 5
+    base_cooldown: float = 30.0
+
+
+MAX_COOLDOWN_FACTOR = 10
+
+
 class Pool:
     """The ordered set of backends, keyed by ``host:port``."""
 
-    def __init__(self, specs: tuple[BackendSpec, ...] = ()) -> None:
+    def __init__(self, specs: tuple[BackendSpec, ...] = (),
+                 clock: Callable[[], float] | None = None,
+                 outliers: OutlierRule | None = None) -> None:
+        self._now = clock or (lambda: 0.0)
+        self.outliers = outliers or OutlierRule()
         self._backends: dict[str, Backend] = {}
         self._idle_waiters: list[Deferred[None]] = []
         #: Called whenever a backend may take more requests than before (the router's
@@ -263,6 +289,41 @@ class Pool:
         if ttft is not None:
             backend.ewma_ttft = _ewma(backend.ewma_ttft, ttft)
 
+    def record_answer(self, backend: Backend, status: int) -> None:
+        """
+        A status the backend itself answered (not one txlb made up): feeds the passive
+        outlier detection.
+        """
+        if status < 500:
+            backend.errors_in_a_row = 0
+            return
+        backend.errors_in_a_row += 1
+        rule = self.outliers
+        if not rule.consecutive_5xx or backend.errors_in_a_row < rule.consecutive_5xx:
+            return
+        if not backend.healthy:
+            return
+        now = self._now()
+        ejected = sum(1 for b in self._backends.values()
+                      if b.ejected_until is not None and b.ejected_until > now)
+        if (ejected + 1) * 2 > len(self._backends):
+            log.warn("backend {backend} answered {count} 5xx in a row but stays in: "
+                     "half the fleet is already ejected", backend=backend.key,
+                     count=backend.errors_in_a_row)
+            return
+        backend.outlier_ejections += 1
+        cooldown = rule.base_cooldown * min(backend.outlier_ejections, MAX_COOLDOWN_FACTOR)
+        backend.ejected_until = now + cooldown
+        backend.errors_in_a_row = 0
+        self.mark_down(backend, f"outlier: {rule.consecutive_5xx} 5xx answers in a row; "
+                                f"ejected for {cooldown:g}s")
+
+    def ramp(self, backend: Backend, slow_start: float) -> float:
+        """How much of its full share a recovered backend gets now (0 < ramp <= 1)."""
+        if not slow_start or backend.up_since is None:
+            return 1.0
+        return max(0.0, min(1.0, (self._now() - backend.up_since) / slow_start))
+
     # -- what the prober learns ---------------------------------------------------------
 
     def set_models(self, backend: Backend, entries: list[dict[str, object]]) -> None:
@@ -293,12 +354,22 @@ class Pool:
     def mark_up(self, backend: Backend) -> None:
         if not backend.healthy:
             backend.healthy = True
+            backend.up_since = self._now()
+            backend.errors_in_a_row = 0
             log.info("backend {backend} is back up", backend=backend.key)
             self._capacity_changed()
 
     def probe_succeeded(self, backend: Backend, rise: int) -> None:
-        """A 200 from the health path: ``rise`` of these in a row bring a backend back."""
+        """
+        A 200 from the health path: ``rise`` of these in a row bring a backend back --
+        once the cool-down of an outlier ejection, if any, is over.
+        """
         backend.probes_ok += 1
+        if backend.ejected_until is not None:
+            if self._now() < backend.ejected_until:
+                backend.last_probe_error = None
+                return
+            backend.ejected_until = None
         backend.failures_in_a_row = 0
         backend.successes_in_a_row += 1
         backend.last_probe_error = None

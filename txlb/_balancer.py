@@ -25,12 +25,12 @@ from twisted.web.server import Site
 
 from ._admin import Admin
 from ._affinity import BoundedLoadRing
-from ._backend import Pool
+from ._backend import OutlierRule, Pool
 from ._config import OPTIONS, Config, build_config
 from ._health import HealthChecker
 from ._metrics import Metrics
 from ._policies import PeakEwmaLatency, make_policy
-from ._proxy import ProxyResource
+from ._proxy import ProxyContext, ProxyResource
 from ._resultlog import open_result_log
 from ._routing import ModelRoute, Router
 from ._summary import RequestRecord, summarize
@@ -152,7 +152,8 @@ class LoadBalancer:
         self.result_log = open_result_log(
             config.log_file, config.log_max_bytes, config.log_backups, config.log_format, reactor
         )
-        self.pool = Pool(config.backends)
+        self.pool = Pool(config.backends, clock=reactor.seconds, outliers=OutlierRule(
+            consecutive_5xx=config.outlier_5xx, base_cooldown=config.outlier_cooldown))
         self.metrics = Metrics(self.pool)
         retry_after = max(1, math.ceil(config.health_interval))
         self.policy = make_policy(config.policy, reactor.seconds, rng)
@@ -165,6 +166,7 @@ class LoadBalancer:
             routes={r.model: ModelRoute(r.model, r.targets) for r in config.routes},
             affinity=BoundedLoadRing() if config.affinity else None,
             rng=rng,
+            slow_start=config.slow_start,
         )
         self.router.on_queue_wait = self.metrics.queue_wait.observe
         self.agent = agent
@@ -179,16 +181,20 @@ class LoadBalancer:
             fall=config.fall,
             scrape_engine_queue=config.policy == "queue-depth",
         )
-        self.proxy = ProxyResource(
-            self.router,
-            self.agent,
-            reactor,
+        context = ProxyContext(
+            pool=self.pool,
+            agent=self.agent,
+            clock=reactor,
             read_timeout=config.read_timeout,
-            retry_after=config.health_interval,
+            retries=config.retries,
+            retry_window=config.retry_window,
             on_end=self._request_ended,
             on_suspect=self.health.probe_soon,
-            affinity=config.affinity,
+            on_answer=self.pool.record_answer,
+            on_retry=self.metrics.retries.inc,
         )
+        self.proxy = ProxyResource(self.router, context, retry_after=retry_after,
+                                   affinity=config.affinity)
 
     def _request_ended(self, record: RequestRecord) -> None:
         """

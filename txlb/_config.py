@@ -272,6 +272,37 @@ def is_loopback_endpoint(endpoint: str) -> bool:
     return False
 
 
+def parse_nonnegative_seconds(option: str, value: object) -> float:
+    seconds = _number(option, value)
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ConfigError(f"--{option}: {value!r} must be 0 or more seconds")
+    return seconds
+
+
+_RATE_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_rate(option: str, value: object) -> float | None:
+    """``N/s``, ``N/m`` or ``N/h`` (a bare number is per second); in requests per second."""
+    text = str(value).strip().lower()
+    if text in ("", "none"):
+        return None
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(?:/\s*([smh]))?", text)
+    if not match or float(match.group(1)) <= 0:
+        raise ConfigError(f"--{option}: {value!r} is not a rate like '100/s' or '600/m'")
+    return float(match.group(1)) / _RATE_UNITS[match.group(2) or "s"]
+
+
+def parse_rate_key(option: str, value: object) -> str:
+    text = str(value).strip()
+    if text in ("ip", "token"):
+        return text
+    kind, _, name = text.partition(":")
+    if kind.lower() != "header" or not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", name):
+        raise ConfigError(f"--{option}: {value!r} is not 'ip', 'token' or 'header:NAME'")
+    return f"header:{name}"
+
+
 POLICIES = ("least-conn", "round-robin", "random", "p2c", "latency", "queue-depth")
 
 
@@ -394,16 +425,34 @@ OPTIONS: tuple[OptionSpec, ...] = (
                "Session affinity: 'header:NAME' or 'user' (bounded-load consistent hashing)."),
     OptionSpec("routes", (), parse_routes,
                "Model aliases split by weight (config file [[routes]] only).", cli=False),
+    OptionSpec("retries", 2, parse_nonnegative_int,
+               "Extra tries on another backend (refused/reset before a response, 502/503)."),
+    OptionSpec("retry-window", 10.0, parse_duration,
+               "Seconds after the request's arrival past which no new try starts."),
+    OptionSpec("outlier-5xx", 5, parse_nonnegative_int,
+               "5xx answers in a row that eject a backend for a cool-down (0: never)."),
+    OptionSpec("outlier-cooldown", 30.0, parse_duration,
+               "Seconds of the first outlier ejection; it grows with each repeat."),
+    OptionSpec("slow-start", 0.0, parse_nonnegative_seconds,
+               "Seconds over which a recovered backend's share of new requests ramps up."),
+    OptionSpec("max-body", "64MiB", parse_size,
+               "Larger request bodies get 413 (checked while the body arrives)."),
+    OptionSpec("header-timeout", 30.0, parse_duration,
+               "Seconds a client may take to send a request's line and headers."),
+    OptionSpec("rate-limit", None, parse_rate,
+               "Requests per client key, e.g. '100/s' or '600/m' (token bucket)."),
+    OptionSpec("rate-burst", None, parse_count,
+               "Bucket size: requests a key may send at once (default: one second's worth)."),
+    OptionSpec("rate-key", "ip", parse_rate_key,
+               "What a client is: 'ip', 'token' (the bearer token, never logged) or "
+               "'header:NAME'."),
 )
 
 _BY_NAME = {spec.name: spec for spec in OPTIONS}
 
 #: Keys the contract defines whose features are still to come: a config file written for
 #: them is accepted (with a warning) rather than refused, so it keeps working on upgrade.
-PLANNED_KEYS = frozenset({
-    "retries", "retry-window", "max-body", "slow-start", "workers",
-    "rate-limit", "rate-burst", "rate-key",
-})
+PLANNED_KEYS = frozenset({"workers"})
 
 
 @attrs.frozen
@@ -430,6 +479,16 @@ class Config:
     queue_timeout: float = 30.0
     affinity: str | None = None
     routes: tuple[RouteSpec, ...] = ()
+    retries: int = 2
+    retry_window: float = 10.0
+    outlier_5xx: int = 5
+    outlier_cooldown: float = 30.0
+    slow_start: float = 0.0
+    max_body: int = 64 * 1024**2
+    header_timeout: float = 30.0
+    rate_limit: float | None = None
+    rate_burst: int | None = None
+    rate_key: str = "ip"
 
 
 def read_toml(path: str) -> dict[str, Any]:

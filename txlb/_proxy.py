@@ -16,9 +16,11 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 from twisted.internet import error as neterror
 from twisted.internet.defer import CancelledError, Deferred, maybeDeferred, succeed
 from twisted.internet.interfaces import IConsumer, IDelayedCall, IPushProducer, IReactorTime
+from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseNeverReceived
@@ -49,6 +51,8 @@ _UNREACHABLE = (
 )
 #: Connect attempts that ran out of time: ambiguous, so the prober decides (as nginx: 504).
 _CONNECT_TIMEOUT = (neterror.TimeoutError, neterror.TCPTimedOutError)
+#: Answers that mean "this backend cannot take it now": retried elsewhere when possible.
+_RETRIED_STATUSES = frozenset({502, 503})
 #: Statuses whose responses never carry a body, so no Content-Length is invented for them.
 _NO_BODY_STATUSES = frozenset({204, 304})
 
@@ -120,43 +124,69 @@ def read_body(request: Request) -> bytes:
     return request.content.read()
 
 
+@attrs.define
+class ProxyContext:
+    """What every exchange of one proxy shares: collaborators, limits and callbacks."""
+
+    pool: Pool
+    agent: IAgent
+    clock: IReactorTime
+    read_timeout: float
+    retries: int = 0
+    retry_window: float = 10.0
+    on_end: RecordSink = lambda record: None
+    on_suspect: Callable[[Backend], object] = lambda backend: None
+    on_answer: Callable[[Backend, int], object] = lambda backend, status: None
+    on_retry: Callable[[], object] = lambda: None
+    live: set[Exchange] = attrs.field(factory=set)
+
+
+@attrs.frozen
+class RetryPlan:
+    """How one request gets another backend: ``acquire(tried)`` and ``possible(tried)``."""
+
+    acquire: Callable[[frozenset[str]], Deferred[Lease]]
+    possible: Callable[[frozenset[str]], bool]
+
+
+class _Discard(Protocol):
+    """Takes the body of an answer that will not be relayed, closing its connection."""
+
+    def connectionMade(self) -> None:
+        assert self.transport is not None
+        self.transport.stopProducing()  # type: ignore[attr-defined]
+
+
 class Exchange:
     """
-    One client request forwarded to one backend.
+    One client request, forwarded to one backend (or, on failover, to a few in turn).
 
     States: ``waiting`` (request sent, no response head yet), ``relaying`` (head written
     to the client, body flowing) and ``ended``.  The client can go away in either of the
     first two; the read watchdog can fire in either; the upstream can fail in either.
     Every one of those paths calls :meth:`_end` exactly once, which releases the slot and
     hands the finished :class:`RequestRecord` to the result log.
+
+    A retry happens only in ``waiting``, when nothing of the response has reached the
+    client: the slot is released, another backend (not tried yet) is acquired, and the
+    buffered body is sent again.
     """
 
-    def __init__(
-        self,
-        request: Request,
-        record: RequestRecord,
-        lease: Lease,
-        pool: Pool,
-        agent: IAgent,
-        clock: IReactorTime,
-        read_timeout: float,
-        on_end: RecordSink,
-        on_suspect: Callable[[Backend], object],
-        live: set[Exchange],
-    ) -> None:
+    def __init__(self, request: Request, record: RequestRecord, lease: Lease,
+                 context: ProxyContext, retry: RetryPlan | None = None) -> None:
         self.request = request
         self.record = record
         self.lease = lease
-        self.pool = pool
-        self.agent = agent
-        self.clock = clock
-        self.read_timeout = read_timeout
-        self.on_end = on_end
-        self.on_suspect = on_suspect
-        self.live = live
+        self.context = context
+        self.pool = context.pool
+        self.clock = context.clock
+        self.read_timeout = context.read_timeout
+        self.retry = retry
+        self.tried: set[str] = set()
         self.state = "waiting"
         self.client_gone = False
-        self._upstream: Deferred[IResponse] | None = None
+        self._headers = Headers()
+        self._upstream: Deferred[Any] | None = None
         self._producer: IPushProducer | None = None
         self._watchdog: IDelayedCall | None = None
         record.backend = lease.backend.key
@@ -165,38 +195,88 @@ class Exchange:
 
     def start(self) -> None:
         request = self.request
-        backend = self.lease.backend
         client = request.getClientAddress()
         client_host = getattr(client, "host", None) or "unix"
         scheme = b"https" if request.isSecure() else b"http"
         headers = upstream_request_headers(
             flatten(request.requestHeaders.getAllRawHeaders()), client_host, scheme
         )
-        upstream_headers = Headers()
         for name, value in headers:
-            upstream_headers.addRawHeader(name, value)
+            self._headers.addRawHeader(name, value)
+        request.notifyFinish().addErrback(self._client_lost)
+        self._send()
+
+    def _send(self) -> None:
+        """One attempt: the request, body replayed from the buffered copy, to the leased backend."""
+        request = self.request
         body = self.record.request_body
         producer = None
         if body or request.getHeader(b"content-length") is not None:
             producer = BytesProducer(body)
-
-        request.notifyFinish().addErrback(self._client_lost)
         self._arm_watchdog()
         # maybeDeferred: Agent raises synchronously for a URI or method it rejects, and its
         # Deferred may already have fired; either way every path reaches the callbacks.
         upstream = self._upstream = maybeDeferred(
-            self.agent.request,
+            self.context.agent.request,
             request.method,
-            backend.base_url + forwarded_uri(request),
-            upstream_headers,
+            self.lease.backend.base_url + forwarded_uri(request),
+            self._headers,
             producer,
         )
         upstream.addCallbacks(self._got_response, self._request_failed).addErrback(self._bug)
+
+    # -- failover ---------------------------------------------------------------------------
+
+    def _can_retry(self) -> bool:
+        tried = frozenset(self.tried | {self.lease.backend.key})
+        return (
+            self.retry is not None
+            and not self.client_gone
+            and self.record.tries <= self.context.retries
+            and self.clock.seconds() - self.record.started < self.context.retry_window
+            and self.retry.possible(tried)
+        )
+
+    def _retry(self) -> None:
+        """Leave this backend (its slot released) and try another one not tried yet."""
+        assert self.retry is not None
+        self.tried.add(self.lease.backend.key)
+        self.lease.release()
+        self.record.tries += 1
+        self.context.on_retry()
+        if self._watchdog is not None and self._watchdog.active():
+            self._watchdog.cancel()  # waiting for a slot is not backend silence
+        self._watchdog = None
+        acquiring = self._upstream = self.retry.acquire(frozenset(self.tried))
+        acquiring.addCallbacks(self._retry_with, self._retry_refused).addErrback(self._bug)
+
+    def _retry_with(self, lease: Lease) -> None:
+        self._upstream = None
+        self.lease = lease
+        self.record.backend = lease.backend.key
+        self._send()
+
+    def _retry_refused(self, failure: Failure) -> None:
+        self._upstream = None
+        if self.state == "ended":
+            return  # the client left while we waited for another backend
+        error = failure.value
+        if isinstance(error, RoutingError):
+            self._fail(error.status, error.message, "upstream_error", error.retry_after)
+        else:
+            failure.raiseException()
 
     # -- response head ----------------------------------------------------------------------
 
     def _got_response(self, response: IResponse) -> None:
         self._upstream = None
+        self.context.on_answer(self.lease.backend, response.code)
+        if response.code in _RETRIED_STATUSES and self._can_retry():
+            log.info("backend {backend} answered {status}; trying another",
+                     backend=self.lease.backend.key, status=response.code)
+            response.deliverBody(_Discard())
+            self._retry()
+            return
         self.state = "relaying"
         self._arm_watchdog()
         request = self.request
@@ -297,7 +377,10 @@ class Exchange:
             if not failure.check(*_UNREACHABLE):
                 # A reset may be a pooled keep-alive connection the backend had just
                 # closed, not a dead backend: probe now, so a healthy one is back at once.
-                self.on_suspect(backend)
+                self.context.on_suspect(backend)
+            if self._can_retry():
+                self._retry()
+                return
             self._fail(502, f"backend {backend.key} could not be reached", "upstream_error")
         elif failure.check(*_CONNECT_TIMEOUT):
             self._fail(504, f"timed out connecting to backend {backend.key}", "timeout")
@@ -340,14 +423,15 @@ class Exchange:
         elif self.state == "relaying":
             self._end("shutdown", self._cut_client)
 
-    def _fail(self, status: int, message: str, outcome: str) -> None:
+    def _fail(self, status: int, message: str, outcome: str,
+              retry_after: int | None = None) -> None:
         """Answer with an error of txlb's own, before any of the response was sent."""
         body = error_body(status, message)
         self.record.status = status
         self.record.content_type = b"application/json"
         self.record.capture(body)
         self._end(outcome, None if self.client_gone else
-                  lambda: write_body(self.request, status, body))
+                  lambda: write_body(self.request, status, body, retry_after))
 
     # -- every way out ----------------------------------------------------------------------
 
@@ -361,7 +445,7 @@ class Exchange:
         backend connection, which is how vLLM learns to abort the generation.
         """
         self.state = "ended"
-        self.live.discard(self)
+        self.context.live.discard(self)
         self.lease.release()
         if self._watchdog is not None and self._watchdog.active():
             self._watchdog.cancel()
@@ -376,7 +460,7 @@ class Exchange:
             answer_client()
         self.record.outcome = outcome
         self.record.ended = self.clock.seconds()
-        self.on_end(self.record)
+        self.context.on_end(self.record)
 
     def _arm_watchdog(self) -> None:
         if self._watchdog is not None and self._watchdog.active():
@@ -433,28 +517,23 @@ class ProxyResource(Resource):
 
     isLeaf = True
 
-    def __init__(
-        self,
-        router: Router,
-        agent: IAgent,
-        clock: IReactorTime,
-        read_timeout: float,
-        retry_after: float,
-        on_end: RecordSink | None = None,
-        on_suspect: Callable[[Backend], object] | None = None,
-        affinity: str | None = None,
-    ) -> None:
+    def __init__(self, router: Router, context: ProxyContext, retry_after: float = 1,
+                 affinity: str | None = None) -> None:
         super().__init__()
-        self.affinity = affinity
         self.router = router
-        self.agent = agent
-        self.clock = clock
-        self.read_timeout = read_timeout
+        self.context = context
+        self.clock = context.clock
         self.retry_after = max(1, math.ceil(retry_after))
-        self.on_end: RecordSink = on_end or (lambda record: None)
-        self.on_suspect: Callable[[Backend], object] = on_suspect or (lambda backend: None)
-        self.live: set[Exchange] = set()
+        self.affinity = affinity
         self.shutting_down = False
+
+    @property
+    def live(self) -> set[Exchange]:
+        return self.context.live
+
+    @property
+    def on_end(self) -> RecordSink:
+        return self.context.on_end
 
     def render(self, request: Request) -> object:
         request.defaultContentType = None
@@ -492,7 +571,7 @@ class ProxyResource(Resource):
 
         request.notifyFinish().addErrback(client_left)
         waiting.addCallbacks(
-            lambda lease: self._forward(request, record, lease),
+            lambda lease: self._forward(request, record, lease, model, session),
             lambda failure: self._not_routed(request, record, failure),
         ).addErrback(lambda failure: log.failure("routing a request failed", failure))
         return NOT_DONE_YET
@@ -520,12 +599,15 @@ class ProxyResource(Resource):
             session = value.decode("utf-8", "replace") if value else None
         return model, session
 
-    def _forward(self, request: Request, record: RequestRecord, lease: Lease) -> None:
+    def _forward(self, request: Request, record: RequestRecord, lease: Lease,
+                 model: str | None, session: str | None) -> None:
         record.queue_wait = lease.waited
-        exchange = Exchange(
-            request, record, lease, self.router.pool, self.agent, self.clock,
-            self.read_timeout, self.on_end, self.on_suspect, self.live,
+        router = self.router
+        retry = RetryPlan(
+            acquire=lambda tried: router.acquire(model, session, exclude=tried),
+            possible=lambda tried: router.can_serve(model, tried),
         )
+        exchange = Exchange(request, record, lease, self.context, retry)
         self.live.add(exchange)
         exchange.start()
 

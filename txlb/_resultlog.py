@@ -58,6 +58,8 @@ def _extras(summary: Summary) -> str:
     extra = ""
     if summary.outcome != "ok":
         extra += f" end={summary.outcome}"
+    if summary.tries > 1:
+        extra += f" tries={summary.tries}"
     if summary.truncated:
         extra += " trunc=True"
     return extra
@@ -112,6 +114,8 @@ def format_json(summary: Summary) -> str:
         fields.update(req_keys=summary.req_keys, err_body=summary.err_body)
     if summary.truncated:
         fields["trunc"] = True
+    if summary.tries > 1:
+        fields["tries"] = summary.tries
     return json.dumps(fields, ensure_ascii=False)
 
 

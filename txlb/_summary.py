@@ -51,6 +51,7 @@ class RequestRecord:
     captured: int = 0
     truncated: bool = False
     queue_wait: float | None = None
+    tries: int = 1
 
     def capture(self, data: bytes) -> None:
         """Keep ``data`` for the summary while under the limit (called per chunk: cheap)."""
@@ -90,6 +91,7 @@ class Summary:
     req_keys: list[str] | None = None
     err_body: str = ""
     truncated: bool = False
+    tries: int = 1
 
 
 def parse_json_object(body: bytes) -> dict[str, Any] | None:
@@ -197,6 +199,7 @@ def summarize(record: RequestRecord) -> Summary:
         "dur": max(0.0, record.ended - record.started),
         "ttft": None if record.first_byte is None else record.first_byte - record.started,
         "truncated": record.truncated,
+        "tries": record.tries,
     }
     if status != 200:
         keys = sorted(map(str, request)) if request is not None else None
