@@ -77,6 +77,7 @@ Tables go to standard output and ``bench/results/policies.md``, the plot to
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import heapq
 import math
@@ -339,8 +340,13 @@ class RunResult:
     mean_balancer_wait: float
     peak_waiting: dict[str, int]  # engine class -> max over its engines
     share: dict[str, float]  # engine class -> fraction of requests served
+    in_flight: dict[str, float]  # engine class -> time-averaged requests per engine
+    fast_spread: float  # mean (max - min) requests among the fast engines, at arrivals
     sim_seconds: float
     wall_seconds: float
+    seed: int = 0
+    load: float = 0.0
+    observe_at: str = "end"
 
     @property
     def peak_waiting_max(self) -> int:
@@ -369,8 +375,15 @@ def specs_for(experiment: Experiment,
     return tuple(specs)
 
 
-def run(experiment: Experiment, policy_name: str, params: Params) -> RunResult:
-    """Replay the workload through ``experiment.replicas`` balancers using ``policy_name``."""
+def run(experiment: Experiment, policy_name: str, params: Params,
+        observe_at: str = "end") -> RunResult:
+    """
+    Replay the workload through ``experiment.replicas`` balancers using ``policy_name``.
+
+    ``observe_at`` is when the ``latency`` policy is given a request's TTFT: ``"end"``
+    (when the request ends, what txlb does) or ``"first-token"`` (a what-if, for the
+    diagnostics only).
+    """
     started_wall = time.perf_counter()
     clock = Clock()
     workload = make_workload(params, experiment.replicas)
@@ -390,20 +403,28 @@ def run(experiment: Experiment, policy_name: str, params: Params) -> RunResult:
                               retry_after=1, rng=random.Random(f"router-{params.seed}")))
         latency_policies.append(policy if isinstance(policy, PeakEwmaLatency) else None)
 
+    def observe(request: Request) -> None:
+        latency = latency_policies[request.replica]
+        if latency is not None:
+            assert request.lease is not None and request.first_token is not None
+            latency.observe(request.lease.backend, request.first_token - request.arrival)
+
     def first_token(request: Request) -> None:
-        pass  # the balancer learns the TTFT only when the request ends (as txlb does)
+        if observe_at == "first-token":
+            observe(request)
 
     def done(request: Request) -> None:
         lease = request.lease
-        assert lease is not None and request.first_token is not None
-        latency = latency_policies[request.replica]
-        if latency is not None:
-            latency.observe(lease.backend, request.first_token - request.arrival)
+        assert lease is not None
+        if observe_at == "end":
+            observe(request)
         outstanding[0] -= 1
         lease.release()
 
     engines = {spec.key: Engine(clock, spec.key, cls, params, first_token, done)
                for spec, cls in specs}
+    fast_engines = [e for e in engines.values() if e.cls == ENGINE_CLASSES[0]]
+    spreads: list[int] = []
 
     def leased(lease: Lease, request: Request) -> None:
         request.lease = lease
@@ -418,6 +439,8 @@ def run(experiment: Experiment, policy_name: str, params: Params) -> RunResult:
         when, prompt, output, replica = workload.arrivals[index]
         request = Request(index, when, prompt, output, replica)
         requests.append(request)
+        depths = [e.running + len(e.waiting) for e in fast_engines]
+        spreads.append(max(depths) - min(depths))
         if index + 1 < len(workload.arrivals):
             clock.callLater(workload.arrivals[index + 1][0] - clock.seconds(),
                             arrive, index + 1)
@@ -448,8 +471,10 @@ def run(experiment: Experiment, policy_name: str, params: Params) -> RunResult:
         leaked = [b.key for b in pool if b.active]
         if leaked:
             raise RuntimeError(f"in-flight counts left over on {leaked}")
-    return summarise(experiment, policy_name, requests, engines, specs, clock.seconds(),
-                     time.perf_counter() - started_wall)
+    result = summarise(experiment, policy_name, requests, engines, specs, clock.seconds(),
+                       time.perf_counter() - started_wall)
+    return dataclasses.replace(result, seed=params.seed, load=params.load,
+                               observe_at=observe_at, fast_spread=sum(spreads) / len(spreads))
 
 
 def summarise(experiment: Experiment, policy_name: str, requests: Sequence[Request],
@@ -467,6 +492,11 @@ def summarise(experiment: Experiment, policy_name: str, requests: Sequence[Reque
         engine = engines[spec.key]
         peak[cls.name] = max(peak.get(cls.name, 0), engine.peak_waiting)
         served[cls.name] = served.get(cls.name, 0) + engine.served
+    # Little's law: the time requests spent on a class's engines / (duration x engines)
+    residence = {cls.name: 0.0 for cls in ENGINE_CLASSES}
+    for r in ok:
+        assert r.engine is not None and r.done is not None and r.lease is not None
+        residence[engines[r.engine].cls.name] += r.done - r.arrival - r.lease.waited
     total = max(1, sum(served.values()))
     return RunResult(
         experiment=experiment.key,
@@ -480,6 +510,9 @@ def summarise(experiment: Experiment, policy_name: str, requests: Sequence[Reque
         mean_balancer_wait=sum(waits) / len(waits) if waits else 0.0,
         peak_waiting=peak,
         share={name: count / total for name, count in served.items()},
+        in_flight={cls.name: residence[cls.name] / (sim_seconds * cls.count)
+                   for cls in ENGINE_CLASSES},
+        fast_spread=0.0,
         sim_seconds=sim_seconds,
         wall_seconds=wall_seconds,
     )
@@ -512,6 +545,17 @@ def git_revision() -> str:
     return rev + (" + uncommitted changes to txlb/" if dirty else "")
 
 
+Selection = dict[str, RunResult]  # policy -> result
+
+
+def pick(results: Sequence[RunResult], experiment: str, seed: int, load: float,
+         observe_at: str = "end") -> Selection:
+    """The results of one experiment at one seed and load, by policy (in policy order)."""
+    return {r.policy: r for r in results
+            if r.experiment == experiment and r.seed == seed and r.load == load
+            and r.observe_at == observe_at}
+
+
 def table(results: Sequence[RunResult], show_wait: bool) -> str:
     names = [cls.name for cls in ENGINE_CLASSES]
     head = ["policy", "mean completion s", "p99 completion s", "mean TTFT s", "p99 TTFT s"]
@@ -534,165 +578,321 @@ def table(results: Sequence[RunResult], show_wait: bool) -> str:
     return "\n".join(lines)
 
 
-def by_policy(results: Sequence[RunResult], key: str) -> dict[str, RunResult]:
-    return {r.policy: r for r in results if r.experiment == key}
+def spread(values: Sequence[float], digits: int) -> str:
+    """``median (min-max)``."""
+    return f"{median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
-def ranking(results: dict[str, RunResult]) -> list[RunResult]:
-    return sorted(results.values(), key=lambda r: (r.mean_completion, r.p99_completion))
+def median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
-def recommendation(results: Sequence[RunResult], workload: Workload) -> str:
-    """Turn the measured numbers into advice, saying how large each difference is."""
-    a, b, c, d = (by_policy(results, k) for k in "ABCD")
+def per_seed(results: Sequence[RunResult], experiment: str, seeds: Sequence[int],
+             load: float) -> list[Selection]:
+    return [pick(results, experiment, seed, load) for seed in seeds]
 
-    def cite(r: RunResult) -> str:
-        return (f"`{r.policy}` {r.mean_completion:.1f} s mean / {r.p99_completion:.0f} s "
-                f"p99 completion")
 
-    def ratio(x: RunResult, y: RunResult) -> str:
-        return f"{x.mean_completion / y.mean_completion:.1f}x"
+def seed_table(selections: Sequence[Selection]) -> str:
+    """Each policy over the seeds: median (min-max), and its rank by mean completion."""
+    lines = ["| policy | mean completion s | p99 completion s | p99 TTFT s | peak engine "
+             "waiting | rank by mean completion, per seed |",
+             "|---|---:|---:|---:|---:|---|"]
+    ranks: dict[str, list[int]] = {}
+    for selection in selections:
+        ordered = sorted(selection.values(), key=lambda r: r.mean_completion)
+        for rank, r in enumerate(ordered, 1):
+            ranks.setdefault(r.policy, []).append(rank)
+    for policy in selections[0]:
+        runs = [s[policy] for s in selections]
+        lines.append(
+            f"| `{policy}` | {spread([r.mean_completion for r in runs], 1)} | "
+            f"{spread([r.p99_completion for r in runs], 0)} | "
+            f"{spread([r.p99_ttft for r in runs], 2)} | "
+            f"{spread([r.peak_waiting_max for r in runs], 0)} | "
+            + ", ".join(str(k) for k in ranks[policy]) + " |")
+    return "\n".join(lines)
 
-    out = ["## Recommendation", ""]
-    order_a = ranking(a)
-    best_a = order_a[0]
+
+def load_table(results: Sequence[RunResult], experiment: str, seed: int,
+               loads: Sequence[float]) -> str:
+    """Each policy at each load: mean completion / p99 TTFT / peak engine waiting / 503s."""
+    columns = [pick(results, experiment, seed, load) for load in loads]
+    lines = ["| policy | " + " | ".join(f"load {load:g}" for load in loads) + " |",
+             "|---|" + "---:|" * len(loads)]
+    for policy in columns[0]:
+        cells = []
+        for column in columns:
+            r = column[policy]
+            cell = f"{r.mean_completion:.1f} / {r.p99_ttft:.2f} / {r.peak_waiting_max}"
+            if r.refused:
+                cell += f" / **{r.refused} x 503**"
+            elif r.mean_balancer_wait >= 0.005:
+                cell += f" (wait {r.mean_balancer_wait:.2f})"
+            cells.append(cell)
+        lines.append(f"| `{policy}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def diagnostic_table(results: Sequence[RunResult], seed: int, load: float) -> str:
+    """Where each policy puts the requests, and the ``latency`` what-if rows."""
+    names = " / ".join(c.name for c in ENGINE_CLASSES)
+    lines = [f"| experiment | policy | mean in flight per engine {names} | spread among the "
+             "fast engines | peak engine waiting | p99 TTFT s | mean completion s |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    rows: list[tuple[str, str, RunResult]] = []
+    for policy, r in pick(results, "A", seed, load).items():
+        rows.append(("A", f"`{policy}`", r))
+    for experiment in ("A", "D"):
+        for observe_at in ("end", "first-token"):
+            r = pick(results, experiment, seed, load, observe_at).get("latency")
+            if r is not None and (experiment, observe_at) != ("A", "end"):
+                what = "TTFT at request end (txlb)" if observe_at == "end" else \
+                    "TTFT at first token (what-if)"
+                rows.append((experiment, f"`latency`, {what}", r))
+    for experiment, label, r in rows:
+        lines.append(
+            f"| {experiment} | {label} | "
+            + " / ".join(f"{r.in_flight[c.name]:.1f}" for c in ENGINE_CLASSES)
+            + f" | {r.fast_spread:.1f} | {r.peak_waiting_max} | {r.p99_ttft:.2f} | "
+            f"{r.mean_completion:.1f} |")
+    return "\n".join(lines)
+
+
+def recommendation(results: Sequence[RunResult], params: Params, seeds: Sequence[int],
+                   loads: Sequence[float], workload: Workload) -> str:
+    """Turn the measured numbers into advice, quoting the numbers it rests on."""
+    seed, load = params.seed, params.load
+    a, b, c, d = (pick(results, k, seed, load) for k in "ABCD")
+    over = {k: per_seed(results, k, seeds, load) for k in "ABCD"}
+
+    def med(experiment: str, policy: str, attr: str = "mean_completion") -> float:
+        return median([getattr(s[policy], attr) for s in over[experiment]])
+
+    def order(experiment: str) -> list[str]:
+        return sorted(over[experiment][0], key=lambda p: med(experiment, p))
+
+    def wins(experiment: str, policy: str) -> int:
+        return sum(1 for s in over[experiment]
+                   if min(s.values(), key=lambda r: r.mean_completion).policy == policy)
+
+    n = len(seeds)
+    out = ["## Recommendation", "",
+           f"Numbers are seed {seed} at load {load:g} unless marked *median of {n} seeds*.", ""]
+
+    # A: one balancer, weights 1.
+    order_a = order("A")
+    best = order_a[0]
+    close = [p for p in order_a if med("A", p) <= 1.05 * med("A", best)]
+    worst_static = max(med("A", "round-robin"), med("A", "random"))
     out.append(
-        f"* **One balancer over heterogeneous GPUs, weights left at 1 (A).**  Best: "
-        f"{cite(best_a)}; order by mean completion: "
-        + ", ".join(f"`{r.policy}` {r.mean_completion:.1f} s" for r in order_a) + ".  "
-        "Load-aware policies adapt to the slow GPUs on their own; "
-        + ("round-robin and random do not" if min(a["round-robin"].mean_completion,
-                                                  a["random"].mean_completion)
-           > 2 * best_a.mean_completion
-           else "round-robin and random stay within 2x of it here")
-        + f" (`round-robin` {ratio(a['round-robin'], best_a)}, `random` "
-        f"{ratio(a['random'], best_a)} the best mean; their peak engine queue "
-        f"{a['round-robin'].peak_waiting_max} / {a['random'].peak_waiting_max} requests, "
-        f"vs {best_a.peak_waiting_max}).  With equal weights they send the slow GPUs "
-        f"{100 * a['round-robin'].share['slow']:.0f} % of the traffic, more than those "
-        "can serve at this load."
+        f"* **One balancer over heterogeneous GPUs: a load-aware policy "
+        f"({', '.join(f'`{p}`' for p in close)})**, which are within 5 % of each other "
+        f"(*median of {n} seeds*, mean completion: "
+        + ", ".join(f"`{p}` {med('A', p):.1f} s" for p in order_a)
+        + f"; `{best}` lowest in {wins('A', best)} of {n} seeds).  They need no weights: "
+        f"counting in-flight requests sends the fast GPUs "
+        f"{100 * a['least-conn'].share['fast']:.0f} % of the traffic by itself (their "
+        f"capacity share is "
+        f"{100 * _capacity_share(params, workload)['fast']:.0f} %).  `least-conn`, the "
+        "default, is the simplest of them and is never clearly beaten here."
     )
-    best_b = ranking(b)[0]
-    rr_b, rnd_b = b["round-robin"], b["random"]
+    lat, lc = a["latency"], a["least-conn"]
     out.append(
-        f"* **Weights proportional to speed (B)** are what make `round-robin` / `random` "
-        f"usable: `round-robin` {rr_b.mean_completion:.1f} s mean / "
-        f"{rr_b.p99_completion:.0f} s p99 (was {a['round-robin'].mean_completion:.1f} s / "
-        f"{a['round-robin'].p99_completion:.0f} s), `random` {rnd_b.mean_completion:.1f} s / "
-        f"{rnd_b.p99_completion:.0f} s.  The best in B is {cite(best_b)}; weights change "
-        f"`least-conn` from {a['least-conn'].mean_completion:.1f} s to "
-        f"{b['least-conn'].mean_completion:.1f} s mean.  Round-robin/random are fine only "
-        "when the backends are identical (or weighted correctly) and request lengths do "
-        "not vary much -- a long-tailed output length still piles up on whichever "
-        "backend drew the long requests, which their peak queues show."
+        f"* **`latency` is the exception among the load-aware ones**: mean completion "
+        f"{lat.mean_completion:.1f} s vs {lc.mean_completion:.1f} s, but p99 TTFT "
+        f"{lat.p99_ttft:.1f} s vs {lc.p99_ttft:.1f} s and up to {lat.peak_waiting_max} "
+        f"requests queued inside one engine while `least-conn` "
+        + ("never queued any" if lc.peak_waiting_max == 0
+           else f"peaked at {lc.peak_waiting_max}")
+        + ".  See *Diagnostics*: its TTFT signal is mostly prefill time (prompt length), "
+        "it arrives only when a request ends, and it does not rise before an engine's "
+        "batch is full -- so it overfills engines and then swings away.  Not recommended "
+        "without `max_conns`."
     )
-    best_c = ranking(c)[0]
     out.append(
-        f"* **max_conns = max_num_seqs (C)** moves the excess from the engines' queues "
-        f"into txlb's FIFO, which hands each waiting request to whichever backend frees a "
-        f"slot first.  Best: {cite(best_c)}; `round-robin` here "
-        f"{c['round-robin'].mean_completion:.1f} s mean (vs "
-        f"{a['round-robin'].mean_completion:.1f} s without the cap); 503s (queue wait "
-        f"over {30} s): " + ", ".join(f"`{r.policy}` {r.refused}" for r in c.values())
-        + "."
+        f"* **`round-robin` / `random` with equal weights are not usable on a mixed "
+        f"fleet**: {med('A', 'round-robin') / med('A', best):.0f}x / "
+        f"{med('A', 'random') / med('A', best):.0f}x the best mean completion (*median of "
+        f"{n} seeds*, up to {worst_static:.0f} s), because they give the slow GPUs "
+        f"{100 * a['round-robin'].share['slow']:.0f} % of the requests, more than they "
+        f"can serve at this load (engine queues grow to "
+        f"{max(a['round-robin'].peak_waiting_max, a['random'].peak_waiting_max)}).  "
+        "This depends only on the offered share exceeding the slow GPUs' capacity, so it "
+        "holds at any load where that happens."
+    )
+    rr_b, rnd_b, lc_b = b["round-robin"], b["random"], b["least-conn"]
+    static_b = max(med("B", "round-robin"), med("B", "random")) / med("B", order("B")[0])
+    out.append(
+        f"* **When round-robin / random are fine: with weights proportional to speed (B)** "
+        f"they come within {100 * (static_b - 1):.0f} % "
+        f"of the best mean (*median of {n} seeds*), though with worse tails (p99 TTFT "
+        f"{rr_b.p99_ttft:.2f} / {rnd_b.p99_ttft:.2f} s vs `least-conn` {lc_b.p99_ttft:.2f} "
+        f"s; peak engine queue {rr_b.peak_waiting_max} / {rnd_b.peak_waiting_max} vs "
+        f"{lc_b.peak_waiting_max}): they cannot see that a backend drew several long "
+        "answers.  Identical GPUs (not simulated here) are the equal-weight case of this.  "
+        f"Weights also help the load-aware policies: `least-conn` "
+        f"{med('A', 'least-conn'):.1f} s -> {med('B', 'least-conn'):.1f} s mean "
+        f"(*median of {n} seeds*), because equal in-flight counts still hand the slow "
+        "GPUs more of the long answers than their speed warrants."
+    )
+    out.append(
+        f"* **`max_conns` = the engine's `max_num_seqs` (C)** is a cheap safety net: it "
+        f"rescues `round-robin` ({a['round-robin'].mean_completion:.1f} s -> "
+        f"{c['round-robin'].mean_completion:.1f} s mean) and `latency` (p99 TTFT "
+        f"{lat.p99_ttft:.1f} s -> {c['latency'].p99_ttft:.2f} s; "
+        f"{c['latency'].mean_completion:.1f} s mean, *median of {n} seeds* "
+        f"{med('C', 'latency'):.1f} s vs `least-conn` {med('C', 'least-conn'):.1f} s), and "
+        "changes nothing for the policies that never reach the cap.  Requests refused with "
+        "503 (queue wait over the 30 s `queue_timeout`) at the loads simulated: "
+        + _refusals(results, "C", seed, loads) + "."
     )
     lc_d, qd_d = d["least-conn"], d["queue-depth"]
-    best_d = ranking(d)[0]
+    ratio = med("D", "queue-depth") / med("D", "least-conn")
     out.append(
-        f"* **Three replicas (D).**  Local `least-conn` {lc_d.mean_completion:.1f} s mean "
-        f"/ {lc_d.p99_completion:.0f} s p99 (single balancer: "
-        f"{a['least-conn'].mean_completion:.1f} s / {a['least-conn'].p99_completion:.0f} s); "
-        f"`queue-depth` {qd_d.mean_completion:.1f} s / {qd_d.p99_completion:.0f} s (single: "
-        f"{a['queue-depth'].mean_completion:.1f} s / "
-        f"{a['queue-depth'].p99_completion:.0f} s).  Best with replicas: {cite(best_d)}.  "
-        "With arrivals sprayed at random over the replicas, each replica's own counts are "
-        "a proportional sample of the fleet's load, so local least-connections loses "
-        + ("little" if lc_d.mean_completion < 1.25 * a["least-conn"].mean_completion
-           else "a lot")
-        + " by not seeing the other replicas; queue-depth's shared view "
-        + ("helps" if qd_d.mean_completion < 0.95 * lc_d.mean_completion else
-           "does not beat it here" if qd_d.mean_completion < 1.05 * lc_d.mean_completion
-           else "is worse here, its 2 s old scrape being shared by all replicas")
-        + "."
+        f"* **Several replicas (D): local `least-conn` is enough here.**  Three replicas "
+        f"sprayed at random: `least-conn` {lc_d.mean_completion:.1f} s mean / "
+        f"{lc_d.p99_ttft:.2f} s p99 TTFT (one balancer: {lc.mean_completion:.1f} s / "
+        f"{lc.p99_ttft:.2f} s); `queue-depth` {qd_d.mean_completion:.1f} s / "
+        f"{qd_d.p99_ttft:.2f} s; ratio queue-depth / least-conn {ratio:.3f} (*median of "
+        f"{n} seeds*).  Each replica's in-flight counts are an unbiased sample of the "
+        "fleet's, so equalising them locally equalises them globally; the shared (2 s old) "
+        "engine counts add nothing measurable"
+        + (", and `p2c` loses a little more with replicas" if med("D", "p2c")
+           > 1.02 * med("D", "least-conn") else "")
+        + ".  `queue-depth` should matter when the engines carry load that a replica "
+        "cannot count -- other balancers with a skewed share, direct clients, or a "
+        "restarted replica -- none of which this model contains."
     )
     out.append(
-        "* **Caveats.**  One seed, one load level "
-        f"({workload.rate:.2f} req/s, nominally {100 * workload.rate / workload.capacity:.0f} "
-        "% of full-batch capacity), one fleet shape, and a simplified engine (see the "
-        "model above); the ranking between close policies (a few per cent) is within what "
-        "another seed can change, large factors are not.  Check with `--seed` and `--load`."
+        "* **Caveats.**  One fleet shape, one request-length distribution, a simplified "
+        "engine (see the module docstring: no KV-cache limit, no preemption, prefill "
+        f"does not contend with decode) and perfect health.  Differences under ~5 % "
+        f"change order between seeds (see the seed table); the factors above do not.  "
+        f"Load is {load:g} x a full-batch capacity figure "
+        f"({workload.rate:.2f} of {workload.capacity:.2f} req/s), which the fleet only "
+        "reaches if every batch stays full, so the real utilisation is lower than it "
+        "sounds."
     )
     return "\n".join(out)
 
 
-def markdown(results: Sequence[RunResult], params: Params, workload: Workload,
-             wall: float) -> str:
+def _capacity_share(params: Params, workload: Workload) -> dict[str, float]:
+    caps = {cls.name: cls.count * engine_capacity(cls, params, workload.mean_prompt,
+                                                  workload.mean_output)
+            for cls in ENGINE_CLASSES}
+    total = sum(caps.values())
+    return {name: cap / total for name, cap in caps.items()}
+
+
+def _refusals(results: Sequence[RunResult], experiment: str, seed: int,
+              loads: Sequence[float]) -> str:
+    parts = []
+    for load in loads:
+        selection = pick(results, experiment, seed, load)
+        refused = {p: r.refused for p, r in selection.items() if r.refused}
+        parts.append(f"load {load:g}: " + (", ".join(f"`{p}` {k}" for p, k in refused.items())
+                                           if refused else "none"))
+    return "; ".join(parts)
+
+
+def markdown(results: Sequence[RunResult], params: Params, seeds: Sequence[int],
+             loads: Sequence[float], workload: Workload, wall: float,
+             command: str) -> str:
+    seed, load = params.seed, params.load
     info = machine()
+    shares = _capacity_share(params, workload)
     lines = [
         "# Scheduling policies over heterogeneous engines (simulation)",
         "",
         f"- date: `{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}`",
         *(f"- {k}: `{v}`" for k, v in info.items()),
         f"- txlb: `{git_revision()}`",
-        f"- command: `python -m bench.policies --seed {params.seed} --requests "
-        f"{params.requests} --load {params.load}`  ({wall:.0f} s wall)",
-        f"- seed: {params.seed}; {params.requests} requests per run, Poisson arrivals at "
-        f"{workload.rate:.2f} req/s = {params.load:.2f} x full-batch capacity "
-        f"{workload.capacity:.2f} req/s",
+        f"- command: `{command}` ({len(results)} runs, {wall:.0f} s wall)",
+        f"- seed: {seed} (seed table: seeds {', '.join(map(str, seeds))}); "
+        f"{params.requests} requests per run; Poisson arrivals at {workload.rate:.2f} "
+        f"req/s = load {load:g} x full-batch capacity {workload.capacity:.2f} req/s "
+        "(load table: other loads, same seed)",
         "- engines: " + "; ".join(
-            f"{c.count} {c.name} (decode {c.decode_rate:g} tok/s/seq, prefill "
-            f"{c.prefill_rate:g} tok/s, weight {c.weight} in B)" for c in ENGINE_CLASSES)
-        + f"; max_num_seqs {params.max_num_seqs}; per-sequence speed x "
+            f"{c.count} {c.name} (decode {c.decode_rate:g} tok/s per sequence, prefill "
+            f"{c.prefill_rate:g} tok/s, {100 * shares[c.name]:.0f} % of capacity, weight "
+            f"{c.weight} in B)" for c in ENGINE_CLASSES)
+        + f"; max_num_seqs {params.max_num_seqs}; per-sequence decode speed x "
         f"(1 - {params.degradation:g} x running / max_num_seqs)",
-        f"- requests: output lognormal median {params.output_median:g}, p99 "
+        f"- requests: output tokens lognormal, median {params.output_median:g}, p99 "
         f"{params.output_p99:g}, cap {params.output_cap} (mean {workload.mean_output:.0f}); "
-        f"prompt lognormal median {params.prompt_median:g}, sigma {params.prompt_sigma:g}, "
-        f"cap {params.prompt_cap} (mean {workload.mean_prompt:.0f})",
-        f"- balancer: txlb Pool + Router + make_policy on a twisted Clock; queue_timeout "
-        f"{params.queue_timeout:g} s; queue-depth scrapes every {params.scrape_interval:g} s; "
-        "latency policy observes TTFT (arrival to first token) at request end",
-        "- times: completion = arrival at the balancer to last token; TTFT = arrival to "
+        f"prompt tokens lognormal, median {params.prompt_median:g}, sigma "
+        f"{params.prompt_sigma:g}, cap {params.prompt_cap} (mean {workload.mean_prompt:.0f})",
+        f"- balancer: txlb's own Pool + Router + make_policy on a twisted Clock; "
+        f"queue_timeout {params.queue_timeout:g} s; `queue-depth` scrapes every engine's "
+        f"running + waiting every {params.scrape_interval:g} s; `latency` is told each "
+        "request's TTFT (arrival to first token) when the request ends, as txlb does",
+        "- columns: completion = arrival at the balancer to last token; TTFT = arrival to "
         "first token (balancer queue + engine queue + prefill); peak engine waiting = the "
         "most requests ever waiting inside one engine (vLLM's num_requests_waiting), max "
-        "over all engines and per class; share = fraction of requests each class served",
+        "over all 8 and per class; share = fraction of the requests each class served; "
+        "503s = requests refused by the router",
         "",
     ]
     for experiment in EXPERIMENTS:
-        rows = [r for r in results if r.experiment == experiment.key]
         lines += [f"## {experiment.key}. {experiment.title}", "",
-                  table(rows, show_wait=experiment.capped), ""]
-    lines += [recommendation(results, workload), "",
-              "![policies](policies.png)", ""]
+                  table(list(pick(results, experiment.key, seed, load).values()),
+                        show_wait=experiment.capped), ""]
+    if len(seeds) > 1:
+        lines += [f"## Across seeds {', '.join(map(str, seeds))} (load {load:g})", "",
+                  "Median (min-max) over the seeds; the last column is the policy's rank "
+                  "by mean completion in each seed (1 = lowest).", ""]
+        for experiment in EXPERIMENTS:
+            lines += [f"### {experiment.key}. {experiment.title}", "",
+                      seed_table(per_seed(results, experiment.key, seeds, load)), ""]
+    if len(loads) > 1:
+        lines += [f"## Across loads (seed {seed})", "",
+                  "Each cell: mean completion s / p99 TTFT s / peak engine waiting (and the "
+                  "mean balancer queue wait, or the 503 count, where there is any).", ""]
+        for experiment in EXPERIMENTS:
+            if pick(results, experiment.key, seed, loads[0]):
+                lines += [f"### {experiment.key}. {experiment.title}", "",
+                          load_table(results, experiment.key, seed, loads), ""]
+    lines += [
+        "## Diagnostics: the `latency` policy", "",
+        "txlb tells `PeakEwmaLatency` a request's TTFT when the request *ends* "
+        "(`Balancer._request_ended`).  The what-if rows feed the same sample the moment "
+        "the first token arrives instead (not what txlb does), same seed and load.", "",
+        diagnostic_table(results, seed, load), "",
+        recommendation(results, params, seeds, loads, workload), "",
+        "![policies](policies.png)", "",
+    ]
     return "\n".join(lines)
 
 
-def plot(results: Sequence[RunResult], path: Path) -> None:
+def plot(results: Sequence[RunResult], params: Params, loads: Sequence[float],
+         path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(EXPERIMENTS), 3, figsize=(16, 4 * len(EXPERIMENTS)),
-                             squeeze=False)
+    rows_n = len(EXPERIMENTS) + (1 if len(loads) > 1 else 0)
+    fig, axes = plt.subplots(rows_n, 3, figsize=(16, 3.8 * rows_n), squeeze=False)
     for row, experiment in enumerate(EXPERIMENTS):
-        rows = [r for r in results if r.experiment == experiment.key]
-        names = [r.policy for r in rows]
-        x = range(len(rows))
+        runs = list(pick(results, experiment.key, params.seed, params.load).values())
+        names = [r.policy for r in runs]
+        x = list(range(len(runs)))
         width = 0.38
         panels = (
-            ("completion (s, log)", [r.mean_completion for r in rows],
-             [r.p99_completion for r in rows], True),
-            ("TTFT (s, log)", [r.mean_ttft for r in rows], [r.p99_ttft for r in rows], True),
+            ("completion s", [r.mean_completion for r in runs],
+             [r.p99_completion for r in runs]),
+            ("TTFT s", [r.mean_ttft for r in runs], [r.p99_ttft for r in runs]),
         )
-        for col, (label, means, p99s, log) in enumerate(panels):
+        for col, (label, means, p99s) in enumerate(panels):
             ax = axes[row][col]
             ax.bar([i - width / 2 for i in x], means, width, label="mean")
             ax.bar([i + width / 2 for i in x], p99s, width, label="p99")
-            if log:
-                ax.set_yscale("log")
-            ax.set_xticks(list(x), names, rotation=20)
-            ax.set_ylabel(label)
-            ax.set_title(f"{experiment.key}: {label.split(' ')[0]}", fontsize=10)
+            ax.set_yscale("log")
+            ax.set_xticks(x, names, rotation=15, fontsize=8)
+            ax.set_ylabel(label + " (log)")
+            ax.set_title(f"{experiment.key}: {label}", fontsize=10)
             ax.legend(fontsize=8)
             ax.grid(axis="y", alpha=0.3)
         ax = axes[row][2]
@@ -700,55 +900,115 @@ def plot(results: Sequence[RunResult], path: Path) -> None:
         w = 0.8 / len(classes)
         for k, name in enumerate(classes):
             ax.bar([i - 0.4 + w * (k + 0.5) for i in x],
-                   [r.peak_waiting[name] for r in rows], w, label=name)
-        ax.set_xticks(list(x), names, rotation=20)
-        ax.set_ylabel("peak requests waiting in one engine")
-        ax.set_title(f"{experiment.key}: peak engine queue", fontsize=10)
+                   [max(r.peak_waiting[name], 0.5) for r in runs], w, label=name)
+        ax.set_yscale("log")
+        ax.set_xticks(x, names, rotation=15, fontsize=8)
+        ax.set_ylabel("peak waiting in one engine (log)")
+        ax.set_title(f"{experiment.key}: peak engine queue by class (0 drawn as 0.5)",
+                     fontsize=10)
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle("txlb policies, simulated heterogeneous fleet: "
-                 + "; ".join(f"{e.key} = {e.title}" for e in EXPERIMENTS[:2]) + "\n"
-                 + "; ".join(f"{e.key} = {e.title}" for e in EXPERIMENTS[2:]), fontsize=9)
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
-    fig.savefig(path, dpi=90)
+    if len(loads) > 1:
+        for col, key in enumerate(("A", "C", "D")):
+            ax = axes[-1][col]
+            by_load = [pick(results, key, params.seed, load) for load in loads]
+            if not by_load[0]:
+                ax.set_visible(False)
+                continue
+            for policy in by_load[0]:
+                ax.plot(loads, [s[policy].mean_completion for s in by_load], marker="o",
+                        label=policy)
+            ax.set_yscale("log")
+            ax.set_xlabel("load (x full-batch capacity)")
+            ax.set_ylabel("mean completion s (log)")
+            ax.set_title(f"{key}: mean completion vs load", fontsize=10)
+            ax.legend(fontsize=7)
+            ax.grid(alpha=0.3)
+    fig.suptitle(
+        "txlb policies, simulated 4 fast + 2 medium + 2 slow engines, seed "
+        f"{params.seed}, load {params.load:g}\n"
+        + "; ".join(f"{e.key} = {e.title}" for e in EXPERIMENTS[:2]) + "\n"
+        + "; ".join(f"{e.key} = {e.title}" for e in EXPERIMENTS[2:]), fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
 # -- main -------------------------------------------------------------------------------------
 
+Job = tuple[Experiment, str, Params, str]
 
-def _run_job(job: tuple[Experiment, str, Params]) -> RunResult:
+
+def _run_job(job: Job) -> RunResult:
     return run(*job)
+
+
+def jobs_for(params: Params, seeds: Sequence[int], loads: Sequence[float]) -> list[Job]:
+    """Every run the report needs, each once."""
+    wanted: dict[tuple[str, str, int, float, str], Job] = {}
+
+    def add(experiment: Experiment, policy: str, seed: int, load: float,
+            observe_at: str = "end") -> None:
+        run_params = dataclasses.replace(params, seed=seed, load=load)
+        wanted[(experiment.key, policy, seed, load, observe_at)] = (
+            experiment, policy, run_params, observe_at)
+
+    for experiment in EXPERIMENTS:
+        for policy in experiment.policies:
+            for seed in seeds:
+                add(experiment, policy, seed, params.load)
+            if experiment.key != "B":
+                for load in loads:
+                    add(experiment, policy, params.seed, load)
+    for experiment in (EXPERIMENTS[0], EXPERIMENTS[3]):
+        add(experiment, "latency", params.seed, params.load, "first-token")
+    # the longest runs (overloaded round-robin/random, high loads) first, for the pool
+    return sorted(wanted.values(), key=lambda job: -job[2].load)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.policies", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seed", type=int, default=Params.seed)
-    parser.add_argument("--requests", type=int, default=Params.requests)
+    parser.add_argument("--seed", type=int, default=Params.seed,
+                        help="seed of the main tables (default %(default)s)")
+    parser.add_argument("--seeds", type=int, default=5,
+                        help="seeds in the seed table: --seed and the next ones "
+                             "(default %(default)s; 1 leaves the table out)")
+    parser.add_argument("--requests", type=int, default=Params.requests,
+                        help="requests per run (default %(default)s)")
     parser.add_argument("--load", type=float, default=Params.load,
-                        help="arrival rate as a fraction of full-batch capacity")
+                        help="arrival rate as a fraction of full-batch capacity "
+                             "(default %(default)s)")
+    parser.add_argument("--loads", default="0.7,0.8,0.9,0.95",
+                        help="comma-separated loads of the load table, '' to leave it out "
+                             "(default %(default)s)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                        help="worker processes (results do not depend on it)")
+                        help="worker processes; results do not depend on it")
     parser.add_argument("--out", type=Path, default=RESULTS,
                         help="directory for policies.md and policies.png")
     args = parser.parse_args(argv)
     params = Params(seed=args.seed, requests=args.requests, load=args.load)
+    seeds = [args.seed + k for k in range(max(1, args.seeds))]
+    loads = sorted({float(x) for x in args.loads.split(",") if x.strip()} | {args.load}) \
+        if args.loads.strip() else [args.load]
 
     started = time.perf_counter()
-    jobs = [(e, p, params) for e in EXPERIMENTS for p in e.policies]
+    jobs = jobs_for(params, seeds, loads)
+    print(f"{len(jobs)} runs on {args.jobs} processes ...", file=sys.stderr, flush=True)
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as executor:
-            results = list(executor.map(_run_job, jobs))
+            results = list(executor.map(_run_job, jobs, chunksize=1))
     else:
         results = [_run_job(job) for job in jobs]
     wall = time.perf_counter() - started
 
     workload = make_workload(params, 1)
-    report = markdown(results, params, workload, wall)
+    command = "python -m bench.policies" + "".join(
+        f" {arg}" for arg in (argv if argv is not None else sys.argv[1:]))
+    report = markdown(results, params, seeds, loads, workload, wall, command)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "policies.md").write_text(report)
-    plot(results, args.out / "policies.png")
+    plot(results, params, loads, args.out / "policies.png")
     print(report)
     print(f"\nwrote {args.out / 'policies.md'} and {args.out / 'policies.png'} "
           f"({wall:.0f} s; slowest run {max(r.wall_seconds for r in results):.1f} s)")

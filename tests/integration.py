@@ -152,7 +152,7 @@ class TwistdProcess:
             if self.process.poll() is not None:
                 raise AssertionError(f"twistd exited early:\n{self.output()}")
             output = self.output()
-            match = re.search(r"_ProxySite starting on (\d+)", output)
+            match = re.search(r"\bProxySite starting on (\d+)", output)
             if match:
                 self.port = int(match.group(1))
             admin = re.search(r"_AdminSite starting on (\d+)", output)

@@ -31,8 +31,10 @@ from ._health import HealthChecker
 from ._metrics import Metrics
 from ._policies import PeakEwmaLatency, make_policy
 from ._proxy import ProxyContext, ProxyResource
+from ._ratelimit import RateLimiter, TokenBuckets
 from ._resultlog import open_result_log
 from ._routing import ModelRoute, Router
+from ._site import ProxySite
 from ._summary import RequestRecord, summarize
 
 log = Logger()
@@ -43,17 +45,6 @@ CACHED_CONNECTION_TIMEOUT = 4.0
 #: Agent's default of 2 idle connections per backend makes a busy proxy open and close a
 #: connection per request; LLM fleets run hundreds of concurrent requests per backend.
 MAX_PERSISTENT_PER_HOST = 256
-
-
-class _ProxySite(Site):
-    """
-    A Site without twisted.web's access log: formatting a Common Log Format line per
-    request costs the proxy throughput, and txlb's own per-request result log is the one
-    operators read.
-    """
-
-    def log(self, request: Any) -> None:
-        pass
 
 
 class _LifecycleService(Service):
@@ -193,8 +184,14 @@ class LoadBalancer:
             on_answer=self.pool.record_answer,
             on_retry=self.metrics.retries.inc,
         )
+        limiter = None
+        if config.rate_limit is not None:
+            burst = config.rate_burst or max(1, math.ceil(config.rate_limit))
+            limiter = RateLimiter(TokenBuckets(config.rate_limit, burst, reactor.seconds),
+                                  config.rate_key)
         self.proxy = ProxyResource(self.router, context, retry_after=retry_after,
-                                   affinity=config.affinity)
+                                   affinity=config.affinity, rate_limiter=limiter,
+                                   max_body=config.max_body)
 
     def _request_ended(self, record: RequestRecord) -> None:
         """
@@ -228,7 +225,9 @@ class LoadBalancer:
 
     def site(self) -> Site:
         """A ``Site`` serving only the proxy (what ``twistd llmlb`` listens with)."""
-        return _ProxySite(self.resource())
+        return ProxySite(self.proxy, max_body=self.config.max_body,
+                         header_timeout=self.config.header_timeout,
+                         on_refused=self.proxy.log_refused, reactor=self.reactor)
 
     def service(self) -> IService:
         """

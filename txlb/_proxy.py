@@ -33,6 +33,7 @@ from zope.interface import implementer
 from ._backend import Backend, Lease, Pool
 from ._errors import error_body, write_body, write_json
 from ._headers import downstream_response_headers, flatten, upstream_request_headers
+from ._ratelimit import RateLimiter
 from ._relay import BodyRelay
 from ._routing import Router, RoutingError
 from ._summary import RequestRecord, parse_json_object
@@ -518,8 +519,11 @@ class ProxyResource(Resource):
     isLeaf = True
 
     def __init__(self, router: Router, context: ProxyContext, retry_after: float = 1,
-                 affinity: str | None = None) -> None:
+                 affinity: str | None = None, rate_limiter: RateLimiter | None = None,
+                 max_body: int = 0) -> None:
         super().__init__()
+        self.rate_limiter = rate_limiter
+        self.max_body = max_body
         self.router = router
         self.context = context
         self.clock = context.clock
@@ -563,6 +567,17 @@ class ProxyResource(Resource):
             if request.channel is not None:
                 request.channel.loseConnection()
             return NOT_DONE_YET
+        if self.max_body and len(record.request_body) > self.max_body:
+            # only when mounted in a Site of the embedder's: ProxySite refuses it earlier
+            self._refuse(request, record, 413, f"the request body is over the limit of "
+                                               f"{self.max_body} bytes")
+            return NOT_DONE_YET
+        if self.rate_limiter is not None:
+            wait = self.rate_limiter.check(request)
+            if wait is not None:
+                self._refuse(request, record, 429, "rate limit exceeded for this client; "
+                                                   f"retry in {wait}s", wait)
+                return NOT_DONE_YET
         model, session = self._route_keys(request, record)
         waiting = self.router.acquire(model, session)
 
@@ -628,6 +643,22 @@ class ProxyResource(Resource):
         """End every request still in flight (the shutdown timeout ran out)."""
         for exchange in list(self.live):
             exchange.abort(reason)
+
+    def log_refused(self, request: Request, status: int, body: bytes) -> None:
+        """A request the Site refused before it got here (413 while the body arrived)."""
+        record = RequestRecord(
+            started=self.clock.seconds(),
+            method=request.method or b"-",
+            path=local_path(request) if request.uri else b"-",
+            orid_header=request.getHeader(b"x-orid"),
+            request_body=b"",
+            status=status,
+            outcome="proxy_error",
+            content_type=b"application/json",
+        )
+        record.capture(body)
+        record.ended = record.started
+        self.on_end(record)
 
     def _refuse(self, request: Request, record: RequestRecord, status: int, message: str,
                 retry_after: int | None = None) -> None:

@@ -1,0 +1,94 @@
+"""
+Per-client token buckets (``--rate-limit``, ``--rate-burst``, ``--rate-key``).
+
+Each client key has a bucket of ``burst`` tokens refilled at ``rate`` per second; a request
+takes one token or is refused with 429 and a ``Retry-After`` saying when one will be there.
+
+Memory stays bounded however many distinct keys arrive: a bucket untouched long enough to
+be full again is indistinguishable from a new one, so it is dropped (checked from the
+least recently used end, O(1) per request), and beyond :data:`MAX_KEYS` live buckets the
+least recently used is dropped too (which only ever errs on the lenient side).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+
+from twisted.web.server import Request
+
+#: Live buckets kept at most; a bucket costs roughly 100 bytes.
+MAX_KEYS = 100_000
+
+
+class TokenBuckets:
+    """The buckets of all client keys, on an injected clock."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float],
+                 max_keys: int = MAX_KEYS) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._now = clock
+        self.max_keys = max_keys
+        # key -> (tokens, time of last update), least recently used first
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self._refill_time = burst / rate
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def take(self, key: str) -> float:
+        """
+        Take a token for ``key``.  Returns 0 if allowed, else the seconds until a token
+        will be available.
+        """
+        now = self._now()
+        self._evict(now)
+        tokens, stamp = self._buckets.pop(key, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - stamp) * self.rate)
+        if tokens >= 1:
+            self._buckets[key] = (tokens - 1, now)
+            return 0.0
+        self._buckets[key] = (tokens, now)
+        return (1 - tokens) / self.rate
+
+    def _evict(self, now: float) -> None:
+        buckets = self._buckets
+        while buckets:
+            key, (_, stamp) = next(iter(buckets.items()))
+            if now - stamp < self._refill_time and len(buckets) < self.max_keys:
+                break
+            del buckets[key]
+
+
+class RateLimiter:
+    """Maps a request to its client key and its key to a bucket."""
+
+    def __init__(self, buckets: TokenBuckets, key: str) -> None:
+        self.buckets = buckets
+        self.key = key
+
+    def client_key(self, request: Request) -> str:
+        """
+        ``ip``: the client's address; ``token``: a digest of the bearer token (the token
+        itself is never kept); ``header:NAME``: that header's value.  A request without the
+        header or token shares the bucket of its address.
+        """
+        if self.key == "token":
+            credentials = request.getHeader(b"authorization") or b""
+            scheme, _, token = credentials.partition(b" ")
+            if scheme.lower() == b"bearer" and token.strip():
+                return "token:" + hashlib.sha256(token.strip()).hexdigest()[:32]
+        elif self.key.startswith("header:"):
+            value = request.getHeader(self.key[len("header:"):].encode("ascii"))
+            if value:
+                return "header:" + value.decode("utf-8", "replace")
+        address = request.getClientAddress()
+        return "ip:" + str(getattr(address, "host", address))
+
+    def check(self, request: Request) -> int | None:
+        """``None`` if the request may go, else the whole seconds for ``Retry-After``."""
+        wait = self.buckets.take(self.client_key(request))
+        return None if wait <= 0 else max(1, math.ceil(wait))
