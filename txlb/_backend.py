@@ -54,6 +54,9 @@ class Backend:
     learned_models: tuple[str, ...] | None = None
     model_entries: dict[str, dict[str, object]] = attrs.field(factory=dict)
     up_since: float | None = None
+    #: set by the pool: its clock and slow-start length, for :attr:`effective_weight`
+    clock: Callable[[], float] | None = attrs.field(default=None, repr=False)
+    slow_start: float = 0.0
     errors_in_a_row: int = 0
     outlier_ejections: int = 0
     ejected_until: float | None = None
@@ -75,9 +78,19 @@ class Backend:
         return self.spec.weight
 
     @property
+    def ramp(self) -> float:
+        """
+        Slow start: how far a recovered backend's weight has ramped back up, from a
+        hundredth (never zero: it must be choosable) to 1 over ``slow_start`` seconds.
+        """
+        if not self.slow_start or self.up_since is None or self.clock is None:
+            return 1.0
+        return max(0.01, min(1.0, (self.clock() - self.up_since) / self.slow_start))
+
+    @property
     def effective_weight(self) -> float:
-        """The weight policies use (the configured weight; slow start may lower it)."""
-        return float(self.spec.weight)
+        """The weight policies use: the configured weight, scaled during slow start."""
+        return self.spec.weight * self.ramp
 
     @property
     def models(self) -> tuple[str, ...] | None:
@@ -187,8 +200,9 @@ class Pool:
 
     def __init__(self, specs: tuple[BackendSpec, ...] = (),
                  clock: Callable[[], float] | None = None,
-                 outliers: OutlierRule | None = None) -> None:
+                 outliers: OutlierRule | None = None, slow_start: float = 0.0) -> None:
         self._now = clock or (lambda: 0.0)
+        self.slow_start = slow_start
         self.outliers = outliers or OutlierRule()
         self._backends: dict[str, Backend] = {}
         self._idle_waiters: list[Deferred[None]] = []
@@ -212,7 +226,8 @@ class Pool:
     def add(self, spec: BackendSpec) -> Backend:
         if spec.key in self._backends:
             raise ValueError(f"backend {spec.key} already exists")
-        backend = self._backends[spec.key] = Backend(spec)
+        backend = self._backends[spec.key] = Backend(spec, clock=self._now,
+                                                     slow_start=self.slow_start)
         self._capacity_changed()
         return backend
 
@@ -318,11 +333,7 @@ class Pool:
         self.mark_down(backend, f"outlier: {rule.consecutive_5xx} 5xx answers in a row; "
                                 f"ejected for {cooldown:g}s")
 
-    def ramp(self, backend: Backend, slow_start: float) -> float:
-        """How much of its full share a recovered backend gets now (0 < ramp <= 1)."""
-        if not slow_start or backend.up_since is None:
-            return 1.0
-        return max(0.0, min(1.0, (self._now() - backend.up_since) / slow_start))
+
 
     # -- what the prober learns ---------------------------------------------------------
 

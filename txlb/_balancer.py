@@ -144,7 +144,8 @@ class LoadBalancer:
             config.log_file, config.log_max_bytes, config.log_backups, config.log_format, reactor
         )
         self.pool = Pool(config.backends, clock=reactor.seconds, outliers=OutlierRule(
-            consecutive_5xx=config.outlier_5xx, base_cooldown=config.outlier_cooldown))
+            consecutive_5xx=config.outlier_5xx, base_cooldown=config.outlier_cooldown),
+            slow_start=config.slow_start)
         self.metrics = Metrics(self.pool)
         retry_after = max(1, math.ceil(config.health_interval))
         self.policy = make_policy(config.policy, reactor.seconds, rng)
@@ -157,7 +158,6 @@ class LoadBalancer:
             routes={r.model: ModelRoute(r.model, r.targets) for r in config.routes},
             affinity=BoundedLoadRing() if config.affinity else None,
             rng=rng,
-            slow_start=config.slow_start,
         )
         self.router.on_queue_wait = self.metrics.queue_wait.observe
         self.agent = agent

@@ -35,46 +35,53 @@ def load(backend: Backend) -> float:
     return backend.active / backend.effective_weight
 
 
-class _Rotation:
+class _WeightedTies:
     """
-    Round-robin among equally good backends.
-
-    Remembers the last backend chosen (by key, so membership changes do not shift it); the
-    next tie goes to the first tied backend after it in pool order.  Without this, an idle
-    fleet would send a sequence of short requests to the first GPU every time.
+    Breaks ties between equally good backends by smooth weighted round-robin, as nginx's
+    ``least_conn`` does.  On an idle fleet of equal weights that is plain rotation (a
+    sequence of short requests visits every GPU, not the first one each time); with
+    weights -- including a weight still ramping up after recovery (slow start) -- each
+    backend gets its weight's share of the ties.
     """
 
     def __init__(self) -> None:
-        self._last: str | None = None
+        self._current: dict[str, float] = {}
 
-    def pick(self, candidates: Sequence[Backend], tied: Sequence[Backend]) -> Backend:
-        chosen = tied[0]
-        if self._last is not None and len(tied) > 1:
-            keys = [b.key for b in candidates]
-            start = keys.index(self._last) + 1 if self._last in keys else 0
-            tied_keys = {b.key for b in tied}
-            ordered = [*candidates[start:], *candidates[:start]]
-            chosen = next(b for b in ordered if b.key in tied_keys)
-        self._last = chosen.key
-        return chosen
+    def pick(self, tied: Sequence[Backend]) -> Backend:
+        if len(tied) == 1:
+            return tied[0]
+        total = 0.0
+        best: Backend | None = None
+        for backend in tied:
+            weight = backend.effective_weight
+            current = self._current.get(backend.key, 0.0) + weight
+            self._current[backend.key] = current
+            total += weight
+            if best is None or current > self._current[best.key]:
+                best = backend
+        assert best is not None
+        self._current[best.key] -= total
+        return best
 
     def best(self, candidates: Sequence[Backend],
              score: Callable[[Backend], float]) -> Backend:
-        lowest = min(score(b) for b in candidates)
-        return self.pick(candidates, [b for b in candidates if score(b) == lowest])
+        scores = [score(b) for b in candidates]
+        lowest = min(scores)
+        return self.pick([b for b, s in zip(candidates, scores, strict=True)
+                          if s <= lowest * (1 + 1e-9) + 1e-12])
 
 
 @implementer(IPolicy)
 class LeastConnections:
-    """Fewest in-flight requests per unit of weight; ties are broken round-robin."""
+    """Fewest in-flight requests per unit of weight; ties by smooth weighted round-robin."""
 
     name = "least-conn"
 
     def __init__(self) -> None:
-        self._rotation = _Rotation()
+        self._ties = _WeightedTies()
 
     def choose(self, candidates: Sequence[Backend]) -> Backend:
-        return self._rotation.best(candidates, load)
+        return self._ties.best(candidates, load)
 
 
 @implementer(IPolicy)
@@ -90,21 +97,10 @@ class SmoothWeightedRoundRobin:
     name = "round-robin"
 
     def __init__(self) -> None:
-        self._current: dict[str, float] = {}
+        self._order = _WeightedTies()
 
     def choose(self, candidates: Sequence[Backend]) -> Backend:
-        total = 0.0
-        best: Backend | None = None
-        for backend in candidates:
-            weight = backend.effective_weight
-            current = self._current.get(backend.key, 0.0) + weight
-            self._current[backend.key] = current
-            total += weight
-            if best is None or current > self._current[best.key]:
-                best = backend
-        assert best is not None
-        self._current[best.key] -= total
-        return best
+        return self._order.pick(candidates)
 
 
 @implementer(IPolicy)
@@ -166,7 +162,7 @@ class PeakEwmaLatency:
     def __init__(self, clock: Callable[[], float], decay: float = 10.0) -> None:
         self._now = clock
         self.decay = decay
-        self._rotation = _Rotation()
+        self._ties = _WeightedTies()
 
     def observe(self, backend: Backend, seconds: float) -> None:
         """Fold one latency sample into the backend's peak-EWMA."""
@@ -184,7 +180,7 @@ class PeakEwmaLatency:
     def choose(self, candidates: Sequence[Backend]) -> Backend:
         unmeasured = [b for b in candidates if b.peak_ewma is None]
         if unmeasured:
-            return self._rotation.best(unmeasured, load)
+            return self._ties.best(unmeasured, load)
 
         def cost(backend: Backend) -> float:
             assert backend.peak_ewma is not None
@@ -192,7 +188,7 @@ class PeakEwmaLatency:
 
         lowest = min(cost(b) for b in candidates)
         tied = [b for b in candidates if cost(b) <= lowest * (1 + 1e-9)]
-        return self._rotation.best(tied, load)
+        return self._ties.best(tied, load)  # equal cost: fewer in flight, then by weight
 
 
 @implementer(IPolicy)
@@ -210,7 +206,7 @@ class QueueDepth:
     name = "queue-depth"
 
     def __init__(self) -> None:
-        self._rotation = _Rotation()
+        self._ties = _WeightedTies()
 
     @staticmethod
     def depth(backend: Backend) -> float:
@@ -219,7 +215,7 @@ class QueueDepth:
         return (backend.engine_depth + backend.started_since_scrape) / backend.effective_weight
 
     def choose(self, candidates: Sequence[Backend]) -> Backend:
-        return self._rotation.best(candidates, self.depth)
+        return self._ties.best(candidates, self.depth)
 
 
 POLICY_NAMES = ("least-conn", "round-robin", "random", "p2c", "latency", "queue-depth")

@@ -70,9 +70,7 @@ class Router:
         routes: Mapping[str, ModelRoute] | None = None,
         affinity: BoundedLoadRing | None = None,
         rng: random.Random | None = None,
-        slow_start: float = 0.0,
     ) -> None:
-        self.slow_start = slow_start
         self.pool = pool
         self.policy = policy
         self.clock = clock
@@ -165,22 +163,8 @@ class Router:
         if session is not None and self.affinity is not None:
             chosen = self.affinity.choose(session, candidates)
         else:
-            chosen = self._choose(candidates)
-        return self.pool.acquire(chosen)
-
-    def _choose(self, candidates: list[Backend]) -> Backend:
-        """
-        The policy's choice, with slow start: a backend still ramping up after recovery
-        keeps the policy's pick only with probability equal to its ramp (0 to 1 over
-        ``slow_start`` seconds), else the policy chooses again among the others -- so its
-        share of new requests grows linearly, whatever the policy.
-        """
-        while True:
             chosen = self.policy.choose(candidates)
-            ramp = self.pool.ramp(chosen, self.slow_start)
-            if ramp >= 1 or len(candidates) == 1 or self._rng.random() < ramp:
-                return chosen
-            candidates = [b for b in candidates if b is not chosen]
+        return self.pool.acquire(chosen)
 
     # -- the queue ----------------------------------------------------------------------
 

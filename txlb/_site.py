@@ -13,7 +13,8 @@ second (slowloris).  The channel and request here add what nginx calls
   so far) exceeds ``max_body``, without buffering past the limit, and never lets the
   refused request reach the proxy.
 
-Oversized header blocks are refused by twisted.web itself (400 past 16 KiB or 500 headers).
+Oversized header blocks are refused: a line over 16 KiB with 431 (here), more than 16 KiB or
+500 headers in all with twisted.web's own 400.
 """
 
 from __future__ import annotations
@@ -67,6 +68,15 @@ class ProxyChannel(HTTPChannel):
         self._cancel_deadline()
         super().connectionLost(reason)
 
+    def lineLengthExceeded(self, line: bytes) -> None:
+        """A request line or header over 16 KiB: 431, as nginx answers, not a bare close."""
+        self._cancel_deadline()
+        if self.transport is not None:
+            body = error_body(431, "request header fields too large")
+            self.transport.write(
+                _raw_response(431, b"Request Header Fields Too Large", body))
+            self.transport.loseConnection()
+
     def _cancel_deadline(self) -> None:
         if self._head_deadline is not None and self._head_deadline.active():
             self._head_deadline.cancel()
@@ -115,10 +125,10 @@ class LimitedRequest(Request):
             return
         super().handleContentChunk(data)
 
-    def process(self) -> None:
+    def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
         if self._refused:
             return  # answered already; the proxy never sees it
-        super().process()
+        super().requestReceived(command, path, version)
 
     def _refuse(self, message: str) -> None:
         self._refused = True
