@@ -32,8 +32,12 @@ class ConfigError(ValueError):
     A bad option value, unreadable config file or malformed backend.
 
     The message is complete on its own (it names the option and the value), so callers can
-    print it as the single line that explains why start-up stopped.
+    print it as the single line that explains why start-up stopped -- one line even when a
+    value or an underlying error message holds a newline.
     """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message.replace("\r", "\\r").replace("\n", "\\n"))
 
 
 @attrs.frozen
