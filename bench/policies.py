@@ -1060,7 +1060,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=Params.seed,
                         help="seed of the main tables (default %(default)s)")
-    parser.add_argument("--seeds", type=int, default=5,
+    parser.add_argument("--seeds", type=int, default=4,
                         help="seeds in the seed table: --seed and the next ones "
                              "(default %(default)s; 1 leaves the table out)")
     parser.add_argument("--requests", type=int, default=Params.requests,
