@@ -50,7 +50,8 @@ Poisson arrivals; output lengths lognormal (median 200 tokens, p99 about 3000, c
 arrival rate is ``load`` times the fleet's capacity, where an engine's capacity is
 ``max_num_seqs / (mean prefill time + mean decode time at a full batch)`` requests/s,
 computed from the generated workload itself -- the throughput the fleet reaches only if
-every engine is kept exactly full, so ``load`` is an optimistic utilisation figure.
+every engine is kept exactly full; a real scheduler cannot quite do that, so the
+effective utilisation is somewhat above ``load``.
 The same request sequence (arrival times, lengths, replica choice) is replayed for every
 policy; every random draw comes from ``random.Random`` seeded from ``--seed``.  All
 requests are measured, including the cold start (no warm-up is discarded).
@@ -65,9 +66,18 @@ C. one balancer, weights 1, ``max_conns = max_num_seqs``: the excess waits in th
 D. three balancer replicas over the same engines, each arrival to a random replica,
    weights 1, no cap: each replica's pool sees only its own in-flight requests.
 
+Each experiment runs every policy.  Besides the main tables (``--seed``, ``--load``) the
+report repeats all four experiments over ``--seeds`` seeds (median and range, and each
+policy's rank per seed), runs A, C and D at the ``--loads``, and has a diagnostics table
+of where each policy puts the requests (time-averaged requests per engine, and how
+unevenly it loads the four identical fast engines), including two what-if runs of the
+``latency`` policy fed its sample at the first token rather than at the end.  A
+"Recommendation" section is generated from those numbers.
+
 Run from the repository root::
 
-    python -m bench.policies              # about a minute and a half on 2 cores
+    python -m bench.policies              # 152 runs of 20000 requests: ~75 s on 2 cores
+    python -m bench.policies --seeds 1 --loads ''   # main tables only: ~15 s
     python -m bench.policies --help
 
 Tables go to standard output and ``bench/results/policies.md``, the plot to
@@ -471,6 +481,9 @@ def run(experiment: Experiment, policy_name: str, params: Params,
         leaked = [b.key for b in pool if b.active]
         if leaked:
             raise RuntimeError(f"in-flight counts left over on {leaked}")
+    busy = [e.key for e in engines.values() if e.running or e.waiting or e._finishing]
+    if busy or len(requests) != len(workload.arrivals):
+        raise RuntimeError(f"requests left over on {busy} or never arrived")
     result = summarise(experiment, policy_name, requests, engines, specs, clock.seconds(),
                        time.perf_counter() - started_wall)
     return dataclasses.replace(result, seed=params.seed, load=params.load,
@@ -649,11 +662,11 @@ def diagnostic_table(results: Sequence[RunResult], seed: int, load: float) -> st
         rows.append(("A", f"`{policy}`", r))
     for experiment in ("A", "D"):
         for observe_at in ("end", "first-token"):
-            r = pick(results, experiment, seed, load, observe_at).get("latency")
-            if r is not None and (experiment, observe_at) != ("A", "end"):
+            found = pick(results, experiment, seed, load, observe_at).get("latency")
+            if found is not None and (experiment, observe_at) != ("A", "end"):
                 what = "TTFT at request end (txlb)" if observe_at == "end" else \
                     "TTFT at first token (what-if)"
-                rows.append((experiment, f"`latency`, {what}", r))
+                rows.append((experiment, f"`latency`, {what}", found))
     for experiment, label, r in rows:
         lines.append(
             f"| {experiment} | {label} | "
@@ -790,6 +803,7 @@ def recommendation(results: Sequence[RunResult], params: Params, seeds: Sequence
         + _refusals(results, "C", seed, loads) + ")."
     )
     lc_d, qd_d, p2c_d = d["least-conn"], d["queue-depth"], d["p2c"]
+    replicas = next(e.replicas for e in EXPERIMENTS if e.key == "D")
     ratio = med("D", "queue-depth") / med("D", "least-conn")
     high = max(loads)
     hi = pick(results, "D", seed, high)
@@ -799,7 +813,7 @@ def recommendation(results: Sequence[RunResult], params: Params, seeds: Sequence
            if abs(ratio - 1) <= 0.03 else
            "`queue-depth` beats local `least-conn`.**  " if ratio < 1 else
            "local `least-conn` beats `queue-depth`.**  ")
-        + f"Three replicas sprayed at random: `least-conn` "
+        + f"{replicas} replicas sprayed at random: `least-conn` "
         f"{lc_d.mean_completion:.1f} s mean / {lc_d.p99_ttft:.2f} s p99 TTFT (one "
         f"balancer: {lc.mean_completion:.1f} s / {lc.p99_ttft:.2f} s); `queue-depth` "
         f"{qd_d.mean_completion:.1f} s / {qd_d.p99_ttft:.2f} s; mean-completion ratio "
@@ -809,12 +823,25 @@ def recommendation(results: Sequence[RunResult], params: Params, seeds: Sequence
            if hi else "")
         + f".  Random spraying makes each replica's in-flight counts a fair sample of "
         "the fleet's, so equalising them locally very nearly equalises them globally; "
-        "and at a few requests per replica per scrape interval, replicas do not visibly "
-        "herd onto the same engine.  `p2c` "
+        f"and with about {workload.rate / replicas * params.scrape_interval:.0f} requests per "
+        "replica per scrape interval spread over 8 engines, replicas do not visibly herd "
+        "onto the same engine.  `p2c` "
         f"({p2c_d.mean_completion:.1f} s, p99 TTFT {p2c_d.p99_ttft:.2f} s) "
         + ("gains nothing from its anti-herding randomness"
            if med("D", "p2c") >= med("D", "least-conn") else "does slightly better")
-        + ".  `queue-depth` should matter when the engines "
+        + ".  "
+        + (f"Near saturation `queue-depth` has the longer TTFT tail, with one balancer as "
+           f"with three (load {high:g}, p99 TTFT: one balancer "
+           f"{pick(results, 'A', seed, high)['queue-depth'].p99_ttft:.2f} s vs "
+           f"{pick(results, 'A', seed, high)['least-conn'].p99_ttft:.2f} s for `least-conn`; "
+           f"three replicas {hi['queue-depth'].p99_ttft:.2f} s vs "
+           f"{hi['least-conn'].p99_ttft:.2f} s), presumably because between scrapes it "
+           "counts the requests it sent but not the ones that finished.  "
+           if hi and pick(results, "A", seed, high)
+           and hi["queue-depth"].p99_ttft > 1.1 * hi["least-conn"].p99_ttft
+           and pick(results, "A", seed, high)["queue-depth"].p99_ttft
+           > 1.1 * pick(results, "A", seed, high)["least-conn"].p99_ttft else "")
+        + "`queue-depth` should matter when the engines "
         "carry load a replica cannot count -- skewed or sticky client-to-replica "
         "traffic, direct clients, other balancers -- none of which is modelled."
     )
@@ -991,6 +1018,9 @@ def plot(results: Sequence[RunResult], params: Params, loads: Sequence[float],
             ax.bar([i - 0.4 + w * (k + 0.5) for i in x],
                    [max(r.peak_waiting[name], 0.5) for r in runs], w, label=name)
         ax.set_yscale("log")
+        if all(r.peak_waiting_max == 0 for r in runs):
+            ax.text(0.5, 0.5, "no request ever waited inside an engine", ha="center",
+                    va="center", transform=ax.transAxes, fontsize=9)
         ax.set_xticks(x, names, rotation=15, fontsize=8)
         ax.set_ylabel("peak waiting in one engine (log)")
         ax.set_title(f"{experiment.key}: peak engine queue by class (0 drawn as 0.5)",
@@ -1004,12 +1034,15 @@ def plot(results: Sequence[RunResult], params: Params, loads: Sequence[float],
             if not all(by_load):
                 ax.set_visible(False)
                 continue
+            values = [s[policy].mean_completion for s in by_load for policy in s]
             for policy in by_load[0]:
                 ax.plot(loads, [s[policy].mean_completion for s in by_load], marker="o",
                         label=policy)
-            ax.set_yscale("log")
+            log = max(values) > 3 * min(values)
+            if log:
+                ax.set_yscale("log")
             ax.set_xlabel("load (x full-batch capacity)")
-            ax.set_ylabel("mean completion s (log)")
+            ax.set_ylabel("mean completion s" + (" (log)" if log else ""))
             ax.set_title(f"{key}: mean completion vs load", fontsize=10)
             ax.legend(fontsize=7)
             ax.grid(alpha=0.3)

@@ -1,0 +1,110 @@
+"""The generated nginx configuration: the right directives, and nginx accepts it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from twisted.trial.unittest import SkipTest, SynchronousTestCase
+
+from txlb import build_config
+from txlb.nginx import listen_directive, render
+
+from .integration import ROOT
+
+NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists()
+                                  else None)
+
+
+def conf(**options: object) -> str:
+    given = {"backends": "127.0.0.1:8002,127.0.0.1:8003", **{
+        k.replace("_", "-"): v for k, v in options.items()}}
+    return render(build_config(given, {}))
+
+
+class GeneratedConfigTests(SynchronousTestCase):
+    def test_defaults_map_to_nginx(self) -> None:
+        text = conf()
+        for directive in (
+            "upstream txlb_backends {", "least_conn;",
+            "server 127.0.0.1:8002 max_fails=1 fail_timeout=10s;", "keepalive 64;",
+            "listen 8000;", "client_max_body_size 64m;", "proxy_http_version 1.1;",
+            'proxy_set_header Connection "";', "proxy_buffering off;",
+            "proxy_read_timeout 300s;", "proxy_connect_timeout 5s;",
+            "proxy_next_upstream error http_502 http_503 non_idempotent;",
+            "proxy_next_upstream_tries 3;", "proxy_next_upstream_timeout 10s;",
+            "proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;",
+            "proxy_set_header X-Forwarded-Proto $scheme;",
+            "add_header X-Backend $txlb_backend always;",
+            "add_header X-Backend-Port $txlb_backend_port always;",
+            "location = /__lb_status {",
+        ):
+            self.assertIn(directive, text)
+        self.assertNotIn("timeout http_502", text)  # a timeout is never retried
+
+    def test_policies_weights_caps(self) -> None:
+        self.assertIn("random two least_conn;", conf(policy="p2c"))
+        self.assertIn("    random;", conf(policy="random"))
+        self.assertNotIn("least_conn", conf(policy="round-robin"))
+        self.assertIn("--policy queue-depth: no nginx equivalent", conf(policy="queue-depth"))
+        self.assertIn("hash $http_x_session consistent;", conf(affinity="header:X-Session"))
+        path = self.mktemp()
+        Path(path).write_text('[[backends]]\nurl = "127.0.0.1:9000"\nweight = 3\n'
+                              'max_conns = 8\n')
+        self.assertIn("server 127.0.0.1:9000 weight=3 max_conns=8",
+                      render(build_config({"config": path}, {})))
+
+    def test_limits_and_retries(self) -> None:
+        text = conf(max_body="1MiB", read_timeout="2.5", retries="0", rate_limit="30/m",
+                    rate_burst="5", rate_key="token")
+        self.assertIn("client_max_body_size 1m;", text)
+        self.assertIn("proxy_read_timeout 2500ms;", text)
+        self.assertIn("proxy_next_upstream off;", text)
+        self.assertIn("limit_req_zone $http_authorization zone=txlb:10m rate=30r/m;", text)
+        self.assertIn("limit_req zone=txlb burst=5 nodelay;", text)
+
+    def test_what_nginx_cannot_do_is_listed(self) -> None:
+        text = conf()
+        for topic in ("Active health checks", "Model-aware routing", "result log",
+                      "Admin API", "Queueing at max_conns"):
+            self.assertIn(topic, text)
+
+    def test_listen_forms(self) -> None:
+        self.assertEqual(listen_directive("tcp:8000"), "8000")
+        self.assertEqual(listen_directive("tcp:8000:interface=127.0.0.1"), "127.0.0.1:8000")
+        self.assertEqual(listen_directive("tcp6:8000:interface=\\:\\:1"), "[::1]:8000")
+        self.assertEqual(listen_directive("unix:/run/lb.sock"), "unix:/run/lb.sock")
+
+    def test_command_line(self) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        result = subprocess.run([sys.executable, "-m", "txlb.nginx", "--backends",
+                                 "127.0.0.1:1", "--policy", "p2c"],
+                                capture_output=True, text=True, check=True, env=env)
+        self.assertIn("random two least_conn;", result.stdout)
+        bad = subprocess.run([sys.executable, "-m", "txlb.nginx", "--fall", "x"],
+                             capture_output=True, text=True, env=env)
+        self.assertEqual(bad.returncode, 2)
+        self.assertEqual(bad.stderr.strip().count("\n"), 0)
+        self.assertIn("--fall", bad.stderr)
+
+    def test_nginx_accepts_every_variant(self) -> None:
+        if NGINX is None:
+            raise SkipTest("NOT RUN: nginx is not installed (apt-get install nginx)")
+        prefix = Path(self.mktemp()).resolve()
+        prefix.mkdir()
+        variants = [{}, {"policy": "p2c"}, {"policy": "random", "retries": "0"},
+                    {"affinity": "user"}, {"affinity": "header:X-S", "rate_limit": "5/s"},
+                    {"rate_limit": "1/h", "rate_key": "header:X-Team"}]
+        for options in variants:
+            config = build_config({"backends": "127.0.0.1:1,127.0.0.1:2",
+                                   "listen": "tcp:1:interface=127.0.0.1",
+                                   **{k.replace("_", "-"): v for k, v in options.items()}},
+                                  {})
+            (prefix / "nginx.conf").write_text(render(config, str(prefix)))
+            result = subprocess.run([NGINX, "-t", "-p", str(prefix), "-c",
+                                     str(prefix / "nginx.conf")], capture_output=True,
+                                    text=True)
+            self.assertEqual(result.returncode, 0, f"{options}: {result.stderr}")

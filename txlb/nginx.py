@@ -1,0 +1,301 @@
+"""
+``python -m txlb.nginx``: print the nginx configuration equivalent to txlb's options.
+
+The promise that makes txlb safe to adopt: the day the team gets root, nginx replaces it
+and no client changes a line.  This takes the same options as ``twistd llmlb`` (command
+line, environment, ``--config`` file) and prints an nginx ``upstream`` + ``server`` that
+behave the same where nginx can: the policy, weights and caps, keep-alive to the backends,
+streaming without buffering, the timeouts, retries, body limit, forwarded headers,
+``X-Backend``, JSON error bodies for the errors the proxy makes itself, rate limits.  What
+nginx cannot do is listed as comments, each with the closest nginx way.
+
+With ``--standalone PREFIX`` it prints a complete ``nginx.conf`` that runs unprivileged
+with every file under ``PREFIX`` (what the parity tests and the benchmarks start).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from collections.abc import Sequence
+
+from twisted.python import usage
+
+from ._config import Config, ConfigError, build_config
+from .tap import Options as LlmlbOptions
+
+UPSTREAM = "txlb_backends"
+
+
+def _seconds(value: float) -> str:
+    """nginx time: whole seconds where exact, else milliseconds."""
+    return f"{int(value)}s" if float(value).is_integer() else f"{math.ceil(value * 1000)}ms"
+
+
+def _size(value: int) -> str:
+    for unit, factor in (("g", 1024**3), ("m", 1024**2), ("k", 1024)):
+        if value and value % factor == 0:
+            return f"{value // factor}{unit}"
+    return str(value)
+
+
+def listen_directive(endpoint: str) -> str:
+    """A Twisted server endpoint string as an nginx ``listen`` (TCP only)."""
+    parts = re.split(r"(?<!\\):", endpoint)
+    kind = parts[0].lower()
+    if kind == "unix":
+        return f"unix:{parts[1]}"
+    if kind not in ("tcp", "tcp6", "ssl"):
+        raise ConfigError(f"--listen: {endpoint!r} has no nginx equivalent")
+    port = parts[1]
+    interface = next((p.split("=", 1)[1].replace("\\:", ":") for p in parts[2:]
+                      if p.startswith("interface=")), None)
+    address = f"[{interface}]:{port}" if interface and ":" in interface else \
+        f"{interface}:{port}" if interface else port
+    return f"{address} ssl" if kind == "ssl" else address
+
+
+def _error_body(status: int, message: str) -> str:
+    from ._errors import error_body
+
+    return error_body(status, message).decode()
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def upstream_block(config: Config) -> list[str]:
+    lines = [f"upstream {UPSTREAM} {{"]
+    policy = config.policy
+    if config.affinity and config.affinity.startswith("header:"):
+        key = "$http_" + config.affinity.split(":", 1)[1].lower().replace("-", "_")
+        lines.append(f"    hash {key} consistent;  # --affinity (no load bound in nginx)")
+    elif config.affinity:
+        lines.append("    hash $remote_addr consistent;  # --affinity user: nginx cannot read "
+                     "the body's user; the client address is the closest key")
+    elif policy == "least-conn":
+        lines.append("    least_conn;")
+    elif policy == "round-robin":
+        lines.append("    # round-robin: nginx's default (smooth weighted round-robin)")
+    elif policy == "random":
+        lines.append("    random;")
+    elif policy == "p2c":
+        lines.append("    random two least_conn;")
+    else:
+        lines.append("    least_conn;")
+        lines.append(f"    # --policy {policy}: no nginx equivalent; least_conn is the closest"
+                     " (nginx cannot see engine queues or latency)")
+    fail_timeout = _seconds(config.health_interval)
+    for backend in config.backends:
+        extra = f" weight={backend.weight}" if backend.weight != 1 else ""
+        if backend.max_conns:
+            extra += f" max_conns={backend.max_conns}"
+        # one failed connect takes it out until the next "probe", as txlb's passive ejection
+        lines.append(f"    server {backend.key}{extra} max_fails=1 fail_timeout={fail_timeout};")
+    lines += [
+        "    keepalive 64;",
+        "    keepalive_timeout 4s;  # below vLLM's 5 s idle keep-alive",
+        "}",
+    ]
+    return lines
+
+
+def unsupported_notes(config: Config) -> list[str]:
+    """What nginx cannot do, each with the closest nginx way."""
+    notes = [
+        "Active health checks (/health every --health-interval, --fall/--rise): nginx OSS only "
+        "ejects passively (max_fails/fail_timeout above). A dead engine behind a live API "
+        "server keeps getting requests until they fail; nginx Plus has 'health_check "
+        "uri=/health'.",
+        "Model-aware routing: nginx does not read request bodies for routing. Closest: one "
+        "upstream per model and a 'map $http_x_model $pool' on a header the clients send.",
+        "GET /v1/models (union over backends): proxied to one backend instead.",
+        "The result log: use log_format with $upstream_addr $upstream_status $request_time "
+        "$upstream_response_time (see the txlb_results format below); nginx cannot summarise "
+        "the response body (finish reason, tokens) or record the backend's error body.",
+        "Admin API (drain, add, remove, /metrics): edit the upstream (add 'down' to a server "
+        "to drain it) and 'nginx -s reload'; metrics via stub_status or an exporter.",
+        "Queueing at max_conns (--queue-timeout): nginx OSS answers 502 at once when every "
+        "server is at max_conns; nginx Plus has 'queue N timeout=T'.",
+        "--slow-start: nginx Plus only ('slow_start=' on a server).",
+        "--outlier-5xx: closest is 'proxy_next_upstream http_500' with max_fails, which "
+        "also retries.",
+    ]
+    if config.routes:
+        notes.append("[[routes]] model aliases: nginx cannot rewrite the body's model. Closest: "
+                     "split_clients on a request id to separate upstreams per target.")
+    if config.affinity:
+        notes.append("--affinity bounded load: nginx's 'hash ... consistent' has no load bound; "
+                     "a hot session can overload one backend.")
+    return notes
+
+
+def server_block(config: Config) -> list[str]:
+    retries = config.retries
+    status_stub = json.dumps({
+        "healthy": len(config.backends), "total": len(config.backends),
+        "backends": [{"backend": b.key, "healthy": True, "active": 0, "draining": False}
+                     for b in config.backends],
+        "note": "static: nginx OSS has no live upstream state",
+    })
+    lines = [
+        "server {",
+        f"    listen {listen_directive(config.listen)};",
+        f"    client_max_body_size {_size(config.max_body)};",
+        "    client_body_buffer_size 1m;",
+        f"    client_header_timeout {_seconds(config.header_timeout)};",
+        "    large_client_header_buffers 4 16k;",
+        "",
+        "    location = /__lb_status {",
+        "        default_type application/json;",
+        f"        return 200 {_quote(status_stub)};",
+        "    }",
+        "",
+        "    location / {",
+        f"        proxy_pass http://{UPSTREAM};",
+        "        proxy_http_version 1.1;",
+        '        proxy_set_header Connection "";',
+        "        proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;",
+        "        proxy_set_header X-Forwarded-Proto $scheme;",
+        "        proxy_buffering off;            # every chunk to the client as it arrives",
+        "        proxy_request_buffering on;     # whole body first: it can be sent again",
+        f"        proxy_connect_timeout {_seconds(config.connect_timeout)};",
+        f"        proxy_read_timeout {_seconds(config.read_timeout)};",
+        f"        proxy_send_timeout {_seconds(config.read_timeout)};",
+        "        # retried like txlb: refused/reset, or a 502/503 answer; never a timeout (the",
+        "        # generation may still run), POST included",
+    ]
+    if retries:
+        lines += [
+            "        proxy_next_upstream error http_502 http_503 non_idempotent;",
+            f"        proxy_next_upstream_tries {retries + 1};",
+            f"        proxy_next_upstream_timeout {_seconds(config.retry_window)};",
+        ]
+    else:
+        lines.append("        proxy_next_upstream off;")
+    lines += [
+        "        add_header X-Backend $txlb_backend always;",
+        "        add_header X-Backend-Port $txlb_backend_port always;",
+    ]
+    if config.rate_limit is not None:
+        burst = config.rate_burst or max(1, math.ceil(config.rate_limit))
+        lines += [
+            f"        limit_req zone=txlb burst={burst} nodelay;",
+            "        limit_req_status 429;",
+        ]
+    lines += [
+        "        proxy_intercept_errors off;     # the backend's own errors pass unchanged",
+        "        error_page 413 = @txlb_413;",
+        "        error_page 429 = @txlb_429;",
+        "        error_page 502 = @txlb_502;",
+        "        error_page 503 = @txlb_503;",
+        "        error_page 504 = @txlb_504;",
+        "    }",
+    ]
+    for status, message in ((413, "the request body is over the limit"),
+                            (429, "rate limit exceeded for this client"),
+                            (502, "no backend could be reached"),
+                            (503, "no backend is available"),
+                            (504, "the backend sent nothing in time")):
+        lines += [
+            f"    location @txlb_{status} {{",
+            "        default_type application/json;",
+            "        add_header X-Backend $txlb_backend always;",
+            f"        return {status} {_quote(_error_body(status, message))};",
+            "    }",
+        ]
+    lines.append("}")
+    return lines
+
+
+def http_level(config: Config) -> list[str]:
+    """Everything that goes in nginx's ``http`` block."""
+    lines = ["# Generated by python -m txlb.nginx: the nginx equivalent of txlb's options.",
+             "# What nginx cannot do:"]
+    for note in unsupported_notes(config):
+        lines.append("#   - " + note)
+    lines += [
+        "",
+        "# X-Backend names the server that answered: the last of $upstream_addr after retries",
+        "map $upstream_addr $txlb_backend {",
+        r'    "~(?:^|,\s*)(?<last>[^,\s]+)$" $last;',
+        "    default $upstream_addr;",
+        "}",
+        "map $txlb_backend $txlb_backend_port {",
+        r'    "~:(?<port>\d+)$" $port;',
+        "    default \"\";",
+        "}",
+        "log_format txlb_results '$time_local orid=$http_x_orid $upstream_addr "
+        "status=$status upstream_status=$upstream_status dur=$request_time "
+        "ttfb=$upstream_header_time $request_method $request_uri';",
+    ]
+    if config.rate_limit is not None:
+        key = {"ip": "$binary_remote_addr", "token": "$http_authorization"}.get(
+            config.rate_key,
+            "$http_" + config.rate_key.split(":", 1)[-1].lower().replace("-", "_"))
+        per_minute = config.rate_limit * 60
+        rate = (f"{int(config.rate_limit)}r/s" if config.rate_limit >= 1
+                else f"{max(1, round(per_minute))}r/m")
+        lines.append(f"limit_req_zone {key} zone=txlb:10m rate={rate};")
+    lines.append("")
+    return lines + upstream_block(config) + [""] + server_block(config)
+
+
+def render(config: Config, standalone: str | None = None) -> str:
+    """The configuration text: ``http``-level, or a whole ``nginx.conf`` under a prefix."""
+    body = http_level(config)
+    if standalone is None:
+        return "\n".join(body) + "\n"
+    prefix = standalone.rstrip("/")
+    wrapped = [
+        "worker_processes 1;",
+        f"pid {prefix}/nginx.pid;",
+        f"error_log {prefix}/error.log warn;",
+        "events { worker_connections 16384; }",
+        "http {",
+        f"    client_body_temp_path {prefix}/client_body;",
+        f"    proxy_temp_path {prefix}/proxy;",
+        f"    fastcgi_temp_path {prefix}/fastcgi;",
+        f"    uwsgi_temp_path {prefix}/uwsgi;",
+        f"    scgi_temp_path {prefix}/scgi;",
+        "    server_tokens off;",
+        *("    " + line if line else "" for line in body),
+        f"    access_log {prefix}/access.log txlb_results;",
+        "}",
+    ]
+    return "\n".join(wrapped) + "\n"
+
+
+class Options(LlmlbOptions):
+    """``twistd llmlb``'s options, plus where to write a standalone configuration."""
+
+    synopsis = "[llmlb options] [--standalone PREFIX]"
+    optParameters = [
+        *LlmlbOptions.optParameters,
+        ["standalone", None, None,
+         "Print a whole nginx.conf running unprivileged, every file under this directory."],
+    ]
+
+    def postOptions(self) -> None:
+        try:
+            self.config = build_config({k: v for k, v in self.items() if k != "standalone"})
+        except ConfigError as error:
+            raise usage.UsageError(str(error)) from None
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    options = Options()
+    try:
+        options.parseOptions(list(sys.argv[1:] if argv is None else argv))
+        text = render(options.config, options["standalone"])
+    except (usage.UsageError, ConfigError) as error:
+        sys.stderr.write(f"python -m txlb.nginx: error: {error}\n")
+        raise SystemExit(2) from None
+    sys.stdout.write(text)
+
+
+if __name__ == "__main__":
+    main()
