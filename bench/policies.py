@@ -1014,18 +1014,19 @@ def plot(results: Sequence[RunResult], params: Params, loads: Sequence[float],
         ax = axes[row][2]
         classes = [cls.name for cls in ENGINE_CLASSES]
         w = 0.8 / len(classes)
-        for k, name in enumerate(classes):
-            ax.bar([i - 0.4 + w * (k + 0.5) for i in x],
-                   [max(r.peak_waiting[name], 0.5) for r in runs], w, label=name)
-        ax.set_yscale("log")
         if all(r.peak_waiting_max == 0 for r in runs):
             ax.text(0.5, 0.5, "no request ever waited inside an engine", ha="center",
                     va="center", transform=ax.transAxes, fontsize=9)
+        else:
+            for k, name in enumerate(classes):
+                ax.bar([i - 0.4 + w * (k + 0.5) for i in x],
+                       [max(r.peak_waiting[name], 0.5) for r in runs], w, label=name)
+            ax.set_yscale("log")
+            ax.legend(fontsize=8)
         ax.set_xticks(x, names, rotation=15, fontsize=8)
         ax.set_ylabel("peak waiting in one engine (log)")
         ax.set_title(f"{experiment.key}: peak engine queue by class (0 drawn as 0.5)",
                      fontsize=10)
-        ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
     if len(loads) > 1:
         for col, key in enumerate(("A", "C", "D")):

@@ -30,6 +30,19 @@ class BuildConfigTests(SynchronousTestCase):
         self.assertEqual((config.fall, config.rise), (3, 1))
         self.assertEqual((config.connect_timeout, config.read_timeout), (5.0, 300.0))
 
+    def test_config_defaults_match_the_option_table(self) -> None:
+        """Config's own defaults (for embedders building one by hand) never drift."""
+        import attrs
+
+        from txlb._config import OPTIONS, Config
+
+        built = build_config({}, NONE)
+        for field in attrs.fields(Config):
+            if field.default is not attrs.NOTHING:
+                self.assertEqual(getattr(built, field.name), field.default, field.name)
+        self.assertEqual({f.name for f in attrs.fields(Config)},
+                         {spec.attribute for spec in OPTIONS})
+
     def test_backend_forms(self) -> None:
         config = build_config({"backends": "10.0.0.1:8002, http://gpu-3:9000/,[::1]:7"}, NONE)
         self.assertEqual(

@@ -107,6 +107,18 @@ class PolicyTests(SynchronousTestCase):
         self.assertEqual(b.started_since_scrape, 0)
         self.assertIs(policy.choose([a, b]), b)
 
+    def test_queue_depth_subtracts_what_ended_since_the_scrape(self) -> None:
+        pool = Pool((BackendSpec("127.0.0.1", 1), BackendSpec("127.0.0.1", 2)))
+        a, b = list(pool)
+        pool.set_engine_depth(a, running=4, waiting=0)
+        pool.set_engine_depth(b, running=3, waiting=0)
+        leases = [pool.acquire(b) for _ in range(3)]  # b: 3 + 3 = 6 > 4
+        self.assertIs(QueueDepth().choose([a, b]), a)
+        for lease in leases:
+            lease.release()  # they ended: b is back to what its engine said
+        self.assertEqual(QueueDepth.depth(b), 3)
+        self.assertIs(QueueDepth().choose([a, b]), b)
+
     def test_prometheus_sum(self) -> None:
         text = ('# HELP vllm:num_requests_running x\n'
                 'vllm:num_requests_running{model_name="a"} 3.0\n'

@@ -51,6 +51,7 @@ class Backend:
     peak_ewma_at: float | None = None
     engine_depth: float | None = None
     started_since_scrape: int = 0
+    finished_since_scrape: int = 0
     learned_models: tuple[str, ...] | None = None
     model_entries: dict[str, dict[str, object]] = attrs.field(factory=dict)
     up_since: float | None = None
@@ -280,6 +281,7 @@ class Pool:
         return Lease(backend, self._released)
 
     def _released(self, backend: Backend) -> None:
+        backend.finished_since_scrape += 1
         self._forget_if_idle(backend)
         self._capacity_changed()
         if self._idle_waiters and self.in_flight == 0:
@@ -350,6 +352,7 @@ class Pool:
         """The engine's own queue, scraped from its ``/metrics``; restarts the local count."""
         backend.engine_depth = running + waiting
         backend.started_since_scrape = 0
+        backend.finished_since_scrape = 0
 
     # -- health -------------------------------------------------------------------------
 

@@ -438,7 +438,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("outlier-cooldown", 30.0, parse_duration,
                "Seconds of the first outlier ejection; it grows with each repeat."),
     OptionSpec("slow-start", 0.0, parse_nonnegative_seconds,
-               "Seconds over which a recovered backend's share of new requests ramps up."),
+               "Seconds over which a recovered backend's weight ramps from 1% to full."),
     OptionSpec("max-body", "64MiB", parse_size,
                "Larger request bodies get 413 (checked while the body arrives)."),
     OptionSpec("header-timeout", 30.0, parse_duration,

@@ -196,7 +196,9 @@ class QueueDepth:
     """
     Fewest requests in the engine itself: its own ``vllm:num_requests_running`` +
     ``vllm:num_requests_waiting`` (scraped from ``/metrics`` with each health probe), plus
-    the requests this balancer sent since that scrape.
+    the requests this balancer sent since that scrape, minus those of its requests that
+    ended since (without the minus, a busy balancer over-counts between scrapes and its
+    tail latency suffers near saturation -- measured by ``bench/policies.py``).
 
     Because the engine's counts include every balancer's requests, several replicas in
     front of one fleet see the same load -- which local in-flight counts cannot give them.
@@ -212,7 +214,8 @@ class QueueDepth:
     def depth(backend: Backend) -> float:
         if backend.engine_depth is None:
             return backend.active / backend.effective_weight
-        return (backend.engine_depth + backend.started_since_scrape) / backend.effective_weight
+        local = backend.started_since_scrape - backend.finished_since_scrape
+        return max(0.0, backend.engine_depth + local) / backend.effective_weight
 
     def choose(self, candidates: Sequence[Backend]) -> Backend:
         return self._ties.best(candidates, self.depth)

@@ -190,6 +190,8 @@ class Exchange:
         self._upstream: Deferred[Any] | None = None
         self._producer: IPushProducer | None = None
         self._watchdog: IDelayedCall | None = None
+        self._now = context.clock.seconds
+        self._last_activity = self._now()
         record.backend = lease.backend.key
 
     # -- start ------------------------------------------------------------------------------
@@ -344,11 +346,10 @@ class Exchange:
     def body_chunk(self, data: bytes) -> None:
         if self.state != "relaying":
             return
-        if self._watchdog is not None:
-            self._watchdog.reset(self.read_timeout)
+        self._last_activity = self._now()  # the watchdog reads it when it fires
         record = self.record
         if record.first_byte is None:
-            record.first_byte = self.clock.seconds()
+            record.first_byte = self._last_activity
         record.capture(data)
         self.request.write(data)
 
@@ -397,6 +398,12 @@ class Exchange:
         self._watchdog = None
         backend = self.lease.backend
         if self.state == "ended":
+            return
+        silent = self._now() - self._last_activity
+        if silent < self.read_timeout:
+            # data came since the watchdog was set: wait out the rest of the timeout
+            self._watchdog = self.clock.callLater(self.read_timeout - silent,
+                                                  self._read_timed_out)
             return
         log.warn(
             "backend {backend} silent for {timeout}s; giving up",
@@ -464,9 +471,13 @@ class Exchange:
         self.context.on_end(self.record)
 
     def _arm_watchdog(self) -> None:
-        if self._watchdog is not None and self._watchdog.active():
-            self._watchdog.reset(self.read_timeout)
-        else:
+        """
+        Start (or restart) the read-timeout clock.  Chunks only note the time they came
+        (:meth:`body_chunk`); the watchdog checks it when it fires and sleeps again for
+        what is left -- cheaper on the per-chunk path than moving a timer on every chunk.
+        """
+        self._last_activity = self._now()
+        if self._watchdog is None or not self._watchdog.active():
             self._watchdog = self.clock.callLater(self.read_timeout, self._read_timed_out)
 
     def _finish_client(self) -> None:

@@ -19,6 +19,7 @@ Oversized header blocks are refused: a line over 16 KiB with 431 (here), more th
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from twisted.internet.interfaces import IDelayedCall
@@ -48,6 +49,15 @@ class ProxyChannel(HTTPChannel):
         super().__init__()
         self._awaiting_head = True
         self._head_deadline: IDelayedCall | None = None
+
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        # Streamed tokens are small writes: do not let Nagle's algorithm hold them back
+        # (nginx's tcp_nodelay, on by default).
+        set_no_delay = getattr(self.transport, "setTcpNoDelay", None)
+        if set_no_delay is not None:
+            with contextlib.suppress(OSError):  # not a TCP socket, or already closed
+                set_no_delay(True)
 
     def dataReceived(self, data: bytes) -> None:
         if self._awaiting_head and self._head_deadline is None:
