@@ -20,6 +20,7 @@ from twisted.python.failure import Failure
 from twisted.web.client import Agent, ResponseDone
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
+from twisted.web.server import Site
 
 from ._balancer import LoadBalancer
 from ._config import ConfigError, parse_listen
@@ -75,6 +76,8 @@ async def _main(reactor: Any, argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m txlb.demo", description=__doc__)
     parser.add_argument("--listen", default="tcp:8000:interface=127.0.0.1",
                         help="where the balancer listens (port or Twisted endpoint)")
+    parser.add_argument("--admin", default="tcp:8001:interface=127.0.0.1",
+                        help="where the admin API and status page listen")
     parser.add_argument("--backends", type=int, default=8, help="simulated backends")
     args = parser.parse_args(argv)
     try:
@@ -96,11 +99,18 @@ async def _main(reactor: Any, argv: list[str]) -> None:
             f"holds that port; pick another, e.g. --listen tcp:8100:interface=127.0.0.1"
         ) from None
     balancer.service().startService()
+    try:
+        admin = await endpoints.serverFromString(reactor, args.admin).listen(
+            Site(balancer.admin_resource()))
+        admin_url = f"http://127.0.0.1:{admin.getHost().port}/"
+    except error.CannotListenError as problem:
+        admin_url = f"(not started: {args.admin} is taken: {problem.socketError})"
     port = listening.getHost().port
     url = f"http://127.0.0.1:{port}"
     print(f"txlb demo: {len(sims)} simulated vLLM backends on 127.0.0.1 ports "
           f"{', '.join(map(str, ports))}")
     print(f"txlb demo: balancer listening on {url}")
+    print(f"txlb demo: status page and admin API on {admin_url}")
     await _stream_one(reactor, url)
     print(f"\nTry it yourself (Ctrl-C here to stop):\n"
           f"  curl -sN -i {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
