@@ -242,10 +242,10 @@ async def run_paced(port: int, streams: int, count: int, interval: float, size: 
         delay = interval * i / streams
         target = f"/sse?n={count}&interval={interval:g}&size={size}&delay={delay:.3f}"
         done: asyncio.Future[None] = loop.create_future()
+        request = request_bytes(port, target)
         try:
             _, client = await loop.create_connection(
-                lambda d=done, r=request_bytes(port, target): PacedClient(r, stats, latencies, d),
-                HOST, port,
+                lambda d=done, r=request: PacedClient(r, stats, latencies, d), HOST, port
             )
         except OSError:
             stats.errors += 1

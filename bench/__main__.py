@@ -1,0 +1,570 @@
+"""
+txlb against nginx and against no proxy at all, side by side, in one run (``python -m bench``).
+
+Three targets, measured one after the other with the same clients and the same backend:
+**direct** (client -> backend), **nginx** (the configuration ``python -m txlb.nginx
+--standalone`` generates, one worker) and **txlb** (``twistd -n llmlb`` from this source
+tree, ``--admin none --log-file none``).  The backend is :mod:`bench.backend`, a small raw
+asyncio HTTP/1.1 server much cheaper per chunk than either proxy; the clients are
+:mod:`bench.loadgen` (raw asyncio) and ``wrk``.  With two or more CPUs the proxy gets CPU 0
+and the backend + clients CPU 1 (``taskset``), so proxy CPU time is the proxy's alone.
+
+Scenarios (``--only NAME`` runs one; repeat it for several):
+
+``paced``  SSE streams of ~250-byte events (one HTTP chunk each, like vLLM's token events) at
+           a fixed pace (40 events/s per stream) for a fixed window, at 64 and 256 streams:
+           proxy CPU µs per relayed chunk (utime+stime from /proc, all the proxy's processes)
+           and added per-chunk latency (receive time minus the send time embedded in the
+           event, minus the same for direct).
+``bulk``   A few SSE streams written as fast as the path takes them: chunks/s.
+``rps``    Small JSON requests with ``wrk -t1 -c32`` (a Python client if wrk is missing):
+           requests/s, latency, and requests per proxy CPU-second (throughput per core).
+``ttfb``   Sequential single requests at idle: time to first byte, fresh connection and
+           keep-alive; added = target - direct.
+``hold``   RSS idle and per held stream (an event every 3 s) at 1,000 and 10,000 streams,
+           each level on a freshly started proxy; whether every stream was held.
+``slow``   A 1 GiB stream read at 64 MiB/s through each proxy: peak RSS growth (bounded
+           means the proxy passed the backpressure on instead of buffering).
+
+The Markdown table goes to stdout and ``bench/results/proxy.md`` (raw figures in
+``proxy.json``, plots in ``proxy.png`` and ``proxy_slow.png``).  ``--quick`` is a ~1-minute
+smoke run with shorter windows and smaller levels; it writes nothing unless ``--save``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.harness import (
+    HOST,
+    NGINX,
+    ROOT,
+    Child,
+    Children,
+    Target,
+    cpu_seconds,
+    nofile_limit,
+    pinned,
+    start_backend,
+    start_nginx,
+    start_txlb,
+    wait_for,
+)
+
+RESULTS = ROOT / "bench" / "results"
+SCENARIOS = ("paced", "bulk", "rps", "ttfb", "hold", "slow")
+MiB = 1 << 20
+
+#: Edits to the generated nginx.conf, each documented in the report.
+NGINX_PATCHES: tuple[tuple[str, str, str], ...] = (
+    (r"worker_connections \d+;", "worker_connections 32768;",
+     "worker_connections 16384 -> 32768 (10,000 proxied streams need 20,000 connections)"),
+    (r"access_log \S+ txlb_results;", "access_log off;",
+     "access_log off (txlb runs with --log-file none)"),
+)
+
+
+@dataclass
+class Config:
+    """Sizes and durations of one run."""
+
+    paced_levels: list[int]
+    paced_rate: float  # events/s per stream
+    paced_seconds: float
+    bulk_streams: int
+    bulk_seconds: float
+    rps_connections: int
+    rps_seconds: float
+    ttfb_count: int
+    hold_levels: list[int]
+    hold_interval_ms: float
+    slow_bytes: int
+    slow_rate: float  # bytes/s
+
+
+FULL = Config([64, 256], 40.0, 10.0, 4, 5.0, 32, 10.0, 300, [1000, 10000], 3000.0,
+              1 << 30, 64 * MiB)
+QUICK = Config([64], 40.0, 3.0, 4, 2.0, 32, 3.0, 60, [1000], 2000.0, 128 * MiB, 64 * MiB)
+
+
+@dataclass
+class Bench:
+    """Everything the scenarios share."""
+
+    children: Children
+    workdir: Path
+    backend: Child
+    backends: str
+    targets: list[Target]
+    proxy_core: int | None
+    client_core: int | None
+    config: Config
+    nofile: int
+    data: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def proxies(self) -> list[Target]:
+        return [t for t in self.targets if t.child is not None]
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+# -- running one load-generator process -------------------------------------------------------
+
+
+def run_client(bench: Bench, target: Target, args: Sequence[str], timeout: float,
+               name: str = "load") -> tuple[dict[str, Any], float, float, float]:
+    """One ``bench.loadgen`` run against ``target``: (result, proxy CPU s, backend CPU s, wall)."""
+    backend_pid = bench.backend.process.pid
+    proxy0, backend0, t0 = target.cpu(), cpu_seconds([backend_pid]), time.monotonic()
+    child = bench.children.spawn(f"{name}-{target.name}", pinned(bench.client_core, [
+        sys.executable, "-m", "bench.loadgen", *args, "--port", str(target.port)]))
+    try:
+        child.process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{child.name} timed out:\n{child.text()[-2000:]}") from None
+    finally:
+        bench.children.stop(child)
+    wall = time.monotonic() - t0
+    proxy1, backend1 = target.cpu(), cpu_seconds([backend_pid])
+    match = re.search(r"^RESULT (.*)$", child.text(), re.M)
+    if child.process.returncode != 0 or not match:
+        raise RuntimeError(f"{child.name} failed:\n{child.text()[-2000:]}")
+    return json.loads(match.group(1)), proxy1 - proxy0, backend1 - backend0, wall
+
+
+# -- scenarios ----------------------------------------------------------------------------------
+
+
+def scenario_paced(bench: Bench) -> dict[str, Any]:
+    cfg = bench.config
+    interval = 1000.0 / cfg.paced_rate
+    count = int(cfg.paced_rate * cfg.paced_seconds)
+    out: dict[str, Any] = {}
+    for streams in cfg.paced_levels:
+        level: dict[str, Any] = {}
+        for target in bench.targets:
+            result, proxy_cpu, backend_cpu, wall = run_client(bench, target, [
+                "paced", "--streams", str(streams), "--count", str(count),
+                "--interval", f"{interval:g}", "--size", "250",
+                "--timeout", str(cfg.paced_seconds + 30)], cfg.paced_seconds + 60)
+            events = result["events"]
+            row = dict(result, proxy_cpu=proxy_cpu, backend_cpu=backend_cpu,
+                       us_per_chunk=proxy_cpu / events * 1e6 if events else math.nan,
+                       client_cpu_pct=result["cpu"] / result["wall"] * 100,
+                       backend_cpu_pct=backend_cpu / wall * 100,
+                       proxy_cpu_pct=proxy_cpu / wall * 100)
+            level[target.name] = row
+            log(f"paced {streams:4d} {target.name:10s} {events}/{result['expected']} events,"
+                f" {row['us_per_chunk']:.1f} µs/chunk, p50 {result['p50_us'] / 1000:.2f} ms,"
+                f" p99 {result['p99_us'] / 1000:.2f} ms, errors {result['errors']},"
+                f" client CPU {row['client_cpu_pct']:.0f} %")
+        out[str(streams)] = level
+    return out
+
+
+def scenario_bulk(bench: Bench) -> dict[str, Any]:
+    cfg = bench.config
+    out: dict[str, Any] = {}
+    for target in bench.targets:
+        result, proxy_cpu, backend_cpu, wall = run_client(bench, target, [
+            "bulk", "--streams", str(cfg.bulk_streams), "--seconds", str(cfg.bulk_seconds)],
+            cfg.bulk_seconds + 30)
+        events = result["events"]
+        out[target.name] = dict(
+            result, proxy_cpu=proxy_cpu, backend_cpu=backend_cpu,
+            us_per_chunk=proxy_cpu / events * 1e6 if events else math.nan,
+            proxy_cpu_pct=proxy_cpu / wall * 100,
+            client_cpu_pct=result["cpu"] / result["wall"] * 100,
+            backend_cpu_pct=backend_cpu / wall * 100,
+        )
+        log(f"bulk {target.name:10s} {result['rate']:,.0f} chunks/s,"
+            f" {out[target.name]['us_per_chunk']:.2f} µs/chunk, errors {result['errors']}")
+    return out
+
+
+_WRK_UNITS = {"us": 1.0, "ms": 1e3, "s": 1e6}
+
+
+def _wrk_latency(text: str, label: str) -> float:
+    match = re.search(rf"^\s*{label}%\s+([\d.]+)(us|ms|s)\s*$", text, re.M)
+    return float(match.group(1)) * _WRK_UNITS[match.group(2)] if match else math.nan
+
+
+def run_wrk(bench: Bench, target: Target) -> dict[str, Any]:
+    cfg = bench.config
+    backend_pid = bench.backend.process.pid
+    proxy0, backend0, t0 = target.cpu(), cpu_seconds([backend_pid]), time.monotonic()
+    child = bench.children.spawn(f"wrk-{target.name}", pinned(bench.client_core, [
+        "wrk", "-t1", f"-c{cfg.rps_connections}", f"-d{cfg.rps_seconds:g}s", "--latency",
+        f"http://{HOST}:{target.port}/json"]))
+    try:
+        child.process.wait(cfg.rps_seconds + 30)
+    finally:
+        bench.children.stop(child)
+    wall = time.monotonic() - t0
+    proxy_cpu, backend_cpu = target.cpu() - proxy0, cpu_seconds([backend_pid]) - backend0
+    text = child.text()
+    requests = re.search(r"(\d+) requests in ([\d.]+)(m?s)", text)
+    rate = re.search(r"Requests/sec:\s+([\d.]+)", text)
+    if not requests or not rate:
+        raise RuntimeError(f"wrk failed:\n{text}")
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
+    sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)",
+                     text)
+    errors = (int(non2xx.group(1)) if non2xx else 0) + (
+        sum(int(x) for x in sock.groups()) if sock else 0)
+    count = int(requests.group(1))
+    return {
+        "requests": count, "rate": float(rate.group(1)), "errors": errors,
+        "p50_us": _wrk_latency(text, "50"), "p99_us": _wrk_latency(text, "99"),
+        "proxy_cpu": proxy_cpu, "backend_cpu": backend_cpu,
+        "proxy_cpu_pct": proxy_cpu / wall * 100, "backend_cpu_pct": backend_cpu / wall * 100,
+        "per_cpu_second": count / proxy_cpu if proxy_cpu > 0 else math.nan,
+        "us_per_request": proxy_cpu / count * 1e6 if count else math.nan,
+        "client": "wrk",
+    }
+
+
+def scenario_rps(bench: Bench) -> dict[str, Any]:
+    cfg = bench.config
+    out: dict[str, Any] = {}
+    have_wrk = shutil.which("wrk") is not None
+    if not have_wrk:
+        bench.notes.append("wrk is not installed: small requests measured with the Python"
+                           " client (bench.loadgen rps), which is slower than wrk.")
+    for target in bench.targets:
+        if have_wrk:
+            row = run_wrk(bench, target)
+        else:
+            result, proxy_cpu, backend_cpu, wall = run_client(bench, target, [
+                "rps", "--connections", str(cfg.rps_connections),
+                "--seconds", str(cfg.rps_seconds)], cfg.rps_seconds + 30)
+            row = dict(result, proxy_cpu=proxy_cpu, backend_cpu=backend_cpu,
+                       proxy_cpu_pct=proxy_cpu / wall * 100,
+                       backend_cpu_pct=backend_cpu / wall * 100,
+                       per_cpu_second=result["requests"] / proxy_cpu if proxy_cpu else math.nan,
+                       us_per_request=(proxy_cpu / result["requests"] * 1e6
+                                       if result["requests"] else math.nan),
+                       client="python")
+        out[target.name] = row
+        log(f"rps {target.name:10s} {row['rate']:,.0f} req/s, p50 {row['p50_us']:.0f} µs,"
+            f" proxy CPU {row['proxy_cpu_pct']:.0f} %, errors {row['errors']}")
+    return out
+
+
+def scenario_ttfb(bench: Bench) -> dict[str, Any]:
+    cfg = bench.config
+    out: dict[str, Any] = {"fresh": {}, "keepalive": {}}
+    for mode in ("fresh", "keepalive"):
+        for target in bench.targets:
+            args = ["ttfb", "--count", str(cfg.ttfb_count)]
+            if mode == "fresh":
+                args.append("--fresh")
+            result, *_ = run_client(bench, target, args, 60)
+            out[mode][target.name] = result
+            log(f"ttfb {mode:9s} {target.name:10s} p50 {result['p50_us']:.0f} µs,"
+                f" p99 {result['p99_us']:.0f} µs, errors {result['errors']}")
+    return out
+
+
+def warm_up(bench: Bench, target: Target) -> None:
+    """A few requests of each kind: imports, connection pools, allocator pools."""
+    run_client(bench, target, ["ttfb", "--count", "20", "--gap", "0"], 30, name="warm")
+    run_client(bench, target, ["paced", "--streams", "16", "--count", "5", "--interval", "20",
+                               "--timeout", "10"], 30, name="warm")
+
+
+def fresh_proxy(bench: Bench, name: str) -> Target:
+    """A newly started proxy of the same kind as the one called ``name``."""
+    patches = [(p, r) for p, r, _ in NGINX_PATCHES]
+    if name == "nginx":
+        return start_nginx(bench.children, bench.proxy_core, bench.backends, bench.workdir,
+                           patches)
+    python = _pypy_twistd() if name == "txlb-pypy" else None
+    return start_txlb(bench.children, bench.proxy_core, bench.backends, python, name=name)
+
+
+def hold_levels(bench: Bench) -> list[int]:
+    """The configured levels, capped to what ``RLIMIT_NOFILE`` lets one proxy process hold."""
+    cap = (bench.nofile - 200) // 2 // 100 * 100  # two sockets per proxied stream
+    levels = []
+    for level in bench.config.hold_levels:
+        if level > cap:
+            bench.notes.append(
+                f"{level:,} streams need {2 * level:,}+ descriptors in one proxy process, but"
+                f" RLIMIT_NOFILE is capped at {bench.nofile:,} here (hard limit; raising it"
+                f" needs CAP_SYS_RESOURCE, which this container lacks): that level ran"
+                f" with {cap:,} streams instead."
+            )
+            level = cap
+        levels.append(level)
+    return levels
+
+
+def scenario_hold(bench: Bench) -> dict[str, Any]:
+    cfg = bench.config
+    out: dict[str, Any] = {}
+    for streams in hold_levels(bench):
+        level: dict[str, Any] = {}
+        for target in bench.targets:
+            proxy = target if target.child is None else fresh_proxy(bench, target.name)
+            try:
+                level[target.name] = hold_one(bench, proxy, streams, cfg.hold_interval_ms)
+            finally:
+                if proxy.child is not None:
+                    bench.children.stop(proxy.child)
+            row = level[target.name]
+            log(f"hold {streams:6d} {target.name:10s} held {row['held']}/{streams},"
+                f" ramp {row['ramp_s']:.1f} s, idle RSS {row['idle_kb'] / 1024:.1f} MiB,"
+                f" held RSS {row['held_kb'] / 1024:.1f} MiB,"
+                f" {row['per_stream_kb']:.1f} KiB/stream, failed {row['failed']}")
+        out[str(streams)] = level
+    return out
+
+
+def hold_one(bench: Bench, target: Target, streams: int, interval_ms: float) -> dict[str, Any]:
+    """Idle RSS, then ``streams`` held streams: RSS while held, and how many stayed up."""
+    if target.child is not None:
+        warm_up(bench, target)
+        time.sleep(0.5)
+    idle = target.rss()
+    ramp_timeout = 30 + streams / 100  # 130 s at 10,000
+    child = bench.children.spawn(f"hold-{target.name}", pinned(bench.client_core, [
+        sys.executable, "-m", "bench.loadgen", "hold", "--port", str(target.port),
+        "--streams", str(streams), "--interval", f"{interval_ms:g}", "--linger", "2",
+        "--ramp-timeout", str(ramp_timeout)]))
+    try:
+        held = json.loads(wait_for(child, r"HELD (\{.*\})", ramp_timeout + 30).group(1))
+        samples = []
+        for _ in range(4):  # during --linger
+            samples.append(target.rss())
+            time.sleep(0.3)
+        child.process.wait(30)
+    finally:
+        bench.children.stop(child)
+    match = re.search(r"^RESULT (.*)$", child.text(), re.M)
+    if not match:
+        raise RuntimeError(f"hold client failed:\n{child.text()[-2000:]}")
+    result = json.loads(match.group(1))
+    peak = max(samples)
+    return dict(
+        result, held=held["held"], idle_kb=idle, held_kb=peak,
+        per_stream_kb=(peak - idle) / streams if target.child is not None else math.nan,
+    )
+
+
+def scenario_slow(bench: Bench) -> dict[str, Any]:
+    cfg = bench.config
+    out: dict[str, Any] = {}
+    for target in bench.proxies():
+        base = target.rss()
+        child = bench.children.spawn(f"slow-{target.name}", pinned(bench.client_core, [
+            sys.executable, "-m", "bench.loadgen", "slow", "--port", str(target.port),
+            "--bytes", str(cfg.slow_bytes), "--rate", str(cfg.slow_rate),
+            "--timeout", str(cfg.slow_bytes / cfg.slow_rate * 3 + 30)]))
+        timeline: list[tuple[float, int]] = []
+        t0 = time.monotonic()
+        limit = cfg.slow_bytes / cfg.slow_rate * 3 + 60
+        try:
+            while child.process.poll() is None and time.monotonic() - t0 < limit:
+                timeline.append((time.monotonic() - t0, target.rss()))
+                time.sleep(0.2)
+        finally:
+            bench.children.stop(child)
+        match = re.search(r"^RESULT (.*)$", child.text(), re.M)
+        if not match:
+            raise RuntimeError(f"slow client failed:\n{child.text()[-2000:]}")
+        result = json.loads(match.group(1))
+        peak = max((kb for _, kb in timeline), default=base)
+        out[target.name] = dict(result, base_kb=base, peak_kb=peak, growth_kb=peak - base,
+                                timeline=timeline)
+        log(f"slow {target.name:10s} {result['bytes'] / MiB:.0f} MiB in {result['wall']:.1f} s,"
+            f" complete {result['complete']}, RSS {base / 1024:.1f} -> peak"
+            f" {peak / 1024:.1f} MiB {result['error']}")
+    return out
+
+
+RUNNERS: dict[str, Callable[[Bench], dict[str, Any]]] = {
+    "paced": scenario_paced, "bulk": scenario_bulk, "rps": scenario_rps,
+    "ttfb": scenario_ttfb, "hold": scenario_hold, "slow": scenario_slow,
+}
+
+
+# -- PyPy --------------------------------------------------------------------------------------
+
+
+def _pypy_twistd() -> list[str] | None:
+    """``pypy3 -c <run twistd>`` when PyPy with Twisted is installed, else None."""
+    pypy = shutil.which("pypy3")
+    if not pypy:
+        return None
+    check = subprocess.run([pypy, "-c", "import twisted, attr"], capture_output=True,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    if check.returncode != 0:
+        return None
+    return [pypy, "-c", "import sys; from twisted.scripts.twistd import run; run()"]
+
+
+def pypy_status() -> str:
+    if not shutil.which("pypy3"):
+        return "not installed (skipped)"
+    return "installed" if _pypy_twistd() else "installed, but cannot import Twisted (skipped)"
+
+
+# -- system information -------------------------------------------------------------------------
+
+
+def _output(argv: Sequence[str]) -> str:
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=10)
+        return (done.stdout + done.stderr).strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
+        for line in info:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "?"
+
+
+def revision() -> str:
+    head = _output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
+    if not re.fullmatch(r"[0-9a-f]+", head):
+        return "?"
+    dirty = _output(["git", "-C", str(ROOT), "status", "--porcelain", "--", "txlb"])
+    return head + (" + uncommitted changes to txlb/" if dirty else "")
+
+
+def cpu_steal() -> tuple[int, int]:
+    """(steal, total) jiffies from /proc/stat."""
+    with open("/proc/stat") as stat:
+        fields = [int(x) for x in stat.readline().split()[1:]]
+    return (fields[7] if len(fields) > 7 else 0), sum(fields)
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg") as avg:
+        return " ".join(avg.read().split()[:3])
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+def orchestrate(config: Config, only: Sequence[str], args: argparse.Namespace) -> dict[str, Any]:
+    """Start backend and proxies, run the scenarios, stop everything; the raw results."""
+    multi = (os.cpu_count() or 1) >= 2 and shutil.which("taskset") is not None
+    proxy_core, client_core = (0, 1) if multi else (None, None)
+    nofile = nofile_limit()
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "uname -a": _output(["uname", "-a"]),
+        "nproc": _output(["nproc"]),
+        "cpu": cpu_model(),
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "nginx": _output([NGINX, "-v"]).replace("nginx version: ", ""),
+        "wrk": (_output(["wrk", "--version"]).splitlines() or ["?"])[0]
+        if shutil.which("wrk") else "not installed",
+        "txlb": revision(),
+        "command": " ".join(["python -m bench", *args.argv]),
+        "pinning": ("proxy on CPU 0; backend, load generator and wrk on CPU 1 (taskset)"
+                    if multi else "none (one CPU or no taskset)"),
+        "RLIMIT_NOFILE": nofile,
+        "PyPy": pypy_status(),
+        "load average at start": loadavg(),
+    }
+    steal0 = cpu_steal()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="txlb-bench.") as tmp:
+        children = Children(Path(tmp))
+        try:
+            backend, ports = start_backend(children, client_core, 2)
+            backends = ",".join(f"{HOST}:{port}" for port in ports)
+            patches = [(p, r) for p, r, _ in NGINX_PATCHES]
+            targets = [
+                Target("direct", ports[0], None),
+                start_nginx(children, proxy_core, backends, Path(tmp), patches),
+                start_txlb(children, proxy_core, backends),
+            ]
+            pypy = _pypy_twistd()
+            if pypy:
+                targets.append(start_txlb(children, proxy_core, backends, pypy,
+                                          name="txlb-pypy"))
+            bench = Bench(children, Path(tmp), backend, backends, targets, proxy_core,
+                          client_core, config, nofile)
+            log(f"backend ports {ports}; " + ", ".join(
+                f"{t.name} :{t.port} pids {t.pids()}" for t in targets if t.child))
+            for target in targets:
+                warm_up(bench, target)
+            for name in only:
+                log(f"-- {name}")
+                bench.data[name] = RUNNERS[name](bench)
+        finally:
+            children.stop_all()
+    steal1 = cpu_steal()
+    total = steal1[1] - steal0[1]
+    info["load average at end"] = loadavg()
+    info["CPU steal during run"] = (f"{(steal1[0] - steal0[0]) / total * 100:.1f} %"
+                                    if total else "?")
+    info["wall"] = f"{time.monotonic() - started:.0f} s"
+    return {"info": info, "config": config.__dict__, "data": bench.data,
+            "notes": bench.notes, "targets": [t.name for t in targets]}
+
+
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM/SIGHUP: unwind through the ``finally`` that stops the children."""
+    raise SystemExit(128 + signum)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m bench",
+                                     description=(__doc__ or "").split("\n\n")[0].strip())
+    parser.add_argument("--quick", action="store_true", help="~1-minute smoke run")
+    parser.add_argument("--only", action="append", choices=SCENARIOS, metavar="NAME",
+                        help=f"run only this scenario (repeatable): {', '.join(SCENARIOS)}")
+    parser.add_argument("--save", action="store_true",
+                        help="write bench/results/ even with --quick or --only")
+    parser.add_argument("--no-save", action="store_true", help="never write bench/results/")
+    args = parser.parse_args(argv)
+    args.argv = argv
+    only = [name for name in SCENARIOS if name in (args.only or SCENARIOS)]
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGHUP, _terminate)
+    from bench.report import render, save
+
+    raw = orchestrate(QUICK if args.quick else FULL, only, args)
+    raw["nginx_patches"] = [why for _, _, why in NGINX_PATCHES]
+    report = render(raw)
+    print()
+    print(report)
+    full = not args.quick and not args.only
+    if (full or args.save) and not args.no_save:
+        for path in save(raw, report, RESULTS):
+            print(f"written: {path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""
+Process plumbing for the proxy benchmark: children, pinning, limits, /proc readings, targets.
+
+Every child runs in its own session (process group), with ``RLIMIT_NOFILE`` raised to the
+hard limit, optionally pinned with ``taskset`` (which execs the command, so the pid is the
+target's own).  :class:`Children` stops them all, group by group, SIGTERM then SIGKILL.
+txlb is treated as a black box: it is started as ``twistd -n llmlb`` from the source tree,
+and only its process is observed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+TWISTD = str(Path(sys.executable).with_name("twistd"))
+NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
+STARTUP_TIMEOUT = 20.0
+
+
+def nofile_limit() -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit; return the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    for wanted in (max(target, 1 << 17), target):  # more only if privileged enough
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, wanted))
+            return wanted
+        except (ValueError, OSError):
+            continue
+    return soft
+
+
+def _child_setup() -> None:
+    """``preexec_fn``: the highest ``RLIMIT_NOFILE`` allowed (inherited by nginx's worker)."""
+    nofile_limit()
+
+
+def pinned(core: int | None, argv: Sequence[str]) -> list[str]:
+    """``argv`` under ``taskset -c core`` when a core is given."""
+    return list(argv) if core is None else ["taskset", "-c", str(core), *argv]
+
+
+@dataclass
+class Child:
+    """A started process and the file its output goes to."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    output: Path
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
+
+
+@dataclass
+class Children:
+    """Every process the benchmark starts, each in its own process group."""
+
+    workdir: Path
+    started: list[Child] = field(default_factory=list)
+
+    def spawn(self, name: str, argv: Sequence[str], **kwargs: Any) -> Child:
+        """Start ``argv`` with this source tree on ``PYTHONPATH``, output to a file."""
+        output = self.workdir / f"{name}.{len(self.started)}.out"
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        env.update(kwargs.pop("env", {}))
+        with open(output, "wb") as out:
+            process = subprocess.Popen(
+                list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                cwd=kwargs.pop("cwd", self.workdir), env=env, start_new_session=True,
+                preexec_fn=_child_setup, **kwargs,
+            )
+        child = Child(name, process, output)
+        self.started.append(child)
+        return child
+
+    def stop(self, child: Child, timeout: float = 5.0) -> None:
+        """SIGTERM the child's process group, then SIGKILL it if it lingers."""
+        process = child.process
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout)
+        # stragglers of the group (nginx workers) whose leader already exited
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        if child in self.started:
+            self.started.remove(child)
+
+    def stop_all(self) -> None:
+        for child in list(reversed(self.started)):
+            self.stop(child)
+
+
+def wait_for(child: Child, pattern: str, timeout: float = STARTUP_TIMEOUT) -> re.Match[str]:
+    """Poll the child's output until ``pattern`` matches; fail if it exits or times out."""
+    regex = re.compile(pattern)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        match = regex.search(child.text())
+        if match:
+            return match
+        if child.process.poll() is not None:
+            break
+        time.sleep(0.05)
+    raise RuntimeError(f"{child.name} did not report /{pattern}/:\n{child.text()[-3000:]}")
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on right now."""
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        return int(probe.getsockname()[1])
+
+
+# -- /proc ------------------------------------------------------------------------------------
+
+
+def _stat_fields(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rpartition(")")[2].split()
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every live descendant (nginx: master + workers)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            ppid = int(_stat_fields(int(entry))[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        out.append(current)
+        todo.extend(children.get(current, []))
+    return out
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """Sum of utime + stime of ``pids`` (not of reaped children), in seconds."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError):
+            fields = _stat_fields(pid)
+            total += int(fields[11]) + int(fields[12])
+    return total / CLK_TCK
+
+
+def rss_kb(pids: Sequence[int]) -> int:
+    """Sum of VmRSS of ``pids`` in KiB."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+                    break
+    return total
+
+
+# -- targets ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """Something clients connect to: the backend itself, nginx or txlb."""
+
+    name: str
+    port: int
+    child: Child | None  # None for "direct" (the backend is shared, not owned)
+    note: str = ""
+    pids_cache: list[int] = field(default_factory=list)
+
+    def pids(self) -> list[int]:
+        """The proxy's processes (empty for direct)."""
+        if self.child is None:
+            return []
+        if not self.pids_cache:
+            self.pids_cache = descendants(self.child.process.pid)
+        return self.pids_cache
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.pids())
+
+    def rss(self) -> int:
+        return rss_kb(self.pids())
+
+
+def http_get(port: int, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    """One ``GET`` on a fresh connection, ``Connection: close``; (status, raw response)."""
+    with socket.create_connection((HOST, port), timeout=timeout) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n"
+                     .encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    match = re.match(rb"HTTP/1\.[01] (\d{3})", data)
+    return (int(match.group(1)) if match else 0), data
+
+
+def wait_ready(port: int, path: str = "/json", timeout: float = STARTUP_TIMEOUT,
+               alive: Callable[[], bool] = lambda: True) -> None:
+    """Until ``GET path`` answers 200 (the proxy listens and reaches a backend)."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline and alive():
+        try:
+            status, _ = http_get(port, path)
+            if status == 200:
+                return
+            last = status
+        except OSError as exc:
+            last = exc
+        time.sleep(0.1)
+    raise RuntimeError(f"port {port} not ready: {last}")
+
+
+def start_backend(children: Children, core: int | None, count: int) -> tuple[Child, list[int]]:
+    """The benchmark backend, ``count`` ports in one process."""
+    import json
+
+    child = children.spawn("backend", pinned(core, [
+        sys.executable, "-m", "bench.backend", "--count", str(count)]))
+    ports = json.loads(wait_for(child, r"(\{.*\})").group(1))["ports"]
+    return child, ports
+
+
+def nginx_config(prefix: Path, backends: str, port: int,
+                 patches: Sequence[tuple[str, str]]) -> str:
+    """``python -m txlb.nginx --standalone`` output with the harness's documented patches."""
+    text = subprocess.run(
+        [sys.executable, "-m", "txlb.nginx", "--standalone", str(prefix),
+         "--backends", backends, "--listen", f"tcp:{port}:interface={HOST}",
+         "--read-timeout", "600"],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    ).stdout
+    for pattern, replacement in patches:
+        text, n = re.subn(pattern, replacement, text)
+        if not n:
+            raise RuntimeError(f"nginx config patch /{pattern}/ matched nothing")
+    return text
+
+
+def start_nginx(children: Children, core: int | None, backends: str, workdir: Path,
+                patches: Sequence[tuple[str, str]], name: str = "nginx") -> Target:
+    """nginx in the foreground (``daemon off``) with a generated config under ``workdir``."""
+    prefix = workdir / f"{name}-{len(children.started)}"
+    prefix.mkdir(parents=True)
+    prefix.chmod(0o777)  # the worker runs as nobody when the master is root
+    port = free_port()
+    (prefix / "nginx.conf").write_text(nginx_config(prefix, backends, port, patches))
+    child = children.spawn(name, pinned(core, [
+        NGINX, "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-g", "daemon off;"]))
+    wait_ready(port, alive=lambda: child.process.poll() is None)
+    target = Target(name, port, child)
+    deadline = time.monotonic() + 5
+    while len(target.pids()) < 2 and time.monotonic() < deadline:  # master + worker
+        target.pids_cache = []
+        time.sleep(0.05)
+    return target
+
+
+def start_txlb(children: Children, core: int | None, backends: str,
+               python: Sequence[str] | None = None, name: str = "txlb") -> Target:
+    """``twistd -n llmlb`` from this source tree on a free port (``--listen tcp:0``)."""
+    twistd = list(python) if python else [TWISTD]
+    child = children.spawn(name, pinned(core, [
+        *twistd, "-n", "--pidfile=", "llmlb",
+        "--listen", f"tcp:0:interface={HOST}",
+        "--backends", backends,
+        "--admin", "none", "--log-file", "none",
+        "--read-timeout", "600", "--health-interval", "30",
+    ]))
+    port = int(wait_for(child, r"ProxySite starting on (\d+)").group(1))
+    wait_ready(port, alive=lambda: child.process.poll() is None)
+    return Target(name, port, child)
