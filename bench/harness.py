@@ -103,9 +103,6 @@ class Children:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout)
-        # stragglers of the group (nginx workers) whose leader already exited
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
         if child in self.started:
             self.started.remove(child)
 

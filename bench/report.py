@@ -55,9 +55,16 @@ class Table:
                           + f" | {fmt(r, 2)} |")
 
 
-def _per(data: dict[str, Any], key: str,
-         scale: float = 1.0) -> dict[str, Any]:
-    return {t: _num(row.get(key)) * scale for t, row in data.items()}
+def _per(data: dict[str, Any], key: str, scale: float = 1.0,
+         proxy_only: bool = False) -> dict[str, Any]:
+    return {t: _num(row.get(key)) * scale for t, row in data.items()
+            if not (proxy_only and t == "direct")}
+
+
+def _bound(data: dict[str, Any]) -> dict[str, str]:
+    """What limited a throughput run: the proxy (its core busy) or the client side."""
+    return {t: ("proxy" if t != "direct" and _num(row.get("proxy_cpu_pct")) >= 90
+                else "client side") for t, row in data.items()}
 
 
 def _added(data: dict[str, Any], key: str, scale: float = 1.0) -> dict[str, Any]:
@@ -129,8 +136,8 @@ def full_table(raw: dict[str, Any]) -> list[str]:
         table.add(s, "chunks received / expected",
                   {t: f"{r['events']:,}/{r['expected']:,}" for t, r in per.items()})
         table.add(s, "stream errors", _per(per, "errors"), 0)
-        table.add(s, "proxy CPU µs per chunk", _per(per, "us_per_chunk"), 2)
-        table.add(s, "proxy CPU % of a core", _per(per, "proxy_cpu_pct"))
+        table.add(s, "proxy CPU µs per chunk", _per(per, "us_per_chunk", proxy_only=True), 2)
+        table.add(s, "proxy CPU % of a core", _per(per, "proxy_cpu_pct", proxy_only=True))
         table.add(s, "chunk latency p50, ms", _per(per, "p50_us", 1e-3), 3)
         table.add(s, "chunk latency p99, ms", _per(per, "p99_us", 1e-3), 3)
         table.add(s, "added latency p50, ms", _added(per, "p50_us", 1e-3), 3)
@@ -141,11 +148,12 @@ def full_table(raw: dict[str, Any]) -> list[str]:
         per, s = data["bulk"], "bulk SSE"
         table.add(s, "chunks/s", _per(per, "rate"), 0)
         table.add(s, "MB/s (wire)", {t: r["bytes"] / r["wall"] / 1e6 for t, r in per.items()})
-        table.add(s, "proxy CPU µs per chunk", _per(per, "us_per_chunk"), 3)
-        table.add(s, "proxy CPU % of a core", _per(per, "proxy_cpu_pct"))
+        table.add(s, "proxy CPU µs per chunk", _per(per, "us_per_chunk", proxy_only=True), 3)
+        table.add(s, "proxy CPU % of a core", _per(per, "proxy_cpu_pct", proxy_only=True))
         table.add(s, "load generator CPU %", _per(per, "client_cpu_pct"), 0, False)
         table.add(s, "backend CPU %", _per(per, "backend_cpu_pct"), 0, False)
         table.add(s, "stream errors", _per(per, "errors"), 0)
+        table.add(s, "limited by (proxy: its CPU ≥ 90 %)", _bound(per))
     if "rps" in data:
         per = data["rps"]
         client = next(iter(per.values()))["client"]
@@ -153,11 +161,12 @@ def full_table(raw: dict[str, Any]) -> list[str]:
         table.add(s, "requests/s", _per(per, "rate"), 0)
         table.add(s, "latency p50, µs", _per(per, "p50_us"), 0)
         table.add(s, "latency p99, µs", _per(per, "p99_us"), 0)
-        table.add(s, "proxy CPU % of a core", _per(per, "proxy_cpu_pct"))
+        table.add(s, "proxy CPU % of a core", _per(per, "proxy_cpu_pct", proxy_only=True))
         table.add(s, "requests per proxy CPU-second", _per(per, "per_cpu_second"), 0)
-        table.add(s, "proxy CPU µs per request", _per(per, "us_per_request"), 1)
+        table.add(s, "proxy CPU µs per request", _per(per, "us_per_request", proxy_only=True), 1)
         table.add(s, "backend CPU %", _per(per, "backend_cpu_pct"), 0, False)
         table.add(s, "errors", _per(per, "errors"), 0)
+        table.add(s, "limited by (proxy: its CPU ≥ 90 %)", _bound(per))
     if "ttfb" in data:
         for mode, label in (("fresh", "new connection each"), ("keepalive", "keep-alive")):
             per, s = data["ttfb"][mode], f"TTFB at idle, {label}"
@@ -251,7 +260,8 @@ def plot(raw: dict[str, Any], directory: Path) -> list[Path]:
                    color=colors.get(name))
             for x, y in zip(xs, ys, strict=True):
                 if not math.isnan(y):
-                    ax.annotate(f"{y:,.3g}", (x, y), ha="center", va="bottom", fontsize=7)
+                    label = f"{y:,.0f}" if abs(y) >= 100 else f"{y:.3g}"
+                    ax.annotate(label, (x, y), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(groups)), groups)
         ax.set_title(title, fontsize=10)
         ax.set_ylabel(ylabel)

@@ -95,9 +95,10 @@ def header(response: IResponse, name: bytes) -> str | None:
     return values[0].decode() if values else None
 
 
-def twistd_command(*args: str) -> list[str]:
-    return [os.path.join(os.path.dirname(sys.executable), "twistd"), "-n", "--pidfile=",
-            "llmlb", *args]
+def twistd_command(*args: str, reactor: str | None = None) -> list[str]:
+    selected = ["--reactor", reactor] if reactor else []
+    return [os.path.join(os.path.dirname(sys.executable), "twistd"), *selected, "-n",
+            "--pidfile=", "llmlb", *args]
 
 
 def clean_environment() -> dict[str, str]:
@@ -119,13 +120,14 @@ class TwistdProcess:
             extra += ["--log-file", "none"]
         return extra
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, reactor: str | None = None) -> None:
         handle, name = tempfile.mkstemp(prefix="txlb-twistd-", suffix=".log")
         self.log_path = Path(name)
         self._log = os.fdopen(handle, "wb")
         self.args = args
         self.process = subprocess.Popen(
-            twistd_command("--listen", "tcp:0:interface=127.0.0.1", *self.defaults(args), *args),
+            twistd_command("--listen", "tcp:0:interface=127.0.0.1", *self.defaults(args), *args,
+                           reactor=reactor),
             stdout=self._log, stderr=subprocess.STDOUT, env=clean_environment(), cwd=ROOT,
         )
         self.port = 0

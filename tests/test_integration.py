@@ -231,6 +231,24 @@ class TwistdTests(TestCase):
         self.assertNotIn("Traceback", output)
         self.assertNotIn("Unhandled", output)
 
+    @defer.inlineCallbacks
+    def test_direct_dispatch_reactor(self) -> Any:
+        """``twistd --reactor txlb-epoll`` runs the same balancer, streams included."""
+        fleet = Fleet(self, 2, tokens_per_second=200)
+        lb = TwistdProcess("--backends", ",".join(fleet.keys), reactor="txlb-epoll")
+        self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
+        yield defer.ensureDeferred(lb.started())
+        self.assertIn("DirectDispatchEPollReactor", lb.output())
+        client = Client()
+        self.addCleanup(client.pool.closeCachedConnections)
+        response, chunks = yield defer.ensureDeferred(client.fetch(
+            lb.url + "/v1/chat/completions", b"POST", chat_body(), JSON))
+        self.assertEqual(response.code, 200)
+        self.assertTrue(chunks.body.endswith(b"data: [DONE]\n\n"))
+        self.assertGreater(len(chunks.chunks), 3)
+        code = yield defer.ensureDeferred(lb.stop())
+        self.assertEqual(code, 0, lb.final_output)
+
     def assertStartupRefused(self, args: list[str], env: dict[str, str], *words: str) -> None:
         result = subprocess.run(twistd_command(*args), env={**clean_environment(), **env},
                                 capture_output=True, text=True, timeout=60)

@@ -45,6 +45,8 @@ class WheelInstallTests(TestCase):
         self.assertEqual(len(wheels), 1)
         names = zipfile.ZipFile(wheels[0]).namelist()
         self.assertIn("twisted/plugins/txlb_llmlb.py", names)
+        self.assertIn("twisted/plugins/txlb_reactor.py", names)
+        self.assertIn("txlb/dashboard.html", names)
         self.assertNotIn("twisted/__init__.py", names)
         self.assertNotIn("twisted/plugins/__init__.py", names)
         self.assertIn("txlb/py.typed", names)
@@ -59,3 +61,4 @@ class WheelInstallTests(TestCase):
         self.assertIn("llmlb", run(bin_dir / "twist", "--help", cwd=work))
         self.assertIn("--backends", run(bin_dir / "twistd", "llmlb", "--help", cwd=work))
         self.assertIn("vllm-sim", run(bin_dir / "twistd", "--help", cwd=work))
+        self.assertIn("txlb-epoll", run(bin_dir / "twistd", "--help-reactors", cwd=work))

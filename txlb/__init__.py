@@ -5,12 +5,35 @@ A standard reverse proxy in everything a client can see, LLM-aware behind it:
 least-connections scheduling, health checks that catch a dead engine behind a live API
 server, SSE relayed chunk by chunk with backpressure, and client disconnects that abort the
 generation upstream.
+
+The public names are imported on first use (PEP 562), so that importing a submodule --
+notably the ``txlb-epoll`` reactor, which must be installed before anything imports
+``twisted.internet.reactor`` -- does not drag in Klein and with it the default reactor.
 """
 
-from ._backend import Backend, Lease, Pool
-from ._balancer import LoadBalancer
-from ._config import BackendSpec, Config, ConfigError, build_config
-from ._policies import IPolicy, LeastConnections
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._backend import Backend, Lease, Pool
+    from ._balancer import LoadBalancer
+    from ._config import BackendSpec, Config, ConfigError, build_config
+    from ._policies import IPolicy, LeastConnections
+
+_EXPORTS = {
+    "Backend": "._backend",
+    "Lease": "._backend",
+    "Pool": "._backend",
+    "LoadBalancer": "._balancer",
+    "BackendSpec": "._config",
+    "Config": "._config",
+    "ConfigError": "._config",
+    "build_config": "._config",
+    "IPolicy": "._policies",
+    "LeastConnections": "._policies",
+}
 
 __all__ = [
     "Backend",
@@ -24,3 +47,10 @@ __all__ = [
     "Pool",
     "build_config",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'txlb' has no attribute {name!r}")
+    return getattr(importlib.import_module(module, __name__), name)
