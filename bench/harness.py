@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -75,10 +76,12 @@ class Children:
 
     workdir: Path
     started: list[Child] = field(default_factory=list)
+    spawned: int = 0
 
     def spawn(self, name: str, argv: Sequence[str], **kwargs: Any) -> Child:
         """Start ``argv`` with this source tree on ``PYTHONPATH``, output to a file."""
-        output = self.workdir / f"{name}.{len(self.started)}.out"
+        self.spawned += 1
+        output = self.workdir / f"{name}.{self.spawned}.out"
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
         env.update(kwargs.pop("env", {}))
         with open(output, "wb") as out:
@@ -268,8 +271,7 @@ def nginx_config(prefix: Path, backends: str, port: int,
 def start_nginx(children: Children, core: int | None, backends: str, workdir: Path,
                 patches: Sequence[tuple[str, str]], name: str = "nginx") -> Target:
     """nginx in the foreground (``daemon off``) with a generated config under ``workdir``."""
-    prefix = workdir / f"{name}-{len(children.started)}"
-    prefix.mkdir(parents=True)
+    prefix = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=workdir))
     prefix.chmod(0o777)  # the worker runs as nobody when the master is root
     port = free_port()
     (prefix / "nginx.conf").write_text(nginx_config(prefix, backends, port, patches))
