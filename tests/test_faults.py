@@ -217,6 +217,35 @@ class HangAndDeathTests(FaultTestCase):
         self.assertEqual(json.loads(chunks.body)["error"]["code"], 503)
 
 
+class SlowClientTests(FaultTestCase):
+    @defer.inlineCallbacks
+    def test_slowloris_is_cut_off_while_others_are_served(self) -> Any:
+        fleet = Fleet(self, 1)
+        lb = yield defer.ensureDeferred(self.balancer(fleet.keys, "--header-timeout", "1"))
+        slow = socket.create_connection(("127.0.0.1", lb.port), timeout=5)
+        self.addCleanup(slow.close)
+        started = time.monotonic()
+        answer = b""
+        for byte in b"GET / HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 60:
+            try:
+                slow.send(bytes([byte]))  # one byte every 0.1 s: never idle, never done
+            except OSError:
+                break
+            response, _ = yield defer.ensureDeferred(self.client.fetch(lb.url + "/metrics"))
+            self.assertEqual(response.code, 200)  # everyone else is served meanwhile
+            yield task.deferLater(reactor, 0.1, lambda: None)
+            slow.setblocking(False)
+            try:
+                answer += slow.recv(4096)
+            except BlockingIOError:
+                pass
+            slow.setblocking(True)
+            if answer:
+                break
+        self.assertTrue(answer.startswith(b"HTTP/1.1 408 "), answer)
+        self.assertLess(time.monotonic() - started, 5)
+
+
 GARBAGE = [
     b"\x00\x01\x02\xff" * 50,
     b"GET\r\n\r\n",

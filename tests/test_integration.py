@@ -11,6 +11,7 @@ from typing import Any
 
 from twisted.internet import defer, reactor
 from twisted.internet.interfaces import IListeningPort
+from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import LoopingCall
 from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
@@ -158,6 +159,32 @@ class InProcessTests(TestCase):
         yield defer.ensureDeferred(wait_until(
             lambda: sum(s.aborted for s in self.fleet.sims) == 1, what="sim abort"))
         yield defer.ensureDeferred(wait_until(lambda: self.in_flight() == 0, what="release"))
+
+    @defer.inlineCallbacks
+    def test_headers_named_in_the_backends_connection_header_are_dropped(self) -> Any:
+        """A real backend's ``Connection: X-Secret`` keeps X-Secret from the client."""
+
+        class RawBackend(Protocol):
+            def dataReceived(self, data: bytes) -> None:
+                if b"\r\n\r\n" in data:
+                    assert self.transport is not None
+                    self.transport.write(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n"
+                        b"Connection: X-Secret, keep-alive\r\nX-Secret: hop only\r\n"
+                        b"Keep-Alive: timeout=5\r\nX-Kept: yes\r\n"
+                        b"Set-Cookie: a=1\r\nSet-Cookie: b=2\r\nContent-Length: 2\r\n\r\nok")
+
+        port = reactor.listenTCP(0, Factory.forProtocol(RawBackend), interface="127.0.0.1")
+        self.addCleanup(port.stopListening)
+        fleet = Fleet(self, 0)
+        fleet.keys = [f"127.0.0.1:{port.getHost().port}"]
+        url = self.start(fleet)
+        response, chunks = yield defer.ensureDeferred(self.client.fetch(url + "/raw"))
+        self.assertEqual((response.code, chunks.body), (200, b"ok"))
+        self.assertIsNone(response.headers.getRawHeaders(b"x-secret"))
+        self.assertIsNone(response.headers.getRawHeaders(b"keep-alive"))
+        self.assertEqual(response.headers.getRawHeaders(b"x-kept"), [b"yes"])
+        self.assertEqual(response.headers.getRawHeaders(b"set-cookie"), [b"a=1", b"b=2"])
 
     @defer.inlineCallbacks
     def test_mounted_in_another_site(self) -> Any:

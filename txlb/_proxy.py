@@ -32,7 +32,12 @@ from zope.interface import implementer
 
 from ._backend import Backend, Lease, Pool
 from ._errors import error_body, write_body, write_json
-from ._headers import downstream_response_headers, flatten, upstream_request_headers
+from ._headers import (
+    connection_tokens,
+    downstream_response_headers,
+    flatten,
+    upstream_request_headers,
+)
 from ._ratelimit import RateLimiter
 from ._relay import BodyRelay
 from ._routing import Router, RoutingError
@@ -288,7 +293,7 @@ class Exchange:
         request.setResponseCode(response.code, response.phrase)
         out = request.responseHeaders
         for name, value in downstream_response_headers(
-            flatten(response.headers.getAllRawHeaders())
+            flatten(response.headers.getAllRawHeaders()), connection_named(response)
         ):
             out.addRawHeader(name, value)
         # Twisted's Request sets its own Date and Server; the backend's win, if it sent them.
@@ -510,6 +515,28 @@ class Exchange:
             self._end("proxy_error", self._cut_client)
         else:
             self._fail(502, "internal proxy error", "proxy_error")
+
+
+def connection_named(response: IResponse) -> frozenset[bytes]:
+    """
+    The headers the backend's ``Connection`` header names: hop-by-hop for that hop, so not
+    for the client.  Agent moves ``Connection`` out of ``response.headers`` into its parser,
+    so it is read there; should a Twisted version move it, nothing is stripped (the headers
+    pass, as before) rather than anything failing.
+    """
+    # Response._transport is a TransportProxyProducer around the TCP transport, whose
+    # protocol -- under the endpoint's wrapper -- is the HTTP11ClientProtocol holding the
+    # parser that kept the connection headers.
+    proxy = getattr(response, "_transport", None)
+    connection = getattr(getattr(proxy, "_producer", None), "protocol", None)
+    for _ in range(3):
+        if hasattr(connection, "_parser"):
+            break
+        connection = getattr(connection, "_wrappedProtocol", None)
+    headers = getattr(getattr(connection, "_parser", None), "connHeaders", None)
+    if not isinstance(headers, Headers):
+        return frozenset()
+    return connection_tokens(flatten(headers.getAllRawHeaders()))
 
 
 def _is_reset(failure: Failure) -> bool:
