@@ -6,6 +6,7 @@ bounded in count and in time, and only 127.0.0.1 is ever used.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -235,10 +236,8 @@ class SlowClientTests(FaultTestCase):
             self.assertEqual(response.code, 200)  # everyone else is served meanwhile
             yield task.deferLater(reactor, 0.1, lambda: None)
             slow.setblocking(False)
-            try:
+            with contextlib.suppress(BlockingIOError):
                 answer += slow.recv(4096)
-            except BlockingIOError:
-                pass
             slow.setblocking(True)
             if answer:
                 break
