@@ -41,6 +41,7 @@ import math
 import os
 import platform
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -59,6 +60,8 @@ from bench.harness import (
     Child,
     Children,
     Target,
+    core_times,
+    cpu_ns,
     cpu_seconds,
     nofile_limit,
     pinned,
@@ -73,9 +76,10 @@ SCENARIOS = ("paced", "bulk", "rps", "ttfb", "hold", "slow")
 MiB = 1 << 20
 
 #: Edits to the generated nginx.conf, each documented in the report.
+#: ``--txlb-reactor``: the reactor txlb runs under (None: Twisted's default).
+TXLB_REACTOR: str | None = None
+
 NGINX_PATCHES: tuple[tuple[str, str, str], ...] = (
-    (r"worker_connections \d+;", "worker_connections 32768;",
-     "worker_connections 16384 -> 32768 (10,000 proxied streams need 20,000 connections)"),
     (r"access_log \S+ txlb_results;", "access_log off;",
      "access_log off (txlb runs with --log-file none)"),
 )
@@ -121,21 +125,56 @@ class Bench:
     notes: list[str] = field(default_factory=list)
 
     def proxies(self) -> list[Target]:
+        """The targets that are proxies (not direct)."""
         return [t for t in self.targets if t.child is not None]
 
 
 def log(message: str) -> None:
+    """Progress line on stdout, flushed."""
     print(message, flush=True)
 
 
 # -- running one load-generator process -------------------------------------------------------
 
 
+class Meter:
+    """CPU of the proxy, the backend and reaped children, and every core's load, over a run."""
+
+    def __init__(self, bench: Bench, target: Target) -> None:
+        self.target = target
+        self.backend_pid = bench.backend.process.pid
+        self.proxy0 = target.cpu()
+        self.proxy_ns0 = cpu_ns(target.pids())
+        self.backend0 = cpu_seconds([self.backend_pid])
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self.children0 = usage.ru_utime + usage.ru_stime
+        self.cores0 = core_times()
+        self.t0 = time.monotonic()
+
+    def stop(self) -> dict[str, Any]:
+        """The deltas: ``proxy_cpu``/``backend_cpu``/``reaped_cpu`` (s), ``wall``, ``%``s."""
+        wall = time.monotonic() - self.t0
+        proxy = self.target.cpu() - self.proxy0
+        proxy_ns = cpu_ns(self.target.pids()) - self.proxy_ns0
+        backend = cpu_seconds([self.backend_pid]) - self.backend0
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        reaped = usage.ru_utime + usage.ru_stime - self.children0
+        busy = []
+        for (b0, t0), (b1, t1) in zip(self.cores0, core_times(), strict=False):
+            busy.append((b1 - b0) / (t1 - t0) * 100 if t1 > t0 else math.nan)
+        return {
+            "proxy_cpu": proxy, "proxy_cpu_ns": proxy_ns, "backend_cpu": backend,
+            "reaped_cpu": reaped, "wall": wall,
+            "proxy_cpu_pct": proxy / wall * 100 if self.target.child else math.nan,
+            "backend_cpu_pct": backend / wall * 100,
+            "core_busy_pct": busy,
+        }
+
+
 def run_client(bench: Bench, target: Target, args: Sequence[str], timeout: float,
-               name: str = "load") -> tuple[dict[str, Any], float, float, float]:
-    """One ``bench.loadgen`` run against ``target``: (result, proxy CPU s, backend CPU s, wall)."""
-    backend_pid = bench.backend.process.pid
-    proxy0, backend0, t0 = target.cpu(), cpu_seconds([backend_pid]), time.monotonic()
+               name: str = "load") -> tuple[dict[str, Any], dict[str, Any]]:
+    """One ``bench.loadgen`` run against ``target``: (its result, the :class:`Meter` deltas)."""
+    meter = Meter(bench, target)
     child = bench.children.spawn(f"{name}-{target.name}", pinned(bench.client_core, [
         sys.executable, "-m", "bench.loadgen", *args, "--port", str(target.port)]))
     try:
@@ -144,18 +183,23 @@ def run_client(bench: Bench, target: Target, args: Sequence[str], timeout: float
         raise RuntimeError(f"{child.name} timed out:\n{child.text()[-2000:]}") from None
     finally:
         bench.children.stop(child)
-    wall = time.monotonic() - t0
-    proxy1, backend1 = target.cpu(), cpu_seconds([backend_pid])
+    measured = meter.stop()
     match = re.search(r"^RESULT (.*)$", child.text(), re.M)
     if child.process.returncode != 0 or not match:
         raise RuntimeError(f"{child.name} failed:\n{child.text()[-2000:]}")
-    return json.loads(match.group(1)), proxy1 - proxy0, backend1 - backend0, wall
+    return json.loads(match.group(1)), measured
+
+
+def per_unit(cpu: float, count: int, target: Target) -> float:
+    """Proxy CPU µs per chunk/request (NaN for direct, which has no proxy)."""
+    return cpu / count * 1e6 if count and target.child is not None else math.nan
 
 
 # -- scenarios ----------------------------------------------------------------------------------
 
 
 def scenario_paced(bench: Bench) -> dict[str, Any]:
+    """Paced SSE at each level against each target: CPU per chunk, chunk latency."""
     cfg = bench.config
     interval = 1000.0 / cfg.paced_rate
     count = int(cfg.paced_rate * cfg.paced_seconds)
@@ -163,16 +207,14 @@ def scenario_paced(bench: Bench) -> dict[str, Any]:
     for streams in cfg.paced_levels:
         level: dict[str, Any] = {}
         for target in bench.targets:
-            result, proxy_cpu, backend_cpu, wall = run_client(bench, target, [
+            result, measured = run_client(bench, target, [
                 "paced", "--streams", str(streams), "--count", str(count),
                 "--interval", f"{interval:g}", "--size", "250",
                 "--timeout", str(cfg.paced_seconds + 30)], cfg.paced_seconds + 60)
             events = result["events"]
-            row = dict(result, proxy_cpu=proxy_cpu, backend_cpu=backend_cpu,
-                       us_per_chunk=proxy_cpu / events * 1e6 if events else math.nan,
-                       client_cpu_pct=result["cpu"] / result["wall"] * 100,
-                       backend_cpu_pct=backend_cpu / wall * 100,
-                       proxy_cpu_pct=proxy_cpu / wall * 100)
+            row = dict(result, **measured,
+                       us_per_chunk=per_unit(measured["proxy_cpu"], events, target),
+                       client_cpu_pct=result["cpu"] / result["wall"] * 100)
             level[target.name] = row
             log(f"paced {streams:4d} {target.name:10s} {events}/{result['expected']} events,"
                 f" {row['us_per_chunk']:.1f} µs/chunk, p50 {result['p50_us'] / 1000:.2f} ms,"
@@ -183,19 +225,17 @@ def scenario_paced(bench: Bench) -> dict[str, Any]:
 
 
 def scenario_bulk(bench: Bench) -> dict[str, Any]:
+    """Bulk SSE against each target: chunks/s and proxy CPU per chunk."""
     cfg = bench.config
     out: dict[str, Any] = {}
     for target in bench.targets:
-        result, proxy_cpu, backend_cpu, wall = run_client(bench, target, [
+        result, measured = run_client(bench, target, [
             "bulk", "--streams", str(cfg.bulk_streams), "--seconds", str(cfg.bulk_seconds)],
             cfg.bulk_seconds + 30)
-        events = result["events"]
         out[target.name] = dict(
-            result, proxy_cpu=proxy_cpu, backend_cpu=backend_cpu,
-            us_per_chunk=proxy_cpu / events * 1e6 if events else math.nan,
-            proxy_cpu_pct=proxy_cpu / wall * 100,
+            result, **measured,
+            us_per_chunk=per_unit(measured["proxy_cpu"], result["events"], target),
             client_cpu_pct=result["cpu"] / result["wall"] * 100,
-            backend_cpu_pct=backend_cpu / wall * 100,
         )
         log(f"bulk {target.name:10s} {result['rate']:,.0f} chunks/s,"
             f" {out[target.name]['us_per_chunk']:.2f} µs/chunk, errors {result['errors']}")
@@ -206,14 +246,15 @@ _WRK_UNITS = {"us": 1.0, "ms": 1e3, "s": 1e6}
 
 
 def _wrk_latency(text: str, label: str) -> float:
+    """A percentile from wrk's ``--latency`` distribution, in µs (NaN if absent)."""
     match = re.search(rf"^\s*{label}%\s+([\d.]+)(us|ms|s)\s*$", text, re.M)
     return float(match.group(1)) * _WRK_UNITS[match.group(2)] if match else math.nan
 
 
 def run_wrk(bench: Bench, target: Target) -> dict[str, Any]:
+    """``wrk -t1 -cC -dSs --latency`` on ``/json`` through ``target``, parsed."""
     cfg = bench.config
-    backend_pid = bench.backend.process.pid
-    proxy0, backend0, t0 = target.cpu(), cpu_seconds([backend_pid]), time.monotonic()
+    meter = Meter(bench, target)
     child = bench.children.spawn(f"wrk-{target.name}", pinned(bench.client_core, [
         "wrk", "-t1", f"-c{cfg.rps_connections}", f"-d{cfg.rps_seconds:g}s", "--latency",
         f"http://{HOST}:{target.port}/json"]))
@@ -221,8 +262,7 @@ def run_wrk(bench: Bench, target: Target) -> dict[str, Any]:
         child.process.wait(cfg.rps_seconds + 30)
     finally:
         bench.children.stop(child)
-    wall = time.monotonic() - t0
-    proxy_cpu, backend_cpu = target.cpu() - proxy0, cpu_seconds([backend_pid]) - backend0
+    measured = meter.stop()
     text = child.text()
     requests = re.search(r"(\d+) requests in ([\d.]+)(m?s)", text)
     rate = re.search(r"Requests/sec:\s+([\d.]+)", text)
@@ -234,18 +274,18 @@ def run_wrk(bench: Bench, target: Target) -> dict[str, Any]:
     errors = (int(non2xx.group(1)) if non2xx else 0) + (
         sum(int(x) for x in sock.groups()) if sock else 0)
     count = int(requests.group(1))
-    return {
-        "requests": count, "rate": float(rate.group(1)), "errors": errors,
-        "p50_us": _wrk_latency(text, "50"), "p99_us": _wrk_latency(text, "99"),
-        "proxy_cpu": proxy_cpu, "backend_cpu": backend_cpu,
-        "proxy_cpu_pct": proxy_cpu / wall * 100, "backend_cpu_pct": backend_cpu / wall * 100,
-        "per_cpu_second": count / proxy_cpu if proxy_cpu > 0 else math.nan,
-        "us_per_request": proxy_cpu / count * 1e6 if count else math.nan,
-        "client": "wrk",
-    }
+    proxy_cpu = measured["proxy_cpu"]
+    return dict(
+        measured, requests=count, rate=float(rate.group(1)), errors=errors,
+        p50_us=_wrk_latency(text, "50"), p99_us=_wrk_latency(text, "99"),
+        client_cpu_pct=measured["reaped_cpu"] / measured["wall"] * 100,
+        per_cpu_second=count / proxy_cpu if proxy_cpu > 0 else math.nan,
+        us_per_request=per_unit(proxy_cpu, count, target), client="wrk",
+    )
 
 
 def scenario_rps(bench: Bench) -> dict[str, Any]:
+    """Small JSON requests against each target (wrk, or the Python client)."""
     cfg = bench.config
     out: dict[str, Any] = {}
     have_wrk = shutil.which("wrk") is not None
@@ -256,15 +296,14 @@ def scenario_rps(bench: Bench) -> dict[str, Any]:
         if have_wrk:
             row = run_wrk(bench, target)
         else:
-            result, proxy_cpu, backend_cpu, wall = run_client(bench, target, [
+            result, measured = run_client(bench, target, [
                 "rps", "--connections", str(cfg.rps_connections),
                 "--seconds", str(cfg.rps_seconds)], cfg.rps_seconds + 30)
-            row = dict(result, proxy_cpu=proxy_cpu, backend_cpu=backend_cpu,
-                       proxy_cpu_pct=proxy_cpu / wall * 100,
-                       backend_cpu_pct=backend_cpu / wall * 100,
+            proxy_cpu = measured["proxy_cpu"]
+            row = dict(result, **measured,
+                       client_cpu_pct=result["cpu"] / result["wall"] * 100,
                        per_cpu_second=result["requests"] / proxy_cpu if proxy_cpu else math.nan,
-                       us_per_request=(proxy_cpu / result["requests"] * 1e6
-                                       if result["requests"] else math.nan),
+                       us_per_request=per_unit(proxy_cpu, result["requests"], target),
                        client="python")
         out[target.name] = row
         log(f"rps {target.name:10s} {row['rate']:,.0f} req/s, p50 {row['p50_us']:.0f} µs,"
@@ -273,6 +312,7 @@ def scenario_rps(bench: Bench) -> dict[str, Any]:
 
 
 def scenario_ttfb(bench: Bench) -> dict[str, Any]:
+    """Sequential TTFB at idle, fresh connections then keep-alive, per target."""
     cfg = bench.config
     out: dict[str, Any] = {"fresh": {}, "keepalive": {}}
     for mode in ("fresh", "keepalive"):
@@ -280,8 +320,11 @@ def scenario_ttfb(bench: Bench) -> dict[str, Any]:
             args = ["ttfb", "--count", str(cfg.ttfb_count)]
             if mode == "fresh":
                 args.append("--fresh")
-            result, *_ = run_client(bench, target, args, 60)
-            out[mode][target.name] = result
+            result, measured = run_client(bench, target, args, 60)
+            requests = result["count"] + result["errors"]
+            out[mode][target.name] = dict(  # schedstat: too few ticks for /proc/PID/stat
+                result, us_per_request=per_unit(measured["proxy_cpu_ns"] / 1e9, requests,
+                                                target))
             log(f"ttfb {mode:9s} {target.name:10s} p50 {result['p50_us']:.0f} µs,"
                 f" p99 {result['p99_us']:.0f} µs, errors {result['errors']}")
     return out
@@ -301,7 +344,8 @@ def fresh_proxy(bench: Bench, name: str) -> Target:
         return start_nginx(bench.children, bench.proxy_core, bench.backends, bench.workdir,
                            patches)
     python = _pypy_twistd() if name == "txlb-pypy" else None
-    return start_txlb(bench.children, bench.proxy_core, bench.backends, python, name=name)
+    return start_txlb(bench.children, bench.proxy_core, bench.backends, python, name=name,
+                      reactor=TXLB_REACTOR)
 
 
 def hold_levels(bench: Bench) -> list[int]:
@@ -322,6 +366,7 @@ def hold_levels(bench: Bench) -> list[int]:
 
 
 def scenario_hold(bench: Bench) -> dict[str, Any]:
+    """Held streams at each level, each proxy freshly started per level."""
     cfg = bench.config
     out: dict[str, Any] = {}
     for streams in hold_levels(bench):
@@ -374,6 +419,7 @@ def hold_one(bench: Bench, target: Target, streams: int, interval_ms: float) -> 
 
 
 def scenario_slow(bench: Bench) -> dict[str, Any]:
+    """A large stream read slowly through each proxy; the proxy's RSS over time."""
     cfg = bench.config
     out: dict[str, Any] = {}
     for target in bench.proxies():
@@ -426,6 +472,7 @@ def _pypy_twistd() -> list[str] | None:
 
 
 def pypy_status() -> str:
+    """What the report says about PyPy."""
     if not shutil.which("pypy3"):
         return "not installed (skipped)"
     return "installed" if _pypy_twistd() else "installed, but cannot import Twisted (skipped)"
@@ -435,6 +482,7 @@ def pypy_status() -> str:
 
 
 def _output(argv: Sequence[str]) -> str:
+    """A command's stdout + stderr, or ``?`` if it cannot run."""
     try:
         done = subprocess.run(list(argv), capture_output=True, text=True, timeout=10)
         return (done.stdout + done.stderr).strip()
@@ -443,6 +491,7 @@ def _output(argv: Sequence[str]) -> str:
 
 
 def cpu_model() -> str:
+    """The CPU model from /proc/cpuinfo."""
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
         for line in info:
             if line.startswith("model name"):
@@ -451,6 +500,7 @@ def cpu_model() -> str:
 
 
 def revision() -> str:
+    """The txlb checkout's short commit, and whether ``txlb/`` has local changes."""
     head = _output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
     if not re.fullmatch(r"[0-9a-f]+", head):
         return "?"
@@ -466,6 +516,7 @@ def cpu_steal() -> tuple[int, int]:
 
 
 def loadavg() -> str:
+    """The 1/5/15-minute load averages."""
     with open("/proc/loadavg") as avg:
         return " ".join(avg.read().split()[:3])
 
@@ -506,7 +557,7 @@ def orchestrate(config: Config, only: Sequence[str], args: argparse.Namespace) -
             targets = [
                 Target("direct", ports[0], None),
                 start_nginx(children, proxy_core, backends, Path(tmp), patches),
-                start_txlb(children, proxy_core, backends),
+                start_txlb(children, proxy_core, backends, reactor=TXLB_REACTOR),
             ]
             pypy = _pypy_twistd()
             if pypy:
@@ -520,7 +571,12 @@ def orchestrate(config: Config, only: Sequence[str], args: argparse.Namespace) -
                 warm_up(bench, target)
             for name in only:
                 log(f"-- {name}")
-                bench.data[name] = RUNNERS[name](bench)
+                try:
+                    bench.data[name] = RUNNERS[name](bench)
+                except (RuntimeError, OSError, ValueError, KeyError) as exc:
+                    # one broken scenario should not cost the others; the report says so
+                    log(f"scenario {name} FAILED: {exc}")
+                    bench.notes.append(f"scenario `{name}` FAILED: {str(exc)[:300]}")
         finally:
             children.stop_all()
     steal1 = cpu_steal()
@@ -539,6 +595,7 @@ def _terminate(signum: int, frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """Parse the options, run, print the report, save it (full runs, or ``--save``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m bench",
                                      description=(__doc__ or "").split("\n\n")[0].strip())
@@ -548,7 +605,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--save", action="store_true",
                         help="write bench/results/ even with --quick or --only")
     parser.add_argument("--no-save", action="store_true", help="never write bench/results/")
+    parser.add_argument("--txlb-reactor", metavar="NAME",
+                        help="run txlb under this reactor (e.g. txlb-epoll); results are "
+                             "saved as proxy-NAME.*")
     args = parser.parse_args(argv)
+    global TXLB_REACTOR
+    TXLB_REACTOR = args.txlb_reactor
     args.argv = argv
     only = [name for name in SCENARIOS if name in (args.only or SCENARIOS)]
     signal.signal(signal.SIGTERM, _terminate)
@@ -557,12 +619,14 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     raw = orchestrate(QUICK if args.quick else FULL, only, args)
     raw["nginx_patches"] = [why for _, _, why in NGINX_PATCHES]
+    raw["info"]["txlb reactor"] = TXLB_REACTOR or "Twisted's default (epoll)"
     report = render(raw)
     print()
     print(report)
     full = not args.quick and not args.only
     if (full or args.save) and not args.no_save:
-        for path in save(raw, report, RESULTS):
+        stem = f"proxy-{TXLB_REACTOR}" if TXLB_REACTOR else "proxy"
+        for path in save(raw, report, RESULTS, stem):
             print(f"written: {path.relative_to(ROOT)}")
 
 

@@ -151,6 +151,7 @@ class Handler(asyncio.Protocol):
     # -- paced SSE ------------------------------------------------------------------------
 
     def _start_paced(self, params: dict[str, float]) -> None:
+        """Head now, then one event per interval on an absolute schedule."""
         assert self.transport is not None
         self.busy = True
         count = int(params.get("n", 10))
@@ -186,6 +187,7 @@ class Handler(asyncio.Protocol):
             self.timer = loop.call_at(start, tick)
 
     def _done(self) -> None:
+        """The response is complete: serve any request that arrived meanwhile."""
         self.busy = False
         self.pump = None
         if self.buffer:
@@ -194,6 +196,7 @@ class Handler(asyncio.Protocol):
     # -- as fast as the connection takes it ------------------------------------------------
 
     def _start_bulk(self, params: dict[str, float]) -> None:
+        """Events in batches as fast as the connection takes them, for a while."""
         template = event_template(int(params.get("size", 250)))
         deadline = time.monotonic() + params.get("seconds", 10.0)
 
@@ -206,6 +209,7 @@ class Handler(asyncio.Protocol):
         self._start_pump(PumpState(block))
 
     def _start_big(self, params: dict[str, float]) -> None:
+        """A fixed number of bytes in large chunks, as fast as the connection allows."""
         chunk = int(params.get("chunk", 65536))
         remaining = [int(params.get("bytes", 1 << 30))]
         payload = b"data: " + b"y" * max(0, chunk - 8) + b"\n\n"
@@ -224,6 +228,7 @@ class Handler(asyncio.Protocol):
         self._start_pump(PumpState(block))
 
     def _start_pump(self, pump: PumpState) -> None:
+        """Send the head, then write blocks until paused, done or closed."""
         assert self.transport is not None
         self.busy = True
         self.pump = pump
@@ -231,6 +236,7 @@ class Handler(asyncio.Protocol):
         self._run_pump()
 
     def _run_pump(self) -> None:
+        """Write blocks until the transport pauses us; yield to the loop every 64."""
         assert self.transport is not None and self.pump is not None
         pump = self.pump
         writes = 0
@@ -247,6 +253,7 @@ class Handler(asyncio.Protocol):
                 return
 
     def _continue_pump(self) -> None:
+        """The pump's next turn, unless paused or closed meanwhile."""
         if self.pump is not None and not self.paused and not self.closed:
             self._run_pump()
 
@@ -259,6 +266,7 @@ class PumpState:
 
 
 def _content_length(head: bytes) -> int:
+    """The request's Content-Length (0 if absent or malformed)."""
     lower = head.lower()
     at = lower.find(b"\r\ncontent-length:")
     if at < 0:
@@ -272,6 +280,7 @@ def _content_length(head: bytes) -> int:
 
 
 def _params(query: bytes) -> dict[str, float]:
+    """Query parameters as floats (the last value of each; non-numbers dropped)."""
     out: dict[str, float] = {}
     for key, values in parse_qs(query.decode("latin-1")).items():
         try:
@@ -303,6 +312,7 @@ async def serve(count: int, ports: list[int]) -> None:
 
 
 def main() -> None:
+    """Parse the options, raise RLIMIT_NOFILE, serve."""
     parser = argparse.ArgumentParser(prog="python -m bench.backend", description=__doc__)
     parser.add_argument("--count", type=int, default=2, help="listening ports")
     parser.add_argument("--port", type=int, action="append", default=[],

@@ -67,6 +67,7 @@ class Child:
     output: Path
 
     def text(self) -> str:
+        """Everything the child wrote so far."""
         return self.output.read_text(errors="replace")
 
 
@@ -110,6 +111,7 @@ class Children:
             self.started.remove(child)
 
     def stop_all(self) -> None:
+        """Stop every child still running, the last started first."""
         for child in list(reversed(self.started)):
             self.stop(child)
 
@@ -139,6 +141,7 @@ def free_port() -> int:
 
 
 def _stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (field 3 onwards)."""
     with open(f"/proc/{pid}/stat") as stat:
         return stat.read().rpartition(")")[2].split()
 
@@ -172,6 +175,21 @@ def cpu_seconds(pids: Sequence[int]) -> float:
     return total / CLK_TCK
 
 
+def cpu_ns(pids: Sequence[int]) -> int:
+    """On-CPU nanoseconds of every thread of ``pids`` (``/proc/PID/task/*/schedstat``).
+
+    ``/proc/PID/stat`` counts in 10 ms ticks, too coarse for a few hundred idle requests.
+    """
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError, ValueError, IndexError), \
+                        open(f"/proc/{pid}/task/{task}/schedstat") as stat:
+                    total += int(stat.read().split()[0])
+    return total
+
+
 def rss_kb(pids: Sequence[int]) -> int:
     """Sum of VmRSS of ``pids`` in KiB."""
     total = 0
@@ -182,6 +200,20 @@ def rss_kb(pids: Sequence[int]) -> int:
                     total += int(line.split()[1])
                     break
     return total
+
+
+def core_times() -> list[tuple[int, int]]:
+    """(busy, total) jiffies of every CPU, from /proc/stat (idle and iowait count as idle)."""
+    out = []
+    with open("/proc/stat") as stat:
+        for line in stat:
+            name, _, rest = line.partition(" ")
+            if not (name.startswith("cpu") and name[3:].isdigit()):
+                continue
+            fields = [int(x) for x in rest.split()]
+            total = sum(fields[:8])
+            out.append((total - fields[3] - fields[4], total))
+    return out
 
 
 # -- targets ----------------------------------------------------------------------------------
@@ -206,9 +238,11 @@ class Target:
         return self.pids_cache
 
     def cpu(self) -> float:
+        """The proxy's CPU seconds so far (0 for direct)."""
         return cpu_seconds(self.pids())
 
     def rss(self) -> int:
+        """The proxy's RSS in KiB (0 for direct)."""
         return rss_kb(self.pids())
 
 
@@ -287,11 +321,16 @@ def start_nginx(children: Children, core: int | None, backends: str, workdir: Pa
 
 
 def start_txlb(children: Children, core: int | None, backends: str,
-               python: Sequence[str] | None = None, name: str = "txlb") -> Target:
-    """``twistd -n llmlb`` from this source tree on a free port (``--listen tcp:0``)."""
+               python: Sequence[str] | None = None, name: str = "txlb",
+               reactor: str | None = None) -> Target:
+    """
+    ``twistd -n llmlb`` from this source tree on a free port (``--listen tcp:0``), with
+    Twisted's default reactor or the one named (``txlb-epoll``).
+    """
     twistd = list(python) if python else [TWISTD]
+    selected = ["--reactor", reactor] if reactor else []
     child = children.spawn(name, pinned(core, [
-        *twistd, "-n", "--pidfile=", "llmlb",
+        *twistd, *selected, "-n", "--pidfile=", "llmlb",
         "--listen", f"tcp:0:interface={HOST}",
         "--backends", backends,
         "--admin", "none", "--log-file", "none",

@@ -83,6 +83,7 @@ class ResponseParser:
         self.reset()
 
     def reset(self) -> None:
+        """Ready for the next response on the same connection."""
         self.buffer = b""
         self.state = "head"
         self.remaining = 0
@@ -90,6 +91,7 @@ class ResponseParser:
         self.status = 0
 
     def feed(self, data: bytes) -> None:
+        """Parse ``data``, calling ``on_body`` / ``on_end`` as the response progresses."""
         buf = self.buffer + data if self.buffer else data
         pos, end = 0, len(buf)
         while pos < end:
@@ -232,6 +234,7 @@ class PacedClient(asyncio.Protocol):
 
 async def run_paced(port: int, streams: int, count: int, interval: float, size: int,
                     timeout: float) -> PacedStats:
+    """Open ``streams`` paced SSE streams, staggered over one interval; wait for all."""
     loop = asyncio.get_running_loop()
     stats = PacedStats(streams=streams, expected=streams * count)
     latencies: array[int] = array("q")
@@ -311,6 +314,7 @@ class BulkClient(asyncio.Protocol):
 
 
 async def run_bulk(port: int, streams: int, seconds: float, size: int) -> BulkStats:
+    """``streams`` bulk SSE streams for ``seconds``; count events, then abort them."""
     loop = asyncio.get_running_loop()
     stats = BulkStats(streams=streams)
     target = f"/bulk?seconds={seconds + 30:g}&size={size}"
@@ -364,6 +368,7 @@ def _read_response(sock: socket.socket, first: bytes) -> bool:
 
 
 def run_ttfb(port: int, count: int, fresh: bool, gap: float) -> TtfbStats:
+    """``count`` sequential requests; time to the first response byte of each."""
     stats = TtfbStats(fresh=fresh)
     samples: list[int] = []
     request = request_bytes(port, "/sse?n=1&interval=1&size=250")
@@ -457,6 +462,7 @@ class RpsClient(asyncio.Protocol):
 
 
 async def run_rps(port: int, connections: int, seconds: float) -> RpsStats:
+    """``connections`` keep-alive connections sending ``/json`` for ``seconds``."""
     loop = asyncio.get_running_loop()
     stats = RpsStats()
     latencies: array[int] = array("q")
@@ -548,6 +554,7 @@ class HoldClient(asyncio.Protocol):
 
 async def run_hold(port: int, streams: int, interval: float, parallel: int, linger: float,
                    ramp_timeout: float) -> HoldStats:
+    """Open and hold ``streams`` long-lived streams; print HELD, linger, close."""
     loop = asyncio.get_running_loop()
     stats = HoldStats(streams=streams)
     target = f"/sse?n=100000&interval={interval:g}&size=250"
@@ -617,6 +624,7 @@ class SlowStats:
 
 
 def run_slow(port: int, total: int, rate: float, chunk: int, timeout: float) -> SlowStats:
+    """Read a ``total``-byte stream at ``rate`` bytes/s at most."""
     stats = SlowStats()
     body = [0]
     ended = [False]
@@ -657,11 +665,13 @@ def run_slow(port: int, total: int, rate: float, chunk: int, timeout: float) -> 
 
 
 def _raise_nofile() -> None:
+    """Soft RLIMIT_NOFILE up to the hard limit (10,000 sockets)."""
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run one mode and print its result as ``RESULT {json}``."""
     parser = argparse.ArgumentParser(prog="python -m bench.loadgen",
                                      description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)

@@ -252,9 +252,11 @@ def render(config: Config, standalone: str | None = None) -> str:
     prefix = standalone.rstrip("/")
     wrapped = [
         "worker_processes 1;",
+        "worker_rlimit_nofile 65536;",
         f"pid {prefix}/nginx.pid;",
         f"error_log {prefix}/error.log warn;",
-        "events { worker_connections 16384; }",
+        "# each proxied stream takes two connections: 32768 holds 16,000 streams",
+        "events { worker_connections 32768; }",
         "http {",
         f"    client_body_temp_path {prefix}/client_body;",
         f"    proxy_temp_path {prefix}/proxy;",
