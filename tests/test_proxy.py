@@ -426,6 +426,29 @@ class EdgeCaseTests(ProxyTestCase):
         self.assertFalse(result.complete)
         self.assertTrue(client.transport.disconnected)
 
+    def test_fixed_length_failure_before_its_body_is_a_502(self) -> None:
+        client = self.client()
+        client.request(b"GET", b"/thing")
+        response = self.upstream.last.respond(
+            FakeResponse(200, [(b"X-From-Backend", b"1")], length=100))
+        self.assertEqual(client.transport.value(), b"")  # head waits for the body
+        response.end(Failure(ResponseFailed([Failure(neterror.ConnectionLost())])))
+        result = client.response()
+        self.assertEqual(result.status, 502)
+        self.assertEqual(json.loads(result.body)["error"]["code"], 502)
+        self.assertEqual(result.header(b"x-from-backend"), [])
+        self.assertEqual(sum(self.active().values()), 0)
+
+    def test_fixed_length_silence_before_its_body_is_a_504(self) -> None:
+        self.build(BACKENDS, read_timeout=5)
+        client = self.client()
+        client.request(b"GET", b"/thing")
+        response = self.upstream.last.respond(FakeResponse(200, length=100))
+        self.clock.advance(5)
+        self.assertEqual(client.response().status, 504)
+        self.assertTrue(response.transport.stopped)  # the backend connection is closed
+        self.assertEqual(sum(self.active().values()), 0)
+
     def test_slow_client_does_not_trip_the_read_timeout(self) -> None:
         """While the client is the one not reading, the backend's silence is not its fault."""
         self.build(BACKENDS, read_timeout=10)

@@ -313,9 +313,12 @@ class Exchange:
             out.setRawHeaders(b"content-length", [str(response.length).encode()])
         out.setRawHeaders(b"x-backend", [backend.key.encode()])
         out.setRawHeaders(b"x-backend-port", [str(backend.port).encode()])
-        # Send the head now, as nginx does: an SSE client sees its 200 while the engine is
-        # still queueing or prefilling, not only with the first token.
-        request.write(b"")
+        if response.length is UNKNOWN_LENGTH:
+            # A stream: send the head now, as nginx does, so an SSE client sees its 200
+            # while the engine is still queueing or prefilling, not only with the first
+            # token.  A fixed-length answer's body follows its head at once; writing them
+            # together saves a packet.
+            request.write(b"")
         response.deliverBody(BodyRelay(self))
 
     # -- IRelayOwner: the body --------------------------------------------------------------
@@ -364,6 +367,9 @@ class Exchange:
         self._producer = None  # finished: stopping it now would kill a reusable connection
         if failure is None:
             self._end("ok", self._finish_client)
+        elif not self.request.startedWriting:
+            self._fail_before_body(502, f"backend {self.lease.backend.key} failed before "
+                                        "its body", "upstream_error")
         else:
             log.warn(
                 "upstream {backend} failed mid-response: {error}",
@@ -415,10 +421,11 @@ class Exchange:
             backend=backend.key,
             timeout=self.read_timeout,
         )
+        message = f"backend {backend.key} sent nothing for {self.read_timeout:g}s"
         if self.state == "waiting":
-            self._fail(
-                504, f"backend {backend.key} sent nothing for {self.read_timeout:g}s", "timeout"
-            )
+            self._fail(504, message, "timeout")
+        elif not self.request.startedWriting:
+            self._fail_before_body(504, message, "timeout")
         else:
             self._end("timeout", self._cut_client)
 
@@ -435,6 +442,16 @@ class Exchange:
             self._fail(503, reason, "shutdown")
         elif self.state == "relaying":
             self._end("shutdown", self._cut_client)
+
+    def _fail_before_body(self, status: int, message: str, outcome: str) -> None:
+        """
+        The backend's head came but nothing of it reached the client yet (a fixed-length
+        answer's head waits for its body): the client can still get a proper error
+        instead of a cut connection.
+        """
+        self._detach()
+        self.request.responseHeaders = Headers()
+        self._fail(status, message, outcome)
 
     def _fail(self, status: int, message: str, outcome: str,
               retry_after: int | None = None) -> None:
