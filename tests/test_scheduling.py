@@ -218,6 +218,15 @@ class QueueTests(BalancerTestCase):
         self.assertEqual(json.loads(self.upstream.last.body or b""), {"n": "kept"})
         self.assertEqual(kept.transport.value(), b"")  # waiting for its backend's answer
 
+    def test_shutdown_timeout_answers_the_queue(self) -> None:
+        self.post({})
+        self.post({})
+        queued = self.post({})
+        self.lb.router.abandon_queue("the balancer is shutting down")
+        self.assertEqual(queued.response().status, 503)
+        self.assertIn(b"shutting down", queued.response().body)
+        self.assertEqual(self.status()["queue"]["length"], 0)
+
     def test_max_conns_respected_with_no_queue_needed(self) -> None:
         self.post({})
         self.post({})

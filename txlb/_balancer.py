@@ -77,6 +77,7 @@ class _LifecycleService(Service):
     def _give_up(self) -> None:
         log.warn("shutdown timeout: ending {count} requests still in flight",
                  count=self._balancer.pool.in_flight)
+        self._balancer.router.abandon_queue("the balancer is shutting down")
         self._balancer.proxy.abort_all("the balancer is shutting down")
 
     def _release(self) -> Deferred[None] | None:

@@ -207,6 +207,13 @@ class Router:
             assert waiter.deferred is not None
             waiter.deferred.callback(lease)
 
+    def abandon_queue(self, message: str) -> None:
+        """Refuse every queued request with 503 (the balancer is shutting down)."""
+        for waiter in list(self._queue):
+            self._leave(waiter)
+            assert waiter.deferred is not None
+            waiter.deferred.errback(RoutingError(503, message, self.retry_after))
+
     def queue_status(self) -> dict[str, object]:
         now = self.clock.seconds()
         return {
