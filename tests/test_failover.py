@@ -13,7 +13,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import ResponseFailed
 
-from txlb import LoadBalancer
+from txlb import LoadBalancer, build_config
 from txlb._ratelimit import TokenBuckets
 
 from .helpers import ClientConnection, FakeResponse, FakeUpstream
@@ -22,12 +22,14 @@ THREE = ["127.0.0.1:8002", "127.0.0.1:8003", "127.0.0.1:8004"]
 
 
 class FailoverTestCase(SynchronousTestCase):
-    def build(self, backends: list[str] = THREE, **options: Any) -> None:
+    def build(self, backends: list[str] | None = THREE, **options: Any) -> None:
         self.clock = Clock()
         self.upstream = FakeUpstream()
         self.probes = FakeUpstream()
         self.records: list[Any] = []
-        options.setdefault("log_file", "none")
+        if options.get("config") is None:
+            options.pop("config", None)
+            options.setdefault("log_file", "none")
         self.lb = LoadBalancer(backends, reactor=self.clock, agent=self.upstream,
                                probe_agent=self.probes, rng=random.Random(11), **options)
         original = self.lb.proxy.context.on_end
@@ -125,8 +127,45 @@ class RetryTests(FailoverTestCase):
         self.assertEqual(len(self.upstream.calls), 1)
         self.assertFalse(client.response().complete)
 
+    def test_no_retry_that_would_have_to_queue(self) -> None:
+        """The only untried backend is full: the 503 at hand goes to the client as it came."""
+        path = self.mktemp()
+        with open(path, "w") as handle:
+            handle.write('[[backends]]\nurl = "127.0.0.1:8002"\nmax_conns = 1\n'
+                         '[[backends]]\nurl = "127.0.0.1:8003"\nmax_conns = 1\n')
+        self.build(config=build_config({"config": path, "log-file": "none"}, {}),
+                   backends=None)
+        busy = self.post()  # takes one backend's only slot
+        client = self.post()
+        self.answer(1, 503, b'{"message": "overloaded"}')
+        self.assertEqual(len(self.upstream.calls), 2)
+        self.assertEqual(client.response().status, 503)
+        self.assertEqual(client.response().body, b'{"message": "overloaded"}')
+        self.assertEqual(busy.transport.value(), b"")
+
+    def test_retry_window_counts_from_the_first_try(self) -> None:
+        """Time spent queued for a slot does not use up the retry window."""
+        path = self.mktemp()
+        with open(path, "w") as handle:
+            handle.write('retry-window = 5\n'
+                         '[[backends]]\nurl = "127.0.0.1:8002"\nmax_conns = 1\n'
+                         '[[backends]]\nurl = "127.0.0.1:8003"\nmax_conns = 1\n'
+                         '[[backends]]\nurl = "127.0.0.1:8004"\nmax_conns = 1\n')
+        self.build(config=build_config({"config": path, "log-file": "none"}, {}),
+                   backends=None)
+        for _ in range(3):
+            self.post()
+        client = self.post()  # queued
+        self.clock.advance(12)
+        self.answer(0, 200)  # a slot frees: the queued request goes out
+        self.answer(1, 200)  # and another backend becomes free for its retry
+        self.upstream.calls[3].fail(neterror.ConnectionRefusedError())
+        self.assertEqual(len(self.upstream.calls), 5)  # retried, 12 s after arrival
+        self.answer(4, 200, b'{"ok": 1}')
+        self.assertEqual(client.response().body, b'{"ok": 1}')
+
     def test_client_leaving_during_a_retry(self) -> None:
-        self.build(config=None, backends=THREE)
+        self.build(backends=THREE)
         client = self.post()
         self.upstream.calls[0].fail(neterror.ConnectionRefusedError())
         client.disconnect()
@@ -170,6 +209,16 @@ class OutlierTests(FailoverTestCase):
         for status in (500, 500, 200, 500, 500):
             self.lb.pool.record_answer(self.bad, status)
         self.assertTrue(self.bad.healthy)
+
+    def test_outliers_never_take_the_last_healthy_ones(self) -> None:
+        """Backends down on health count too: ejection stops at half the fleet out."""
+        self.build(THREE, outlier_5xx=3, retries=0)
+        first, second, third = list(self.lb.pool)
+        self.lb.pool.mark_down(first, "health")
+        self.lb.pool.mark_down(second, "health")
+        for _ in range(5):
+            self.lb.pool.record_answer(third, 500)
+        self.assertTrue(third.healthy)
 
     def test_never_more_than_half_the_fleet(self) -> None:
         good = self.lb.pool.get(THREE[1])
@@ -259,6 +308,18 @@ class ClientLimitTests(FailoverTestCase):
         client.send(b"x" * 5000)  # the rest, if it comes, is dropped
         self.assertEqual(self.upstream.calls, [])
         self.assertEqual(self.records[-1].status, 413)
+
+    def test_refused_body_gets_no_100_continue_and_is_logged(self) -> None:
+        self.build(max_body="1KiB")
+        client = self.client()
+        client.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Expect: 100-continue\r\nContent-Length: 5000\r\n\r\n")
+        raw = client.transport.value()
+        self.assertTrue(raw.startswith(b"HTTP/1.1 413 "), raw)
+        self.assertNotIn(b"100 Continue", raw)
+        record = self.records[-1]
+        self.assertEqual((record.method, record.path, record.status),
+                         (b"POST", b"/v1/chat/completions", 413))
 
     def test_chunked_body_crossing_max_body(self) -> None:
         self.build(max_body="1KiB")

@@ -451,13 +451,13 @@ class EdgeCaseTests(ProxyTestCase):
 
     def test_slow_client_does_not_trip_the_read_timeout(self) -> None:
         """While the client is the one not reading, the backend's silence is not its fault."""
-        self.build(BACKENDS, read_timeout=10)
+        self.build(BACKENDS, read_timeout=10, send_timeout=60)
         client = self.client()
         client.request(b"GET", b"/stream")
         response = self.upstream.last.respond(FakeResponse(200))
         response.send(b"a")
         client.transport.producer.pauseProducing()
-        self.clock.advance(60)
+        self.clock.advance(50)
         self.assertFalse(client.transport.disconnected)
         self.assertFalse(response.transport.stopped)
         client.transport.producer.resumeProducing()
@@ -465,6 +465,21 @@ class EdgeCaseTests(ProxyTestCase):
         self.clock.advance(10)  # now the backend really is silent
         self.assertTrue(client.transport.disconnected)
         self.assertTrue(response.transport.stopped)
+
+    def test_client_that_stops_reading_is_cut_after_send_timeout(self) -> None:
+        """A stalled client cannot pin a GPU slot: cut after --send-timeout."""
+        self.build(BACKENDS, read_timeout=300, send_timeout=30)
+        client = self.client()
+        client.request(b"GET", b"/stream")
+        response = self.upstream.last.respond(FakeResponse(200))
+        response.send(b"a")
+        client.transport.producer.pauseProducing()
+        self.clock.advance(29)
+        self.assertFalse(client.transport.disconnected)
+        self.clock.advance(1)
+        self.assertTrue(client.transport.disconnected)
+        self.assertTrue(response.transport.stopped)  # vLLM aborts the generation
+        self.assertEqual(sum(self.active().values()), 0)
 
     def test_head_keeps_content_length(self) -> None:
         client = self.client()

@@ -218,6 +218,15 @@ class QueueTests(BalancerTestCase):
         self.assertEqual(json.loads(self.upstream.last.body or b""), {"n": "kept"})
         self.assertEqual(kept.transport.value(), b"")  # waiting for its backend's answer
 
+    def test_queued_request_answered_at_once_when_its_backends_go(self) -> None:
+        self.post({})
+        self.post({})
+        queued = self.post({})
+        for backend in self.lb.pool:
+            self.lb.pool.mark_down(backend, "test")
+        self.assertEqual(queued.response().status, 503)  # not after the queue timeout
+        self.assertEqual(self.status()["queue"]["length"], 0)
+
     def test_shutdown_timeout_answers_the_queue(self) -> None:
         self.post({})
         self.post({})

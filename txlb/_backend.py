@@ -207,9 +207,10 @@ class Pool:
         self.outliers = outliers or OutlierRule()
         self._backends: dict[str, Backend] = {}
         self._idle_waiters: list[Deferred[None]] = []
-        #: Called whenever a backend may take more requests than before (the router's
-        #: queue listens here instead of polling).
-        self.on_capacity: list[Callable[[], object]] = []
+        #: Called whenever backends change in a way that matters to waiting requests: a
+        #: slot released, a backend up or down, drained, undrained, added or removed (the
+        #: router's queue listens here instead of polling).
+        self.on_change: list[Callable[[], object]] = []
         for spec in specs:
             self.add(spec)
 
@@ -229,12 +230,15 @@ class Pool:
             raise ValueError(f"backend {spec.key} already exists")
         backend = self._backends[spec.key] = Backend(spec, clock=self._now,
                                                      slow_start=self.slow_start)
-        self._capacity_changed()
+        self._changed()
         return backend
 
-    def _capacity_changed(self) -> None:
-        for listener in list(self.on_capacity):
-            listener()
+    def _changed(self) -> None:
+        for listener in list(self.on_change):
+            try:
+                listener()
+            except Exception:
+                log.failure("a pool listener failed")
 
     def remove(self, backend: Backend) -> None:
         """
@@ -244,6 +248,7 @@ class Pool:
         backend.draining = True
         backend.removing = True
         self._forget_if_idle(backend)
+        self._changed()
 
     def _forget_if_idle(self, backend: Backend) -> None:
         if backend.removing and backend.active == 0 and self.get(backend.key) is backend:
@@ -258,6 +263,7 @@ class Pool:
             backend.draining = True
             log.info("backend {backend} draining ({active} in flight)",
                      backend=backend.key, active=backend.active)
+            self._changed()
 
     def undrain(self, backend: Backend) -> None:
         if backend.removing:
@@ -265,7 +271,7 @@ class Pool:
         if backend.draining:
             backend.draining = False
             log.info("backend {backend} undrained", backend=backend.key)
-            self._capacity_changed()
+            self._changed()
 
     # -- in-flight accounting -----------------------------------------------------------
 
@@ -283,7 +289,7 @@ class Pool:
     def _released(self, backend: Backend) -> None:
         backend.finished_since_scrape += 1
         self._forget_if_idle(backend)
-        self._capacity_changed()
+        self._changed()
         if self._idle_waiters and self.in_flight == 0:
             waiters, self._idle_waiters = self._idle_waiters, []
             for waiter in waiters:
@@ -321,11 +327,10 @@ class Pool:
         if not backend.healthy:
             return
         now = self._now()
-        ejected = sum(1 for b in self._backends.values()
-                      if b.ejected_until is not None and b.ejected_until > now)
-        if (ejected + 1) * 2 > len(self._backends):
+        down = sum(1 for b in self._backends.values() if not b.healthy)
+        if (down + 1) * 2 > len(self._backends):
             log.warn("backend {backend} answered {count} 5xx in a row but stays in: "
-                     "half the fleet is already ejected", backend=backend.key,
+                     "half the fleet is already out", backend=backend.key,
                      count=backend.errors_in_a_row)
             return
         backend.outlier_ejections += 1
@@ -364,6 +369,7 @@ class Pool:
             backend.ejections += 1
             log.warn("backend {backend} marked down: {reason}", backend=backend.key,
                      reason=reason)
+            self._changed()
 
     def mark_up(self, backend: Backend) -> None:
         if not backend.healthy:
@@ -371,7 +377,7 @@ class Pool:
             backend.up_since = self._now()
             backend.errors_in_a_row = 0
             log.info("backend {backend} is back up", backend=backend.key)
-            self._capacity_changed()
+            self._changed()
 
     def probe_succeeded(self, backend: Backend, rise: int) -> None:
         """

@@ -68,6 +68,9 @@ class _LifecycleService(Service):
         timer = balancer.reactor.callLater(balancer.config.shutdown_timeout, self._give_up)
         idle = balancer.pool.when_idle()
         idle.addCallback(lambda _: timer.cancel() if timer.active() else None)
+        # Nothing in flight, so nothing will free a slot: answer whatever still waits.
+        idle.addCallback(lambda _: balancer.router.abandon_queue(
+            "the balancer is shutting down"))
         # Continue on a later reactor turn: the last request's release happens in the
         # middle of its own cleanup, and letting the reactor's shutdown (which drops every
         # connection) run inside that call stack would pull its client out from under it.
@@ -178,6 +181,7 @@ class LoadBalancer:
             agent=self.agent,
             clock=reactor,
             read_timeout=config.read_timeout,
+            send_timeout=config.send_timeout,
             retries=config.retries,
             retry_window=config.retry_window,
             on_end=self._request_ended,

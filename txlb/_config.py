@@ -404,6 +404,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
                "Seconds to open an upstream connection."),
     OptionSpec("read-timeout", 300.0, parse_duration,
                "Seconds the upstream may stay silent (before headers or between chunks)."),
+    OptionSpec("send-timeout", 60.0, parse_duration,
+               "Seconds a client may go without reading while the response waits for it."),
     OptionSpec("log-file", "lb_results.log", parse_log_file,
                "The result log: a path, '-' for standard output, 'none' to disable.",
                "LB_LOG_FILE"),
@@ -472,6 +474,7 @@ class Config:
     rise: int = 1
     connect_timeout: float = 5.0
     read_timeout: float = 300.0
+    send_timeout: float = 60.0
     log_file: str = "lb_results.log"
     log_max_bytes: int = 50 * 1024**2
     log_backups: int = 3

@@ -138,6 +138,7 @@ class ProxyContext:
     agent: IAgent
     clock: IReactorTime
     read_timeout: float
+    send_timeout: float = 60.0
     retries: int = 0
     retry_window: float = 10.0
     on_end: RecordSink = lambda record: None
@@ -197,6 +198,7 @@ class Exchange:
         self._watchdog: IDelayedCall | None = None
         self._now = context.clock.seconds
         self._last_activity = self._now()
+        self._paused_at: float | None = None
         record.backend = lease.backend.key
 
     # -- start ------------------------------------------------------------------------------
@@ -241,7 +243,8 @@ class Exchange:
             self.retry is not None
             and not self.client_gone
             and self.record.tries <= self.context.retries
-            and self.clock.seconds() - self.record.started < self.context.retry_window
+            and self.clock.seconds() - self.record.started - (self.record.queue_wait or 0.0)
+            < self.context.retry_window
             and self.retry.possible(tried)
         )
 
@@ -251,6 +254,7 @@ class Exchange:
         self.tried.add(self.lease.backend.key)
         self.lease.release()
         self.record.tries += 1
+        self.record.backend = None  # until another backend is acquired
         self.context.on_retry()
         if self._watchdog is not None and self._watchdog.active():
             self._watchdog.cancel()  # waiting for a slot is not backend silence
@@ -332,18 +336,26 @@ class Exchange:
 
     def pauseProducing(self) -> None:
         """
-        The client's socket is full: stop reading from the backend.  The read watchdog is
-        suspended too -- while the client is the slow one, the backend's silence is ours.
+        The client's socket is full: stop reading from the backend.  While the client is
+        the slow one the backend's silence is ours, so the watchdog measures the client
+        instead: one that reads nothing for ``send_timeout`` seconds is cut off (nginx's
+        ``send_timeout``), rather than pinning a GPU slot for as long as it likes.
         """
         if self._producer is not None:
             self._producer.pauseProducing()
-        if self._watchdog is not None and self._watchdog.active():
-            self._watchdog.cancel()
-        self._watchdog = None
+        now = self._paused_at = self._now()
+        limit = self.context.send_timeout
+        watchdog = self._watchdog
+        if watchdog is not None and watchdog.active():
+            if watchdog.getTime() > now + limit:
+                watchdog.reset(limit)  # the client's deadline comes first
+        elif self.state == "relaying":
+            self._watchdog = self.clock.callLater(limit, self._read_timed_out)
 
     def resumeProducing(self) -> None:
         if self._producer is not None:
             self._producer.resumeProducing()
+        self._paused_at = None
         if self.state == "relaying":
             self._arm_watchdog()
 
@@ -410,6 +422,16 @@ class Exchange:
         backend = self.lease.backend
         if self.state == "ended":
             return
+        if self._paused_at is not None:
+            stalled = self._now() - self._paused_at
+            limit = self.context.send_timeout
+            if stalled < limit:
+                self._watchdog = self.clock.callLater(limit - stalled, self._read_timed_out)
+                return
+            log.info("client of a {backend} response read nothing for {timeout:g}s; "
+                     "cutting it off", backend=backend.key, timeout=limit)
+            self._end("client_timeout", self._cut_client)
+            return
         silent = self._now() - self._last_activity
         if silent < self.read_timeout:
             # data came since the watchdog was set: wait out the rest of the timeout
@@ -440,6 +462,8 @@ class Exchange:
         else a truncated response."""
         if self.state == "waiting":
             self._fail(503, reason, "shutdown")
+        elif self.state == "relaying" and not self.request.startedWriting:
+            self._fail_before_body(503, reason, "shutdown")
         elif self.state == "relaying":
             self._end("shutdown", self._cut_client)
 
@@ -476,7 +500,10 @@ class Exchange:
         """
         self.state = "ended"
         self.context.live.discard(self)
-        self.lease.release()
+        try:
+            self.lease.release()
+        except Exception:  # a capacity listener failed: the rest must still happen
+            log.failure("releasing a backend slot")
         if self._watchdog is not None and self._watchdog.active():
             self._watchdog.cancel()
         self._watchdog = None
@@ -675,7 +702,7 @@ class ProxyResource(Resource):
         router = self.router
         retry = RetryPlan(
             acquire=lambda tried: router.acquire(model, session, exclude=tried),
-            possible=lambda tried: router.can_serve(model, tried),
+            possible=lambda tried: router.can_serve_now(model, tried),
         )
         exchange = Exchange(request, record, lease, self.context, retry)
         self.live.add(exchange)
@@ -701,10 +728,13 @@ class ProxyResource(Resource):
 
     def log_refused(self, request: Request, status: int, body: bytes) -> None:
         """A request the Site refused before it got here (413 while the body arrived)."""
+        path = b"-"
+        if isinstance(request.uri, bytes) and request.uri.startswith((b"/", b"http")):
+            path = local_path(request)
         record = RequestRecord(
             started=self.clock.seconds(),
-            method=request.method or b"-",
-            path=local_path(request) if request.uri else b"-",
+            method=request.method if isinstance(request.method, bytes) else b"-",
+            path=path,
             orid_header=request.getHeader(b"x-orid"),
             request_body=b"",
             status=status,

@@ -47,7 +47,7 @@ class TokenBuckets:
         now = self._now()
         self._evict(now)
         tokens, stamp = self._buckets.pop(key, (float(self.burst), now))
-        tokens = min(float(self.burst), tokens + (now - stamp) * self.rate)
+        tokens = min(float(self.burst), tokens + max(0.0, now - stamp) * self.rate)
         if tokens >= 1:
             self._buckets[key] = (tokens - 1, now)
             return 0.0

@@ -81,7 +81,7 @@ class Router:
         self._rng = rng or random.Random()
         self._queue: deque[_Waiter] = deque()
         self.on_queue_wait: Callable[[float], object] = lambda seconds: None
-        pool.on_capacity.append(self._dispatch)
+        pool.on_change.append(self._dispatch)
 
     # -- models ---------------------------------------------------------------------------
 
@@ -141,10 +141,13 @@ class Router:
                                      self.retry_after))
         return self._enqueue(_Waiter(model, session, exclude, self.clock.seconds()))
 
-    def can_serve(self, model: str | None, exclude: frozenset[str]) -> bool:
-        """Whether a backend not in ``exclude`` could take this request now or after a wait."""
-        serving = self._serving(model, exclude)
-        return any(b.eligible for b in serving) or self._queue_worthy(serving)
+    def can_serve_now(self, model: str | None, exclude: frozenset[str]) -> bool:
+        """
+        Whether a backend not in ``exclude`` could take this request right now.  Retries
+        ask this: a try that would have to queue is not made -- the answer at hand (a
+        502/503) goes to the client as it came instead of waiting behind the queue.
+        """
+        return any(b.eligible for b in self._serving(model, exclude))
 
     def _serving(self, model: str | None, exclude: frozenset[str]) -> list[Backend]:
         return [b for b in self.pool
@@ -193,12 +196,24 @@ class Router:
             503, f"every backend stayed at its max_conns for {waited:g}s", self.retry_after))
 
     def _dispatch(self) -> None:
-        """Capacity appeared: serve waiters in arrival order, each as soon as it fits."""
+        """
+        The pool changed: serve waiters in arrival order, each as soon as it fits, and
+        answer at once those that nothing can serve any more (their backends went down,
+        were drained or removed) instead of leaving them to time out.
+        """
         for waiter in list(self._queue):
             if waiter not in self._queue:
                 continue  # served by a nested dispatch (a release while we were serving)
-            lease = self._take(self._serving(waiter.model, waiter.exclude), waiter.session)
+            serving = self._serving(waiter.model, waiter.exclude)
+            lease = self._take(serving, waiter.session)
             if lease is None:
+                if not self._queue_worthy(serving):
+                    self._leave(waiter)
+                    assert waiter.deferred is not None
+                    what = (f"model `{waiter.model}`" if waiter.model is not None
+                            else "this request")
+                    waiter.deferred.errback(RoutingError(
+                        503, f"no backend is available for {what}", self.retry_after))
                 continue
             self._leave(waiter)
             waited = self.clock.seconds() - waiter.since
@@ -211,8 +226,8 @@ class Router:
         """Refuse every queued request with 503 (the balancer is shutting down)."""
         for waiter in list(self._queue):
             self._leave(waiter)
-            assert waiter.deferred is not None
-            waiter.deferred.errback(RoutingError(503, message, self.retry_after))
+            if waiter.deferred is not None and not waiter.deferred.called:
+                waiter.deferred.errback(RoutingError(503, message, self.retry_after))
 
     def queue_status(self) -> dict[str, object]:
         now = self.clock.seconds()

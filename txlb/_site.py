@@ -120,6 +120,8 @@ class LimitedRequest(Request):
     def gotLength(self, length: int | None) -> None:
         limit = self._max_body
         if limit and length is not None and length > limit:
+            # no "100 Continue" for a body that is refused anyway
+            self.requestHeaders.removeHeader(b"expect")
             self._refuse(f"the request body ({length} bytes) is over the limit of "
                          f"{limit} bytes")
             return
@@ -144,6 +146,10 @@ class LimitedRequest(Request):
         self._refused = True
         body = error_body(413, message)
         channel = self.channel
+        # The request line is parsed but not yet given to the request: take it from the
+        # channel, so the result log says what was refused.
+        self.method = getattr(channel, "_command", None) or self.method
+        self.uri = getattr(channel, "_path", None) or self.uri
         site = getattr(channel, "site", None)
         if site is not None and getattr(site, "on_refused", None) is not None:
             site.on_refused(self, 413, body)

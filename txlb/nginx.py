@@ -165,6 +165,7 @@ def server_block(config: Config) -> list[str]:
         f"        proxy_connect_timeout {_seconds(config.connect_timeout)};",
         f"        proxy_read_timeout {_seconds(config.read_timeout)};",
         f"        proxy_send_timeout {_seconds(config.read_timeout)};",
+        f"        send_timeout {_seconds(config.send_timeout)};",
         "        # retried like txlb: refused/reset, or a 502/503 answer; never a timeout (the",
         "        # generation may still run), POST included",
     ]
