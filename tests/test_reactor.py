@@ -72,6 +72,14 @@ class ReactorTests(TestCase):
         self.assertEqual(transport.dataBuffer, b"")  # type: ignore[union-attr]
         self.spin(lambda: bytes(self.client.data) == b"data: token\n\n")
 
+    def test_later_writes_of_the_same_iteration_are_coalesced(self) -> None:
+        transport = self.server_side[0].transport
+        transport.write(b"first,")  # type: ignore[union-attr]
+        self.assertEqual(self.reactor.getWriters(), [])
+        transport.write(b"second")  # type: ignore[union-attr]
+        self.assertEqual(self.reactor.getWriters(), [transport])  # waits for the next poll
+        self.spin(lambda: bytes(self.client.data) == b"first,second")
+
     def test_large_writes_fall_back_and_keep_order(self) -> None:
         transport = self.server_side[0].transport
         blocks = [bytes([n]) * 1_000_000 for n in range(8)]  # more than a socket buffer

@@ -36,7 +36,9 @@ _WOULD_BLOCK = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.
 class EagerWriteMixin:
     """
     For :class:`twisted.internet.tcp.Connection` subclasses: send at once when nothing
-    is queued.
+    is queued -- the first write of each reactor iteration (later ones in the same
+    iteration are coalesced the stock way, which keeps bulk relays from paying a system
+    call per write).
 
     Anything that cannot go out now -- a partial send, a full kernel buffer, TLS started
     on the connection, data already queued (order must be kept), a connection closing --
@@ -45,10 +47,15 @@ class EagerWriteMixin:
     unchanged in the Twisted versions setup.cfg allows.
     """
 
+    #: the reactor iteration of this transport's last eager send
+    _eager_iteration = -1
+
     def write(self, data: bytes) -> None:
         conn: Any = self
+        iteration = getattr(conn.reactor, "iteration", None)
         if (
             data
+            and iteration != conn._eager_iteration
             and conn.connected
             and not conn.disconnecting
             and not conn._writeDisconnected
@@ -56,6 +63,10 @@ class EagerWriteMixin:
             and not conn._tempDataBuffer
             and conn.offset == len(conn.dataBuffer)
         ):
+            # Only the first write of a reactor iteration goes out at once: a token stream
+            # writes once per event and gets it out with no delay, while a bulk relay that
+            # writes many times per read still has the rest coalesced into one send.
+            conn._eager_iteration = iteration
             try:
                 sent = conn.socket.send(data)
             except OSError as error:
@@ -95,7 +106,11 @@ class DirectDispatchEPollReactor(EPollReactor):
     whose TCP connections write eagerly.
     """
 
+    #: incremented on every poll; transports use it to write eagerly once per iteration
+    iteration = 0
+
     def doPoll(self, timeout: float | None) -> None:
+        self.iteration += 1
         if timeout is None:
             timeout = -1  # wait indefinitely
         try:
