@@ -79,11 +79,16 @@ class Children:
     started: list[Child] = field(default_factory=list)
     spawned: int = 0
 
-    def spawn(self, name: str, argv: Sequence[str], **kwargs: Any) -> Child:
-        """Start ``argv`` with this source tree on ``PYTHONPATH``, output to a file."""
+    def spawn(self, name: str, argv: Sequence[str], source: Path = ROOT,
+              **kwargs: Any) -> Child:
+        """
+        Start ``argv`` with ``source`` (a txlb checkout, this one by default) first on
+        ``PYTHONPATH``, output to a file.
+        """
         self.spawned += 1
         output = self.workdir / f"{name}.{self.spawned}.out"
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        path = os.pathsep.join(dict.fromkeys([str(source), str(ROOT)]))
+        env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
         env.update(kwargs.pop("env", {}))
         with open(output, "wb") as out:
             process = subprocess.Popen(

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime
 import json
 import os
@@ -72,9 +71,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from bench.harness import Child, Children, pinned, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "relay_log.md"
@@ -85,7 +85,6 @@ MODEL = "sim-model"
 #: Seconds the generator waits for in-flight requests after the duration, before aborting.
 DRAIN_GRACE = 20.0
 #: Seconds allowed for a child process to report its port(s).
-STARTUP_TIMEOUT = 20.0
 
 # -- the simulators (child process) -----------------------------------------------------------
 
@@ -335,77 +334,6 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def pinned(core: int | None, argv: Sequence[str]) -> list[str]:
-    """``argv`` run under ``taskset -c core`` (which execs it, so the pid is the target's)."""
-    if core is None:
-        return list(argv)
-    return ["taskset", "-c", str(core), *argv]
-
-
-@dataclass
-class Child:
-    name: str
-    process: subprocess.Popen[bytes]
-    output: Path
-
-
-@dataclass
-class Children:
-    """Every process the benchmark starts, each in its own process group."""
-
-    workdir: Path
-    started: list[Child] = field(default_factory=list)
-
-    def spawn(self, name: str, argv: Sequence[str], source: Path = ROOT,
-              **kwargs: Any) -> Child:
-        """Start ``argv`` with ``source`` (a txlb checkout) first on its ``PYTHONPATH``."""
-        output = self.workdir / f"{name}.out"
-        path = os.pathsep.join(dict.fromkeys([str(source), str(ROOT)]))
-        env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
-        with open(output, "wb") as out:
-            process = subprocess.Popen(
-                list(argv), stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir,
-                env=env, start_new_session=True, **kwargs,
-            )
-        child = Child(name, process, output)
-        self.started.append(child)
-        return child
-
-    def stop(self, child: Child, timeout: float = 5.0) -> None:
-        """SIGTERM the child's process group, then SIGKILL it if it lingers."""
-        process = child.process
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-
-    def stop_all(self) -> None:
-        for child in reversed(self.started):
-            self.stop(child)
-
-
-def wait_for(child: Child, pattern: str, timeout: float = STARTUP_TIMEOUT) -> re.Match[str]:
-    """Poll the child's output until ``pattern`` matches; fail if it exits or times out."""
-    regex = re.compile(pattern)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = child.output.read_text(errors="replace")
-        match = regex.search(text)
-        if match:
-            return match
-        if child.process.poll() is not None:
-            break
-        time.sleep(0.05)
-    raise RuntimeError(
-        f"{child.name} did not report /{pattern}/:\n{child.output.read_text(errors='replace')}"
-    )
 
 
 def count_lines(log: Path) -> int:
