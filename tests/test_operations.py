@@ -114,6 +114,13 @@ class ProcessLifecycleTests(TestCase):
         self.assertEqual(json.loads(status.body)["total"], 2)
         stream = yield self.open_stream(STREAM_TOKENS)
         self.lb.process.send_signal(signal.SIGTERM)
+        # while the stream drains, the admin port still answers (and shows it in flight)
+        yield defer.ensureDeferred(wait_until(lambda: "received SIGTERM" in self.lb.output(),
+                                              what="the signal"))
+        draining, status = yield defer.ensureDeferred(self.client.fetch(
+            self.lb.admin_url + "/status", headers={b"authorization": [b"Bearer tok"]}))
+        self.assertEqual(draining.code, 200)
+        self.assertEqual(json.loads(status.body)["in_flight"], 1)
         yield stream.done
         self.assertTrue(stream.clean)
         events = [e for e in stream.body.split(b"\n\n") if e]

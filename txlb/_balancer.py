@@ -15,9 +15,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from twisted.application.service import IService, MultiService, Service
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.iweb import IAgent
 from twisted.web.resource import IResource
@@ -45,6 +46,31 @@ CACHED_CONNECTION_TIMEOUT = 4.0
 #: Agent's default of 2 idle connections per backend makes a busy proxy open and close a
 #: connection per request; LLM fleets run hundreds of concurrent requests per backend.
 MAX_PERSISTENT_PER_HOST = 256
+
+
+class SequentialService(MultiService):
+    """
+    A MultiService whose children stop one after the other, the last added first, each
+    waiting for the previous one to finish stopping.
+
+    Twisted's MultiService stops all its children at once; a balancer that drains needs an
+    order: stop accepting, let in-flight requests finish (while health checks and the admin
+    port keep working), and only then stop the rest.
+    """
+
+    def stopService(self) -> Deferred[Any]:
+        Service.stopService(self)
+        done: Deferred[Any] = succeed(None)
+        for child in reversed(list(self)):
+            done.addBoth(_then_stop, child)
+        return done
+
+
+def _then_stop(previous: object, service: IService) -> Deferred[Any]:
+    """Stop ``service`` whatever became of the one before (a failure is logged, not fatal)."""
+    if isinstance(previous, Failure):
+        log.failure("stopping a service failed", previous)
+    return maybeDeferred(service.stopService)
 
 
 class _LifecycleService(Service):
@@ -239,7 +265,7 @@ class LoadBalancer:
         The balancer's background work (health checks, upstream connection pool) as one
         service; attach it to an application so it starts and stops with it.
         """
-        services = MultiService()
-        self.health.setServiceParent(services)
+        services = SequentialService()
+        self.health.setServiceParent(services)  # stops last: probing goes on while draining
         _LifecycleService(self).setServiceParent(services)
         return services

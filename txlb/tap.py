@@ -13,12 +13,12 @@ import sys
 from typing import Any
 
 from twisted.application import strports
-from twisted.application.service import IService, MultiService, Service
+from twisted.application.service import IService, Service
 from twisted.logger import Logger
 from twisted.python import usage
 from twisted.web.server import Site
 
-from ._balancer import LoadBalancer
+from ._balancer import LoadBalancer, SequentialService
 from ._config import OPTIONS, Config, ConfigError, build_config, is_loopback_endpoint
 
 log = Logger()
@@ -101,10 +101,10 @@ def makeService(options: Options) -> IService:
 
     config = options.config
     balancer = LoadBalancer(config=config)
-    top = MultiService()
-    balancer.service().setServiceParent(top)
-    _CleanExitOnSignals(reactor).setServiceParent(top)
-    strports.service(config.listen, balancer.site()).setServiceParent(top)
+    # Stopped in reverse: the main port first (no new connections), then the balancer
+    # (drain in-flight requests, health checks still running), and the admin port last,
+    # so operators can watch and drain during the graceful period.
+    top = SequentialService()
     if config.admin != "none":
         if config.admin_token is None and not is_loopback_endpoint(config.admin):
             log.warn("the admin API ({endpoint}) is reachable from other machines and has "
@@ -112,4 +112,7 @@ def makeService(options: Options) -> IService:
                      endpoint=config.admin)
         admin_site = _AdminSite(balancer.admin_resource())
         strports.service(config.admin, admin_site).setServiceParent(top)
+    balancer.service().setServiceParent(top)
+    _CleanExitOnSignals(reactor).setServiceParent(top)
+    strports.service(config.listen, balancer.site()).setServiceParent(top)
     return top
