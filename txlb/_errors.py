@@ -4,7 +4,7 @@ The responses txlb makes itself, in the OpenAI error shape clients already parse
 OpenAI-compatible clients (the ``openai`` SDK, LangChain, ...) read
 ``{"error": {"message", "type", "code"}}`` and show the message; an HTML error page would
 surface as an opaque decode error.  Every error the balancer itself produces goes through
-:func:`write_error` so they all look alike.
+:func:`error_body` so they all look alike.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ ERROR_TYPES = {
 }
 
 
-def error_body(status: int, message: str, error_type: str | None = None) -> bytes:
+def error_body(status: int, message: str) -> bytes:
     """The JSON body for an error ``status`` with a human-readable ``message``."""
     body = {
         "error": {
             "message": message,
-            "type": error_type or ERROR_TYPES.get(status, "proxy_error"),
+            "type": ERROR_TYPES.get(status, "proxy_error"),
             "code": status,
         }
     }
@@ -57,14 +57,3 @@ def write_body(
         headers.setRawHeaders(b"retry-after", [str(retry_after).encode()])
     request.write(body)
     request.finish()
-
-
-def write_error(
-    request: IRequest,
-    status: int,
-    message: str,
-    error_type: str | None = None,
-    retry_after: int | None = None,
-) -> None:
-    """Finish ``request`` with an OpenAI-style error (and ``Retry-After`` when given)."""
-    write_body(request, status, error_body(status, message, error_type), retry_after)

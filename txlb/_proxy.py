@@ -494,9 +494,7 @@ class Exchange:
               retry_after: int | None = None) -> None:
         """Answer with an error of txlb's own, before any of the response was sent."""
         body = error_body(status, message)
-        self.record.status = status
-        self.record.content_type = b"application/json"
-        self.record.capture(body)
+        self.record.answered_by_proxy(status, body)
         self._end(outcome, None if self.client_gone else
                   lambda: write_body(self.request, status, body, retry_after))
 
@@ -750,11 +748,9 @@ class ProxyResource(Resource):
             path=path,
             orid_header=request.getHeader(b"x-orid"),
             request_body=b"",
-            status=status,
             outcome="proxy_error",
-            content_type=b"application/json",
         )
-        record.capture(body)
+        record.answered_by_proxy(status, body)
         record.ended = record.started
         self.on_end(record)
 
@@ -762,10 +758,8 @@ class ProxyResource(Resource):
                 retry_after: int | None = None) -> None:
         """Answer a request txlb will not forward, and log it like any other."""
         body = error_body(status, message)
-        record.status = status
+        record.answered_by_proxy(status, body)
         record.outcome = "proxy_error"
-        record.content_type = b"application/json"
-        record.capture(body)
         record.ended = self.clock.seconds()
         self.on_end(record)
         write_body(request, status, body, retry_after)

@@ -53,6 +53,12 @@ class RequestRecord:
     queue_wait: float | None = None
     tries: int = 1
 
+    def answered_by_proxy(self, status: int, body: bytes) -> None:
+        """txlb answered this request itself, with ``status`` and the JSON ``body``."""
+        self.status = status
+        self.content_type = b"application/json"
+        self.capture(body)
+
     def capture(self, data: bytes) -> None:
         """Keep ``data`` for the summary while under the limit (called per chunk: cheap)."""
         room = CAPTURE_LIMIT - self.captured
