@@ -26,7 +26,7 @@ from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
 
-from txlb._proxy import BytesProducer
+from txlb._relay import BytesProducer
 
 ROOT = Path(__file__).resolve().parent.parent
 

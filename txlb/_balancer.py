@@ -33,19 +33,14 @@ from ._metrics import Metrics
 from ._policies import PeakEwmaLatency, make_policy
 from ._proxy import ProxyContext, ProxyResource
 from ._ratelimit import RateLimiter, TokenBuckets
+from ._relay import AgentUpstream
 from ._resultlog import open_result_log
 from ._routing import ModelRoute, Router
 from ._site import ProxySite
 from ._summary import RequestRecord, summarize
+from ._upstream import Upstream, UpstreamClient
 
 log = Logger()
-
-#: vLLM (uvicorn) closes idle keep-alive connections after 5 s; reusing one it is closing
-#: would fail a POST, so pooled connections are dropped a little sooner.
-CACHED_CONNECTION_TIMEOUT = 4.0
-#: Agent's default of 2 idle connections per backend makes a busy proxy open and close a
-#: connection per request; LLM fleets run hundreds of concurrent requests per backend.
-MAX_PERSISTENT_PER_HOST = 256
 
 
 class SequentialService(MultiService):
@@ -113,10 +108,7 @@ class _LifecycleService(Service):
         balancer = self._balancer
         if balancer.result_log is not None:
             balancer.result_log.close()
-        if balancer.connection_pool is not None:
-            done: Deferred[None] = balancer.connection_pool.closeCachedConnections()
-            return done
-        return None
+        return balancer.upstream.close_idle()
 
 
 class LoadBalancer:
@@ -157,12 +149,12 @@ class LoadBalancer:
             reactor = default_reactor
         self.config = config
         self.reactor = reactor
-        self.connection_pool: HTTPConnectionPool | None = None
-        if agent is None:
-            connection_pool = self.connection_pool = HTTPConnectionPool(reactor, persistent=True)
-            connection_pool.maxPersistentPerHost = MAX_PERSISTENT_PER_HOST
-            connection_pool.cachedConnectionTimeout = CACHED_CONNECTION_TIMEOUT  # type: ignore[assignment]
-            agent = Agent(reactor, connectTimeout=config.connect_timeout, pool=connection_pool)
+        # txlb's own upstream client (passes chunked bodies through untouched); an
+        # embedder's Agent, when given, is used through an adapter instead.
+        self.upstream: Upstream = (
+            UpstreamClient(reactor, connect_timeout=config.connect_timeout)
+            if agent is None else AgentUpstream(agent)
+        )
         if probe_agent is None:
             # Probes use fresh connections: a probe must prove the backend still accepts.
             probe_agent = Agent(
@@ -190,7 +182,6 @@ class LoadBalancer:
             rng=rng,
         )
         self.router.on_queue_wait = self.metrics.queue_wait.observe
-        self.agent = agent
         self.health = HealthChecker(
             self.pool,
             probe_agent,
@@ -204,7 +195,7 @@ class LoadBalancer:
         )
         context = ProxyContext(
             pool=self.pool,
-            agent=self.agent,
+            upstream=self.upstream,
             clock=reactor,
             read_timeout=config.read_timeout,
             send_timeout=config.send_timeout,

@@ -1,5 +1,6 @@
 """
-The reverse-proxy resource: pick a backend, forward the request with Agent, relay the
+The reverse-proxy resource: pick a backend, forward the request upstream (with
+:mod:`txlb._upstream`, or an embedder's Agent through :mod:`txlb._relay`), relay the
 response, and map every failure to the status the contract promises.
 
 Each client request becomes one :class:`Exchange`, which owns all of that request's state
@@ -18,30 +19,28 @@ from typing import Any
 
 import attrs
 from twisted.internet import error as neterror
-from twisted.internet.defer import CancelledError, Deferred, maybeDeferred, succeed
-from twisted.internet.interfaces import IConsumer, IDelayedCall, IPushProducer, IReactorTime
-from twisted.internet.protocol import Protocol
+from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
+from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseNeverReceived
+from twisted.web.http import HTTPChannel
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IBodyProducer, IResponse
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
-from zope.interface import implementer
 
 from ._backend import Backend, Lease, Pool
 from ._errors import error_body, write_body, write_json
 from ._headers import (
-    connection_tokens,
+    RawHeaders,
     downstream_response_headers,
     flatten,
     upstream_request_headers,
 )
 from ._ratelimit import RateLimiter
-from ._relay import BodyRelay
 from ._routing import Router, RoutingError
 from ._summary import RequestRecord, parse_json_object
+from ._upstream import Upstream, UpstreamResponse
 
 log = Logger()
 
@@ -61,33 +60,6 @@ _CONNECT_TIMEOUT = (neterror.TimeoutError, neterror.TCPTimedOutError)
 _RETRIED_STATUSES = frozenset({502, 503})
 #: Statuses whose responses never carry a body, so no Content-Length is invented for them.
 _NO_BODY_STATUSES = frozenset({204, 304})
-
-
-@implementer(IBodyProducer)
-class BytesProducer:
-    """
-    The buffered request body, sent in one write.
-
-    twisted.web has already read the whole body before ``render`` runs, so there is nothing
-    to stream; writing it at once also needs no cooperator (unlike ``FileBodyProducer``).
-    """
-
-    def __init__(self, body: bytes) -> None:
-        self._body = body
-        self.length = len(body)
-
-    def startProducing(self, consumer: IConsumer) -> Deferred[None]:
-        consumer.write(self._body)
-        return succeed(None)
-
-    def pauseProducing(self) -> None:
-        pass
-
-    def resumeProducing(self) -> None:
-        pass
-
-    def stopProducing(self) -> None:
-        pass
 
 
 def forwarded_uri(request: Request) -> bytes:
@@ -142,7 +114,7 @@ class ProxyContext:
     """What every exchange of one proxy shares: collaborators, limits and callbacks."""
 
     pool: Pool
-    agent: IAgent
+    upstream: Upstream
     clock: IReactorTime
     read_timeout: float
     send_timeout: float = 60.0
@@ -161,14 +133,6 @@ class RetryPlan:
 
     acquire: Callable[[frozenset[str]], Deferred[Lease]]
     possible: Callable[[frozenset[str]], bool]
-
-
-class _Discard(Protocol):
-    """Takes the body of an answer that will not be relayed, closing its connection."""
-
-    def connectionMade(self) -> None:
-        assert self.transport is not None
-        self.transport.stopProducing()  # type: ignore[attr-defined]
 
 
 class Exchange:
@@ -190,7 +154,7 @@ class Exchange:
     __slots__ = ("request", "record", "lease", "context", "pool", "clock", "read_timeout",
                  "retry", "tried", "state", "client_gone", "_headers", "_upstream",
                  "_producer", "_watchdog", "_now", "_last_activity", "_paused_at",
-                 "__weakref__")
+                 "_write", "__weakref__")
 
     def __init__(self, request: Request, record: RequestRecord, lease: Lease,
                  context: ProxyContext, retry: RetryPlan | None = None) -> None:
@@ -205,13 +169,16 @@ class Exchange:
         self.tried: set[str] = set()
         self.state = "waiting"
         self.client_gone = False
-        self._headers = Headers()
+        self._headers: RawHeaders = []
         self._upstream: Deferred[Any] | None = None
         self._producer: IPushProducer | None = None
         self._watchdog: IDelayedCall | None = None
         self._now = context.clock.seconds
         self._last_activity = self._now()
         self._paused_at: float | None = None
+        #: how body bytes reach the client: ``request.write``, or straight to the channel
+        #: when the backend's chunked framing is passed through as it came
+        self._write: Callable[[bytes], object] = request.write
         record.backend = lease.backend.key
 
     # -- start ------------------------------------------------------------------------------
@@ -221,30 +188,30 @@ class Exchange:
         client = request.getClientAddress()
         client_host = getattr(client, "host", None) or "unix"
         scheme = b"https" if request.isSecure() else b"http"
-        headers = upstream_request_headers(
+        self._headers = upstream_request_headers(
             flatten(request.requestHeaders.getAllRawHeaders()), client_host, scheme
         )
-        for name, value in headers:
-            self._headers.addRawHeader(name, value)
         request.notifyFinish().addErrback(self._client_lost)
         self._send()
 
     def _send(self) -> None:
         """One attempt: the request, body replayed from the buffered copy, to the leased backend."""
         request = self.request
-        body = self.record.request_body
-        producer = None
-        if body or request.getHeader(b"content-length") is not None:
-            producer = BytesProducer(body)
+        body: bytes | None = self.record.request_body
+        if not body and request.getHeader(b"content-length") is None:
+            body = None  # no body, and no "Content-Length: 0" either
+        backend = self.lease.backend
         self._arm_watchdog()
-        # maybeDeferred: Agent raises synchronously for a URI or method it rejects, and its
-        # Deferred may already have fired; either way every path reaches the callbacks.
+        # maybeDeferred: an Agent raises synchronously for a URI or method it rejects, and
+        # the Deferred may already have fired; either way every path reaches the callbacks.
         upstream = self._upstream = maybeDeferred(
-            self.context.agent.request,
+            self.context.upstream.send,
+            backend.host,
+            backend.port,
             request.method,
-            self.lease.backend.base_url + forwarded_uri(request),
+            forwarded_uri(request),
             self._headers,
-            producer,
+            body,
         )
         upstream.addCallbacks(self._got_response, self._request_failed).addErrback(self._bug)
 
@@ -293,13 +260,13 @@ class Exchange:
 
     # -- response head ----------------------------------------------------------------------
 
-    def _got_response(self, response: IResponse) -> None:
+    def _got_response(self, response: UpstreamResponse) -> None:
         self._upstream = None
         self.context.on_answer(self.lease.backend, response.code)
         if response.code in _RETRIED_STATUSES and self._can_retry():
             log.info("backend {backend} answered {status}; trying another",
                      backend=self.lease.backend.key, status=response.code)
-            response.deliverBody(_Discard())
+            response.discard()
             self._retry()
             return
         self.state = "relaying"
@@ -309,34 +276,48 @@ class Exchange:
         self.record.status = response.code
         request.setResponseCode(response.code, response.phrase)
         out = request.responseHeaders
-        for name, value in downstream_response_headers(
-            flatten(response.headers.getAllRawHeaders()), connection_named(response)
-        ):
+        headers = response.headers
+        for name, value in downstream_response_headers(headers):
             out.addRawHeader(name, value)
         # Twisted's Request sets its own Date and Server; the backend's win, if it sent them.
-        for name in (b"date", b"server"):
-            values = response.headers.getRawHeaders(name)
-            if values:
-                out.setRawHeaders(name, values)
-        content_type = response.headers.getRawHeaders(b"content-type")
-        self.record.content_type = content_type[0] if content_type else None
+        content_type = None
+        content_length: list[bytes] = []
+        own: dict[bytes, list[bytes]] = {}
+        for name, value in headers:
+            if name == b"content-type" and content_type is None:
+                content_type = value
+            elif name == b"content-length":
+                content_length.append(value)
+            elif name == b"date" or name == b"server":
+                own.setdefault(name, []).append(value)
+        for name, values in own.items():
+            out.setRawHeaders(name, values)
+        self.record.content_type = content_type
         if request.method == b"HEAD" or response.code in _NO_BODY_STATUSES:
             # no body follows: the backend's own Content-Length (if any) describes the
-            # resource, and Agent leaves it in the headers for these
-            length = response.headers.getRawHeaders(b"content-length")
-            if length:
-                out.setRawHeaders(b"content-length", length)
-        elif response.length is not UNKNOWN_LENGTH:
-            out.setRawHeaders(b"content-length", [str(response.length).encode()])
+            # resource
+            if content_length:
+                out.setRawHeaders(b"content-length", content_length[:1])
+        elif response.length is not None:
+            out.setRawHeaders(b"content-length", [b"%d" % response.length])
         out.setRawHeaders(b"x-backend", [backend.key.encode()])
-        out.setRawHeaders(b"x-backend-port", [str(backend.port).encode()])
-        if response.length is UNKNOWN_LENGTH:
+        out.setRawHeaders(b"x-backend-port", [b"%d" % backend.port])
+        raw = False
+        if response.length is None:
             # A stream: send the head now, as nginx does, so an SSE client sees its 200
             # while the engine is still queueing or prefilling, not only with the first
             # token.  A fixed-length answer's body follows its head at once; writing them
             # together saves a packet.
             request.write(b"")
-        response.deliverBody(BodyRelay(self))
+            # An HTTP/1.1 client gets the body chunked by twisted.web's Request; when the
+            # backend's body is chunked too, its framing is passed on as it came (the
+            # Request still writes the last chunk on finish): no decoding, no re-encoding.
+            channel = request.channel
+            if response.chunked and request.chunked and isinstance(channel, HTTPChannel):
+                raw = True
+                self._write = channel.write
+                self.record.chunked = True
+        response.deliver(self, raw)
 
     # -- IRelayOwner: the body --------------------------------------------------------------
 
@@ -384,7 +365,7 @@ class Exchange:
         if record.first_byte is None:
             record.first_byte = self._last_activity
         record.capture(data)
-        self.request.write(data)
+        self._write(data)
 
     def body_ended(self, failure: Failure | None) -> None:
         if self.state != "relaying":
@@ -570,28 +551,6 @@ class Exchange:
             self._end("proxy_error", self._cut_client)
         else:
             self._fail(502, "internal proxy error", "proxy_error")
-
-
-def connection_named(response: IResponse) -> frozenset[bytes]:
-    """
-    The headers the backend's ``Connection`` header names: hop-by-hop for that hop, so not
-    for the client.  Agent moves ``Connection`` out of ``response.headers`` into its parser,
-    so it is read there; should a Twisted version move it, nothing is stripped (the headers
-    pass, as before) rather than anything failing.
-    """
-    # Response._transport is a TransportProxyProducer around the TCP transport, whose
-    # protocol -- under the endpoint's wrapper -- is the HTTP11ClientProtocol holding the
-    # parser that kept the connection headers.
-    proxy = getattr(response, "_transport", None)
-    connection = getattr(getattr(proxy, "_producer", None), "protocol", None)
-    for _ in range(3):
-        if hasattr(connection, "_parser"):
-            break
-        connection = getattr(connection, "_wrappedProtocol", None)
-    headers = getattr(getattr(connection, "_parser", None), "connHeaders", None)
-    if not isinstance(headers, Headers):
-        return frozenset()
-    return connection_tokens(flatten(headers.getAllRawHeaders()))
 
 
 def _is_reset(failure: Failure) -> bool:

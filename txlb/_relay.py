@@ -1,50 +1,67 @@
 """
-Upstream response body -> client, chunk by chunk, with backpressure.
+The proxy's upstream hop through any ``IAgent`` -- for embedders who pass their own agent
+(and for the unit tests' fake one).
 
-This is the per-chunk hot path, so it does the least it can: one ``request.write`` per
-upstream read and a watchdog reset.  Everything else (choosing a backend, mapping errors,
-releasing the slot) lives in :mod:`txlb._proxy`, which is told how the body ended through
-the :class:`IRelayOwner` callbacks.
+``twistd llmlb`` and ``LoadBalancer()`` without ``agent=`` use :mod:`txlb._upstream`, which
+passes chunked bodies through untouched; this adapter gives an Agent the same
+:class:`~txlb._upstream.Upstream` face, so the proxy has one code path for both.  Through
+an Agent the body arrives decoded, so it is never passed through raw.
 
-Backpressure comes from Twisted's producer/consumer API rather than from buffering: the
-upstream connection's transport is registered as a *streaming* producer on the client
-request, so when the client's socket buffer fills, Twisted pauses the upstream read, the
-backend's own send buffer fills, and the backend slows down -- memory per connection stays
-bounded by socket buffers.
+Backpressure still comes from Twisted's producer/consumer API: the response body's
+transport is the producer the proxy pauses when the client's socket fills.
 """
 
 from __future__ import annotations
 
-from typing import Protocol as TypingProtocol
+from typing import Any
 
-from twisted.internet.interfaces import IPushProducer
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IConsumer, IPushProducer
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IBodyProducer, IResponse
+from zope.interface import implementer
+
+from ._headers import RawHeaders, connection_tokens, flatten
+from ._upstream import IRelayOwner, UpstreamResponse
 
 
-class IRelayOwner(TypingProtocol):
-    """What the relay reports to: the exchange that owns the client request."""
+@implementer(IBodyProducer)
+class BytesProducer:
+    """
+    The buffered request body, sent in one write.
 
-    def body_started(self, producer: IPushProducer) -> None:
-        """The upstream body began; ``producer`` pauses/resumes/stops the upstream read."""
+    twisted.web has already read the whole body before ``render`` runs, so there is nothing
+    to stream; writing it at once also needs no cooperator (unlike ``FileBodyProducer``).
+    """
 
-    def body_chunk(self, data: bytes) -> None:
-        """One upstream read, to be written to the client now."""
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+        self.length = len(body)
 
-    def body_ended(self, failure: Failure | None) -> None:
-        """The upstream body ended: cleanly (``None``) or not (the failure)."""
+    def startProducing(self, consumer: IConsumer) -> Deferred[None]:
+        consumer.write(self._body)
+        return succeed(None)
+
+    def pauseProducing(self) -> None:
+        pass
+
+    def resumeProducing(self) -> None:
+        pass
+
+    def stopProducing(self) -> None:
+        pass
 
 
 class BodyRelay(Protocol):
     """
-    The protocol handed to ``IResponse.deliverBody``.
-
-    It only translates Twisted's body-protocol events into the owner's three callbacks, so
-    the owner can keep all the request's state in one place.  ``PotentialDataLoss`` is a
-    clean end: it is how Agent reports a body delimited by the connection closing, which
-    is legal HTTP/1.1 for responses without ``Content-Length`` or chunking.
+    The protocol handed to ``IResponse.deliverBody``: translates Twisted's body-protocol
+    events into the owner's three callbacks.  ``PotentialDataLoss`` is a clean end: it is
+    how Agent reports a body delimited by the connection closing, which is legal HTTP/1.1
+    for responses without ``Content-Length`` or chunking.
     """
 
     def __init__(self, owner: IRelayOwner) -> None:
@@ -62,3 +79,79 @@ class BodyRelay(Protocol):
             self._owner.body_ended(None)
         else:
             self._owner.body_ended(reason)
+
+
+class _Discard(Protocol):
+    """Takes the body of an answer that will not be relayed, closing its connection."""
+
+    def connectionMade(self) -> None:
+        assert self.transport is not None
+        self.transport.stopProducing()  # type: ignore[attr-defined]
+
+
+class AgentResponse:
+    """An ``IResponse`` as an :class:`~txlb._upstream.UpstreamResponse`."""
+
+    chunked = False
+
+    def __init__(self, response: IResponse) -> None:
+        self._response = response
+        self.code: int = response.code
+        self.phrase: bytes = response.phrase
+        named = connection_named(response)
+        self.headers: RawHeaders = [
+            (name, value) for name, value in flatten(response.headers.getAllRawHeaders())
+            if name not in named
+        ]
+        self.length: int | None = (None if response.length is UNKNOWN_LENGTH
+                                   else response.length)
+
+    def deliver(self, owner: IRelayOwner, raw: bool) -> None:
+        self._response.deliverBody(BodyRelay(owner))
+
+    def discard(self) -> None:
+        self._response.deliverBody(_Discard())
+
+
+class AgentUpstream:
+    """Sends the proxy's requests with an ``IAgent``."""
+
+    def __init__(self, agent: IAgent) -> None:
+        self.agent = agent
+
+    def send(self, host: str, port: int, method: bytes, target: bytes,
+             headers: RawHeaders, body: bytes | None) -> Deferred[UpstreamResponse]:
+        outgoing = Headers()
+        for name, value in headers:
+            outgoing.addRawHeader(name, value)
+        authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        uri = b"http://" + authority.encode("idna") + target
+        producer = None if body is None else BytesProducer(body)
+        sent: Deferred[Any] = self.agent.request(method, uri, outgoing, producer)
+        sent.addCallback(AgentResponse)
+        return sent
+
+    def close_idle(self) -> Deferred[None]:
+        return succeed(None)
+
+
+def connection_named(response: IResponse) -> frozenset[bytes]:
+    """
+    The headers the backend's ``Connection`` header names: hop-by-hop for that hop, so not
+    for the client.  Agent moves ``Connection`` out of ``response.headers`` into its parser,
+    so it is read there; should a Twisted version move it, nothing is stripped (the headers
+    pass, as before) rather than anything failing.
+    """
+    # Response._transport is a TransportProxyProducer around the TCP transport, whose
+    # protocol -- under the endpoint's wrapper -- is the HTTP11ClientProtocol holding the
+    # parser that kept the connection headers.
+    proxy = getattr(response, "_transport", None)
+    connection = getattr(getattr(proxy, "_producer", None), "protocol", None)
+    for _ in range(3):
+        if hasattr(connection, "_parser"):
+            break
+        connection = getattr(connection, "_wrappedProtocol", None)
+    headers = getattr(getattr(connection, "_parser", None), "connHeaders", None)
+    if not isinstance(headers, Headers):
+        return frozenset()
+    return connection_tokens(flatten(headers.getAllRawHeaders()))

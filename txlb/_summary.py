@@ -52,6 +52,8 @@ class RequestRecord:
     truncated: bool = False
     queue_wait: float | None = None
     tries: int = 1
+    #: the captured response is in chunked framing (passed through as the backend sent it)
+    chunked: bool = False
 
     def answered_by_proxy(self, status: int, body: bytes) -> None:
         """txlb answered this request itself, with ``status`` and the JSON ``body``."""
@@ -196,10 +198,37 @@ def orid_of(header: bytes | None, request: dict[str, Any] | None) -> str:
     return "-"
 
 
+def dechunk(framed: bytes) -> bytes:
+    """
+    The payload of a chunked body (as far as it is complete and well formed: the capture
+    may stop mid-chunk).  Runs once per request, in the summary, so that the relay itself
+    can pass chunks through without decoding them.
+    """
+    parts = []
+    position = 0
+    size = len(framed)
+    while position < size:
+        end = framed.find(b"\r\n", position)
+        if end < 0:
+            break
+        try:
+            length = int(framed[position:end].split(b";", 1)[0], 16)
+        except ValueError:
+            break
+        if length <= 0:
+            break
+        start = end + 2
+        parts.append(framed[start:start + length])
+        position = start + length + 2
+    return b"".join(parts)
+
+
 def summarize(record: RequestRecord) -> Summary:
     """Turn what the proxy saw into the fields of the log line."""
     request = parse_json_object(record.request_body)
     body = b"".join(record.response)
+    if record.chunked:
+        body = dechunk(body)
     status = record.status if record.status is not None else 499
     common: dict[str, Any] = {
         "time": record.ended,

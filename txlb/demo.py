@@ -24,7 +24,7 @@ from twisted.web.server import Site
 
 from ._balancer import LoadBalancer
 from ._config import ConfigError, parse_listen
-from ._proxy import BytesProducer
+from ._relay import BytesProducer
 from .testing import SimulatedVLLM, listen_simulated
 
 MODEL = "sim-model"
