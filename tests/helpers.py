@@ -207,7 +207,7 @@ def parse_response(raw: bytes) -> ParsedResponse:
             size_line, sep, after = rest.partition(b"\r\n")
             if not sep:
                 return ParsedResponse(status, parsed, body, False)
-            size = int(size_line, 16)
+            size = int(size_line.split(b";")[0], 16)
             if size == 0:
                 return ParsedResponse(status, parsed, body, True)
             if len(after) < size + 2:

@@ -433,6 +433,10 @@ class UpstreamConnection(Protocol):
         (it might be the last chunk's, which the client's side writes itself); otherwise
         only the chunk payloads go on.
         """
+        if self._chunk_state == 3:  # past the last chunk: the trailers are arriving
+            self._buffer += data
+            self._trailers()
+            return
         owner = self._owner
         assert owner is not None
         buffer = self._buffer + data if self._buffer else data
@@ -451,7 +455,7 @@ class UpstreamConnection(Protocol):
                 self._remaining -= take
                 if not self._remaining:
                     self._chunk_state = 2
-            elif state == 0 or state == 2:
+            else:  # at a size line, or at the CRLF closing a chunk's data
                 if state == 2:
                     if size - position < 2:
                         break  # hold the partial CRLF
@@ -481,8 +485,6 @@ class UpstreamConnection(Protocol):
                 position = end + 2
                 self._remaining = length
                 self._chunk_state = 1
-            else:
-                return
         if raw and position > start:
             owner.body_chunk(buffer[start:position])
         if position < size:
