@@ -143,6 +143,17 @@ class ClientTests(unittest.TestCase):
         self.assertTrue(transport.disconnecting or transport.disconnected)
         self.assertEqual(self.client.idle_count("127.0.0.1", 8002), 0)
 
+    def test_lenient_chunk_sizes_refused(self) -> None:
+        for size_line in (b"+3", b" 3", b"1_0", b"-1", b"0x3", b"", b"1" * 17):
+            result = self.send()
+            connection, _ = self.connect()
+            owner = Owner()
+            connection.dataReceived(SSE_HEAD)
+            result[0].deliver(owner, raw=True)
+            connection.dataReceived(size_line + b"\r\nabc\r\n")
+            self.assertEqual(len(owner.ended), 1, size_line)
+            self.assertIsInstance(owner.ended[0].value, ResponseFailed)  # type: ignore[union-attr]
+
     def test_interim_responses_are_skipped(self) -> None:
         result = self.send()
         connection, _ = self.connect()

@@ -52,6 +52,9 @@ MAX_IDLE_PER_BACKEND = 256
 MAX_HEAD_BYTES = 64 * 1024
 
 
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
+
+
 class BadResponse(Exception):
     """The backend's response is not valid HTTP/1.1 (bad status line, header or framing)."""
 
@@ -469,12 +472,12 @@ class UpstreamConnection(Protocol):
                     if size - position > 4096:
                         return self._bad_body("chunk size line too long")
                     break
-                try:
-                    length = int(buffer[position:end].split(b";", 1)[0], 16)
-                except ValueError:
+                digits = buffer[position:end].split(b";", 1)[0].rstrip(b" \t")
+                if not 0 < len(digits) <= 16 or digits.strip(_HEX_DIGITS):
+                    # int() alone would take "+1", " 1" and "1_0": a lenient parser is
+                    # how two hops come to disagree on where a message ends
                     return self._bad_body("bad chunk size line")
-                if length < 0:
-                    return self._bad_body("bad chunk size line")
+                length = int(digits, 16)
                 if length == 0:
                     if raw and position > start:
                         owner.body_chunk(buffer[start:position])
