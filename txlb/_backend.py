@@ -9,7 +9,9 @@ drained whatever its health, a removed backend leaves only once idle) live in on
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, TypeVar
 
 import attrs
 from twisted.internet.defer import Deferred, succeed
@@ -21,6 +23,39 @@ log = Logger()
 
 #: Weight of the newest sample in the latency averages shown in status.
 EWMA_ALPHA = 0.2
+
+_T = TypeVar("_T")
+
+
+class InFlightStore(Protocol):
+    """
+    Where in-flight counts live when several processes share the backends
+    (:class:`txlb._shm.SharedCounts`).  Without one, a backend's ``active`` attribute is
+    the count; with one, ``active`` is a snapshot of the shared total refreshed before
+    every choice (:meth:`Pool.exclusive`) and every status answer.
+    """
+
+    def register(self, key: str) -> int: ...
+
+    def assign(self, key: str, slot: int) -> None: ...
+
+    def take(self, key: str) -> None: ...
+
+    def give_back(self, key: str) -> None: ...
+
+    def total(self, key: str) -> int: ...
+
+    def started(self, key: str) -> int: ...
+
+    def mine(self, key: str) -> int: ...
+
+    def locked(self) -> AbstractContextManager[None]: ...
+
+
+#: Backend state a supervisor shares with its worker processes (see :meth:`Pool.mirror`):
+#: what routing decisions and ``/__lb_status`` read, and the prober or operator changes.
+SHARED_FIELDS = ("healthy", "draining", "removing", "last_probe_error", "learned_models",
+                 "model_entries", "engine_depth", "up_since", "ejected_until")
 
 
 @attrs.define(eq=False)
@@ -201,9 +236,12 @@ class Pool:
 
     def __init__(self, specs: tuple[BackendSpec, ...] = (),
                  clock: Callable[[], float] | None = None,
-                 outliers: OutlierRule | None = None, slow_start: float = 0.0) -> None:
+                 outliers: OutlierRule | None = None, slow_start: float = 0.0,
+                 shared: InFlightStore | None = None) -> None:
         self._now = clock or (lambda: 0.0)
         self.slow_start = slow_start
+        #: the counts shared with other worker processes, if any (``--workers``)
+        self.shared = shared
         self.outliers = outliers or OutlierRule()
         self._backends: dict[str, Backend] = {}
         self._idle_waiters: list[Deferred[None]] = []
@@ -211,6 +249,11 @@ class Pool:
         #: slot released, a backend up or down, drained, undrained, added or removed (the
         #: router's queue listens here instead of polling).
         self.on_change: list[Callable[[], object]] = []
+        #: Called on every change a worker process must mirror: those of ``on_change``
+        #: plus what the prober learns (probe errors, models, engine queue depth).
+        self.on_update: list[Callable[[], object]] = []
+        #: Called with (backend, reason) when this process marks a backend down itself.
+        self.on_down: list[Callable[[Backend, str], object]] = []
         for spec in specs:
             self.add(spec)
 
@@ -228,6 +271,8 @@ class Pool:
     def add(self, spec: BackendSpec) -> Backend:
         if spec.key in self._backends:
             raise ValueError(f"backend {spec.key} already exists")
+        if self.shared is not None:
+            self.shared.register(spec.key)  # raises ValueError when no slot is left
         backend = self._backends[spec.key] = Backend(spec, clock=self._now,
                                                      slow_start=self.slow_start)
         self._changed()
@@ -235,6 +280,15 @@ class Pool:
 
     def _changed(self) -> None:
         for listener in list(self.on_change):
+            try:
+                listener()
+            except Exception:
+                log.failure("a pool listener failed")
+        if self.on_update:
+            self._updated()
+
+    def _updated(self) -> None:
+        for listener in list(self.on_update):
             try:
                 listener()
             except Exception:
@@ -251,7 +305,7 @@ class Pool:
         self._changed()
 
     def _forget_if_idle(self, backend: Backend) -> None:
-        if backend.removing and backend.active == 0 and self.get(backend.key) is backend:
+        if backend.removing and self._held(backend) == 0 and self.get(backend.key) is backend:
             del self._backends[backend.key]
             log.info("backend {backend} removed", backend=backend.key)
 
@@ -284,9 +338,44 @@ class Pool:
         backend.active += 1
         backend.requests += 1
         backend.started_since_scrape += 1
+        if self.shared is not None:
+            self.shared.take(backend.key)
         return Lease(backend, self._released)
 
+    def exclusive(self, choose: Callable[..., _T], *args: Any) -> _T:
+        """
+        Run ``choose`` (which reads the counts and takes a slot) so that no other process
+        sharing the counts can take one in between, on fresh counts.  Without shared
+        counts, just a call: one process's choice is already atomic.
+        """
+        shared = self.shared
+        if shared is None:
+            return choose(*args)
+        with shared.locked():
+            self.refresh()
+            return choose(*args)
+
+    def refresh(self) -> None:
+        """
+        Read the shared counts into each backend's ``active`` and ``requests``, and forget
+        removed backends that have gone idle meanwhile.  A no-op in a single process.
+        """
+        shared = self.shared
+        if shared is None:
+            return
+        for backend in list(self._backends.values()):
+            backend.active = shared.total(backend.key)
+            backend.requests = shared.started(backend.key)
+            if backend.removing:
+                self._forget_if_idle(backend)
+
+    def _held(self, backend: Backend) -> int:
+        """Requests in flight on ``backend`` that this process must wait for."""
+        return backend.active if self.shared is None else self.shared.mine(backend.key)
+
     def _released(self, backend: Backend) -> None:
+        if self.shared is not None:
+            self.shared.give_back(backend.key)
         backend.finished_since_scrape += 1
         self._forget_if_idle(backend)
         self._changed()
@@ -294,6 +383,13 @@ class Pool:
             waiters, self._idle_waiters = self._idle_waiters, []
             for waiter in waiters:
                 waiter.callback(None)
+
+    def capacity_changed(self) -> None:
+        """
+        Another process sharing the counts freed a slot: let waiting requests look again
+        (the router's queue listens on ``on_change``).
+        """
+        self._changed()
 
     def when_idle(self) -> Deferred[None]:
         """Fires once no request is in flight on any backend (at once if none is)."""
@@ -352,12 +448,14 @@ class Pool:
             log.info("backend {backend} serves {models}", backend=backend.key,
                      models=", ".join(ids) or "no model")
         backend.learned_models = ids
+        self._updated()
 
     def set_engine_depth(self, backend: Backend, running: float, waiting: float) -> None:
         """The engine's own queue, scraped from its ``/metrics``; restarts the local count."""
         backend.engine_depth = running + waiting
         backend.started_since_scrape = 0
         backend.finished_since_scrape = 0
+        self._updated()
 
     # -- health -------------------------------------------------------------------------
 
@@ -369,6 +467,8 @@ class Pool:
             backend.ejections += 1
             log.warn("backend {backend} marked down: {reason}", backend=backend.key,
                      reason=reason)
+            for listener in list(self.on_down):
+                listener(backend, reason)
             self._changed()
 
     def mark_up(self, backend: Backend) -> None:
@@ -388,6 +488,7 @@ class Pool:
         if backend.ejected_until is not None:
             if self._now() < backend.ejected_until:
                 backend.last_probe_error = None
+                self._updated()
                 return
             backend.ejected_until = None
         backend.failures_in_a_row = 0
@@ -395,6 +496,7 @@ class Pool:
         backend.last_probe_error = None
         if backend.successes_in_a_row >= rise:
             self.mark_up(backend)
+        self._updated()
 
     def probe_failed(self, backend: Backend, reason: str, definitive: bool, fall: int) -> None:
         """
@@ -408,18 +510,75 @@ class Pool:
         backend.last_probe_error = reason
         if definitive or backend.failures_in_a_row >= fall:
             self.mark_down(backend, reason)
+        self._updated()
 
     # -- views --------------------------------------------------------------------------
 
     @property
     def in_flight(self) -> int:
+        """Requests in flight that this process holds (its own, with shared counts)."""
+        if self.shared is not None:
+            return sum(self._held(backend) for backend in self._backends.values())
         return sum(backend.active for backend in self._backends.values())
 
     def status(self) -> dict[str, object]:
         """The body of ``GET /__lb_status``."""
+        self.refresh()
         backends = list(self)
         return {
             "healthy": sum(1 for b in backends if b.healthy),
             "total": len(backends),
             "backends": [b.status() for b in backends],
         }
+
+    # -- replication between processes (--workers) --------------------------------------
+
+    def shared_state(self) -> list[dict[str, Any]]:
+        """
+        What a worker process needs to know of every backend, in order: its spec, its slot
+        in the shared counts and :data:`SHARED_FIELDS` (JSON-ready).
+        """
+        states = []
+        for backend in self._backends.values():
+            spec = backend.spec
+            state: dict[str, Any] = {
+                "spec": [spec.host, spec.port, spec.weight, spec.max_conns, list(spec.models)],
+                "slot": None if self.shared is None else self.shared.register(spec.key),
+            }
+            for name in SHARED_FIELDS:
+                value = getattr(backend, name)
+                state[name] = list(value) if isinstance(value, tuple) else value
+            states.append(state)
+        return states
+
+    def mirror(self, states: Sequence[dict[str, Any]]) -> None:
+        """
+        Make this pool a copy of the supervisor's (:meth:`shared_state`): add the backends
+        it has, take its health, drain and model state, and remove (once idle here) those
+        it no longer has.  In-flight counts are not copied: they are shared already.
+        """
+        order = []
+        for state in states:
+            host, port, weight, max_conns, models = state["spec"]
+            spec = BackendSpec(host, port, weight, max_conns, tuple(models))
+            if self.shared is not None and state.get("slot") is not None:
+                self.shared.assign(spec.key, state["slot"])
+            backend = self._backends.get(spec.key)
+            if backend is None or backend.spec != spec:
+                backend = Backend(spec, clock=self._now, slow_start=self.slow_start)
+                self._backends[spec.key] = backend
+            for name in SHARED_FIELDS:
+                value = state[name]
+                setattr(backend, name, tuple(value) if name == "learned_models"
+                        and value is not None else value)
+            order.append(spec.key)
+        known = set(order)
+        for key, backend in list(self._backends.items()):
+            if key not in known:
+                backend.draining = backend.removing = True
+                order.append(key)
+        self._backends = {key: self._backends[key] for key in order}
+        for backend in list(self._backends.values()):
+            if backend.removing:
+                self._forget_if_idle(backend)
+        self._changed()

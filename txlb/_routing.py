@@ -81,6 +81,9 @@ class Router:
         self._rng = rng or random.Random()
         self._queue: deque[_Waiter] = deque()
         self.on_queue_wait: Callable[[float], object] = lambda seconds: None
+        #: Told the queue's length whenever it changes (a worker process publishes it so
+        #: that slots freed in other workers wake this queue; see txlb._supervisor).
+        self.on_queue_length: Callable[[int], object] = lambda length: None
         pool.on_change.append(self._dispatch)
 
     # -- models ---------------------------------------------------------------------------
@@ -160,6 +163,11 @@ class Router:
         return any(b.healthy and not b.draining and b.spec.max_conns for b in serving)
 
     def _take(self, serving: Sequence[Backend], session: str | None) -> Lease | None:
+        # With --workers the pool reads the shared counts and holds the lock across
+        # processes for the choice and the slot; in one process this is a plain call.
+        return self.pool.exclusive(self._choose, serving, session)
+
+    def _choose(self, serving: Sequence[Backend], session: str | None) -> Lease | None:
         candidates = [b for b in serving if b.eligible]
         if not candidates:
             return None
@@ -178,11 +186,13 @@ class Router:
         waiter.deferred = Deferred(cancel)
         waiter.timer = self.clock.callLater(self.queue_timeout, self._expire, waiter)
         self._queue.append(waiter)
+        self.on_queue_length(len(self._queue))
         return waiter.deferred
 
     def _leave(self, waiter: _Waiter) -> None:
         if waiter in self._queue:
             self._queue.remove(waiter)
+            self.on_queue_length(len(self._queue))
         if waiter.timer is not None and waiter.timer.active():
             waiter.timer.cancel()
 

@@ -1,0 +1,215 @@
+"""
+In-flight counts shared by the worker processes of ``--workers N``: txlb's version of
+nginx's upstream ``zone``.
+
+Least-connections is only exact if every process choosing a backend sees every other
+process's requests in flight.  So the counts live in one shared memory segment (a
+``memfd``, which leaves no file behind whatever way the processes end), laid out as a
+table of 64-bit cells:
+
+* one **row per worker**, written only by that worker (a single writer per cell, so no
+  read-modify-write race between processes), plus one **retired row** owned by the
+  supervisor, where the request counts of workers that exited are folded so the
+  ``requests`` totals never go backwards;
+* in each row a few header cells (the worker's pid, how many requests it has queued at
+  ``max_conns``), then one **in-flight** cell and one **started** cell per backend slot.
+
+A backend's in-flight count is the sum of its column over the rows.  Each address gets a
+slot from the supervisor the first time it is seen and keeps it for the life of the
+process (so a backend removed and added again counts on, and a straggling request of the
+old one is counted where it belongs); :data:`MAX_SLOTS` distinct addresses fit.
+
+Choosing a backend and taking its slot happen under a POSIX record lock on the segment
+(:meth:`SharedCounts.locked`): two workers can then never both see a backend as the least
+loaded (or as below its ``max_conns``) and both take it.  The lock is held for a few
+microseconds, is per process, and the kernel releases it if its holder dies.  Releasing a
+slot takes no lock: a count only ever falls there, so a concurrent reader errs towards
+"busier", as an in-process reader would a moment earlier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import tempfile
+from collections.abc import Iterator
+
+#: Distinct backend addresses a multi-worker balancer can know over its lifetime.
+MAX_SLOTS = 1024
+#: Header cells at the start of each row.
+_PID, _WAITERS = 0, 1
+_HEADER = 4
+_CELL = 8  # bytes: int64
+
+
+def _anonymous_file(size: int) -> int:
+    """A file descriptor on ``size`` zeroed bytes of memory with no name on disk."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("txlb-inflight", os.MFD_CLOEXEC)
+    else:  # pragma: no cover - non-Linux
+        fd, path = tempfile.mkstemp(prefix="txlb-inflight-")
+        os.unlink(path)
+    os.ftruncate(fd, size)
+    return fd
+
+
+class SharedCounts:
+    """
+    The in-flight table as one process sees it.
+
+    ``row`` is the worker's own row; ``None`` for the supervisor, which writes nothing but
+    the retired row (and zeroes the row of a worker that died).
+    """
+
+    def __init__(self, fd: int, workers: int, slots: int = MAX_SLOTS,
+                 row: int | None = None) -> None:
+        if row is not None and not 0 <= row < workers:
+            raise ValueError(f"row {row} outside 0..{workers - 1}")
+        self.fd = fd
+        self.workers = workers
+        self.slots_max = slots
+        self.row = row
+        self._stride = _HEADER + 2 * slots
+        self._retired = workers  # the row after the workers' rows
+        self._map = mmap.mmap(fd, self.size(workers, slots))
+        self._cells = memoryview(self._map).cast("q")
+        self._slots: dict[str, int] = {}
+        self._lock_depth = 0
+
+    @staticmethod
+    def size(workers: int, slots: int = MAX_SLOTS) -> int:
+        return (workers + 1) * (_HEADER + 2 * slots) * _CELL
+
+    @classmethod
+    def create(cls, workers: int, slots: int = MAX_SLOTS) -> SharedCounts:
+        """A new zeroed table for ``workers`` rows (the supervisor's view)."""
+        return cls(_anonymous_file(cls.size(workers, slots)), workers, slots)
+
+    def close(self) -> None:
+        self._cells.release()
+        self._map.close()
+
+    # -- slots ----------------------------------------------------------------------------
+
+    def register(self, key: str) -> int:
+        """
+        The slot of ``key``, giving it the next free one if new (the supervisor does this;
+        workers learn the same numbers through :meth:`assign`).
+        """
+        slot = self._slots.get(key)
+        if slot is None:
+            if len(self._slots) >= self.slots_max:
+                raise ValueError(f"no room for backend {key}: {self.slots_max} distinct "
+                                 "backends already known (restart txlb to reset)")
+            slot = self._slots[key] = len(self._slots)
+        return slot
+
+    def assign(self, key: str, slot: int) -> None:
+        """Use the supervisor's slot number for ``key``."""
+        if not 0 <= slot < self.slots_max:
+            raise ValueError(f"slot {slot} of {key} outside 0..{self.slots_max - 1}")
+        self._slots[key] = slot
+
+    def slot(self, key: str) -> int:
+        return self._slots[key]
+
+    # -- this process's counts --------------------------------------------------------------
+
+    def take(self, key: str) -> None:
+        """One more request in flight on ``key``, counted in this worker's row."""
+        cells, base = self._cells, self._own_base() + _HEADER + self._slots[key]
+        cells[base] += 1
+        cells[base + self.slots_max] += 1
+
+    def give_back(self, key: str) -> None:
+        cells, index = self._cells, self._own_base() + _HEADER + self._slots[key]
+        cells[index] -= 1
+
+    def mine(self, key: str) -> int:
+        """In flight on ``key`` from this worker (from all of them, for the supervisor)."""
+        if self.row is None:
+            return self.total(key)
+        slot = self._slots.get(key)
+        return 0 if slot is None else self._cells[self._own_base() + _HEADER + slot]
+
+    def set_waiters(self, count: int) -> None:
+        """How many requests this worker has queued at ``max_conns`` (see supervisor)."""
+        self._cells[self._own_base() + _WAITERS] = count
+
+    def set_pid(self, pid: int) -> None:
+        self._cells[self._own_base() + _PID] = pid
+
+    def _own_base(self) -> int:
+        if self.row is None:
+            raise RuntimeError("the supervisor holds no requests of its own")
+        return self.row * self._stride
+
+    # -- everyone's counts ------------------------------------------------------------------
+
+    def total(self, key: str) -> int:
+        """In flight on ``key`` across every worker."""
+        slot = self._slots.get(key)
+        if slot is None:
+            return 0
+        cells, stride, index = self._cells, self._stride, _HEADER + slot
+        return sum(cells[row * stride + index] for row in range(self.workers))
+
+    def started(self, key: str) -> int:
+        """Requests ever sent to ``key`` by any worker, past or present."""
+        slot = self._slots.get(key)
+        if slot is None:
+            return 0
+        cells, stride, index = self._cells, self._stride, _HEADER + self.slots_max + slot
+        return sum(cells[row * stride + index] for row in range(self.workers + 1))
+
+    def row_status(self, row: int) -> dict[str, int]:
+        """One worker's pid, requests in flight, requests started and queued."""
+        base = row * self._stride
+        counts = self._cells[base + _HEADER: base + _HEADER + 2 * self.slots_max].tolist()
+        return {
+            "pid": self._cells[base + _PID],
+            "in_flight": sum(counts[:self.slots_max]),
+            "requests": sum(counts[self.slots_max:]),
+            "queued": self._cells[base + _WAITERS],
+        }
+
+    def waiters(self, row: int) -> int:
+        return int(self._cells[row * self._stride + _WAITERS])
+
+    def retire(self, row: int) -> None:
+        """
+        Forget a worker that exited (or was killed): its in-flight counts go to zero and its
+        request counts move to the retired row.  Only once the worker is gone -- its row
+        then has no writer but this one.
+        """
+        cells, base = self._cells, row * self._stride
+        retired = self._retired * self._stride + _HEADER + self.slots_max
+        started = base + _HEADER + self.slots_max
+        for slot in range(len(self._slots)):
+            cells[retired + slot] += cells[started + slot]
+        cells[base: base + self._stride] = memoryview(bytes(self._stride * _CELL)).cast("q")
+
+    # -- choosing ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """
+        Hold the table's lock (re-entrant within this process): between reading the counts
+        and taking a slot, no other worker can take one.
+        """
+        if self._lock_depth:
+            self._lock_depth += 1
+            try:
+                yield
+            finally:
+                self._lock_depth -= 1
+            return
+        fcntl.lockf(self.fd, fcntl.LOCK_EX, 1)
+        self._lock_depth = 1
+        try:
+            yield
+        finally:
+            self._lock_depth = 0
+            fcntl.lockf(self.fd, fcntl.LOCK_UN, 1)
