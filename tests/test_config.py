@@ -115,12 +115,29 @@ class BuildConfigTests(SynchronousTestCase):
         self.assertIn(f"--fall (from {path}): 0", str(error))
 
     def test_planned_keys_accepted_with_a_warning(self) -> None:
-        path = self.write('workers = 2\nfall = 4\n')
+        from txlb import _config
+
+        self.patch(_config, "PLANNED_KEYS", frozenset({"teleport"}))
+        path = self.write('teleport = 2\nfall = 4\n')
         config = build_config({"config": path}, NONE)
         self.assertEqual(config.fall, 4)
         warnings = self.flushWarnings()
         self.assertEqual(len(warnings), 1)
-        self.assertIn("'workers' is not supported", str(warnings[0]["message"]))
+        self.assertIn("'teleport' is not supported", str(warnings[0]["message"]))
+
+    def test_workers(self) -> None:
+        self.assertEqual(build_config({}, NONE).workers, 1)
+        self.assertEqual(build_config({"workers": "2"}, NONE).workers, 2)
+        self.assertEqual(build_config({"config": self.write("workers = 3\n")}, NONE).workers, 3)
+        config = build_config({"workers": "2", "listen": "tcp6:0:interface=\\:\\:1"}, NONE)
+        self.assertEqual(config.workers, 2)
+        self.assertRejected({"workers": "0"}, "--workers", "'0'", "at least 1")
+        self.assertRejected({"workers": "two"}, "--workers", "'two'")
+        self.assertRejected({"workers": "-2"}, "--workers", "'-2'")
+        self.assertRejected({"workers": "2", "listen": "unix:/tmp/lb.sock"},
+                            "--workers", "tcp:", "unix:/tmp/lb.sock")
+        # one worker: any endpoint, as before
+        self.assertEqual(build_config({"listen": "unix:/tmp/lb.sock"}, NONE).workers, 1)
 
     def test_bad_files(self) -> None:
         self.assertRejected({"config": "/nonexistent/lb.toml"}, "--config", "/nonexistent/lb.toml")

@@ -452,13 +452,16 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("rate-key", "ip", parse_rate_key,
                "What a client is: 'ip', 'token' (the bearer token, never logged) or "
                "'header:NAME'."),
+    OptionSpec("workers", 1, parse_count,
+               "Processes sharing the listening socket (tcp only), with least-connections "
+               "exact across them."),
 )
 
 _BY_NAME = {spec.name: spec for spec in OPTIONS}
 
 #: Keys the contract defines whose features are still to come: a config file written for
 #: them is accepted (with a warning) rather than refused, so it keeps working on upgrade.
-PLANNED_KEYS = frozenset({"workers"})
+PLANNED_KEYS: frozenset[str] = frozenset()
 
 
 @attrs.frozen
@@ -496,6 +499,18 @@ class Config:
     rate_limit: float | None = None
     rate_burst: int | None = None
     rate_key: str = "ip"
+    workers: int = 1
+
+
+def check_workers(config: Config) -> None:
+    """
+    ``--workers`` above 1 shares one listening socket between processes, which txlb does
+    for TCP endpoints only (an ``ssl:`` or ``unix:`` one is refused rather than half
+    supported).
+    """
+    if config.workers > 1 and config.listen.split(":", 1)[0].lower() not in ("tcp", "tcp6"):
+        raise ConfigError(f"--workers: {config.workers} worker processes need a tcp: "
+                          f"--listen endpoint, not {config.listen!r}")
 
 
 def read_toml(path: str) -> dict[str, Any]:
@@ -544,4 +559,6 @@ def build_config(
         if given is None:
             given = spec.default
         values[spec.attribute] = None if given is None else spec.parse(label, given)
-    return Config(**values)
+    config = Config(**values)
+    check_workers(config)
+    return config
