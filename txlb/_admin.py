@@ -63,13 +63,16 @@ class Admin:
 
     def __init__(self, pool: Pool, metrics: Metrics, token: str | None,
                  on_added: Callable[[Backend], object] = lambda backend: None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 extra_status: Callable[[], dict[str, object]] | None = None) -> None:
         self.pool = pool
         self._metrics = metrics
         self._token = token.encode("utf-8") if token else None
         self._on_added = on_added
         self._clock = clock
         self._started = clock()
+        #: more top-level keys for ``/status`` (the worker processes, with --workers)
+        self._extra_status = extra_status
 
     # -- guards -------------------------------------------------------------------------
 
@@ -122,6 +125,8 @@ class Admin:
         summary["requests"] = sum(b.requests for b in backends)
         summary["draining"] = sum(1 for b in backends if b.draining)
         summary["uptime_s"] = round(self._clock() - self._started, 3)
+        if self._extra_status is not None:
+            summary.update(self._extra_status())
         return _json(request, 200, summary)
 
     @app.route("/metrics", methods=["GET"])

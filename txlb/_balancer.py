@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from twisted.application.service import IService, MultiService, Service
@@ -26,7 +26,7 @@ from twisted.web.server import Site
 
 from ._admin import Admin
 from ._affinity import BoundedLoadRing
-from ._backend import OutlierRule, Pool
+from ._backend import Backend, InFlightStore, OutlierRule, Pool
 from ._config import OPTIONS, Config, build_config
 from ._health import HealthChecker
 from ._metrics import Metrics
@@ -37,7 +37,7 @@ from ._relay import AgentUpstream
 from ._resultlog import open_result_log
 from ._routing import ModelRoute, Router
 from ._site import ProxySite
-from ._summary import RequestRecord, summarize
+from ._summary import RequestRecord, Summary, summarize
 from ._upstream import Upstream, UpstreamClient
 
 log = Logger()
@@ -129,6 +129,7 @@ class LoadBalancer:
         agent: IAgent | None = None,
         probe_agent: IAgent | None = None,
         rng: random.Random | None = None,
+        inflight: InFlightStore | None = None,
         **options: object,
     ) -> None:
         if config is None:
@@ -167,7 +168,7 @@ class LoadBalancer:
         )
         self.pool = Pool(config.backends, clock=reactor.seconds, outliers=OutlierRule(
             consecutive_5xx=config.outlier_5xx, base_cooldown=config.outlier_cooldown),
-            slow_start=config.slow_start)
+            slow_start=config.slow_start, shared=inflight)
         self.metrics = Metrics(self.pool)
         retry_after = max(1, math.ceil(config.health_interval))
         self.policy = make_policy(config.policy, reactor.seconds, rng)
@@ -202,8 +203,8 @@ class LoadBalancer:
             retries=config.retries,
             retry_window=config.retry_window,
             on_end=self._request_ended,
-            on_suspect=self.health.probe_soon,
-            on_answer=self.pool.record_answer,
+            on_suspect=self._suspect,
+            on_answer=self._answered,
             on_retry=self.metrics.retries.inc,
         )
         limiter = None
@@ -225,8 +226,17 @@ class LoadBalancer:
         except Exception:
             log.failure("could not summarise a finished request")
             return
+        self.record_summary(summary, record.status is not None)
+
+    def record_summary(self, summary: Summary, answered: bool = True) -> None:
+        """
+        Count one finished request: status counters, latency, metrics, the result log.
+        ``answered``: a backend's answer reached txlb (so its timings say something about
+        that backend).  A ``--workers`` worker replaces this by a message to its
+        supervisor, which calls it for every request any worker finished.
+        """
         backend = self.pool.get(summary.backend)
-        if backend is not None and record.status is not None:
+        if backend is not None and answered:
             self.pool.record_result(backend, summary.status, summary.dur, summary.ttft)
             if isinstance(self.policy, PeakEwmaLatency) and summary.ttft is not None:
                 self.policy.observe(backend, summary.ttft)
@@ -234,14 +244,27 @@ class LoadBalancer:
         if self.result_log is not None:
             self.result_log.write(summary)
 
+    def _suspect(self, backend: Backend) -> None:
+        """A connection to ``backend`` was reset: probe it now (a worker asks its supervisor)."""
+        self.health.probe_soon(backend)
+
+    def _answered(self, backend: Backend, status: int) -> None:
+        """A status ``backend`` answered, for outlier ejection (a worker tells its supervisor)."""
+        self.pool.record_answer(backend, status)
+
     def resource(self) -> IResource:
         """The proxy as a twisted.web resource, to serve as a Site's root or mount below it."""
         return self.proxy
 
-    def admin_resource(self) -> IResource:
-        """The admin API (Klein): status, drain, membership, metrics and the dashboard."""
+    def admin_resource(self, extra_status: Callable[[], dict[str, object]] | None = None,
+                       ) -> IResource:
+        """
+        The admin API (Klein): status, drain, membership, metrics and the dashboard.
+        ``extra_status`` adds keys to ``/status`` (a supervisor's view of its workers).
+        """
         admin = Admin(self.pool, self.metrics, self.config.admin_token,
-                      on_added=self.health.probe_soon, clock=self.reactor.seconds)
+                      on_added=self.health.probe_soon, clock=self.reactor.seconds,
+                      extra_status=extra_status)
         resource: IResource = admin.app.resource()
         return resource
 
@@ -251,12 +274,15 @@ class LoadBalancer:
                          header_timeout=self.config.header_timeout,
                          on_refused=self.proxy.log_refused, reactor=self.reactor)
 
-    def service(self) -> IService:
+    def service(self, health_checks: bool = True) -> IService:
         """
         The balancer's background work (health checks, upstream connection pool) as one
         service; attach it to an application so it starts and stops with it.
+        ``health_checks=False`` leaves probing to someone else (a ``--workers`` worker's
+        supervisor probes once for all of them).
         """
         services = SequentialService()
-        self.health.setServiceParent(services)  # stops last: probing goes on while draining
+        if health_checks:
+            self.health.setServiceParent(services)  # stops last: probing goes on while draining
         _LifecycleService(self).setServiceParent(services)
         return services

@@ -43,6 +43,7 @@ class PoolCollector:
         return []  # dynamic label sets: nothing to pre-register
 
     def collect(self) -> Iterator[Metric]:
+        self._pool.refresh()  # with --workers: the counts of every worker
         backends = list(self._pool)
         gauges = {
             "in_flight": GaugeMetricFamily(

@@ -100,19 +100,48 @@ def makeService(options: Options) -> IService:
     from twisted.internet import reactor
 
     config = options.config
+    if config.workers > 1:
+        return _supervised(config, reactor)
     balancer = LoadBalancer(config=config)
     # Stopped in reverse: the main port first (no new connections), then the balancer
     # (drain in-flight requests, health checks still running), and the admin port last,
     # so operators can watch and drain during the graceful period.
     top = SequentialService()
     if config.admin != "none":
-        if config.admin_token is None and not is_loopback_endpoint(config.admin):
-            log.warn("the admin API ({endpoint}) is reachable from other machines and has "
-                     "no --admin-token: anyone who can reach it can drain or remove backends",
-                     endpoint=config.admin)
+        _warn_open_admin(config)
         admin_site = _AdminSite(balancer.admin_resource())
         strports.service(config.admin, admin_site).setServiceParent(top)
     balancer.service().setServiceParent(top)
     _CleanExitOnSignals(reactor).setServiceParent(top)
     strports.service(config.listen, balancer.site()).setServiceParent(top)
+    return top
+
+
+def _warn_open_admin(config: Config) -> None:
+    if config.admin_token is None and not is_loopback_endpoint(config.admin):
+        log.warn("the admin API ({endpoint}) is reachable from other machines and has "
+                 "no --admin-token: anyone who can reach it can drain or remove backends",
+                 endpoint=config.admin)
+
+
+def _supervised(config: Config, reactor: Any) -> IService:
+    """
+    ``--workers N``: this process supervises N workers that serve the main port (see
+    txlb._supervisor), and keeps what must exist once: probes, admin, metrics, result log.
+    Stopped in reverse like the single process: the workers drain first.
+    """
+    from ._shm import SharedCounts
+    from ._supervisor import WorkerSupervisor
+
+    shared = SharedCounts.create(config.workers)
+    balancer = LoadBalancer(config=config, inflight=shared)
+    supervisor = WorkerSupervisor(balancer, shared, reactor, config.workers)
+    top = SequentialService()
+    if config.admin != "none":
+        _warn_open_admin(config)
+        admin_site = _AdminSite(balancer.admin_resource(extra_status=supervisor.status))
+        strports.service(config.admin, admin_site).setServiceParent(top)
+    balancer.service().setServiceParent(top)
+    _CleanExitOnSignals(reactor).setServiceParent(top)
+    supervisor.setServiceParent(top)
     return top
