@@ -64,21 +64,40 @@ class ReactorTests(TestCase):
         self.assertIsInstance(self.server_side[0].transport, EagerServer)
         self.assertIsInstance(self.client.transport, EagerClient)
 
-    def test_small_write_leaves_at_once(self) -> None:
+    def test_small_write_leaves_with_one_send_and_no_epoll_registration(self) -> None:
         transport = self.server_side[0].transport
         transport.write(b"data: token\n\n")  # type: ignore[union-attr]
-        # sent in the same call: nothing queued, no writer registered with epoll
-        self.assertEqual(self.reactor.getWriters(), [])
+        self.assertEqual(self.reactor.corked, [transport])  # sent when the event ends
+        self.reactor._flush_corked()
+        self.assertEqual(self.reactor.getWriters(), [])  # never waited for writability
         self.assertEqual(transport.dataBuffer, b"")  # type: ignore[union-attr]
         self.spin(lambda: bytes(self.client.data) == b"data: token\n\n")
 
-    def test_later_writes_of_the_same_iteration_are_coalesced(self) -> None:
+    def test_writes_of_one_event_leave_together(self) -> None:
         transport = self.server_side[0].transport
-        transport.write(b"first,")  # type: ignore[union-attr]
+        transport.write(b"head,")  # type: ignore[union-attr]
+        transport.writeSequence([b"bo", b"dy"])  # type: ignore[union-attr]
+        self.assertEqual(transport._corked, [b"head,", b"body"])  # type: ignore[union-attr]
+        self.reactor.iterate(0)  # the next poll flushes what timers and callbacks wrote
+        self.assertEqual(self.reactor.corked, [])
         self.assertEqual(self.reactor.getWriters(), [])
-        transport.write(b"second")  # type: ignore[union-attr]
-        self.assertEqual(self.reactor.getWriters(), [transport])  # waits for the next poll
-        self.spin(lambda: bytes(self.client.data) == b"first,second")
+        self.spin(lambda: bytes(self.client.data) == b"head,body")
+
+    def test_written_during_an_event_is_sent_when_it_ends(self) -> None:
+        """A reply written from dataReceived leaves before the reactor polls again."""
+        server = self.server_side[0]
+        server.dataReceived = lambda data: (  # type: ignore[method-assign]
+            server.transport.write(b"re:"), server.transport.write(data))  # type: ignore[union-attr]
+        self.client.transport.write(b"ping")  # type: ignore[union-attr]
+        self.spin(lambda: bytes(self.client.data) == b"re:ping")
+        self.assertEqual(self.reactor.corked, [])
+
+    def test_close_sends_what_was_written_first(self) -> None:
+        transport = self.server_side[0].transport
+        transport.write(b"last words")  # type: ignore[union-attr]
+        transport.loseConnection()  # type: ignore[union-attr]
+        self.spin(lambda: bytes(self.client.data) == b"last words")
+        self.spin(lambda: not self.client.transport.connected)  # type: ignore[union-attr]
 
     def test_large_writes_fall_back_and_keep_order(self) -> None:
         transport = self.server_side[0].transport
@@ -86,6 +105,7 @@ class ReactorTests(TestCase):
         for block in blocks:
             transport.write(block)  # type: ignore[union-attr]
         transport.writeSequence([b"tail-", b"end"])  # type: ignore[union-attr]
+        self.reactor._flush_corked()
         self.assertNotEqual(self.reactor.getWriters(), [])  # the rest waits its turn
         expected = b"".join(blocks) + b"tail-end"
         self.spin(lambda: len(self.client.data) == len(expected), limit=30)

@@ -35,27 +35,32 @@ _WOULD_BLOCK = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.
 
 class EagerWriteMixin:
     """
-    For :class:`twisted.internet.tcp.Connection` subclasses: send at once when nothing
-    is queued -- the first write of each reactor iteration (later ones in the same
-    iteration are coalesced the stock way, which keeps bulk relays from paying a system
-    call per write).
+    For :class:`twisted.internet.tcp.Connection` subclasses: data written while the
+    reactor handles one event is held ("corked") and sent with one ``send`` when that
+    event's handler returns -- so a proxied response's head and body, or a relayed read
+    that became several writes, leave in one system call, in the turn they were written.
 
-    Anything that cannot go out now -- a partial send, a full kernel buffer, TLS started
-    on the connection, data already queued (order must be kept), a connection closing --
-    takes the stock path, which also handles errors and producer pausing.  It relies on
+    Anything that cannot go out then -- a partial send, a full kernel buffer -- and any
+    write while data is already queued, TLS is started or the connection is closing takes
+    the stock path, which also handles errors and producer pausing.  It relies on
     FileDescriptor's buffer attributes (``dataBuffer``, ``offset``, ``_tempDataBuffer``),
     unchanged in the Twisted versions setup.cfg allows.
     """
 
-    #: the reactor iteration of this transport's last eager send
-    _eager_iteration = -1
+    #: data written during the current event, not sent yet (``None``: nothing corked)
+    _corked: list[bytes] | None = None
 
     def write(self, data: bytes) -> None:
+        if not data:
+            return
         conn: Any = self
-        iteration = getattr(conn.reactor, "iteration", None)
+        corked = conn._corked
+        if corked is not None:
+            corked.append(data)
+            return
+        pending = getattr(conn.reactor, "corked", None)
         if (
-            data
-            and iteration != conn._eager_iteration
+            pending is not None
             and conn.connected
             and not conn.disconnecting
             and not conn._writeDisconnected
@@ -63,24 +68,45 @@ class EagerWriteMixin:
             and not conn._tempDataBuffer
             and conn.offset == len(conn.dataBuffer)
         ):
-            # Only the first write of a reactor iteration goes out at once: a token stream
-            # writes once per event and gets it out with no delay, while a bulk relay that
-            # writes many times per read still has the rest coalesced into one send.
-            conn._eager_iteration = iteration
-            try:
-                sent = conn.socket.send(data)
-            except OSError as error:
-                if error.errno not in _WOULD_BLOCK:
-                    tcp.Connection.write(conn, data)  # the stock path reports the loss
-                    return
-                sent = 0
-            if sent == len(data):
-                return
-            data = data[sent:]
+            conn._corked = [data]
+            pending.append(conn)
+            return
         tcp.Connection.write(conn, data)
 
     def writeSequence(self, iovec: Iterable[bytes]) -> None:
         self.write(b"".join(iovec))
+
+    def flush_corked(self) -> None:
+        """Send what was written during the event that just ended (the reactor calls it)."""
+        conn: Any = self
+        corked, conn._corked = conn._corked, None
+        if not corked or not conn.connected:
+            return
+        data = corked[0] if len(corked) == 1 else b"".join(corked)
+        if conn.disconnecting or conn._writeDisconnected or conn.TLS:
+            tcp.Connection.write(conn, data)
+            return
+        try:
+            sent = conn.socket.send(data)
+        except OSError as error:
+            if error.errno not in _WOULD_BLOCK:
+                tcp.Connection.write(conn, data)  # the stock path reports the loss
+                return
+            sent = 0
+        if sent < len(data):
+            tcp.Connection.write(conn, data[sent:])
+
+    def loseConnection(self, *args: Any) -> None:
+        self.flush_corked()  # what was written before the close goes first
+        tcp.Connection.loseConnection(self, *args)  # type: ignore[arg-type]
+
+    def loseWriteConnection(self) -> None:
+        self.flush_corked()
+        tcp.Connection.loseWriteConnection(self)  # type: ignore[arg-type]
+
+    def startTLS(self, *args: Any) -> None:
+        self.flush_corked()  # plaintext written before TLS starts goes out as plaintext
+        tcp.Connection.startTLS(self, *args)  # type: ignore[arg-type]
 
 
 class EagerServer(EagerWriteMixin, tcp.Server):
@@ -106,11 +132,23 @@ class DirectDispatchEPollReactor(EPollReactor):
     whose TCP connections write eagerly.
     """
 
-    #: incremented on every poll; transports use it to write eagerly once per iteration
-    iteration = 0
+    def __init__(self) -> None:
+        #: connections with corked writes, flushed when the current event is handled
+        self.corked: list[Any] = []
+        super().__init__()
+
+    def _flush_corked(self) -> None:
+        corked = self.corked
+        while corked:
+            connections = corked[:]
+            del corked[:]
+            for connection in connections:
+                connection.flush_corked()
 
     def doPoll(self, timeout: float | None) -> None:
-        self.iteration += 1
+        corked = self.corked
+        if corked:  # written by timers and callbacks since the last poll
+            self._flush_corked()
         if timeout is None:
             timeout = -1  # wait indefinitely
         try:
@@ -125,6 +163,8 @@ class DirectDispatchEPollReactor(EPollReactor):
             selectable: Any = selectables.get(fd)
             if selectable is not None:
                 dispatch(selectable, fd, event)
+                if corked:
+                    self._flush_corked()
 
     doIteration = doPoll
 
