@@ -90,6 +90,18 @@ class SharedCountsTests(SynchronousTestCase):
         self.assertRaises(ValueError, table.rows[0].assign, "c:1", 2)
         self.assertEqual(sup.total("unknown:1"), 0)
 
+    def test_totals_cover_slots_learned_out_of_order(self) -> None:
+        """A restarted worker may know slots 0 and 3 only (1 and 2 were removed before)."""
+        table = Table(self)
+        sup, worker = table.supervisor, table.rows[0]
+        for key in ("a:1", "b:1", "c:1", "d:1"):
+            sup.register(key)
+        worker.assign("a:1", 0)
+        worker.assign("d:1", 3)
+        worker.take("d:1")
+        self.assertEqual(worker.totals(), [0, 0, 0, 1])
+        self.assertEqual(sup.totals(), [0, 0, 0, 1])
+
     def test_lock_is_reentrant_within_a_process(self) -> None:
         table = Table(self)
         view = table.rows[0]

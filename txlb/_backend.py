@@ -10,7 +10,6 @@ drained whatever its health, a removed backend leaves only once idle) live in on
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar
 
 import attrs
@@ -49,7 +48,13 @@ class InFlightStore(Protocol):
 
     def mine(self, key: str) -> int: ...
 
-    def locked(self) -> AbstractContextManager[None]: ...
+    def totals(self) -> Sequence[int]: ...
+
+    def slot(self, key: str) -> int: ...
+
+    def lock(self) -> None: ...
+
+    def unlock(self) -> None: ...
 
 
 #: Backend state a supervisor shares with its worker processes (see :meth:`Pool.mirror`):
@@ -351,9 +356,14 @@ class Pool:
         shared = self.shared
         if shared is None:
             return choose(*args)
-        with shared.locked():
-            self.refresh()
+        shared.lock()
+        try:
+            totals, slot = shared.totals(), shared.slot
+            for backend in self._backends.values():
+                backend.active = totals[slot(backend.key)]
             return choose(*args)
+        finally:
+            shared.unlock()
 
     def refresh(self) -> None:
         """
@@ -363,8 +373,9 @@ class Pool:
         shared = self.shared
         if shared is None:
             return
+        totals, slot = shared.totals(), shared.slot
         for backend in list(self._backends.values()):
-            backend.active = shared.total(backend.key)
+            backend.active = totals[slot(backend.key)]
             backend.requests = shared.started(backend.key)
             if backend.removing:
                 self._forget_if_idle(backend)

@@ -76,6 +76,7 @@ class SharedCounts:
         self._map = mmap.mmap(fd, self.size(workers, slots))
         self._cells = memoryview(self._map).cast("q")
         self._slots: dict[str, int] = {}
+        self._used = 0  # slots 0.._used-1 may hold counts
         self._lock_depth = 0
 
     @staticmethod
@@ -104,6 +105,7 @@ class SharedCounts:
                 raise ValueError(f"no room for backend {key}: {self.slots_max} distinct "
                                  "backends already known (restart txlb to reset)")
             slot = self._slots[key] = len(self._slots)
+            self._used = max(self._used, slot + 1)
         return slot
 
     def assign(self, key: str, slot: int) -> None:
@@ -111,6 +113,7 @@ class SharedCounts:
         if not 0 <= slot < self.slots_max:
             raise ValueError(f"slot {slot} of {key} outside 0..{self.slots_max - 1}")
         self._slots[key] = slot
+        self._used = max(self._used, slot + 1)
 
     def slot(self, key: str) -> int:
         return self._slots[key]
@@ -156,6 +159,14 @@ class SharedCounts:
         cells, stride, index = self._cells, self._stride, _HEADER + slot
         return sum(cells[row * stride + index] for row in range(self.workers))
 
+    def totals(self) -> list[int]:
+        """In flight per slot across every worker (index = slot), in one pass over the rows."""
+        used = self._used
+        cells, stride = self._cells, self._stride
+        rows = [cells[row * stride + _HEADER: row * stride + _HEADER + used].tolist()
+                for row in range(self.workers)]
+        return [sum(column) for column in zip(*rows, strict=True)]
+
     def started(self, key: str) -> int:
         """Requests ever sent to ``key`` by any worker, past or present."""
         slot = self._slots.get(key)
@@ -187,29 +198,31 @@ class SharedCounts:
         cells, base = self._cells, row * self._stride
         retired = self._retired * self._stride + _HEADER + self.slots_max
         started = base + _HEADER + self.slots_max
-        for slot in range(len(self._slots)):
+        for slot in range(self.slots_max):
             cells[retired + slot] += cells[started + slot]
         cells[base: base + self._stride] = memoryview(bytes(self._stride * _CELL)).cast("q")
 
     # -- choosing ---------------------------------------------------------------------------
 
+    def lock(self) -> None:
+        """
+        Take the table's lock (re-entrant within this process): between reading the counts
+        and taking a slot, no other worker can take one.  Pair with :meth:`unlock`.
+        """
+        if not self._lock_depth:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX, 1)
+        self._lock_depth += 1
+
+    def unlock(self) -> None:
+        self._lock_depth -= 1
+        if not self._lock_depth:
+            fcntl.lockf(self.fd, fcntl.LOCK_UN, 1)
+
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        """
-        Hold the table's lock (re-entrant within this process): between reading the counts
-        and taking a slot, no other worker can take one.
-        """
-        if self._lock_depth:
-            self._lock_depth += 1
-            try:
-                yield
-            finally:
-                self._lock_depth -= 1
-            return
-        fcntl.lockf(self.fd, fcntl.LOCK_EX, 1)
-        self._lock_depth = 1
+        """:meth:`lock` ... :meth:`unlock` as a context manager."""
+        self.lock()
         try:
             yield
         finally:
-            self._lock_depth = 0
-            fcntl.lockf(self.fd, fcntl.LOCK_UN, 1)
+            self.unlock()
