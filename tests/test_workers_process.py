@@ -208,6 +208,10 @@ class WorkersProcessTests(TestCase):
             self.assertTrue(stream.clean)
         code = await self.lb.stop(signal_it=False)
         self.assertEqual(code, 0, self.lb.final_output)
+        # the workers' own log lines reach the supervisor's log, tagged with the worker
+        for index in (0, 1):
+            self.assertIn(f"[worker {index} txlb._worker] stopping (the supervisor asked)",
+                          self.lb.final_output)
         for pid in pids:
             self.assertFalse(Path(f"/proc/{pid}").exists() and _alive(pid))
         lines = self.log_lines()

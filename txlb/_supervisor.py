@@ -26,6 +26,7 @@ SIGTERM the supervisor asks every worker to stop, waits while they drain (each f
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import sys
@@ -37,7 +38,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint, serverFromString
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import ProcessProtocol
-from twisted.logger import Logger
+from twisted.logger import InvalidLogLevelError, Logger, LogLevel
 from twisted.python.failure import Failure
 
 from ._balancer import LoadBalancer
@@ -98,6 +99,17 @@ def reactor_name(reactor: Any) -> str | None:
     return "txlb-epoll" if isinstance(reactor, DirectDispatchEPollReactor) else None
 
 
+def _relog(index: int, line: bytes) -> None:
+    """Log a worker's event (``[level, namespace, text]``, see txlb._worker) as ours."""
+    try:
+        level_name, namespace, text = json.loads(line)
+        level = LogLevel.levelWithName(level_name)
+    except (ValueError, TypeError, InvalidLogLevelError):
+        level, namespace, text = LogLevel.info, "-", line.decode("utf-8", "replace")
+    Logger(namespace=namespace).emit(level, "{text}", text=text,
+                                     log_system=f"worker {index} {namespace}")
+
+
 class WorkerProcess(ProcessProtocol):
     """The supervisor's side of one worker: its pipes, its messages, its end."""
 
@@ -109,6 +121,8 @@ class WorkerProcess(ProcessProtocol):
         self.ready = False
         self.ended = False
         self._lines = Lines()
+        self._log_lines = Lines()
+        self._error_lines = Lines()
 
     def connectionMade(self) -> None:
         assert self.transport is not None
@@ -119,6 +133,15 @@ class WorkerProcess(ProcessProtocol):
             self.transport.write(line)
 
     def childDataReceived(self, childFD: int, data: bytes) -> None:
+        if childFD == 1:
+            for line in self._log_lines.feed(data):
+                _relog(self.index, line)
+            return
+        if childFD == 2:
+            for line in self._error_lines.feed(data):
+                log.error("worker {index}: {line}", index=self.index,
+                          line=line.decode("utf-8", "replace"))
+            return
         try:
             messages = [decode(line) for line in self._lines.feed(data)]
         except ValueError:
@@ -171,7 +194,7 @@ class WorkerSupervisor(Service):
             args += ["--reactor", name]
         self.reactor.spawnProcess(
             worker, self.executable, args, env=dict(os.environ),
-            childFDs={0: "w", 1: 1, 2: 2, 3: "r", 4: self.socket.fileno(),
+            childFDs={0: "w", 1: "r", 2: "r", 3: "r", 4: self.socket.fileno(),
                       5: self.shared.fd},
         )
         self.workers[index] = worker
@@ -248,6 +271,7 @@ class WorkerSupervisor(Service):
         index = worker.index
         if self.workers.get(index) is worker:
             del self.workers[index]
+        lost = self.shared.row_status(index)["in_flight"]
         self.shared.retire(index)  # nobody writes this row any more: zero it
         self._slots_freed(None)
         code = getattr(reason.value, "exitCode", None)
@@ -261,9 +285,11 @@ class WorkerSupervisor(Service):
             return
         young = self.reactor.seconds() - worker.started < YOUNG
         delay = CRASH_LOOP_DELAY if young else RESTART_DELAY
-        log.warn("worker {index} (pid {pid}) ended unexpectedly ({reason}); "
-                 "its in-flight counts are cleared and it restarts in {delay:g}s",
-                 index=index, pid=worker.pid, reason=reason.getErrorMessage(), delay=delay)
+        log.warn("worker {index} (pid {pid}) ended unexpectedly ({reason}) with {lost} "
+                 "requests in flight (their clients saw the connection close; they have no "
+                 "result-log line); its counts are cleared and it restarts in {delay:g}s",
+                 index=index, pid=worker.pid, reason=reason.getErrorMessage(), lost=lost,
+                 delay=delay)
         self.restarts[index] += 1
         self.reactor.callLater(delay, self._restart, index)
 

@@ -14,8 +14,9 @@ backends) before anything else.  The worker then serves the socket with
   one result log and the metrics), backends' answers (outlier ejection), backends it found
   refusing or resetting connections.
 
-Standard output and error are the supervisor's own, so log lines go where its do, tagged
-``worker I``.  ``SIGINT`` is ignored (Ctrl-C reaches the whole process group; the supervisor
+Log events go to the supervisor over standard output (which logs them as its own, tagged
+``worker I``, wherever its own log goes); what a crash prints on standard error reaches it
+too.  ``SIGINT`` is ignored (Ctrl-C reaches the whole process group; the supervisor
 decides); ``SIGTERM``, a ``stop`` message or the supervisor going away drain the worker
 for ``--shutdown-timeout`` and end it with status 0.
 """
@@ -23,11 +24,12 @@ for ``--shutdown-timeout`` and end it with status 0.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import attrs
 from twisted.application.service import IService, Service
@@ -35,13 +37,7 @@ from twisted.internet import tcp
 from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.interfaces import IHalfCloseableProtocol, IListeningPort
 from twisted.internet.protocol import Protocol
-from twisted.logger import (
-    ILogObserver,
-    LogEvent,
-    Logger,
-    globalLogBeginner,
-    textFileLogObserver,
-)
+from twisted.logger import ILogObserver, LogEvent, Logger, eventAsText, globalLogBeginner
 from twisted.python.failure import Failure
 from twisted.web.server import Site
 from zope.interface import implementer
@@ -53,7 +49,7 @@ from ._shm import SharedCounts
 from ._summary import Summary
 from ._wire import Lines, config_from, decode, encode, summary_message
 
-log = Logger()
+log = Logger(namespace="txlb._worker")  # not __main__ under python -m
 
 LISTEN_FD = 4
 SHARED_FD = 5
@@ -235,15 +231,28 @@ class SupervisorLink(Protocol):
         os._exit(1)
 
 
-def _tagged(index: int, observer: ILogObserver) -> ILogObserver:
-    """Log events with ``worker I`` in their system field, to tell the processes apart."""
-    @implementer(ILogObserver)
-    def observe(event: LogEvent) -> None:
-        event = dict(event)
-        system = event.get("log_system") or event.get("log_namespace") or "-"
-        event["log_system"] = f"worker {index} {system}"
-        observer(event)
-    return cast(ILogObserver, observe)
+@implementer(ILogObserver)
+class ForwardingObserver:
+    """
+    This worker's log events as lines on standard output -- ``[level, namespace, text]``
+    in JSON -- which the supervisor reads and logs as its own (tagged ``worker I``), so
+    they go wherever its log goes: a file, journald, standard output.
+    """
+
+    def __init__(self, write: Callable[[str], object]) -> None:
+        self._write = write
+
+    def __call__(self, event: LogEvent) -> None:
+        text = eventAsText(event, includeTimestamp=False, includeSystem=False)
+        level = event.get("log_level")
+        name = level.name if level is not None else "info"
+        namespace = event.get("log_namespace") or "-"
+        self._write(json.dumps([name, namespace, text]) + "\n")
+
+
+def _write_stdout(line: str) -> None:
+    sys.stdout.write(line)
+    sys.stdout.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     from twisted.internet import stdio
 
     reactor: Any = default_reactor
-    globalLogBeginner.beginLoggingTo([_tagged(index, textFileLogObserver(sys.stdout))],
+    globalLogBeginner.beginLoggingTo([ForwardingObserver(_write_stdout)],
                                      redirectStandardIO=False)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     link = SupervisorLink(reactor, index)
