@@ -154,6 +154,82 @@ class ClientTests(unittest.TestCase):
             self.assertEqual(len(owner.ended), 1, size_line)
             self.assertIsInstance(owner.ended[0].value, ResponseFailed)  # type: ignore[union-attr]
 
+    def test_control_characters_in_the_head_refused(self) -> None:
+        """A bare LF in the phrase would let a backend add headers for the client."""
+        for head in (b"HTTP/1.1 200 OK\nSet-Cookie: a=b\r\n\r\n",
+                     b"HTTP/1.1 200 O\x00K\r\n\r\n",
+                     b"HTTP/1.1 200 OK\r\nX: a\rb\r\n\r\n",
+                     b"HTTP/1.1 200 OK\r\nX Model: a\r\n\r\n",
+                     b"HTTP/1.1 042 Odd\r\n\r\n"):
+            result = self.send()
+            connection, transport = self.connect()
+            connection.dataReceived(head)
+            self.assertIsInstance(result[0].value, ResponseFailed, head)
+            self.assertTrue(transport.disconnected)
+
+    def test_chunk_extension_with_a_bare_lf_refused(self) -> None:
+        result = self.send()
+        connection, _ = self.connect()
+        owner = Owner()
+        connection.dataReceived(SSE_HEAD)
+        result[0].deliver(owner, raw=True)
+        connection.dataReceived(b"8;\nABCDEFGH\r\n0\r\n\r\n")
+        self.assertEqual(owner.data, b"")
+        self.assertIsInstance(owner.ended[0].value, ResponseFailed)  # type: ignore[union-attr]
+
+    def test_long_chunk_extension_refused_even_when_complete(self) -> None:
+        result = self.send()
+        connection, _ = self.connect()
+        owner = Owner()
+        connection.dataReceived(SSE_HEAD)
+        result[0].deliver(owner, raw=True)
+        connection.dataReceived(b"1;" + b"x" * 5000 + b"\r\na\r\n")
+        self.assertIsInstance(owner.ended[0].value, ResponseFailed)  # type: ignore[union-attr]
+
+    def test_bytes_after_a_bodiless_response_stop_reuse(self) -> None:
+        result = self.send()
+        connection, _ = self.connect()
+        connection.dataReceived(b"HTTP/1.1 204 No Content\r\n\r\nHTTP/1.1 200 OK\r\n")
+        result[0].deliver(Owner(), raw=False)
+        self.assertEqual(self.client.idle_count("127.0.0.1", 8002), 0)
+
+    def test_both_lengths_or_http10_chunked_stop_reuse(self) -> None:
+        for head in (b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n",
+                     b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"):
+            result = self.send()
+            connection, _ = self.connect()
+            connection.dataReceived(head)
+            owner = Owner()
+            result[0].deliver(owner, raw=False)
+            connection.dataReceived(b"3\r\nabc\r\n0\r\n\r\n")
+            connection.connectionLost(Failure(ConnectionDone()))
+            self.assertEqual(owner.ended, [None])
+            self.assertEqual(self.client.idle_count("127.0.0.1", 8002), 0, head)
+
+    def test_reset_ends_a_close_delimited_body_as_a_failure(self) -> None:
+        result = self.send()
+        connection, _ = self.connect()
+        connection.dataReceived(b"HTTP/1.1 200 OK\r\n\r\nsome")
+        owner = Owner()
+        result[0].deliver(owner, raw=True)
+        connection.connectionLost(Failure(ConnectionLost()))
+        self.assertIsInstance(owner.ended[0].value, ResponseFailed)  # type: ignore[union-attr]
+
+    def test_a_head_trickled_in_is_not_rescanned(self) -> None:
+        result = self.send()
+        connection, _ = self.connect()
+        head = b"HTTP/1.1 200 OK\r\nX-Pad: " + b"p" * 3000 + b"\r\nContent-Length: 0\r\n\r\n"
+        for index in range(len(head)):
+            connection.dataReceived(head[index:index + 1])
+        self.assertEqual(result[0].code, 200)
+
+    def test_a_head_over_the_limit_is_refused_even_in_one_read(self) -> None:
+        result = self.send()
+        connection, _ = self.connect()
+        connection.dataReceived(b"HTTP/1.1 200 OK\r\nX: " + b"p" * 70_000 + b"\r\n\r\n")
+        self.assertIsInstance(result[0].value, ResponseFailed)
+
     def test_interim_responses_are_skipped(self) -> None:
         result = self.send()
         connection, _ = self.connect()
@@ -197,6 +273,29 @@ class ClientTests(unittest.TestCase):
         self.assertTrue(transport.value().startswith(b"POST /v1/x?a=1 HTTP/1.1\r\n"))
         fresh.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
         self.assertEqual(second[0].code, 200)
+
+    def test_a_request_the_backend_held_is_not_sent_twice(self) -> None:
+        """Closed long after it was written: the backend may have started on it."""
+        first = self.send()
+        connection, _ = self.connect()
+        connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        first[0].deliver(Owner(), raw=False)
+        second = self.send()
+        self.reactor.advance(120)
+        connection.connectionLost(Failure(ConnectionDone()))
+        self.assertIsInstance(second[0].value, ResponseNeverReceived)
+        self.assertEqual(len(self.reactor.tcpClients), 1)
+
+    def test_an_expired_idle_connection_is_never_handed_out(self) -> None:
+        first = self.send()
+        connection, transport = self.connect()
+        connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        first[0].deliver(Owner(), raw=False)
+        self.reactor.advance(IDLE_TIMEOUT)  # closing, but connectionLost has not come yet
+        transport.clear()
+        self.send()
+        self.assertEqual(transport.value(), b"")
+        self.assertEqual(len(self.reactor.tcpClients), 2)
 
     def test_close_delimited_body(self) -> None:
         result = self.send()

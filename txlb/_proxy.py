@@ -271,6 +271,18 @@ class Exchange:
             return
         self.state = "relaying"
         self._arm_watchdog()
+        try:
+            raw = self._write_head(response)
+        except BaseException:
+            response.discard()  # nobody will read it: close it, the backend stops
+            raise
+        response.deliver(self, raw)
+
+    def _write_head(self, response: UpstreamResponse) -> bool:
+        """
+        Give the client the backend's status and headers; whether the body can be passed
+        on in the backend's own chunked framing (``raw``).
+        """
         request = self.request
         backend = self.lease.backend
         self.record.status = response.code
@@ -317,7 +329,7 @@ class Exchange:
                 raw = True
                 self._write = channel.write
                 self.record.chunked = True
-        response.deliver(self, raw)
+        return raw
 
     # -- IRelayOwner: the body --------------------------------------------------------------
 
@@ -549,6 +561,8 @@ class Exchange:
             return
         if self.request.startedWriting:
             self._end("proxy_error", self._cut_client)
+        elif self.state == "relaying":  # the backend's headers may be half copied
+            self._fail_before_body(502, "internal proxy error", "proxy_error")
         else:
             self._fail(502, "internal proxy error", "proxy_error")
 

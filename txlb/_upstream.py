@@ -25,11 +25,13 @@ What it keeps from Agent, because the proxy's guarantees depend on it:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 from typing import Protocol as TypingProtocol
 
 from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IDelayedCall, IPushProducer
 from twisted.internet.protocol import ClientFactory, Protocol, connectionDone
 from twisted.logger import Logger
@@ -52,7 +54,23 @@ MAX_IDLE_PER_BACKEND = 256
 MAX_HEAD_BYTES = 64 * 1024
 
 
-_HEX_DIGITS = b"0123456789abcdefABCDEF"
+#: A chunk size line: 1-16 hex digits, optional whitespace, optional extensions free of
+#: control characters.  Stricter than "int() of what comes before ';'", because the line
+#: is passed on to the client raw, and a lenient parser is how two hops come to disagree
+#: on where a message ends ("+1", " 1", "1_0", or a bare LF in an extension).
+_CHUNK_SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\x00-\x08\x0a-\x1f\x7f]*)?")
+#: A header field name (RFC 9110 token).
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+#: Control characters no response head may carry (HTAB aside); CRLFs are replaced first,
+#: so this also finds a bare CR or LF -- which other HTTP parsers take as a line end.
+_HEAD_CONTROLS = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+#: A request on a reused connection that the backend closes within this many seconds of
+#: it being written, before any response byte, is sent again on a new connection: that is
+#: the idle-close race.  Later, the backend may have started on it (a POST generating):
+#: then it is a failure like any other, never a silent duplicate.
+STALE_RESEND_WINDOW = 1.0
+#: Longest chunk size line accepted (extensions included).
+MAX_CHUNK_LINE = 4096
 
 
 class BadResponse(Exception):
@@ -141,18 +159,22 @@ def parse_head(head: bytes) -> tuple[bytes, int, bytes, RawHeaders]:
     reason phrase and headers.  Strict where leniency would let a confused backend smuggle
     a second response (RFC 9112: no obs-fold, no space before the colon).
     """
+    if _HEAD_CONTROLS.search(head.replace(b"\r\n", b"\t")):
+        raise BadResponse("control character (or bare CR/LF) in the response head")
     lines = head.split(b"\r\n")
     status = lines[0].split(b" ", 2)
     version = status[0]
     if len(status) < 2 or version not in (b"HTTP/1.1", b"HTTP/1.0"):
         raise BadResponse(f"bad status line {lines[0][:80]!r}")
     code_bytes = status[1]
-    if len(code_bytes) != 3 or not code_bytes.isdigit():
+    if len(code_bytes) != 3 or not code_bytes.isdigit() or code_bytes[0] == 48:
         raise BadResponse(f"bad status code {code_bytes[:10]!r}")
     headers: RawHeaders = []
     for line in lines[1:]:
         name, colon, value = line.partition(b":")
-        if not colon or not name or name[-1] in b" \t" or name[0] in b" \t":
+        if not colon or not _TOKEN.fullmatch(name):
+            # also refuses obs-fold (a line starting with whitespace) and a space before
+            # the colon, both ways to smuggle a header past one parser and not another
             raise BadResponse(f"bad header line {line[:80]!r}")
         headers.append((name.lower(), value.strip(b" \t")))
     return version, int(code_bytes), status[2] if len(status) == 3 else b"", headers
@@ -167,6 +189,8 @@ def _framing(version: bytes, code: int, method: bytes,
     content_length: int | None = None
     transfer_coding = b""
     keep_alive = version == b"HTTP/1.1"
+    if code < 100:
+        raise BadResponse(f"bad status code {code}")
     for name, value in headers:
         if name == b"content-length":
             if not value.isdigit():
@@ -181,10 +205,11 @@ def _framing(version: bytes, code: int, method: bytes,
     if method == b"HEAD" or code in (204, 304) or code < 200:
         return "none", content_length, keep_alive
     if transfer_coding:
-        # RFC 9112 6.3: Transfer-Encoding wins over Content-Length; anything but chunked
-        # last means "until close"
-        if transfer_coding == b"chunked":
-            return "chunked", None, keep_alive
+        # RFC 9112 6.1/6.3: Transfer-Encoding wins over Content-Length, but a message with
+        # both may be a smuggling attempt (so the connection is not reused); from an
+        # HTTP/1.0 server, or with anything but chunked last, the body runs until close
+        if transfer_coding == b"chunked" and version == b"HTTP/1.1":
+            return "chunked", None, keep_alive and content_length is None
         return "close", None, False
     if content_length is not None:
         return ("none" if content_length == 0 else "length"), content_length, keep_alive
@@ -195,7 +220,7 @@ class _Attempt:
     """One request waiting for a connection and its response head."""
 
     __slots__ = ("host", "port", "method", "data", "deferred", "connection", "connector",
-                 "fresh_only")
+                 "fresh_only", "written_at")
 
     def __init__(self, host: str, port: int, method: bytes, data: bytes) -> None:
         self.host = host
@@ -207,6 +232,8 @@ class _Attempt:
         self.connector: Any = None
         #: a pooled connection failed already: the next one must be new
         self.fresh_only = False
+        #: when the request was written on its connection (reactor time)
+        self.written_at = 0.0
 
     def _cancel(self, deferred: Deferred[UpstreamResponse]) -> None:
         if self.connection is not None:
@@ -255,6 +282,7 @@ class UpstreamConnection(Protocol):
         self.reused = False
         self._attempt = attempt
         self._buffer = b""
+        self._scanned = 0  # how much of the buffer has been searched for the head's end
         self._received = False
         self._owner: IRelayOwner | None = None
         self._raw = False
@@ -292,7 +320,9 @@ class UpstreamConnection(Protocol):
         self._attempt = attempt
         self.state = "head"
         self._buffer = b""
+        self._scanned = 0
         self._received = False
+        attempt.written_at = self.client.now()
         self.transport.write(attempt.data)
 
     def abort(self) -> None:
@@ -313,7 +343,8 @@ class UpstreamConnection(Protocol):
             if attempt is None or attempt.deferred.called:
                 return
             attempt.connection = None
-            if self.reused and not self._received:
+            if (self.reused and not self._received
+                    and self.client.now() - attempt.written_at < STALE_RESEND_WINDOW):
                 # the backend closed a pooled connection as we reused it: not its fault
                 attempt.fresh_only = True
                 self.client.dispatch(attempt)
@@ -323,8 +354,8 @@ class UpstreamConnection(Protocol):
             owner, self._owner = self._owner, None
             if owner is None:
                 return
-            if self._mode == "close":
-                owner.body_ended(None)  # delimited by the close: a clean end
+            if self._mode == "close" and reason.check(ConnectionDone):
+                owner.body_ended(None)  # delimited by the close: a clean end (not a reset)
             else:
                 owner.body_ended(Failure(ResponseFailed([reason])))
 
@@ -352,13 +383,17 @@ class UpstreamConnection(Protocol):
     def _head(self, data: bytes) -> None:
         buffer = self._buffer + data if self._buffer else data
         while True:
-            end = buffer.find(b"\r\n\r\n")
-            if end < 0:
+            # search only what is new (and the 3 bytes before it): a head trickled in
+            # byte by byte must not cost a rescan of the whole buffer per byte
+            end = buffer.find(b"\r\n\r\n", max(0, self._scanned - 3))
+            if end < 0 or end > MAX_HEAD_BYTES:
                 if len(buffer) > MAX_HEAD_BYTES:
                     self._bad_head(BadResponse("response head too large"))
                 else:
                     self._buffer = buffer
+                    self._scanned = len(buffer)
                 return
+            self._scanned = 0
             attempt = self._attempt
             assert attempt is not None
             try:
@@ -401,6 +436,8 @@ class UpstreamConnection(Protocol):
         self._raw = raw
         owner.body_started(self)
         if self._mode == "none":
+            if self._buffer:
+                self._keep_alive = False  # bytes after a bodiless response: never reuse
             self._complete()
             return
         pending, self._buffer = self._buffer, b""
@@ -468,20 +505,19 @@ class UpstreamConnection(Protocol):
                     self._chunk_state = 0
                     continue
                 end = buffer.find(b"\r\n", position)
-                if end < 0:
-                    if size - position > 4096:
+                if end < 0 or end - position > MAX_CHUNK_LINE:
+                    if size - position > MAX_CHUNK_LINE:
                         return self._bad_body("chunk size line too long")
                     break
-                digits = buffer[position:end].split(b";", 1)[0].rstrip(b" \t")
-                if not 0 < len(digits) <= 16 or digits.strip(_HEX_DIGITS):
-                    # int() alone would take "+1", " 1" and "1_0": a lenient parser is
-                    # how two hops come to disagree on where a message ends
+                line = _CHUNK_SIZE_LINE.fullmatch(buffer, position, end)
+                if line is None:
                     return self._bad_body("bad chunk size line")
-                length = int(digits, 16)
+                length = int(line.group(1), 16)
                 if length == 0:
                     if raw and position > start:
                         owner.body_chunk(buffer[start:position])
                     self._chunk_state = 3
+                    self._scanned = 0
                     self._buffer = buffer[end + 2:]
                     self._trailers()
                     return
@@ -499,10 +535,11 @@ class UpstreamConnection(Protocol):
         if buffer.startswith(b"\r\n"):
             extra = buffer[2:]
         else:
-            end = buffer.find(b"\r\n\r\n")
-            if end < 0:
+            end = buffer.find(b"\r\n\r\n", max(0, self._scanned - 3))
+            if end < 0 or end > MAX_HEAD_BYTES:
                 if len(buffer) > MAX_HEAD_BYTES:
                     self._bad_body("trailers too large")
+                self._scanned = len(buffer)
                 return  # wait for the rest
             extra = buffer[end + 4:]
         self._buffer = b""
@@ -572,6 +609,7 @@ class UpstreamClient:
                  idle_timeout: float = IDLE_TIMEOUT,
                  max_idle: int = MAX_IDLE_PER_BACKEND) -> None:
         self._reactor = reactor
+        self.now: Callable[[], float] = reactor.seconds
         self._connect_timeout = connect_timeout
         self._idle_timeout = idle_timeout
         self._max_idle = max_idle
@@ -584,7 +622,11 @@ class UpstreamClient:
         host_header = self._host_headers.get(key)
         if host_header is None:
             name = f"[{host}]" if ":" in host else host
-            host_header = (name if port == 80 else f"{name}:{port}").encode("idna")
+            authority = name if port == 80 else f"{name}:{port}"
+            try:
+                host_header = authority.encode("idna")
+            except UnicodeError:  # not a valid IDNA name (a label over 63 characters)
+                host_header = authority.encode("ascii", "replace")
             self._host_headers[key] = host_header
         data = request_head(method, target, host_header, headers, body)
         if body:
@@ -602,7 +644,9 @@ class UpstreamClient:
             while idle:
                 connection = idle.pop()
                 connection.take()
-                if connection.state == "idle" and connection.transport is not None:
+                transport: Any = connection.transport
+                if (connection.state == "idle" and transport is not None
+                        and not transport.disconnecting):
                     connection.send(attempt)
                     return
         factory = _ConnectFactory(self, attempt)
@@ -617,9 +661,15 @@ class UpstreamClient:
             if connection.transport is not None:
                 connection.transport.loseConnection()
             return
-        close: Callable[[], None] = connection.transport.loseConnection  # type: ignore[union-attr]
-        connection.idle(self._reactor.callLater(self._idle_timeout, close))
+        connection.idle(self._reactor.callLater(self._idle_timeout, self._expire, connection))
         idle.append(connection)
+
+    def _expire(self, connection: UpstreamConnection) -> None:
+        """Idle too long: out of the pool at once (not when the close completes), closed."""
+        self.forget(connection)
+        connection.state = "closed"
+        if connection.transport is not None:
+            connection.transport.loseConnection()
 
     def forget(self, connection: UpstreamConnection) -> None:
         """An idle connection closed (or misbehaved): it leaves the pool."""
