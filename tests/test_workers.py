@@ -193,6 +193,12 @@ class SharedPoolTests(SynchronousTestCase):
         sup.refresh()  # the supervisor looks again when a worker reports a finished request
         self.assertIsNone(sup.get(KEYS[2]))
 
+    def test_adding_past_the_tables_room_is_refused(self) -> None:
+        table = Table(self, slots=16)
+        pool = Pool(specs(*[f"10.0.1.{i}:8000" for i in range(16)]), shared=table.supervisor)
+        self.assertRaises(ValueError, pool.add, BackendSpec("10.0.2.1", 8000))
+        self.assertEqual(len(pool), 16)  # nothing half-added
+
     def test_passive_down_is_reported_once(self) -> None:
         pools = SharedPools(self, specs(*KEYS[:2]))
         reported: list[tuple[str, str]] = []
