@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 from twisted.internet import error as neterror
-from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
+from twisted.internet.defer import CancelledError, Deferred, fail
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -202,17 +202,13 @@ class Exchange:
             body = None  # no body, and no "Content-Length: 0" either
         backend = self.lease.backend
         self._arm_watchdog()
-        # maybeDeferred: an Agent raises synchronously for a URI or method it rejects, and
-        # the Deferred may already have fired; either way every path reaches the callbacks.
-        upstream = self._upstream = maybeDeferred(
-            self.context.upstream.send,
-            backend.host,
-            backend.port,
-            request.method,
-            forwarded_uri(request),
-            self._headers,
-            body,
-        )
+        try:
+            upstream = self._upstream = self.context.upstream.send(
+                backend.host, backend.port, request.method, forwarded_uri(request),
+                self._headers, body)
+        except Exception:
+            # an Agent raises synchronously for a URI or method it rejects
+            upstream = self._upstream = fail()
         upstream.addCallbacks(self._got_response, self._request_failed).addErrback(self._bug)
 
     # -- failover ---------------------------------------------------------------------------
@@ -646,11 +642,13 @@ class ProxyResource(Resource):
                 return NOT_DONE_YET
         model, session = self._route_keys(request, record)
         waiting = self.router.acquire(model, session)
+        if not waiting.called:
+            # queued for a slot: a client that leaves also leaves the queue (once started,
+            # the exchange watches the client itself)
+            def client_left(failure: Failure) -> None:
+                waiting.cancel()
 
-        def client_left(failure: Failure) -> None:
-            waiting.cancel()  # leaves the queue if still queued; no-op once started
-
-        request.notifyFinish().addErrback(client_left)
+            request.notifyFinish().addErrback(client_left)
         waiting.addCallbacks(
             lambda lease: self._forward(request, record, lease, model, session),
             lambda failure: self._not_routed(request, record, failure),
