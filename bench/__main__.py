@@ -78,6 +78,11 @@ MiB = 1 << 20
 #: Edits to the generated nginx.conf, each documented in the report.
 #: ``--txlb-reactor``: the reactor txlb runs under (None: Twisted's default).
 TXLB_REACTOR: str | None = None
+#: ``--pypy``: the PyPy interpreter for the ``txlb-pypy`` target (None: ``pypy3`` on PATH).
+PYPY: str | None = None
+#: ``--warm-up``: seconds of paced SSE and of small requests each proxy gets before the
+#: scenarios (a JIT's warm-up; 0: only the short warm-up every proxy always gets).
+WARM_SECONDS = 0.0
 
 NGINX_PATCHES: tuple[tuple[str, str, str], ...] = (
     (r"access_log \S+ txlb_results;", "access_log off;",
@@ -337,6 +342,18 @@ def warm_up(bench: Bench, target: Target) -> None:
                                "--timeout", "10"], 30, name="warm")
 
 
+def warm_up_long(bench: Bench, target: Target, seconds: float) -> None:
+    """``--warm-up``: the paced and small-request paths driven for ``seconds`` each, so a
+    JIT (PyPy) has compiled them before anything is measured.  Every proxy gets the same."""
+    interval = 1000.0 / bench.config.paced_rate
+    run_client(bench, target, [
+        "paced", "--streams", "64", "--count", str(int(bench.config.paced_rate * seconds)),
+        "--interval", f"{interval:g}", "--size", "250", "--timeout", str(seconds + 30)],
+        seconds + 60, name="warm")
+    run_client(bench, target, ["rps", "--connections", "8", "--seconds", f"{seconds:g}"],
+               seconds + 30, name="warm")
+
+
 def fresh_proxy(bench: Bench, name: str) -> Target:
     """A newly started proxy of the same kind as the one called ``name``."""
     patches = [(p, r) for p, r, _ in NGINX_PATCHES]
@@ -459,9 +476,14 @@ RUNNERS: dict[str, Callable[[Bench], dict[str, Any]]] = {
 # -- PyPy --------------------------------------------------------------------------------------
 
 
+def _pypy() -> str | None:
+    """The PyPy interpreter: ``--pypy``, else ``pypy3`` on PATH."""
+    return shutil.which(PYPY) if PYPY else shutil.which("pypy3")
+
+
 def _pypy_twistd() -> list[str] | None:
     """``pypy3 -c <run twistd>`` when PyPy with Twisted is installed, else None."""
-    pypy = shutil.which("pypy3")
+    pypy = _pypy()
     if not pypy:
         return None
     check = subprocess.run([pypy, "-c", "import twisted, attr"], capture_output=True,
@@ -471,11 +493,19 @@ def _pypy_twistd() -> list[str] | None:
     return [pypy, "-c", "import sys; from twisted.scripts.twistd import run; run()"]
 
 
+_VERSIONS = ("import sys, platform, twisted; v = sys.pypy_version_info;"
+             " print(f'PyPy {v.major}.{v.minor}.{v.micro} (Python {platform.python_version()}),"
+             " Twisted {twisted.__version__}')")
+
+
 def pypy_status() -> str:
-    """What the report says about PyPy."""
-    if not shutil.which("pypy3"):
+    """What the report says about PyPy: its version and Twisted's, or why it was skipped."""
+    pypy = _pypy()
+    if not pypy:
         return "not installed (skipped)"
-    return "installed" if _pypy_twistd() else "installed, but cannot import Twisted (skipped)"
+    if not _pypy_twistd():
+        return f"installed ({pypy}), but cannot import Twisted (skipped)"
+    return f"{_output([pypy, '-c', _VERSIONS])} ({pypy})"
 
 
 # -- system information -------------------------------------------------------------------------
@@ -488,6 +518,11 @@ def _output(argv: Sequence[str]) -> str:
         return (done.stdout + done.stderr).strip()
     except (OSError, subprocess.TimeoutExpired):
         return "?"
+
+
+def twisted_version() -> str:
+    """The Twisted version CPython's txlb runs with."""
+    return _output([sys.executable, "-c", "import twisted; print(twisted.__version__)"])
 
 
 def cpu_model() -> str:
@@ -534,7 +569,7 @@ def orchestrate(config: Config, only: Sequence[str], args: argparse.Namespace) -
         "uname -a": _output(["uname", "-a"]),
         "nproc": _output(["nproc"]),
         "cpu": cpu_model(),
-        "python": f"{platform.python_version()} ({sys.executable})",
+        "python": f"{platform.python_version()} ({sys.executable}), Twisted {twisted_version()}",
         "nginx": _output([NGINX, "-v"]).replace("nginx version: ", ""),
         "wrk": (_output(["wrk", "--version"]).splitlines() or ["?"])[0]
         if shutil.which("wrk") else "not installed",
@@ -569,6 +604,11 @@ def orchestrate(config: Config, only: Sequence[str], args: argparse.Namespace) -
                 f"{t.name} :{t.port} pids {t.pids()}" for t in targets if t.child))
             for target in targets:
                 warm_up(bench, target)
+            if WARM_SECONDS > 0:
+                for target in bench.proxies():
+                    log(f"warm-up {target.name}: {WARM_SECONDS:g} s paced + {WARM_SECONDS:g} s"
+                        " small requests")
+                    warm_up_long(bench, target, WARM_SECONDS)
             for name in only:
                 log(f"-- {name}")
                 try:
@@ -608,9 +648,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--txlb-reactor", metavar="NAME",
                         help="run txlb under this reactor (e.g. txlb-epoll); results are "
                              "saved as proxy-NAME.*")
+    parser.add_argument("--pypy", metavar="PATH",
+                        help="the PyPy interpreter (with Twisted & co.) for the txlb-pypy "
+                             "target, e.g. a venv's bin/pypy3 (default: pypy3 on PATH)")
+    parser.add_argument("--warm-up", type=float, default=0.0, metavar="SECONDS",
+                        help="drive every proxy with paced SSE and small requests for this "
+                             "long each before measuring (lets PyPy's JIT compile; default 0)")
+    parser.add_argument("--note", action="append", default=[], metavar="TEXT",
+                        help="a note for the report (repeatable)")
+    parser.add_argument("--save-as", metavar="STEM",
+                        help="save as bench/results/STEM.* (default proxy, or proxy-REACTOR)")
     args = parser.parse_args(argv)
-    global TXLB_REACTOR
+    global TXLB_REACTOR, PYPY, WARM_SECONDS
     TXLB_REACTOR = args.txlb_reactor
+    PYPY = args.pypy
+    WARM_SECONDS = args.warm_up
     args.argv = argv
     only = [name for name in SCENARIOS if name in (args.only or SCENARIOS)]
     signal.signal(signal.SIGTERM, _terminate)
@@ -618,6 +670,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     from bench.report import render, save
 
     raw = orchestrate(QUICK if args.quick else FULL, only, args)
+    raw["notes"] = [*args.note, *raw["notes"]]
+    if WARM_SECONDS > 0:
+        raw["info"]["warm-up"] = (f"{WARM_SECONDS:g} s of paced SSE (64 streams) and"
+                                  f" {WARM_SECONDS:g} s of small requests per proxy")
     raw["nginx_patches"] = [why for _, _, why in NGINX_PATCHES]
     raw["info"]["txlb reactor"] = TXLB_REACTOR or "Twisted's default (epoll)"
     report = render(raw)
@@ -625,7 +681,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(report)
     full = not args.quick and not args.only
     if (full or args.save) and not args.no_save:
-        stem = f"proxy-{TXLB_REACTOR}" if TXLB_REACTOR else "proxy"
+        stem = args.save_as or (f"proxy-{TXLB_REACTOR}" if TXLB_REACTOR else "proxy")
         for path in save(raw, report, RESULTS, stem):
             print(f"written: {path.relative_to(ROOT)}")
 

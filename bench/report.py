@@ -46,18 +46,22 @@ class Table:
 
     def __init__(self, targets: list[str]) -> None:
         self.targets = targets
+        #: the targets with a ratio column: txlb, and txlb-pypy when it ran
+        self.ratios = [t for t in ("txlb", "txlb-pypy") if t in targets] or ["txlb"]
         self.lines = [
-            "| scenario | figure | " + " | ".join(targets) + " | txlb/nginx |",
-            "|---|---|" + "---:|" * (len(targets) + 1),
+            "| scenario | figure | " + " | ".join(targets) + " | "
+            + " | ".join(f"{t}/nginx" for t in self.ratios) + " |",
+            "|---|---|" + "---:|" * (len(targets) + len(self.ratios)),
         ]
 
     def add(self, section: str, label: str, values: dict[str, Any], digits: int = 1,
             with_ratio: bool = True) -> None:
-        """One row: a figure per target and the txlb/nginx ratio."""
+        """One row: a figure per target and the txlb/nginx ratio (and txlb-pypy/nginx)."""
         cells = [fmt(values.get(t, math.nan), digits) for t in self.targets]
-        r = ratio(values.get("txlb"), values.get("nginx")) if with_ratio else math.nan
-        self.lines.append(f"| {section} | {label} | " + " | ".join(cells)
-                          + f" | {fmt(r, 2)} |")
+        for t in self.ratios:
+            r = ratio(values.get(t), values.get("nginx")) if with_ratio else math.nan
+            cells.append(fmt(r, 2))
+        self.lines.append(f"| {section} | {label} | " + " | ".join(cells) + " |")
 
 
 def _per(data: dict[str, Any], key: str, scale: float = 1.0,
