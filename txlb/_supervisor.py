@@ -30,6 +30,7 @@ import json
 import os
 import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 from twisted.application.service import Service
@@ -88,6 +89,16 @@ def listening_socket(reactor: Any, description: str) -> socket.socket:
         raise neterror.CannotListenError(interface, port, error) from None
     sock.setblocking(False)
     return sock
+
+
+def _worker_environment() -> dict[str, str]:
+    """This process's environment, with the txlb it runs first on the path: workers must
+    run the same code as their supervisor (they share its wire format and table layout)."""
+    env = dict(os.environ)
+    here = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [here, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != here]])
+    return env
 
 
 def reactor_name(reactor: Any) -> str | None:
@@ -193,7 +204,7 @@ class WorkerSupervisor(Service):
         if name is not None:
             args += ["--reactor", name]
         self.reactor.spawnProcess(
-            worker, self.executable, args, env=dict(os.environ),
+            worker, self.executable, args, env=_worker_environment(),
             childFDs={0: "w", 1: "r", 2: "r", 3: "r", 4: self.socket.fileno(),
                       5: self.shared.fd},
         )

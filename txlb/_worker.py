@@ -77,7 +77,12 @@ class WorkerBalancer(LoadBalancer):
             backend = self.pool.get(summary.backend)
             if backend is not None:
                 self.policy.observe(backend, summary.ttft)  # this worker's own estimate
-        self._send(summary_message(summary, answered))
+        try:
+            message = summary_message(summary, answered)
+        except Exception:  # bookkeeping must never fail a request
+            log.failure("could not encode a finished request for the supervisor")
+            return
+        self._send(message)
 
     def _suspect(self, backend: Backend) -> None:
         self._send(encode(["suspect", backend.key]))
