@@ -40,11 +40,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import (
+    CLK_TCK,
     HOST,
     ROOT,
     TWISTD,
     Children,
     Target,
+    core_times,
     cpu_seconds,
     descendants,
     start_backend,
@@ -91,17 +93,25 @@ class Meter:
         self.main0 = cpu_seconds([self.main])
         self.backend0 = cpu_seconds([backend_pid])
         self.reaped0 = _reaped()
+        self.cores0 = core_times()
 
     def stop(self) -> dict[str, float]:
         wall = time.monotonic() - self.t0
         total = self.target.cpu() - self.total0
         main = cpu_seconds([self.main]) - self.main0
-        return {
+        busy = sum(b1 - b0 for (b1, _), (b0, _) in zip(core_times(), self.cores0, strict=True))
+        machine = busy / CLK_TCK / wall * 100
+        measured = {
             "wall": wall, "proxy_cpu": total, "supervisor_cpu": main,
             "proxy_cpu_pct": total / wall * 100,
             "backend_cpu_pct": (cpu_seconds([self.backend_pid]) - self.backend0) / wall * 100,
             "client_cpu_pct": (_reaped() - self.reaped0) / wall * 100,
         }
+        # CPU used by anything else on the machine (other jobs sharing it): the noise
+        measured["other_cpu_pct"] = max(0.0, machine - measured["proxy_cpu_pct"]
+                                        - measured["backend_cpu_pct"]
+                                        - measured["client_cpu_pct"])
+        return measured
 
 
 def _reaped() -> float:
@@ -163,30 +173,49 @@ def run_loadgen(children: Children, target: Target, backend_pid: int, args: list
                 if events else math.nan)
 
 
+PROGRESS: list[str] = []
+
+
+def say(line: str) -> None:
+    """A progress line, printed now and kept for the report."""
+    PROGRESS.append(line)
+    print(line, flush=True)
+
+
 def measure(children: Children, target: Target, backend_pid: int, quick: bool,
             ) -> dict[str, Any]:
-    seconds = 3.0 if quick else 10.0
+    seconds = 3.0 if quick else 6.0
     rps = run_rps(children, target, backend_pid, seconds)
-    print(f"  rps   {target.name}: {rps['rate']:,.0f} req/s, p50 {rps['p50_us']:.0f} µs,"
+    say(f"  rps   {target.name}: {rps['rate']:,.0f} req/s, p50 {rps['p50_us']:.0f} µs,"
+          f" other jobs {rps['other_cpu_pct']:.0f} %,"
           f" p99 {rps['p99_us']:.0f} µs, proxy CPU {rps['proxy_cpu_pct']:.0f} %"
           f" ({rps['us_per_request']:.0f} µs/request, supervisor"
-          f" {rps['supervisor_us_per_request']:.0f}), errors {rps['errors']}", flush=True)
+          f" {rps['supervisor_us_per_request']:.0f}), errors {rps['errors']}")
     bulk = run_loadgen(children, target, backend_pid,
                        ["bulk", "--streams", "8", "--seconds", f"{seconds / 2:g}"], 60)
-    print(f"  bulk  {target.name}: {bulk['rate']:,.0f} chunks/s,"
-          f" proxy CPU {bulk['proxy_cpu_pct']:.0f} %", flush=True)
+    say(f"  bulk  {target.name}: {bulk['rate']:,.0f} chunks/s,"
+        f" proxy CPU {bulk['proxy_cpu_pct']:.0f} %, other jobs {bulk['other_cpu_pct']:.0f} %")
     count = int(40 * seconds)
     paced = run_loadgen(children, target, backend_pid, [
         "paced", "--streams", "256", "--count", str(count), "--interval", "25",
         "--size", "250", "--timeout", str(seconds + 30)], seconds + 60)
-    print(f"  paced {target.name}: {paced['us_per_chunk']:.1f} µs/chunk,"
-          f" p50 {paced['p50_us'] / 1000:.2f} ms, p99 {paced['p99_us'] / 1000:.2f} ms,"
-          f" {paced['events']}/{paced['expected']} events", flush=True)
+    say(f"  paced {target.name}: {paced['us_per_chunk']:.1f} µs/chunk,"
+        f" p50 {paced['p50_us'] / 1000:.2f} ms, p99 {paced['p99_us'] / 1000:.2f} ms,"
+        f" {paced['events']}/{paced['expected']} events,"
+        f" other jobs {paced['other_cpu_pct']:.0f} %")
     return {"rps": rps, "bulk": bulk, "paced": paced}
 
 
-def median(rounds: list[dict[str, Any]], scenario: str, key: str) -> float:
-    return statistics.median(r[scenario][key] for r in rounds)
+#: A measurement counts as quiet when the rest of the machine used less than this much CPU
+#: meanwhile (% of one core): on 2 cores, anything more takes CPU the balancer needs.
+QUIET_OTHER_PCT = 20.0
+
+
+def median(rounds: list[dict[str, Any]], scenario: str, key: str,
+           quiet: bool = False) -> float:
+    values = [r[scenario][key] for r in rounds
+              if not quiet or r[scenario]["other_cpu_pct"] < QUIET_OTHER_PCT]
+    return statistics.median(values) if values else math.nan
 
 
 ROWS = (
@@ -197,6 +226,7 @@ ROWS = (
     ("  proxy CPU per request, µs (all processes)", "rps", "us_per_request", "{:.0f}"),
     ("  of which the supervisor, µs", "rps", "supervisor_us_per_request", "{:.0f}"),
     ("  backend CPU, % / wrk CPU, %", "rps", None, ""),
+    ("  other jobs on the machine meanwhile, % of one core", "rps", "other_cpu_pct", "{:.0f}"),
     ("bulk SSE chunks/s (8 streams)", "bulk", "rate", "{:,.0f}"),
     ("  proxy CPU, % of one core", "bulk", "proxy_cpu_pct", "{:.0f}"),
     ("paced SSE, 256 streams × 40/s: proxy CPU per chunk, µs", "paced", "us_per_chunk",
@@ -212,9 +242,11 @@ def _supervisor_share(round_: dict[str, Any]) -> float:
     return float(paced["supervisor_cpu"] / paced["proxy_cpu"] * 100)
 
 
-def table(results: dict[str, list[dict[str, Any]]]) -> str:
+def table(results: dict[str, list[dict[str, Any]]], quiet: bool = False) -> str:
     one, two = results["txlb-1w"], results["txlb-2w"]
-    lines = ["| figure (median of rounds) | 1 worker | 2 workers | 2 / 1 |",
+    title = (f"median of quiet measurements (other jobs < {QUIET_OTHER_PCT:g} %)" if quiet
+             else "median of all rounds")
+    lines = [f"| figure ({title}) | 1 worker | 2 workers | 2 / 1 |",
              "|---|---:|---:|---:|"]
     for label, scenario, key, fmt in ROWS:
         if key is None and scenario == "rps":
@@ -227,8 +259,12 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
                      for r in (one, two)]
             lines.append(f"| {label} | {cells[0]} | {cells[1]} | |")
             continue
-        a, b = median(one, scenario, key), median(two, scenario, key)
+        a, b = median(one, scenario, key, quiet), median(two, scenario, key, quiet)
         scale = 1 / 1000 if key in ("p50_us", "p99_us") and scenario == "paced" else 1
+        if math.isnan(a) or math.isnan(b):
+            shown = [("n/a" if math.isnan(x) else fmt.format(x * scale)) for x in (a, b)]
+            lines.append(f"| {label} | {shown[0]} | {shown[1]} | n/a |")
+            continue
         lines.append(f"| {label} | {fmt.format(a * scale)} | {fmt.format(b * scale)} |"
                      f" {b / a:.2f}× |")
     return "\n".join(lines)
@@ -257,7 +293,7 @@ def _describe_machine() -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.workers",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="3-second windows, 1 round")
     parser.add_argument("--reactor", default=None, help="e.g. txlb-epoll")
     parser.add_argument("--save", action="store_true", help="write bench/results/workers.md")
@@ -278,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
             run_rps(children, target, backend.process.pid, 2)
         for index in range(rounds):
             order = targets if index % 2 == 0 else targets[::-1]
-            print(f"round {index + 1}/{rounds}", flush=True)
+            say(f"round {index + 1}/{rounds}")
             for target in order:
                 results[target.name].append(
                     measure(children, target, backend.process.pid, args.quick))
@@ -298,6 +334,18 @@ def main(argv: list[str] | None = None) -> None:
         "- the machine is shared and noisy: treat differences under ~10–20 % as noise",
         "",
         table(results),
+        "",
+        "The same, counting only the measurements during which the rest of the machine was"
+        " nearly idle (the fairest comparison on a shared machine; n/a: none was):",
+        "",
+        table(results, quiet=True),
+        "",
+        "Every measurement, in the order it ran (\"other jobs\": CPU the rest of the machine"
+        " used meanwhile, in % of one core):",
+        "",
+        "```",
+        *PROGRESS,
+        "```",
         "",
     ])
     print(text)
