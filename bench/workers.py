@@ -207,8 +207,8 @@ def measure(children: Children, target: Target, backend_pid: int, quick: bool,
 
 
 #: A measurement counts as quiet when the rest of the machine used less than this much CPU
-#: meanwhile (% of one core): on 2 cores, anything more takes CPU the balancer needs.
-QUIET_OTHER_PCT = 20.0
+#: meanwhile (% of one core); the machine these figures come from rarely did less.
+QUIET_OTHER_PCT = 40.0
 
 
 def median(rounds: list[dict[str, Any]], scenario: str, key: str,
