@@ -199,6 +199,22 @@ class SharedPoolTests(SynchronousTestCase):
         self.assertRaises(ValueError, pool.add, BackendSpec("10.0.2.1", 8000))
         self.assertEqual(len(pool), 16)  # nothing half-added
 
+    def test_engine_queue_scrapes_restart_the_workers_local_counts(self) -> None:
+        pools = SharedPools(self, specs(KEYS[0]))
+        lease = self.successResultOf(pools.routers[0].acquire())
+        worker_backend = lease.backend
+        self.assertEqual(worker_backend.started_since_scrape, 1)
+        backend = pools.supervisor.get(KEYS[0])
+        assert backend is not None
+        pools.supervisor.set_engine_depth(backend, 3, 1)
+        pools.sync()
+        self.assertEqual((worker_backend.engine_depth, worker_backend.started_since_scrape),
+                         (4, 0))
+        pools.sync()  # the same scrape again: nothing restarts
+        lease.release()
+        pools.sync()
+        self.assertEqual(worker_backend.finished_since_scrape, 1)
+
     def test_passive_down_is_reported_once(self) -> None:
         pools = SharedPools(self, specs(*KEYS[:2]))
         reported: list[tuple[str, str]] = []

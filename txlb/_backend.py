@@ -60,7 +60,8 @@ class InFlightStore(Protocol):
 #: Backend state a supervisor shares with its worker processes (see :meth:`Pool.mirror`):
 #: what routing decisions and ``/__lb_status`` read, and the prober or operator changes.
 SHARED_FIELDS = ("healthy", "draining", "removing", "last_probe_error", "learned_models",
-                 "model_entries", "engine_depth", "up_since", "ejected_until")
+                 "model_entries", "engine_depth", "engine_scrapes", "up_since",
+                 "ejected_until")
 
 
 @attrs.define(eq=False)
@@ -90,6 +91,9 @@ class Backend:
     peak_ewma: float | None = None
     peak_ewma_at: float | None = None
     engine_depth: float | None = None
+    #: scrapes of the engine's queue so far (a worker process restarts its local count
+    #: "since the scrape" when this changes)
+    engine_scrapes: int = 0
     started_since_scrape: int = 0
     finished_since_scrape: int = 0
     learned_models: tuple[str, ...] | None = None
@@ -464,6 +468,7 @@ class Pool:
     def set_engine_depth(self, backend: Backend, running: float, waiting: float) -> None:
         """The engine's own queue, scraped from its ``/metrics``; restarts the local count."""
         backend.engine_depth = running + waiting
+        backend.engine_scrapes += 1
         backend.started_since_scrape = 0
         backend.finished_since_scrape = 0
         self._updated()
@@ -578,6 +583,9 @@ class Pool:
             if backend is None or backend.spec != spec:
                 backend = Backend(spec, clock=self._now, slow_start=self.slow_start)
                 self._backends[spec.key] = backend
+            if state["engine_scrapes"] != backend.engine_scrapes:
+                # a new scrape counts what this worker sent before it: start again
+                backend.started_since_scrape = backend.finished_since_scrape = 0
             for name in SHARED_FIELDS:
                 value = state[name]
                 setattr(backend, name, tuple(value) if name == "learned_models"
