@@ -14,10 +14,11 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from twisted.internet import defer
+from twisted.internet import defer, reactor, task
 from twisted.trial.unittest import TestCase
 
 from .integration import (
@@ -77,20 +78,36 @@ class WorkersProcessTests(TestCase):
         return header(response, b"x-backend")
 
     async def until_both_workers_served(self, since: list[int]) -> list[str | None]:
-        """Small requests until each worker has served one more than ``since``; bounded."""
+        """
+        Small requests until each worker has served one more than ``since``; bounded in
+        count and in time.
+        """
         backends = []
+        deadline = time.monotonic() + 30
         for _ in range(MAX_REQUESTS):
             backends.append(await self.small_request())
             rows = (await self.status())["workers"]
             if all(row["requests"] > before for row, before in zip(rows, since, strict=True)):
                 return backends
+            self.assertLess(time.monotonic(), deadline, "one worker served nothing in 30 s")
         raise AssertionError(f"one worker served nothing in {MAX_REQUESTS} requests")
+
+    async def status_when(self, condition: Callable[[dict[str, Any]], bool], what: str,
+                          timeout: float = 30.0) -> dict[str, Any]:
+        """Poll the admin status every 10 ms until ``condition`` holds; fail after timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status = await self.status()
+            if condition(status):
+                return status
+            self.assertLess(time.monotonic(), deadline, f"timed out waiting for {what}")
+            await task.deferLater(reactor, 0.01)
 
     async def until_queued(self, count: int) -> None:
         """Poll the admin status until ``count`` requests wait in the workers' queues."""
-        deadline = time.monotonic() + 10
-        while sum(row["queued"] for row in (await self.status())["workers"]) < count:
-            self.assertLess(time.monotonic(), deadline, f"{count} requests never queued")
+        await self.status_when(
+            lambda status: sum(row["queued"] for row in status["workers"]) >= count,
+            f"{count} requests to queue", timeout=10)
 
     def log_lines(self) -> list[str]:
         if not self.log_path.exists():
@@ -232,16 +249,9 @@ class WorkersProcessTests(TestCase):
         survivor_in_flight = rows[1]["in_flight"]
         os.kill(victim["pid"], signal.SIGKILL)
 
-        async def replaced() -> dict[str, Any]:
-            status = await self.status()
-            row = status["workers"][0]
-            return status if row["ready"] and row["pid"] != victim["pid"] else {}
-
-        status: dict[str, Any] = {}
-        deadline = time.monotonic() + 30
-        while not status:
-            self.assertLess(time.monotonic(), deadline, "worker 0 was not replaced")
-            status = await replaced()
+        status = await self.status_when(
+            lambda status: status["workers"][0]["ready"]
+            and status["workers"][0]["pid"] != victim["pid"], "worker 0 to be replaced")
         row = status["workers"][0]
         self.assertEqual((row["in_flight"], row["restarts"]), (0, 1))
         self.assertEqual(status["in_flight"], survivor_in_flight)
