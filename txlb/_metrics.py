@@ -17,6 +17,7 @@ one process, and tests scrape exactly what one balancer did.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -30,6 +31,8 @@ from ._summary import Summary
 #: 10 ms to 5 min: from a cached short completion to a long reasoning generation.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
                    120.0, 300.0)
+#: Bound on the label-child caches (a client varying methods must not grow them forever).
+_MAX_CACHED_SERIES = 10_000
 QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
@@ -85,6 +88,8 @@ class Metrics:
     """The balancer's Prometheus registry and the per-request observations."""
 
     def __init__(self, pool: Pool) -> None:
+        self._requests: dict[tuple[str, str, int], Any] = {}
+        self._children: dict[tuple[int, str], Any] = {}
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(PoolCollector(pool))
         self.requests = Counter(
@@ -112,14 +117,33 @@ class Metrics:
 
     def observe(self, summary: Summary) -> None:
         backend = summary.backend
-        self.requests.labels(backend, summary.method, f"{summary.status // 100}xx").inc()
-        self.duration.labels(backend).observe(summary.dur)
+        key = (backend, summary.method, summary.status // 100)
+        requests = self._requests.get(key)
+        if requests is None:
+            # labels() takes a lock and builds a key on every call: each series is looked
+            # up once and kept (the label sets are few: backends x methods x classes)
+            if len(self._requests) >= _MAX_CACHED_SERIES:
+                self._requests.clear()
+            requests = self._requests[key] = self.requests.labels(
+                backend, summary.method, f"{summary.status // 100}xx")
+        requests.inc()
+        self._child(self.duration, backend).observe(summary.dur)
         if summary.ttft is not None:
-            self.ttfb.labels(backend).observe(summary.ttft)
+            self._child(self.ttfb, backend).observe(summary.ttft)
         if summary.completion_tokens:
-            self.tokens.labels(backend).inc(summary.completion_tokens)
+            self._child(self.tokens, backend).inc(summary.completion_tokens)
         if summary.outcome == "client_abort":
-            self.client_aborts.labels(backend).inc()
+            self._child(self.client_aborts, backend).inc()
+
+    def _child(self, metric: Any, backend: str) -> Any:
+        """``metric.labels(backend)``, looked up once per metric and backend."""
+        key = (id(metric), backend)
+        child = self._children.get(key)
+        if child is None:
+            if len(self._children) >= _MAX_CACHED_SERIES:
+                self._children.clear()
+            child = self._children[key] = metric.labels(backend)
+        return child
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
