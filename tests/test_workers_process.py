@@ -265,6 +265,32 @@ class WorkersProcessTests(TestCase):
         # the survivor's streams are still running; stopping cuts them (shutdown timeout)
 
 
+class WorkersReactorTests(TestCase):
+    timeout = 60
+
+    async def test_workers_run_the_supervisors_reactor(self) -> None:
+        fleet = Fleet(self, 2)
+        lb = TwistdProcess("--workers", "2", "--backends", ",".join(fleet.keys),
+                           "--admin", "tcp:0:interface=127.0.0.1", reactor="txlb-epoll")
+        self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
+        await lb.started()
+        await wait_until(lambda: lb.output().count(") serving") >= 2, timeout=30,
+                         what="both workers")
+        client = Client()
+        self.addCleanup(client.pool.closeCachedConnections)
+        for _ in range(4):
+            response, chunks = await client.fetch(
+                lb.url + "/v1/chat/completions", b"POST", chat_body(), JSON)
+            self.assertEqual(response.code, 200)
+            self.assertTrue(chunks.body.endswith(b"data: [DONE]\n\n"))
+        _, body = await client.fetch(lb.admin_url + "/status")
+        for row in json.loads(body.body)["workers"]:
+            with open(f"/proc/{row['pid']}/cmdline", "rb") as cmdline:
+                self.assertIn(b"\0--reactor\0txlb-epoll", cmdline.read())
+        self.assertEqual(await lb.stop(), 0, lb.final_output)
+        self.assertNotIn("ended unexpectedly", lb.final_output)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -111,7 +111,7 @@ def reactor_name(reactor: Any) -> str | None:
 
 
 def _relog(index: int, line: bytes) -> None:
-    """Log a worker's event (``[level, namespace, text]``, see txlb._worker) as ours."""
+    """Log a worker's event (``[level, namespace, text]``, see txlb._workerproc) as ours."""
     try:
         level_name, namespace, text = json.loads(line)
         level = LogLevel.levelWithName(level_name)
