@@ -297,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="3-second windows, 1 round")
     parser.add_argument("--reactor", default=None, help="e.g. txlb-epoll")
     parser.add_argument("--save", action="store_true", help="write bench/results/workers.md")
+    parser.add_argument("--save-as", default="workers",
+                        help="the results' file name under bench/results/ (no extension)")
     args = parser.parse_args(argv)
     if not shutil.which("wrk"):
         raise SystemExit("wrk is required (apt-get install wrk)")
@@ -351,8 +353,8 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     if args.save:
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "workers.md").write_text(text)
-        (RESULTS / "workers.json").write_text(json.dumps(results, indent=1))
+        (RESULTS / f"{args.save_as}.md").write_text(text)
+        (RESULTS / f"{args.save_as}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
