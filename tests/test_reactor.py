@@ -23,6 +23,18 @@ class Collect(Protocol):
         self.data += data
 
 
+class Replier(Protocol):
+    """Once told to, answers each read with two writes (as a proxy writes head and body)."""
+
+    replying = False
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.replying:
+            assert self.transport is not None
+            self.transport.write(b"re:")
+            self.transport.write(data)
+
+
 class ReactorTests(TestCase):
     def setUp(self) -> None:
         self.reactor = DirectDispatchEPollReactor()
@@ -38,7 +50,7 @@ class ReactorTests(TestCase):
         self.addCleanup(self.close)
 
     def _server_protocol(self, addr: object) -> Protocol:
-        protocol = Protocol()
+        protocol = Replier()
         self.server_side.append(protocol)
         return protocol
 
@@ -85,9 +97,7 @@ class ReactorTests(TestCase):
 
     def test_written_during_an_event_is_sent_when_it_ends(self) -> None:
         """A reply written from dataReceived leaves before the reactor polls again."""
-        server = self.server_side[0]
-        server.dataReceived = lambda data: (  # type: ignore[method-assign]
-            server.transport.write(b"re:"), server.transport.write(data))  # type: ignore[union-attr]
+        self.server_side[0].replying = True  # type: ignore[attr-defined]
         self.client.transport.write(b"ping")  # type: ignore[union-attr]
         self.spin(lambda: bytes(self.client.data) == b"re:ping")
         self.assertEqual(self.reactor.corked, [])
