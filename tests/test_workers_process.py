@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -234,6 +235,28 @@ class WorkersProcessTests(TestCase):
         lines = self.log_lines()
         self.assertEqual(len(lines), len(streams))
         self.assertTrue(all(" status=200 finish=stop " in line for line in lines))
+
+    async def test_port_refuses_connections_once_stopping(self) -> None:
+        """
+        Once SIGTERM stops the workers accepting, the port is closed for good (as with one
+        process): nothing may keep the inherited listening socket open while the workers
+        drain, or the kernel accepts connections that nobody will ever answer.
+        """
+        await self.start(1, "--shutdown-timeout", "5", tokens_per_second=5)
+        stream = await self.open_stream(1000)  # keeps its worker draining for 5 s
+        self.lb.process.send_signal(signal.SIGTERM)
+
+        def refused() -> bool:
+            try:
+                probe = socket.create_connection(("127.0.0.1", self.lb.port), timeout=1)
+            except ConnectionRefusedError:
+                return True
+            probe.close()
+            return False
+
+        await wait_until(refused, timeout=10, what="the port to refuse connections")
+        self.assertFalse(stream.done.called)  # refused while a stream still drains
+        stream.done.addErrback(lambda failure: None)
 
     async def test_sigkilled_worker_is_replaced_and_its_counts_cleared(self) -> None:
         await self.start(2, tokens_per_second=20)

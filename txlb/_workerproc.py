@@ -133,6 +133,11 @@ class AdoptedPort(Service):
                                                    self._site)
         port.startListening()
         self.port = port
+        # The port listens on a duplicate of the inherited descriptor; the original must
+        # go now, or it stays open after the port stops: the kernel would keep accepting
+        # connections on it that nobody answers (while this worker drains, and for good
+        # if its supervisor was killed), and a new supervisor could not bind the address.
+        os.close(self._fd)
 
     def stopService(self) -> Deferred[None] | None:
         super().stopService()
