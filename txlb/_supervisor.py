@@ -187,12 +187,25 @@ class WorkerSupervisor(Service):
 
     # -- start ----------------------------------------------------------------------------
 
-    def startService(self) -> None:
-        super().startService()
-        config = self.balancer.config
-        sock = self.socket = listening_socket(self.reactor, config.listen)
+    def privilegedStartService(self) -> None:
+        """
+        Bind the main port now, while twistd still has its privileges (``-u``/``--gid``
+        drop them between this and :meth:`startService`): port 80 needs root to bind, not
+        to accept on, so workers started later can serve it.
+        """
+        super().privilegedStartService()
+        self._bind()
+
+    def _bind(self) -> None:
+        if self.socket is not None:
+            return
+        sock = self.socket = listening_socket(self.reactor, self.balancer.config.listen)
         log.info("ProxySite starting on {port} (shared by {count} worker processes)",
                  port=sock.getsockname()[1], count=self.count)
+
+    def startService(self) -> None:
+        super().startService()
+        self._bind()  # started without privilegedStartService (as a plain service may be)
         for index in range(self.count):
             self._spawn(index)
 
