@@ -278,6 +278,34 @@ class WireTests(SynchronousTestCase):
         self.assertEqual([decode(x) for x in lines.feed(data[5:])], [["a", 1], {"t": "kick"}])
         self.assertEqual(lines.feed(b""), [])
 
+    def test_a_long_line_in_small_reads_costs_linear_time(self) -> None:
+        """Pipes are read 8 KiB at a time: a 4 MB message must not be re-split per read."""
+        lines = Lines()
+        message = encode({"t": "end", "x": "y" * 4_000_000})
+        got = []
+        for start in range(0, len(message), 8192):
+            got += lines.feed(message[start:start + 8192])
+        self.assertEqual([len(x) for x in got], [len(message) - 1])
+
+    def test_an_oversize_line_is_dropped_and_the_next_one_kept(self) -> None:
+        from txlb import _wire
+
+        self.patch(_wire, "MAX_LINE", 100)
+        lines = Lines()
+        self.assertEqual(lines.feed(b"a" * 80), [])
+        self.assertEqual(lines.feed(b"a" * 80), [])  # over the limit: dropped
+        self.assertEqual(lines.feed(b"aaa\nnext\n"), [b"next"])
+        self.assertEqual(lines.dropped, 1)
+
+    def test_a_lone_surrogate_travels(self) -> None:
+        summary = Summary(time=1.5, orid="-", backend="h:1", method="POST",
+                          path="/v1/completions", status=404, kind="error",
+                          outcome="proxy_error", dur=0.0, req_keys=["\ud800"])
+        from txlb._wire import summary_message
+
+        kind, _, fields = decode(summary_message(summary, False))
+        self.assertEqual(summary_from(fields).req_keys, ["\ud800"])
+
     def test_config_travels_whole(self) -> None:
         config = build_config({"workers": "2", "backends": "127.0.0.1:9,127.0.0.1:10",
                                "policy": "p2c"}, {})
