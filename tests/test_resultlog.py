@@ -57,6 +57,30 @@ class ResultLogTests(SynchronousTestCase):
         log.record(a_record(7))
         self.assertEqual(json.loads(self.lines()[0])["path"], "/v1/models/7")
 
+    def test_lone_surrogate_in_a_request_key_is_written_escaped(self) -> None:
+        """JSON allows "\\ud800", which has no UTF-8 form: the line must not be lost."""
+        for fmt in ("text", "json"):
+            self.path.unlink(missing_ok=True)
+            log = self.result_log(fmt=fmt)
+            record = RequestRecord(started=0.0, method=b"POST", path=b"/v1/completions",
+                                   orid_header=None, request_body=b'{"\\ud800": 1}',
+                                   backend="127.0.0.1:8002", status=404, ended=0.5)
+            log.record(record)
+            log.close()
+            self.assertEqual(len(self.lines()), 1, fmt)
+            self.assertIn("ud800", self.lines()[0])
+            self.assertEqual(self.errors(), [])
+
+    def test_a_body_of_many_keys_makes_a_bounded_line(self) -> None:
+        log = self.result_log()
+        body = json.dumps({f"k{n:06d}" + "x" * 200: n for n in range(5000)}).encode()
+        log.record(RequestRecord(started=0.0, method=b"POST", path=b"/v1/completions",
+                                 orid_header=None, request_body=body,
+                                 backend="127.0.0.1:8002", status=400, ended=0.5))
+        line = self.lines()[0]
+        self.assertLess(len(line), 10_000)
+        self.assertIn("+4936 more", line)
+
     def test_rotation_by_size(self) -> None:
         log = self.result_log(max_bytes=300, backups=2)
         for n in range(40):

@@ -727,10 +727,13 @@ class ProxyResource(Resource):
 
     def _refuse(self, request: Request, record: RequestRecord, status: int, message: str,
                 retry_after: int | None = None) -> None:
-        """Answer a request txlb will not forward, and log it like any other."""
+        """
+        Answer a request txlb will not forward, and log it like any other -- the answer
+        first, so that nothing in the bookkeeping can keep the client waiting.
+        """
         body = error_body(status, message)
         record.answered_by_proxy(status, body)
         record.outcome = "proxy_error"
         record.ended = self.clock.seconds()
-        self.on_end(record)
         write_body(request, status, body, retry_after)
+        self.on_end(record)

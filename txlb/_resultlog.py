@@ -163,11 +163,13 @@ class ResultLog:
     def write(self, summary: Summary) -> None:
         """Write one summarised request.  Never raises."""
         try:
-            line = self.format(summary) + "\n"
+            # backslashreplace: a client's JSON may hold a lone surrogate, which has no
+            # UTF-8 form; the line is written with it escaped rather than lost
+            data = (self.format(summary) + "\n").encode("utf-8", "backslashreplace")
         except Exception:
             log.failure("could not format a result log line")
             return
-        self._write(line.encode("utf-8"))
+        self._write(data)
 
     def close(self) -> None:
         if self._sink is not None:

@@ -19,6 +19,9 @@ import attrs
 CAPTURE_LIMIT = 512 * 1024
 #: Characters of content shown after ``|``.
 PREVIEW_CHARS = 200
+#: Request keys listed on an error line, and characters kept of each.
+MAX_REQ_KEYS = 64
+MAX_KEY_CHARS = 64
 #: Paths whose responses are LLM completions and get the full summary.
 COMPLETION_PATHS = frozenset({b"/v1/chat/completions", b"/v1/completions"})
 
@@ -198,6 +201,20 @@ def orid_of(header: bytes | None, request: dict[str, Any] | None) -> str:
     return "-"
 
 
+def request_keys(request: dict[str, Any]) -> list[str]:
+    """
+    The request's top-level keys for an error line, sorted -- at most
+    :data:`MAX_REQ_KEYS` of them, each cut to :data:`MAX_KEY_CHARS`, so a body of a
+    million keys makes a long line, not a megabyte one.
+    """
+    keys = sorted(request)
+    shown = [key if len(key) <= MAX_KEY_CHARS else key[:MAX_KEY_CHARS] + "…"
+             for key in keys[:MAX_REQ_KEYS]]
+    if len(keys) > MAX_REQ_KEYS:
+        shown.append(f"…+{len(keys) - MAX_REQ_KEYS} more")
+    return shown
+
+
 def dechunk(framed: bytes) -> bytes:
     """
     The payload of a chunked body (as far as it is complete and well formed: the capture
@@ -244,7 +261,7 @@ def summarize(record: RequestRecord) -> Summary:
         "tries": record.tries,
     }
     if status != 200:
-        keys = sorted(map(str, request)) if request is not None else None
+        keys = request_keys(request) if request is not None else None
         return Summary(kind="error", req_keys=keys,
                        err_body=body.decode("utf-8", "replace"), **common)
     if record.path not in COMPLETION_PATHS:
