@@ -327,10 +327,11 @@ def start_nginx(children: Children, core: int | None, backends: str, workdir: Pa
 
 def start_txlb(children: Children, core: int | None, backends: str,
                python: Sequence[str] | None = None, name: str = "txlb",
-               reactor: str | None = None) -> Target:
+               reactor: str | None = None, source: Path = ROOT) -> Target:
     """
-    ``twistd -n llmlb`` from this source tree on a free port (``--listen tcp:0``), with
-    Twisted's default reactor or the one named (``txlb-epoll``).
+    ``twistd -n llmlb`` from a source tree (this one by default; ``PYTHONPATH`` is that tree
+    alone, so its ``txlb`` and its ``twisted/plugins`` are the ones found) on a free port
+    (``--listen tcp:0``), with Twisted's default reactor or the one named (``txlb-epoll``).
     """
     twistd = list(python) if python else [TWISTD]
     selected = ["--reactor", reactor] if reactor else []
@@ -340,7 +341,7 @@ def start_txlb(children: Children, core: int | None, backends: str,
         "--backends", backends,
         "--admin", "none", "--log-file", "none",
         "--read-timeout", "600", "--health-interval", "30",
-    ]))
+    ]), env={"PYTHONPATH": str(source)})
     port = int(wait_for(child, r"ProxySite starting on (\d+)").group(1))
     wait_ready(port, alive=lambda: child.process.poll() is None)
     return Target(name, port, child)
