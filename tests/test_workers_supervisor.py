@@ -18,6 +18,8 @@ from txlb._balancer import LoadBalancer
 from txlb._shm import SharedCounts
 from txlb._supervisor import WorkerSupervisor
 
+from .test_workers import KEYS, SharedPools, specs
+
 
 class SpawningReactor(MemoryReactorClock):
     """Records ``spawnProcess`` calls (and can be told to fail the next ones)."""
@@ -76,3 +78,46 @@ class PrivilegedStartTests(SynchronousTestCase):
         sup.startService()
         self.assertEqual(len(reactor.spawned), 2)
         self.assertEqual(sup.socket.getsockname()[1], port)  # bound once, not again
+
+
+class CrossWorkerQueueTests(SynchronousTestCase):
+    def test_a_slot_freed_while_a_request_is_queueing_is_not_lost(self) -> None:
+        """
+        Worker 1 finds the only backend full; worker 0 releases it (and the supervisor
+        looks for waiters to wake) before worker 1 has published its queue: the waiter
+        must either take the slot at once or be visible to the supervisor.
+        """
+        pools = SharedPools(self, specs(KEYS[0], max_conns=1), queue_timeout=30)
+        held = self.successResultOf(pools.routers[0].acquire())
+        shared = pools.table.supervisor
+        kicks = []
+        real = pools.workers[1].exclusive
+
+        def exclusive(choose: Any, *args: Any) -> Any:
+            result = real(choose, *args)
+            if result is None and not held.released:  # preempted right after the lock
+                held.release()  # worker 0's request ends; the supervisor then checks:
+                if shared.waiters(1) > 0:
+                    kicks.append(1)
+            return result
+
+        self.patch(pools.workers[1], "exclusive", exclusive)
+        waiting = pools.routers[1].acquire()
+        self.patch(pools.workers[1], "exclusive", real)
+        if kicks:
+            pools.routers[1].pool.capacity_changed()  # the kick arrives
+        lease = self.successResultOf(waiting)
+        self.assertEqual(lease.backend.key, KEYS[0])
+        self.assertEqual(shared.waiters(1), 0)
+        self.assertEqual(shared.totals()[0], 1)
+
+    def test_retry_gate_reads_the_other_workers_counts(self) -> None:
+        """can_serve_now answers from the shared totals, not this worker's last look."""
+        pools = SharedPools(self, specs(KEYS[0], KEYS[1], max_conns=1))
+        first, second = pools.routers
+        mine = self.successResultOf(first.acquire())
+        theirs = self.successResultOf(second.acquire())
+        other = frozenset({mine.backend.key})
+        self.assertFalse(first.can_serve_now(None, other))  # both full: a retry would queue
+        theirs.release()
+        self.assertTrue(first.can_serve_now(None, other))  # one is free now

@@ -142,7 +142,19 @@ class Router:
             what = f"model `{model}`" if model is not None else "this request"
             return fail(RoutingError(503, f"no backend is available for {what}",
                                      self.retry_after))
-        return self._enqueue(_Waiter(model, session, exclude, self.clock.seconds()))
+        waiter = _Waiter(model, session, exclude, self.clock.seconds())
+        waiting = self._enqueue(waiter)
+        if self.pool.shared is not None:
+            # With --workers, a slot freed in another worker wakes this queue only if the
+            # supervisor sees it non-empty (published by _enqueue).  A slot freed between
+            # the failed take above and that publication would wake nobody: so try once
+            # more now that the waiter is visible; a slot freed after this try is
+            # announced to us.
+            lease = self._take(serving, session)
+            if lease is not None:
+                self._leave(waiter)
+                return succeed(lease)
+        return waiting
 
     def can_serve_now(self, model: str | None, exclude: frozenset[str]) -> bool:
         """
@@ -150,7 +162,11 @@ class Router:
         ask this: a try that would have to queue is not made -- the answer at hand (a
         502/503) goes to the client as it came instead of waiting behind the queue.
         """
-        return any(b.eligible for b in self._serving(model, exclude))
+        # With --workers a backend's ``active`` is fresh only under the shared lock (other
+        # workers take and release slots meanwhile): read the totals there, or a retry
+        # would be made into a queue, or refused although a backend is free.
+        serving = self._serving(model, exclude)
+        return self.pool.exclusive(lambda: any(b.eligible for b in serving))
 
     def _serving(self, model: str | None, exclude: frozenset[str]) -> list[Backend]:
         return [b for b in self.pool
