@@ -25,7 +25,8 @@ HOP_BY_HOP = frozenset(
     }
 )
 
-#: Request headers the upstream client (Agent) writes itself from the request it sends.
+#: Request headers the upstream client writes itself (Host, Content-Length) or that must
+#: not reach the backend from the client (Expect: txlb already read the whole body).
 _AGENT_OWNED = frozenset({b"host", b"content-length", b"expect"})
 
 #: Request headers the proxy sets itself (X-Forwarded-For is appended to, not dropped).
@@ -79,8 +80,9 @@ def downstream_response_headers(headers: RawHeaders,
     """
     The backend's response headers to pass to the client.
 
-    ``Content-Length`` is dropped here because Agent reports it as ``response.length``; the
-    proxy sets it again from there so a fixed-length response is not re-sent chunked.
+    ``Content-Length`` is dropped here because the upstream client reports it as the
+    response's ``length``; the proxy sets it again from there so a fixed-length response is
+    not re-sent chunked.
     ``also_named`` are the headers the backend's ``Connection`` header named, for when the
     HTTP client has already taken ``Connection`` itself out of ``headers``.
     """
