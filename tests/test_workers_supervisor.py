@@ -6,17 +6,24 @@ processes it would spawn.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from typing import Any
 
-from twisted.internet.testing import MemoryReactorClock
+import attrs
+from treq.testing import StubTreq
+from twisted.internet.error import ProcessTerminated
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
 from txlb import build_config
 from txlb._balancer import LoadBalancer
 from txlb._shm import SharedCounts
-from txlb._supervisor import WorkerSupervisor
+from txlb._summary import Summary
+from txlb._supervisor import YOUNG, WorkerSupervisor
+from txlb._wire import decode, summary_message
 
 from .test_workers import KEYS, SharedPools, specs
 
@@ -121,3 +128,87 @@ class CrossWorkerQueueTests(SynchronousTestCase):
         self.assertFalse(first.can_serve_now(None, other))  # both full: a retry would queue
         theirs.release()
         self.assertTrue(first.can_serve_now(None, other))  # one is free now
+
+
+def _ended_young(sup: WorkerSupervisor, index: int) -> None:
+    worker = sup.workers[index]
+    worker.processEnded(Failure(ProcessTerminated(exitCode=1)))
+
+
+class SupervisorTests(SynchronousTestCase):
+    def started(self, reactor: SpawningReactor) -> WorkerSupervisor:
+        sup = supervisor(self, reactor)
+        sup.privilegedStartService()
+        sup.startService()
+        for worker, _ in reactor.spawned:
+            worker.transport = StringTransport()
+        return sup
+
+    def test_only_requests_that_held_a_slot_wake_other_workers(self) -> None:
+        """A refusal (404, 429, a 503) freed no slot: no kicks, no refresh for it."""
+        reactor = SpawningReactor()
+        sup = self.started(reactor)
+        first, second = sup.workers[0], sup.workers[1]
+        row = SharedCounts(sup.shared.fd, 2, sup.shared.slots_max, row=1)
+        self.addCleanup(row.close)
+        row.set_waiters(3)
+        assert isinstance(second.transport, StringTransport)
+        second.transport.clear()
+        refused = Summary(time=1.0, orid="-", backend=None, method="POST",
+                          path="/v1/completions", status=404, kind="error",
+                          outcome="proxy_error", dur=0.0)
+        sup.received(first, [decode(summary_message(refused, False))])
+        self.assertNotIn(b"kick", second.transport.value())
+        served = attrs.evolve(refused, backend="127.0.0.1:9", status=200, outcome="ok")
+        sup.received(first, [decode(summary_message(served, True))])
+        self.assertIn(b"kick", second.transport.value())
+
+    def test_a_crash_loop_backs_off_and_never_gives_up(self) -> None:
+        reactor = SpawningReactor()
+        sup = self.started(reactor)
+        delays = []
+        for _ in range(6):
+            _ended_young(sup, 0)
+            (call,) = [c for c in reactor.getDelayedCalls() if c.func == sup._restart]
+            delays.append(call.getTime() - reactor.seconds())
+            reactor.advance(delays[-1])
+            self.assertIn(0, sup.workers)
+        self.assertEqual(delays, [2.0, 4.0, 8.0, 16.0, 30.0, 30.0])
+        self.assertEqual(sup.restarts[0], 6)
+        # a worker that lived past YOUNG restarts promptly again
+        reactor.advance(YOUNG + 1)
+        sup.workers[0].processEnded(Failure(ProcessTerminated(exitCode=1)))
+        (call,) = [c for c in reactor.getDelayedCalls() if c.func == sup._restart]
+        self.assertAlmostEqual(call.getTime() - reactor.seconds(), 0.1)
+
+    def test_a_restart_that_cannot_spawn_is_logged_and_retried(self) -> None:
+        reactor = SpawningReactor()
+        sup = self.started(reactor)
+        _ended_young(sup, 1)
+        reactor.failures = 2
+        reactor.advance(2.0)  # the restart: spawnProcess raises
+        self.assertEqual(len(self.flushLoggedErrors(OSError)), 1)
+        self.assertNotIn(1, sup.workers)
+        reactor.advance(4.0)  # raises again, and is tried again
+        self.assertEqual(len(self.flushLoggedErrors(OSError)), 1)
+        reactor.advance(8.0)
+        self.assertIn(1, sup.workers)
+
+    def test_admin_drain_and_remove_report_the_workers_counts(self) -> None:
+        sup = supervisor(self)
+        balancer = sup.balancer
+        row = SharedCounts(sup.shared.fd, 2, sup.shared.slots_max, row=0)
+        self.addCleanup(row.close)
+        (state,) = balancer.pool.shared_state()
+        row.assign("127.0.0.1:9", state["slot"])
+        row.take("127.0.0.1:9")  # a worker's request in flight
+        admin = StubTreq(balancer.admin_resource())
+
+        def call(method: str, path: str) -> tuple[int, Any]:
+            response = self.successResultOf(admin.request(method, "http://admin" + path))
+            return response.code, json.loads(self.successResultOf(response.content()))
+
+        code, drained = call("POST", "/backends/127.0.0.1:9/drain")
+        self.assertEqual((code, drained["active"]), (200, 1))
+        code, removing = call("DELETE", "/backends/127.0.0.1:9")
+        self.assertEqual((code, removing["active"], removing["removed"]), (202, 1, False))

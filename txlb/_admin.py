@@ -87,6 +87,10 @@ class Admin:
             raise AdminError(401, "missing or wrong admin token")
 
     def _backend(self, key: str) -> Backend:
+        # With --workers this process's counts are as of the last message from a worker:
+        # read the shared ones, so what drain, undrain and remove log and answer (``active``,
+        # removed at once or not) is true now.  A no-op in one process.
+        self.pool.refresh()
         backend = self.pool.get(key)
         if backend is None:
             raise AdminError(404, f"no backend {key}")

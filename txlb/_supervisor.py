@@ -51,9 +51,12 @@ log = Logger()
 
 #: A worker that dies is restarted after this pause ...
 RESTART_DELAY = 0.1
-#: ... or after this one if it died less than :data:`YOUNG` seconds after it started,
-#: so a worker that cannot start does not spin.
+#: ... or after this one if it died less than :data:`YOUNG` seconds after it started (or
+#: could not be started at all), so a worker that cannot start does not spin; the pause
+#: doubles with each such failure in a row, up to :data:`MAX_RESTART_DELAY`.  Restarts
+#: never stop: whatever broke (a full disk, a missing library) may be fixed meanwhile.
 CRASH_LOOP_DELAY = 2.0
+MAX_RESTART_DELAY = 30.0
 YOUNG = 2.0
 #: How long past --shutdown-timeout stopping workers get before they are killed.
 KILL_GRACE = 10.0
@@ -178,6 +181,8 @@ class WorkerSupervisor(Service):
         self.socket: socket.socket | None = None
         self.workers: dict[int, WorkerProcess] = {}
         self.restarts = [0] * workers
+        #: failed starts in a row (a young death or a spawn that raised), for the backoff
+        self._failures = [0] * workers
         self.stopping = False
         self._push_call: IDelayedCall | None = None
         self._last_state = b""
@@ -207,7 +212,27 @@ class WorkerSupervisor(Service):
         super().startService()
         self._bind()  # started without privilegedStartService (as a plain service may be)
         for index in range(self.count):
+            self._start_worker(index)
+
+    def _start_worker(self, index: int) -> None:
+        """
+        Spawn worker ``index``; if that raises (out of file descriptors or processes), log
+        it and try again later rather than leave the port one worker short for good.
+        """
+        try:
             self._spawn(index)
+        except Exception:
+            self._failures[index] += 1
+            delay = self._restart_delay(index)
+            log.failure("could not start worker {index}; trying again in {delay:g}s",
+                        index=index, delay=delay)
+            self.reactor.callLater(delay, self._restart, index)
+
+    def _restart_delay(self, index: int) -> float:
+        failures = self._failures[index]
+        if failures == 0:
+            return RESTART_DELAY
+        return float(min(CRASH_LOOP_DELAY * 2 ** (failures - 1), MAX_RESTART_DELAY))
 
     def _spawn(self, index: int) -> None:
         assert self.socket is not None
@@ -257,7 +282,9 @@ class WorkerSupervisor(Service):
                     balancer.record_summary(summary, bool(message[1]))
                     if summary.tries > 1:
                         balancer.metrics.retries.inc(summary.tries - 1)
-                    freed = True
+                    # Only a request that reached a backend held a slot; a refusal (404,
+                    # 429, a 503 from the queue) freed nothing worth waking queues for.
+                    freed = freed or summary.backend is not None
                 elif kind == "answer":
                     backend = pool.get(message[1])
                     if backend is not None:
@@ -308,7 +335,8 @@ class WorkerSupervisor(Service):
                 done.callback(None)
             return
         young = self.reactor.seconds() - worker.started < YOUNG
-        delay = CRASH_LOOP_DELAY if young else RESTART_DELAY
+        self._failures[index] = self._failures[index] + 1 if young else 0
+        delay = self._restart_delay(index)
         log.warn("worker {index} (pid {pid}) ended unexpectedly ({reason}) with {lost} "
                  "requests in flight (their clients saw the connection close; they have no "
                  "result-log line); its counts are cleared and it restarts in {delay:g}s",
@@ -319,7 +347,7 @@ class WorkerSupervisor(Service):
 
     def _restart(self, index: int) -> None:
         if not self.stopping and self.running and index not in self.workers:
-            self._spawn(index)
+            self._start_worker(index)
 
     def stopService(self) -> Deferred[None]:
         """Ask every worker to drain and stop; fire once they all ended."""
