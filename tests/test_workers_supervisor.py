@@ -6,6 +6,7 @@ processes it would spawn.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -14,16 +15,19 @@ from typing import Any
 import attrs
 from treq.testing import StubTreq
 from twisted.internet.error import ProcessTerminated
+from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
-from txlb import build_config
+from txlb import _workerproc, build_config
 from txlb._balancer import LoadBalancer
 from txlb._shm import SharedCounts
 from txlb._summary import Summary
 from txlb._supervisor import YOUNG, WorkerSupervisor
 from txlb._wire import decode, summary_message
+from txlb._workerproc import PipeWriter, SupervisorLink
 
 from .test_workers import KEYS, SharedPools, specs
 
@@ -212,3 +216,57 @@ class SupervisorTests(SynchronousTestCase):
         self.assertEqual((code, drained["active"]), (200, 1))
         code, removing = call("DELETE", "/backends/127.0.0.1:9")
         self.assertEqual((code, removing["active"], removing["removed"]), (202, 1, False))
+
+
+class PipesToTheSupervisorTests(SynchronousTestCase):
+    """A worker's pipes back to a supervisor that stopped reading never block it."""
+
+    def pipe(self) -> tuple[int, int]:
+        read, write = os.pipe()
+        self.addCleanup(os.close, read)
+        self.addCleanup(os.close, write)
+        os.set_blocking(read, False)
+        return read, write
+
+    def test_log_lines_past_the_limit_are_dropped_never_blocking(self) -> None:
+        read, write = self.pipe()
+        reactor = MemoryReactorClock()
+        recovered: list[int] = []
+        writer = PipeWriter(reactor, write, 4096, recovered.append)
+        line = b"x" * 99 + b"\n"
+        accepted = sum(writer.write(line) for _ in range(2000))  # 200 KB: past pipe + limit
+        self.assertGreater(writer.dropped, 0)
+        self.assertEqual(accepted + writer.dropped, 2000)
+        self.assertLessEqual(writer.pending(), 4096)
+        self.assertIn(writer, reactor.getWriters())
+        received = b""
+        for _ in range(100):  # the supervisor reads again
+            with contextlib.suppress(BlockingIOError):
+                while chunk := os.read(read, 65536):
+                    received += chunk
+            if not writer.pending():
+                break
+            writer.doWrite()
+        self.assertEqual(writer.pending(), 0)
+        self.assertNotIn(writer, reactor.getWriters())
+        self.assertEqual(recovered, [2000 - accepted])
+        self.assertEqual(writer.dropped, 0)
+        self.assertEqual(received, line * accepted)  # whole lines, in order
+
+    def test_messages_past_the_limit_are_dropped_while_the_pipe_is_full(self) -> None:
+        self.patch(_workerproc, "MESSAGE_BUFFER", 1000)
+        events: list[dict[str, Any]] = []
+        self.patch(_workerproc, "log", Logger(observer=events.append))
+        link = SupervisorLink(Clock(), 0)
+        transport = StringTransport()
+        link.makeConnection(transport)
+        self.assertIs(transport.producer, link)
+        link.pauseProducing()  # the pipe is full: the supervisor does not read
+        for _ in range(30):
+            link.send(b"y" * 99 + b"\n")
+        self.assertEqual(len(transport.value()), 1000)
+        self.assertEqual(link.dropped, 20)
+        link.resumeProducing()  # it read everything
+        self.assertEqual([event.get("count") for event in events], [20])
+        link.send(b"z\n")
+        self.assertTrue(transport.value().endswith(b"z\n"))

@@ -17,9 +17,13 @@ backends) before anything else.  The worker then serves the socket with
 
 Log events go to the supervisor over standard output (which logs them as its own, tagged
 ``worker I``, wherever its own log goes); what a crash prints on standard error reaches it
-too.  ``SIGINT`` is ignored (Ctrl-C reaches the whole process group; the supervisor
-decides); ``SIGTERM``, a ``stop`` message or the supervisor going away drain the worker
-for ``--shutdown-timeout`` and end it with status 0.
+too.  Neither pipe back to the supervisor may block the worker: if the supervisor stops
+reading (stalled, stopped), the worker keeps serving, holds a bounded amount of log and of
+messages for it, and drops (and counts) the rest.
+
+``SIGINT`` is ignored (Ctrl-C reaches the whole process group; the supervisor decides);
+``SIGTERM``, a ``stop`` message or the supervisor going away drain the worker for
+``--shutdown-timeout`` and end it with status 0.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
-import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +41,12 @@ import attrs
 from twisted.application.service import IService, Service
 from twisted.internet import tcp
 from twisted.internet.defer import Deferred, maybeDeferred, succeed
-from twisted.internet.interfaces import IHalfCloseableProtocol, IListeningPort
+from twisted.internet.interfaces import (
+    IHalfCloseableProtocol,
+    IListeningPort,
+    IPushProducer,
+    IWriteDescriptor,
+)
 from twisted.internet.protocol import Protocol
 from twisted.logger import ILogObserver, LogEvent, Logger, eventAsText, globalLogBeginner
 from twisted.python.failure import Failure
@@ -58,6 +68,14 @@ SHARED_FD = 5
 ACCEPTS_PER_WAKEUP = 1
 #: How long past --shutdown-timeout a stopping worker may take before it ends itself.
 STOP_GRACE = 15.0
+#: Log bytes a worker holds for its supervisor (beyond the pipe's own 64 KiB) before it
+#: drops lines.
+LOG_BUFFER = 1 << 20
+#: Message bytes (summaries mostly) a worker holds for its supervisor beyond the pipe's
+#: own buffering before it drops messages.
+MESSAGE_BUFFER = 32 << 20
+#: How long an ending worker tries to hand its last log lines over.
+FINAL_FLUSH = 2.0
 
 
 class WorkerBalancer(LoadBalancer):
@@ -150,7 +168,7 @@ class AdoptedPort(Service):
         return stopped
 
 
-@implementer(IHalfCloseableProtocol)
+@implementer(IHalfCloseableProtocol, IPushProducer)
 class SupervisorLink(Protocol):
     """The worker's side of the pipes to its supervisor, and the worker's life cycle."""
 
@@ -163,10 +181,47 @@ class SupervisorLink(Protocol):
         self._lines = Lines()
         self._stopping = False
         self._closed = False
+        self._paused = False
+        #: bytes written while the pipe was full (paused), and messages dropped for that
+        self._held_back = 0
+        self.dropped = 0
+
+    def connectionMade(self) -> None:
+        # A streaming producer of the pipe's writer: paused once the pipe and 64 KiB of
+        # buffer are full, resumed when they drained -- how we learn the supervisor reads.
+        transport: Any = self.transport  # a StandardIO: a consumer too
+        transport.registerProducer(self, True)
 
     def send(self, line: bytes) -> None:
-        if self.transport is not None and not self._closed:
-            self.transport.write(line)
+        """
+        Queue a message for the supervisor; never blocks.  While it does not read, at most
+        :data:`MESSAGE_BUFFER` bytes wait here; later messages are dropped and counted (a
+        summary dropped is a request missing from the result log and metrics, better than
+        a worker growing without bound).
+        """
+        if self.transport is None or self._closed:
+            return
+        if self._paused:
+            if self._held_back + len(line) > MESSAGE_BUFFER:
+                self.dropped += 1
+                return
+            self._held_back += len(line)
+        self.transport.write(line)
+
+    def pauseProducing(self) -> None:
+        self._paused = True
+
+    def resumeProducing(self) -> None:
+        self._paused = False
+        self._held_back = 0
+        if self.dropped:
+            dropped, self.dropped = self.dropped, 0
+            log.warn("the supervisor read nothing for a while: {count} messages to it were "
+                     "dropped (finished requests among them have no result-log line)",
+                     count=dropped)
+
+    def stopProducing(self) -> None:
+        pass
 
     def dataReceived(self, data: bytes) -> None:
         for line in self._lines.feed(data):
@@ -217,7 +272,9 @@ class SupervisorLink(Protocol):
             self._end()
             return
         self._closed = True
-        self.transport.loseConnection()
+        transport: Any = self.transport
+        transport.unregisterProducer()  # or a paused writer would never close
+        transport.loseConnection()
 
     def connectionLost(self, reason: Failure | None = None) -> None:
         self._closed = True
@@ -261,9 +318,102 @@ class ForwardingObserver:
         self._write(json.dumps([name, namespace, text]) + "\n")
 
 
-def _write_stdout(line: str) -> None:
-    sys.stdout.write(line)
-    sys.stdout.flush()
+@implementer(IWriteDescriptor)
+class PipeWriter:
+    """
+    Non-blocking, bounded writes of whole lines to a pipe (a worker's log to its supervisor).
+
+    A blocking write would stop the whole worker -- every request it serves -- as soon as
+    the supervisor stops reading for long enough to fill the pipe.  Instead what the pipe
+    does not take waits here, written when the reactor says the pipe has room; beyond
+    ``limit`` bytes waiting, lines are dropped and counted, and ``on_recovered`` is told the
+    count once everything waiting was written.  A line is dropped whole or written whole.
+    """
+
+    def __init__(self, reactor: Any, fd: int, limit: int,
+                 on_recovered: Callable[[int], object] = lambda dropped: None) -> None:
+        self._reactor = reactor
+        self._fd = fd
+        self.limit = limit
+        self._on_recovered = on_recovered
+        self._pending = bytearray()
+        self._writing = False
+        self._lost = False
+        self.dropped = 0
+        os.set_blocking(fd, False)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def logPrefix(self) -> str:
+        return "PipeWriter"
+
+    def pending(self) -> int:
+        """Bytes waiting for the pipe to take them."""
+        return len(self._pending)
+
+    def write(self, data: bytes) -> bool:
+        """Write ``data`` (one or more whole lines) or drop it; False if dropped."""
+        if self._lost:
+            return False
+        if self._pending:
+            if len(self._pending) + len(data) > self.limit:
+                self.dropped += 1
+                return False
+            self._pending += data
+            return True
+        written = self._write(data)
+        if written < len(data) and not self._lost:
+            self._pending += data[written:]  # the rest of a line begun: kept whatever its size
+            if not self._writing:
+                self._writing = True
+                self._reactor.addWriter(self)
+        return not self._lost
+
+    def _write(self, data: bytes | bytearray) -> int:
+        try:
+            return os.write(self._fd, data)
+        except BlockingIOError:
+            return 0
+        except OSError:  # the supervisor is gone (EPIPE): nobody to log to
+            self._lost = True
+            self._pending.clear()
+            self._stop()
+            return 0
+
+    def _stop(self) -> None:
+        if self._writing:
+            self._writing = False
+            self._reactor.removeWriter(self)
+
+    def doWrite(self) -> None:
+        del self._pending[:self._write(self._pending)]
+        if self._pending:
+            return
+        self._stop()
+        if self.dropped and not self._lost:
+            dropped, self.dropped = self.dropped, 0
+            self._on_recovered(dropped)
+
+    def connectionLost(self, reason: Failure) -> None:
+        self._lost = True
+        self._pending.clear()
+        self._stop()
+
+    def flush(self, timeout: float) -> None:
+        """Before the process ends: hand over what waits, for at most ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while self._pending and not self._lost:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            select.select([], [self._fd], [], remaining)
+            del self._pending[:self._write(self._pending)]
+
+
+def _log_dropped(dropped: int) -> None:
+    log.warn("the supervisor read no log for a while: {count} log lines of this worker "
+             "were dropped", count=dropped)
 
 
 def main(args: list[str]) -> int:
@@ -273,12 +423,15 @@ def main(args: list[str]) -> int:
     from twisted.internet import stdio
 
     reactor: Any = default_reactor
-    globalLogBeginner.beginLoggingTo([ForwardingObserver(_write_stdout)],
-                                     redirectStandardIO=False)
+    output = PipeWriter(reactor, 1, LOG_BUFFER, _log_dropped)
+    globalLogBeginner.beginLoggingTo(
+        [ForwardingObserver(lambda line: output.write(line.encode("utf-8")))],
+        redirectStandardIO=False)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     link = SupervisorLink(reactor, index)
     signal.signal(signal.SIGTERM,
                   lambda number, frame: reactor.callFromThread(link.stop, "SIGTERM"))
     stdio.StandardIO(link, stdin=0, stdout=3, reactor=reactor)  # type: ignore[call-arg]
     reactor.run(installSignalHandlers=False)
+    output.flush(FINAL_FLUSH)
     return link.exit_code
