@@ -7,9 +7,11 @@ a shared machine is often as large as the change.  Here both are measured in the
 in alternating rounds (A, B, then B, A, ...), with the same backend, clients and pinning, so
 drift hits both alike, and the answer is the median of the per-round B/A ratios.
 
-How: ``git archive`` exports ``--base REV``'s ``txlb/`` and ``twisted/plugins/`` to a temp
-directory (removed afterwards).  The backend (:mod:`bench.backend`) is started once, pinned
-like the main harness's.  Each round starts ``twistd -n llmlb`` from each tree in turn
+How: ``git archive`` exports ``--base REV``'s ``txlb/`` and ``twisted/`` to a temp directory
+(removed afterwards), and this tree's ``txlb/`` and ``twisted/plugins/`` are copied beside it
+at the start, so edits or commits made in the tree during the run cannot reach B's later
+rounds.  The backend (:mod:`bench.backend`) is started once, pinned like the main
+harness's.  Each round starts ``twistd -n llmlb`` from each tree in turn
 (``PYTHONPATH`` = that tree alone, so its own ``llmlb`` and reactor plugins are found; the
 harness's options; ``--txlb-reactor NAME`` for both), pinned to the proxy core, warms it up,
 runs the harness's ``paced`` (64 and 256 SSE streams: proxy CPU µs per chunk from /proc,
@@ -86,6 +88,14 @@ def export(rev: str, dest: Path) -> str:
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(dest, filter="data")
     return git("log", "-1", "--format=%h (%s)", commit)
+
+
+def snapshot(dest: Path) -> str:
+    """This tree's ``txlb/`` and ``twisted/plugins/`` copied to ``dest``; its revision."""
+    skip = shutil.ignore_patterns("__pycache__", "dropin.cache")
+    for part in ("txlb", "twisted/plugins"):
+        shutil.copytree(ROOT / part, dest / part, ignore=skip)
+    return revision()
 
 
 def module_file(tree: Path, module: str) -> str:
@@ -170,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join(["python -m bench.ab", *argv]),
         "A": "",  # filled in once exported
-        "B": f"this tree, {revision()}",
+        "B": "",
         "txlb reactor": args.txlb_reactor or "Twisted's default",
         "cpu": f"{cpu_model()}, {os.cpu_count()} CPUs",
         "pinning": ("txlb on CPU 0; backend, load generator and wrk on CPU 1 (taskset)"
@@ -186,8 +196,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     reactors: dict[str, set[str]] = {"A": set(), "B": set()}
     steal0, started = cpu_steal(), time.monotonic()
     with tempfile.TemporaryDirectory(prefix="txlb-ab.") as tmp:
-        trees = {"A": Path(tmp) / "A", "B": ROOT}
+        trees = {"A": Path(tmp) / "A", "B": Path(tmp) / "B"}
         info["A"] = f"{export(args.base, trees['A'])}, exported with git archive"
+        info["B"] = f"this tree, {snapshot(trees['B'])}, copied at the start"
         children = Children(Path(tmp))
         try:
             backend, ports = start_backend(children, client_core, 2)
