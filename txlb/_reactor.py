@@ -23,12 +23,16 @@ upstream is described in docs/performance.md.
 from __future__ import annotations
 
 import errno
+import select
+import sys
 from collections.abc import Iterable
 from typing import Any
 
 from twisted.internet import tcp
 from twisted.internet.epollreactor import EPollReactor
+from twisted.python import log as legacy_log
 
+_EPOLLIN = select.EPOLLIN
 #: send() results that mean "the kernel buffer is full": queue the data the stock way.
 _WOULD_BLOCK = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.EINTR})
 
@@ -161,10 +165,22 @@ class DirectDispatchEPollReactor(EPollReactor):
         selectables = self._selectables
         for fd, event in events:
             selectable: Any = selectables.get(fd)
-            if selectable is not None:
+            if selectable is None:
+                continue
+            if event == _EPOLLIN:
+                # Only readable, nothing else to check (no hang-up, no error, no write
+                # interest): _doReadOrWrite's work without its bookkeeping.
+                try:
+                    why = selectable.doRead()
+                except BaseException:
+                    why = sys.exc_info()[1]
+                    legacy_log.err()
+                if why:
+                    self._disconnectSelectable(selectable, why, True)
+            else:
                 dispatch(selectable, fd, event)
-                if corked:
-                    self._flush_corked()
+            if corked:
+                self._flush_corked()
 
     doIteration = doPoll
 
