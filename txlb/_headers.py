@@ -75,16 +75,13 @@ def upstream_request_headers(
     return kept
 
 
-def downstream_response_headers(headers: RawHeaders,
-                                 also_named: frozenset[bytes] = frozenset()) -> RawHeaders:
+def downstream_response_headers(headers: RawHeaders) -> RawHeaders:
     """
     The backend's response headers to pass to the client.
 
     ``Content-Length`` is dropped here because the upstream client reports it as the
     response's ``length``; the proxy sets it again from there so a fixed-length response is
     not re-sent chunked.
-    ``also_named`` are the headers the backend's ``Connection`` header named, for when the
-    HTTP client has already taken ``Connection`` itself out of ``headers``.
     """
     return [(name, value) for name, value in end_to_end(headers)
-            if name != b"content-length" and name not in also_named]
+            if name != b"content-length"]

@@ -494,8 +494,7 @@ class UpstreamConnection(Protocol):
         buffer = self._buffer + data if self._buffer else data
         self._buffer = b""
         size = len(buffer)
-        position = 0
-        start = 0  # first byte not yet handed on (raw mode)
+        position = 0  # raw mode hands on buffer[:position] (an incomplete size line waits)
         while position < size:
             state = self._chunk_state
             if state == 1:  # inside a chunk's data
@@ -525,8 +524,8 @@ class UpstreamConnection(Protocol):
                     return self._bad_body("bad chunk size line")
                 length = int(line.group(1), 16)
                 if length == 0:
-                    if raw and position > start:
-                        owner.body_chunk(buffer[start:position])
+                    if raw and position:
+                        owner.body_chunk(buffer[:position])
                     self._chunk_state = 3
                     self._scanned = 0
                     self._buffer = buffer[end + 2:]
@@ -535,8 +534,8 @@ class UpstreamConnection(Protocol):
                 position = end + 2
                 self._remaining = length
                 self._chunk_state = 1
-        if raw and position > start:
-            owner.body_chunk(buffer[start:position])
+        if raw and position:
+            owner.body_chunk(buffer[:position])
         if position < size:
             self._buffer = buffer[position:]
 
