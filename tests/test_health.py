@@ -109,3 +109,54 @@ class HealthCheckerTests(SynchronousTestCase):
         self.clock.advance(100)
         self.assertEqual(len(self.agent.calls), count)
         self.assertTrue(self.a.healthy and self.b.healthy)
+
+
+class _RaisingAgent(FakeUpstream):
+    """An agent that raises at once for one backend, as treq did for ``[::1]``."""
+
+    def __init__(self, poisoned: bytes) -> None:
+        super().__init__()
+        self.poisoned = poisoned
+
+    def request(self, method: bytes, uri: bytes, headers: object = None,
+                bodyProducer: object = None) -> object:
+        if self.poisoned in uri:
+            raise ValueError("cannot build a request for this URL")
+        return super().request(method, uri, headers, bodyProducer)  # type: ignore[arg-type]
+
+
+class ProbeErrorTests(SynchronousTestCase):
+    """A probe that raises for any reason fails that backend's probe, and only that."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.agent = _RaisingAgent(b":8002/")
+        self.pool = Pool((A, B))
+        self.checker = HealthChecker(self.pool, self.agent, self.clock, interval=2, timeout=1,
+                                     path="/health", rise=1, fall=2)
+        self.checker.startService()
+        self.addCleanup(self.checker.stopService)
+
+    def answer_b(self) -> None:
+        pending = [c for c in self.agent.calls if b"8003/health" in c.uri and not c.deferred.called]
+        self.assertEqual(len(pending), 1)
+        pending[0].respond(FakeResponse(200, length=0)).end()
+
+    def test_the_loop_and_the_other_backends_go_on(self) -> None:
+        for _ in range(4):
+            self.answer_b()
+            self.clock.advance(2)
+        self.assertEqual(len([c for c in self.agent.calls if b"8003/health" in c.uri]), 5)
+        assert self.checker._loop is not None
+        self.assertTrue(self.checker._loop.running)
+        self.assertTrue(self.pool.get(B.key).healthy)  # type: ignore[union-attr]
+
+    def test_the_raising_backend_counts_failed_probes(self) -> None:
+        a = self.pool.get(A.key)
+        assert a is not None
+        self.assertTrue(a.healthy)  # fall=2: one failure is not enough
+        self.assertIn("cannot build a request", a.last_probe_error or "")
+        self.answer_b()
+        self.clock.advance(2)
+        self.assertFalse(a.healthy)
+        self.assertNotIn(A.key, [b.key for b in self.checker._probing])

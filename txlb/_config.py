@@ -11,6 +11,7 @@ and the offending value -- the one line an operator sees when start-up refuses.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import sys
@@ -175,7 +176,31 @@ def parse_backend_address(option: str, value: str) -> BackendSpec:
         or parts.username
     ):
         raise ConfigError(f"--{option}: {value!r} is not host:port or http://host:port")
-    return BackendSpec(host=parts.hostname, port=port)
+    host = parts.hostname
+    if not _valid_host(host):
+        shown = text if len(text) <= 80 else text[:77] + "..."
+        raise ConfigError(
+            f"--{option}: {shown!r} is not an IPv4 address, a bracketed IPv6 address "
+            "([::1]:8002) or a host name (at most 253 characters) with a port")
+    return BackendSpec(host=host, port=port)
+
+
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}")
+
+
+def _valid_host(host: str) -> bool:
+    """
+    An IP literal or a DNS name that a resolver can be asked for.  Checked here, once, so
+    that nothing later (the prober, the upstream client, ``X-Backend``) meets a host it
+    cannot use: an IPv6 zone (``%eth0``) or a 300-character name is refused at start-up or
+    by the admin API, not discovered by the probe loop.
+    """
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        labels = host.rstrip(".").split(".")
+        return len(host) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in labels)
+    return not (isinstance(address, ipaddress.IPv6Address) and address.scope_id)
 
 
 def parse_backends(option: str, value: object) -> tuple[BackendSpec, ...]:

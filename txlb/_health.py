@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 from treq import collect, json_content, text_content
-from treq.client import HTTPClient
 from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet import error as neterror
@@ -26,6 +25,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IResponse
 
 from ._backend import Backend, Pool
@@ -82,7 +82,9 @@ class HealthChecker(Service):
         self.path = path.encode("ascii")
         self.rise = rise
         self.fall = fall
-        self._http = HTTPClient(agent)
+        # The agent itself, not treq's HTTPClient: treq re-encodes the URL through
+        # hyperlink, which raises on an IPv6 literal (``http://[::1]:8004``).
+        self._agent = agent
         self._loop: LoopingCall | None = None
         self._probing: dict[Backend, Deferred[Any]] = {}
 
@@ -104,18 +106,26 @@ class HealthChecker(Service):
             pending.cancel()
 
     def probe_all(self) -> None:
-        """Start a probe of every backend that is not still being probed."""
-        for backend in self.pool:
+        """
+        Start a probe of every backend that is not still being probed.
+
+        Nothing one backend's probe does may escape: an exception here would stop the
+        ``LoopingCall`` for good, and with it the probes of every other backend.
+        """
+        for backend in list(self.pool):
             if backend not in self._probing:
-                self.probe(backend)
+                try:
+                    self.probe(backend)
+                except Exception:
+                    log.failure("could not probe {backend}", backend=backend.key)
 
     def probe(self, backend: Backend) -> Deferred[None]:
         """
         Probe one backend now.  The returned Deferred never fails; it fires once the
-        backend's state has been updated.
+        backend's state has been updated.  A probe that cannot even be sent counts as a
+        failed probe of that backend, never as an error of the loop.
         """
-        url = backend.base_url + self.path
-        request = self._http.get(url, allow_redirects=False)
+        request = self._get(backend, self.path)
         request.addCallback(self._read_body)
         request.addTimeout(self.timeout, self.clock)
         self._probing[backend] = request
@@ -156,8 +166,13 @@ class HealthChecker(Service):
             return None
         return gatherResults(extras, consumeErrors=True)
 
+    def _get(self, backend: Backend, path: bytes) -> Deferred[IResponse]:
+        """``GET path`` on ``backend``; a request that raises at once fails the Deferred."""
+        return defer.maybeDeferred(self._agent.request, b"GET", backend.base_url + path,
+                                   Headers())
+
     def _fetch(self, backend: Backend, path: bytes) -> Deferred[Any]:
-        request = self._http.get(backend.base_url + path, allow_redirects=False)
+        request = self._get(backend, path)
         request.addTimeout(self.timeout, self.clock)
         return request
 
