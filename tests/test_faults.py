@@ -109,7 +109,7 @@ class FaultTestCase(TestCase):
 
 class KillTests(FaultTestCase):
     @defer.inlineCallbacks
-    def test_killing_one_of_four_under_load_costs_clients_nothing(self) -> Any:
+    def test_killing_one_of_four_under_load_costs_only_its_generations(self) -> Any:
         sims = yield defer.ensureDeferred(self.sims(4, "--tokens-per-second", "400"))
         lb = yield defer.ensureDeferred(self.balancer([s.key for s in sims],
                                                       "--health-interval", "1"))
@@ -127,7 +127,12 @@ class KillTests(FaultTestCase):
         yield task.deferLater(reactor, 1.0, sims[1].kill)
         yield defer.gatherResults(workers, consumeErrors=True)
         self.assertGreater(len(results), 50)
-        self.assertEqual(set(results), {200}, f"{len(results)} requests")
+        # Only what the killed engine was generating when it died is lost: those requests
+        # get 502 (a second try would be a second generation).  Least-conn put at most
+        # ceil(8/4) = 2 of the 8 concurrent requests on it; every other request, those that
+        # met its closed port or a pooled connection it left behind included, gets 200.
+        self.assertLessEqual(set(results), {200, 502}, f"{len(results)} requests")
+        self.assertLessEqual(results.count(502), 2, f"{len(results)} requests")
         status = yield defer.ensureDeferred(self.status(lb))
         killed = next(b for b in status["backends"] if b["backend"] == sims[1].key)
         self.assertIs(killed["healthy"], False)

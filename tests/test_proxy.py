@@ -11,7 +11,7 @@ from twisted.internet import error as neterror
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
-from twisted.web.client import ResponseFailed, ResponseNeverReceived
+from twisted.web.client import RequestTransmissionFailed, ResponseFailed, ResponseNeverReceived
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
@@ -241,15 +241,35 @@ class ErrorTests(ProxyTestCase):
         self.client().request(b"GET", b"/")
         self.assertNotIn(key.encode(), self.upstream.last.uri)
 
-    def test_reset_before_response_is_502_and_marks_down(self) -> None:
-        self.build(BACKENDS, retries=0)
+    def test_reset_after_the_whole_request_is_502_never_retried(self) -> None:
+        """
+        The backend had the whole request, then closed or reset without answering: it may
+        have generated already, so the client gets 502 and no second backend sees it.
+        """
+        self.build(BACKENDS)  # retries on by default
         client = self.client()
-        client.request(b"GET", b"/")
+        client.request(b"POST", b"/v1/chat/completions", body=b'{"model": "m"}')
         self.upstream.last.fail(
             ResponseNeverReceived([Failure(neterror.ConnectionLost("reset by peer"))])
         )
         self.assertEqual(client.response().status, 502)
-        self.assertEqual(sum(1 for b in self.lb.pool if not b.healthy), 1)
+        self.assertEqual(len(self.upstream.calls), 1)
+        self.assertTrue(all(b.healthy for b in self.lb.pool))  # only a probe may eject
+        self.assertEqual(sum(self.active().values()), 0)
+
+    def test_reset_while_sending_is_retried_elsewhere_and_marks_down(self) -> None:
+        self.build(BACKENDS)
+        client = self.client()
+        client.request(b"POST", b"/v1/chat/completions", body=b'{"model": "m"}')
+        first = self.upstream.last.uri.split(b"/")[2]
+        self.upstream.last.fail(
+            RequestTransmissionFailed([Failure(neterror.ConnectionLost("reset by peer"))]))
+        self.assertEqual(len(self.upstream.calls), 2)
+        self.assertNotIn(first, self.upstream.last.uri)
+        self.assertEqual(self.upstream.last.body, b'{"model": "m"}')
+        self.upstream.last.respond(FakeResponse(200, length=0)).end()
+        self.assertEqual(client.response().status, 200)
+        self.assertEqual([b.key.encode() for b in self.lb.pool if not b.healthy], [first])
 
     def test_other_failure_is_502_without_ejection(self) -> None:
         client = self.client()

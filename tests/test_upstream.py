@@ -17,7 +17,7 @@ from twisted.internet.error import ConnectionDone, ConnectionLost, ConnectionRef
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
 from twisted.trial import unittest
-from twisted.web.client import ResponseFailed, ResponseNeverReceived
+from twisted.web.client import RequestTransmissionFailed, ResponseFailed, ResponseNeverReceived
 from twisted.web.server import Site
 
 from txlb import LoadBalancer
@@ -257,6 +257,26 @@ class ClientTests(unittest.TestCase):
     def test_lost_before_head_is_response_never_received(self) -> None:
         result = self.send()
         connection, _ = self.connect()
+        connection.connectionLost(Failure(ConnectionLost()))
+        self.assertIsInstance(result[0].value, ResponseNeverReceived)
+
+    def test_lost_with_part_of_the_request_unsent_is_transmission_failed(self) -> None:
+        """The backend never had the whole request: the proxy may send it elsewhere."""
+        result = self.send(body=b"x" * 1000)
+        connection, transport = self.connect()
+        # what a socket transport looks like when the kernel took only part of the write
+        transport.dataBuffer = b"x" * 300  # type: ignore[attr-defined]
+        transport.offset = 100  # type: ignore[attr-defined]
+        transport._tempDataBuffer = []  # type: ignore[attr-defined]
+        connection.connectionLost(Failure(ConnectionLost()))
+        self.assertIsInstance(result[0].value, RequestTransmissionFailed)
+
+    def test_lost_after_everything_left_is_response_never_received(self) -> None:
+        result = self.send(body=b"x" * 1000)
+        connection, transport = self.connect()
+        transport.dataBuffer = b"x" * 300  # type: ignore[attr-defined]
+        transport.offset = 300  # type: ignore[attr-defined]
+        transport._tempDataBuffer = []  # type: ignore[attr-defined]
         connection.connectionLost(Failure(ConnectionLost()))
         self.assertIsInstance(result[0].value, ResponseNeverReceived)
 

@@ -23,7 +23,7 @@ from twisted.internet.defer import CancelledError, Deferred, fail
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import ResponseNeverReceived
+from twisted.web.client import RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived
 from twisted.web.http import HTTPChannel
 from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
@@ -54,6 +54,9 @@ _UNREACHABLE = (
     neterror.DNSLookupError,
     neterror.UnknownHostError,
 )
+#: The connection failed before the whole request left (txlb's client, or Agent's): the
+#: backend never had it, so it cannot have started generating.
+_NEVER_SENT = (RequestTransmissionFailed, RequestNotSent)
 #: Connect attempts that ran out of time: ambiguous, so the prober decides (as nginx: 504).
 _CONNECT_TIMEOUT = (neterror.TimeoutError, neterror.TCPTimedOutError)
 #: Answers that mean "this backend cannot take it now": retried elsewhere when possible.
@@ -399,16 +402,28 @@ class Exchange:
         if self.state == "ended":
             return  # the client left, or the watchdog fired: already answered
         backend = self.lease.backend
-        if failure.check(*_UNREACHABLE) or _is_reset(failure):
-            self.pool.mark_down(backend, f"proxy: {failure.getErrorMessage()}")
+        if failure.check(*_UNREACHABLE) or failure.check(*_NEVER_SENT):
+            # Provably never started: nothing listens there, or the connection died
+            # while part of the request was still unsent.  Safe to send elsewhere.
+            self.pool.mark_down(backend, f"proxy: {_failure_words(failure)}")
             if not failure.check(*_UNREACHABLE):
-                # A reset may be a pooled keep-alive connection the backend had just
-                # closed, not a dead backend: probe now, so a healthy one is back at once.
+                # a reset may be a backend restarting, not a dead one: probe now, so a
+                # healthy one is back at once
                 self.context.on_suspect(backend)
             if self._can_retry():
                 self._retry()
                 return
             self._fail(502, f"backend {backend.key} could not be reached", "upstream_error")
+        elif _is_reset(failure):
+            # The backend had the whole request and closed or reset the connection without
+            # answering: an engine killed mid-prefill may have done the work already, and
+            # for an LLM a second try is a second generation.  502, never a retry; the
+            # backend is probed at once and leaves rotation only if the probe fails.
+            log.warn("backend {backend} closed the connection after receiving the whole "
+                     "request, before answering; not retried", backend=backend.key)
+            self.context.on_suspect(backend)
+            self._fail(502, f"backend {backend.key} closed the connection without answering",
+                       "upstream_error")
         elif failure.check(*_CONNECT_TIMEOUT):
             self._fail(504, f"timed out connecting to backend {backend.key}", "timeout")
         else:
@@ -561,6 +576,14 @@ class Exchange:
             self._fail_before_body(502, "internal proxy error", "proxy_error")
         else:
             self._fail(502, "internal proxy error", "proxy_error")
+
+
+def _failure_words(failure: Failure) -> str:
+    """What a connection failure was, in words (a wrapper's own message is a repr list)."""
+    reasons: list[Any] = getattr(failure.value, "reasons", [])
+    if reasons and isinstance(reasons[0], Failure):
+        return f"connection lost while sending the request ({reasons[0].getErrorMessage()})"
+    return failure.getErrorMessage()
 
 
 def _is_reset(failure: Failure) -> bool:

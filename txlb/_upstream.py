@@ -13,8 +13,10 @@ untouched, so the proxy can pass them to an HTTP/1.1 client as they came.
 What it keeps from Agent, because the proxy's guarantees depend on it:
 
 * the same failures: ``ConnectionRefusedError`` and friends from connecting, Twisted's
-  ``TimeoutError`` for a connect timeout, :class:`ResponseNeverReceived` (wrapping the
-  connection's loss) for a backend that closed or reset before its response head;
+  ``TimeoutError`` for a connect timeout, :class:`RequestTransmissionFailed` for a
+  connection lost while part of the request was still unsent (the backend never had it
+  whole), :class:`ResponseNeverReceived` (wrapping the connection's loss) for a backend
+  that closed or reset after the whole request left, before its response head;
 * keep-alive connections, pooled per backend, closed after :data:`IDLE_TIMEOUT` (before
   uvicorn's 5 s) -- and a request that finds its pooled connection already closed by the
   backend is sent again once on a fresh connection, so an idle-timeout race never looks
@@ -36,9 +38,10 @@ from twisted.internet.interfaces import IDelayedCall, IPushProducer
 from twisted.internet.protocol import ClientFactory, Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import ResponseFailed, ResponseNeverReceived
+from twisted.web.client import RequestTransmissionFailed, ResponseFailed, ResponseNeverReceived
 from zope.interface import implementer
 
+from ._compat import unsent_bytes
 from ._headers import RawHeaders
 
 log = Logger()
@@ -350,6 +353,9 @@ class UpstreamConnection(Protocol):
                 # the backend closed a pooled connection as we reused it: not its fault
                 attempt.fresh_only = True
                 self.client.dispatch(attempt)
+            elif unsent_bytes(self.transport):
+                # part of the request never left: the backend cannot have started on it
+                attempt.fail(Failure(RequestTransmissionFailed([reason])))
             else:
                 attempt.fail(Failure(ResponseNeverReceived([reason])))
         elif state == "body":

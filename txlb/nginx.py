@@ -166,12 +166,14 @@ def server_block(config: Config) -> list[str]:
         f"        proxy_read_timeout {_seconds(config.read_timeout)};",
         f"        proxy_send_timeout {_seconds(config.read_timeout)};",
         f"        send_timeout {_seconds(config.send_timeout)};",
-        "        # retried like txlb: refused/reset, or a 502/503 answer; never a timeout (the",
-        "        # generation may still run), POST included",
+        "        # retried as close to txlb as nginx allows: never a timeout (the generation",
+        "        # may still run); a POST only when nginx could not send it at all (txlb also",
+        "        # retries a POST answered 502/503); no non_idempotent, which would re-send a",
+        "        # POST the backend had whole and then reset: a second generation",
     ]
     if retries:
         lines += [
-            "        proxy_next_upstream error http_502 http_503 non_idempotent;",
+            "        proxy_next_upstream error http_502 http_503;",
             f"        proxy_next_upstream_tries {retries + 1};",
             f"        proxy_next_upstream_timeout {_seconds(config.retry_window)};",
         ]
