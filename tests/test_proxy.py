@@ -510,6 +510,26 @@ class EdgeCaseTests(ProxyTestCase):
         self.assertIn(b"Content-Length: 1234\r\n", raw)
         self.assertTrue(raw.endswith(b"\r\n\r\n"))
 
+    def test_204_loses_its_framing_headers(self) -> None:
+        """RFC 9110 section 8.6: a 204 must not carry Content-Length; a 304 may."""
+        for length in (b"0", b"17"):
+            client = self.client()
+            client.request(b"DELETE", b"/v1/files/f-1")
+            self.upstream.last.respond(FakeResponse(
+                204, [(b"Content-Length", length), (b"X-Request-Id", b"r1")], length=0)).end()
+            raw = client.transport.value()
+            self.assertTrue(raw.startswith(b"HTTP/1.1 204 "), raw)
+            head = raw.split(b"\r\n\r\n", 1)[0].lower()
+            self.assertNotIn(b"content-length", head)
+            self.assertNotIn(b"transfer-encoding", head)
+            self.assertIn(b"x-request-id: r1", head)
+            self.assertTrue(raw.endswith(b"\r\n\r\n"))
+        client = self.client()
+        client.request(b"GET", b"/file")
+        self.upstream.last.respond(
+            FakeResponse(304, [(b"Content-Length", b"1234")], length=0)).end()
+        self.assertIn(b"Content-Length: 1234\r\n", client.transport.value())
+
     def test_reset_triggers_an_immediate_probe(self) -> None:
         probes = FakeUpstream()
         self.lb = LoadBalancer(BACKENDS, reactor=self.clock, agent=self.upstream,

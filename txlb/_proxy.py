@@ -304,9 +304,11 @@ class Exchange:
         for name, values in own.items():
             out.setRawHeaders(name, values)
         self.record.content_type = content_type
-        if request.method == b"HEAD" or response.code in _NO_BODY_STATUSES:
+        if response.code == 204:
+            pass  # RFC 9110 section 8.6: a 204 carries no Content-Length, whatever was sent
+        elif request.method == b"HEAD" or response.code in _NO_BODY_STATUSES:
             # no body follows: the backend's own Content-Length (if any) describes the
-            # resource
+            # resource (a 304 may carry it)
             if content_length:
                 out.setRawHeaders(b"content-length", content_length[:1])
         elif response.length is not None:
