@@ -48,6 +48,17 @@ class GeneratedConfigTests(SynchronousTestCase):
         self.assertFalse([line for line in text.splitlines()
                           if "proxy_next_upstream " in line and "non_idempotent" in line])
 
+    def test_lb_status_and_x_backend_exposure(self) -> None:
+        self.assertIn("location = /__lb_status {", conf())
+        off = conf(lb_status="off", x_backend="off")
+        self.assertNotIn("__lb_status", off)
+        self.assertNotIn("add_header X-Backend", off)
+        local = conf(lb_status="loopback", x_backend="loopback")
+        self.assertIn("allow 127.0.0.0/8;", local)
+        self.assertIn("add_header X-Backend $txlb_backend_shown always;", local)
+        self.assertIn("add_header X-Backend-Port $txlb_backend_port_shown always;", local)
+        self.assertNotIn("add_header X-Backend $txlb_backend always;", local)
+
     def test_policies_weights_caps(self) -> None:
         self.assertIn("random two least_conn;", conf(policy="p2c"))
         self.assertIn("    random;", conf(policy="random"))
@@ -100,7 +111,9 @@ class GeneratedConfigTests(SynchronousTestCase):
         prefix.mkdir()
         variants = [{}, {"policy": "p2c"}, {"policy": "random", "retries": "0"},
                     {"affinity": "user"}, {"affinity": "header:X-S", "rate_limit": "5/s"},
-                    {"rate_limit": "1/h", "rate_key": "header:X-Team"}]
+                    {"rate_limit": "1/h", "rate_key": "header:X-Team"},
+                    {"lb_status": "loopback", "x_backend": "loopback"},
+                    {"lb_status": "off", "x_backend": "off"}]
         for options in variants:
             config = build_config({"backends": "127.0.0.1:1,127.0.0.1:2",
                                    "listen": "tcp:1:interface=127.0.0.1",

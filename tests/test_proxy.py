@@ -352,6 +352,56 @@ class StatusTests(ProxyTestCase):
         self.client().request(b"POST", b"/__lb_status", body=b"")
         self.assertEqual(len(self.upstream.calls), 1)
 
+    def status_from(self, peer: str) -> bool:
+        """Ask for /__lb_status from ``peer``: True if answered locally, False if proxied."""
+        calls = len(self.upstream.calls)
+        client = ClientConnection(self.site, peer=peer)
+        client.request(b"GET", b"/__lb_status")
+        if len(self.upstream.calls) == calls:
+            self.assertIn("backends", json.loads(client.response().body))
+            return True
+        self.assertTrue(self.upstream.last.uri.endswith(b"/__lb_status"))
+        return False
+
+    def test_lb_status_off_is_proxied_like_any_path(self) -> None:
+        self.build(BACKENDS, lb_status="off")
+        self.assertFalse(self.status_from("127.0.0.1"))
+        self.assertFalse(self.status_from("10.1.2.3"))
+
+    def test_lb_status_loopback_only(self) -> None:
+        self.build(BACKENDS, lb_status="loopback")
+        self.assertTrue(self.status_from("127.0.0.1"))
+        self.assertTrue(self.status_from("127.8.9.10"))
+        self.assertFalse(self.status_from("10.1.2.3"))
+        self.assertFalse(self.status_from("192.168.1.1"))
+
+    def test_lb_status_on_by_default_for_everyone(self) -> None:
+        self.assertTrue(self.status_from("10.1.2.3"))
+
+    def backend_headers_for(self, peer: str) -> tuple[list[bytes], list[bytes]]:
+        client = ClientConnection(self.site, peer=peer)
+        client.request(b"GET", b"/x")
+        self.upstream.last.respond(FakeResponse(200, length=0)).end()
+        response = client.response()
+        return response.header(b"x-backend"), response.header(b"x-backend-port")
+
+    def test_x_backend_off(self) -> None:
+        self.build(BACKENDS, x_backend="off")
+        self.assertEqual(self.backend_headers_for("127.0.0.1"), ([], []))
+
+    def test_x_backend_loopback_only(self) -> None:
+        self.build(BACKENDS, x_backend="loopback")
+        backend, port = self.backend_headers_for("127.0.0.1")
+        self.assertEqual(len(backend), 1)
+        self.assertEqual(port, [backend[0].rsplit(b":", 1)[1]])
+        self.assertEqual(self.backend_headers_for("10.1.2.3"), ([], []))
+
+    def test_exposure_values_checked(self) -> None:
+        from txlb import ConfigError
+        for option in ("lb_status", "x_backend"):
+            with self.assertRaises(ConfigError):
+                LoadBalancer(BACKENDS, reactor=self.clock, **{option: "maybe"})
+
 
 class LeastConnectionsTests(ProxyTestCase):
     def test_burst_spread_evenly(self) -> None:
@@ -546,3 +596,29 @@ class EdgeCaseTests(ProxyTestCase):
     def test_unknown_option_refused(self) -> None:
         self.assertRaises(TypeError, LoadBalancer, BACKENDS, reactor=self.clock,
                           helth_interval=2)
+
+
+class LocalClientTests(SynchronousTestCase):
+    """Which peers ``--lb-status loopback`` and ``--x-backend loopback`` count as local."""
+
+    def local(self, address: object) -> bool:
+        from txlb._proxy import is_local_client
+
+        class _Request:
+            def getClientAddress(self) -> object:
+                return address
+
+        return is_local_client(_Request())  # type: ignore[arg-type]
+
+    def test_addresses(self) -> None:
+        from twisted.internet.address import IPv4Address, IPv6Address, UNIXAddress
+
+        self.assertTrue(self.local(IPv4Address("TCP", "127.0.0.1", 1)))
+        self.assertTrue(self.local(IPv4Address("TCP", "127.200.0.9", 1)))
+        self.assertTrue(self.local(IPv6Address("TCP", "::1", 1)))
+        self.assertTrue(self.local(IPv6Address("TCP", "::ffff:127.0.0.1", 1)))
+        self.assertTrue(self.local(UNIXAddress(b"/run/llmlb.sock")))
+        self.assertFalse(self.local(IPv4Address("TCP", "10.0.0.1", 1)))
+        self.assertFalse(self.local(IPv6Address("TCP", "::ffff:10.0.0.1", 1)))
+        self.assertFalse(self.local(IPv6Address("TCP", "fe80::1", 1)))
+        self.assertFalse(self.local(IPv4Address("TCP", "localhost", 1)))  # not an address

@@ -206,6 +206,7 @@ class LoadBalancer:
             on_suspect=self._suspect,
             on_answer=self._answered,
             on_retry=self.metrics.retries.inc,
+            x_backend=config.x_backend,
         )
         limiter = None
         if config.rate_limit is not None:
@@ -214,7 +215,7 @@ class LoadBalancer:
                                   config.rate_key)
         self.proxy = ProxyResource(self.router, context, retry_after=retry_after,
                                    affinity=config.affinity, rate_limiter=limiter,
-                                   max_body=config.max_body)
+                                   max_body=config.max_body, lb_status=config.lb_status)
 
     def _request_ended(self, record: RequestRecord) -> None:
         """

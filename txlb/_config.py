@@ -332,6 +332,19 @@ def parse_rate_key(option: str, value: object) -> str:
     return f"header:{name}"
 
 
+EXPOSURES = ("on", "loopback", "off")
+
+
+def parse_exposure(option: str, value: object) -> str:
+    """``on``, ``loopback`` (only to clients on this host) or ``off``."""
+    text = str(value).strip().lower()
+    if isinstance(value, bool):
+        text = "on" if value else "off"
+    if text not in EXPOSURES:
+        raise ConfigError(f"--{option}: {value!r} is not 'on', 'loopback' or 'off'")
+    return text
+
+
 POLICIES = ("least-conn", "round-robin", "random", "p2c", "latency", "queue-depth")
 
 
@@ -480,6 +493,12 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("workers", 1, parse_count,
                "Processes sharing the listening socket (tcp only), with least-connections "
                "exact across them."),
+    OptionSpec("lb-status", "on", parse_exposure,
+               "GET /__lb_status on the main port: 'on', 'loopback' (answered to clients on "
+               "this host only; others reach a backend) or 'off' (always sent to a backend)."),
+    OptionSpec("x-backend", "on", parse_exposure,
+               "X-Backend and X-Backend-Port on responses: 'on', 'loopback' (to clients on "
+               "this host only) or 'off'."),
 )
 
 _BY_NAME = {spec.name: spec for spec in OPTIONS}
@@ -525,6 +544,8 @@ class Config:
     rate_burst: int | None = None
     rate_key: str = "ip"
     workers: int = 1
+    lb_status: str = "on"
+    x_backend: str = "on"
 
 
 def check_workers(config: Config) -> None:

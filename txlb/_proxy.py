@@ -12,6 +12,7 @@ falls exactly once" true by construction rather than by care.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import Any
 
 import attrs
 from twisted.internet import error as neterror
+from twisted.internet.address import UNIXAddress
 from twisted.internet.defer import CancelledError, Deferred, fail
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.logger import Logger
@@ -128,6 +130,8 @@ class ProxyContext:
     on_answer: Callable[[Backend, int], object] = lambda backend, status: None
     on_retry: Callable[[], object] = lambda: None
     live: set[Exchange] = attrs.field(factory=set)
+    #: who gets ``X-Backend``/``X-Backend-Port``: ``on``, ``loopback`` or ``off``
+    x_backend: str = "on"
 
 
 @attrs.frozen
@@ -313,8 +317,10 @@ class Exchange:
                 out.setRawHeaders(b"content-length", content_length[:1])
         elif response.length is not None:
             out.setRawHeaders(b"content-length", [b"%d" % response.length])
-        out.setRawHeaders(b"x-backend", [backend.key.encode()])
-        out.setRawHeaders(b"x-backend-port", [b"%d" % backend.port])
+        exposure = self.context.x_backend
+        if exposure == "on" or (exposure == "loopback" and is_local_client(request)):
+            out.setRawHeaders(b"x-backend", [backend.key.encode()])
+            out.setRawHeaders(b"x-backend-port", [b"%d" % backend.port])
         raw = False
         if response.length is None:
             # A stream: send the head now, as nginx does, so an SSE client sees its 200
@@ -580,6 +586,25 @@ class Exchange:
             self._fail(502, "internal proxy error", "proxy_error")
 
 
+def is_local_client(request: Request) -> bool:
+    """
+    Whether the client is on this host: a loopback address (127.0.0.0/8, ``::1``, or
+    ``::ffff:127.x`` on a dual-stack socket) or a UNIX socket.  The peer address only:
+    ``X-Forwarded-For`` is the client's to write.
+    """
+    address = request.getClientAddress()
+    host = getattr(address, "host", None)
+    if host is None:
+        return isinstance(address, UNIXAddress)
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
 def _failure_words(failure: Failure) -> str:
     """What a connection failure was, in words (a wrapper's own message is a repr list)."""
     reasons: list[Any] = getattr(failure.value, "reasons", [])
@@ -607,8 +632,11 @@ class ProxyResource(Resource):
 
     def __init__(self, router: Router, context: ProxyContext, retry_after: float = 1,
                  affinity: str | None = None, rate_limiter: RateLimiter | None = None,
-                 max_body: int = 0) -> None:
+                 max_body: int = 0, lb_status: str = "on") -> None:
         super().__init__()
+        #: who ``GET /__lb_status`` answers: ``on``, ``loopback`` or ``off`` (the others'
+        #: requests for it are proxied like any other path)
+        self.lb_status = lb_status
         self.rate_limiter = rate_limiter
         self.max_body = max_body
         self.router = router
@@ -617,6 +645,10 @@ class ProxyResource(Resource):
         self.retry_after = max(1, math.ceil(retry_after))
         self.affinity = affinity
         self.shutting_down = False
+
+    def _answers_status(self, request: Request) -> bool:
+        exposure = self.lb_status
+        return exposure == "on" or (exposure == "loopback" and is_local_client(request))
 
     @property
     def live(self) -> set[Exchange]:
@@ -629,7 +661,7 @@ class ProxyResource(Resource):
     def render(self, request: Request) -> object:
         request.defaultContentType = None
         path = local_path(request)
-        if request.method == b"GET" and path == STATUS_PATH:
+        if request.method == b"GET" and path == STATUS_PATH and self._answers_status(request):
             status = self.router.pool.status()
             status["queue"] = self.router.queue_status()
             write_json(request, 200, status)

@@ -133,6 +133,18 @@ def unsupported_notes(config: Config) -> list[str]:
     return notes
 
 
+def _backend_headers(config: Config, indent: str, port: bool = True) -> list[str]:
+    """``X-Backend`` (and ``X-Backend-Port``) as ``--x-backend`` says: nginx sends no
+    header whose value is empty, which is how ``loopback`` hides them from the others."""
+    if config.x_backend == "off":
+        return []
+    suffix = "_shown" if config.x_backend == "loopback" else ""
+    lines = [f"{indent}add_header X-Backend $txlb_backend{suffix} always;"]
+    if port:
+        lines.append(f"{indent}add_header X-Backend-Port $txlb_backend_port{suffix} always;")
+    return lines
+
+
 def server_block(config: Config) -> list[str]:
     retries = config.retries
     status_stub = json.dumps({
@@ -149,11 +161,19 @@ def server_block(config: Config) -> list[str]:
         f"    client_header_timeout {_seconds(config.header_timeout)};",
         "    large_client_header_buffers 4 16k;",
         "",
-        "    location = /__lb_status {",
-        "        default_type application/json;",
-        f"        return 200 {_quote(status_stub)};",
-        "    }",
-        "",
+    ]
+    if config.lb_status != "off":  # off: /__lb_status goes to a backend like any path
+        lines.append("    location = /__lb_status {")
+        if config.lb_status == "loopback":
+            # txlb proxies other clients' requests for it; nginx can only refuse them
+            lines += ["        allow 127.0.0.0/8;", "        allow ::1;", "        deny all;"]
+        lines += [
+            "        default_type application/json;",
+            f"        return 200 {_quote(status_stub)};",
+            "    }",
+            "",
+        ]
+    lines += [
         "    location / {",
         f"        proxy_pass http://{UPSTREAM};",
         "        proxy_http_version 1.1;",
@@ -179,10 +199,7 @@ def server_block(config: Config) -> list[str]:
         ]
     else:
         lines.append("        proxy_next_upstream off;")
-    lines += [
-        "        add_header X-Backend $txlb_backend always;",
-        "        add_header X-Backend-Port $txlb_backend_port always;",
-    ]
+    lines += _backend_headers(config, "        ")
     if config.rate_limit is not None:
         burst = config.rate_burst or max(1, math.ceil(config.rate_limit))
         lines += [
@@ -206,7 +223,7 @@ def server_block(config: Config) -> list[str]:
         lines += [
             f"    location @txlb_{status} {{",
             "        default_type application/json;",
-            "        add_header X-Backend $txlb_backend always;",
+            *_backend_headers(config, "        ", port=False),
             f"        return {status} {_quote(_error_body(status, message))};",
             "    }",
         ]
@@ -231,6 +248,25 @@ def http_level(config: Config) -> list[str]:
         r'    "~:(?<port>\d+)$" $port;',
         "    default \"\";",
         "}",
+    ]
+    if config.x_backend == "loopback":
+        lines += [
+            "# --x-backend loopback: the backend's name only for clients on this host",
+            "map $remote_addr $txlb_local {",
+            r'    "~^127\." 1;',
+            '    "::1" 1;',
+            '    default "";',
+            "}",
+            "map $txlb_local $txlb_backend_shown {",
+            '    1 $txlb_backend;',
+            '    default "";',
+            "}",
+            "map $txlb_local $txlb_backend_port_shown {",
+            '    1 $txlb_backend_port;',
+            '    default "";',
+            "}",
+        ]
+    lines += [
         "log_format txlb_results '$time_local orid=$http_x_orid $upstream_addr "
         "status=$status upstream_status=$upstream_status dur=$request_time "
         "ttfb=$upstream_header_time $request_method $request_uri';",
