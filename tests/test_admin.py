@@ -13,6 +13,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.server import Site
 
 from txlb import LoadBalancer
+from txlb._config import ConfigError, parse_backends
 
 from .helpers import ClientConnection, FakeResponse, FakeUpstream
 
@@ -224,3 +225,25 @@ class MetricsTests(AdminTestCase):
         other = LoadBalancer([A], reactor=self.clock, agent=FakeUpstream(),
                              probe_agent=FakeUpstream(), log_file="none")
         self.assertIsNot(other.metrics.registry, self.lb.metrics.registry)
+
+
+class BackendHostTests(SynchronousTestCase):
+    """
+    The backend address parser (shared by --backends, the config file and ``POST
+    /backends``) refuses hosts nothing could connect to, instead of letting them into the
+    pool where the prober and the upstream client fail on them later.
+    """
+
+    def test_bad_hosts_are_config_errors(self) -> None:
+        for address in ("a" * 300 + ":8004", "a..b:8004", "-a:8004", "a-.b:8004",
+                        "x" * 64 + ".com:8004", "my_host:8004", "999.1.1.1:8004",
+                        "[fe80::1%25eth0]:8004", "ex%41mple:8004", "h\u00e9:8004"):
+            with self.assertRaises(ConfigError, msg=address):
+                parse_backends("backends", address)
+
+    def test_good_hosts_are_kept(self) -> None:
+        specs = parse_backends("backends", "[::1]:8004,10.0.0.7:8002,gpu-3.example.com:8000,"
+                                           + "a" * 63 + ":1")
+        self.assertEqual([s.key for s in specs],
+                         ["[::1]:8004", "10.0.0.7:8002", "gpu-3.example.com:8000",
+                          "a" * 63 + ":1"])

@@ -11,6 +11,7 @@ and the offending value -- the one line an operator sees when start-up refuses.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import sys
@@ -175,7 +176,37 @@ def parse_backend_address(option: str, value: str) -> BackendSpec:
         or parts.username
     ):
         raise ConfigError(f"--{option}: {value!r} is not host:port or http://host:port")
+    if not is_host_name(parts.hostname):
+        raise ConfigError(f"--{option}: {value!r}: the host is not an IP address or a DNS "
+                          "name (labels of 1-63 letters, digits and '-', 253 in all)")
     return BackendSpec(host=parts.hostname, port=port)
+
+
+_LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)", re.IGNORECASE)
+
+
+def is_host_name(host: str) -> bool:
+    """
+    Whether ``host`` (no brackets, no port) is an IPv4 or IPv6 address or an RFC 1123 host
+    name.  urlsplit lets through anything between ``//`` and ``:``; this is what the prober,
+    the upstream client and DNS can use, so a name nobody could connect to is refused where
+    it is written instead of failing later, after the backend joined the pool.
+    """
+    if ":" in host:
+        if "%" in host:  # a zone index (fe80::1%eth0) has no portable spelling in a URL
+            return False
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return False
+        return True
+    if re.fullmatch(r"[0-9.]+", host):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            return False
+        return True
+    return len(host) <= 253 and all(_LABEL.fullmatch(label) for label in host.split("."))
 
 
 def parse_backends(option: str, value: object) -> tuple[BackendSpec, ...]:
