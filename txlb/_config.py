@@ -290,6 +290,33 @@ def parse_token(option: str, value: object) -> str | None:
     return text
 
 
+def parse_admin_hosts(option: str, value: object) -> tuple[str, ...]:
+    """
+    Host names the admin port answers to besides loopback names and its own address: a
+    comma-separated string or a TOML list; ``*`` means any.  Entries are host names or IP
+    literals without a port (any port matches), kept lower-case, IPv6 in brackets -- the
+    form they take in a ``Host`` header.
+    """
+    if isinstance(value, tuple) and not value:
+        return ()
+    if isinstance(value, str):
+        items: list[object] = [part.strip() for part in value.split(",") if part.strip()]
+    elif isinstance(value, list | tuple):
+        items = list(value)
+    else:
+        raise ConfigError(f"--{option}: {value!r} is not a comma-separated list of host names")
+    hosts = []
+    for item in items:
+        text = str(item).strip().lower() if isinstance(item, str) else ""
+        bare = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+        if text != "*" and not (bare and is_host_name(bare)
+                                and (bare == text or ":" in bare)):
+            raise ConfigError(f"--{option}: {item!r} is not a host name or IP address "
+                              "(without a port)")
+        hosts.append(f"[{ipaddress.IPv6Address(bare).compressed}]" if ":" in bare else text)
+    return tuple(hosts)
+
+
 _LOOPBACK = re.compile(r"^(127\.\d+\.\d+\.\d+|::1|localhost)$")
 
 
@@ -451,6 +478,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
                "'none' disables it.", "LB_ADMIN"),
     OptionSpec("admin-token", None, parse_token,
                "Require 'Authorization: Bearer <token>' on the admin port.", "LB_ADMIN_TOKEN"),
+    OptionSpec("admin-hosts", (), parse_admin_hosts,
+               "More Host names the admin port answers to, comma-separated ('*': any), "
+               "besides loopback names and its own address.", "LB_ADMIN_HOSTS"),
     OptionSpec("shutdown-timeout", 30.0, parse_duration,
                "Seconds in-flight requests get to finish on SIGTERM/SIGINT."),
     OptionSpec("policy", "least-conn", parse_policy,
@@ -515,6 +545,7 @@ class Config:
     log_format: str = "text"
     admin: str = "tcp:8001:interface=127.0.0.1"
     admin_token: str | None = None
+    admin_hosts: tuple[str, ...] = ()
     shutdown_timeout: float = 30.0
     policy: str = "least-conn"
     queue_timeout: float = 30.0
