@@ -7,6 +7,7 @@ import re
 import shutil
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 from treq.testing import StubTreq
 from twisted.internet import defer, utils
@@ -308,6 +309,13 @@ class BrowserRequestTests(AdminTestCase):
                             headers={**headers, "Origin": "http://localhost:8001"})
         self.assertEqual(code, 403)
 
+    def test_ipv6_hosts_and_origins(self) -> None:
+        for origin, status in (("http://[::1]:8001", 200), ("http://[0:0::1]:8001", 200),
+                               ("http://[::1]:8002", 403), ("http://[::1", 403)):
+            code, _ = self.call("GET", "/status",
+                                headers={"Host": "[::1]:8001", "Origin": origin})
+            self.assertEqual(code, status, origin)
+
     def test_foreign_host_gets_403_everywhere(self) -> None:
         for host in ("evil.example", "evil.example:8001", "127.0.0.1.nip.io",
                      "localhost.evil.example", "[::2]:8001", "0x7f.0.0.1", "127.1", "a b",
@@ -382,6 +390,8 @@ class ValidationTests(AdminTestCase):
         code, state = self.call("POST", "/backends", {"backend": "[::1]:8004"})
         self.assertEqual((code, state["backend"]), (201, "[::1]:8004"))
         self.assertIsNotNone(self.lb.pool.get("[::1]:8004"))
+        code, state = self.call("POST", "/backends/%5B::1%5D:8004/drain")  # curl -g: [::1]
+        self.assertEqual((code, state["draining"]), (200, True))
         self.flushLoggedErrors()  # a prober that cannot yet probe IPv6 logs why
 
     def test_body_over_the_cap_is_413(self) -> None:
@@ -416,6 +426,15 @@ class ValidationTests(AdminTestCase):
         code, error = self.call("GET", "/status")
         self.assertEqual((code, error["error"]["code"]), (500, 500))
         self.assertNotIn("a bug", json.dumps(error))
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+
+    def test_a_bug_in_the_checks_is_a_json_500(self) -> None:
+        def broken(request: object) -> str:
+            raise RuntimeError("a bug")
+
+        with patch("txlb._admin._own_address", broken):
+            code, error = self.call("GET", "/status", headers={"Host": "lb.example"})
+        self.assertEqual((code, error["error"]["code"]), (500, 500))
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
 
     def test_a_failing_first_probe_does_not_hide_the_add(self) -> None:

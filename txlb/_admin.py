@@ -167,6 +167,10 @@ class _Guard(Resource):
             self._check(request)
         except AdminError as error:
             return _json(request, error.status, _error_payload(error.status, error.message))
+        except Exception:
+            log.failure("checking admin request {method} {uri} failed",
+                        method=request.method, uri=request.uri)
+            return _json(request, 500, _error_payload(500, "internal error (see txlb's log)"))
         return self._app.render(request)
 
     def _check(self, request: Request) -> None:
