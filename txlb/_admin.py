@@ -229,10 +229,7 @@ class _Guard(Resource):
         if media in _FORM_TYPES:
             raise AdminError(415, f"{media} is refused so that no web page can change state: "
                                   "send no body, or JSON with Content-Type: application/json")
-        length = _header(request, b"content-length")
-        if length is not None and length.strip().isdigit() and int(length) > ADMIN_MAX_BODY:
-            raise AdminError(413, f"the request body is over {ADMIN_MAX_BODY} bytes")
-        size = _body_size(request)
+        size = _body_size(request)  # twisted.web has read it all by now
         if size > ADMIN_MAX_BODY:
             raise AdminError(413, f"the request body is over {ADMIN_MAX_BODY} bytes")
         if size and not (media == "application/json" or (
