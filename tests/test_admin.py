@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 from treq.testing import StubTreq
+from twisted.internet import defer, utils
 from twisted.internet import error as neterror
 from twisted.internet.task import Clock
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
 from twisted.web.server import Site
 
 from txlb import LoadBalancer
+from txlb._admin import Admin
+from txlb._config import ConfigError, build_config, parse_backends
+from txlb.tap import _AdminSite
 
 from .helpers import ClientConnection, FakeResponse, FakeUpstream
+from .integration import TwistdProcess
+from .test_integration import Fleet
 
 A, B = "127.0.0.1:8002", "127.0.0.1:8003"
 
@@ -38,8 +47,10 @@ class AdminTestCase(SynchronousTestCase):
              headers: dict[str, str] | None = None) -> tuple[int, Any]:
         data = body if isinstance(body, bytes) else (
             None if body is None else json.dumps(body).encode())
+        sent = {"Content-Type": "application/json"} if data is not None else {}
+        sent.update(headers or {})
         response = self.successResultOf(self.admin.request(
-            method, "http://admin" + path, data=data, headers=headers or {}))
+            method, "http://127.0.0.1" + path, data=data, headers=sent))
         content = self.successResultOf(response.content())
         if response.headers.getRawHeaders(b"content-type", [b""])[0].startswith(
                 b"application/json"):
@@ -224,3 +235,302 @@ class MetricsTests(AdminTestCase):
         other = LoadBalancer([A], reactor=self.clock, agent=FakeUpstream(),
                              probe_agent=FakeUpstream(), log_file="none")
         self.assertIsNot(other.metrics.registry, self.lb.metrics.registry)
+
+
+class BrowserRequestTests(AdminTestCase):
+    """
+    What a web page in the operator's browser can send is refused before anything changes:
+    form content types (415), a foreign Origin (403), a Host that DNS rebinding could have
+    pointed here (403).  What operators send with curl keeps working.
+    """
+
+    def assertUnchanged(self) -> None:
+        self.assertEqual(sorted(b.key for b in self.lb.pool), [A, B])
+        self.assertEqual([b.key for b in self.lb.pool if b.draining], [])
+
+    def test_form_content_types_get_415(self) -> None:
+        for content_type in ("application/x-www-form-urlencoded", "multipart/form-data; "
+                             "boundary=x", "text/plain", "Text/Plain ; charset=UTF-8"):
+            headers = {"Content-Type": content_type}
+            for body in (b"", b"a=b") if "multipart" not in content_type else (b"",):
+                code, error = self.call("POST", f"/backends/{A}/drain", body, headers)
+                self.assertEqual((code, error["error"]["code"]), (415, 415), content_type)
+            # (under treq's Site a malformed multipart body is twisted.web's own 400; the
+            # admin port's Site does not parse forms: see test_malformed_form_bodies...)
+            form = b'{"backend": "127.0.0.1:9", "models": ["="]}'
+            code, _ = self.call("POST", "/backends",
+                                form if "multipart" not in content_type else b"", headers)
+            self.assertEqual(code, 415)
+            code, _ = self.call("DELETE", f"/backends/{B}", b"", headers)
+            self.assertEqual(code, 415)
+        self.assertUnchanged()
+
+    def test_a_body_must_say_it_is_json(self) -> None:
+        body = b'{"backend": "127.0.0.1:9"}'
+        for headers in ({"Content-Type": ""}, {"Content-Type": "application/octet-stream"}):
+            code, _ = self.call("POST", "/backends", body, headers)
+            self.assertEqual(code, 415, headers)
+        self.assertUnchanged()
+        code, _ = self.call("POST", "/backends", body,
+                            {"Content-Type": "application/json; charset=utf-8"})
+        self.assertEqual(code, 201)
+
+    def test_what_curl_sends_works(self) -> None:
+        code, state = self.call("POST", f"/backends/{A}/drain")  # curl -X POST, no body
+        self.assertEqual((code, state["draining"]), (200, True))
+        code, state = self.call("POST", f"/backends/{A}/undrain", {})  # -d '{}' + JSON type
+        self.assertEqual((code, state["draining"]), (200, False))
+        code, _ = self.call("DELETE", f"/backends/{B}")
+        self.assertEqual(code, 200)
+
+    def test_foreign_origin_gets_403(self) -> None:
+        # treq's Host here is "127.0.0.1" (port 80)
+        for origin in ("http://evil.example", "http://127.0.0.1:9999", "null",
+                       "http://127.0.0.1.evil.example", "http://localhost", "file://",
+                       "http://127.0.0.1/x", "http://user@127.0.0.1"):
+            headers = {"Origin": origin}
+            code, error = self.call("POST", f"/backends/{A}/drain", headers=headers)
+            self.assertEqual((code, error["error"]["code"]), (403, 403), origin)
+            code, _ = self.call("POST", "/backends", {"backend": "127.0.0.1:9"}, headers)
+            self.assertEqual(code, 403, origin)
+            code, _ = self.call("GET", "/status", headers=headers)
+            self.assertEqual(code, 403, origin)
+        self.assertUnchanged()
+        for origin in ("http://127.0.0.1", "http://127.0.0.1:80", "HTTP://127.0.0.1"):
+            code, _ = self.call("POST", f"/backends/{A}/undrain", headers={"Origin": origin})
+            self.assertEqual(code, 200, origin)
+
+    def test_origin_is_compared_with_the_host_it_came_to(self) -> None:
+        # ssh -L 9001:127.0.0.1:8001: the browser's Host and Origin both say localhost:9001
+        headers = {"Host": "localhost:9001", "Origin": "http://localhost:9001"}
+        code, state = self.call("POST", f"/backends/{A}/drain", headers=headers)
+        self.assertEqual((code, state["draining"]), (200, True))
+        code, _ = self.call("POST", f"/backends/{A}/undrain",
+                            headers={**headers, "Origin": "http://localhost:8001"})
+        self.assertEqual(code, 403)
+
+    def test_ipv6_hosts_and_origins(self) -> None:
+        for origin, status in (("http://[::1]:8001", 200), ("http://[0:0::1]:8001", 200),
+                               ("http://[::1]:8002", 403), ("http://[::1", 403)):
+            code, _ = self.call("GET", "/status",
+                                headers={"Host": "[::1]:8001", "Origin": origin})
+            self.assertEqual(code, status, origin)
+
+    def test_foreign_host_gets_403_everywhere(self) -> None:
+        for host in ("evil.example", "evil.example:8001", "127.0.0.1.nip.io",
+                     "localhost.evil.example", "[::2]:8001", "0x7f.0.0.1", "127.1", "a b",
+                     "user@127.0.0.1", "[::1", "127.0.0.1:99999", ""):
+            headers = {"Host": host}
+            for method, path in (("GET", "/status"), ("GET", "/"), ("GET", "/metrics"),
+                                 ("GET", "/nothing-here"), ("POST", f"/backends/{A}/drain")):
+                code, error = self.call(method, path, headers=headers)
+                self.assertEqual((code, error["error"]["code"]), (403, 403), (host, path))
+        self.assertUnchanged()
+        for host in ("localhost", "LOCALHOST:9001", "127.0.0.1:8001", "127.42.0.9",
+                     "[::1]:8001", "[0:0::1]"):
+            code, _ = self.call("GET", "/status", headers={"Host": host})
+            self.assertEqual(code, 200, host)
+
+    def test_the_dashboard_cannot_be_framed(self) -> None:
+        response = self.successResultOf(self.admin.get("http://127.0.0.1/"))
+        self.assertEqual(response.headers.getRawHeaders(b"x-frame-options"), [b"DENY"])
+        self.assertEqual(response.headers.getRawHeaders(b"content-security-policy"),
+                         [b"frame-ancestors 'none'"])
+
+
+class HostAllowlistTests(SynchronousTestCase):
+    """The endpoint's own address is always answered; --admin-hosts adds names."""
+
+    def raw(self, host: bytes, admin_hosts: tuple[str, ...] = ()) -> int:
+        lb = LoadBalancer([A], reactor=Clock(), agent=FakeUpstream(),
+                          probe_agent=FakeUpstream(), log_file="none", admin_hosts=admin_hosts)
+        client = ClientConnection(Site(lb.admin_resource(), reactor=Clock()))
+        # a StringTransport's own address is 10.0.0.1
+        client.send(b"GET /status HTTP/1.1\r\nHost: " + host + b"\r\n\r\n")
+        return client.response().status
+
+    def test_own_address(self) -> None:
+        self.assertEqual(self.raw(b"10.0.0.1:8001"), 200)
+        self.assertEqual(self.raw(b"10.0.0.2:8001"), 403)
+        self.assertEqual(self.raw(b"lb.internal:8001"), 403)
+
+    def test_listed_names(self) -> None:
+        self.assertEqual(self.raw(b"LB.internal:8001", ("lb.internal",)), 200)
+        self.assertEqual(self.raw(b"lb.internal.evil.example", ("lb.internal",)), 403)
+        self.assertEqual(self.raw(b"anything.example", ("*",)), 200)
+
+    def test_the_option(self) -> None:
+        self.assertEqual(build_config({"admin-hosts": "LB.internal, [::1],10.0.0.5"}
+                                      ).admin_hosts, ("lb.internal", "[::1]", "10.0.0.5"))
+        self.assertEqual(build_config({}, {"LB_ADMIN_HOSTS": "a.example"}).admin_hosts,
+                         ("a.example",))
+        self.assertEqual(build_config({}, {}).admin_hosts, ())
+        for bad in ("lb:8001", "a b", "[lb]", "a..b", "http://lb"):
+            with self.assertRaises(ConfigError, msg=bad):
+                build_config({"admin-hosts": bad})
+
+
+class ValidationTests(AdminTestCase):
+    """Every request is validated whole before anything changes; every error is JSON."""
+
+    def test_deeply_nested_json_is_400(self) -> None:
+        for body in (b"[" * 20000 + b"]" * 20000, b'{"backend": ' + b"[" * 20000):
+            code, error = self.call("POST", "/backends", body)
+            self.assertEqual((code, error["error"]["code"]), (400, 400))
+        self.assertEqual(len(self.lb.pool), 2)
+
+    def test_bad_hosts_are_400_and_nothing_is_added(self) -> None:
+        for address in ("a" * 300 + ":8004", "[::1:8004", "[zz]:8004", "a..b:8004",
+                        "[fe80::1%25eth0]:8004", "h:99999"):
+            code, error = self.call("POST", "/backends", {"backend": address})
+            self.assertEqual((code, error["error"]["code"]), (400, 400), address)
+        self.assertEqual(len(self.lb.pool), 2)
+
+    def test_ipv6_literal_is_added(self) -> None:
+        code, state = self.call("POST", "/backends", {"backend": "[::1]:8004"})
+        self.assertEqual((code, state["backend"]), (201, "[::1]:8004"))
+        self.assertIsNotNone(self.lb.pool.get("[::1]:8004"))
+        code, state = self.call("POST", "/backends/%5B::1%5D:8004/drain")  # curl -g: [::1]
+        self.assertEqual((code, state["draining"]), (200, True))
+        self.flushLoggedErrors()  # a prober that cannot yet probe IPv6 logs why
+
+    def test_body_over_the_cap_is_413(self) -> None:
+        body = json.dumps({"backend": "127.0.0.1:9", "models": ["m" * (64 * 1024)]})
+        code, error = self.call("POST", "/backends", body.encode())
+        self.assertEqual((code, error["error"]["code"]), (413, 413))
+        self.assertEqual(len(self.lb.pool), 2)
+
+    def test_body_over_the_cap_is_refused_as_it_arrives(self) -> None:
+        client = ClientConnection(_AdminSite(self.lb.admin_resource(), reactor=self.clock))
+        client.send(b"POST /backends HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 10000000\r\n\r\n")
+        response = client.response()
+        self.assertEqual(response.status, 413)
+        self.assertEqual(json.loads(response.body)["error"]["code"], 413)
+
+    def test_malformed_form_bodies_get_json_too(self) -> None:
+        client = ClientConnection(_AdminSite(self.lb.admin_resource(), reactor=self.clock))
+        client.send(b"POST /backends/127.0.0.1:8002/drain HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    b"Content-Type: multipart/form-data; boundary=x\r\n"
+                    b"Content-Length: 3\r\n\r\na=b")
+        response = client.response()
+        self.assertEqual(response.status, 415)
+        self.assertEqual(json.loads(response.body)["error"]["code"], 415)
+        self.assertFalse(self.lb.pool.get(A).draining)  # type: ignore[union-attr]
+
+    def test_an_unexpected_error_is_a_json_500(self) -> None:
+        def broken() -> dict[str, object]:
+            raise RuntimeError("a bug")
+
+        self.lb.pool.status = broken  # type: ignore[method-assign]
+        code, error = self.call("GET", "/status")
+        self.assertEqual((code, error["error"]["code"]), (500, 500))
+        self.assertNotIn("a bug", json.dumps(error))
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+
+    def test_a_bug_in_the_checks_is_a_json_500(self) -> None:
+        def broken(request: object) -> str:
+            raise RuntimeError("a bug")
+
+        with patch("txlb._admin._own_address", broken):
+            code, error = self.call("GET", "/status", headers={"Host": "lb.example"})
+        self.assertEqual((code, error["error"]["code"]), (500, 500))
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+
+    def test_a_failing_first_probe_does_not_hide_the_add(self) -> None:
+        def on_added(backend: object) -> None:
+            raise RuntimeError("probe could not start")
+
+        admin = StubTreq(Admin(self.lb.pool, self.lb.metrics, None, on_added=on_added
+                               ).resource())
+        response = self.successResultOf(admin.post(
+            "http://127.0.0.1/backends", data=b'{"backend": "127.0.0.1:9"}',
+            headers={"Content-Type": "application/json"}))
+        self.assertEqual(response.code, 201)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+        self.assertIsNotNone(self.lb.pool.get("127.0.0.1:9"))
+
+
+class BackendHostTests(SynchronousTestCase):
+    """
+    The backend address parser (shared by --backends, the config file and ``POST
+    /backends``) refuses hosts nothing could connect to, instead of letting them into the
+    pool where the prober and the upstream client fail on them later.
+    """
+
+    def test_bad_hosts_are_config_errors(self) -> None:
+        for address in ("a" * 300 + ":8004", "a..b:8004", "-a:8004", "a-.b:8004",
+                        "x" * 64 + ".com:8004", "my_host:8004", "999.1.1.1:8004",
+                        "[fe80::1%25eth0]:8004", "ex%41mple:8004", "h\u00e9:8004"):
+            with self.assertRaises(ConfigError, msg=address):
+                parse_backends("backends", address)
+
+    def test_good_hosts_are_kept(self) -> None:
+        specs = parse_backends("backends", "[::1]:8004,10.0.0.7:8002,gpu-3.example.com:8000,"
+                                           + "a" * 63 + ":1")
+        self.assertEqual([s.key for s in specs],
+                         ["[::1]:8004", "10.0.0.7:8002", "gpu-3.example.com:8000",
+                          "a" * 63 + ":1"])
+
+
+CURL = shutil.which("curl")
+
+
+class AdminProcessTests(TestCase):
+    """
+    The admin port of a real ``twistd -n llmlb``, driven with curl the way docs/operations.md
+    tells operators to: what they type works, what a browser page would send does not.
+    """
+
+    timeout = 90
+
+    async def curl(self, *args: str) -> tuple[int, Any]:
+        """Run curl against the admin port; the status and the (JSON) body."""
+        out, err, code = await utils.getProcessOutputAndValue(
+            CURL or "", ["-s", "-w", "\n%{http_code}", *args], env={})
+        self.assertEqual(code, 0, err)
+        body, _, status = out.decode().rpartition("\n")
+        return int(status), json.loads(body) if body else None
+
+    @defer.inlineCallbacks
+    def test_curl_as_documented(self) -> Any:
+        if CURL is None:
+            raise SkipTest("NOT RUN: curl is not installed")
+        fleet = Fleet(self, 2)
+        lb = TwistdProcess("--backends", ",".join(fleet.keys), "--admin",
+                           "tcp:0:interface=127.0.0.1", "--admin-hosts", "lb-admin.internal")
+        self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
+        yield defer.ensureDeferred(lb.started())
+        admin, key = lb.admin_url, fleet.keys[0]
+
+        def curl(*args: str) -> defer.Deferred[tuple[int, Any]]:
+            return defer.ensureDeferred(self.curl(*args))
+
+        # what operators type
+        code, state = yield curl("-X", "POST", f"{admin}/backends/{key}/drain")
+        self.assertEqual((code, state["draining"]), (200, True))
+        code, state = yield curl("-X", "POST", f"{admin}/backends/{key}/undrain")
+        self.assertEqual((code, state["draining"]), (200, False))
+        code, state = yield curl("-X", "POST", "-H", "Content-Type: application/json",
+                                 f"{admin}/backends", "-d", '{"backend": "127.0.0.1:9"}')
+        self.assertEqual((code, state["backend"]), (201, "127.0.0.1:9"))
+        code, _ = yield curl("-X", "DELETE", f"{admin}/backends/127.0.0.1:9")
+        self.assertEqual(code, 200)
+        code, _ = yield curl("-H", "Host: lb-admin.internal:8001", f"{admin}/status")
+        self.assertEqual(code, 200)
+        # what a page could make a browser send, and forgetting the JSON content type
+        code, error = yield curl(f"{admin}/backends", "-d", '{"backend": "127.0.0.1:10"}')
+        self.assertEqual((code, error["error"]["code"]), (415, 415))
+        code, error = yield curl("-H", "Host: evil.example:8001", f"{admin}/status")
+        self.assertEqual((code, error["error"]["code"]), (403, 403))
+        code, error = yield curl("-X", "POST", "-H", "Origin: http://evil.example",
+                                 f"{admin}/backends/{key}/drain")
+        self.assertEqual((code, error["error"]["code"]), (403, 403))
+        big = Path(self.mktemp())
+        big.write_bytes(json.dumps({"backend": "127.0.0.1:11", "models": ["m" * 100_000]})
+                        .encode())
+        code, error = yield curl("-X", "POST", "-H", "Content-Type: application/json",
+                                 f"{admin}/backends", "--data-binary", f"@{big}")
+        self.assertEqual((code, error["error"]["code"]), (413, 413))
+        code, status = yield curl(f"{admin}/status")
+        self.assertEqual((code, status["total"], status["draining"]), (200, 2, 0))

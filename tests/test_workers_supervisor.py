@@ -209,7 +209,7 @@ class SupervisorTests(SynchronousTestCase):
         admin = StubTreq(balancer.admin_resource())
 
         def call(method: str, path: str) -> tuple[int, Any]:
-            response = self.successResultOf(admin.request(method, "http://admin" + path))
+            response = self.successResultOf(admin.request(method, "http://127.0.0.1" + path))
             return response.code, json.loads(self.successResultOf(response.content()))
 
         code, drained = call("POST", "/backends/127.0.0.1:9/drain")

@@ -5,26 +5,56 @@ Operators drain a GPU for maintenance, add and remove instances, watch ``/status
 scrape ``/metrics`` here -- on a port of its own, loopback by default, so none of it is
 reachable through the main port.  Every answer, errors included, is JSON (the dashboard at
 ``/`` aside), and when a token is configured every request needs it.
+
+Loopback is not enough on its own: the operator's browser runs on loopback too (an
+``ssh -L`` tunnel puts the port there), and any page it has open can send requests to it.
+So before any route runs, :class:`_Guard` refuses what only a browser acting for some
+other site sends: a ``Host`` that is not this endpoint's own (DNS rebinding), an
+``Origin`` that is not the request's own ``Host`` (a cross-origin page), and for requests
+that change state, the content types an HTML form or a "simple" fetch can send without a
+CORS preflight.  The body is capped, and every request is validated whole before anything
+changes.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from importlib import resources
 from typing import Any
 
 from klein import Klein
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
+from twisted.web.resource import IResource, Resource
 from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException
 
 from ._backend import Backend, Pool
 from ._config import ConfigError, _backend_item
 from ._metrics import Metrics
+
+log = Logger()
+
+#: The largest request body the admin API reads (a backend's JSON is a few hundred bytes).
+ADMIN_MAX_BODY = 64 * 1024
+
+#: What an HTML form (or a fetch without a CORS preflight) can send; never JSON from curl.
+_FORM_TYPES = frozenset({"application/x-www-form-urlencoded", "multipart/form-data",
+                         "text/plain"})
+
+#: Methods that only read; every other one may change state.
+_SAFE_METHODS = frozenset({b"GET", b"HEAD"})
+
+#: ``host[:port]`` as it appears in ``Host`` or after ``scheme://`` in ``Origin``.
+_AUTHORITY = re.compile(r"(\[[0-9a-f:.]+\]|[a-z0-9._-]+)(?::([0-9]{1,5}))?")
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 #: Fields ``POST /backends`` accepts, mapped to the config file's backend table keys.
 _ADD_FIELDS = {"backend": "url", "url": "url", "weight": "weight", "max_conns": "max_conns",
@@ -51,12 +81,172 @@ def _error_payload(status: int, message: str) -> dict[str, object]:
     return {"error": {"message": message, "type": "admin_error", "code": status}}
 
 
+def _authority(text: str) -> tuple[str, int | None] | None:
+    """
+    ``(host, port)`` from ``host[:port]``: lower-case, IPv6 in brackets and compressed,
+    ``port`` ``None`` when absent.  ``None`` when it is not a well-formed authority (user
+    info, a path, stray characters): such a value is never allowed.
+    """
+    match = _AUTHORITY.fullmatch(text.strip().lower())
+    if match is None:
+        return None
+    host, port = match.group(1), match.group(2)
+    if host.startswith("["):
+        try:
+            host = f"[{ipaddress.IPv6Address(host[1:-1]).compressed}]"
+        except ValueError:
+            return None
+    number = int(port) if port is not None else None
+    if number is not None and not 0 < number < 65536:
+        return None
+    return host, number
+
+
+def _is_loopback_name(host: str) -> bool:
+    """``localhost``, ``[::1]`` or a 127.0.0.0/8 literal: names only this machine answers."""
+    if host in ("localhost", "[::1]"):
+        return True
+    try:
+        return ipaddress.IPv4Address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _own_address(request: IRequest) -> str | None:
+    """The local address the request's connection arrived on, spelt as in a ``Host``."""
+    host = getattr(request.getHost(), "host", None)  # None for a UNIX socket
+    if not isinstance(host, str):
+        return None
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host.lower()
+    return f"[{address.compressed}]" if address.version == 6 else address.compressed
+
+
+def _header(request: IRequest, name: bytes) -> str | None:
+    """The one value of header ``name`` (``None`` when absent); a repeated one is refused."""
+    values = request.requestHeaders.getRawHeaders(name) or []
+    if len(values) > 1:
+        raise AdminError(403 if name != b"content-type" else 415,
+                         f"more than one {name.decode()} header")
+    return values[0].decode("latin-1") if values else None
+
+
+def _body_size(request: IRequest) -> int:
+    content = getattr(request, "content", None)
+    if content is None:
+        return 0
+    position = content.tell()
+    size = content.seek(0, 2)
+    content.seek(position)
+    return int(size)
+
+
+class _Guard(Resource):
+    """
+    The admin API's root: checks every request (any path, any method) before the Klein
+    app routes it, so no route can forget to -- see the module docstring for why each
+    check exists.  A refused request gets a JSON error and never reaches a route.
+    """
+
+    isLeaf = True
+
+    def __init__(self, app: IResource, allowed_hosts: Iterable[str]) -> None:
+        super().__init__()
+        self._app = app
+        self._allowed = frozenset(allowed_hosts)
+
+    def render(self, request: Request) -> Any:
+        # No page may frame the dashboard either: a click on its drain button would be the
+        # operator's own, Origin and all.
+        request.setHeader(b"x-frame-options", b"DENY")
+        request.setHeader(b"content-security-policy", b"frame-ancestors 'none'")
+        request.setHeader(b"x-content-type-options", b"nosniff")
+        try:
+            self._check(request)
+        except AdminError as error:
+            return _json(request, error.status, _error_payload(error.status, error.message))
+        except Exception:
+            log.failure("checking admin request {method} {uri} failed",
+                        method=request.method, uri=request.uri)
+            return _json(request, 500, _error_payload(500, "internal error (see txlb's log)"))
+        return self._app.render(request)
+
+    def _check(self, request: Request) -> None:
+        host = self._check_host(request)
+        self._check_origin(request, host)
+        if request.method not in _SAFE_METHODS:
+            self._check_body(request)
+
+    def _check_host(self, request: Request) -> str | None:
+        """
+        DNS rebinding: a page on ``evil.example`` whose name now resolves to 127.0.0.1 is
+        same-origin with the admin port as far as the browser knows, but its requests say
+        ``Host: evil.example``.  Answer only names that cannot be rebound (loopback, this
+        endpoint's own address) and the ones the operator listed.  No ``Host`` at all
+        (HTTP/1.0 tools) is not a browser.
+        """
+        given = _header(request, b"host")
+        if given is None:
+            return None
+        parsed = _authority(given)
+        if parsed is None:
+            raise AdminError(403, "the Host header is malformed")
+        name = parsed[0]
+        if not ("*" in self._allowed or name in self._allowed or _is_loopback_name(name)
+                or name == _own_address(request)):
+            raise AdminError(403, f"Host {name[:100]!r} is not this admin endpoint's address "
+                                  "or a loopback name (see --admin-hosts)")
+        return given
+
+    def _check_origin(self, request: Request, host: str | None) -> None:
+        """
+        A cross-origin page: browsers send ``Origin`` on every cross-origin POST and
+        DELETE (and CORS GET), so one naming anything but the request's own ``Host`` is a
+        page of another site acting on its own.  Comparing with ``Host`` rather than a
+        fixed address keeps ``ssh -L 9001:127.0.0.1:8001`` and the dashboard working.
+        """
+        origin = _header(request, b"origin")
+        if origin is None:
+            return
+        scheme, separator, rest = origin.strip().lower().partition("://")
+        default = _DEFAULT_PORTS.get(scheme)
+        theirs = _authority(rest) if separator and default else None
+        ours = _authority(host) if host is not None else None
+        if theirs is None or ours is None or (theirs[0], theirs[1] or default) != (
+                ours[0], ours[1] or default):
+            raise AdminError(403, f"Origin {origin[:100]!r} is not this admin endpoint: "
+                                  "requests from other web pages are refused")
+
+    def _check_body(self, request: Request) -> None:
+        """
+        Form content types are what a page can send cross-site without a CORS preflight
+        (an auto-submitting form drains with an empty one); a body must say it is JSON.
+        """
+        given = _header(request, b"content-type")
+        media = given.split(";", 1)[0].strip().lower() if given is not None else None
+        if media in _FORM_TYPES:
+            raise AdminError(415, f"{media} is refused so that no web page can change state: "
+                                  "send no body, or JSON with Content-Type: application/json")
+        size = _body_size(request)  # twisted.web has read it all by now
+        if size > ADMIN_MAX_BODY:
+            raise AdminError(413, f"the request body is over {ADMIN_MAX_BODY} bytes")
+        if size and not (media == "application/json" or (
+                media is not None and media.startswith("application/")
+                and media.endswith("+json"))):
+            raise AdminError(415, "a request body must be JSON, sent with "
+                                  "Content-Type: application/json")
+
+
 class Admin:
     """
     The admin API, bound to one balancer's pool.
 
     ``on_added`` is called with each backend added through the API (the balancer probes it
-    at once); ``token`` (``None`` = open) is compared in constant time.
+    at once); ``token`` (``None`` = open) is compared in constant time; ``allowed_hosts``
+    are the ``Host`` names answered besides loopback names and the endpoint's own address
+    (``--admin-hosts``).  Serve :meth:`resource`, which checks every request first.
     """
 
     app = Klein()
@@ -64,8 +254,10 @@ class Admin:
     def __init__(self, pool: Pool, metrics: Metrics, token: str | None,
                  on_added: Callable[[Backend], object] = lambda backend: None,
                  clock: Callable[[], float] = time.time,
-                 extra_status: Callable[[], dict[str, object]] | None = None) -> None:
+                 extra_status: Callable[[], dict[str, object]] | None = None,
+                 allowed_hosts: Iterable[str] = ()) -> None:
         self.pool = pool
+        self._allowed_hosts = tuple(allowed_hosts)
         self._metrics = metrics
         self._token = token.encode("utf-8") if token else None
         self._on_added = on_added
@@ -73,6 +265,10 @@ class Admin:
         self._started = clock()
         #: more top-level keys for ``/status`` (the worker processes, with --workers)
         self._extra_status = extra_status
+
+    def resource(self) -> IResource:
+        """The admin API as a resource: the Klein app behind the request checks."""
+        return _Guard(self.app.resource(), self._allowed_hosts)
 
     # -- guards -------------------------------------------------------------------------
 
@@ -109,6 +305,13 @@ class Admin:
         if allowed:
             request.setHeader(b"allow", ", ".join(allowed).encode())
         return _json(request, status, _error_payload(status, error.description or error.name))
+
+    @app.handle_errors(Exception)
+    def _unexpected(self, request: IRequest, failure: Failure) -> bytes:
+        """Anything else is txlb's bug: logged whole here, a JSON 500 without details there."""
+        log.failure("admin request {method} {uri} failed", failure,
+                    method=request.method, uri=request.uri)
+        return _json(request, 500, _error_payload(500, "internal error (see txlb's log)"))
 
     # -- routes -------------------------------------------------------------------------
 
@@ -176,7 +379,11 @@ class Admin:
             backend = self.pool.add(spec)
         except ValueError as error:
             raise AdminError(409, str(error)) from None
-        self._on_added(backend)
+        try:
+            self._on_added(backend)
+        except Exception:
+            # It is in the pool now; say so.  The regular health checks probe it later.
+            log.failure("could not start the first probe of {backend}", backend=backend.key)
         return _json(request, 201, backend.detailed_status())
 
     @app.route("/backends/<string:key>", methods=["DELETE"])
@@ -194,6 +401,8 @@ class Admin:
             body = json.loads(raw)
         except ValueError:
             raise AdminError(400, "the body must be JSON") from None
+        except RecursionError:
+            raise AdminError(400, "the body is nested too deeply") from None
         if not isinstance(body, dict):
             raise AdminError(400, "the body must be a JSON object")
         return body

@@ -265,9 +265,8 @@ class LoadBalancer:
         """
         admin = Admin(self.pool, self.metrics, self.config.admin_token,
                       on_added=self.health.probe_soon, clock=self.reactor.seconds,
-                      extra_status=extra_status)
-        resource: IResource = admin.app.resource()
-        return resource
+                      extra_status=extra_status, allowed_hosts=self.config.admin_hosts)
+        return admin.resource()
 
     def site(self) -> Site:
         """A ``Site`` serving only the proxy (what ``twistd llmlb`` listens with)."""

@@ -177,30 +177,41 @@ def parse_backend_address(option: str, value: str) -> BackendSpec:
     ):
         raise ConfigError(f"--{option}: {value!r} is not host:port or http://host:port")
     host = parts.hostname
-    if not _valid_host(host):
+    if not is_host_name(host):
         shown = text if len(text) <= 80 else text[:77] + "..."
         raise ConfigError(
-            f"--{option}: {shown!r} is not an IPv4 address, a bracketed IPv6 address "
-            "([::1]:8002) or a host name (at most 253 characters) with a port")
+            f"--{option}: {shown!r}: the host is not an IP address or a DNS name (labels "
+            "of 1-63 letters, digits and '-', 253 in all; IPv6 as [::1]:8002)")
     return BackendSpec(host=host, port=port)
 
 
-_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}")
+#: An RFC 1123 label.  Not ``_``: Twisted's HTTP client (the prober) refuses such a name
+#: ("invalid hostname"), so a backend called ``gpu_3`` could never be probed.
+_LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)", re.IGNORECASE)
 
 
-def _valid_host(host: str) -> bool:
+def is_host_name(host: str) -> bool:
     """
-    An IP literal or a DNS name that a resolver can be asked for.  Checked here, once, so
-    that nothing later (the prober, the upstream client, ``X-Backend``) meets a host it
-    cannot use: an IPv6 zone (``%eth0``) or a 300-character name is refused at start-up or
-    by the admin API, not discovered by the probe loop.
+    Whether ``host`` (no brackets, no port) is an IPv4 or IPv6 address or an RFC 1123 host
+    name.  urlsplit lets through anything between ``//`` and ``:``; this is what the prober,
+    the upstream client and DNS can use, so a name nobody could connect to is refused where
+    it is written instead of failing later, after the backend joined the pool.
     """
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        labels = host.rstrip(".").split(".")
-        return len(host) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in labels)
-    return not (isinstance(address, ipaddress.IPv6Address) and address.scope_id)
+    if ":" in host:
+        if "%" in host:  # a zone index (fe80::1%eth0) has no portable spelling in a URL
+            return False
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return False
+        return True
+    if re.fullmatch(r"[0-9.]+", host):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            return False
+        return True
+    return len(host) <= 253 and all(_LABEL.fullmatch(label) for label in host.split("."))
 
 
 def parse_backends(option: str, value: object) -> tuple[BackendSpec, ...]:
@@ -282,6 +293,33 @@ def parse_token(option: str, value: object) -> str | None:
     if not text.strip() or any(c.isspace() for c in text):
         raise ConfigError(f"--{option}: the token must be non-empty and contain no spaces")
     return text
+
+
+def parse_admin_hosts(option: str, value: object) -> tuple[str, ...]:
+    """
+    Host names the admin port answers to besides loopback names and its own address: a
+    comma-separated string or a TOML list; ``*`` means any.  Entries are host names or IP
+    literals without a port (any port matches), kept lower-case, IPv6 in brackets -- the
+    form they take in a ``Host`` header.
+    """
+    if isinstance(value, tuple) and not value:
+        return ()
+    if isinstance(value, str):
+        items: list[object] = [part.strip() for part in value.split(",") if part.strip()]
+    elif isinstance(value, list | tuple):
+        items = list(value)
+    else:
+        raise ConfigError(f"--{option}: {value!r} is not a comma-separated list of host names")
+    hosts = []
+    for item in items:
+        text = str(item).strip().lower() if isinstance(item, str) else ""
+        bare = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+        if text != "*" and not (bare and is_host_name(bare)
+                                and (bare == text or ":" in bare)):
+            raise ConfigError(f"--{option}: {item!r} is not a host name or IP address "
+                              "(without a port)")
+        hosts.append(f"[{ipaddress.IPv6Address(bare).compressed}]" if ":" in bare else text)
+    return tuple(hosts)
 
 
 _LOOPBACK = re.compile(r"^(127\.\d+\.\d+\.\d+|::1|localhost)$")
@@ -458,6 +496,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
                "'none' disables it.", "LB_ADMIN"),
     OptionSpec("admin-token", None, parse_token,
                "Require 'Authorization: Bearer <token>' on the admin port.", "LB_ADMIN_TOKEN"),
+    OptionSpec("admin-hosts", (), parse_admin_hosts,
+               "More Host names the admin port answers to, comma-separated ('*': any), "
+               "besides loopback names and its own address.", "LB_ADMIN_HOSTS"),
     OptionSpec("shutdown-timeout", 30.0, parse_duration,
                "Seconds in-flight requests get to finish on SIGTERM/SIGINT."),
     OptionSpec("policy", "least-conn", parse_policy,
@@ -528,6 +569,7 @@ class Config:
     log_format: str = "text"
     admin: str = "tcp:8001:interface=127.0.0.1"
     admin_token: str | None = None
+    admin_hosts: tuple[str, ...] = ()
     shutdown_timeout: float = 30.0
     policy: str = "least-conn"
     queue_timeout: float = 30.0

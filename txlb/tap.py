@@ -18,8 +18,10 @@ from twisted.logger import Logger
 from twisted.python import usage
 from twisted.web.server import Site
 
+from ._admin import ADMIN_MAX_BODY
 from ._balancer import LoadBalancer, SequentialService
 from ._config import OPTIONS, Config, ConfigError, build_config, is_loopback_endpoint
+from ._site import LimitedRequest
 
 log = Logger()
 
@@ -27,7 +29,8 @@ log = Logger()
 def _describe(name: str) -> str:
     spec = next(s for s in OPTIONS if s.name == name)
     env = f" [env {spec.env}]" if spec.env else ""
-    return f"{spec.help} Default: {spec.default}.{env}"
+    default = "none" if spec.default == () else spec.default
+    return f"{spec.help} Default: {default}.{env}"
 
 
 class Options(usage.Options):
@@ -90,9 +93,21 @@ class _CleanExitOnSignals(Service):
 
 
 class _AdminSite(Site):
-    """The admin port's Site: no tracebacks in answers (they are JSON errors instead)."""
+    """
+    The admin port's Site: no tracebacks in answers (they are JSON errors instead); a
+    body over the admin API's cap is refused with 413 while it arrives rather than spooled
+    to a temporary file first (the API itself refuses it too, under any Site); and form
+    bodies are not parsed, so a malformed one reaches the API's JSON 415 instead of
+    twisted.web's own empty 400.
+    """
 
     displayTracebacks = False
+    requestFactory = LimitedRequest
+    max_body = ADMIN_MAX_BODY
+
+    def __init__(self, resource: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parsePOSTFormSubmission", False)
+        super().__init__(resource, **kwargs)
 
 
 def makeService(options: Options) -> IService:
