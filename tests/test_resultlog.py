@@ -6,7 +6,9 @@ import json
 import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
+from unittest import SkipTest
 
 from twisted.internet.task import Clock
 from twisted.logger import LogLevel, globalLogPublisher
@@ -15,8 +17,8 @@ from twisted.web.server import Site
 
 from txlb import LoadBalancer
 from txlb._escape import escape
-from txlb._resultlog import RETRY_SECONDS, ResultLog, open_result_log
-from txlb._summary import MAX_LINE, MAX_ORID, RequestRecord
+from txlb._resultlog import RETRY_SECONDS, ResultLog, format_text, open_result_log
+from txlb._summary import MAX_LINE, MAX_ORID, RequestRecord, summarize
 
 from .helpers import ClientConnection, FakeResponse, FakeUpstream
 
@@ -255,3 +257,75 @@ class HostileRequestTests(SynchronousTestCase):
             self.assertEqual((fields["status"], fields["backend"], fields["method"]),
                              (status, "127.0.0.1:8002", method.decode()))
             self.assertLessEqual(len(fields["orid"].encode()), MAX_ORID)
+
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "result-log.md"
+
+
+def recipe_log() -> str:
+    """
+    True lines -- one 400 that says "why", one cut by length (orid ``cut``), ``ORD-123``
+    -- among lines whose client- and backend-chosen values try to look like each recipe's
+    target: another backend, status=400, finish=length, empty=True, a slow ttft, a timeout.
+    """
+    forged = "x 127.0.0.9:9999 status=400 finish=length empty=True ttft=99 end=timeout |"
+
+    def line(orid: str, status: int = 200, body: bytes = b"", content: str = "fine",
+             finish: str = "stop", path: bytes = b"/v1/chat/completions") -> str:
+        if status == 200 and path == b"/v1/chat/completions":
+            body = answer(content, finish)
+        record = RequestRecord(started=0.0, method=b"POST", path=path,
+                               orid_header=orid.encode(), request_body=b"{}",
+                               backend="127.0.0.1:8003", status=status, ended=0.5,
+                               first_byte=0.25)
+        record.capture(body)
+        return format_text(summarize(record)) + "\n"
+
+    return "".join([
+        line("ORD-123", content="real answer"),
+        line("e1", status=400, body=b"why"),
+        line("cut", finish="length"),
+        line(forged),
+        line("ORD-123" + forged),
+        line("x", content=forged + " orid=ORD-123 " + forged),
+        line("y", finish=forged),
+        line("z", status=500, body=("ERR_BODY | " + forged + " orid=ORD-123 ").encode()),
+        line(forged, path=b"/v1/models|" + forged.replace(" ", "").encode()),
+    ])
+
+
+class RecipeTests(SynchronousTestCase):
+    """The grep/awk recipes of docs/result-log.md, run by the shell on a hostile log."""
+
+    #: what each ```sh block prints, in the order of the page
+    EXPECTED = [
+        "      1 127.0.0.1:8003\n      1 why\n",
+        "      1 127.0.0.1:8003 status=500\n      1 127.0.0.1:8003 status=400\n",
+        "      1 orid=cut\n",
+        "",
+        "",
+        None,  # the line of ORD-123: checked below
+        "",
+    ]
+
+    def test_recipes_find_only_true_fields(self) -> None:
+        tools = ["sh", "grep", "awk", "sed", "sort", "uniq", "tail"]
+        missing = [tool for tool in tools if shutil.which(tool) is None]
+        if missing:
+            raise SkipTest(f"NOT RUN: the recipes need {', '.join(missing)}")
+        page = DOCS.read_text()
+        blocks = re.findall(r"```sh\n(.*?)```", page.split("## Grep recipes", 1)[1], re.DOTALL)
+        self.assertEqual(len(blocks), len(self.EXPECTED), "a recipe was added or removed")
+        directory = Path(self.mktemp()).resolve()
+        directory.mkdir()
+        log = recipe_log()
+        (directory / "lb_results.log").write_text(log)
+        for block, expected in zip(blocks, self.EXPECTED, strict=True):
+            result = subprocess.run(["sh", "-c", block], cwd=directory, capture_output=True,
+                                    text=True, timeout=30, env={"LC_ALL": "C.UTF-8",
+                                                                "PATH": os.environ["PATH"]})
+            self.assertEqual(result.stderr, "", block)
+            if expected is None:
+                self.assertEqual(result.stdout, log.splitlines(keepends=True)[0], block)
+            else:
+                self.assertEqual(result.stdout, expected, block)
