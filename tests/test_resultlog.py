@@ -193,6 +193,10 @@ HOSTILE: list[tuple[bytes, bytes, bytes | None, bytes, int, bytes, set[str]]] = 
      .encode() + b"e" * 100_000, ERROR_FIELDS),
     (b"POST", b"/v1/chat/completions", None, b"{}", 200,
      answer("fine", finish="stop empty=True\x1b\u2028" + "f" * 10_000), COMPLETION_FIELDS),
+    # numbers JSON allows but no count is: 4,000 digits from the client, 400 from a backend
+    (b"POST", b"/v1/chat/completions", None, b'{"max_tokens": 1%s}' % (b"0" * 4000), 200,
+     b'{"choices": [{"index": 0, "message": {"content": "ok"}, "finish_reason": "stop"}], '
+     b'"usage": {"completion_tokens": 1%s}}' % (b"0" * 400), COMPLETION_FIELDS),
     # what twisted.web lets through in a method and a path
     (b"G|T'", b"/a\x7fb|c=d'e\\f\x85%0a?x=1&y=status=200", b"-", b"", 200, b"{}",
      OTHER_FIELDS),

@@ -255,6 +255,16 @@ class HostileValueTests(SynchronousTestCase):
                            (0, "-"), ("", "-")]:
             self.assertEqual(summarize(record(request={"user": user})).orid, orid, user)
 
+    def test_counts_beyond_64_bits_are_unknown(self) -> None:
+        answer = {"choices": [{"index": 0, "message": {"content": "ok"}}],
+                  "usage": {"completion_tokens": 10 ** 400}}
+        summary = summarize(record(request={"max_tokens": 10 ** 4000},
+                                   chunks=[json.dumps(answer).encode()]))
+        self.assertEqual((summary.completion_tokens, summary.max_tokens), (None, None))
+        self.assertSafe(format_text(summary), self.COMPLETION, ctok="-/-")
+        summary = summarize(record(request={"max_tokens": 2 ** 63 - 1}))
+        self.assertEqual(summary.max_tokens, 2 ** 63 - 1)
+
     def test_hostile_finish_reason_and_content(self) -> None:
         line = self.completion(finish="stop status=500\x1b[31m" + "f" * 5000,
                                content="<p>\u2028ESC\x1b BEL\x07 | status=500 orid=x</p>")

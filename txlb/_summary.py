@@ -128,7 +128,13 @@ def parse_json_object(body: bytes) -> dict[str, Any] | None:
 
 
 def _int_or_none(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """
+    ``value`` if it is an integer in the 64-bit range any engine's counts fit in: JSON
+    allows 4,300 digits, which would bloat the line and overflow the metrics' floats.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63:
+        return value
+    return None
 
 
 def _sse_payloads(data: bytes) -> list[dict[str, Any]]:
