@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from txlb import _escape
+from txlb._escape import clip, escape, escape_json
 from txlb._resultlog import format_json, format_text
 from txlb._summary import (
     CAPTURE_LIMIT,
@@ -347,3 +350,46 @@ class HostileValueTests(SynchronousTestCase):
                 for line in (format_text(summary), format_json(summary)):
                     self.assertLessEqual(len(line.encode()), MAX_LINE, (ascii(wide), status))
                     self.assertIsNone(RAW_UNSAFE.search(line))
+
+
+class ClipTests(SynchronousTestCase):
+    """clip() keeps a prefix whose escaped form fits the budget in both formats."""
+
+    def test_every_kind_of_character_at_every_budget(self) -> None:
+        for wide in ["a", "\x00", "\n", " ", "=", "'", "\"", "\\", "\x7f", "\x85", "é", "图",
+                     "\u2028", "\ud800", "\U0001f600", "\U000e0001"]:
+            for kind in ("field", "key", "text"):
+                for limit in (64, 256, 2048, 8192):
+                    for length in (limit // 12, limit, limit * 3):
+                        text = "x" + wide * length
+                        clipped = clip(text, limit, kind)  # type: ignore[arg-type]
+                        as_text = escape(clipped, kind).encode()  # type: ignore[arg-type]
+                        as_json = escape_json(json.dumps(clipped, ensure_ascii=False))
+                        self.assertLessEqual(len(as_text), limit, (ascii(wide), kind, limit))
+                        self.assertLessEqual(len(as_json.encode()) - 2, limit)
+                        if clipped != text:
+                            self.assertEqual(clipped[-1], "…")
+                            self.assertTrue(text.startswith(clipped[:-1]))
+                            # not cut much shorter than it had to be
+                            self.assertGreater(max(len(as_text), len(as_json.encode()) - 2),
+                                               limit - 3 - 12, (ascii(wide), kind, limit))
+
+    def test_work_is_linear_in_what_is_kept(self) -> None:
+        """
+        A backend's 8 KiB error body of characters that each need a Python call to escape
+        (NEL) costs about one call per kept character per format, not one per step of a
+        search: 8192 / 6 bytes are kept, so about 2 x 1365 calls.
+        """
+        calls: list[str] = []
+
+        def counted(original: Callable[[re.Match[str]], str]) -> Callable[..., str]:
+            def escape_one(match: re.Match[str]) -> str:
+                calls.append(match.group())
+                return original(match)
+            return escape_one
+
+        for name in ("_unicode_escape", "_json_escape"):
+            self.patch(_escape, name, counted(getattr(_escape, name)))
+        clipped = clip("\x85" * 100_000, 8192, "text")
+        self.assertEqual(len(clipped), 8189 // 6 + 1)
+        self.assertLess(len(calls), 3 * 8192 // 6)

@@ -20,6 +20,7 @@ which is how each field, and so the whole line, is bounded.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Literal
@@ -28,25 +29,62 @@ from typing import Literal
 #: ``req_keys=[...]``, or free text after ``|``.
 Kind = Literal["field", "key", "text"]
 
-_ASCII = {
-    "field": re.compile(r"[\x00-\x20\x7f\\=|]"),
-    "key": re.compile(r"[\x00-\x20\x7f\\=|',\[\]]"),
-    "text": re.compile(r"[\x00-\x1f\x7f\\]"),
+_CONTROLS = "".join(map(chr, range(0x20))) + "\x7f"
+_SPECIALS = {"field": _CONTROLS + "\\ =|", "key": _CONTROLS + "\\ =|',[]",
+             "text": _CONTROLS + "\\"}
+#: Finds whether a value needs the ASCII pass at all (most need none) ...
+_ASCII = {kind: re.compile("[" + re.escape(chars) + "]") for kind, chars in _SPECIALS.items()}
+#: ... which is one str.translate: no Python call per character, however many there are.
+_ASCII_FORMS = {
+    kind: {ord(char): "\\n" if char == "\n" else "\\\\" if char == "\\"
+           else f"\\x{ord(char):02x}" for char in chars}
+    for kind, chars in _SPECIALS.items()
 }
-_NON_ASCII = re.compile(r"[^\x00-\x7f]")
-#: In a JSON line everything ASCII is already safe except DEL (json.dumps escapes C0).
-_JSON_UNSAFE = re.compile(r"[^\x00-\x7e]")
+#: Free text often has newlines and backslashes (JSON error bodies): those two are done
+#: with str.replace, and only text with other controls is translated.
+_RARE_CONTROLS = re.compile("[" + re.escape(_CONTROLS.replace("\n", "")) + "]")
+_RARE_FORMS = {code: form for code, form in _ASCII_FORMS["text"].items()
+               if chr(code) not in "\n\\"}
 #: ``…`` takes three bytes, in UTF-8 and in the JSON line.
 ELLIPSIS = "…"
+#: The most bytes one character can take once escaped: a JSON surrogate pair.
+_WIDEST = 12
+#: Characters per step when looking for where to cut a long value.
+_STEP = 64
 
 
-def _ascii_escape(match: re.Match[str]) -> str:
-    char = match.group()
-    if char == "\n":
-        return "\\n"
-    if char == "\\":
-        return "\\\\"
-    return f"\\x{ord(char):02x}"
+def _json_width(code: int) -> int:
+    return 2 if chr(code) in '"\\\n\r\t\b\f' else 6 if code < 0x20 or code == 0x7F else 1
+
+
+#: Bytes an ASCII character takes once escaped, the more of the two formats.
+_ASCII_WIDTHS = {
+    kind: [max(len(forms.get(code, "x")), _json_width(code)) for code in range(0x80)]
+    for kind, forms in _ASCII_FORMS.items()
+}
+
+
+@functools.cache
+def _unprintable() -> re.Pattern[str]:
+    """
+    Every non-ASCII character Python does not call printable in the Basic Multilingual
+    Plane, and everything above it (whose few unprintable characters the escape function
+    picks out).  Built on first use (about 10 ms), so that text with, say, one U+2028 among
+    Chinese characters calls back for the one character only.
+    """
+    ranges = []
+    start = None
+    for code in range(0x80, 0x10000):
+        unprintable = not chr(code).isprintable()
+        if unprintable and start is None:
+            start = code
+        elif not unprintable and start is not None:
+            ranges.append((start, code - 1))
+            start = None
+    if start is not None:
+        ranges.append((start, 0xFFFF))
+    members = "".join(f"\\u{low:04x}-\\u{high:04x}" for low, high in ranges)
+    return re.compile(f"[{members}\\U00010000-\\U0010ffff]")
 
 
 def _unicode_escape(match: re.Match[str]) -> str:
@@ -70,11 +108,17 @@ def _json_escape(match: re.Match[str]) -> str:
 
 def escape(text: str, kind: Kind = "field") -> str:
     """``text`` for the text format: nothing in it can end the line, act, or split a field."""
-    text = _ASCII[kind].sub(_ascii_escape, text)
+    if kind == "text":
+        if "\\" in text or "\n" in text:
+            text = text.replace("\\", "\\\\").replace("\n", "\\n")
+        if _RARE_CONTROLS.search(text):
+            text = text.translate(_RARE_FORMS)
+    elif _ASCII[kind].search(text):
+        text = text.translate(_ASCII_FORMS[kind])
     # after the ASCII pass only non-ASCII characters can be unprintable; most text has
     # none, and isprintable() says so at C speed
     if not text.isprintable():
-        text = _NON_ASCII.sub(_unicode_escape, text)
+        text = _unprintable().sub(_unicode_escape, text)
     return text
 
 
@@ -82,7 +126,8 @@ def escape_json(line: str) -> str:
     """A ``json.dumps(..., ensure_ascii=False)`` line with no unsafe character left raw."""
     if line.isprintable():
         return line
-    return _JSON_UNSAFE.sub(_json_escape, line)
+    # json.dumps escapes the C0 controls itself; DEL and non-ASCII characters are left
+    return _unprintable().sub(_json_escape, line.replace("\x7f", "\\u007f"))
 
 
 def _cost(text: str, kind: Kind) -> int:
@@ -91,23 +136,44 @@ def _cost(text: str, kind: Kind) -> int:
     return max(len(escape(text, kind).encode()), len(as_json.encode()) - 2)
 
 
+def _width(char: str, widths: list[int]) -> int:
+    """Bytes one character takes once escaped, the more of the two formats."""
+    code = ord(char)
+    if code < 0x80:
+        return widths[code]
+    if char.isprintable():
+        return 2 if code < 0x800 else 3 if code < 0x10000 else 4
+    return 6 if code < 0x10000 else _WIDEST
+
+
 def clip(text: str, limit: int, kind: Kind = "field") -> str:
     """
     ``text``, cut (and marked with ``…``) so that it takes at most ``limit`` bytes once
     escaped in either format.  The cut is on the raw value, so both formats show the same
     value and an escape sequence is never cut in two.
+
+    The cut is found in one pass: for a long limit :data:`_STEP` characters at a time
+    (escaped at C speed), then character by character, so the work is linear in what is
+    kept whatever the characters (a search re-escaping prefixes cost a hostile value
+    milliseconds).  Costs are added per piece, which can only overestimate.
     """
-    if len(text) * 12 <= limit:  # 12 bytes: the widest escape (a JSON surrogate pair)
+    if len(text) * _WIDEST <= limit:
         return text
     if len(text) <= limit and _cost(text, kind) <= limit:
         return text
-    text = text[:limit]  # every character takes at least one byte
     room = limit - len(ELLIPSIS.encode())
-    low, high = 0, len(text)  # the longest prefix that fits with the mark: binary search
-    while low < high:
-        middle = (low + high + 1) // 2
-        if _cost(text[:middle], kind) <= room:
-            low = middle
-        else:
-            high = middle - 1
-    return text[:low] + ELLIPSIS
+    kept = used = 0
+    if limit > 4 * _STEP:
+        while kept < len(text):
+            cost = _cost(text[kept:kept + _STEP], kind)
+            if used + cost > room:
+                break
+            used += cost
+            kept += _STEP
+    widths = _ASCII_WIDTHS[kind]
+    for char in text[kept:kept + room + 1]:
+        used += _width(char, widths)
+        if used > room:
+            break
+        kept += 1
+    return text[:kept] + ELLIPSIS
