@@ -1,7 +1,7 @@
 """
 The result log written by the running balancer in front of simulated vLLM backends, on
-real loopback sockets: every field, every way a request ends, and a log that cannot be
-written.
+real loopback sockets: every field, every way a request ends, a log that cannot be
+written, and hostile values sent raw to the real process.
 """
 
 from __future__ import annotations
@@ -11,14 +11,19 @@ from pathlib import Path
 from typing import Any
 
 from twisted.internet import defer, reactor
+from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+from twisted.internet.protocol import Protocol
 from twisted.trial.unittest import TestCase
+from twisted.web.resource import Resource
 from twisted.web.server import Site
 
 from txlb import LoadBalancer
 from txlb._resultlog import format_json
+from txlb._summary import MAX_LINE
 
 from .integration import Chunks, Client, TwistdProcess, chat_body, header, wait_until
 from .test_integration import JSON, Fleet
+from .test_resultlog import HOSTILE, RAW_UNSAFE
 
 
 class ResultLogLineTests(TestCase):
@@ -151,3 +156,82 @@ class ResultLogProcessTests(TestCase):
         [line] = [x for x in lb.output().splitlines() if "orid=stdout-check" in x]
         self.assertRegex(line, r"^\d\d-\d\d \d\d:\d\d:\d\d orid=stdout-check ")
         self.assertNotIn("sk-never-logged", lb.output())
+
+
+class _HostileBackend(Resource):
+    """
+    A backend that answers each request as the hostile case it names (``X-Case``) says:
+    the status and the body of :data:`tests.test_resultlog.HOSTILE`.
+    """
+
+    isLeaf = True
+
+    def render(self, request: Any) -> bytes:
+        request.setHeader(b"content-type", b"application/json")
+        if request.path == b"/health":
+            return b"{}"
+        if request.path == b"/v1/models":
+            return b'{"object": "list", "data": [{"id": "m", "object": "model"}]}'
+        case = HOSTILE[int(request.getHeader(b"x-case") or b"0")]
+        request.setResponseCode(case[4])
+        return case[5]
+
+
+class _RawClient(Protocol):
+    """Sends one request exactly as given -- bytes no HTTP client library would send."""
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+        self.received = b""
+        self.done: defer.Deferred[bytes] = defer.Deferred()
+
+    def connectionMade(self) -> None:
+        assert self.transport is not None
+        self.transport.write(self.raw)
+
+    def dataReceived(self, data: bytes) -> None:
+        self.received += data
+
+    def connectionLost(self, reason: Any = None) -> None:
+        self.done.callback(self.received)
+
+
+class HostileProcessTests(TestCase):
+    """The issue's hostile payloads sent raw to the real ``twistd -n llmlb``."""
+
+    timeout = 120
+
+    @defer.inlineCallbacks
+    def test_one_safe_line_per_hostile_request(self) -> Any:
+        backend = reactor.listenTCP(0, Site(_HostileBackend()), interface="127.0.0.1")
+        self.addCleanup(backend.stopListening)
+        log_path = Path(self.mktemp()).resolve()
+        lb = TwistdProcess("--backends", f"127.0.0.1:{backend.getHost().port}",
+                           "--log-file", str(log_path))
+        self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
+        yield defer.ensureDeferred(lb.started())
+        for number, (method, target, orid, body, status, _, _) in enumerate(HOSTILE):
+            head = [method + b" " + target + b" HTTP/1.1", b"Host: lb", b"Connection: close",
+                    b"X-Case: %d" % number, b"Content-Length: %d" % len(body)]
+            if orid is not None:
+                head.append(b"X-Orid: " + orid)
+            client = _RawClient(b"\r\n".join(head) + b"\r\n\r\n" + body)
+            yield connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", lb.port), client)
+            answer = yield client.done.addTimeout(30, reactor)
+            self.assertTrue(answer.startswith(b"HTTP/1.1 %d " % status), (number, answer[:80]))
+        yield defer.ensureDeferred(wait_until(
+            lambda: log_path.exists() and log_path.read_bytes().count(b"\n") >= len(HOSTILE),
+            timeout=30, what="a line per request"))
+        raw = log_path.read_bytes()
+        self.assertEqual(raw.count(b"\n"), len(HOSTILE))
+        text = raw.decode("utf-8")
+        self.assertIsNone(RAW_UNSAFE.search(text), ascii(text[:2000]))
+        lines = text.splitlines()
+        self.assertEqual(len(lines), len(HOSTILE))
+        server = f"127.0.0.1:{backend.getHost().port}"
+        for line, (_, _, _, _, status, _, fields) in zip(lines, HOSTILE, strict=True):
+            self.assertLessEqual(len(line.encode()), MAX_LINE)
+            words = line.split("|", 1)[0].split()
+            found = dict(word.split("=", 1) for word in words if "=" in word)
+            self.assertEqual(set(found), fields, ascii(line[:2000]))
+            self.assertEqual((found["status"], words[3]), (str(status), server))

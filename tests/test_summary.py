@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import json
+import re
 import time
+from collections.abc import Callable
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from txlb import _escape
+from txlb._escape import clip, escape, escape_json
 from txlb._resultlog import format_json, format_text
-from txlb._summary import CAPTURE_LIMIT, RequestRecord, summarize
+from txlb._summary import (
+    CAPTURE_LIMIT,
+    MAX_ERR_BODY,
+    MAX_FINISH,
+    MAX_KEY,
+    MAX_LINE,
+    MAX_ORID,
+    MAX_PATH,
+    RequestRecord,
+    summarize,
+)
 
 
 def record(path: bytes = b"/v1/chat/completions", request: object = None,
@@ -108,7 +122,9 @@ class TextLineTests(SynchronousTestCase):
         self.assertTrue(line.startswith(f"{STAMP} orid=905112 127.0.0.1:8003 status=400 "
                                         "req_keys=['max_tokens','messages','model','stream',"
                                         "'temperature','user'] "), line)
-        self.assertTrue(line.endswith(" ERR_BODY | " + error.decode()), line)
+        # the body's own backslash is doubled: a literal "\n" cannot pass for a newline
+        self.assertTrue(line.endswith(" ERR_BODY | " + error.decode().replace("\\", "\\\\")),
+                        line)
         self.assertNotIn("\n", line)
 
     def test_error_with_non_json_request(self) -> None:
@@ -163,3 +179,217 @@ class TextLineTests(SynchronousTestCase):
                                             chunks=[b"unauthorized"])))
         self.assertNotIn("sk-secret", line)
         self.assertIn("'api_key'", line)  # the key's name, never its value
+
+
+#: Characters that end a line for some line-based tool, or act on a terminal.
+RAW_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def recipe_view(line: str) -> tuple[list[str], dict[str, str]]:
+    """
+    What the grep/awk recipes of docs/result-log.md see: the words before the first ``|``
+    (split on every kind of whitespace, a superset of awk's), and the ``key=value`` ones.
+    """
+    words = line.split("|", 1)[0].split()
+    return words, dict(word.split("=", 1) for word in words if "=" in word)
+
+
+class HostileValueTests(SynchronousTestCase):
+    """
+    Values a client or a backend chose reach the line escaped and clipped: one line, no raw
+    control character, and only txlb's own fields for the recipes to find.
+    """
+
+    def assertSafe(self, line: str, keys: set[str], **true_fields: str) -> list[str]:
+        self.assertIsNone(RAW_UNSAFE.search(line), ascii(line))
+        self.assertEqual(len(line.splitlines()), 1, ascii(line))
+        self.assertLessEqual(len(line.encode()), MAX_LINE)
+        words, fields = recipe_view(line)
+        self.assertEqual(set(fields), keys, ascii(line))
+        for key, value in true_fields.items():
+            self.assertEqual(fields[key], value, ascii(line))
+        self.assertEqual(words[3], "127.0.0.1:8003")
+        return words
+
+    COMPLETION = {"orid", "status", "finish", "ctok", "thinking", "think", "empty", "clen",
+                  "ttft", "dur"}
+    ERROR = {"orid", "status", "req_keys", "method", "path", "dur"}
+
+    def completion(self, orid: bytes | None = None, request: object = None,
+                   content: str = "ok", finish: str = "stop") -> str:
+        answer = {"choices": [{"index": 0, "finish_reason": finish,
+                               "message": {"content": content}}]}
+        return format_text(summarize(record(request=request, orid=orid,
+                                            chunks=[json.dumps(answer).encode()])))
+
+    def test_terminal_escapes_in_x_orid(self) -> None:
+        line = self.completion(orid=b"\x1b]0;pwned\x07\x1b[2J\x9b")
+        self.assertSafe(line, self.COMPLETION, status="200",
+                        orid="\\x1b]0;pwned\\x07\\x1b[2J\ufffd")  # \x9b: not UTF-8
+
+    def test_forged_fields_in_x_orid(self) -> None:
+        line = self.completion(orid=b"ORD-1 127.0.0.9:9999 status=200|x=y")
+        self.assertSafe(line, self.COMPLETION,
+                        orid="ORD-1\\x20127.0.0.9:9999\\x20status\\x3d200\\x7cx\\x3dy")
+
+    def test_forged_line_in_x_orid(self) -> None:
+        line = self.completion(orid=b"a\r\n11-29 14:22:01 orid=ORD-2 127.0.0.9:1 status=200")
+        self.assertSafe(line, self.COMPLETION, status="200")
+        self.assertIn("orid=a\\x0d\\n11-29\\x2014:22:01\\x20orid\\x3dORD-2", line)
+
+    def test_unicode_line_breaks_in_user(self) -> None:
+        line = self.completion(request={"user": "a\u2028b\x85c\x0bd\x0ce\u2029f\xa0g\U000e0001"})
+        self.assertSafe(line, self.COMPLETION,
+                        orid="a\\u2028b\\u0085c\\x0bd\\x0ce\\u2029f\\u00a0g\\U000e0001")
+
+    def test_a_backslash_cannot_forge_an_escape(self) -> None:
+        line = self.completion(orid=b"a\\nb\\x20c", content="x\\ny\nz")
+        self.assertSafe(line, self.COMPLETION, orid="a\\\\nb\\\\x20c")
+        self.assertTrue(line.endswith(" | x\\\\ny\\nz"), line)
+
+    def test_huge_user_is_clipped(self) -> None:
+        summary = summarize(record(request={"user": "u" * (8 << 20)}))
+        self.assertEqual(summary.orid, "u" * (MAX_ORID - 3) + "…")
+        self.assertSafe(format_text(summary), self.COMPLETION, orid=summary.orid)
+
+    def test_user_that_is_not_a_string(self) -> None:
+        for user, orid in [(905112, "905112"), (10 ** 4000, "1" + "0" * 252 + "…"),
+                           (True, "-"), ({"id": "x y"}, "-"), (["a"], "-"), (1.5, "-"),
+                           (0, "-"), ("", "-")]:
+            self.assertEqual(summarize(record(request={"user": user})).orid, orid, user)
+
+    def test_counts_beyond_64_bits_are_unknown(self) -> None:
+        answer = {"choices": [{"index": 0, "message": {"content": "ok"}}],
+                  "usage": {"completion_tokens": 10 ** 400}}
+        summary = summarize(record(request={"max_tokens": 10 ** 4000},
+                                   chunks=[json.dumps(answer).encode()]))
+        self.assertEqual((summary.completion_tokens, summary.max_tokens), (None, None))
+        self.assertSafe(format_text(summary), self.COMPLETION, ctok="-/-")
+        summary = summarize(record(request={"max_tokens": 2 ** 63 - 1}))
+        self.assertEqual(summary.max_tokens, 2 ** 63 - 1)
+
+    def test_hostile_finish_reason_and_content(self) -> None:
+        line = self.completion(finish="stop status=500\x1b[31m" + "f" * 5000,
+                               content="<p>\u2028ESC\x1b BEL\x07 | status=500 orid=x</p>")
+        words = self.assertSafe(line, self.COMPLETION, status="200")
+        self.assertLessEqual(len(words[5].encode()), len("finish=") + MAX_FINISH)
+        # the free text keeps spaces, '=' and '|' but no control character
+        self.assertTrue(line.endswith(
+            " | <p>\\u2028ESC\\x1b BEL\\x07 | status=500 orid=x</p>"), ascii(line))
+
+    def test_hostile_request_keys(self) -> None:
+        body = {"a','b": 1, "c d=e|f": 2, "g]h[": 3, "i\x1bj\u2028": 4, "k" * 10_000: 5}
+        line = format_text(summarize(record(request=body, status=400, chunks=[b"no"])))
+        _, fields = recipe_view(line)
+        self.assertSafe(line, self.ERROR, status="400")
+        keys = fields["req_keys"][2:-2].split("','")
+        self.assertEqual(keys, ["a\\x27\\x2c\\x27b", "c\\x20d\\x3de\\x7cf", "g\\x5dh\\x5b",
+                                "i\\x1bj\\u2028", "k" * (MAX_KEY - 3) + "…"])
+
+    def test_hostile_method_and_path(self) -> None:
+        for status, expected in [(200, {"orid", "status", "dur"}), (404, self.ERROR)]:
+            line = format_text(summarize(record(
+                path=b"/v1/models?q= status=200 \x1b[2J\xe2\x80\xa8" + b"p" * 10_000,
+                method=b"G\x07 T=", status=status, chunks=[b"x"])))
+            words = self.assertSafe(line, expected, status=str(status))
+            if status == 200:
+                self.assertEqual(words[4], "G\\x07\\x20T\\x3d")
+                self.assertTrue(words[5].startswith(
+                    "/v1/models?q\\x3d\\x20status\\x3d200\\x20\\x1b[2J\\u2028ppp"))
+                self.assertLessEqual(len(words[5].encode()), MAX_PATH)
+
+    def test_hostile_error_body(self) -> None:
+        body = ("why\u2028forged line\x85\x0b\x0c\r\n\x1b[2J\x07 status=200 " + "e" * 20_000)
+        summary = summarize(record(status=400, chunks=[body.encode()]))
+        line = format_text(summary)
+        self.assertSafe(line, self.ERROR, status="400")
+        self.assertIn(" ERR_BODY | why\\u2028forged line\\u0085\\x0b\\x0c\\x0d\\n\\x1b[2J\\x07 "
+                      "status=200 eee", line)
+        self.assertTrue(line.endswith("e…"))
+        self.assertLessEqual(len(summary.err_body.encode()), MAX_ERR_BODY)
+
+    def test_json_escapes_what_line_tools_split_on(self) -> None:
+        """json.dumps leaves DEL, C1 controls and U+2028/U+2029 raw: they are escaped."""
+        weird = "a\u2028b\u2029c\x85d\x7fe\x1bf\U000e0001g\ud800"
+        line = format_json(summarize(record(
+            request={"user": weird, weird: 1}, status=400, chunks=[weird.encode("utf-8",
+                                                                             "surrogatepass")])))
+        self.assertIsNone(RAW_UNSAFE.search(line), ascii(line))
+        self.assertEqual(len(line.splitlines()), 1)
+        line.encode()  # no lone surrogate left raw
+        fields = json.loads(line)
+        self.assertEqual(fields["orid"], weird)
+        self.assertEqual(fields["req_keys"], [weird, "user"])
+        self.assertIn("\\u2028", line)
+        self.assertIn("\\udb40\\udc01", line)
+
+    def test_both_formats_clip_the_same_values(self) -> None:
+        request = {"user": "u" * 1000, "k" * 1000: 1}
+        summary = summarize(record(request=request, orid=None, status=400,
+                                   chunks=[b"e" * 100_000]))
+        fields = json.loads(format_json(summary))
+        _, text_fields = recipe_view(format_text(summary))
+        self.assertEqual(fields["orid"], text_fields["orid"])
+        self.assertEqual(fields["req_keys"], text_fields["req_keys"][2:-2].split("','"))
+        self.assertEqual(fields["err_body"], summary.err_body)
+        self.assertEqual(len(fields["err_body"].encode()), MAX_ERR_BODY)
+
+    def test_no_line_is_longer_than_the_bound(self) -> None:
+        """Every clipped value at its widest: a character that escapes to the most bytes."""
+        for wide in ["\x00", " ", "\"", "\\", "\U000e0001", "\u2028", "图", "'"]:
+            many = wide * 100_000
+            for status in (200, 400):
+                summary = summarize(record(
+                    path=many.encode("utf-8", "surrogatepass"),
+                    method=many.encode("ascii", "replace"),
+                    orid=many.encode(), status=status,
+                    request={"user": many, **{f"{n:02d}" + many[:1000]: n for n in range(99)}},
+                    chunks=[json.dumps({"choices": [{"index": 0, "finish_reason": many,
+                                                      "message": {"content": many}}]}).encode()
+                            if status == 200 else many.encode()]))
+                for line in (format_text(summary), format_json(summary)):
+                    self.assertLessEqual(len(line.encode()), MAX_LINE, (ascii(wide), status))
+                    self.assertIsNone(RAW_UNSAFE.search(line))
+
+
+class ClipTests(SynchronousTestCase):
+    """clip() keeps a prefix whose escaped form fits the budget in both formats."""
+
+    def test_every_kind_of_character_at_every_budget(self) -> None:
+        for wide in ["a", "\x00", "\n", " ", "=", "'", "\"", "\\", "\x7f", "\x85", "é", "图",
+                     "\u2028", "\ud800", "\U0001f600", "\U000e0001"]:
+            for kind in ("field", "key", "text"):
+                for limit in (64, 256, 2048, 8192):
+                    for length in (limit // 12, limit, limit * 3):
+                        text = "x" + wide * length
+                        clipped = clip(text, limit, kind)  # type: ignore[arg-type]
+                        as_text = escape(clipped, kind).encode()  # type: ignore[arg-type]
+                        as_json = escape_json(json.dumps(clipped, ensure_ascii=False))
+                        self.assertLessEqual(len(as_text), limit, (ascii(wide), kind, limit))
+                        self.assertLessEqual(len(as_json.encode()) - 2, limit)
+                        if clipped != text:
+                            self.assertEqual(clipped[-1], "…")
+                            self.assertTrue(text.startswith(clipped[:-1]))
+                            # not cut much shorter than it had to be
+                            self.assertGreater(max(len(as_text), len(as_json.encode()) - 2),
+                                               limit - 3 - 12, (ascii(wide), kind, limit))
+
+    def test_work_is_linear_in_what_is_kept(self) -> None:
+        """
+        A backend's 8 KiB error body of characters that each need a Python call to escape
+        (NEL) costs about one call per kept character per format, not one per step of a
+        search: 8192 / 6 bytes are kept, so about 2 x 1365 calls.
+        """
+        calls: list[str] = []
+
+        def counted(original: Callable[[re.Match[str]], str]) -> Callable[..., str]:
+            def escape_one(match: re.Match[str]) -> str:
+                calls.append(match.group())
+                return original(match)
+            return escape_one
+
+        for name in ("_unicode_escape", "_json_escape"):
+            self.patch(_escape, name, counted(getattr(_escape, name)))
+        clipped = clip("\x85" * 100_000, 8192, "text")
+        self.assertEqual(len(clipped), 8189 // 6 + 1)
+        self.assertLess(len(calls), 3 * 8192 // 6)

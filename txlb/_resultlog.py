@@ -26,6 +26,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.logfile import LogFile
 
+from ._escape import escape, escape_json
 from ._summary import RequestRecord, Summary, summarize
 
 log = Logger()
@@ -34,11 +35,6 @@ log = Logger()
 #: still the one at its path (a deleted directory or an external move would otherwise send
 #: every line into an unlinked file).
 RETRY_SECONDS = 5.0
-
-
-def _escape(text: str) -> str:
-    """Keep one record on one physical line: newlines are written as ``\\n``."""
-    return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
 def _flag(value: bool) -> str:
@@ -66,31 +62,42 @@ def _extras(summary: Summary) -> str:
 
 
 def format_text(summary: Summary) -> str:
-    """The contract's text line (without the newline)."""
-    head = f"{_stamp(summary)} orid={_escape(summary.orid)} {summary.backend}"
+    """
+    The contract's text line (without the newline).
+
+    Every value that a client or a backend chose is escaped (:func:`~txlb._escape.escape`):
+    before the first ``|`` a space, ``=`` or ``|`` only ever separates txlb's own fields.
+    """
+    head = f"{_stamp(summary)} orid={escape(summary.orid)} {escape(summary.backend or '-')}"
+    method, path = escape(summary.method), escape(summary.path)
     if summary.kind == "completion":
         ctok = (f"{'-' if summary.completion_tokens is None else summary.completion_tokens}"
                 f"/{'-' if summary.max_tokens is None else summary.max_tokens}")
         return (
-            f"{head} status={summary.status} finish={summary.finish or '-'} ctok={ctok} "
-            f"thinking={_flag(summary.thinking)} think={_flag(summary.think)} "
+            f"{head} status={summary.status} finish={escape(summary.finish or '-')} "
+            f"ctok={ctok} thinking={_flag(summary.thinking)} think={_flag(summary.think)} "
             f"empty={_flag(summary.empty)} clen={summary.clen} ttft={_seconds(summary.ttft)} "
-            f"dur={_seconds(summary.dur)}{_extras(summary)} | {_escape(summary.preview)}"
+            f"dur={_seconds(summary.dur)}{_extras(summary)} | "
+            f"{escape(summary.preview, 'text')}"
         )
     if summary.kind == "error":
         keys = ("-" if summary.req_keys is None
-                else "[" + ",".join(repr(k) for k in summary.req_keys) + "]")
+                else "[" + ",".join(f"'{escape(k, 'key')}'" for k in summary.req_keys) + "]")
         return (
-            f"{head} status={summary.status} req_keys={keys} method={summary.method} "
-            f"path={_escape(summary.path)} dur={_seconds(summary.dur)}{_extras(summary)} "
-            f"ERR_BODY | {_escape(summary.err_body)}"
+            f"{head} status={summary.status} req_keys={keys} method={method} "
+            f"path={path} dur={_seconds(summary.dur)}{_extras(summary)} "
+            f"ERR_BODY | {escape(summary.err_body, 'text')}"
         )
-    return (f"{head} {summary.method} {_escape(summary.path)} status={summary.status} "
+    return (f"{head} {method} {path} status={summary.status} "
             f"dur={_seconds(summary.dur)}{_extras(summary)}")
 
 
 def format_json(summary: Summary) -> str:
-    """The same fields as one JSON object (``--log-format json``)."""
+    """
+    The same fields as one JSON object (``--log-format json``), the same values (clipped
+    in :func:`~txlb._summary.summarize`), and no character left raw that a line-based
+    tool or a terminal would act on.
+    """
     fields: dict[str, Any] = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(summary.time))
         + f".{int(summary.time % 1 * 1000):03d}",
@@ -116,7 +123,7 @@ def format_json(summary: Summary) -> str:
         fields["trunc"] = True
     if summary.tries > 1:
         fields["tries"] = summary.tries
-    return json.dumps(fields, ensure_ascii=False)
+    return escape_json(json.dumps(fields, ensure_ascii=False))
 
 
 FORMATS = {"text": format_text, "json": format_json}

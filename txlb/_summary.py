@@ -15,13 +15,24 @@ from typing import Any
 
 import attrs
 
+from ._escape import clip
+
 #: How much of a response is kept for the summary; the client always gets all of it.
 CAPTURE_LIMIT = 512 * 1024
 #: Characters of content shown after ``|``.
 PREVIEW_CHARS = 200
-#: Request keys listed on an error line, and characters kept of each.
+#: Request keys listed on an error line.
 MAX_REQ_KEYS = 64
-MAX_KEY_CHARS = 64
+#: Bytes each value chosen by a client or a backend may take once escaped, in either
+#: format (:func:`~txlb._escape.clip`): with these no line is longer than
+#: :data:`MAX_LINE` bytes, plus the backend's name (which comes from the configuration).
+MAX_ORID = 256
+MAX_METHOD = 32
+MAX_PATH = 2048
+MAX_FINISH = 64
+MAX_KEY = 64
+MAX_ERR_BODY = 8192
+MAX_LINE = 16 * 1024
 #: Paths whose responses are LLM completions and get the full summary.
 COMPLETION_PATHS = frozenset({b"/v1/chat/completions", b"/v1/completions"})
 
@@ -117,7 +128,13 @@ def parse_json_object(body: bytes) -> dict[str, Any] | None:
 
 
 def _int_or_none(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """
+    ``value`` if it is an integer in the 64-bit range any engine's counts fit in: JSON
+    allows 4,300 digits, which would bloat the line and overflow the metrics' floats.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63:
+        return value
+    return None
 
 
 def _sse_payloads(data: bytes) -> list[dict[str, Any]]:
@@ -193,25 +210,27 @@ def parse_completion(body: bytes, content_type: bytes | None) -> _Completion:
 
 
 def orid_of(header: bytes | None, request: dict[str, Any] | None) -> str:
-    """``X-Orid``, else the body's ``user``, else ``-``."""
+    """``X-Orid``, else the body's ``user`` (a string or an integer), else ``-``; clipped."""
     if header:
-        return header.decode("utf-8", "replace")
-    if request is not None and isinstance(request.get("user"), str | int) and request["user"]:
-        return str(request["user"])
+        return clip(header.decode("utf-8", "replace"), MAX_ORID)
+    user = None if request is None else request.get("user")
+    if isinstance(user, str) and user:
+        return clip(user, MAX_ORID)
+    if isinstance(user, int) and not isinstance(user, bool) and user:
+        return clip(str(user), MAX_ORID)
     return "-"
 
 
 def request_keys(request: dict[str, Any]) -> list[str]:
     """
     The request's top-level keys for an error line, sorted -- at most
-    :data:`MAX_REQ_KEYS` of them, each cut to :data:`MAX_KEY_CHARS`, so a body of a
-    million keys makes a long line, not a megabyte one.
+    :data:`MAX_REQ_KEYS` of them, each clipped to :data:`MAX_KEY` bytes, then ``…+N`` for
+    the N left out, so a body of a million keys makes a long line, not a megabyte one.
     """
     keys = sorted(request)
-    shown = [key if len(key) <= MAX_KEY_CHARS else key[:MAX_KEY_CHARS] + "…"
-             for key in keys[:MAX_REQ_KEYS]]
+    shown = [clip(key, MAX_KEY, "key") for key in keys[:MAX_REQ_KEYS]]
     if len(keys) > MAX_REQ_KEYS:
-        shown.append(f"…+{len(keys) - MAX_REQ_KEYS} more")
+        shown.append(f"…+{len(keys) - MAX_REQ_KEYS}")
     return shown
 
 
@@ -251,8 +270,8 @@ def summarize(record: RequestRecord) -> Summary:
         "time": record.ended,
         "orid": orid_of(record.orid_header, request),
         "backend": record.backend or "-",
-        "method": record.method.decode("ascii", "replace"),
-        "path": record.path.decode("utf-8", "replace"),
+        "method": clip(record.method.decode("ascii", "replace"), MAX_METHOD),
+        "path": clip(record.path.decode("utf-8", "replace"), MAX_PATH),
         "status": status,
         "outcome": record.outcome,
         "dur": max(0.0, record.ended - record.started),
@@ -262,8 +281,10 @@ def summarize(record: RequestRecord) -> Summary:
     }
     if status != 200:
         keys = request_keys(request) if request is not None else None
-        return Summary(kind="error", req_keys=keys,
-                       err_body=body.decode("utf-8", "replace"), **common)
+        # decoding stops early: the clip keeps at most MAX_ERR_BODY characters anyway
+        err_body = clip(body[:4 * MAX_ERR_BODY].decode("utf-8", "replace"), MAX_ERR_BODY,
+                        "text")
+        return Summary(kind="error", req_keys=keys, err_body=err_body, **common)
     if record.path not in COMPLETION_PATHS:
         return Summary(kind="other", **common)
 
@@ -281,7 +302,7 @@ def summarize(record: RequestRecord) -> Summary:
         thinking = isinstance(kwargs, dict) and kwargs.get("enable_thinking") is True
     return Summary(
         kind="completion",
-        finish=completion.finish,
+        finish=None if completion.finish is None else clip(completion.finish, MAX_FINISH),
         completion_tokens=completion.completion_tokens,
         max_tokens=max_tokens,
         thinking=thinking,
