@@ -174,8 +174,7 @@ class ProxyChannel(HTTPChannel):
         if not codings or codings[-1] != b"chunked" or b"chunked" in codings[:-1]:
             return self.refuse(400, "the request's final transfer coding must be chunked "
                                     "(and only once), or its length cannot be known")
-        unsupported = ", ".join(c.decode("ascii", "replace") for c in codings[:-1])
-        return self.refuse(501, f"transfer coding not supported: {unsupported[:100]}")
+        return self.refuse(501, "transfer codings other than chunked are not supported")
 
     def allHeadersReceived(self) -> None:
         self._awaiting_head = False
