@@ -157,6 +157,26 @@ class InMemoryFramingTests(SynchronousTestCase):
         self.assertEqual(client.transport.value(), written)
         self.assertEqual(upstream.calls, [])
 
+    def test_nothing_after_a_refusal_is_parsed_even_before_the_close(self) -> None:
+        """
+        The rest of the same read is dropped too, whether or not the transport already
+        says it is disconnecting (twisted.web's line loop relies on that flag).
+        """
+        clock = Clock()
+        upstream = FakeUpstream()
+        lb = LoadBalancer(["127.0.0.1:8002"], reactor=clock, agent=upstream,
+                          probe_agent=FakeUpstream(), log_file="none")
+        client = ClientConnection(lb.site())
+        client.transport.loseConnection = lambda: None  # type: ignore[method-assign]
+        client.send(b"GET /t HTTP/1.1\r\nHost: a\r\nHost: b\r\nX-A: 1\r\n\r\n"
+                    b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n")
+        client.send(b"POST /t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    b"zz\r\n" + b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n")
+        responses, rest = split_responses(client.transport.value())
+        self.assertEqual(describe(responses), (400,))
+        self.assertEqual(rest, b"")
+        self.assertEqual(upstream.calls, [])
+
 
 def exchange(port: int, case: Case, deadline: float) -> tuple[bytes, bool]:
     """
