@@ -21,6 +21,7 @@ ERROR_TYPES = {
     408: "invalid_request_error",
     413: "invalid_request_error",
     431: "invalid_request_error",
+    501: "invalid_request_error",
     429: "rate_limit_exceeded",
     502: "bad_gateway",
     503: "service_unavailable",

@@ -14,12 +14,32 @@ second (slowloris).  The channel and request here add what nginx calls
   refused request reach the proxy.
 
 Oversized header blocks are refused: a line over 16 KiB with 431 (here), more than 16 KiB or
-500 headers in all with twisted.web's own 400.
+500 headers in all with 400.
+
+The channel is also strict about framing where twisted.web is lenient, because a proxy that
+reads a request's length differently from the client lets the rest of the stream be taken
+for a second request nobody checked (request smuggling).  RFC 9112 §6.1-6.3 and RFC 9110
+§7.2/§7.6.1, as nginx and HAProxy apply them:
+
+* ``Transfer-Encoding`` must be exactly ``chunked`` (one coding, on HTTP/1.1).  A final
+  coding other than chunked (``identity``, ``gzip``, a second header line saying
+  ``identity`` after ``chunked``) leaves the length unknowable: 400.  Chunked after another
+  coding is well framed but names a coding txlb cannot forward: 501.  On HTTP/1.0: 400.
+* ``Content-Length`` with ``Transfer-Encoding``, or twice, is twisted.web's own 400.
+* An HTTP/1.1 request without ``Host``, any request with two, or an invalid ``Host``: 400.
+* A request target with a byte that is not visible ASCII (twisted.web lets DEL and
+  0x80-0xB0 through): 400.
+* ``Connection`` is a comma-separated token list over every ``Connection`` line:
+  ``keep-alive, close`` closes.
+
+Every such refusal has the OpenAI-style JSON body of :func:`txlb._errors.error_body`, says
+``Connection: close``, closes the connection, and never reaches the proxy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any
 
 from twisted.internet.interfaces import IDelayedCall
@@ -34,14 +54,59 @@ from ._errors import error_body
 
 log = Logger()
 
+_REASONS = {
+    400: b"Bad Request",
+    408: b"Request Timeout",
+    413: b"Content Too Large",
+    431: b"Request Header Fields Too Large",
+    501: b"Not Implemented",
+}
 
-def _raw_response(status: int, reason: bytes, body: bytes) -> bytes:
+#: RFC 3986 ``host [ ":" port ]``: an IP literal in brackets, or a reg-name / IPv4 address
+#: (unreserved, pct-encoded and sub-delims characters); anything else in ``Host`` is 400.
+_VALID_HOST = re.compile(
+    rb"(?:\[[A-Za-z0-9:._~%!$&'()*+,;=-]*\]|[A-Za-z0-9._~%!$&'()*+,;=-]*)(?::[0-9]*)?")
+
+#: What a request target may hold (RFC 9112 §3.2: URI characters, all visible ASCII).
+_VISIBLE_ASCII = bytes(range(0x21, 0x7F))
+
+#: ``Connection`` tokens are comma-separated (RFC 9110 §7.6.1); whitespace separates too,
+#: as twisted.web reads it, so that every spelling that could mean "close" closes.
+_TOKEN_SEPARATORS = re.compile(rb"[\s,]+")
+
+
+# -- twisted.web private API -----------------------------------------------------------------
+# HTTPChannel keeps the request line it parsed in private attributes (``_command``, ``_path``,
+# ``_version``) until it hands it to the request: they are read here, and only here.  It
+# answers malformed input from a private method, ``_respondToBadRequestAndDisconnect``, which
+# ProxyChannel overrides; should twisted.web rename it, its refusals would lose their JSON
+# body and their result-log line (tests/test_framing.py would say so), not their 400.
+
+def _parsed_request_line(channel: HTTPChannel) -> tuple[bytes | None, bytes | None,
+                                                         bytes | None]:
+    """The method, target and version of the request whose head is being parsed."""
+    return (getattr(channel, "_command", None), getattr(channel, "_path", None),
+            getattr(channel, "_version", None))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _raw_response(status: int, body: bytes) -> bytes:
     return (b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-            b"Connection: close\r\n\r\n" % (status, reason, len(body))) + body
+            b"Connection: close\r\n\r\n" % (status, _REASONS[status], len(body))) + body
+
+
+def _codings(value: bytes) -> list[bytes]:
+    """A ``Transfer-Encoding`` value as lowercase codings (empty list elements dropped)."""
+    return [c for c in (part.strip(b" \t").lower() for part in value.split(b",")) if c]
 
 
 class ProxyChannel(HTTPChannel):
-    """An HTTP/1.1 channel that gives a request's head a deadline (slowloris defence)."""
+    """
+    An HTTP/1.1 channel that gives a request's head a deadline (slowloris defence) and
+    refuses any framing a second parser could read differently (smuggling defence).
+    """
 
     header_timeout = 30.0
 
@@ -49,6 +114,13 @@ class ProxyChannel(HTTPChannel):
         super().__init__()
         self._awaiting_head = True
         self._head_deadline: IDelayedCall | None = None
+        self._closing = False
+        self._reset_head()
+
+    def _reset_head(self) -> None:
+        """What the framing checks remember of the head being parsed."""
+        self._host_lines = 0
+        self._transfer_codings: list[bytes] = []
 
     def connectionMade(self) -> None:
         super().connectionMade()
@@ -60,14 +132,79 @@ class ProxyChannel(HTTPChannel):
                 set_no_delay(True)
 
     def dataReceived(self, data: bytes) -> None:
+        if self._closing:
+            return  # refused: whatever follows is never parsed, so never forwarded
         if self._awaiting_head and self._head_deadline is None:
             self._head_deadline = self.callLater(self.header_timeout, self._head_too_slow)
         super().dataReceived(data)
 
+    def headerReceived(self, line: bytes) -> bool:
+        """
+        Check the headers that decide framing and routing before twisted.web sees them.
+        ``line`` is one whole field line (an obs-fold already joined with a space).
+        """
+        name, colon, value = line.partition(b":")
+        lowered = name.lower()  # exact: "Host " (space before the colon) is twisted's 400
+        if colon and lowered == b"transfer-encoding":
+            return self._transfer_encoding(value)
+        if colon and lowered == b"host":
+            self._host_lines += 1
+            if self._host_lines > 1:
+                return self.refuse(400, "the request has more than one Host header")
+            if not _VALID_HOST.fullmatch(value.strip(b" \t")):
+                return self.refuse(400, "the request's Host header is not a valid host")
+        ok: bool = super().headerReceived(line)
+        return ok
+
+    def _transfer_encoding(self, value: bytes) -> bool:
+        """
+        Accept exactly one coding, ``chunked``, over all ``Transfer-Encoding`` lines; every
+        other value is refused here, where twisted.web would take ``identity`` for "no body"
+        and a later ``identity`` line after ``chunked`` for chunked.
+        """
+        self._transfer_codings += _codings(value)
+        codings = self._transfer_codings
+        _, _, version = _parsed_request_line(self)
+        if version != b"HTTP/1.1":
+            return self.refuse(400, "Transfer-Encoding is not allowed in an HTTP/1.0 "
+                                    "request")
+        if codings == [b"chunked"]:
+            ok: bool = super().headerReceived(b"Transfer-Encoding: chunked")
+            return ok
+        if not codings or codings[-1] != b"chunked" or b"chunked" in codings[:-1]:
+            return self.refuse(400, "the request's final transfer coding must be chunked "
+                                    "(and only once), or its length cannot be known")
+        return self.refuse(501, "transfer codings other than chunked are not supported")
+
     def allHeadersReceived(self) -> None:
         self._awaiting_head = False
         self._cancel_deadline()
+        missing_host = self._host_lines == 0
+        self._reset_head()
+        _, target, version = _parsed_request_line(self)
+        if target is not None and len(target.translate(None, _VISIBLE_ASCII)) != 0:
+            # twisted.web lets DEL and bytes 0x80-0xB0 through; the backend's parser may not
+            self.refuse(400, "the request target has bytes that are not visible ASCII")
+            return
+        if missing_host and version == b"HTTP/1.1":
+            self.refuse(400, "an HTTP/1.1 request must have a Host header")
+            return  # nothing more: the refused request never reaches the proxy
         super().allHeadersReceived()
+
+    def checkPersistence(self, request: Any, version: bytes) -> bool:
+        """
+        Keep the connection open unless the client asked to close it, reading every
+        ``Connection`` line as a token list (twisted.web reads only the first line, split
+        on spaces, so ``keep-alive,close`` would stay open).  HTTP/1.0 always closes.
+        """
+        tokens = {token.lower()
+                  for value in request.requestHeaders.getRawHeaders(b"connection", [])
+                  for token in _TOKEN_SEPARATORS.split(value) if token}
+        if version == b"HTTP/1.1" and b"close" not in tokens:
+            return True
+        if version == b"HTTP/1.1":
+            request.responseHeaders.setRawHeaders(b"Connection", [b"close"])
+        return False
 
     def requestDone(self, request: Request) -> None:
         # the next request's head gets its own deadline, from its first byte
@@ -80,12 +217,38 @@ class ProxyChannel(HTTPChannel):
 
     def lineLengthExceeded(self, line: bytes) -> None:
         """A request line or header over 16 KiB: 431, as nginx answers, not a bare close."""
+        self.refuse(431, "request header fields too large")
+
+    def _respondToBadRequestAndDisconnect(self) -> None:
+        """
+        twisted.web's answer to a malformed request line, header, length or chunked body
+        (private API, see the top of this module): the same 400, with a JSON body, and
+        logged.
+        """
+        if self._awaiting_head:
+            self.refuse(400, "malformed request line or headers")
+        else:
+            self.refuse(400, "malformed request body framing")
+
+    def refuse(self, status: int, message: str) -> bool:
+        """
+        Answer ``status`` with a JSON error, close the connection, and make sure the
+        request being parsed (if any) never reaches the resource.  Only the first refusal
+        of a connection is written: twisted.web may find a second fault in bytes it had
+        already read.  Returns ``False``, twisted.web's "stop parsing this header".
+        """
+        if self._closing:
+            return False
+        self._closing = True
         self._cancel_deadline()
+        request = self.requests[-1] if self.requests else None
+        body = error_body(status, message)
+        if isinstance(request, LimitedRequest):
+            request.refused(status, body)
         if self.transport is not None:
-            body = error_body(431, "request header fields too large")
-            self.transport.write(
-                _raw_response(431, b"Request Header Fields Too Large", body))
-            self.transport.loseConnection()
+            self.transport.write(_raw_response(status, body))
+            self.loseConnection()
+        return False
 
     def _cancel_deadline(self) -> None:
         if self._head_deadline is not None and self._head_deadline.active():
@@ -98,10 +261,7 @@ class ProxyChannel(HTTPChannel):
             return
         log.info("client {peer} sent no complete request head within {timeout:g}s",
                  peer=str(self.transport.getPeer()), timeout=self.header_timeout)
-        body = error_body(408, f"request headers not received within "
-                               f"{self.header_timeout:g}s")
-        self.transport.write(_raw_response(408, b"Request Timeout", body))
-        self.transport.loseConnection()
+        self.refuse(408, f"request headers not received within {self.header_timeout:g}s")
 
 
 class LimitedRequest(Request):
@@ -143,19 +303,33 @@ class LimitedRequest(Request):
         super().requestReceived(command, path, version)
 
     def _refuse(self, message: str) -> None:
-        self._refused = True
-        body = error_body(413, message)
         channel = self.channel
+        if isinstance(channel, ProxyChannel):
+            channel.refuse(413, message)
+        elif channel is not None:
+            # in an embedder's own channel: answer the same way, without its framing checks
+            body = error_body(413, message)
+            self.refused(413, body)
+            if channel.transport is not None:
+                channel.transport.write(_raw_response(413, body))
+                channel.loseConnection()
+
+    def refused(self, status: int, body: bytes) -> None:
+        """
+        Mark this request as answered by the channel (``status`` with ``body``): it never
+        reaches the resource, and the site's ``on_refused`` gets it for the result log.
+        """
+        if self._refused:
+            return
+        self._refused = True
         # The request line is parsed but not yet given to the request: take it from the
-        # channel, so the result log says what was refused.
-        self.method = getattr(channel, "_command", None) or self.method
-        self.uri = getattr(channel, "_path", None) or self.uri
-        site = getattr(channel, "site", None)
+        # channel, so the result log says what was refused ("-" when it did not parse).
+        command, path, _ = _parsed_request_line(self.channel)
+        self.method = command or b"-"
+        self.uri = path or b"-"
+        site = getattr(self.channel, "site", None)
         if site is not None and getattr(site, "on_refused", None) is not None:
-            site.on_refused(self, 413, body)
-        if channel is not None and channel.transport is not None:
-            channel.transport.write(_raw_response(413, b"Content Too Large", body))
-            channel.loseConnection()
+            site.on_refused(self, status, body)
 
 
 class ProxySite(Site):
