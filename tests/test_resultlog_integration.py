@@ -211,6 +211,9 @@ class HostileProcessTests(TestCase):
         self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
         yield defer.ensureDeferred(lb.started())
         for number, (method, target, orid, body, status, _, _) in enumerate(HOSTILE):
+            # the main port refuses DEL and C1 bytes in a target (400, see test_framing);
+            # the rest of the hostile path (| = ' \) still reaches the log
+            target = target.replace(b"\x7f", b"").replace(b"\x85", b"")
             head = [method + b" " + target + b" HTTP/1.1", b"Host: lb", b"Connection: close",
                     b"X-Case: %d" % number, b"Content-Length: %d" % len(body)]
             if orid is not None:
