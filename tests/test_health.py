@@ -160,3 +160,31 @@ class ProbeErrorTests(SynchronousTestCase):
         self.clock.advance(2)
         self.assertFalse(a.healthy)
         self.assertNotIn(A.key, [b.key for b in self.checker._probing])
+
+
+class EngineScrapeFailureTests(SynchronousTestCase):
+    """A failed ``/metrics`` scrape drops the engine's queue depth for every process."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.agent = FakeUpstream()
+        self.pool = Pool((BackendSpec("127.0.0.1", 8002, models=("m",)),))
+        self.backend = self.pool.get(A.key)
+        self.checker = HealthChecker(self.pool, self.agent, self.clock, interval=2, timeout=1,
+                                     path="/health", rise=1, fall=3, scrape_engine_queue=True)
+
+    def test_a_failed_scrape_reaches_the_update_hook(self) -> None:
+        assert self.backend is not None
+        self.pool.set_engine_depth(self.backend, 3, 1)
+        updates: list[int] = []
+        self.pool.on_update.append(lambda: updates.append(1))
+        self.checker.startService()
+        self.addCleanup(self.checker.stopService)
+        self.agent.last.respond(FakeResponse(200, length=0)).end()
+        seen = len(updates)
+        scrape = self.agent.last
+        self.assertTrue(scrape.uri.endswith(b"/metrics"))
+        scrape.fail(neterror.ConnectionLost())
+        self.assertIsNone(self.backend.engine_depth)
+        # the worker processes mirror on this hook: without it they kept the stale depth
+        self.assertEqual(len(updates), seen + 1)

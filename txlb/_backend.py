@@ -473,6 +473,16 @@ class Pool:
         backend.finished_since_scrape = 0
         self._updated()
 
+    def forget_engine_depth(self, backend: Backend) -> None:
+        """
+        The engine's queue could not be scraped: policies fall back to local counts
+        rather than act on a stale figure.  Through the pool (not by writing the attribute)
+        so that worker processes mirror the fallback too.
+        """
+        if backend.engine_depth is not None:
+            backend.engine_depth = None
+            self._updated()
+
     # -- health -------------------------------------------------------------------------
 
     def mark_down(self, backend: Backend, reason: str) -> None:

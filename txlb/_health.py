@@ -200,7 +200,7 @@ class HealthChecker(Service):
             self.pool.set_engine_depth(backend, running, waiting)
 
         def failed(failure: Failure) -> None:
-            backend.engine_depth = None  # fall back to local counts rather than stale ones
+            self.pool.forget_engine_depth(backend)
             log.debug("could not scrape {backend}/metrics: {error}",
                       backend=backend.key, error=failure.getErrorMessage())
 
