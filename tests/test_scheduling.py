@@ -331,6 +331,83 @@ class LearnedModelsTests(BalancerTestCase):
         self.assertEqual(self.post({"model": "gamma"}).response().status, 404)
 
 
+class AliasTests(BalancerTestCase):
+    """llama.cpp's ``/v1/models`` lists ``aliases``: each is a name clients may ask for."""
+
+    LISTING = {"object": "list", "data": [{"id": "tiny.gguf", "aliases": ["tiny", "t", 7, ""],
+                                           "object": "model", "owned_by": "llamacpp"}]}
+
+    def setUp(self) -> None:
+        self.build(["127.0.0.1:8002", "127.0.0.1:8003"])
+        a, b = self.lb.pool
+        self.lb.pool.set_models(a, self.LISTING["data"])  # type: ignore[arg-type]
+        self.lb.pool.set_models(b, [{"id": "other"}])
+
+    def test_an_alias_routes_to_the_backend_that_lists_it(self) -> None:
+        for model in ("tiny", "t", "tiny.gguf"):
+            self.post({"model": model})
+            self.assertEqual(self.target(), "127.0.0.1:8002")
+            self.assertEqual(json.loads(self.upstream.last.body or b"")["model"], model)
+
+    def test_only_string_aliases_count(self) -> None:
+        self.assertEqual(self.post({"model": ""}).response().status, 404)
+        self.assertEqual(self.lb.pool.get("127.0.0.1:8002").models,  # type: ignore[union-attr]
+                         ("tiny.gguf", "tiny", "t"))
+
+    def test_models_list_keeps_aliases_inside_their_entry(self) -> None:
+        client = ClientConnection(self.site)
+        client.request(b"GET", b"/v1/models")
+        data = json.loads(client.response().body)["data"]
+        self.assertEqual([entry["id"] for entry in data], ["other", "tiny.gguf"])
+        self.assertEqual(data[1]["aliases"], ["tiny", "t", 7, ""])
+
+    def test_a_404_names_the_aliases_too(self) -> None:
+        message = json.loads(self.post({"model": "gpt-9"}).response().body)["error"]["message"]
+        self.assertIn("other, t, tiny, tiny.gguf", message)
+
+
+class UnknownModelTests(BalancerTestCase):
+    """``--unknown-model forward``: what no backend lists goes anywhere, as nginx would."""
+
+    def setUp(self) -> None:
+        self.build(config_file=self.config_file(
+            'unknown-model = "forward"\n'
+            '[[backends]]\nurl = "127.0.0.1:8002"\nmodels = ["llama"]\n'
+            '[[backends]]\nurl = "127.0.0.1:8003"\nmodels = ["qwen"]\n'))
+
+    def test_an_unlisted_model_is_forwarded_by_the_policy(self) -> None:
+        for _ in range(4):
+            self.post({"model": "gpt-9", "messages": []})
+        self.assertEqual({self.target(n) for n in range(4)},
+                         {"127.0.0.1:8002", "127.0.0.1:8003"})
+        self.assertEqual(json.loads(self.upstream.last.body or b"")["model"], "gpt-9")
+
+    def test_a_listed_model_still_goes_only_to_its_backends(self) -> None:
+        for _ in range(4):
+            self.post({"model": "qwen"})
+        self.assertEqual({self.target(n) for n in range(4)}, {"127.0.0.1:8003"})
+
+    def test_a_listed_model_whose_backends_are_down_is_still_503(self) -> None:
+        backend = self.lb.pool.get("127.0.0.1:8003")
+        assert backend is not None
+        self.lb.pool.mark_down(backend, "test")
+        self.assertEqual(self.post({"model": "qwen"}).response().status, 503)
+        self.assertEqual(self.upstream.calls, [])
+
+    def test_the_default_stays_404(self) -> None:
+        self.build(["127.0.0.1:8002"])
+        self.lb.pool.set_models(next(iter(self.lb.pool)), [{"id": "llama"}])
+        self.assertEqual(self.post({"model": "gpt-9"}).response().status, 404)
+
+    def test_bad_values_are_refused(self) -> None:
+        self.assertEqual(build_config({"unknown-model": "FORWARD"}, {}).unknown_model,
+                         "forward")
+        self.assertEqual(build_config({}, {"LB_UNKNOWN_MODEL": "404"}).unknown_model, "404")
+        with self.assertRaises(ConfigError) as caught:
+            build_config({"unknown-model": "drop"}, {})
+        self.assertIn("--unknown-model", str(caught.exception))
+
+
 class AffinityTests(BalancerTestCase):
     def test_same_session_same_backend(self) -> None:
         self.build([f"127.0.0.1:{p}" for p in range(8002, 8006)], affinity="header:X-Session")

@@ -145,6 +145,16 @@ class Backend:
         """
         return self.spec.models or self.learned_models
 
+    @property
+    def aliases(self) -> frozenset[str]:
+        """
+        Names the backend's ``/v1/models`` lists as ``aliases`` of a model (llama.cpp's
+        ``--alias``) that are not model ids themselves: served, but not entries of their own.
+        """
+        names = {alias for entry in self.model_entries.values()
+                 for alias in _aliases_of(entry)}
+        return frozenset(names - set(self.model_entries))
+
     def serves(self, model: str) -> bool:
         """Whether a request for ``model`` may go here (an unknown list may hold it)."""
         models = self.models
@@ -193,6 +203,14 @@ class Backend:
             "ejected_until": self.ejected_until,
             "ttft_ewma_s": _rounded(self.ewma_ttft),
         }
+
+
+def _aliases_of(entry: dict[str, object]) -> list[str]:
+    """The ``aliases`` of one ``/v1/models`` entry: its non-empty strings, nothing else."""
+    aliases = entry.get("aliases")
+    if not isinstance(aliases, list):
+        return []
+    return [alias for alias in aliases if isinstance(alias, str) and alias]
 
 
 def _rounded(value: float | None) -> float | None:
@@ -456,9 +474,15 @@ class Pool:
     # -- what the prober learns ---------------------------------------------------------
 
     def set_models(self, backend: Backend, entries: list[dict[str, object]]) -> None:
-        """The backend's ``/v1/models`` answer: the ids it serves and their descriptions."""
-        ids = tuple(str(entry["id"]) for entry in entries if "id" in entry)
+        """
+        The backend's ``/v1/models`` answer: the names it serves -- each model's id and its
+        ``aliases`` (llama.cpp lists them; a client may ask for any) -- and the entries.
+        """
         backend.model_entries = {str(entry["id"]): entry for entry in entries if "id" in entry}
+        names = dict.fromkeys(backend.model_entries)
+        for entry in backend.model_entries.values():
+            names.update(dict.fromkeys(_aliases_of(entry)))
+        ids = tuple(names)
         if ids != backend.learned_models:
             log.info("backend {backend} serves {models}", backend=backend.key,
                      models=", ".join(ids) or "no model")

@@ -178,6 +178,7 @@ class LoadBalancer:
             reactor,
             queue_timeout=config.queue_timeout,
             retry_after=retry_after,
+            forward_unknown_models=config.unknown_model == "forward",
             routes={r.model: ModelRoute(r.model, r.targets) for r in config.routes},
             affinity=BoundedLoadRing() if config.affinity else None,
             rng=rng,

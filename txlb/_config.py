@@ -393,6 +393,17 @@ def parse_policy(option: str, value: object) -> str:
     return text
 
 
+UNKNOWN_MODEL = ("404", "forward")
+
+
+def parse_unknown_model(option: str, value: object) -> str:
+    """``404`` (as vLLM answers a model it does not serve) or ``forward`` (as nginx would)."""
+    text = str(value).strip().lower()
+    if text not in UNKNOWN_MODEL:
+        raise ConfigError(f"--{option}: {value!r} is not '404' or 'forward'")
+    return text
+
+
 def parse_affinity(option: str, value: object) -> str | None:
     """``header:NAME``, ``user`` or ``none``."""
     text = str(value).strip()
@@ -506,6 +517,10 @@ OPTIONS: tuple[OptionSpec, ...] = (
                "LB_POLICY"),
     OptionSpec("queue-timeout", 30.0, parse_duration,
                "Seconds a request may wait when every backend for it is at max_conns."),
+    OptionSpec("unknown-model", "404", parse_unknown_model,
+               "A request naming a model no backend lists: '404' (an OpenAI-style error, as "
+               "vLLM answers) or 'forward' (to any backend by the policy, as nginx would).",
+               "LB_UNKNOWN_MODEL"),
     OptionSpec("affinity", None, parse_affinity,
                "Session affinity: 'header:NAME' or 'user' (bounded-load consistent hashing)."),
     OptionSpec("routes", (), parse_routes,
@@ -573,6 +588,7 @@ class Config:
     shutdown_timeout: float = 30.0
     policy: str = "least-conn"
     queue_timeout: float = 30.0
+    unknown_model: str = "404"
     affinity: str | None = None
     routes: tuple[RouteSpec, ...] = ()
     retries: int = 2

@@ -70,6 +70,7 @@ class Router:
         routes: Mapping[str, ModelRoute] | None = None,
         affinity: BoundedLoadRing | None = None,
         rng: random.Random | None = None,
+        forward_unknown_models: bool = False,
     ) -> None:
         self.pool = pool
         self.policy = policy
@@ -78,6 +79,8 @@ class Router:
         self.retry_after = retry_after
         self.routes = dict(routes or {})
         self.affinity = affinity
+        #: ``--unknown-model forward``: a model no backend lists goes to any backend
+        self.forward_unknown_models = forward_unknown_models
         self._rng = rng or random.Random()
         self._queue: deque[_Waiter] = deque()
         self.on_queue_wait: Callable[[float], object] = lambda seconds: None
@@ -97,6 +100,18 @@ class Router:
         weights = [weight for _, weight in route.targets]
         return self._rng.choices(names, weights=weights)[0]
 
+    def _routed(self, model: str | None) -> str | None:
+        """
+        The model the choice filters on.  With ``--unknown-model forward`` a model no
+        known backend lists routes like a request without one (engines such as
+        llama.cpp's answer any model name); a model some backend lists, even a down one,
+        still goes only to its backends.
+        """
+        if (model is None or not self.forward_unknown_models
+                or any(b.serves(model) for b in self.pool)):
+            return model
+        return None
+
     def served_models(self) -> list[str]:
         """Every model some known backend serves (healthy or not), and the aliases."""
         models: set[str] = set(self.routes)
@@ -110,7 +125,10 @@ class Router:
         for backend in self.pool:
             if not backend.healthy:
                 continue
+            aliases = backend.aliases  # listed inside their model's entry, as the engine does
             for model in backend.models or ():
+                if model in aliases:
+                    continue
                 entry = backend.model_entries.get(model) or {
                     "id": model, "object": "model", "created": 0, "owned_by": "txlb"}
                 entries.setdefault(model, dict(entry))
@@ -129,6 +147,7 @@ class Router:
         model, 503 when none can take it (all down or draining, or the queue wait ran out).
         Cancelling the Deferred (the client left) takes the request out of the queue.
         """
+        model = self._routed(model)
         serving = self._serving(model, exclude)
         if model is not None and not serving and not any(
                 b.serves(model) for b in self.pool):
@@ -165,7 +184,7 @@ class Router:
         # With --workers a backend's ``active`` is fresh only under the shared lock (other
         # workers take and release slots meanwhile): read the totals there, or a retry
         # would be made into a queue, or refused although a backend is free.
-        serving = self._serving(model, exclude)
+        serving = self._serving(self._routed(model), exclude)
         return self.pool.exclusive(lambda: any(b.eligible for b in serving))
 
     def _serving(self, model: str | None, exclude: frozenset[str]) -> list[Backend]:
