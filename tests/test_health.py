@@ -15,13 +15,16 @@ from .helpers import FakeResponse, FakeUpstream, UpstreamCall
 
 A = BackendSpec("127.0.0.1", 8002)
 B = BackendSpec("127.0.0.1", 8003)
+#: the same with configured models: probed, never asked for models or metrics
+A_M = BackendSpec("127.0.0.1", 8002, models=("m",))
+B_M = BackendSpec("127.0.0.1", 8003, models=("m",))
 
 
 class HealthCheckerTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.clock = Clock()
         self.agent = FakeUpstream()
-        self.pool = Pool((A, B))
+        self.pool = Pool((A_M, B_M))
         self.a = self.pool.get(A.key)
         self.b = self.pool.get(B.key)
         self.checker = HealthChecker(

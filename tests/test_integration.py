@@ -52,7 +52,8 @@ class Fleet:
 
 def proxied_paths(sim: SimulatedVLLM) -> list[bytes]:
     """What a simulator received from clients, without the prober's own requests."""
-    return [r.path for r in sim.requests if r.path not in (b"/health", b"/v1/models")]
+    return [r.path for r in sim.requests
+            if r.path not in (b"/health", b"/v1/models", b"/metrics")]
 
 
 class InProcessTests(TestCase):

@@ -43,6 +43,9 @@ class _ResetAfterWholeRequest(Resource):
             return b"ok"
         if request.path == b"/v1/models":
             return json.dumps({"data": [{"id": "sim-model"}]}).encode()
+        if request.path == b"/metrics":  # the engine scrape at first sight: not a generation
+            request.setResponseCode(404)
+            return b""
         self.taken.append(request.content.read() if request.content else b"")
         request.channel.transport.abortConnection()  # type: ignore[union-attr]
         return NOT_DONE_YET
@@ -61,7 +64,7 @@ class _ResetOnHead(Protocol):
             return
         head = self.buffer.split(b"\r\n\r\n", 1)[0]
         assert self.transport is not None
-        if head.startswith((b"GET /health ", b"GET /v1/models ")):
+        if head.startswith((b"GET /health ", b"GET /v1/models ", b"GET /metrics ")):
             body = b'{"data": [{"id": "sim-model"}]}'
             self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n"
                                  b"Connection: close\r\n\r\n%s" % (len(body), body))

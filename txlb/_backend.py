@@ -61,7 +61,7 @@ class InFlightStore(Protocol):
 #: what routing decisions and ``/__lb_status`` read, and the prober or operator changes.
 SHARED_FIELDS = ("healthy", "draining", "removing", "last_probe_error", "learned_models",
                  "model_entries", "engine_depth", "engine_scrapes", "up_since",
-                 "ejected_until")
+                 "ejected_until", "engine", "kv_cache_usage")
 
 
 @attrs.define(eq=False)
@@ -91,6 +91,11 @@ class Backend:
     peak_ewma: float | None = None
     peak_ewma_at: float | None = None
     engine_depth: float | None = None
+    #: the engine recognised from its ``/metrics`` ("vllm", "sglang", "llamacpp", "tgi",
+    #: "unknown"); ``None`` until looked at
+    engine: str | None = None
+    #: the engine's KV-cache usage, a fraction (1 = full), when it exports one
+    kv_cache_usage: float | None = None
     #: scrapes of the engine's queue so far (a worker process restarts its local count
     #: "since the scrape" when this changes)
     engine_scrapes: int = 0
@@ -184,6 +189,7 @@ class Backend:
             "max_conns": self.spec.max_conns,
             "requests": self.requests,
             "last_probe_error": self.last_probe_error,
+            "engine": self.engine,
         }
 
     def detailed_status(self) -> dict[str, object]:
@@ -193,6 +199,7 @@ class Backend:
             "removing": self.removing,
             "models": list(self.models or ()),
             "engine_depth": self.engine_depth,
+            "kv_cache_usage": _rounded(self.kv_cache_usage),
             "latency_peak_ewma_s": _rounded(self.peak_ewma),
             "responses": dict(sorted(self.responses.items())),
             "ejections": self.ejections,
@@ -489,8 +496,19 @@ class Pool:
         backend.learned_models = ids
         self._updated()
 
-    def set_engine_depth(self, backend: Backend, running: float, waiting: float) -> None:
+    def set_engine(self, backend: Backend, engine: str,
+                   kv_cache: float | None = None) -> None:
+        """The engine recognised from the backend's ``/metrics``, and its KV-cache usage."""
+        if engine != backend.engine:
+            log.info("backend {backend} runs {engine}", backend=backend.key, engine=engine)
+        backend.engine = engine
+        backend.kv_cache_usage = kv_cache
+        self._updated()
+
+    def set_engine_depth(self, backend: Backend, running: float, waiting: float,
+                         kv_cache: float | None = None) -> None:
         """The engine's own queue, scraped from its ``/metrics``; restarts the local count."""
+        backend.kv_cache_usage = kv_cache
         backend.engine_depth = running + waiting
         backend.engine_scrapes += 1
         backend.started_since_scrape = 0

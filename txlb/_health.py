@@ -28,7 +28,11 @@ from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IResponse
 
+from . import _engines
 from ._backend import Backend, Pool
+from ._engines import prometheus_sum
+
+__all__ = ["HealthChecker", "prometheus_sum"]
 
 log = Logger()
 
@@ -39,24 +43,6 @@ _DEFINITIVE = (
     neterror.DNSLookupError,
     neterror.UnknownHostError,
 )
-
-
-def prometheus_sum(text: str, name: str) -> float | None:
-    """The sum of every sample of metric ``name`` in Prometheus text (``None`` if absent)."""
-    total = None
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        rest = line[len(name):]
-        if rest[:1] not in ("{", " "):
-            continue  # another metric whose name starts the same way
-        try:
-            value = float(rest.rsplit(None, 1)[-1] if "}" not in rest
-                          else rest.split("}", 1)[1].split()[0])
-        except (ValueError, IndexError):
-            continue
-        total = (total or 0.0) + value
-    return total
 
 
 class HealthChecker(Service):
@@ -87,6 +73,8 @@ class HealthChecker(Service):
         self._agent = agent
         self._loop: LoopingCall | None = None
         self._probing: dict[Backend, Deferred[Any]] = {}
+        #: backends already warned about for exporting no queue metrics txlb knows
+        self._warned_no_queue: set[str] = set()
 
     def startService(self) -> None:
         super().startService()
@@ -155,13 +143,22 @@ class HealthChecker(Service):
             return None
         was_down = not backend.healthy
         self.pool.probe_succeeded(backend, self.rise)
+        # As its models are learned -- at first sight, and again whenever it comes back up
+        # (it may have been restarted with another model, or another engine) -- learn
+        # which engine it runs too; that scrape also reads the queue.  A backend whose
+        # models are configured is looked at only when its queue is wanted: otherwise it
+        # gets nothing from txlb but probes and traffic.  Both fetches at once: the next
+        # probe waits for this one.
+        learning = not backend.spec.models and (backend.learned_models is None or was_down)
+        first_sight = learning or (self.scrape_engine_queue
+                                   and (backend.engine is None or was_down))
         extras = []
-        if not backend.spec.models and (backend.learned_models is None or was_down):
-            # learn what it serves at first sight, and again whenever it comes back up
-            # (it may have been restarted with another model)
+        if first_sight:
+            extras.append(self._scrape_engine(backend, recognise=True))
+        elif self.scrape_engine_queue:
+            extras.append(self._scrape_engine(backend, recognise=False))
+        if learning:
             extras.append(self._learn_models(backend))
-        if self.scrape_engine_queue:
-            extras.append(self._scrape_engine_queue(backend))
         if not extras:
             return None
         return gatherResults(extras, consumeErrors=True)
@@ -191,22 +188,63 @@ class HealthChecker(Service):
         request.addCallback(json_content)
         return request.addCallback(learned).addErrback(failed)
 
-    def _scrape_engine_queue(self, backend: Backend) -> Deferred[None]:
-        def scraped(text: str) -> None:
-            running = prometheus_sum(text, "vllm:num_requests_running")
-            waiting = prometheus_sum(text, "vllm:num_requests_waiting")
-            if running is None or waiting is None:
-                raise ValueError("no vllm:num_requests_running/waiting in /metrics")
-            self.pool.set_engine_depth(backend, running, waiting)
+    def _scrape_engine(self, backend: Backend, recognise: bool) -> Deferred[None]:
+        """
+        Read the backend's ``/metrics``: recognise its engine (``recognise``), then, with
+        ``--policy queue-depth``, its queue, by the names of the engine recognised.  A
+        backend exporting no queue txlb knows is warned about once, not silently counted
+        by local in-flight requests only.
+        """
+        engine = _engines.BY_NAME.get(backend.engine or "")
+        if not recognise and engine is None:
+            return defer.succeed(None)  # nothing to read there: local counts only
+
+        def answered(response: IResponse) -> Deferred[tuple[str, str]]:
+            """(why there is nothing to read, or ``""``; the text)."""
+            if response.code != 200:
+                skipped: Deferred[None] = collect(response, lambda _data: None)
+                return skipped.addCallback(lambda _: (f"HTTP {response.code}", ""))
+            text: Deferred[str] = text_content(response)
+            return text.addCallback(lambda body: ("", body))
+
+        def scraped(result: tuple[str, str]) -> None:
+            why, text = result
+            found = engine
+            if recognise:
+                found = _engines.recognise(text)
+                why = why or "no metric name txlb knows"
+            reading = _engines.Reading() if found is None else _engines.read(text, found)
+            if recognise:
+                self.pool.set_engine(backend, _engines.UNKNOWN if found is None
+                                     else found.name, reading.kv_cache)
+            if not self.scrape_engine_queue:
+                return
+            if reading.running is None or reading.waiting is None:
+                self.pool.forget_engine_depth(backend)
+                self._warn_no_queue(backend, why if found is None else
+                                    f"{found.running} or {found.waiting} missing")
+                return
+            self.pool.set_engine_depth(backend, reading.running, reading.waiting,
+                                       reading.kv_cache)
 
         def failed(failure: Failure) -> None:
-            self.pool.forget_engine_depth(backend)
+            if self.scrape_engine_queue:
+                self.pool.forget_engine_depth(backend)
             log.debug("could not scrape {backend}/metrics: {error}",
                       backend=backend.key, error=failure.getErrorMessage())
 
         request = self._fetch(backend, b"/metrics")
-        request.addCallback(text_content)
+        request.addCallback(answered)
         return request.addCallback(scraped).addErrback(failed)
+
+    def _warn_no_queue(self, backend: Backend, why: str) -> None:
+        if backend.key in self._warned_no_queue:
+            return
+        self._warned_no_queue.add(backend.key)
+        log.warn("backend {backend} exports no engine queue in /metrics ({why}); "
+                 "--policy queue-depth counts only this balancer's requests to it "
+                 "(txlb reads vLLM, SGLang, llama.cpp and TGI metrics)",
+                 backend=backend.key, why=why)
 
     def _failed(self, backend: Backend, failure: Failure) -> None:
         if not self.running or self.pool.get(backend.key) is not backend:
