@@ -393,3 +393,110 @@ class ClipTests(SynchronousTestCase):
         clipped = clip("\x85" * 100_000, 8192, "text")
         self.assertEqual(len(clipped), 8189 // 6 + 1)
         self.assertLess(len(calls), 3 * 8192 // 6)
+
+
+FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures"
+SSE_TYPE = b"text/event-stream"
+
+
+def recorded(name: str) -> bytes:
+    """A fixture: llama.cpp's recorded from the real server, vLLM's hand-written."""
+    return (FIXTURES / name).read_bytes()
+
+
+class EngineAPITests(SynchronousTestCase):
+    """Every LLM API engines serve gets its own fields, from the engines' real answers."""
+
+    def summary(self, path: bytes, fixture: str, request: object, stream: bool) -> object:
+        return summarize(record(path=path, request=request, chunks=[recorded(fixture)],
+                                content_type=SSE_TYPE if stream else b"application/json"))
+
+    def fields(self, summary: object) -> tuple[object, ...]:
+        return tuple(getattr(summary, name) for name in (
+            "kind", "finish", "completion_tokens", "max_tokens", "clen", "think", "empty"))
+
+    def test_llamacpp_responses_plain_and_streamed(self) -> None:
+        request = {"model": "tiny", "input": "Hi", "max_output_tokens": 8}
+        plain = self.summary(b"/v1/responses", "llamacpp/responses.json", request, False)
+        self.assertEqual(self.fields(plain),
+                         ("completion", "completed", 8, 8, 8, False, False))
+        self.assertEqual(plain.preview, "EuPü'→Ji")  # type: ignore[attr-defined]
+        streamed = self.summary(b"/v1/responses", "llamacpp/responses.sse", request, True)
+        self.assertEqual(self.fields(streamed),
+                         ("completion", "completed", 8, 8, 8, False, False))
+        self.assertEqual(streamed.preview, "Eu9v5文hi")  # type: ignore[attr-defined]
+
+    def test_vllm_responses_with_reasoning_and_incomplete(self) -> None:
+        request = {"model": "q", "input": "Hi", "max_output_tokens": 24,
+                   "reasoning": {"effort": "low"}}
+        plain = self.summary(b"/v1/responses", "engines/vllm-responses.json", request, False)
+        self.assertEqual(self.fields(plain),
+                         ("completion", "max_output_tokens", 24, 24, 16, True, False))
+        self.assertTrue(plain.thinking)  # type: ignore[attr-defined]
+        streamed = self.summary(b"/v1/responses", "engines/vllm-responses.sse", request, True)
+        self.assertEqual(self.fields(streamed), ("completion", "completed", 7, 24, 9, True, False))
+        self.assertEqual(streamed.preview, "Hi there!")  # type: ignore[attr-defined]
+
+    def test_a_stream_cut_before_its_deltas_uses_the_final_response(self) -> None:
+        events = [line for line in recorded("engines/vllm-responses.sse").split(b"\n\n")
+                  if b".delta" not in line]
+        summary = summarize(record(path=b"/v1/responses", request={},
+                                   chunks=[b"\n\n".join(events)], content_type=SSE_TYPE))
+        self.assertEqual((summary.preview, summary.think), ("Hi there!", True))
+
+    def test_llamacpp_messages_plain_and_streamed(self) -> None:
+        request = {"model": "tiny", "messages": [], "max_tokens": 8}
+        plain = self.summary(b"/v1/messages", "llamacpp/messages.json", request, False)
+        self.assertEqual(self.fields(plain), ("completion", "max_tokens", 8, 8, 8, False, False))
+        self.assertEqual(plain.preview, "Eu9<-Ci@")  # type: ignore[attr-defined]
+        streamed = self.summary(b"/v1/messages", "llamacpp/messages.sse", request, True)
+        self.assertEqual(self.fields(streamed),
+                         ("completion", "max_tokens", 8, 8, 8, False, False))
+        self.assertEqual(streamed.preview, "^P文hMZG(")  # type: ignore[attr-defined]
+
+    def test_messages_thinking_blocks(self) -> None:
+        # hand-written after the Messages API's thinking blocks (vLLM serves them)
+        answer = {"type": "message", "role": "assistant", "stop_reason": "end_turn",
+                  "content": [{"type": "thinking", "thinking": "hmm", "signature": ""},
+                              {"type": "text", "text": "ok"}],
+                  "usage": {"input_tokens": 3, "output_tokens": 5}}
+        summary = summarize(record(path=b"/v1/messages", chunks=[json.dumps(answer).encode()],
+                                   request={"thinking": {"type": "enabled"}}))
+        self.assertEqual((summary.finish, summary.completion_tokens, summary.thinking,
+                          summary.think, summary.clen), ("end_turn", 5, True, True, 2))
+
+    def test_unprefixed_chat_is_chat_and_the_line_names_its_path(self) -> None:
+        request = {"model": "tiny", "messages": [], "max_tokens": 8}
+        summary = self.summary(b"/chat/completions", "llamacpp/unprefixed-chat.json",
+                               request, False)
+        self.assertEqual(self.fields(summary), ("completion", "length", 8, 8, 8, False, False))
+        line = format_text(summary)  # type: ignore[arg-type]
+        self.assertIn(" path=/chat/completions | ", line)
+        classic = self.summary(b"/v1/chat/completions", "llamacpp/chat.json", request, False)
+        self.assertNotIn("path=", format_text(classic))  # type: ignore[arg-type]
+        completions = self.summary(b"/completions", "llamacpp/completions.sse",
+                                   {"max_tokens": 8}, True)
+        self.assertEqual(completions.finish, "length")  # type: ignore[attr-defined]
+
+    def test_embeddings_count_and_prompt_tokens(self) -> None:
+        summary = self.summary(b"/v1/embeddings", "llamacpp/embeddings.json",
+                               {"model": "tiny", "input": ["Hi", "there"]}, False)
+        self.assertEqual((summary.kind, summary.count, summary.prompt_tokens),  # type: ignore[attr-defined]
+                         ("embedding", 2, 11))
+        self.assertEqual(format_text(summary),  # type: ignore[arg-type]
+                         f"{STAMP} orid=- 127.0.0.1:8003 POST /v1/embeddings status=200 n=2 "
+                         "ptok=11 dur=6.913")
+        fields = json.loads(format_json(summary))  # type: ignore[arg-type]
+        self.assertEqual((fields["kind"], fields["n"], fields["ptok"]), ("embedding", 2, 11))
+
+    def test_hostile_shapes_never_raise(self) -> None:
+        bodies = [b'{"output": 5, "status": [], "usage": {"output_tokens": 1e400}}',
+                  b'{"content": {"type": "text"}, "stop_reason": 3}',
+                  b'data: {"type": "message_delta", "delta": 4, "usage": []}\n\n',
+                  b'data: {"type": "response.completed", "response": []}\n\n',
+                  b'{"data": 3, "usage": {"prompt_tokens": "x"}}', b"[1]", b"\xff"]
+        for path in (b"/v1/responses", b"/v1/messages", b"/v1/embeddings"):
+            for body in bodies:
+                summary = summarize(record(path=path, chunks=[body]))
+                format_text(summary)
+                format_json(summary)

@@ -27,7 +27,7 @@ from twisted.logger import Logger
 from twisted.python.logfile import LogFile
 
 from ._escape import escape, escape_json
-from ._summary import RequestRecord, Summary, summarize
+from ._summary import CLASSIC_PATHS, RequestRecord, Summary, summarize
 
 log = Logger()
 
@@ -77,7 +77,7 @@ def format_text(summary: Summary) -> str:
             f"{head} status={summary.status} finish={escape(summary.finish or '-')} "
             f"ctok={ctok} thinking={_flag(summary.thinking)} think={_flag(summary.think)} "
             f"empty={_flag(summary.empty)} clen={summary.clen} ttft={_seconds(summary.ttft)} "
-            f"dur={_seconds(summary.dur)}{_extras(summary)} | "
+            f"dur={_seconds(summary.dur)}{_path(summary)}{_extras(summary)} | "
             f"{escape(summary.preview, 'text')}"
         )
     if summary.kind == "error":
@@ -88,8 +88,26 @@ def format_text(summary: Summary) -> str:
             f"path={path} dur={_seconds(summary.dur)}{_extras(summary)} "
             f"ERR_BODY | {escape(summary.err_body, 'text')}"
         )
+    if summary.kind == "embedding":
+        return (f"{head} {method} {path} status={summary.status} n={_count(summary.count)} "
+                f"ptok={_count(summary.prompt_tokens)} dur={_seconds(summary.dur)}"
+                f"{_extras(summary)}")
     return (f"{head} {method} {path} status={summary.status} "
             f"dur={_seconds(summary.dur)}{_extras(summary)}")
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _path(summary: Summary) -> str:
+    """
+    ``path=`` on a completion line of any API but the two the line was made for (chat and
+    completions under ``/v1``), so that ``/v1/messages`` or a client missing ``/v1`` shows.
+    """
+    if summary.path.encode("utf-8", "replace") in CLASSIC_PATHS:
+        return ""
+    return f" path={escape(summary.path)}"
 
 
 def format_json(summary: Summary) -> str:
@@ -117,6 +135,8 @@ def format_json(summary: Summary) -> str:
             max_tokens=summary.max_tokens, thinking=summary.thinking, think=summary.think,
             empty=summary.empty, clen=summary.clen, preview=summary.preview,
         )
+    elif summary.kind == "embedding":
+        fields.update(n=summary.count, ptok=summary.prompt_tokens)
     elif summary.kind == "error":
         fields.update(req_keys=summary.req_keys, err_body=summary.err_body)
     if summary.truncated:

@@ -33,8 +33,24 @@ MAX_FINISH = 64
 MAX_KEY = 64
 MAX_ERR_BODY = 8192
 MAX_LINE = 16 * 1024
+#: The LLM APIs txlb summarises, by path: OpenAI's chat and completions (also without
+#: ``/v1``, as an ``openai`` client whose base URL lacks it sends them), the Responses API,
+#: the Anthropic-style Messages API (vLLM and llama.cpp serve it) and embeddings.
+API_PATHS = {
+    b"/v1/chat/completions": "chat",
+    b"/chat/completions": "chat",
+    b"/v1/completions": "chat",
+    b"/completions": "chat",
+    b"/v1/responses": "responses",
+    b"/responses": "responses",
+    b"/v1/messages": "messages",
+    b"/v1/embeddings": "embeddings",
+    b"/embeddings": "embeddings",
+}
 #: Paths whose responses are LLM completions and get the full summary.
-COMPLETION_PATHS = frozenset({b"/v1/chat/completions", b"/v1/completions"})
+COMPLETION_PATHS = frozenset(path for path, api in API_PATHS.items() if api != "embeddings")
+#: The two paths whose text line does not name its path (it is what the line always was).
+CLASSIC_PATHS = frozenset({b"/v1/chat/completions", b"/v1/completions"})
 
 _THINK_BLOCK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)
 
@@ -98,7 +114,7 @@ class Summary:
     method: str
     path: str
     status: int
-    kind: str  # "completion", "error" or "other"
+    kind: str  # "completion", "embedding", "error" or "other"
     outcome: str
     dur: float
     ttft: float | None = None
@@ -114,6 +130,9 @@ class Summary:
     err_body: str = ""
     truncated: bool = False
     tries: int = 1
+    #: embeddings: the prompt tokens and how many vectors came back
+    prompt_tokens: int | None = None
+    count: int | None = None
 
 
 def parse_json_object(body: bytes) -> dict[str, Any] | None:
@@ -209,6 +228,122 @@ def parse_completion(body: bytes, content_type: bytes | None) -> _Completion:
     return completion
 
 
+def _texts(blocks: object, kinds: tuple[str, ...], field: str = "text") -> list[str]:
+    """The ``field`` strings of the blocks (dicts) in a list whose ``type`` is in ``kinds``."""
+    if not isinstance(blocks, list):
+        return []
+    return [block[field] for block in blocks
+            if isinstance(block, dict) and block.get("type") in kinds
+            and isinstance(block.get(field), str)]
+
+
+def _fold_response(completion: _Completion, response: dict[str, Any], texts: bool) -> None:
+    """A whole Responses API object: status, usage and (``texts``) the output's texts."""
+    status = response.get("status")
+    details = response.get("incomplete_details")
+    reason = details.get("reason") if details.__class__ is dict else None
+    if reason.__class__ is str:
+        completion.finish = reason
+    elif status.__class__ is str:
+        completion.finish = status
+    usage = response.get("usage")
+    if usage.__class__ is dict:
+        tokens = _int_or_none(usage.get("output_tokens"))
+        if tokens is not None:
+            completion.completion_tokens = tokens
+    if not texts:
+        return
+    output = response.get("output")
+    for item in output if output.__class__ is list else ():
+        if item.__class__ is not dict:
+            continue
+        if item.get("type") == "message":
+            completion.content.extend(_texts(item.get("content"), ("output_text",)))
+        elif item.get("type") == "reasoning":
+            completion.reasoning.extend(_texts(item.get("content"), ("reasoning_text",)))
+            completion.reasoning.extend(_texts(item.get("summary"), ("summary_text",)))
+
+
+#: Responses API stream events that end it, carrying the whole response object
+_RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+_REASONING_DELTAS = frozenset({"response.reasoning_text.delta",
+                               "response.reasoning_summary_text.delta"})
+
+
+def parse_responses(body: bytes, content_type: bytes | None) -> _Completion:
+    """
+    A Responses API answer.  Its stream is typed events, not chat's choices: the text comes
+    in ``response.output_text.delta`` events (reasoning in ``response.reasoning_*``) and
+    status and usage in the final ``response.completed`` (or ``.incomplete``, ``.failed``),
+    whose full output is used only when no delta was kept (the capture may have cut them).
+    """
+    completion = _Completion()
+    if not _is_stream(body, content_type):
+        answer = parse_json_object(body)
+        if answer is not None:
+            _fold_response(completion, answer, texts=True)
+        return completion
+    final = None
+    for event in _sse_payloads(body):
+        kind = event.get("type")
+        delta = event.get("delta")
+        if kind == "response.output_text.delta" and delta.__class__ is str:
+            completion.content.append(delta)
+        elif kind in _REASONING_DELTAS and delta.__class__ is str:
+            completion.reasoning.append(delta)
+        elif kind in _RESPONSE_ENDS and event.get("response").__class__ is dict:
+            final = event["response"]
+    if final is not None:
+        texts = not completion.content and not completion.reasoning
+        _fold_response(completion, final, texts)
+    return completion
+
+
+def parse_messages(body: bytes, content_type: bytes | None) -> _Completion:
+    """
+    A Messages API (Anthropic-style) answer: ``text`` and ``thinking`` content blocks,
+    ``stop_reason`` and ``usage.output_tokens``; streamed as ``content_block_*`` events,
+    with the stop reason and final usage in ``message_delta``.
+    """
+    completion = _Completion()
+    blocks: list[object] = []  # content blocks, and stream deltas, in order
+    ends: list[dict[str, Any]] = []  # what holds stop_reason and usage
+    if _is_stream(body, content_type):
+        for event in _sse_payloads(body):
+            kind = event.get("type")
+            if kind == "message_start" and isinstance(event.get("message"), dict):
+                ends.append(event["message"])
+            elif kind in ("content_block_start", "content_block_delta"):
+                blocks.append(event.get("content_block") or event.get("delta"))
+            elif kind == "message_delta":
+                delta = event.get("delta")
+                ends.append({**(delta if isinstance(delta, dict) else {}),
+                             "usage": event.get("usage")})
+    else:
+        answer = parse_json_object(body)
+        if answer is not None:
+            content = answer.get("content")
+            blocks.extend(content if isinstance(content, list) else [])
+            ends.append(answer)
+    completion.content.extend(_texts(blocks, ("text", "text_delta")))
+    completion.reasoning.extend(_texts(blocks, ("thinking", "thinking_delta"), "thinking"))
+    for end in ends:
+        if isinstance(end.get("stop_reason"), str):
+            completion.finish = end["stop_reason"]
+        usage = end.get("usage")
+        if isinstance(usage, dict):
+            tokens = _int_or_none(usage.get("output_tokens"))
+            if tokens is not None:
+                completion.completion_tokens = tokens
+    return completion
+
+
+def _is_stream(body: bytes, content_type: bytes | None) -> bool:
+    stripped = body.lstrip()
+    return ((content_type or b"").startswith(b"text/event-stream")
+            or stripped.startswith((b"data:", b"event:")))
+
+
 def orid_of(header: bytes | None, request: dict[str, Any] | None) -> str:
     """``X-Orid``, else the body's ``user`` (a string or an integer), else ``-``; clipped."""
     if header:
@@ -285,10 +420,18 @@ def summarize(record: RequestRecord) -> Summary:
         err_body = clip(body[:4 * MAX_ERR_BODY].decode("utf-8", "replace"), MAX_ERR_BODY,
                         "text")
         return Summary(kind="error", req_keys=keys, err_body=err_body, **common)
-    if record.path not in COMPLETION_PATHS:
+    api = API_PATHS.get(record.path)
+    if api is None:
         return Summary(kind="other", **common)
+    if api == "embeddings":
+        return _embedding(body, common)
 
-    completion = parse_completion(body, record.content_type)
+    if api == "responses":
+        completion = parse_responses(body, record.content_type)
+    elif api == "messages":
+        completion = parse_messages(body, record.content_type)
+    else:
+        completion = parse_completion(body, record.content_type)
     content = "".join(completion.content)
     reasoning = "".join(completion.reasoning)
     visible = _THINK_BLOCK.sub("", content).strip()
@@ -298,8 +441,9 @@ def summarize(record: RequestRecord) -> Summary:
         max_tokens = _int_or_none(request.get("max_tokens"))
         if max_tokens is None:
             max_tokens = _int_or_none(request.get("max_completion_tokens"))
-        kwargs = request.get("chat_template_kwargs")
-        thinking = isinstance(kwargs, dict) and kwargs.get("enable_thinking") is True
+        if max_tokens is None and api == "responses":
+            max_tokens = _int_or_none(request.get("max_output_tokens"))
+        thinking = _asked_to_think(request)
     return Summary(
         kind="completion",
         finish=None if completion.finish is None else clip(completion.finish, MAX_FINISH),
@@ -312,3 +456,34 @@ def summarize(record: RequestRecord) -> Summary:
         preview=visible[:PREVIEW_CHARS],
         **common,
     )
+
+
+def _asked_to_think(request: dict[str, Any]) -> bool:
+    """
+    The request turned reasoning on: ``chat_template_kwargs.enable_thinking`` (vLLM, SGLang),
+    the Messages API's ``thinking: {"type": "enabled"}`` or the Responses API's
+    ``reasoning: {"effort": ...}`` (any effort but ``none``).
+    """
+    kwargs = request.get("chat_template_kwargs")
+    if isinstance(kwargs, dict) and kwargs.get("enable_thinking") is True:
+        return True
+    thinking = request.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        return True
+    reasoning = request.get("reasoning")
+    return (isinstance(reasoning, dict) and isinstance(reasoning.get("effort"), str)
+            and reasoning["effort"] != "none")
+
+
+def _embedding(body: bytes, common: dict[str, Any]) -> Summary:
+    """An embeddings answer: how many vectors, and the prompt tokens they took."""
+    answer = parse_json_object(body)
+    count = prompt_tokens = None
+    if answer is not None:
+        data = answer.get("data")
+        if isinstance(data, list):
+            count = len(data)
+        usage = answer.get("usage")
+        if isinstance(usage, dict):
+            prompt_tokens = _int_or_none(usage.get("prompt_tokens"))
+    return Summary(kind="embedding", prompt_tokens=prompt_tokens, count=count, **common)
