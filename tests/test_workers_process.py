@@ -115,6 +115,30 @@ class WorkersProcessTests(TestCase):
             return []
         return self.log_path.read_text().splitlines()
 
+    async def test_privacy_options_hold_across_workers(self) -> None:
+        """
+        Workers summarise, the supervisor writes: with --log-content 0, --log-user hash and
+        --log-error-body none no address, answer or echoed prompt reaches the file, and one
+        user gets one digest whichever worker served it.
+        """
+        await self.start(2, "--log-content", "0", "--log-user", "hash",
+                         "--log-error-body", "none")
+        for _ in range(6):
+            await self.client.fetch(self.lb.url + "/v1/chat/completions", b"POST",
+                                    chat_body(stream=False, user="alice@example.com"), JSON)
+        await self.client.fetch(self.lb.url + "/v1/chat/completions", b"POST",
+                                chat_body(user="alice@example.com", max_tokens="secret-prompt"),
+                                JSON)
+        await wait_until(lambda: len(self.log_lines()) >= 7, what="seven log lines")
+        text = self.log_path.read_text()
+        self.assertNotIn("alice", text)
+        self.assertNotIn("secret-prompt", text)
+        orids = {line.split()[2] for line in self.log_lines()}
+        self.assertEqual(len(orids), 1, orids)
+        self.assertRegex(orids.pop(), r"^orid=h:[0-9a-f]{16}$")
+        for line in self.log_lines():
+            self.assertTrue(line.endswith(" | "), line)
+
     async def test_least_conn_is_exact_across_workers(self) -> None:
         await self.start(4, tokens_per_second=20)
         streams = await defer.gatherResults([

@@ -37,7 +37,7 @@ from ._relay import AgentUpstream
 from ._resultlog import open_result_log
 from ._routing import ModelRoute, Router
 from ._site import ProxySite
-from ._summary import RequestRecord, Summary, summarize
+from ._summary import RequestRecord, Summary, privacy_of, summarize
 from ._upstream import Upstream, UpstreamClient
 
 log = Logger()
@@ -163,6 +163,7 @@ class LoadBalancer:
                 connectTimeout=config.health_timeout,
                 pool=HTTPConnectionPool(reactor, persistent=False),
             )
+        self.privacy = privacy_of(config)
         self.result_log = open_result_log(
             config.log_file, config.log_max_bytes, config.log_backups, config.log_format, reactor
         )
@@ -223,7 +224,7 @@ class LoadBalancer:
         result log alike.  Never raises: bookkeeping must not fail a request.
         """
         try:
-            summary = summarize(record)
+            summary = summarize(record, self.privacy)
         except Exception:
             log.failure("could not summarise a finished request")
             return
