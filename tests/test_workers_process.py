@@ -139,6 +139,29 @@ class WorkersProcessTests(TestCase):
         for line in self.log_lines():
             self.assertTrue(line.endswith(" | "), line)
 
+    async def test_history_is_merged_by_the_supervisor(self) -> None:
+        """
+        Every worker's requests reach the supervisor's history: the samples add up to all
+        the requests both workers served, and a stream held open shows as in flight.
+        """
+        await self.start(2, tokens_per_second=20)
+        served = await self.until_both_workers_served([0, 0])
+        stream = await self.open_stream(200)
+        deadline = time.monotonic() + 30
+        while True:
+            _, body = await self.client.fetch(self.lb.admin_url + "/status/history")
+            samples = json.loads(body.body)["samples"]
+            counted = sum(sum(b["requests"] for b in s["backends"].values())
+                          for s in samples)
+            if counted >= len(served) and samples and samples[-1]["in_flight"] >= 1:
+                break
+            self.assertLess(time.monotonic(), deadline, f"history: {samples[-3:]}")
+            await task.deferLater(reactor, 0.2)
+        self.assertEqual(counted, len(served))
+        self.assertEqual(sum(s["requests"] for s in samples), counted)
+        self.assertEqual(set(samples[-1]["backends"]), set(self.fleet.keys))
+        stream.transport.stopProducing()  # type: ignore[union-attr]
+
     async def test_least_conn_is_exact_across_workers(self) -> None:
         await self.start(4, tokens_per_second=20)
         streams = await defer.gatherResults([
