@@ -7,8 +7,8 @@ Two promises shape it:
 
 * **Bounded.**  A ring of :data:`CAPACITY` samples (5 minutes); the oldest falls off as a
   new one arrives.  A sample is a few numbers for the fleet and a few per backend, so the
-  memory is about ``CAPACITY * (200 + 250 * backends)`` bytes whatever the traffic: some
-  0.7 MB for 8 backends.
+  memory is about ``CAPACITY * (400 + 230 * backends)`` bytes whatever the traffic
+  (measured with tracemalloc: 0.64 MB for 8 backends, 4.4 MB for 64).
 * **Nothing per request beyond O(1) counters.**  :meth:`History.observe` adds to integer
   counters -- a time-to-first-byte goes into one bucket of a fixed log-spaced histogram --
   and allocates nothing once a backend has been seen.  The percentiles, rates and means
@@ -188,8 +188,9 @@ class History:
 
     def since(self, after: float | None) -> list[dict[str, Any]]:
         """The samples newer than ``after`` (all of them for ``None``), oldest first."""
+        # compared as served: ``t`` is rounded to the millisecond
         return [sample.as_json() for sample in self.samples
-                if after is None or sample.time > after]
+                if after is None or round(sample.time, 3) > after]
 
 
 class HistoryService(Service):
