@@ -154,7 +154,7 @@ class TwistdProcess:
             if self.process.poll() is not None:
                 raise AssertionError(f"twistd exited early:\n{self.output()}")
             output = self.output()
-            match = re.search(r"\bProxySite starting on (\d+)", output)
+            match = re.search(r"\bProxySite(?: \(TLS\))? starting on (\d+)", output)
             if match:
                 self.port = int(match.group(1))
             admin = re.search(r"_AdminSite starting on (\d+)", output)
@@ -185,3 +185,54 @@ class TwistdProcess:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1]) * 1024
         raise AssertionError("no VmRSS")
+
+
+def throwaway_certificate(directory: Path) -> tuple[Path, Path]:
+    """
+    A self-signed certificate for ``127.0.0.1`` and ``localhost`` (valid for a day), written
+    as ``key.pem`` and ``cert.pem`` under ``directory``: a client that trusts ``cert.pem``
+    verifies the server as it would a real one.  Made with ``cryptography`` (which
+    Twisted's TLS support installs), else with the ``openssl`` command.
+    """
+    import datetime
+    import ipaddress
+    import shutil
+
+    key_path, cert_path = directory / "key.pem", directory / "cert.pem"
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        openssl = shutil.which("openssl")
+        if openssl is None:
+            from twisted.trial.unittest import SkipTest
+            raise SkipTest("NOT RUN: neither the cryptography package nor openssl is "
+                           "installed to make a test certificate") from None
+        subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                        "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
+                        "-subj", "/CN=localhost", "-addext",
+                        "subjectAltName=IP:127.0.0.1,DNS:localhost",
+                        "-keyout", str(key_path), "-out", str(cert_path)],
+                       check=True, capture_output=True)
+        return key_path, cert_path
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+            critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    return key_path, cert_path

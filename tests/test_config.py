@@ -211,3 +211,37 @@ class BackendHostTests(SynchronousTestCase):
             self.assertIn("--backends", message)
             self.assertNotIn("\n", message)
             self.assertLess(len(message), 250)
+
+
+class PrivacyOptionTests(SynchronousTestCase):
+    """The result log's privacy options: parsed, validated, and one key for all workers."""
+
+    def test_defaults_keep_everything(self) -> None:
+        config = build_config({}, NONE)
+        self.assertEqual((config.log_content, config.log_user, config.log_error_body),
+                         (200, "keep", None))
+
+    def test_values(self) -> None:
+        config = build_config({"log-content": "0", "log-user": "drop",
+                               "log-error-body": "none"}, NONE)
+        self.assertEqual((config.log_content, config.log_user, config.log_error_body),
+                         (0, "drop", 0))
+        self.assertEqual(build_config({"log-error-body": "120"}, NONE).log_error_body, 120)
+
+    def test_bad_values(self) -> None:
+        for option, value in (("log-content", "1001"), ("log-content", "-1"),
+                              ("log-user", "md5"), ("log-error-body", "some")):
+            with self.assertRaises(ConfigError) as raised:
+                build_config({option: value}, NONE)
+            self.assertIn(f"--{option}", str(raised.exception))
+
+    def test_hash_key_random_per_start_unless_given(self) -> None:
+        one = build_config({"log-user": "hash"}, NONE)
+        two = build_config({"log-user": "hash"}, NONE)
+        self.assertNotEqual(one.log_user_key, two.log_user_key)
+        self.assertNotIn(str(one.log_user_key), repr(one))
+        given = build_config({"log-user": "hash"}, {"LB_LOG_USER_KEY": "s" * 20})
+        self.assertEqual(given.log_user_key, "s" * 20)
+        with self.assertRaises(ConfigError) as raised:
+            build_config({}, {"LB_LOG_USER_KEY": "short-secret"})
+        self.assertNotIn("short-secret", str(raised.exception))

@@ -13,7 +13,7 @@ from twisted.trial.unittest import SkipTest, SynchronousTestCase
 from txlb import build_config
 from txlb.nginx import listen_directive, render
 
-from .integration import ROOT
+from .integration import ROOT, throwaway_certificate
 
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists()
                                   else None)
@@ -114,6 +114,9 @@ class GeneratedConfigTests(SynchronousTestCase):
                     {"rate_limit": "1/h", "rate_key": "header:X-Team"},
                     {"lb_status": "loopback", "x_backend": "loopback"},
                     {"lb_status": "off", "x_backend": "off"}]
+        key, cert = throwaway_certificate(prefix)
+        variants += [{"listen": f"ssl:1:interface=127.0.0.1:privateKey={key}:certKey={cert}"},
+                     {"log_file": "none"}, {"log_file": "-"}]
         for options in variants:
             config = build_config({"backends": "127.0.0.1:1,127.0.0.1:2",
                                    "listen": "tcp:1:interface=127.0.0.1",
@@ -124,3 +127,58 @@ class GeneratedConfigTests(SynchronousTestCase):
                                      str(prefix / "nginx.conf")], capture_output=True,
                                     text=True)
             self.assertEqual(result.returncode, 0, f"{options}: {result.stderr}")
+
+
+class TlsAndLogTests(SynchronousTestCase):
+    """An ssl: listener brings its certificate; the txlb_results format is used; prefixes."""
+
+    def test_ssl_endpoint_names_its_certificate_and_key(self) -> None:
+        directory = Path(self.mktemp()).resolve()
+        directory.mkdir()
+        key, cert = throwaway_certificate(directory)
+        text = conf(listen=f"ssl:8443:privateKey={key}:certKey={cert}")
+        self.assertIn("listen 8443 ssl;", text)
+        self.assertIn(f"ssl_certificate '{cert}';", text)
+        self.assertIn(f"ssl_certificate_key '{key}';", text)
+        # without certKey Twisted reads the certificate from the key file, and so does nginx
+        combined = directory / "both.pem"
+        combined.write_bytes(key.read_bytes() + cert.read_bytes())
+        both = conf(listen=f"ssl:8443:privateKey={combined}")
+        self.assertIn(f"ssl_certificate '{combined}';", both)
+        self.assertIn(f"ssl_certificate_key '{combined}';", both)
+        self.assertNotIn("ssl_certificate", conf())
+
+    def test_relative_certificate_paths_are_made_absolute(self) -> None:
+        directory = Path(self.mktemp()).resolve()
+        directory.mkdir()
+        throwaway_certificate(directory)
+        here = os.getcwd()
+        os.chdir(directory)
+        self.addCleanup(os.chdir, here)
+        text = conf(listen="ssl:8443:privateKey=key.pem:certKey=cert.pem")
+        self.assertIn(f"ssl_certificate '{directory / 'cert.pem'}';", text)
+        self.assertIn(f"ssl_certificate_key '{directory / 'key.pem'}';", text)
+
+    def test_the_log_format_is_used_for_the_log_file(self) -> None:
+        text = conf(log_file="/var/log/llm/lb_results.log")
+        self.assertIn("log_format txlb_results ", text)
+        self.assertIn("access_log '/var/log/llm/lb_results.log' txlb_results;", text)
+        self.assertIn("access_log '/dev/stdout' txlb_results;", conf(log_file="-"))
+        self.assertIn("access_log off;", conf(log_file="none"))
+        standalone = render(build_config({"backends": "127.0.0.1:1"}, {}), "/srv/lb")
+        self.assertIn("access_log '/srv/lb/lb_results.log' txlb_results;", standalone)
+
+    def test_standalone_creates_a_missing_prefix_that_nginx_accepts(self) -> None:
+        prefix = Path(self.mktemp()).resolve() / "new" / "prefix"
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        result = subprocess.run([sys.executable, "-m", "txlb.nginx", "--backends",
+                                 "127.0.0.1:1", "--listen", "tcp:1:interface=127.0.0.1",
+                                 "--standalone", str(prefix)],
+                                capture_output=True, text=True, check=True, env=env)
+        self.assertTrue(prefix.is_dir())
+        if NGINX is None:
+            raise SkipTest("NOT RUN: nginx is not installed (apt-get install nginx)")
+        (prefix / "nginx.conf").write_text(result.stdout)
+        checked = subprocess.run([NGINX, "-t", "-p", str(prefix), "-c",
+                                  str(prefix / "nginx.conf")], capture_output=True, text=True)
+        self.assertEqual(checked.returncode, 0, checked.stderr)

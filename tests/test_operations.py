@@ -191,30 +191,103 @@ class DashboardBrowserTests(TestCase):
                 from None
 
     @defer.inlineCallbacks
-    def test_page_shows_backends_and_drains(self) -> Any:
-        fleet = Fleet(self, 3)
-        lb = LoadBalancer(fleet.keys, reactor=reactor, log_file="none")
+    def test_page_shows_backends_charts_and_drains(self) -> Any:
+        # different speeds, so the charts have something to tell apart
+        fleets = [Fleet(self, 1, ttft=ttft, tokens_per_second=rate)
+                  for ttft, rate in ((0.02, 400), (0.08, 200), (0.25, 100))]
+        keys = [key for fleet in fleets for key in fleet.keys]
+        lb = LoadBalancer(keys, reactor=reactor, log_file="none", slow_start=60)
         service = lb.service()
         service.startService()
         self.addCleanup(service.stopService)
         admin = reactor.listenTCP(0, Site(lb.admin_resource()), interface="127.0.0.1")
         self.addCleanup(admin.stopListening)
+        proxy = reactor.listenTCP(0, Site(lb.resource()), interface="127.0.0.1")
+        self.addCleanup(proxy.stopListening)
+        traffic = _Traffic(f"http://127.0.0.1:{proxy.getHost().port}")
+        self.addCleanup(traffic.stop)
+        traffic.start()
         url = f"http://127.0.0.1:{admin.getHost().port}/"
         screenshot = SCREENSHOT if os.environ.get("TXLB_UPDATE_SCREENSHOT") else \
             Path(self.mktemp()).resolve().with_suffix(".png")
         # The browser is driven from a thread: the reactor must keep serving the page.
-        rows, state_after = yield threads.deferToThread(
-            drive_dashboard, url, fleet.keys[1], str(screenshot))
-        self.assertEqual([row[0] for row in rows], fleet.keys)
+        seen = yield threads.deferToThread(drive_dashboard, url, keys[1], str(screenshot))
+        rows, state_after, charts = seen
+        self.assertEqual([row[0] for row in rows], keys)
         self.assertEqual({row[1] for row in rows}, {"up"})
         self.assertEqual(state_after, "draining")
-        self.assertTrue(lb.pool.get(fleet.keys[1]).draining)  # type: ignore[union-attr]
-        self.assertFalse(lb.pool.get(fleet.keys[0]).draining)  # type: ignore[union-attr]
+        self.assertTrue(lb.pool.get(keys[1]).draining)  # type: ignore[union-attr]
+        self.assertFalse(lb.pool.get(keys[0]).draining)  # type: ignore[union-attr]
+        # the fleet's charts and every backend's sparklines are drawn, and they move
+        first, later = charts
+        self.assertGreater(later["samples"], first["samples"])
+        self.assertNotEqual(later["rate"], first["rate"])
+        self.assertTrue(later["rate"].startswith("M"), later)
+        self.assertTrue(later["ttfb"].startswith("M"), later)
+        self.assertEqual(later["sparklines"], 2 * len(keys))
+        self.assertGreater(traffic.done, 0)
         self.assertGreater(screenshot.stat().st_size, 1000)
 
 
-def drive_dashboard(url: str, backend: str, screenshot: str) -> tuple[list[list[str]], str]:
-    """Load the page, read the table, click drain on ``backend``, read its new state."""
+class _Traffic:
+    """
+    Requests to the proxy while the browser looks: a few at a time, bounded in count and
+    in time, stopped by the test's cleanup.
+    """
+
+    MAX_REQUESTS = 20000
+    MAX_SECONDS = 120.0
+    CONCURRENCY = 4
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.client = Client()
+        self.done = 0
+        self.stopping = False
+        self.running: list[defer.Deferred[None]] = []
+        self.deadline = 0.0
+
+    def start(self) -> None:
+        self.deadline = reactor.seconds() + self.MAX_SECONDS  # type: ignore[attr-defined]
+        self.running = [defer.ensureDeferred(self._loop(index))
+                        for index in range(self.CONCURRENCY)]
+
+    async def _loop(self, index: int) -> None:
+        tokens = [b"4", b"12", b"40", b"8"][index % 4]
+        while (not self.stopping and self.done < self.MAX_REQUESTS
+               and reactor.seconds() < self.deadline):  # type: ignore[attr-defined]
+            headers = {**JSON, b"x-sim-tokens": [tokens]}
+            if self.done % 25 == 24:
+                headers[b"x-sim-status"] = [b"500"]  # a few 5xx, as a real fleet has
+            await self.client.fetch(self.url + "/v1/chat/completions", b"POST",
+                                    chat_body(), headers)
+            self.done += 1
+
+    def stop(self) -> defer.Deferred[Any]:
+        self.stopping = True
+        done = defer.DeferredList(self.running, consumeErrors=True)
+        done.addCallback(lambda _: self.client.pool.closeCachedConnections())
+        return done
+
+
+#: What the page's charts hold: samples drawn, the fleet charts' first lines, sparklines.
+READ_CHARTS = """
+const path = id => {
+  const line = document.querySelector('#' + id + ' svg path.s1');
+  return line ? line.getAttribute('d') : '';
+};
+return {samples: Number(document.querySelector('#fleet-rate svg').dataset.samples || 0),
+        rate: path('fleet-rate'), ttfb: path('fleet-ttfb'),
+        sparklines: document.querySelectorAll('#backends svg.spark path.s1').length};
+"""
+
+
+def drive_dashboard(url: str, backend: str, screenshot: str,
+                    ) -> tuple[list[list[str]], str, list[dict[str, Any]]]:
+    """
+    Load the page, read the table, watch the charts move, click drain on ``backend``,
+    read its new state, and take the screenshot.
+    """
     from selenium import webdriver
     from selenium.common.exceptions import (
         NoSuchElementException,
@@ -228,7 +301,7 @@ def drive_dashboard(url: str, backend: str, screenshot: str) -> tuple[list[list[
     options.binary_location = CHROMIUM or ""
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                  "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run", "--window-size=1280,400"):
+                 "--disable-sync", "--no-first-run", "--window-size=1400,600"):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER or ""), options=options)
     try:
@@ -241,6 +314,11 @@ def drive_dashboard(url: str, backend: str, screenshot: str) -> tuple[list[list[
         rows: list[list[str]] = driver.execute_script(
             "return [...document.querySelectorAll('#backends tr')]"
             ".map(row => [...row.cells].map(cell => cell.textContent))")
+        # the history fills one sample a second; the page asks every 2 s
+        wait.until(lambda d: d.execute_script(READ_CHARTS)["samples"] >= 3)
+        first = driver.execute_script(READ_CHARTS)
+        wait.until(lambda d: d.execute_script(READ_CHARTS)["samples"] >= first["samples"] + 2)
+        later = driver.execute_script(READ_CHARTS)
 
         def click_drain(d: Any) -> bool:
             d.find_element(By.CSS_SELECTOR, f'tr[data-backend="{backend}"] button').click()
@@ -250,7 +328,11 @@ def drive_dashboard(url: str, backend: str, screenshot: str) -> tuple[list[list[
         selector = f'tr[data-backend="{backend}"] td[data-field="state"]'
         wait.until(lambda d: d.find_element(By.CSS_SELECTOR, selector).text == "draining")
         state = "draining"
+        # a minute of history for the picture in the docs, so it shows lines, not dots
+        settle = 60 if os.environ.get("TXLB_UPDATE_SCREENSHOT") else 0
+        WebDriverWait(driver, settle + 20).until(
+            lambda d: d.execute_script(READ_CHARTS)["samples"] >= settle)
         driver.save_screenshot(screenshot)
-        return rows, state
+        return rows, state, [first, later]
     finally:
         driver.quit()

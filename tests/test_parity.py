@@ -27,7 +27,14 @@ from twisted.trial.unittest import SkipTest, TestCase
 from txlb import build_config
 from txlb.nginx import render
 
-from .integration import Client, TwistdProcess, chat_body, header, wait_until
+from .integration import (
+    Client,
+    TwistdProcess,
+    chat_body,
+    header,
+    throwaway_certificate,
+    wait_until,
+)
 from .test_integration import JSON, Fleet
 
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx")
@@ -47,13 +54,15 @@ def free_port() -> int:
 class NginxProcess:
     """nginx in the foreground, unprivileged paths only, with txlb's generated config."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], listen: str = "tcp:{port}:interface=127.0.0.1",
+                 scheme: str = "http") -> None:
+        self.scheme = scheme
         self.prefix = Path(tempfile.mkdtemp(prefix="txlb-nginx-"))
         for sub in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
             (self.prefix / sub).mkdir()
         os.chmod(self.prefix, 0o777)  # workers drop to nobody when the master runs as root
         self.port = free_port()
-        config = build_config({"listen": f"tcp:{self.port}:interface=127.0.0.1",
+        config = build_config({"listen": listen.format(port=self.port),
                                **dict(zip(args[::2], args[1::2], strict=True))}, {})
         (self.prefix / "nginx.conf").write_text(render(config, str(self.prefix)))
         self.process = subprocess.Popen(
@@ -62,7 +71,7 @@ class NginxProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     async def started(self) -> None:
         def accepting() -> bool:
@@ -207,28 +216,77 @@ class ClientViewParityTests(ParityTestCase):
     @defer.inlineCallbacks
     def test_the_official_openai_client_gets_the_same_results(self) -> Any:
         try:
+            import openai  # noqa: F401
+        except ImportError:
+            raise SkipTest("NOT RUN: the openai package is not installed") from None
+        via_txlb = yield threads.deferToThread(ask_openai, self.txlb.url)
+        via_nginx = yield threads.deferToThread(ask_openai, self.nginx.url)
+        self.assertEqual(via_txlb, via_nginx)
+        self.assertEqual(via_txlb[1], "length")
+
+
+def ask_openai(base: str, **client_options: Any) -> tuple[Any, ...]:
+    """A plain and a streamed chat completion through the official client: what it saw."""
+    import openai
+
+    client = openai.OpenAI(base_url=base + "/v1", api_key="sk-test", max_retries=0,
+                           **client_options)
+    plain = client.chat.completions.create(
+        model="sim-model", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    stream = client.chat.completions.create(
+        model="sim-model", messages=[{"role": "user", "content": "hi"}],
+        stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    return (plain.choices[0].message.content, plain.choices[0].finish_reason,
+            plain.usage.completion_tokens if plain.usage else None,
+            streamed, finish, chunks[-1].usage.completion_tokens if chunks[-1].usage else None)
+
+
+class TlsParityTests(TestCase):
+    """
+    ``--listen ssl:...`` on both sides, one throwaway certificate: nginx accepts the
+    generated TLS server, and the official openai client, verifying that certificate over
+    https, gets the same answers from each.
+    """
+
+    timeout = 120
+
+    @defer.inlineCallbacks
+    def test_openai_client_over_https_gets_the_same_results(self) -> Any:
+        if NGINX is None:
+            raise SkipTest("NOT RUN: nginx is not installed (apt-get install nginx); "
+                           "the nginx parity suite needs it")
+        try:
             import openai
         except ImportError:
             raise SkipTest("NOT RUN: the openai package is not installed") from None
+        directory = Path(self.mktemp()).resolve()
+        directory.mkdir()
+        key, cert = throwaway_certificate(directory)
+        fleet = Fleet(self, 2, tokens_per_second=200)
+        tls = f"interface=127.0.0.1:privateKey={key}:certKey={cert}"
+        nginx = NginxProcess(["backends", ",".join(fleet.keys)], listen="ssl:{port}:" + tls,
+                             scheme="https")
+        self.addCleanup(nginx.stop)
+        txlb = TwistdProcess("--backends", ",".join(fleet.keys), "--listen", "ssl:0:" + tls)
+        self.addCleanup(lambda: defer.ensureDeferred(txlb.stop()))
+        yield defer.ensureDeferred(nginx.started())
+        yield defer.ensureDeferred(txlb.started())
+        self.assertIn("(TLS)", txlb.output())
 
-        def ask(base: str) -> tuple[Any, ...]:
-            client = openai.OpenAI(base_url=base + "/v1", api_key="sk-test", max_retries=0)
-            plain = client.chat.completions.create(
-                model="sim-model", messages=[{"role": "user", "content": "hi"}],
-                max_tokens=5)
-            stream = client.chat.completions.create(
-                model="sim-model", messages=[{"role": "user", "content": "hi"}],
-                stream=True, stream_options={"include_usage": True})
-            chunks = list(stream)
-            streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-            return (plain.choices[0].message.content, plain.choices[0].finish_reason,
-                    plain.usage.completion_tokens if plain.usage else None,
-                    streamed, finish, chunks[-1].usage.completion_tokens
-                    if chunks[-1].usage else None)
+        def over_https(base: str) -> tuple[Any, ...]:
+            http_client = openai.DefaultHttpx2Client(verify=str(cert))
+            try:
+                return ask_openai(base, http_client=http_client)
+            finally:
+                http_client.close()
 
-        via_txlb = yield threads.deferToThread(ask, self.txlb.url)
-        via_nginx = yield threads.deferToThread(ask, self.nginx.url)
+        via_txlb = yield threads.deferToThread(
+            over_https, txlb.url.replace("http://", "https://"))
+        via_nginx = yield threads.deferToThread(over_https, nginx.url)
+        self.assertTrue(nginx.url.startswith("https://"))
         self.assertEqual(via_txlb, via_nginx)
         self.assertEqual(via_txlb[1], "length")
 

@@ -20,7 +20,9 @@ from txlb._summary import (
     MAX_LINE,
     MAX_ORID,
     MAX_PATH,
+    Privacy,
     RequestRecord,
+    Summary,
     summarize,
 )
 
@@ -500,3 +502,87 @@ class EngineAPITests(SynchronousTestCase):
                 summary = summarize(record(path=path, chunks=[body]))
                 format_text(summary)
                 format_json(summary)
+
+
+class PrivacyTests(SynchronousTestCase):
+    """--log-content, --log-user and --log-error-body: what users wrote stays out."""
+
+    answer = json.dumps({"choices": [{"index": 0, "finish_reason": "stop",
+                                      "message": {"content": "secret answer " * 30}}]})
+
+    def summary(self, privacy: Privacy, **kwargs: object) -> Summary:
+        kwargs.setdefault("chunks", [self.answer.encode()])
+        return summarize(record(**kwargs), privacy)  # type: ignore[arg-type]
+
+    def test_default_keeps_200_characters(self) -> None:
+        self.assertEqual(len(self.summary(Privacy()).preview), 200)
+
+    def test_content_limit_in_both_formats(self) -> None:
+        for chars in (0, 7, 1000):
+            summary = self.summary(Privacy(content=chars))
+            self.assertEqual(summary.preview, ("secret answer " * 30).strip()[:chars])
+            self.assertEqual(json.loads(format_json(summary))["preview"], summary.preview)
+            self.assertTrue(format_text(summary).endswith(" | " + summary.preview))
+        self.assertEqual(self.summary(Privacy(content=0)).clen, 420)  # the facts remain
+
+    def test_user_hash_is_keyed_stable_and_never_the_address(self) -> None:
+        mail = {"user": "alice@example.com"}
+        one = self.summary(Privacy(user="hash", user_key=b"k" * 32), request=mail).orid
+        again = self.summary(Privacy(user="hash", user_key=b"k" * 32), request=mail).orid
+        other_key = self.summary(Privacy(user="hash", user_key=b"j" * 32), request=mail).orid
+        bob = self.summary(Privacy(user="hash", user_key=b"k" * 32),
+                           request={"user": "bob@example.com"}).orid
+        self.assertEqual(one, again)
+        self.assertNotEqual(one, other_key)
+        self.assertNotEqual(one, bob)
+        self.assertRegex(one, r"^h:[0-9a-f]{16}$")
+        line = format_text(self.summary(Privacy(user="hash", user_key=b"k" * 32),
+                                        request=mail))
+        self.assertNotIn("alice", line)
+        self.assertIn(f" orid={one} ", line)
+
+    def test_user_drop_and_header_kept(self) -> None:
+        drop = Privacy(user="drop")
+        self.assertEqual(self.summary(drop, request={"user": "alice@example.com"}).orid, "-")
+        self.assertEqual(self.summary(drop, request={"user": 905112}).orid, "-")
+        # X-Orid is the operator's own id, not a user's address: kept
+        self.assertEqual(self.summary(drop, orid=b"ORD-1",
+                                      request={"user": "alice@example.com"}).orid, "ORD-1")
+        self.assertEqual(self.summary(Privacy(user="hash"), request={}).orid, "-")
+
+    def test_error_body_none_or_cut(self) -> None:
+        echo = b'{"message": "prompt was: my diagnosis is ..."}'
+        for limit, expected in ((None, echo.decode()), (0, ""), (12, echo.decode()[:12])):
+            summary = self.summary(Privacy(err_body=limit), status=400, chunks=[echo])
+            self.assertEqual(summary.err_body, expected)
+            self.assertEqual(json.loads(format_json(summary))["err_body"], expected)
+            self.assertTrue(format_text(summary).endswith("ERR_BODY | " + expected))
+
+    def test_error_body_cap_holds_with_a_large_limit(self) -> None:
+        summary = self.summary(Privacy(err_body=10**6), status=500,
+                               chunks=[b"x" * (4 * MAX_ERR_BODY)])
+        self.assertLessEqual(len(summary.err_body.encode()), MAX_ERR_BODY)
+
+    def test_privacy_survives_the_workers_wire(self) -> None:
+        """The supervisor writes what the worker summarised: nothing more comes back."""
+        from txlb._wire import decode, summary_from, summary_message
+        summary = self.summary(Privacy(content=0, user="drop", err_body=0),
+                               request={"user": "alice@example.com"})
+        text = summary_message(summary, True)
+        self.assertNotIn(b"alice", text)
+        self.assertNotIn(b"secret", text)
+        self.assertEqual(summary_from(decode(text)[2]), summary)
+
+
+class TimeTests(SynchronousTestCase):
+    """The JSON line's time says its year and zone; the text line keeps MM-DD HH:MM:SS."""
+
+    def test_json_time_is_iso_8601_with_zone(self) -> None:
+        import datetime
+        stamp = json.loads(format_json(summarize(record())))["time"]
+        self.assertRegex(stamp, r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d$")
+        parsed = datetime.datetime.fromisoformat(stamp)
+        self.assertLess(abs(parsed.timestamp() - 106.9135), 0.001)
+
+    def test_text_time_unchanged(self) -> None:
+        self.assertTrue(format_text(summarize(record())).startswith(STAMP + " "))

@@ -115,6 +115,53 @@ class WorkersProcessTests(TestCase):
             return []
         return self.log_path.read_text().splitlines()
 
+    async def test_privacy_options_hold_across_workers(self) -> None:
+        """
+        Workers summarise, the supervisor writes: with --log-content 0, --log-user hash and
+        --log-error-body none no address, answer or echoed prompt reaches the file, and one
+        user gets one digest whichever worker served it.
+        """
+        await self.start(2, "--log-content", "0", "--log-user", "hash",
+                         "--log-error-body", "none")
+        for _ in range(6):
+            await self.client.fetch(self.lb.url + "/v1/chat/completions", b"POST",
+                                    chat_body(stream=False, user="alice@example.com"), JSON)
+        await self.client.fetch(self.lb.url + "/v1/chat/completions", b"POST",
+                                chat_body(user="alice@example.com", max_tokens="secret-prompt"),
+                                JSON)
+        await wait_until(lambda: len(self.log_lines()) >= 7, what="seven log lines")
+        text = self.log_path.read_text()
+        self.assertNotIn("alice", text)
+        self.assertNotIn("secret-prompt", text)
+        orids = {line.split()[2] for line in self.log_lines()}
+        self.assertEqual(len(orids), 1, orids)
+        self.assertRegex(orids.pop(), r"^orid=h:[0-9a-f]{16}$")
+        for line in self.log_lines():
+            self.assertTrue(line.endswith(" | "), line)
+
+    async def test_history_is_merged_by_the_supervisor(self) -> None:
+        """
+        Every worker's requests reach the supervisor's history: the samples add up to all
+        the requests both workers served, and a stream held open shows as in flight.
+        """
+        await self.start(2, tokens_per_second=20)
+        served = await self.until_both_workers_served([0, 0])
+        stream = await self.open_stream(200)
+        deadline = time.monotonic() + 30
+        while True:
+            _, body = await self.client.fetch(self.lb.admin_url + "/status/history")
+            samples = json.loads(body.body)["samples"]
+            counted = sum(sum(b["requests"] for b in s["backends"].values())
+                          for s in samples)
+            if counted >= len(served) and samples and samples[-1]["in_flight"] >= 1:
+                break
+            self.assertLess(time.monotonic(), deadline, f"history: {samples[-3:]}")
+            await task.deferLater(reactor, 0.2)
+        self.assertEqual(counted, len(served))
+        self.assertEqual(sum(s["requests"] for s in samples), counted)
+        self.assertEqual(set(samples[-1]["backends"]), set(self.fleet.keys))
+        stream.transport.stopProducing()  # type: ignore[union-attr]
+
     async def test_least_conn_is_exact_across_workers(self) -> None:
         await self.start(4, tokens_per_second=20)
         streams = await defer.gatherResults([

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import math
 import re
 import time
 from collections.abc import Callable, Iterable
@@ -37,6 +38,7 @@ from werkzeug.exceptions import HTTPException
 
 from ._backend import Backend, Pool
 from ._config import ConfigError, _backend_item
+from ._history import CAPACITY, SAMPLE_SECONDS, History
 from ._metrics import Metrics
 
 log = Logger()
@@ -239,6 +241,18 @@ class _Guard(Resource):
                                   "Content-Type: application/json")
 
 
+def _dashboard_status(backend: Backend, now: float) -> dict[str, object]:
+    """
+    A backend's ``/status`` entry, plus what the dashboard shows as state: how long an
+    outlier ejection still lasts, and how far a slow start has ramped (1 = full weight).
+    """
+    state = backend.detailed_status()
+    until = backend.ejected_until
+    state["ejected_for_s"] = round(until - now, 1) if until is not None and until > now else 0
+    state["slow_start_ramp"] = round(backend.ramp, 3)
+    return state
+
+
 class Admin:
     """
     The admin API, bound to one balancer's pool.
@@ -255,7 +269,8 @@ class Admin:
                  on_added: Callable[[Backend], object] = lambda backend: None,
                  clock: Callable[[], float] = time.time,
                  extra_status: Callable[[], dict[str, object]] | None = None,
-                 allowed_hosts: Iterable[str] = ()) -> None:
+                 allowed_hosts: Iterable[str] = (),
+                 history: History | None = None) -> None:
         self.pool = pool
         self._allowed_hosts = tuple(allowed_hosts)
         self._metrics = metrics
@@ -265,6 +280,7 @@ class Admin:
         self._started = clock()
         #: more top-level keys for ``/status`` (the worker processes, with --workers)
         self._extra_status = extra_status
+        self._history = history
 
     def resource(self) -> IResource:
         """The admin API as a resource: the Klein app behind the request checks."""
@@ -327,7 +343,8 @@ class Admin:
         self._authorize(request)
         summary = self.pool.status()
         backends = list(self.pool)
-        summary["backends"] = [backend.detailed_status() for backend in backends]
+        now = self._clock()
+        summary["backends"] = [_dashboard_status(backend, now) for backend in backends]
         summary["in_flight"] = sum(b.active for b in backends)
         summary["requests"] = sum(b.requests for b in backends)
         summary["draining"] = sum(1 for b in backends if b.draining)
@@ -335,6 +352,27 @@ class Admin:
         if self._extra_status is not None:
             summary.update(self._extra_status())
         return _json(request, 200, summary)
+
+    @app.route("/status/history", methods=["GET"])
+    def history(self, request: Request) -> bytes:
+        """
+        The last minutes, one sample a second (see txlb._history), for the dashboard's
+        charts.  ``?since=T`` returns only the samples after time ``T`` (a sample's
+        ``t``), so a page that has the rest fetches a second or two.
+        """
+        self._authorize(request)
+        given = request.args.get(b"since", [None])[-1]
+        after: float | None = None
+        if given is not None:
+            try:
+                after = float(given[:32])
+            except ValueError:
+                raise AdminError(400, "since must be a number (a sample's t)") from None
+            if not math.isfinite(after):
+                raise AdminError(400, "since must be a finite number")
+        samples = [] if self._history is None else self._history.since(after)
+        return _json(request, 200, {"interval_s": SAMPLE_SECONDS, "capacity": CAPACITY,
+                                    "samples": samples})
 
     @app.route("/metrics", methods=["GET"])
     def metrics(self, request: Request) -> bytes:

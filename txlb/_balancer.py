@@ -29,6 +29,7 @@ from ._affinity import BoundedLoadRing
 from ._backend import Backend, InFlightStore, OutlierRule, Pool
 from ._config import OPTIONS, Config, build_config
 from ._health import HealthChecker
+from ._history import History, HistoryService
 from ._metrics import Metrics
 from ._policies import PeakEwmaLatency, make_policy
 from ._proxy import ProxyContext, ProxyResource
@@ -37,7 +38,7 @@ from ._relay import AgentUpstream
 from ._resultlog import open_result_log
 from ._routing import ModelRoute, Router
 from ._site import ProxySite
-from ._summary import RequestRecord, Summary, summarize
+from ._summary import RequestRecord, Summary, privacy_of, summarize
 from ._upstream import Upstream, UpstreamClient
 
 log = Logger()
@@ -163,6 +164,7 @@ class LoadBalancer:
                 connectTimeout=config.health_timeout,
                 pool=HTTPConnectionPool(reactor, persistent=False),
             )
+        self.privacy = privacy_of(config)
         self.result_log = open_result_log(
             config.log_file, config.log_max_bytes, config.log_backups, config.log_format, reactor
         )
@@ -184,6 +186,8 @@ class LoadBalancer:
             rng=rng,
         )
         self.router.on_queue_wait = self.metrics.queue_wait.observe
+        self.history = History(reactor, self._current_backends,
+                               lambda: self.router.queue_length)
         self.health = HealthChecker(
             self.pool,
             probe_agent,
@@ -224,7 +228,7 @@ class LoadBalancer:
         result log alike.  Never raises: bookkeeping must not fail a request.
         """
         try:
-            summary = summarize(record)
+            summary = summarize(record, self.privacy)
         except Exception:
             log.failure("could not summarise a finished request")
             return
@@ -243,8 +247,14 @@ class LoadBalancer:
             if isinstance(self.policy, PeakEwmaLatency) and summary.ttft is not None:
                 self.policy.observe(backend, summary.ttft)
         self.metrics.observe(summary)
+        self.history.observe(summary, answered)
         if self.result_log is not None:
             self.result_log.write(summary)
+
+    def _current_backends(self) -> list[Backend]:
+        """The pool's backends with their in-flight counts as of now (shared ones read)."""
+        self.pool.refresh()
+        return list(self.pool)
 
     def _suspect(self, backend: Backend) -> None:
         """A connection to ``backend`` was reset: probe it now (a worker asks its supervisor)."""
@@ -266,7 +276,8 @@ class LoadBalancer:
         """
         admin = Admin(self.pool, self.metrics, self.config.admin_token,
                       on_added=self.health.probe_soon, clock=self.reactor.seconds,
-                      extra_status=extra_status, allowed_hosts=self.config.admin_hosts)
+                      extra_status=extra_status, allowed_hosts=self.config.admin_hosts,
+                      history=self.history)
         return admin.resource()
 
     def site(self) -> Site:
@@ -285,5 +296,7 @@ class LoadBalancer:
         services = SequentialService()
         if health_checks:
             self.health.setServiceParent(services)  # stops last: probing goes on while draining
+            # the dashboard's history is kept where every request is counted once
+            HistoryService(self.history).setServiceParent(services)
         _LifecycleService(self).setServiceParent(services)
         return services

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import secrets
 import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -276,6 +277,47 @@ def parse_log_format(option: str, value: object) -> str:
     return text
 
 
+def parse_log_content(option: str, value: object) -> int:
+    """Characters of the answer kept in the result log: 0 to 1000."""
+    from ._summary import MAX_PREVIEW_CHARS
+
+    number = parse_nonnegative_int(option, value)
+    if number > MAX_PREVIEW_CHARS:
+        raise ConfigError(f"--{option}: {value!r} is more than {MAX_PREVIEW_CHARS} characters")
+    return number
+
+
+def parse_log_user(option: str, value: object) -> str:
+    text = str(value).strip().lower()
+    if text not in ("keep", "hash", "drop"):
+        raise ConfigError(f"--{option}: {value!r} is not 'keep', 'hash' or 'drop'")
+    return text
+
+
+def parse_log_error_body(option: str, value: object) -> int | None:
+    """``keep`` (``None``: all of it, up to the 8 KiB cap), ``none`` (0) or N characters."""
+    text = str(value).strip().lower()
+    if text == "keep":
+        return None
+    if text == "none":
+        return 0
+    try:
+        return parse_nonnegative_int(option, value)
+    except ConfigError:
+        raise ConfigError(f"--{option}: {value!r} is not 'keep', 'none' or a number of "
+                          "characters") from None
+
+
+def parse_secret(option: str, value: object) -> str | None:
+    """A key for the ``user`` digest: at least 16 characters (the message never shows it)."""
+    if value is None:
+        return None
+    text = str(value)
+    if len(text.strip()) < 16:
+        raise ConfigError(f"--{option}: the key must be at least 16 characters")
+    return text
+
+
 def parse_admin(option: str, value: object) -> str:
     """``none``, a port (on loopback: the admin API is not for the world) or an endpoint."""
     text = str(value).strip()
@@ -502,6 +544,18 @@ OPTIONS: tuple[OptionSpec, ...] = (
                "Rotated result logs kept (<name>.1 is the newest)."),
     OptionSpec("log-format", "text", parse_log_format,
                "Result log format: 'text' (one line per request) or 'json' (JSON lines)."),
+    OptionSpec("log-content", 200, parse_log_content,
+               "Characters of each answer kept after '|' in the result log (0: none, "
+               "at most 1000)."),
+    OptionSpec("log-user", "keep", parse_log_user,
+               "An orid taken from the body's 'user': 'keep', 'hash' (a keyed digest) or "
+               "'drop'."),
+    OptionSpec("log-user-key", None, parse_secret,
+               "Key of the 'hash' digest, so it is stable across restarts (environment or "
+               "config file only; default: a random key per start).", "LB_LOG_USER_KEY",
+               cli=False),
+    OptionSpec("log-error-body", "keep", parse_log_error_body,
+               "Error bodies in the result log: 'keep' (up to 8 KiB), 'none', or N characters."),
     OptionSpec("admin", "tcp:8001:interface=127.0.0.1", parse_admin,
                "Admin endpoint (status, drain, metrics); a bare port binds 127.0.0.1; "
                "'none' disables it.", "LB_ADMIN"),
@@ -582,6 +636,10 @@ class Config:
     log_max_bytes: int = 50 * 1024**2
     log_backups: int = 3
     log_format: str = "text"
+    log_content: int = 200
+    log_user: str = "keep"
+    log_user_key: str | None = attrs.field(default=None, repr=False)
+    log_error_body: int | None = None
     admin: str = "tcp:8001:interface=127.0.0.1"
     admin_token: str | None = None
     admin_hosts: tuple[str, ...] = ()
@@ -665,4 +723,7 @@ def build_config(
         values[spec.attribute] = None if given is None else spec.parse(label, given)
     config = Config(**values)
     check_workers(config)
+    if config.log_user == "hash" and config.log_user_key is None:
+        # chosen once, here, so that every --workers worker digests with the same key
+        config = attrs.evolve(config, log_user_key=secrets.token_hex(32))
     return config

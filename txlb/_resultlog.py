@@ -17,6 +17,7 @@ Rotation is Twisted's own ``LogFile`` (size-based; ``name.1`` is the newest back
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import time
@@ -27,7 +28,7 @@ from twisted.logger import Logger
 from twisted.python.logfile import LogFile
 
 from ._escape import escape, escape_json
-from ._summary import CLASSIC_PATHS, RequestRecord, Summary, summarize
+from ._summary import CLASSIC_PATHS, KEEP_ALL, Privacy, RequestRecord, Summary, summarize
 
 log = Logger()
 
@@ -46,7 +47,18 @@ def _seconds(value: float | None) -> str:
 
 
 def _stamp(summary: Summary) -> str:
+    """The text format's ``MM-DD HH:MM:SS``, in the host's local time zone (``TZ``)."""
     return time.strftime("%m-%d %H:%M:%S", time.localtime(summary.time))
+
+
+def iso_time(when: float) -> str:
+    """
+    ``when`` in ISO 8601 with milliseconds and the local zone's offset
+    (``2026-11-29T14:22:01.123+01:00``): the JSON format is read by tools that merge logs
+    from hosts in different zones and across years, so the line says both.
+    """
+    stamp = datetime.datetime.fromtimestamp(when, datetime.timezone.utc).astimezone()
+    return stamp.isoformat(timespec="milliseconds")
 
 
 def _extras(summary: Summary) -> str:
@@ -117,8 +129,7 @@ def format_json(summary: Summary) -> str:
     tool or a terminal would act on.
     """
     fields: dict[str, Any] = {
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(summary.time))
-        + f".{int(summary.time % 1 * 1000):03d}",
+        "time": iso_time(summary.time),
         "orid": summary.orid,
         "backend": summary.backend,
         "method": summary.method,
@@ -178,10 +189,10 @@ class ResultLog:
         self._identity: tuple[int, int] | None = None
         self._open()
 
-    def record(self, record: RequestRecord) -> None:
+    def record(self, record: RequestRecord, privacy: Privacy = KEEP_ALL) -> None:
         """Summarise and write one finished request.  Never raises."""
         try:
-            summary = summarize(record)
+            summary = summarize(record, privacy)
         except Exception:
             log.failure("could not summarise a request for the result log")
             return

@@ -274,6 +274,11 @@ class Router:
             if waiter.deferred is not None and not waiter.deferred.called:
                 waiter.deferred.errback(RoutingError(503, message, self.retry_after))
 
+    @property
+    def queue_length(self) -> int:
+        """Requests waiting for a slot now."""
+        return len(self._queue)
+
     def queue_status(self) -> dict[str, object]:
         now = self.clock.seconds()
         return {

@@ -9,18 +9,26 @@ the request has ended.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
 from ._escape import clip
 
+if TYPE_CHECKING:
+    from ._config import Config
+
 #: How much of a response is kept for the summary; the client always gets all of it.
 CAPTURE_LIMIT = 512 * 1024
-#: Characters of content shown after ``|``.
+#: Characters of content shown after ``|`` by default (``--log-content``), and the most
+#: that can be asked for: 1,000 characters take at most 12,000 bytes escaped, which keeps a
+#: completion line under :data:`MAX_LINE`.
 PREVIEW_CHARS = 200
+MAX_PREVIEW_CHARS = 1000
 #: Request keys listed on an error line.
 MAX_REQ_KEYS = 64
 #: Bytes each value chosen by a client or a backend may take once escaped, in either
@@ -51,6 +59,47 @@ API_PATHS = {
 COMPLETION_PATHS = frozenset(path for path, api in API_PATHS.items() if api != "embeddings")
 #: The two paths whose text line does not name its path (it is what the line always was).
 CLASSIC_PATHS = frozenset({b"/v1/chat/completions", b"/v1/completions"})
+
+#: What happens to an orid taken from the request body's ``user`` (often an e-mail address).
+UserMode = Literal["keep", "hash", "drop"]
+#: Hex digits of the keyed digest written in place of a hashed ``user``: 64 bits, enough to
+#: tell a fleet's users apart, and a prefix no e-mail address or X-Orid is likely to share.
+USER_DIGEST_HEX = 16
+USER_DIGEST_PREFIX = "h:"
+
+
+@attrs.frozen
+class Privacy:
+    """
+    How much of what users wrote or were answered a summary keeps, applied once in
+    :func:`summarize` -- so both formats and the ``--workers`` pipe carry only what is kept.
+
+    ``content``: characters of the answer kept after ``|`` (0: none).  ``user``: an orid
+    taken from the body's ``user`` is kept, replaced by a keyed digest (``user_key``; the
+    same user always gets the same digest under one key, and no one without the key can
+    recover or test a guess of the address), or dropped (``-``); an ``X-Orid`` header is the
+    operator's own id and always kept.  ``err_body``: characters of an error body kept
+    (``None``: all, up to :data:`MAX_ERR_BODY` bytes; 0: none) -- a backend's 400 often
+    quotes the prompt back.
+    """
+
+    content: int = PREVIEW_CHARS
+    user: UserMode = "keep"
+    user_key: bytes = attrs.field(default=b"", repr=False)
+    err_body: int | None = None
+
+
+KEEP_ALL = Privacy()
+
+
+def privacy_of(config: Config) -> Privacy:
+    """The :class:`Privacy` of a :class:`~txlb._config.Config`'s ``--log-*`` options."""
+    key = config.log_user_key
+    user: UserMode = "hash" if config.log_user == "hash" else (
+        "drop" if config.log_user == "drop" else "keep")
+    return Privacy(content=config.log_content, user=user,
+                   user_key=b"" if key is None else key.encode("utf-8", "surrogatepass"),
+                   err_body=config.log_error_body)
 
 _THINK_BLOCK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)
 
@@ -344,16 +393,28 @@ def _is_stream(body: bytes, content_type: bytes | None) -> bool:
             or stripped.startswith((b"data:", b"event:")))
 
 
-def orid_of(header: bytes | None, request: dict[str, Any] | None) -> str:
-    """``X-Orid``, else the body's ``user`` (a string or an integer), else ``-``; clipped."""
+def orid_of(header: bytes | None, request: dict[str, Any] | None,
+            privacy: Privacy = KEEP_ALL) -> str:
+    """
+    ``X-Orid``, else the body's ``user`` (a string or an integer; kept, hashed or dropped
+    as ``privacy`` says), else ``-``; clipped.
+    """
     if header:
         return clip(header.decode("utf-8", "replace"), MAX_ORID)
     user = None if request is None else request.get("user")
-    if isinstance(user, str) and user:
-        return clip(user, MAX_ORID)
     if isinstance(user, int) and not isinstance(user, bool) and user:
-        return clip(str(user), MAX_ORID)
-    return "-"
+        user = str(user)
+    if not isinstance(user, str) or not user:
+        return "-"
+    if privacy.user == "drop":
+        return "-"
+    if privacy.user == "hash":
+        # the whole value is digested (not the clipped one): two long addresses that share
+        # their first 256 bytes are still two users; surrogates cannot be encoded strictly
+        digest = hmac.new(privacy.user_key, user.encode("utf-8", "surrogatepass"),
+                          hashlib.sha256).hexdigest()
+        return USER_DIGEST_PREFIX + digest[:USER_DIGEST_HEX]
+    return clip(user, MAX_ORID)
 
 
 def request_keys(request: dict[str, Any]) -> list[str]:
@@ -394,8 +455,8 @@ def dechunk(framed: bytes) -> bytes:
     return b"".join(parts)
 
 
-def summarize(record: RequestRecord) -> Summary:
-    """Turn what the proxy saw into the fields of the log line."""
+def summarize(record: RequestRecord, privacy: Privacy = KEEP_ALL) -> Summary:
+    """Turn what the proxy saw into the fields of the log line, keeping what ``privacy`` allows."""
     request = parse_json_object(record.request_body)
     body = b"".join(record.response)
     if record.chunked:
@@ -403,7 +464,7 @@ def summarize(record: RequestRecord) -> Summary:
     status = record.status if record.status is not None else 499
     common: dict[str, Any] = {
         "time": record.ended,
-        "orid": orid_of(record.orid_header, request),
+        "orid": orid_of(record.orid_header, request, privacy),
         "backend": record.backend or "-",
         "method": clip(record.method.decode("ascii", "replace"), MAX_METHOD),
         "path": clip(record.path.decode("utf-8", "replace"), MAX_PATH),
@@ -417,8 +478,10 @@ def summarize(record: RequestRecord) -> Summary:
     if status != 200:
         keys = request_keys(request) if request is not None else None
         # decoding stops early: the clip keeps at most MAX_ERR_BODY characters anyway
-        err_body = clip(body[:4 * MAX_ERR_BODY].decode("utf-8", "replace"), MAX_ERR_BODY,
-                        "text")
+        err_body = body[:4 * MAX_ERR_BODY].decode("utf-8", "replace")
+        if privacy.err_body is not None:
+            err_body = err_body[:privacy.err_body]
+        err_body = clip(err_body, MAX_ERR_BODY, "text")
         return Summary(kind="error", req_keys=keys, err_body=err_body, **common)
     api = API_PATHS.get(record.path)
     if api is None:
@@ -453,7 +516,7 @@ def summarize(record: RequestRecord) -> Summary:
         think=bool(reasoning) or "<think>" in content,
         empty=not visible,
         clen=len(content),
-        preview=visible[:PREVIEW_CHARS],
+        preview=visible[:min(privacy.content, MAX_PREVIEW_CHARS)],
         **common,
     )
 

@@ -189,6 +189,8 @@ class WorkerSupervisor(Service):
         self._all_ended: Deferred[None] | None = None
         self._config_blob = config_blob(balancer.config)
         balancer.pool.on_update.append(self._schedule_push)
+        # the queues are the workers', not this process's router's
+        balancer.history.queued = self.queued
 
     # -- start ----------------------------------------------------------------------------
 
@@ -375,6 +377,10 @@ class WorkerSupervisor(Service):
                     worker.transport.signalProcess("KILL")
 
     # -- status ---------------------------------------------------------------------------
+
+    def queued(self) -> int:
+        """Requests waiting for a slot in every worker."""
+        return sum(self.shared.waiters(index) for index in range(self.count))
 
     def status(self) -> dict[str, object]:
         """The admin ``/status`` key ``workers``: one entry per worker process."""
