@@ -32,7 +32,7 @@ from ._health import HealthChecker
 from ._metrics import Metrics
 from ._policies import PeakEwmaLatency, make_policy
 from ._proxy import ProxyContext, ProxyResource
-from ._ratelimit import RateLimiter, TokenBuckets
+from ._ratelimit import RateLimiter, TokenBuckets, client_key
 from ._relay import AgentUpstream
 from ._resultlog import open_result_log
 from ._routing import ModelRoute, Router
@@ -206,6 +206,7 @@ class LoadBalancer:
             on_suspect=self._suspect,
             on_answer=self._answered,
             on_retry=self.metrics.retries.inc,
+            client_key=lambda request: client_key(request, config.rate_key),
             x_backend=config.x_backend,
         )
         limiter = None
@@ -249,9 +250,12 @@ class LoadBalancer:
         """A connection to ``backend`` was reset: probe it now (a worker asks its supervisor)."""
         self.health.probe_soon(backend)
 
-    def _answered(self, backend: Backend, status: int) -> None:
-        """A status ``backend`` answered, for outlier ejection (a worker tells its supervisor)."""
-        self.pool.record_answer(backend, status)
+    def _answered(self, backend: Backend, status: int, client: str | None) -> None:
+        """
+        A status ``backend`` answered and who caused it, for outlier ejection (a worker
+        tells its supervisor).
+        """
+        self.pool.record_answer(backend, status, client)
 
     def resource(self) -> IResource:
         """The proxy as a twisted.web resource, to serve as a Site's root or mount below it."""

@@ -288,7 +288,9 @@ class WorkerSupervisor(Service):
                 elif kind == "answer":
                     backend = pool.get(message[1])
                     if backend is not None:
-                        pool.record_answer(backend, int(message[2]))
+                        client = message[3] if len(message) > 3 else ""
+                        pool.record_answer(backend, int(message[2]),
+                                           None if client is None else str(client))
                 elif kind == "down":
                     backend = pool.get(message[1])
                     if backend is not None:
