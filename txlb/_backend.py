@@ -103,6 +103,10 @@ class Backend:
     clock: Callable[[], float] | None = attrs.field(default=None, repr=False)
     slow_start: float = 0.0
     errors_in_a_row: int = 0
+    #: when the last byte (head or body) of a proxied response came from it, in this
+    #: process: what the hung-backend detector (txlb._hung) and the prober read
+    last_byte: float | None = None
+    hung_ejections: int = 0
     #: the first two distinct client keys of the current 5xx streak (two are all it needs)
     streak_clients: tuple[str, ...] = ()
     outlier_ejections: int = 0
@@ -194,6 +198,7 @@ class Backend:
             "outlier_ejections": self.outlier_ejections,
             "ejected_until": self.ejected_until,
             "ttft_ewma_s": _rounded(self.ewma_ttft),
+            "hung_ejections": self.hung_ejections,
         }
 
 
@@ -464,6 +469,22 @@ class Pool:
         backend.streak_clients = ()
         self.mark_down(backend, f"outlier: {count} 5xx answers in a row from "
                                 f"2 clients or more; ejected for {cooldown:g}s")
+
+    def mark_hung(self, backend: Backend, reason: str) -> None:
+        """
+        The hung-backend detector's verdict (txlb._hung): out of rotation now, unless that
+        would take more than half the fleet out -- the detector judges from silence, and a
+        silence shared by so many is more likely txlb's or the network's than theirs.
+        """
+        if not backend.healthy:
+            return
+        down = sum(1 for b in self._backends.values() if not b.healthy)
+        if (down + 1) * 2 > len(self._backends):
+            log.warn("backend {backend} looks hung but stays in: half the fleet is "
+                     "already out ({reason})", backend=backend.key, reason=reason)
+            return
+        backend.hung_ejections += 1
+        self.mark_down(backend, reason)
 
     # -- what the prober learns ---------------------------------------------------------
 

@@ -29,6 +29,7 @@ from ._affinity import BoundedLoadRing
 from ._backend import Backend, InFlightStore, OutlierRule, Pool
 from ._config import OPTIONS, Config, build_config
 from ._health import HealthChecker
+from ._hung import HangDetector, health_probe
 from ._metrics import Metrics
 from ._policies import PeakEwmaLatency, make_policy
 from ._proxy import ProxyContext, ProxyResource
@@ -217,6 +218,9 @@ class LoadBalancer:
         self.proxy = ProxyResource(self.router, context, retry_after=retry_after,
                                    affinity=config.affinity, rate_limiter=limiter,
                                    max_body=config.max_body, lb_status=config.lb_status)
+        self.hung = HangDetector(self.pool, context.live, reactor,
+                                 health_probe(probe_agent, config.health_path),
+                                 stall=config.hung_after)
 
     def _request_ended(self, record: RequestRecord) -> None:
         """
@@ -288,5 +292,8 @@ class LoadBalancer:
         services = SequentialService()
         if health_checks:
             self.health.setServiceParent(services)  # stops last: probing goes on while draining
+        if self.config.hung_after:
+            # in every process that proxies: it judges from this process's own traffic
+            self.hung.setServiceParent(services)
         _LifecycleService(self).setServiceParent(services)
         return services

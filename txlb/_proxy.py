@@ -210,6 +210,22 @@ class Exchange:
         request.notifyFinish().addErrback(self._client_lost)
         self._send()
 
+    @property
+    def backend(self) -> Backend:
+        """The backend of the current try."""
+        return self.lease.backend
+
+    @property
+    def backend_waited_since(self) -> float | None:
+        """
+        For the hung-backend detector: since when this request has waited on its backend
+        (its try was sent, or its last byte came); ``None`` while it waits on nothing of
+        the backend's -- ended, between tries, or held up by a client that reads slowly.
+        """
+        if self.state == "ended" or self.lease.released or self._paused_at is not None:
+            return None
+        return self._last_activity
+
     def _send(self) -> None:
         """One attempt: the request, body replayed from the buffered copy, to the leased backend."""
         request = self.request
@@ -274,6 +290,7 @@ class Exchange:
 
     def _got_response(self, response: UpstreamResponse) -> None:
         self._upstream = None
+        self.lease.backend.last_byte = self._now()
         self.context.on_answer(self.lease.backend, response.code, self._blamed(response.code))
         if response.code in _RETRIED_STATUSES and self._can_retry():
             log.info("backend {backend} answered {status}; trying another",
@@ -402,10 +419,11 @@ class Exchange:
     def body_chunk(self, data: bytes) -> None:
         if self.state != "relaying":
             return
-        self._last_activity = self._now()  # the watchdog reads it when it fires
+        # the watchdog reads it when it fires, the hung-backend detector the backend's
+        now = self.lease.backend.last_byte = self._last_activity = self._now()
         record = self.record
         if record.first_byte is None:
-            record.first_byte = self._last_activity
+            record.first_byte = now
         record.capture(data)
         self._write(data)
 

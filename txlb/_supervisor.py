@@ -294,7 +294,11 @@ class WorkerSupervisor(Service):
                 elif kind == "down":
                     backend = pool.get(message[1])
                     if backend is not None:
-                        pool.mark_down(backend, f"worker {worker.index}: {message[2]}")
+                        reason = f"worker {worker.index}: {message[2]}"
+                        if str(message[2]).startswith("hung:"):
+                            pool.mark_hung(backend, reason)
+                        else:
+                            pool.mark_down(backend, reason)
                 elif kind == "suspect":
                     backend = pool.get(message[1])
                     if backend is not None:
