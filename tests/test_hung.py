@@ -148,7 +148,7 @@ class HungTests(HungTestCase):
         self.assertIsNone(self.flow(10, flowing=set(THREE[1:]), answer_probes=200))
         self.assertTrue(self.backend(slow).healthy)
         self.assertGreaterEqual(self.probed(slow), 3)
-        self.assertLessEqual(self.probed(slow), 10 / 1.5)
+        self.assertLessEqual(self.probed(slow), 10 / 1.25)
 
     def test_health_answering_503_confirms(self) -> None:
         self.open_streams(3)

@@ -53,7 +53,7 @@ log = Logger()
 #: Seconds between two looks at the requests in flight.
 TICK = 0.25
 #: Seconds without a byte from any request in flight that make a backend suspect.
-STALL = 1.5
+STALL = 1.25
 #: Seconds the confirming probe may take.
 PROBE_TIMEOUT = 1.0
 #: A backend is quiet only after this many times its own time-to-first-byte average.
