@@ -76,14 +76,15 @@ def free_port() -> int:
 class Engine:
     """One ``llama-server`` child process."""
 
-    def __init__(self, model: Path, *extra: str) -> None:
-        self.port = free_port()
+    def __init__(self, model: Path, *extra: str, port: int | None = None,
+                 context: int = 8192) -> None:
+        self.port = port or free_port()
         handle, name = tempfile.mkstemp(prefix="txlb-llama-", suffix=".log")
         self.log_path = Path(name)
         self._log = os.fdopen(handle, "wb")
         self.process = subprocess.Popen(
             [str(ENGINE), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-             "--alias", MODEL, "--parallel", "2", "-c", "8192", "-t", "1", "-tb", "1",
+             "--alias", MODEL, "--parallel", "2", "-c", str(context), "-t", "1", "-tb", "1",
              "--metrics", "--no-webui", *extra],
             stdout=self._log, stderr=subprocess.STDOUT)
 
@@ -133,32 +134,41 @@ def stable(body: bytes) -> bytes:
 class RealEngineTestCase(TestCase):
     timeout = 60
 
-    async def start(self, *lb_args: str, engines: int = 3) -> None:
+    async def start(self, *lb_args: str, engines: int = 3, late: bool = False) -> None:
+        """
+        ``engines`` llama-servers, then txlb in front of them; ``late``: txlb in front of
+        the ports before the last engine starts (it is left to the test to start).
+        """
         model = engine_model()
         self.client = Client()
         self.addCleanup(self.client.pool.closeCachedConnections)
-        self.engines = [Engine(model) for _ in range(engines)]
+        self.engines = [Engine(model) for _ in range(engines - late)]
         for engine in self.engines:
             self.addCleanup(engine.stop)
         for engine in self.engines:
-            await wait_until(lambda e=engine: self.answers(e), timeout=20,
+            await wait_until(lambda e=engine: self.answers(e) == 200, timeout=20,
                              what=f"llama-server on {engine.key}")
-        self.lb = TwistdProcess("--backends", ",".join(e.key for e in self.engines),
-                                *lb_args)
+        keys = [e.key for e in self.engines]
+        if late:
+            self.late_port = free_port()
+            keys.append(f"127.0.0.1:{self.late_port}")
+        self.lb = TwistdProcess("--backends", ",".join(keys), *lb_args)
         self.addCleanup(self.lb.stop)
         await self.lb.started()
         await wait_until(lambda: self.lb_healthy() == len(self.engines), timeout=20,
                          what="every backend healthy")
 
-    def answers(self, engine: Engine) -> bool:
+    def answers(self, engine: Engine) -> int | None:
+        """The status of the engine's ``/health`` now (``None``: nothing answers)."""
         if engine.process.poll() is not None:
             raise AssertionError(f"llama-server exited:\n{engine.log_path.read_text()}")
         try:
             with socket.create_connection(("127.0.0.1", engine.port), timeout=1) as conn:
                 conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                return conn.recv(64).startswith(b"HTTP/1.1 200")
-        except OSError:
-            return False
+                line = conn.recv(64)
+                return int(line.split()[1]) if line.startswith(b"HTTP/1.1 ") else None
+        except (OSError, ValueError, IndexError):
+            return None
 
     def lb_status(self) -> dict[str, Any]:
         with socket.create_connection(("127.0.0.1", self.lb.port), timeout=2) as conn:
@@ -297,6 +307,7 @@ class FailureTests(RealEngineTestCase):
         await wait_until(lambda: len(results) > 30, what="traffic to flow")
         victim = self.engines[0]
         victim.signal(signal.SIGSTOP)
+        self.addCleanup(victim.signal, signal.SIGCONT)  # before txlb drains, if we fail
         stopped = time.monotonic()
         await wait_until(lambda: not self.healthy(victim.key), timeout=10,
                          what="the stopped backend to be marked down")
@@ -311,3 +322,29 @@ class FailureTests(RealEngineTestCase):
         self.assertLess(detected, 3.0)
         self.assertIn("hung: no byte from any of", self.lb.output())
         print(f"\nSIGSTOP detected in {detected:.2f}s", file=sys.stderr)
+
+
+class LoadingTests(RealEngineTestCase):
+    async def test_loading_503_window_at_start_up(self) -> None:
+        """
+        An engine still loading its model answers ``/health`` with 503: txlb keeps it out
+        of rotation (no client sees its 503s) and takes it in once it answers 200.
+        """
+        await self.start("--health-interval", "0.2", late=True)
+        big = engine_model().parent / "big.gguf"  # zeros: quick to write, slow to load
+        subprocess.run([sys.executable, str(MAKE_MODEL), str(big), "--zeros", "--n-embd",
+                        "1024", "--n-layer", "8", "--n-head", "8", "--n-head-kv", "4",
+                        "--n-ff", "2816"], check=True, capture_output=True, timeout=60)
+        self.addCleanup(big.unlink)
+        late = Engine(big, "--load-mode", "none", port=self.late_port, context=1024)
+        self.addCleanup(late.stop)
+        seen: set[int | None] = set()
+        codes: list[int] = []
+        while self.answers(late) != 200:
+            seen.add(self.answers(late))
+            response, _ = await self.post(self.lb.url, chat(stream=False, max_tokens=2))
+            codes.append(response.code)
+        self.assertIn(503, seen)  # the window was there, and txlb answered meanwhile
+        await wait_until(lambda: self.lb_healthy() == 3, timeout=10,
+                         what="the loaded engine back in rotation")
+        self.assertEqual(set(codes), {200})
