@@ -240,3 +240,23 @@ class ProbeTimeoutWhileFlowingTests(HungTestCase):
         for _ in range(8):
             self.clock.advance(5)
         self.assertFalse(any(b.healthy for b in self.lb.pool))
+
+
+class TimedOutTests(SynchronousTestCase):
+    """A probe's timeout, however Twisted's Agent words it."""
+
+    def test_kinds(self) -> None:
+        from twisted.internet.defer import CancelledError, TimeoutError
+        from twisted.internet.error import ConnectionRefusedError
+        from twisted.python.failure import Failure
+        from twisted.web.client import ResponseFailed, ResponseNeverReceived
+
+        from txlb._hung import timed_out
+
+        cancelled = Failure(CancelledError())
+        self.assertTrue(timed_out(Failure(TimeoutError())))
+        self.assertTrue(timed_out(Failure(ResponseNeverReceived([cancelled]))))
+        self.assertTrue(timed_out(Failure(ResponseFailed([cancelled]))))
+        self.assertFalse(timed_out(Failure(ConnectionRefusedError())))
+        self.assertFalse(timed_out(Failure(ResponseNeverReceived(
+            [Failure(ConnectionRefusedError())]))))

@@ -29,6 +29,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IResponse
 
 from ._backend import Backend, Pool
+from ._hung import timed_out
 
 log = Logger()
 
@@ -212,12 +213,12 @@ class HealthChecker(Service):
     def _failed(self, backend: Backend, failure: Failure, started: float = 0.0) -> None:
         if not self.running or self.pool.get(backend.key) is not backend:
             return  # shutting down, or removed while the probe ran
-        timed_out = failure.check(defer.TimeoutError, neterror.TimeoutError) is not None
-        if timed_out:
+        timeout = timed_out(failure)
+        if timeout:
             reason = f"health: no answer within {self.timeout:g}s"
         else:
             reason = f"health: {failure.getErrorMessage()}"
-        if timed_out and backend.last_byte is not None and backend.last_byte >= started:
+        if timeout and backend.last_byte is not None and backend.last_byte >= started:
             # Its streams flowed while /health said nothing: busy, not dead (SGLang's
             # /health times out during a long prefill).  Not a failure towards --fall.
             log.info("backend {backend}: {reason}, but its responses flow; not counted",

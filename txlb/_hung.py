@@ -38,11 +38,13 @@ from typing import Any, Protocol
 
 from twisted.application.service import Service
 from twisted.internet import defer
+from twisted.internet import error as neterror
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.web.client import ResponseFailed, ResponseNeverReceived
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IResponse
 
@@ -186,9 +188,9 @@ class HangDetector(Service):
             judge(f"/health answered {code}")
 
         def failed(failure: Failure) -> None:
-            if failure.check(defer.CancelledError) and not self.running:
+            if not self.running:
                 return
-            if failure.check(defer.TimeoutError):
+            if timed_out(failure):
                 judge(f"/health did not answer in {self.probe_timeout:g}s")
             else:
                 judge(f"/health failed: {failure.getErrorMessage()}")
@@ -210,6 +212,22 @@ class HangDetector(Service):
         probe.addErrback(lambda failure: log.failure("judging {backend}", failure,
                                                      backend=backend.key))
         probe.addBoth(lambda _: self._probing.pop(backend, None))
+
+
+def timed_out(failure: Failure) -> bool:
+    """
+    Whether a probe given ``addTimeout`` failed by running out of time.  Twisted's Agent
+    turns the cancellation into ``ResponseNeverReceived([CancelledError])`` (or
+    ``ResponseFailed`` once the head came), which ``addTimeout`` does not translate into
+    its ``TimeoutError``.
+    """
+    if failure.check(defer.TimeoutError, neterror.TimeoutError, defer.CancelledError):
+        return True
+    if failure.check(ResponseNeverReceived, ResponseFailed):
+        reasons = getattr(failure.value, "reasons", [])
+        return any(isinstance(reason, Failure) and reason.check(defer.CancelledError)
+                   for reason in reasons)
+    return False
 
 
 def health_probe(agent: IAgent, path: str) -> Callable[[Backend], Deferred[int]]:
