@@ -260,3 +260,18 @@ class TimedOutTests(SynchronousTestCase):
         self.assertFalse(timed_out(Failure(ConnectionRefusedError())))
         self.assertFalse(timed_out(Failure(ResponseNeverReceived(
             [Failure(ConnectionRefusedError())]))))
+
+
+class RobustnessTests(HungTestCase):
+    def test_a_failing_look_does_not_stop_the_looks(self) -> None:
+        calls = []
+
+        def broken() -> None:
+            calls.append(1)
+            raise RuntimeError("boom")
+
+        self.lb.hung.check = broken  # type: ignore[method-assign]
+        self.clock.advance(0.25)
+        self.clock.advance(0.25)
+        self.assertEqual(len(calls), 2)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 2)

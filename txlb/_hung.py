@@ -102,7 +102,7 @@ class HangDetector(Service):
 
     def startService(self) -> None:
         super().startService()
-        loop = self._loop = LoopingCall(self.check)
+        loop = self._loop = LoopingCall(self._check_safely)
         loop.clock = self.clock
         loop.start(self.tick, now=False).addErrback(
             lambda failure: log.failure("the hung-backend check stopped", failure))
@@ -143,6 +143,13 @@ class HangDetector(Service):
         backend whose first bytes always take long."""
         return max(self.stall, self.factor * (backend.ewma_ttft or 0.0))
 
+    def _check_safely(self) -> None:
+        """A LoopingCall stops for good on an exception: none may escape a look."""
+        try:
+            self.check()
+        except Exception:
+            log.failure("looking for hung backends failed")
+
     def check(self) -> None:
         """One look: suspect and probe each backend that is quiet while others are not."""
         now = self.clock.seconds()
@@ -152,6 +159,10 @@ class HangDetector(Service):
             # txlb itself was stalled (a long GC, a stopped process): what the backends
             # sent meanwhile is still unread in the sockets, so silence says nothing yet
             return
+        if len(self._cleared) > len(self.pool):
+            # forget backends removed since
+            current = set(self.pool)
+            self._cleared = {b: t for b, t in self._cleared.items() if b in current}
         quiet = self.quiet_for()
         suspects = [b for b, (silent, _) in quiet.items()
                     if silent >= self.threshold(b) and b.healthy]
