@@ -179,15 +179,18 @@ class OutlierTests(FailoverTestCase):
         self.bad = self.lb.pool.get(THREE[0])
         assert self.bad is not None
 
-    def five_hundred_from_bad(self, count: int) -> None:
-        for _ in range(count):
-            self.post()
+    def five_hundred_from_bad(self, count: int, body: bytes = b'{"prompt": "x"}',
+                              peers: int = 2) -> None:
+        """``count`` 5xx answers from the bad backend, to ``peers`` clients in turn."""
+        for n in range(count):
+            peer = f"10.1.2.{n % peers + 3}"
+            self.post(body, peer=peer)
             call = self.upstream.last
             if call.uri.split(b"/")[2].decode() == THREE[0]:
                 call.respond(FakeResponse(500, length=0)).end()
             else:
                 call.respond(FakeResponse(200, length=0)).end()
-                self.post()
+                self.post(body, peer=peer)
                 self.upstream.last.respond(FakeResponse(500, length=0)).end()
 
     def test_consecutive_5xx_eject_for_a_growing_cooldown(self) -> None:
@@ -206,9 +209,46 @@ class OutlierTests(FailoverTestCase):
 
     def test_a_good_answer_resets_the_count(self) -> None:
         assert self.bad is not None
-        for status in (500, 500, 200, 500, 500):
-            self.lb.pool.record_answer(self.bad, status)
+        for n, status in enumerate((500, 500, 200, 500, 500)):
+            self.lb.pool.record_answer(self.bad, status, f"ip:10.0.0.{n}")
         self.assertTrue(self.bad.healthy)
+
+    def test_garbage_bodies_never_eject(self) -> None:
+        """
+        llama.cpp answers 500 to a body that is not JSON: many such requests, from many
+        clients, leave the backend in rotation -- and do not hide a real streak either.
+        """
+        assert self.bad is not None
+        self.five_hundred_from_bad(15, body=b"not json at all", peers=5)
+        self.assertTrue(self.bad.healthy)
+        self.assertEqual(self.bad.errors_in_a_row, 0)
+        self.five_hundred_from_bad(3, body=b"")  # a POST without a body: the same
+        self.assertTrue(self.bad.healthy)
+        self.five_hundred_from_bad(3, body=b"[1, 2]")  # JSON, but not an object
+        self.assertTrue(self.bad.healthy)
+
+    def test_one_client_alone_never_ejects(self) -> None:
+        """A streak of 5xx all caused by one client's requests is that client's doing."""
+        assert self.bad is not None
+        self.five_hundred_from_bad(15, peers=1)
+        self.assertTrue(self.bad.healthy)
+        self.five_hundred_from_bad(3, peers=2)  # a second client: now it is the backend
+        self.assertFalse(self.bad.healthy)
+
+    def test_the_client_key_follows_rate_key(self) -> None:
+        """With ``--rate-key token`` two tokens from one address are two clients."""
+        for rate_key, ejected in (("ip", False), ("token", True)):
+            self.build(THREE[:2], outlier_5xx=2, retries=0, rate_key=rate_key)
+            bad = self.lb.pool.get(THREE[0])
+            assert bad is not None
+            for n in range(12):
+                client = self.client()
+                client.request(b"POST", b"/v1/completions", body=b'{"prompt": "x"}',
+                               headers=[(b"Authorization", b"Bearer t%d" % (n % 3))])
+                call = self.upstream.last
+                status = 500 if call.uri.split(b"/")[2].decode() == THREE[0] else 200
+                call.respond(FakeResponse(status, length=0)).end()
+            self.assertEqual(bad.healthy, not ejected, rate_key)
 
     def test_outliers_never_take_the_last_healthy_ones(self) -> None:
         """Backends down on health count too: ejection stops at half the fleet out."""
@@ -216,18 +256,18 @@ class OutlierTests(FailoverTestCase):
         first, second, third = list(self.lb.pool)
         self.lb.pool.mark_down(first, "health")
         self.lb.pool.mark_down(second, "health")
-        for _ in range(5):
-            self.lb.pool.record_answer(third, 500)
+        for n in range(5):
+            self.lb.pool.record_answer(third, 500, f"ip:10.0.0.{n}")
         self.assertTrue(third.healthy)
 
     def test_never_more_than_half_the_fleet(self) -> None:
         good = self.lb.pool.get(THREE[1])
         assert self.bad is not None and good is not None
-        for _ in range(3):
-            self.lb.pool.record_answer(self.bad, 503)
+        for n in range(3):
+            self.lb.pool.record_answer(self.bad, 503, f"ip:10.0.0.{n}")
         self.assertFalse(self.bad.healthy)
-        for _ in range(10):
-            self.lb.pool.record_answer(good, 503)
+        for n in range(10):
+            self.lb.pool.record_answer(good, 503, f"ip:10.0.0.{n}")
         self.assertTrue(good.healthy)  # 2 of 2 would be more than half
 
 

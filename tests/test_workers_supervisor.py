@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import socket
+from types import SimpleNamespace
 from typing import Any
 
 import attrs
@@ -51,8 +52,8 @@ class SpawningReactor(MemoryReactorClock):
 
 
 def supervisor(test: SynchronousTestCase, reactor: Any = None,
-               workers: int = 2) -> WorkerSupervisor:
-    config = build_config({"workers": str(workers), "backends": "127.0.0.1:9",
+               workers: int = 2, backends: str = "127.0.0.1:9") -> WorkerSupervisor:
+    config = build_config({"workers": str(workers), "backends": backends,
                            "listen": "tcp:0:interface=127.0.0.1", "log_file": "none",
                            "admin": "none"}, {})
     shared = SharedCounts.create(workers)
@@ -166,6 +167,24 @@ class SupervisorTests(SynchronousTestCase):
         served = attrs.evolve(refused, backend="127.0.0.1:9", status=200, outcome="ok")
         sup.received(first, [decode(summary_message(served, True))])
         self.assertIn(b"kick", second.transport.value())
+
+    def test_what_workers_report_of_backends(self) -> None:
+        """A worker's hung verdict counts as one; its answers carry who caused them."""
+        sup = supervisor(self, backends="127.0.0.1:9,127.0.0.1:10,127.0.0.1:11,127.0.0.1:12")
+        worker: Any = SimpleNamespace(index=0)
+        garbage, failing, hung, _ = list(sup.balancer.pool)
+        for _ in range(10):  # 5xx to bodies that are not JSON: the worker sends None
+            sup.received(worker, [["answer", garbage.key, 500, None]])
+        self.assertTrue(garbage.healthy)
+        self.assertEqual(garbage.errors_in_a_row, 0)
+        sup.received(worker, [["answer", failing.key, 500, "ip:10.0.0.1"]] * 5)
+        self.assertTrue(failing.healthy)  # one client alone
+        sup.received(worker, [["answer", failing.key, 500, "ip:10.0.0.2"]])
+        self.assertFalse(failing.healthy)
+        self.assertEqual(failing.outlier_ejections, 1)
+        sup.received(worker, [["down", hung.key, "hung: no byte from any of 2 requests"]])
+        self.assertFalse(hung.healthy)
+        self.assertEqual(hung.hung_ejections, 1)
 
     def test_a_crash_loop_backs_off_and_never_gives_up(self) -> None:
         reactor = SpawningReactor()

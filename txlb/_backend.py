@@ -108,6 +108,12 @@ class Backend:
     clock: Callable[[], float] | None = attrs.field(default=None, repr=False)
     slow_start: float = 0.0
     errors_in_a_row: int = 0
+    #: when the last byte (head or body) of a proxied response came from it, in this
+    #: process: what the hung-backend detector (txlb._hung) and the prober read
+    last_byte: float | None = None
+    hung_ejections: int = 0
+    #: the first two distinct client keys of the current 5xx streak (two are all it needs)
+    streak_clients: tuple[str, ...] = ()
     outlier_ejections: int = 0
     ejected_until: float | None = None
 
@@ -209,6 +215,7 @@ class Backend:
             "outlier_ejections": self.outlier_ejections,
             "ejected_until": self.ejected_until,
             "ttft_ewma_s": _rounded(self.ewma_ttft),
+            "hung_ejections": self.hung_ejections,
         }
 
 
@@ -448,19 +455,29 @@ class Pool:
         if ttft is not None:
             backend.ewma_ttft = _ewma(backend.ewma_ttft, ttft)
 
-    def record_answer(self, backend: Backend, status: int) -> None:
+    def record_answer(self, backend: Backend, status: int, client: str | None = "") -> None:
         """
         A status the backend itself answered (not one txlb made up): feeds the passive
-        outlier detection.
+        outlier detection.  ``client`` is the key of the client who sent the request, or
+        ``None`` when the request provoked the 5xx itself (see
+        :meth:`txlb._proxy.Exchange._blamed`): such an answer neither counts nor resets
+        the streak.  A streak ejects only once it spans two clients at least, so one
+        client sending requests an engine chokes on cannot take a healthy backend out.
         """
         if status < 500:
             backend.errors_in_a_row = 0
+            backend.streak_clients = ()
+            return
+        if client is None:
             return
         backend.errors_in_a_row += 1
+        clients = backend.streak_clients
+        if client not in clients and len(clients) < 2:
+            backend.streak_clients = (*clients, client)
         rule = self.outliers
         if not rule.consecutive_5xx or backend.errors_in_a_row < rule.consecutive_5xx:
             return
-        if not backend.healthy:
+        if len(backend.streak_clients) < 2 or not backend.healthy:
             return
         now = self._now()
         down = sum(1 for b in self._backends.values() if not b.healthy)
@@ -472,11 +489,27 @@ class Pool:
         backend.outlier_ejections += 1
         cooldown = rule.base_cooldown * min(backend.outlier_ejections, MAX_COOLDOWN_FACTOR)
         backend.ejected_until = now + cooldown
+        count = backend.errors_in_a_row
         backend.errors_in_a_row = 0
-        self.mark_down(backend, f"outlier: {rule.consecutive_5xx} 5xx answers in a row; "
-                                f"ejected for {cooldown:g}s")
+        backend.streak_clients = ()
+        self.mark_down(backend, f"outlier: {count} 5xx answers in a row from "
+                                f"2 clients or more; ejected for {cooldown:g}s")
 
-
+    def mark_hung(self, backend: Backend, reason: str) -> None:
+        """
+        The hung-backend detector's verdict (txlb._hung): out of rotation now, unless that
+        would take more than half the fleet out -- the detector judges from silence, and a
+        silence shared by so many is more likely txlb's or the network's than theirs.
+        """
+        if not backend.healthy:
+            return
+        down = sum(1 for b in self._backends.values() if not b.healthy)
+        if (down + 1) * 2 > len(self._backends):
+            log.warn("backend {backend} looks hung but stays in: half the fleet is "
+                     "already out ({reason})", backend=backend.key, reason=reason)
+            return
+        backend.hung_ejections += 1
+        self.mark_down(backend, reason)
 
     # -- what the prober learns ---------------------------------------------------------
 
@@ -544,6 +577,7 @@ class Pool:
             backend.healthy = True
             backend.up_since = self._now()
             backend.errors_in_a_row = 0
+            backend.streak_clients = ()
             log.info("backend {backend} is back up", backend=backend.key)
             self._changed()
 

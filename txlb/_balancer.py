@@ -30,10 +30,11 @@ from ._backend import Backend, InFlightStore, OutlierRule, Pool
 from ._config import OPTIONS, Config, build_config
 from ._health import HealthChecker
 from ._history import History, HistoryService
+from ._hung import HangDetector, health_probe
 from ._metrics import Metrics
 from ._policies import PeakEwmaLatency, make_policy
 from ._proxy import ProxyContext, ProxyResource
-from ._ratelimit import RateLimiter, TokenBuckets
+from ._ratelimit import RateLimiter, TokenBuckets, client_key
 from ._relay import AgentUpstream
 from ._resultlog import open_result_log
 from ._routing import ModelRoute, Router
@@ -211,6 +212,7 @@ class LoadBalancer:
             on_suspect=self._suspect,
             on_answer=self._answered,
             on_retry=self.metrics.retries.inc,
+            client_key=lambda request: client_key(request, config.rate_key),
             x_backend=config.x_backend,
         )
         limiter = None
@@ -221,6 +223,9 @@ class LoadBalancer:
         self.proxy = ProxyResource(self.router, context, retry_after=retry_after,
                                    affinity=config.affinity, rate_limiter=limiter,
                                    max_body=config.max_body, lb_status=config.lb_status)
+        self.hung = HangDetector(self.pool, context.live, reactor,
+                                 health_probe(probe_agent, config.health_path),
+                                 stall=config.hung_after)
 
     def _request_ended(self, record: RequestRecord) -> None:
         """
@@ -260,9 +265,12 @@ class LoadBalancer:
         """A connection to ``backend`` was reset: probe it now (a worker asks its supervisor)."""
         self.health.probe_soon(backend)
 
-    def _answered(self, backend: Backend, status: int) -> None:
-        """A status ``backend`` answered, for outlier ejection (a worker tells its supervisor)."""
-        self.pool.record_answer(backend, status)
+    def _answered(self, backend: Backend, status: int, client: str | None) -> None:
+        """
+        A status ``backend`` answered and who caused it, for outlier ejection (a worker
+        tells its supervisor).
+        """
+        self.pool.record_answer(backend, status, client)
 
     def resource(self) -> IResource:
         """The proxy as a twisted.web resource, to serve as a Site's root or mount below it."""
@@ -298,5 +306,8 @@ class LoadBalancer:
             self.health.setServiceParent(services)  # stops last: probing goes on while draining
             # the dashboard's history is kept where every request is counted once
             HistoryService(self.history).setServiceParent(services)
+        if self.config.hung_after:
+            # in every process that proxies: it judges from this process's own traffic
+            self.hung.setServiceParent(services)
         _LifecycleService(self).setServiceParent(services)
         return services

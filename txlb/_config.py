@@ -587,6 +587,10 @@ OPTIONS: tuple[OptionSpec, ...] = (
                "5xx answers in a row that eject a backend for a cool-down (0: never)."),
     OptionSpec("outlier-cooldown", 30.0, parse_duration,
                "Seconds of the first outlier ejection; it grows with each repeat."),
+    OptionSpec("hung-after", 1.25, parse_nonnegative_seconds,
+               "Seconds without a byte from any request in flight on a backend, while others "
+               "answer, that get it probed at once and marked down if its health path does "
+               "not answer within 1s (0: never)."),
     OptionSpec("slow-start", 0.0, parse_nonnegative_seconds,
                "Seconds over which a recovered backend's weight ramps from 1% to full."),
     OptionSpec("max-body", "64MiB", parse_size,
@@ -653,6 +657,7 @@ class Config:
     retry_window: float = 10.0
     outlier_5xx: int = 5
     outlier_cooldown: float = 30.0
+    hung_after: float = 1.25
     slow_start: float = 0.0
     max_body: int = 64 * 1024**2
     header_timeout: float = 30.0

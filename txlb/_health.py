@@ -31,6 +31,7 @@ from twisted.web.iweb import IAgent, IResponse
 from . import _engines
 from ._backend import Backend, Pool
 from ._engines import prometheus_sum
+from ._hung import timed_out
 
 __all__ = ["HealthChecker", "prometheus_sum"]
 
@@ -117,9 +118,10 @@ class HealthChecker(Service):
         request.addCallback(self._read_body)
         request.addTimeout(self.timeout, self.clock)
         self._probing[backend] = request
+        started = self.clock.seconds()
         done: Deferred[None] = request.addCallbacks(
             lambda code: self._answered(backend, code),
-            lambda failure: self._failed(backend, failure),
+            lambda failure: self._failed(backend, failure, started),
         )
         done.addBoth(self._forget, backend)
         return done
@@ -246,13 +248,20 @@ class HealthChecker(Service):
                  "(txlb reads vLLM, SGLang, llama.cpp and TGI metrics)",
                  backend=backend.key, why=why)
 
-    def _failed(self, backend: Backend, failure: Failure) -> None:
+    def _failed(self, backend: Backend, failure: Failure, started: float = 0.0) -> None:
         if not self.running or self.pool.get(backend.key) is not backend:
             return  # shutting down, or removed while the probe ran
-        if failure.check(defer.TimeoutError, neterror.TimeoutError):
+        timeout = timed_out(failure)
+        if timeout:
             reason = f"health: no answer within {self.timeout:g}s"
         else:
             reason = f"health: {failure.getErrorMessage()}"
+        if timeout and backend.last_byte is not None and backend.last_byte >= started:
+            # Its streams flowed while /health said nothing: busy, not dead (SGLang's
+            # /health times out during a long prefill).  Not a failure towards --fall.
+            log.info("backend {backend}: {reason}, but its responses flow; not counted",
+                     backend=backend.key, reason=reason)
+            return
         definitive = failure.check(*_DEFINITIVE) is not None
         self.pool.probe_failed(backend, reason, definitive=definitive, fall=self.fall)
 

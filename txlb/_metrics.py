@@ -64,6 +64,10 @@ class PoolCollector:
         }
         ejections = CounterMetricFamily(
             "txlb_backend_ejections", "Times the backend was marked down.", labels=["backend"])
+        hung = CounterMetricFamily(
+            "txlb_backend_hung_ejections",
+            "Times the backend was marked down as hung: no byte from any of its requests "
+            "in flight and no answer from its health path.", labels=["backend"])
         probes = CounterMetricFamily(
             "txlb_health_probes", "Health probes by result.", labels=["backend", "result"])
         for backend in backends:
@@ -73,10 +77,12 @@ class PoolCollector:
             gauges["draining"].add_metric(key, 1 if backend.draining else 0)
             gauges["max_conns"].add_metric(key, backend.spec.max_conns)
             ejections.add_metric(key, backend.ejections)
+            hung.add_metric(key, backend.hung_ejections)
             probes.add_metric([backend.key, "ok"], backend.probes_ok)
             probes.add_metric([backend.key, "failed"], backend.probes_failed)
         yield from gauges.values()
         yield ejections
+        yield hung
         yield probes
         yield GaugeMetricFamily("txlb_backends_healthy", "Healthy backends.",
                                 value=sum(1 for b in backends if b.healthy))

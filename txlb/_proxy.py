@@ -39,7 +39,7 @@ from ._headers import (
     flatten,
     upstream_request_headers,
 )
-from ._ratelimit import RateLimiter
+from ._ratelimit import RateLimiter, client_key
 from ._routing import Router, RoutingError
 from ._summary import RequestRecord, parse_json_object
 from ._upstream import Upstream, UpstreamResponse
@@ -63,6 +63,9 @@ _NEVER_SENT = (RequestTransmissionFailed, RequestNotSent)
 _CONNECT_TIMEOUT = (neterror.TimeoutError, neterror.TCPTimedOutError)
 #: Answers that mean "this backend cannot take it now": retried elsewhere when possible.
 _RETRIED_STATUSES = frozenset({502, 503})
+#: Methods whose requests carry a body: one missing (or not JSON) provokes a 5xx from some
+#: engines, which is then the request's fault, not the backend's.
+_BODY_METHODS = frozenset({b"POST", b"PUT", b"PATCH"})
 #: Statuses whose responses never carry a body, so no Content-Length is invented for them.
 _NO_BODY_STATUSES = frozenset({204, 304})
 
@@ -127,7 +130,13 @@ class ProxyContext:
     retry_window: float = 10.0
     on_end: RecordSink = lambda record: None
     on_suspect: Callable[[Backend], object] = lambda backend: None
-    on_answer: Callable[[Backend, int], object] = lambda backend, status: None
+    #: a status the backend answered, and who caused it: the client's key (``--rate-key``),
+    #: or ``None`` for a 5xx the request itself provoked (its body is not JSON), which must
+    #: not count against the backend
+    on_answer: Callable[[Backend, int, str | None], object] = (
+        lambda backend, status, client: None)
+    #: who sent a request, for the outlier streak's "two clients at least"
+    client_key: Callable[[Request], str] = client_key
     on_retry: Callable[[], object] = lambda: None
     live: set[Exchange] = attrs.field(factory=set)
     #: who gets ``X-Backend``/``X-Backend-Port``: ``on``, ``loopback`` or ``off``
@@ -201,6 +210,22 @@ class Exchange:
         request.notifyFinish().addErrback(self._client_lost)
         self._send()
 
+    @property
+    def backend(self) -> Backend:
+        """The backend of the current try."""
+        return self.lease.backend
+
+    @property
+    def backend_waited_since(self) -> float | None:
+        """
+        For the hung-backend detector: since when this request has waited on its backend
+        (its try was sent, or its last byte came); ``None`` while it waits on nothing of
+        the backend's -- ended, between tries, or held up by a client that reads slowly.
+        """
+        if self.state == "ended" or self.lease.released or self._paused_at is not None:
+            return None
+        return self._last_activity
+
     def _send(self) -> None:
         """One attempt: the request, body replayed from the buffered copy, to the leased backend."""
         request = self.request
@@ -265,7 +290,8 @@ class Exchange:
 
     def _got_response(self, response: UpstreamResponse) -> None:
         self._upstream = None
-        self.context.on_answer(self.lease.backend, response.code)
+        self.lease.backend.last_byte = self._now()
+        self.context.on_answer(self.lease.backend, response.code, self._blamed(response.code))
         if response.code in _RETRIED_STATUSES and self._can_retry():
             log.info("backend {backend} answered {status}; trying another",
                      backend=self.lease.backend.key, status=response.code)
@@ -280,6 +306,20 @@ class Exchange:
             response.discard()  # nobody will read it: close it, the backend stops
             raise
         response.deliver(self, raw)
+
+    def _blamed(self, status: int) -> str | None:
+        """
+        Who an answer of ``status`` is to be held against: the client's key, or ``None``
+        when a 5xx was the request's own doing -- a body that is not a JSON object (an
+        engine such as llama.cpp answers 500 to one), so garbage POSTs cannot eject a
+        healthy backend.  Parsed only for a 5xx: other answers never need it.
+        """
+        if status < 500:
+            return ""
+        body = self.record.request_body
+        if (body or self.request.method in _BODY_METHODS) and parse_json_object(body) is None:
+            return None
+        return self.context.client_key(self.request)
 
     def _write_head(self, response: UpstreamResponse) -> bool:
         """
@@ -379,10 +419,11 @@ class Exchange:
     def body_chunk(self, data: bytes) -> None:
         if self.state != "relaying":
             return
-        self._last_activity = self._now()  # the watchdog reads it when it fires
+        # the watchdog reads it when it fires, the hung-backend detector the backend's
+        now = self.lease.backend.last_byte = self._last_activity = self._now()
         record = self.record
         if record.first_byte is None:
-            record.first_byte = self._last_activity
+            record.first_byte = now
         record.capture(data)
         self._write(data)
 

@@ -63,6 +63,27 @@ class TokenBuckets:
             del buckets[key]
 
 
+def client_key(request: Request, kind: str = "ip") -> str:
+    """
+    Who sent ``request``, by ``--rate-key`` ``kind``.  ``ip``: the client's address;
+    ``token``: a digest of the bearer token (the token itself is never kept);
+    ``header:NAME``: that header's value.  A request without the header or token is keyed
+    by its address.  Rate limiting and outlier ejection (a 5xx streak must span two
+    clients) both use it.
+    """
+    if kind == "token":
+        credentials = request.getHeader(b"authorization") or b""
+        scheme, _, token = credentials.partition(b" ")
+        if scheme.lower() == b"bearer" and token.strip():
+            return "token:" + hashlib.sha256(token.strip()).hexdigest()[:32]
+    elif kind.startswith("header:"):
+        value = request.getHeader(kind[len("header:"):].encode("ascii"))
+        if value:
+            return "header:" + value.decode("utf-8", "replace")
+    address = request.getClientAddress()
+    return "ip:" + str(getattr(address, "host", address))
+
+
 class RateLimiter:
     """Maps a request to its client key and its key to a bucket."""
 
@@ -71,22 +92,8 @@ class RateLimiter:
         self.key = key
 
     def client_key(self, request: Request) -> str:
-        """
-        ``ip``: the client's address; ``token``: a digest of the bearer token (the token
-        itself is never kept); ``header:NAME``: that header's value.  A request without the
-        header or token shares the bucket of its address.
-        """
-        if self.key == "token":
-            credentials = request.getHeader(b"authorization") or b""
-            scheme, _, token = credentials.partition(b" ")
-            if scheme.lower() == b"bearer" and token.strip():
-                return "token:" + hashlib.sha256(token.strip()).hexdigest()[:32]
-        elif self.key.startswith("header:"):
-            value = request.getHeader(self.key[len("header:"):].encode("ascii"))
-            if value:
-                return "header:" + value.decode("utf-8", "replace")
-        address = request.getClientAddress()
-        return "ip:" + str(getattr(address, "host", address))
+        """The bucket's key for ``request`` (see :func:`client_key`)."""
+        return client_key(request, self.key)
 
     def check(self, request: Request) -> int | None:
         """``None`` if the request may go, else the whole seconds for ``Retry-After``."""

@@ -290,11 +290,17 @@ class WorkerSupervisor(Service):
                 elif kind == "answer":
                     backend = pool.get(message[1])
                     if backend is not None:
-                        pool.record_answer(backend, int(message[2]))
+                        client = message[3] if len(message) > 3 else ""
+                        pool.record_answer(backend, int(message[2]),
+                                           None if client is None else str(client))
                 elif kind == "down":
                     backend = pool.get(message[1])
                     if backend is not None:
-                        pool.mark_down(backend, f"worker {worker.index}: {message[2]}")
+                        reason = f"worker {worker.index}: {message[2]}"
+                        if str(message[2]).startswith("hung:"):
+                            pool.mark_hung(backend, reason)
+                        else:
+                            pool.mark_down(backend, reason)
                 elif kind == "suspect":
                     backend = pool.get(message[1])
                     if backend is not None:

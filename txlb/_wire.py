@@ -7,9 +7,9 @@ backends), ``state`` (the backends again, whenever the supervisor's pool changed
 
 Worker to supervisor (the worker's file descriptor 3): ``end`` (one finished request's
 summary, for the one result log and the metrics), ``answer`` (a status a backend
-answered, for outlier ejection), ``down`` (this worker marked a backend down: refused or
-reset), ``suspect`` (probe this backend now), ``wait`` (a request waited this long in the
-max_conns queue), ``ready``.
+answered and the key of the client who caused it, for outlier ejection), ``down`` (this
+worker marked a backend down: refused, reset or hung), ``suspect`` (probe this backend
+now), ``wait`` (a request waited this long in the max_conns queue), ``ready``.
 
 JSON rather than pickle on the per-request path: a line is self-delimiting and readable in
 a debugger; the summary travels as a list in :class:`Summary`'s field order, which both ends

@@ -106,8 +106,8 @@ class WorkerBalancer(LoadBalancer):
     def _suspect(self, backend: Backend) -> None:
         self._send(encode(["suspect", backend.key]))
 
-    def _answered(self, backend: Backend, status: int) -> None:
-        self._send(encode(["answer", backend.key, status]))
+    def _answered(self, backend: Backend, status: int, client: str | None) -> None:
+        self._send(encode(["answer", backend.key, status, client]))
 
 
 class FewAccepts:
