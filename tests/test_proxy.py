@@ -396,6 +396,50 @@ class StatusTests(ProxyTestCase):
         self.assertEqual(port, [backend[0].rsplit(b":", 1)[1]])
         self.assertEqual(self.backend_headers_for("10.1.2.3"), ([], []))
 
+    def error_messages_for(self, peer: str, **options: object) -> list[bytes]:
+        """The body of every error txlb makes itself about one backend, asked by ``peer``."""
+        bodies = []
+        failures = [
+            neterror.ConnectionRefusedError(),
+            ResponseNeverReceived([Failure(neterror.ConnectionLost("reset by peer"))]),
+            RequestTransmissionFailed([Failure(neterror.ConnectionLost("reset"))]),
+            neterror.TimeoutError(),
+            ValueError("unparseable"),
+        ]
+        for error in failures:
+            self.build(BACKENDS, retries=0, **options)
+            client = ClientConnection(self.site, peer=peer)
+            client.request(b"GET", b"/x")
+            self.upstream.last.fail(error)
+            bodies.append(client.response().body)
+        self.build(BACKENDS, retries=0, read_timeout=5, **options)
+        client = ClientConnection(self.site, peer=peer)
+        client.request(b"GET", b"/x")
+        self.clock.advance(6)
+        bodies.append(client.response().body)
+        self.assertTrue(all(b'"code": 50' in body for body in bodies), bodies)
+        return bodies
+
+    def test_x_backend_off_hides_the_backend_in_error_messages_too(self) -> None:
+        """
+        An operator who turns X-Backend off does not want backend addresses shown; txlb's
+        own 502/504 messages must not name the backend either.
+        """
+        for body in self.error_messages_for("127.0.0.1", x_backend="off"):
+            self.assertNotIn(b"127.0.0.1:800", body)
+            self.assertIn(b"the backend", body)
+
+    def test_x_backend_loopback_names_the_backend_in_errors_only_to_local_clients(
+            self) -> None:
+        for body in self.error_messages_for("10.1.2.3", x_backend="loopback"):
+            self.assertNotIn(b"127.0.0.1:800", body)
+        for body in self.error_messages_for("127.0.0.1", x_backend="loopback"):
+            self.assertIn(b"backend 127.0.0.1:800", body)
+
+    def test_x_backend_on_names_the_backend_in_error_messages(self) -> None:
+        for body in self.error_messages_for("10.1.2.3"):
+            self.assertIn(b"backend 127.0.0.1:800", body)
+
     def test_exposure_values_checked(self) -> None:
         from txlb import ConfigError
         for option in ("lb_status", "x_backend"):
