@@ -14,6 +14,7 @@ neither stall nor stop the checks of the others.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from treq import collect, json_content, text_content
@@ -171,8 +172,15 @@ class HealthChecker(Service):
         return defer.maybeDeferred(self._agent.request, b"GET", backend.base_url + path,
                                    Headers())
 
-    def _fetch(self, backend: Backend, path: bytes) -> Deferred[Any]:
+    def _fetch(self, backend: Backend, path: bytes,
+               read: Callable[[IResponse], Deferred[Any]]) -> Deferred[Any]:
+        """
+        ``GET path`` and ``read`` its body, all within the probe timeout: a backend that
+        sends a head and then stalls its body must not hold the probe -- and with it every
+        later probe of that backend -- open forever.
+        """
         request = self._get(backend, path)
+        request.addCallback(read)
         request.addTimeout(self.timeout, self.clock)
         return request
 
@@ -187,8 +195,7 @@ class HealthChecker(Service):
             log.warn("could not learn the models of {backend}: {error}",
                      backend=backend.key, error=failure.getErrorMessage())
 
-        request = self._fetch(backend, b"/v1/models")
-        request.addCallback(json_content)
+        request = self._fetch(backend, b"/v1/models", json_content)
         return request.addCallback(learned).addErrback(failed)
 
     def _scrape_engine_queue(self, backend: Backend) -> Deferred[None]:
@@ -204,8 +211,7 @@ class HealthChecker(Service):
             log.debug("could not scrape {backend}/metrics: {error}",
                       backend=backend.key, error=failure.getErrorMessage())
 
-        request = self._fetch(backend, b"/metrics")
-        request.addCallback(text_content)
+        request = self._fetch(backend, b"/metrics", text_content)
         return request.addCallback(scraped).addErrback(failed)
 
     def _failed(self, backend: Backend, failure: Failure) -> None:
