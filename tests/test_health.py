@@ -126,6 +126,8 @@ class HealthCheckerTests(SynchronousTestCase):
         self.clock.advance(2)
         self.pending(A).fail(neterror.ConnectionRefusedError())
         self.assertFalse(self.a.healthy)
+        # and the stalled reads were not left open: one connection per probe would pile up
+        self.assertTrue(all(response.transport.stopped for response in stalled))
 
     def test_stop_cancels_probes_and_loop(self) -> None:
         self.checker.stopService()
