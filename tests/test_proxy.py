@@ -491,6 +491,22 @@ class EdgeCaseTests(ProxyTestCase):
                                                          b":8003/v1/files?x=1")),
                         self.upstream.last.uri)
 
+    def test_absolute_form_keeps_a_query_that_comes_before_any_path(self) -> None:
+        """
+        ``http://h?x=1`` is path ``/`` and query ``x=1``; the query was dropped, and in
+        ``http://h?a=/b`` the ``/`` inside the query was taken for the start of the path.
+        """
+        for target, forwarded in [(b"http://lb.example?x=1", b"/?x=1"),
+                                  (b"http://lb.example?a=/__lb_status", b"/?a=/__lb_status"),
+                                  (b"HTTP://lb.example", b"/"),
+                                  (b"http://lb.example/p?q=/r", b"/p?q=/r")]:
+            calls = len(self.upstream.calls)
+            client = self.client()
+            client.send(b"GET " + target + b" HTTP/1.1\r\nHost: lb.example\r\n\r\n")
+            self.assertEqual(len(self.upstream.calls), calls + 1, target)
+            self.assertEqual(self.upstream.last.uri.split(b":80", 1)[1][2:], forwarded,
+                             target)
+
     def test_target_that_is_not_a_path_is_400(self) -> None:
         client = self.client()
         client.send(b"GET v1/models HTTP/1.1\r\nHost: lb.example\r\n\r\n")

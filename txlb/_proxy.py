@@ -78,10 +78,13 @@ def forwarded_uri(request: Request) -> bytes:
     uri = request.uri
     if uri[:8].lower().startswith((b"http://", b"https://")):
         # absolute-form (RFC 9112 3.2.2), as sent to proxies: forward in origin-form
+        # the authority ends at the first "/" or "?" (RFC 3986 3.2): a "/" inside the
+        # query of "http://h?a=/b" is not where the path starts
         authority_and_path = uri.split(b"://", 1)[1]
-        slash = authority_and_path.find(b"/")
-        uri = b"/" if slash < 0 else authority_and_path[slash:]
-        if uri.startswith(b"?"):
+        end = min((i for i in (authority_and_path.find(b"/"), authority_and_path.find(b"?"))
+                   if i >= 0), default=len(authority_and_path))
+        uri = authority_and_path[end:]
+        if not uri.startswith(b"/"):
             uri = b"/" + uri
     raw_path, question, query = uri.partition(b"?")
     mounted = len(request.prepath or ())
