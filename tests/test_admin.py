@@ -418,6 +418,16 @@ class ValidationTests(AdminTestCase):
         self.assertEqual(json.loads(response.body)["error"]["code"], 415)
         self.assertFalse(self.lb.pool.get(A).draining)  # type: ignore[union-attr]
 
+    def test_a_path_that_is_not_utf8_gets_json_too(self) -> None:
+        """Klein answered ``%ff`` in the path with a text/html 400 of its own."""
+        client = ClientConnection(_AdminSite(self.lb.admin_resource(), reactor=self.clock))
+        client.send(b"POST /backends/%ff%fe/drain HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        response = client.response()
+        self.assertEqual(response.status, 400)
+        self.assertEqual(response.header(b"content-type"), [b"application/json"])
+        self.assertEqual(json.loads(response.body)["error"]["code"], 400)
+        self.assertEqual(self.flushLoggedErrors(), [])
+
     def test_an_unexpected_error_is_a_json_500(self) -> None:
         def broken() -> dict[str, object]:
             raise RuntimeError("a bug")

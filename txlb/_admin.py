@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterable
 from importlib import resources
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from klein import Klein
 from twisted.logger import Logger
@@ -174,6 +175,11 @@ class _Guard(Resource):
         return self._app.render(request)
 
     def _check(self, request: Request) -> None:
+        try:
+            # what Klein decodes before routing, answering a failure with text/html
+            unquote_to_bytes(request.path).decode("utf-8")
+        except UnicodeDecodeError:
+            raise AdminError(400, "the request path is not UTF-8") from None
         host = self._check_host(request)
         self._check_origin(request, host)
         if request.method not in _SAFE_METHODS:
