@@ -389,6 +389,21 @@ class StatusTests(ProxyTestCase):
         self.build(BACKENDS, x_backend="off")
         self.assertEqual(self.backend_headers_for("127.0.0.1"), ([], []))
 
+    def test_x_backend_off_also_drops_the_backends_own(self) -> None:
+        """
+        A backend that is itself a balancer (or an nginx adding the header) sends its own
+        ``X-Backend``; with ``off`` it was passed on, naming an address the option hides.
+        """
+        self.build(BACKENDS, x_backend="off")
+        client = ClientConnection(self.site, peer="10.1.2.3")
+        client.request(b"GET", b"/x")
+        self.upstream.last.respond(FakeResponse(
+            200, headers=[(b"X-Backend", b"10.9.9.9:8000"), (b"X-Backend-Port", b"8000")],
+            length=0)).end()
+        response = client.response()
+        self.assertEqual((response.header(b"x-backend"), response.header(b"x-backend-port")),
+                         ([], []))
+
     def test_x_backend_loopback_only(self) -> None:
         self.build(BACKENDS, x_backend="loopback")
         backend, port = self.backend_headers_for("127.0.0.1")

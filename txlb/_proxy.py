@@ -323,6 +323,10 @@ class Exchange:
         if self._shows_backend():
             out.setRawHeaders(b"x-backend", [backend.key.encode()])
             out.setRawHeaders(b"x-backend-port", [b"%d" % backend.port])
+        else:
+            # nor the backend's own (a balancer or nginx behind us names its backends too)
+            out.removeHeader(b"x-backend")
+            out.removeHeader(b"x-backend-port")
         raw = False
         if response.length is None:
             # A stream: send the head now, as nginx does, so an SSE client sees its 200
