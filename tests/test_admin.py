@@ -418,6 +418,24 @@ class ValidationTests(AdminTestCase):
         self.assertEqual(json.loads(response.body)["error"]["code"], 415)
         self.assertFalse(self.lb.pool.get(A).draining)  # type: ignore[union-attr]
 
+    def test_the_admin_port_refuses_ambiguous_framing_too(self) -> None:
+        """
+        ``Transfer-Encoding: identity`` was read as "no body" by twisted.web, so the bytes
+        after a harmless ``GET /status`` were parsed as a ``POST .../drain`` -- through a
+        reverse proxy that allows only reads (``--admin-hosts``), a smuggled write.  The
+        admin port frames requests as strictly as the main port: 400, closed.
+        """
+        client = ClientConnection(_AdminSite(self.lb.admin_resource(), reactor=self.clock))
+        client.send(b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    b"Transfer-Encoding: identity\r\n\r\n"
+                    b"POST /backends/" + A.encode() + b"/drain HTTP/1.1\r\n"
+                    b"Host: 127.0.0.1\r\n\r\n")
+        response = client.response()
+        self.assertEqual(response.status, 400)
+        self.assertEqual(json.loads(response.body)["error"]["code"], 400)
+        self.assertTrue(client.transport.disconnecting)
+        self.assertFalse(self.lb.pool.get(A).draining)  # type: ignore[union-attr]
+
     def test_a_path_that_is_not_utf8_gets_json_too(self) -> None:
         """Klein answered ``%ff`` in the path with a text/html 400 of its own."""
         client = ClientConnection(_AdminSite(self.lb.admin_resource(), reactor=self.clock))
