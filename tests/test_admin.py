@@ -418,6 +418,17 @@ class ValidationTests(AdminTestCase):
         self.assertEqual(json.loads(response.body)["error"]["code"], 415)
         self.assertFalse(self.lb.pool.get(A).draining)  # type: ignore[union-attr]
 
+    def test_an_ipv6_backend_is_found_however_its_key_is_spelt(self) -> None:
+        """Added as ``[0:0::1]:8004`` it is ``[::1]:8004``; drain and remove find it by either."""
+        code, added = self.call("POST", "/backends", {"backend": "[0:0::1]:8004"})
+        self.assertEqual((code, added["backend"]), (201, "[::1]:8004"))
+        code, state = self.call("POST", "/backends/[0:0::1]:8004/drain")
+        self.assertEqual((code, state["backend"], state["draining"]), (200, "[::1]:8004", True))
+        code, state = self.call("DELETE", "/backends/[0::1]:8004")
+        self.assertEqual((code, state["removed"]), (200, True))
+        code, _ = self.call("POST", "/backends/[zz::1]:8004/drain")
+        self.assertEqual(code, 404)
+
     def test_the_admin_port_refuses_ambiguous_framing_too(self) -> None:
         """
         ``Transfer-Encoding: identity`` was read as "no body" by twisted.web, so the bytes

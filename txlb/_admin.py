@@ -18,6 +18,7 @@ changes.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -37,7 +38,7 @@ from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException
 
 from ._backend import Backend, Pool
-from ._config import ConfigError, _backend_item
+from ._config import ConfigError, _backend_item, parse_backend_address
 from ._metrics import Metrics
 
 log = Logger()
@@ -294,6 +295,10 @@ class Admin:
         # removed at once or not) is true now.  A no-op in one process.
         self.pool.refresh()
         backend = self.pool.get(key)
+        if backend is None and "[" in key:
+            # an IPv6 key as the operator spelt it ([0:0::1]:8004): keys are the short form
+            with contextlib.suppress(ConfigError):
+                backend = self.pool.get(parse_backend_address("backend", key).key)
         if backend is None:
             raise AdminError(404, f"no backend {key}")
         return backend
