@@ -418,6 +418,45 @@ class ValidationTests(AdminTestCase):
         self.assertEqual(json.loads(response.body)["error"]["code"], 415)
         self.assertFalse(self.lb.pool.get(A).draining)  # type: ignore[union-attr]
 
+    def test_an_ipv6_backend_is_found_however_its_key_is_spelt(self) -> None:
+        """Added as ``[0:0::1]:8004`` it is ``[::1]:8004``; drain and remove find it by either."""
+        code, added = self.call("POST", "/backends", {"backend": "[0:0::1]:8004"})
+        self.assertEqual((code, added["backend"]), (201, "[::1]:8004"))
+        code, state = self.call("POST", "/backends/[0:0::1]:8004/drain")
+        self.assertEqual((code, state["backend"], state["draining"]), (200, "[::1]:8004", True))
+        code, state = self.call("DELETE", "/backends/[0::1]:8004")
+        self.assertEqual((code, state["removed"]), (200, True))
+        code, _ = self.call("POST", "/backends/[zz::1]:8004/drain")
+        self.assertEqual(code, 404)
+
+    def test_the_admin_port_refuses_ambiguous_framing_too(self) -> None:
+        """
+        ``Transfer-Encoding: identity`` was read as "no body" by twisted.web, so the bytes
+        after a harmless ``GET /status`` were parsed as a ``POST .../drain`` -- through a
+        reverse proxy that allows only reads (``--admin-hosts``), a smuggled write.  The
+        admin port frames requests as strictly as the main port: 400, closed.
+        """
+        client = ClientConnection(_AdminSite(self.lb.admin_resource(), reactor=self.clock))
+        client.send(b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    b"Transfer-Encoding: identity\r\n\r\n"
+                    b"POST /backends/" + A.encode() + b"/drain HTTP/1.1\r\n"
+                    b"Host: 127.0.0.1\r\n\r\n")
+        response = client.response()
+        self.assertEqual(response.status, 400)
+        self.assertEqual(json.loads(response.body)["error"]["code"], 400)
+        self.assertTrue(client.transport.disconnecting)
+        self.assertFalse(self.lb.pool.get(A).draining)  # type: ignore[union-attr]
+
+    def test_a_path_that_is_not_utf8_gets_json_too(self) -> None:
+        """Klein answered ``%ff`` in the path with a text/html 400 of its own."""
+        client = ClientConnection(_AdminSite(self.lb.admin_resource(), reactor=self.clock))
+        client.send(b"POST /backends/%ff%fe/drain HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        response = client.response()
+        self.assertEqual(response.status, 400)
+        self.assertEqual(response.header(b"content-type"), [b"application/json"])
+        self.assertEqual(json.loads(response.body)["error"]["code"], 400)
+        self.assertEqual(self.flushLoggedErrors(), [])
+
     def test_an_unexpected_error_is_a_json_500(self) -> None:
         def broken() -> dict[str, object]:
             raise RuntimeError("a bug")

@@ -201,6 +201,20 @@ class BackendHostTests(SynchronousTestCase):
                            "vllm-0.vllm.default.svc.cluster.local:8000")]:
             self.assertEqual(parse_backend_address("backends", text).key, key)
 
+    def test_an_ipv6_address_has_one_key_however_it_is_spelt(self) -> None:
+        """
+        ``[0:0::1]:8004`` is ``[::1]:8004``: without one spelling the pool took it as a
+        second backend (POST /backends answered 201, not 409) and drain by key missed it.
+        """
+        from txlb._config import parse_backend_address
+        for text in ["[0:0::1]:8004", "[0000:0000:0000:0000:0000:0000:0000:0001]:8004",
+                     "http://[0::1]:8004/"]:
+            self.assertEqual(parse_backend_address("backends", text).key, "[::1]:8004")
+        self.assertEqual(parse_backend_address("backends", "[FE80::A]:80").key,
+                         "[fe80::a]:80")
+        with self.assertRaises(ConfigError):
+            build_config({"backends": "[::1]:8004,[0::1]:8004"}, NONE)
+
     def test_unusable_hosts_are_one_line_errors(self) -> None:
         from txlb._config import parse_backend_address
         for text in ["a" * 300 + ":8002", ("b" * 64) + ".example:80", "[::1%eth0]:8002",

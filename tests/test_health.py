@@ -105,6 +105,35 @@ class HealthCheckerTests(SynchronousTestCase):
         self.assertEqual(len(probes_of_a), 1)
         self.assertEqual(len([c for c in self.agent.calls if b"8003" in c.uri]), 6)
 
+    def test_a_stalled_models_or_metrics_body_does_not_stop_the_probes(self) -> None:
+        """
+        A backend that answers ``/v1/models`` (or ``/metrics``) with a head and then never
+        finishes the body: that read is under the probe timeout too.  Before, the probe
+        never ended, so that backend was never probed again -- an engine that froze
+        mid-body stayed in rotation however dead it was afterwards.
+        """
+        self.pool = Pool((BackendSpec(A.host, A.port), B))  # A's models are to be learned
+        self.a = self.pool.get(A.key)
+        checker = HealthChecker(self.pool, self.agent, self.clock, interval=2, timeout=1,
+                                path="/health", rise=1, fall=1, scrape_engine_queue=True)
+        self.checker.stopService()
+        self.agent.calls.clear()
+        checker.startService()
+        self.addCleanup(checker.stopService)
+        self.answer(A, 200)
+        extras = [c for c in self.agent.calls if b"8002" in c.uri and not c.deferred.called]
+        self.assertEqual(sorted(c.uri.rsplit(b"/", 1)[1] for c in extras),
+                         [b"metrics", b"models"])
+        stalled = [call.respond(FakeResponse(200)) for call in extras]
+        for response in stalled:
+            response.send(b"{")  # ... and nothing more, ever
+        self.clock.advance(2)
+        self.clock.advance(2)
+        self.pending(A).fail(neterror.ConnectionRefusedError())
+        self.assertFalse(self.a.healthy)
+        # and the stalled reads were not left open: one connection per probe would pile up
+        self.assertTrue(all(response.transport.stopped for response in stalled))
+
     def test_stop_cancels_probes_and_loop(self) -> None:
         self.checker.stopService()
         self.assertTrue(all(c.cancelled for c in self.agent.calls))

@@ -58,6 +58,10 @@ class GeneratedConfigTests(SynchronousTestCase):
         self.assertIn("add_header X-Backend $txlb_backend_shown always;", local)
         self.assertIn("add_header X-Backend-Port $txlb_backend_port_shown always;", local)
         self.assertNotIn("add_header X-Backend $txlb_backend always;", local)
+        # as txlb: the backend's own X-Backend never reaches the client
+        for text in (conf(), off, local):
+            self.assertIn("proxy_hide_header X-Backend;", text)
+            self.assertIn("proxy_hide_header X-Backend-Port;", text)
 
     def test_policies_weights_caps(self) -> None:
         self.assertIn("random two least_conn;", conf(policy="p2c"))

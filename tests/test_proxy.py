@@ -389,12 +389,71 @@ class StatusTests(ProxyTestCase):
         self.build(BACKENDS, x_backend="off")
         self.assertEqual(self.backend_headers_for("127.0.0.1"), ([], []))
 
+    def test_x_backend_off_also_drops_the_backends_own(self) -> None:
+        """
+        A backend that is itself a balancer (or an nginx adding the header) sends its own
+        ``X-Backend``; with ``off`` it was passed on, naming an address the option hides.
+        """
+        self.build(BACKENDS, x_backend="off")
+        client = ClientConnection(self.site, peer="10.1.2.3")
+        client.request(b"GET", b"/x")
+        self.upstream.last.respond(FakeResponse(
+            200, headers=[(b"X-Backend", b"10.9.9.9:8000"), (b"X-Backend-Port", b"8000")],
+            length=0)).end()
+        response = client.response()
+        self.assertEqual((response.header(b"x-backend"), response.header(b"x-backend-port")),
+                         ([], []))
+
     def test_x_backend_loopback_only(self) -> None:
         self.build(BACKENDS, x_backend="loopback")
         backend, port = self.backend_headers_for("127.0.0.1")
         self.assertEqual(len(backend), 1)
         self.assertEqual(port, [backend[0].rsplit(b":", 1)[1]])
         self.assertEqual(self.backend_headers_for("10.1.2.3"), ([], []))
+
+    def error_messages_for(self, peer: str, **options: object) -> list[bytes]:
+        """The body of every error txlb makes itself about one backend, asked by ``peer``."""
+        bodies = []
+        failures = [
+            neterror.ConnectionRefusedError(),
+            ResponseNeverReceived([Failure(neterror.ConnectionLost("reset by peer"))]),
+            RequestTransmissionFailed([Failure(neterror.ConnectionLost("reset"))]),
+            neterror.TimeoutError(),
+            ValueError("unparseable"),
+        ]
+        for error in failures:
+            self.build(BACKENDS, retries=0, **options)
+            client = ClientConnection(self.site, peer=peer)
+            client.request(b"GET", b"/x")
+            self.upstream.last.fail(error)
+            bodies.append(client.response().body)
+        self.build(BACKENDS, retries=0, read_timeout=5, **options)
+        client = ClientConnection(self.site, peer=peer)
+        client.request(b"GET", b"/x")
+        self.clock.advance(6)
+        bodies.append(client.response().body)
+        self.assertTrue(all(b'"code": 50' in body for body in bodies), bodies)
+        return bodies
+
+    def test_x_backend_off_hides_the_backend_in_error_messages_too(self) -> None:
+        """
+        An operator who turns X-Backend off does not want backend addresses shown; txlb's
+        own 502/504 messages must not name the backend either.
+        """
+        for body in self.error_messages_for("127.0.0.1", x_backend="off"):
+            self.assertNotIn(b"127.0.0.1:800", body)
+            self.assertIn(b"the backend", body)
+
+    def test_x_backend_loopback_names_the_backend_in_errors_only_to_local_clients(
+            self) -> None:
+        for body in self.error_messages_for("10.1.2.3", x_backend="loopback"):
+            self.assertNotIn(b"127.0.0.1:800", body)
+        for body in self.error_messages_for("127.0.0.1", x_backend="loopback"):
+            self.assertIn(b"backend 127.0.0.1:800", body)
+
+    def test_x_backend_on_names_the_backend_in_error_messages(self) -> None:
+        for body in self.error_messages_for("10.1.2.3"):
+            self.assertIn(b"backend 127.0.0.1:800", body)
 
     def test_exposure_values_checked(self) -> None:
         from txlb import ConfigError
@@ -446,6 +505,22 @@ class EdgeCaseTests(ProxyTestCase):
         self.assertTrue(self.upstream.last.uri.endswith((b":8002/v1/files?x=1",
                                                          b":8003/v1/files?x=1")),
                         self.upstream.last.uri)
+
+    def test_absolute_form_keeps_a_query_that_comes_before_any_path(self) -> None:
+        """
+        ``http://h?x=1`` is path ``/`` and query ``x=1``; the query was dropped, and in
+        ``http://h?a=/b`` the ``/`` inside the query was taken for the start of the path.
+        """
+        for target, forwarded in [(b"http://lb.example?x=1", b"/?x=1"),
+                                  (b"http://lb.example?a=/__lb_status", b"/?a=/__lb_status"),
+                                  (b"HTTP://lb.example", b"/"),
+                                  (b"http://lb.example/p?q=/r", b"/p?q=/r")]:
+            calls = len(self.upstream.calls)
+            client = self.client()
+            client.send(b"GET " + target + b" HTTP/1.1\r\nHost: lb.example\r\n\r\n")
+            self.assertEqual(len(self.upstream.calls), calls + 1, target)
+            self.assertEqual(self.upstream.last.uri.split(b":80", 1)[1][2:], forwarded,
+                             target)
 
     def test_target_that_is_not_a_path_is_400(self) -> None:
         client = self.client()

@@ -18,6 +18,7 @@ changes.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -27,6 +28,7 @@ import time
 from collections.abc import Callable, Iterable
 from importlib import resources
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from klein import Klein
 from twisted.logger import Logger
@@ -37,7 +39,7 @@ from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException
 
 from ._backend import Backend, Pool
-from ._config import ConfigError, _backend_item
+from ._config import ConfigError, _backend_item, parse_backend_address
 from ._history import CAPACITY, SAMPLE_SECONDS, History
 from ._metrics import Metrics
 
@@ -176,6 +178,11 @@ class _Guard(Resource):
         return self._app.render(request)
 
     def _check(self, request: Request) -> None:
+        try:
+            # what Klein decodes before routing, answering a failure with text/html
+            unquote_to_bytes(request.path).decode("utf-8")
+        except UnicodeDecodeError:
+            raise AdminError(400, "the request path is not UTF-8") from None
         host = self._check_host(request)
         self._check_origin(request, host)
         if request.method not in _SAFE_METHODS:
@@ -304,6 +311,10 @@ class Admin:
         # removed at once or not) is true now.  A no-op in one process.
         self.pool.refresh()
         backend = self.pool.get(key)
+        if backend is None and "[" in key:
+            # an IPv6 key as the operator spelt it ([0:0::1]:8004): keys are the short form
+            with contextlib.suppress(ConfigError):
+                backend = self.pool.get(parse_backend_address("backend", key).key)
         if backend is None:
             raise AdminError(404, f"no backend {key}")
         return backend

@@ -183,6 +183,10 @@ def parse_backend_address(option: str, value: str) -> BackendSpec:
         raise ConfigError(
             f"--{option}: {shown!r}: the host is not an IP address or a DNS name (labels "
             "of 1-63 letters, digits and '-', 253 in all; IPv6 as [::1]:8002)")
+    if ":" in host:
+        # one spelling per address ([0:0::1] is [::1]), so the key -- what duplicates,
+        # drain and remove go by -- names each backend once
+        host = ipaddress.IPv6Address(host).compressed
     return BackendSpec(host=host, port=port)
 
 

@@ -14,17 +14,21 @@ neither stall nor stop the checks of the others.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import Any
 
-from treq import collect, json_content, text_content
 from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet import error as neterror
 from twisted.internet.defer import Deferred, gatherResults
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IPushProducer, IReactorTime
+from twisted.internet.protocol import Protocol, connectionDone
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.web.client import ResponseDone
+from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IResponse
 
@@ -44,6 +48,62 @@ _DEFINITIVE = (
     neterror.DNSLookupError,
     neterror.UnknownHostError,
 )
+
+
+#: The most of a probe's body kept (``/v1/models``, ``/metrics``: kilobytes in practice).
+MAX_PROBE_BODY = 4 * 1024 * 1024
+
+
+class _Body(Protocol):
+    """
+    Collects a response body for the prober.  Cancelling :attr:`done` (the probe timed out)
+    stops the body's transport, which closes the connection: otherwise a backend that
+    stalls halfway through a body would keep one connection open per probe.  A body over
+    :data:`MAX_PROBE_BODY` is a failed read, not memory the backend may fill.
+    """
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self._size = 0
+        self.done: Deferred[bytes] = Deferred(lambda _: self._stop())
+
+    def _stop(self) -> None:
+        transport: IPushProducer | None = self.transport  # type: ignore[assignment]
+        if transport is not None:
+            transport.stopProducing()
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.done.called:
+            return
+        self._size += len(data)
+        if self._size > MAX_PROBE_BODY:
+            self._stop()
+            self.done.errback(ValueError(f"body over {MAX_PROBE_BODY} bytes"))
+            return
+        self._parts.append(data)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        if self.done.called:
+            return
+        if reason.check(ResponseDone, PotentialDataLoss):
+            self.done.callback(b"".join(self._parts))
+        else:
+            self.done.errback(reason)
+
+
+def read_body(response: IResponse) -> Deferred[bytes]:
+    """The whole body of ``response`` (see :class:`_Body`)."""
+    body = _Body()
+    response.deliverBody(body)
+    return body.done
+
+
+def _json_body(response: IResponse) -> Deferred[Any]:
+    return read_body(response).addCallback(json.loads)
+
+
+def _text_body(response: IResponse) -> Deferred[str]:
+    return read_body(response).addCallback(lambda data: data.decode("utf-8", "replace"))
 
 
 class HealthChecker(Service):
@@ -128,8 +188,7 @@ class HealthChecker(Service):
 
     def _read_body(self, response: IResponse) -> Deferred[int]:
         # Read the (tiny) body so the connection finishes cleanly; the status is what counts.
-        body: Deferred[None] = collect(response, lambda _data: None)
-        return body.addCallback(lambda _: response.code)
+        return read_body(response).addCallback(lambda _: response.code)
 
     def probe_soon(self, backend: Backend) -> None:
         """Probe ``backend`` now unless a probe of it is already running."""
@@ -170,8 +229,15 @@ class HealthChecker(Service):
         return defer.maybeDeferred(self._agent.request, b"GET", backend.base_url + path,
                                    Headers())
 
-    def _fetch(self, backend: Backend, path: bytes) -> Deferred[Any]:
+    def _fetch(self, backend: Backend, path: bytes,
+               read: Callable[[IResponse], Deferred[Any]]) -> Deferred[Any]:
+        """
+        ``GET path`` and ``read`` its body, all within the probe timeout: a backend that
+        sends a head and then stalls its body must not hold the probe -- and with it every
+        later probe of that backend -- open forever.
+        """
         request = self._get(backend, path)
+        request.addCallback(read)
         request.addTimeout(self.timeout, self.clock)
         return request
 
@@ -186,8 +252,7 @@ class HealthChecker(Service):
             log.warn("could not learn the models of {backend}: {error}",
                      backend=backend.key, error=failure.getErrorMessage())
 
-        request = self._fetch(backend, b"/v1/models")
-        request.addCallback(json_content)
+        request = self._fetch(backend, b"/v1/models", _json_body)
         return request.addCallback(learned).addErrback(failed)
 
     def _scrape_engine(self, backend: Backend, recognise: bool) -> Deferred[None]:
@@ -204,10 +269,9 @@ class HealthChecker(Service):
         def answered(response: IResponse) -> Deferred[tuple[str, str]]:
             """(why there is nothing to read, or ``""``; the text)."""
             if response.code != 200:
-                skipped: Deferred[None] = collect(response, lambda _data: None)
+                skipped = read_body(response)
                 return skipped.addCallback(lambda _: (f"HTTP {response.code}", ""))
-            text: Deferred[str] = text_content(response)
-            return text.addCallback(lambda body: ("", body))
+            return _text_body(response).addCallback(lambda body: ("", body))
 
         def scraped(result: tuple[str, str]) -> None:
             why, text = result
@@ -235,8 +299,7 @@ class HealthChecker(Service):
             log.debug("could not scrape {backend}/metrics: {error}",
                       backend=backend.key, error=failure.getErrorMessage())
 
-        request = self._fetch(backend, b"/metrics")
-        request.addCallback(answered)
+        request = self._fetch(backend, b"/metrics", answered)
         return request.addCallback(scraped).addErrback(failed)
 
     def _warn_no_queue(self, backend: Backend, why: str) -> None:

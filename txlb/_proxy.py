@@ -81,10 +81,13 @@ def forwarded_uri(request: Request) -> bytes:
     uri = request.uri
     if uri[:8].lower().startswith((b"http://", b"https://")):
         # absolute-form (RFC 9112 3.2.2), as sent to proxies: forward in origin-form
+        # the authority ends at the first "/" or "?" (RFC 3986 3.2): a "/" inside the
+        # query of "http://h?a=/b" is not where the path starts
         authority_and_path = uri.split(b"://", 1)[1]
-        slash = authority_and_path.find(b"/")
-        uri = b"/" if slash < 0 else authority_and_path[slash:]
-        if uri.startswith(b"?"):
+        end = min((i for i in (authority_and_path.find(b"/"), authority_and_path.find(b"?"))
+                   if i >= 0), default=len(authority_and_path))
+        uri = authority_and_path[end:]
+        if not uri.startswith(b"/"):
             uri = b"/" + uri
     raw_path, question, query = uri.partition(b"?")
     mounted = len(request.prepath or ())
@@ -357,10 +360,13 @@ class Exchange:
                 out.setRawHeaders(b"content-length", content_length[:1])
         elif response.length is not None:
             out.setRawHeaders(b"content-length", [b"%d" % response.length])
-        exposure = self.context.x_backend
-        if exposure == "on" or (exposure == "loopback" and is_local_client(request)):
+        if self._shows_backend():
             out.setRawHeaders(b"x-backend", [backend.key.encode()])
             out.setRawHeaders(b"x-backend-port", [b"%d" % backend.port])
+        else:
+            # nor the backend's own (a balancer or nginx behind us names its backends too)
+            out.removeHeader(b"x-backend")
+            out.removeHeader(b"x-backend-port")
         raw = False
         if response.length is None:
             # A stream: send the head now, as nginx does, so an SSE client sees its 200
@@ -434,8 +440,8 @@ class Exchange:
         if failure is None:
             self._end("ok", self._finish_client)
         elif not self.request.startedWriting:
-            self._fail_before_body(502, f"backend {self.lease.backend.key} failed before "
-                                        "its body", "upstream_error")
+            self._fail_before_body(502, f"{self._named(self.lease.backend)} failed "
+                                        "before its body", "upstream_error")
         else:
             log.warn(
                 "upstream {backend} failed mid-response: {error}",
@@ -462,7 +468,7 @@ class Exchange:
             if self._can_retry():
                 self._retry()
                 return
-            self._fail(502, f"backend {backend.key} could not be reached", "upstream_error")
+            self._fail(502, f"{self._named(backend)} could not be reached", "upstream_error")
         elif _is_reset(failure):
             # The backend had the whole request and closed or reset the connection without
             # answering: an engine killed mid-prefill may have done the work already, and
@@ -471,17 +477,17 @@ class Exchange:
             log.warn("backend {backend} closed the connection after receiving the whole "
                      "request, before answering; not retried", backend=backend.key)
             self.context.on_suspect(backend)
-            self._fail(502, f"backend {backend.key} closed the connection without answering",
+            self._fail(502, f"{self._named(backend)} closed the connection without answering",
                        "upstream_error")
         elif failure.check(*_CONNECT_TIMEOUT):
-            self._fail(504, f"timed out connecting to backend {backend.key}", "timeout")
+            self._fail(504, f"timed out connecting to {self._named(backend)}", "timeout")
         else:
             log.warn(
                 "request to {backend} failed: {error}",
                 backend=backend.key,
                 error=failure.getErrorMessage(),
             )
-            self._fail(502, f"bad response from backend {backend.key}", "upstream_error")
+            self._fail(502, f"bad response from {self._named(backend)}", "upstream_error")
 
     def _read_timed_out(self) -> None:
         self._watchdog = None
@@ -509,7 +515,7 @@ class Exchange:
             backend=backend.key,
             timeout=self.read_timeout,
         )
-        message = f"backend {backend.key} sent nothing for {self.read_timeout:g}s"
+        message = f"{self._named(backend)} sent nothing for {self.read_timeout:g}s"
         if self.state == "waiting":
             self._fail(504, message, "timeout")
         elif not self.request.startedWriting:
@@ -532,6 +538,19 @@ class Exchange:
             self._fail_before_body(503, reason, "shutdown")
         elif self.state == "relaying":
             self._end("shutdown", self._cut_client)
+
+    def _shows_backend(self) -> bool:
+        """Whether this client may learn which backend served it (``--x-backend``)."""
+        exposure = self.context.x_backend
+        return exposure == "on" or (exposure == "loopback" and is_local_client(self.request))
+
+    def _named(self, backend: Backend) -> str:
+        """
+        The backend as txlb's own error messages name it: ``backend host:port`` only to a
+        client that ``--x-backend`` lets see the address, else ``the backend`` -- an
+        operator who hides the header does not want every 502 to say it instead.
+        """
+        return f"backend {backend.key}" if self._shows_backend() else "the backend"
 
     def _fail_before_body(self, status: int, message: str, outcome: str) -> None:
         """

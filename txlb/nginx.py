@@ -251,6 +251,9 @@ def server_block(config: Config, log_base: str | None = None) -> list[str]:
         ]
     else:
         lines.append("        proxy_next_upstream off;")
+    # the backend's own X-Backend (a balancer behind this one) is never passed on: the
+    # client sees this one's, or none with --x-backend off
+    lines += ["        proxy_hide_header X-Backend;", "        proxy_hide_header X-Backend-Port;"]
     lines += _backend_headers(config, "        ")
     if config.rate_limit is not None:
         burst = config.rate_burst or max(1, math.ceil(config.rate_limit))

@@ -21,7 +21,7 @@ from twisted.web.server import Site
 from ._admin import ADMIN_MAX_BODY
 from ._balancer import LoadBalancer, SequentialService
 from ._config import OPTIONS, Config, ConfigError, build_config, is_loopback_endpoint
-from ._site import LimitedRequest
+from ._site import LimitedRequest, ProxyChannel
 
 log = Logger()
 
@@ -102,6 +102,9 @@ class _AdminSite(Site):
     """
 
     displayTracebacks = False
+    #: the main port's channel: strict framing (a smuggled write behind a read), a deadline
+    #: for the head, and JSON for what it refuses
+    protocol = ProxyChannel  # type: ignore[assignment]
     requestFactory = LimitedRequest
     max_body = ADMIN_MAX_BODY
 
