@@ -19,7 +19,7 @@ from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.web.client import Agent
 from twisted.web.iweb import IAgent
 from twisted.web.resource import IResource
 from twisted.web.server import Site
@@ -32,6 +32,7 @@ from ._health import HealthChecker
 from ._metrics import Metrics
 from ._policies import PeakEwmaLatency, make_policy
 from ._proxy import ProxyContext, ProxyResource
+from ._quiet import QuietConnectionPool
 from ._ratelimit import RateLimiter, TokenBuckets
 from ._relay import AgentUpstream
 from ._resultlog import open_result_log
@@ -161,7 +162,8 @@ class LoadBalancer:
             probe_agent = Agent(
                 reactor,
                 connectTimeout=config.health_timeout,
-                pool=HTTPConnectionPool(reactor, persistent=False),
+                # quiet: two "Starting/Stopping factory" lines per probe would flood the log
+                pool=QuietConnectionPool(reactor, persistent=False),
             )
         self.result_log = open_result_log(
             config.log_file, config.log_max_bytes, config.log_backups, config.log_format, reactor
