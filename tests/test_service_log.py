@@ -1,0 +1,206 @@
+"""
+The service log of the real ``twistd -n llmlb`` process says what changed and little else,
+and every start-up failure is one line naming the option and the value.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import subprocess
+from typing import Any
+
+from twisted.internet import defer, reactor
+from twisted.internet.task import Clock
+from twisted.logger import Logger
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+
+from txlb._quiet import AcceptErrorSummary, QuietAcceptErrors
+
+from .integration import (
+    ROOT,
+    Client,
+    TwistdProcess,
+    clean_environment,
+    twistd_command,
+    wait_until,
+)
+from .test_integration import Fleet
+
+
+def health_probes(fleet: Fleet) -> list[int]:
+    return [sum(1 for r in sim.requests if r.path == b"/health") for sim in fleet.sims]
+
+
+class IdleLogTests(TestCase):
+    """An idle balancer, probing fast and polled by a dashboard, writes nothing."""
+
+    timeout = 90
+
+    @defer.inlineCallbacks
+    def test_idle_balancer_writes_nothing_after_start_up(self) -> Any:
+        fleet = Fleet(self, 2)
+        with socket.socket() as probe:  # a port with nothing behind it: a down backend
+            probe.bind(("127.0.0.1", 0))
+            dead = f"127.0.0.1:{probe.getsockname()[1]}"
+        lb = TwistdProcess("--backends", ",".join([*fleet.keys, dead]),
+                           "--health-interval", "0.1", "--admin", "tcp:0:interface=127.0.0.1")
+        self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
+        yield defer.ensureDeferred(lb.started())
+        yield defer.ensureDeferred(wait_until(
+            lambda: lb.output().count(" serves ") == 2 and "marked down" in lb.output(),
+            what="the first probes"))
+        start_up = lb.output().splitlines()
+        before = health_probes(fleet)
+        client = Client()
+        self.addCleanup(client.pool.closeCachedConnections)
+        # a dashboard and a Prometheus polling, while every backend is probed 20 more times
+        for _ in range(500):  # bounded: 20 probes at 0.1s take about 2s
+            if min(now - then for now, then in zip(health_probes(fleet), before,
+                                                  strict=True)) >= 20:
+                break
+            for path in ("/", "/status", "/metrics"):
+                response, _ = yield defer.ensureDeferred(client.fetch(lb.admin_url + path))
+                self.assertEqual(response.code, 200)
+        else:
+            self.fail("the backends were not probed 20 times")
+        after = lb.output().splitlines()[len(start_up):]
+        self.assertEqual(after, [], "lines written by an idle balancer")
+        # start-up said what matters, once: each backend's models, the dead one down
+        self.assertEqual(sum("marked down" in line for line in start_up), 1)
+        self.assertFalse([line for line in start_up if "factory" in line.lower()])
+
+
+class AcceptErrorSummaryTests(SynchronousTestCase):
+    """At the file-descriptor limit a port writes two lines a minute, not one per client."""
+
+    def setUp(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.clock = Clock()
+        self.summary = AcceptErrorSummary(self.clock, "--listen tcp:8000", window=60,
+                                          log=Logger(observer=self.events.append))
+
+    def test_first_error_in_words_then_one_summary(self) -> None:
+        for _ in range(500):
+            self.summary({"log_format": "Could not accept new connection ({acceptError})",
+                          "acceptError": "EMFILE"})
+        self.assertEqual(len(self.events), 1)
+        self.assertIn("cannot accept new connections", self.events[0]["log_format"])
+        self.assertEqual(self.events[0]["reason"], " (EMFILE)")
+        self.clock.advance(60)
+        self.assertEqual(len(self.events), 2)
+        self.assertEqual(self.events[1]["count"], 499)
+        self.clock.advance(600)
+        self.assertEqual(len(self.events), 2, "nothing more while nothing happens")
+
+    def test_a_lone_error_has_no_summary(self) -> None:
+        self.summary({"log_format": "EMFILE encountered; releasing reserved file descriptor."})
+        self.clock.advance(60)
+        self.assertEqual(len(self.events), 1)
+
+    def test_real_tcp_port_reports_through_the_summary(self) -> None:
+        from twisted.internet import endpoints
+        from twisted.internet.protocol import Factory
+
+        endpoint = QuietAcceptErrors(
+            endpoints.serverFromString(reactor, "tcp:0:interface=127.0.0.1"), reactor, "x")
+        port = self.successResultOf(endpoint.listen(Factory()))
+        self.addCleanup(port.stopListening)
+        self.assertIsInstance(port._logger.observer, AcceptErrorSummary)  # type: ignore
+
+
+class DescriptorExhaustionTests(TestCase):
+    """The real process at its file-descriptor limit, refusing clients, stays quiet."""
+
+    timeout = 90
+
+    @defer.inlineCallbacks
+    def test_refused_clients_are_summarised(self) -> Any:
+        fleet = Fleet(self, 1)
+        limit = 64
+        lb = TwistdProcess("--backends", fleet.keys[0], "--health-interval", "0.5",
+                           preexec_fn=lambda: resource.setrlimit(
+                               resource.RLIMIT_NOFILE, (limit, limit)))
+        self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
+        yield defer.ensureDeferred(lb.started())
+        clients: list[socket.socket] = []
+        self.addCleanup(lambda: [c.close() for c in clients])
+        for _ in range(2 * limit):  # more clients than the process has descriptors
+            client = socket.create_connection(("127.0.0.1", lb.port), timeout=5)
+            client.setblocking(False)
+            clients.append(client)
+
+        def refused() -> int:
+            count = 0
+            for client in clients:
+                try:
+                    count += client.recv(1) == b""
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    count += 1
+            return count
+
+        yield defer.ensureDeferred(wait_until(lambda: refused() >= limit // 2, timeout=30,
+                                              what="clients refused at the limit"))
+        lines = [line for line in lb.output().splitlines()
+                 if "accept" in line.lower() or "emfile" in line.lower()]
+        self.assertEqual(len(lines), 1, lines)
+        self.assertIn("cannot accept new connections", lines[0])
+
+
+class StartUpErrorTests(SynchronousTestCase):
+    """Every start-up failure: one line naming the option and value, exit non-zero."""
+
+    def run_twistd(self, *args: str) -> tuple[int, list[str]]:
+        done = subprocess.run(twistd_command(*args), capture_output=True, text=True,
+                              timeout=60, env=clean_environment(), cwd=ROOT)
+        output = done.stdout + done.stderr
+        self.assertNotIn("Traceback", output)
+        self.assertNotIn("Usage:", output)
+        errors = [line for line in output.splitlines() if "error" in line.lower()]
+        self.assertEqual(len(errors), 1, output)
+        self.assertNotEqual(done.returncode, 0)
+        return done.returncode, errors
+
+    def test_port_in_use(self) -> None:
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+            listen = f"tcp:{holder.getsockname()[1]}:interface=127.0.0.1"
+            _, [line] = self.run_twistd("--listen", listen, "--admin", "none",
+                                        "--log-file", "none", "--backends", "127.0.0.1:9")
+        self.assertIn(f"--listen {listen}: cannot listen: address already in use", line)
+        self.assertIn("choose another with --listen", line)
+
+    def test_admin_port_in_use(self) -> None:
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+            admin = f"tcp:{holder.getsockname()[1]}:interface=127.0.0.1"
+            _, [line] = self.run_twistd("--listen", "tcp:0:interface=127.0.0.1",
+                                        "--admin", admin, "--log-file", "none",
+                                        "--backends", "127.0.0.1:9")
+        self.assertIn(f"--admin {admin}: cannot listen", line)
+
+    def test_mistyped_option(self) -> None:
+        code, [line] = self.run_twistd("--helth-interval", "3")
+        self.assertEqual(code, 2)
+        self.assertEqual(line, "txlb: error: unknown option --helth-interval (did you mean "
+                               "--health-interval?); 'twistd llmlb --help' lists them all")
+
+    def test_bad_value(self) -> None:
+        _, [line] = self.run_twistd("--retries", "lots")
+        self.assertEqual(line, "txlb: error: --retries: 'lots' is not a whole number")
+
+    def test_unknown_backend_key(self) -> None:
+        path = os.path.abspath(self.mktemp())
+        with open(path, "w") as handle:
+            handle.write('[[backends]]\nurl = "http://127.0.0.1:8002"\nmaxconns = 4\n')
+        code, [line] = self.run_twistd("--config", path)
+        self.assertEqual(code, 2)
+        self.assertIn("unknown key 'maxconns'", line)
+        self.assertIn("did you mean 'max_conns'?", line)
+        self.assertIn("http://127.0.0.1:8002", line)
+        self.assertNotIn("{", line)  # no Python dict
