@@ -29,6 +29,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IResponse
 
 from ._backend import Backend, Pool
+from ._words import describe_failure
 
 log = Logger()
 
@@ -185,7 +186,7 @@ class HealthChecker(Service):
 
         def failed(failure: Failure) -> None:
             log.warn("could not learn the models of {backend}: {error}",
-                     backend=backend.key, error=failure.getErrorMessage())
+                     backend=backend.key, error=describe_failure(failure))
 
         request = self._fetch(backend, b"/v1/models")
         request.addCallback(json_content)
@@ -214,7 +215,7 @@ class HealthChecker(Service):
         if failure.check(defer.TimeoutError, neterror.TimeoutError):
             reason = f"health: no answer within {self.timeout:g}s"
         else:
-            reason = f"health: {failure.getErrorMessage()}"
+            reason = f"health: {describe_failure(failure)}"
         definitive = failure.check(*_DEFINITIVE) is not None
         self.pool.probe_failed(backend, reason, definitive=definitive, fall=self.fall)
 
