@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred, maybeDeferred, succeed
@@ -185,6 +185,7 @@ class LoadBalancer:
             rng=rng,
         )
         self.router.on_queue_wait = self.metrics.queue_wait.observe
+        self.metrics.state.queue_length = lambda: cast(int, self.router.queue_status()["length"])
         self.health = HealthChecker(
             self.pool,
             probe_agent,
