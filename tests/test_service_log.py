@@ -13,7 +13,7 @@ from typing import Any
 
 from twisted.internet import defer, reactor
 from twisted.internet.task import Clock
-from twisted.logger import Logger
+from twisted.logger import Logger, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from txlb._quiet import AcceptErrorSummary, QuietAcceptErrors
@@ -204,3 +204,25 @@ class StartUpErrorTests(SynchronousTestCase):
         self.assertIn("did you mean 'max_conns'?", line)
         self.assertIn("http://127.0.0.1:8002", line)
         self.assertNotIn("{", line)  # no Python dict
+
+
+class RepeatedEventTests(SynchronousTestCase):
+    """A state that persists is logged when it begins, not on every event that confirms it."""
+
+    def test_outlier_kept_in_is_logged_once_per_run_of_5xx(self) -> None:
+        from txlb import LoadBalancer
+
+        from .helpers import FakeUpstream
+
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        lb = LoadBalancer(["127.0.0.1:8002", "127.0.0.1:8003"], reactor=Clock(),
+                          agent=FakeUpstream(), probe_agent=FakeUpstream(), log_file="none")
+        first, second = list(lb.pool)
+        lb.pool.mark_down(first, "test")  # half the fleet out: the other must stay in
+        for _ in range(50):
+            lb.pool.record_answer(second, 500)
+        stays = [e for e in events if "stays in" in str(e.get("log_format"))]
+        self.assertEqual(len(stays), 1)
+        self.assertTrue(second.healthy)
