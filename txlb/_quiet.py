@@ -29,7 +29,8 @@ from twisted.logger import ILogObserver, Logger
 from twisted.web.client import HTTPConnectionPool, _HTTP11ClientFactory
 from zope.interface import implementer
 
-__all__ = ["AcceptErrorSummary", "QuietAcceptErrors", "QuietConnectionPool"]
+__all__ = ["AcceptErrorSummary", "QuietAcceptErrors", "QuietConnectionPool",
+           "summarise_accept_errors"]
 
 
 class _QuietHTTP11ClientFactory(_HTTP11ClientFactory):
@@ -99,11 +100,8 @@ class AcceptErrorSummary:
 class QuietAcceptErrors:
     """
     A server endpoint whose listening port reports accept errors through an
-    :class:`AcceptErrorSummary` instead of one line each.
-
-    Twisted's TCP and UNIX ports log accept errors through their ``_logger`` attribute
-    (a class attribute; an instance attribute overrides it).  Ports of other kinds
-    are returned unchanged.
+    :class:`AcceptErrorSummary` instead of one line each (see
+    :func:`summarise_accept_errors`).
     """
 
     def __init__(self, endpoint: IStreamServerEndpoint, clock: IReactorTime,
@@ -117,9 +115,18 @@ class QuietAcceptErrors:
         return listening.addCallback(self._quieten)
 
     def _quieten(self, port: IListeningPort) -> IListeningPort:
-        original = getattr(port, "_logger", None)
-        if isinstance(original, Logger):
-            summary = AcceptErrorSummary(self._clock, self._description)
-            port._logger = Logger(  # type: ignore[attr-defined]
-                namespace=original.namespace, observer=summary)
+        summarise_accept_errors(port, self._clock, self._description)
         return port
+
+
+def summarise_accept_errors(port: object, clock: IReactorTime, description: str) -> None:
+    """
+    Have a Twisted TCP or UNIX ``port`` report its accept errors through an
+    :class:`AcceptErrorSummary`: they log through the port's ``_logger`` attribute (a class
+    attribute, which an instance attribute overrides).  Other ports are left as they are.
+    """
+    original = getattr(port, "_logger", None)
+    if isinstance(original, Logger):
+        summary = AcceptErrorSummary(clock, description)
+        port._logger = Logger(  # type: ignore[attr-defined]
+            namespace=original.namespace, observer=summary)
