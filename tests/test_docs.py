@@ -59,3 +59,16 @@ class DocsMatchOptionsTests(SynchronousTestCase):
                           for option in OPTION.findall(path.read_text())
                           if option not in known})
         self.assertEqual(unknown, [], "--options in the docs that no program takes")
+
+
+class DocsSpeakToUsersTests(SynchronousTestCase):
+    """The docs describe txlb to its users, not the project's internal material."""
+
+    INTERNAL = re.compile(r"\bthe contract\b|\bcontract's\b|\bthe issue\b|\bissue's\b|"
+                          r"\bas the \w+ issue\b|\bin this version\b|\bdoes not yet\b|"
+                          r"\bthe lead\b", re.IGNORECASE)
+
+    def test_no_internal_references(self) -> None:
+        found = [f"{path.name}: {match.group(0)}" for path in DOCS
+                 for match in self.INTERNAL.finditer(path.read_text())]
+        self.assertEqual(found, [])

@@ -5,6 +5,7 @@ Debian's prometheus package is installed, linted by ``promtool check metrics``.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 
@@ -13,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from twisted.trial.unittest import SkipTest
 
 from .helpers import FakeResponse
+from .integration import ROOT
 from .test_scheduling import BalancerTestCase
 
 A, B = "127.0.0.1:8002", "127.0.0.1:8003"
@@ -84,3 +86,35 @@ class ExpositionTests(BalancerTestCase):
                               input=self.lb.metrics.exposition(), capture_output=True,
                               timeout=60)
         self.assertEqual((done.returncode, done.stdout + done.stderr), (0, b""))
+
+
+class ExampleAlertsTests(BalancerTestCase):
+    """docs/operations.md's example alerts are valid rules over metrics txlb exports."""
+
+    def alerts(self) -> str:
+        text = (ROOT / "docs" / "operations.md").read_text()
+        section = text[text.index("### Example alerts"):]
+        start = section.index("```yaml") + len("```yaml")
+        return section[start:section.index("```", start)]
+
+    def test_alerts_use_exported_metrics(self) -> None:
+        self.build(["127.0.0.1:8002"])
+        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
+        exported = {family.name + suffix
+                    for family in text_string_to_metric_families(
+                        self.lb.metrics.exposition().decode())
+                    for suffix in suffixes.get(family.type, [""])}
+        used = set(re.findall(r"\btxlb_\w+", self.alerts()))
+        self.assertTrue(used)
+        self.assertEqual(sorted(used - exported), [])
+
+    def test_promtool_check_rules(self) -> None:
+        promtool = shutil.which("promtool")
+        if promtool is None:
+            raise SkipTest("NOT RUN: promtool is not installed (apt-get install prometheus)")
+        path = self.mktemp() + ".yml"
+        with open(path, "w") as handle:
+            handle.write(self.alerts())
+        done = subprocess.run([promtool, "check", "rules", path], capture_output=True,
+                              timeout=60)
+        self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
