@@ -38,18 +38,27 @@ class IdleLogTests(TestCase):
 
     timeout = 90
 
-    @defer.inlineCallbacks
     def test_idle_balancer_writes_nothing_after_start_up(self) -> Any:
+        return self.idle()
+
+    def test_idle_balancer_with_workers_writes_nothing_after_start_up(self) -> Any:
+        return self.idle("--workers", "2")
+
+    @defer.inlineCallbacks
+    def idle(self, *args: str) -> Any:
         fleet = Fleet(self, 2)
         with socket.socket() as probe:  # a port with nothing behind it: a down backend
             probe.bind(("127.0.0.1", 0))
             dead = f"127.0.0.1:{probe.getsockname()[1]}"
         lb = TwistdProcess("--backends", ",".join([*fleet.keys, dead]),
-                           "--health-interval", "0.1", "--admin", "tcp:0:interface=127.0.0.1")
+                           "--health-interval", "0.1", "--admin", "tcp:0:interface=127.0.0.1",
+                           *args)
         self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
         yield defer.ensureDeferred(lb.started())
+        workers = int(args[1]) if args else 0
         yield defer.ensureDeferred(wait_until(
-            lambda: lb.output().count(" serves ") == 2 and "marked down" in lb.output(),
+            lambda: lb.output().count(" serves ") == 2 and "marked down" in lb.output()
+            and lb.output().count(") serving") == workers,
             what="the first probes"))
         start_up = lb.output().splitlines()
         before = health_probes(fleet)
