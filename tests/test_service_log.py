@@ -190,6 +190,16 @@ class StartUpErrorTests(SynchronousTestCase):
         self.assertIn(f"--listen {listen}: cannot listen: address already in use", line)
         self.assertIn("choose another with --listen", line)
 
+    def test_port_in_use_with_workers(self) -> None:
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+            listen = f"tcp:{holder.getsockname()[1]}:interface=127.0.0.1"
+            _, [line] = self.run_twistd("--listen", listen, "--workers", "2", "--admin",
+                                        "none", "--log-file", "none",
+                                        "--backends", "127.0.0.1:9")
+        self.assertIn(f"--listen {listen}: cannot listen: address already in use", line)
+
     def test_admin_port_in_use(self) -> None:
         with socket.socket() as holder:
             holder.bind(("127.0.0.1", 0))

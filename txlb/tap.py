@@ -12,7 +12,7 @@ import re
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import IService, Service
@@ -182,12 +182,16 @@ class _ListeningService(StreamServerEndpointService):
         try:
             super().privilegedStartService()
         except CannotListenError as error:
-            reason = getattr(error.socketError, "strerror", None) or str(error.socketError)
-            log.critical(
-                "txlb: error: --{option} {endpoint}: cannot listen: {reason}. Stop whatever "
-                "holds it, or choose another with --{option}", option=self._option,
-                endpoint=self._description, reason=str(reason).lower())
-            raise SystemExit(1) from None
+            _cannot_listen(self._option, self._description, error)
+
+
+def _cannot_listen(option: str, description: str, error: CannotListenError) -> NoReturn:
+    """End start-up with one line on a port that cannot be listened on, exit status 1."""
+    reason = getattr(error.socketError, "strerror", None) or str(error.socketError)
+    log.critical("txlb: error: --{option} {endpoint}: cannot listen: {reason}. Stop whatever "
+                 "holds it, or choose another with --{option}", option=option,
+                 endpoint=description, reason=str(reason).lower())
+    raise SystemExit(1) from None
 
 
 def makeService(options: Options) -> IService:
@@ -228,9 +232,18 @@ def _supervised(config: Config, reactor: Any) -> IService:
     from ._shm import SharedCounts
     from ._supervisor import WorkerSupervisor
 
+    class _Supervisor(WorkerSupervisor):
+        """Binds the main port itself: a port in use is the same one line as without."""
+
+        def privilegedStartService(self) -> None:
+            try:
+                super().privilegedStartService()
+            except CannotListenError as error:
+                _cannot_listen("listen", config.listen, error)
+
     shared = SharedCounts.create(config.workers)
     balancer = LoadBalancer(config=config, inflight=shared)
-    supervisor = WorkerSupervisor(balancer, shared, reactor, config.workers)
+    supervisor = _Supervisor(balancer, shared, reactor, config.workers)
     top = SequentialService()
     if config.admin != "none":
         _warn_open_admin(config)
