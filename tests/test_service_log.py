@@ -140,7 +140,11 @@ class DescriptorExhaustionTests(TestCase):
         self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
         yield defer.ensureDeferred(lb.started())
         clients: list[socket.socket] = []
-        self.addCleanup(lambda: [c.close() for c in clients])
+        def close_clients() -> None:
+            for client in clients:
+                client.close()
+
+        self.addCleanup(close_clients)
         processes = int(args[1]) if args else 1
         for _ in range(2 * limit * processes):  # more clients than there are descriptors
             client = socket.create_connection(("127.0.0.1", lb.port), timeout=5)
