@@ -43,8 +43,10 @@ class QuietConnectionPool(HTTPConnectionPool):
     """
     An ``HTTPConnectionPool`` whose connections log nothing as they open and close.
 
-    ``HTTPConnectionPool`` builds its per-connection factory from the ``_factory`` class
-    attribute (the hook its own proxy-support code uses); the factory is what logs.
+    ``HTTPConnectionPool`` builds each connection's factory from its ``_factory`` class
+    attribute, and that factory is what logs ``Starting factory`` / ``Stopping factory``;
+    a health probe opens a fresh connection every time, so without this each probe of
+    each backend writes two lines.
     """
 
     _factory = _QuietHTTP11ClientFactory
