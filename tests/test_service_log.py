@@ -9,9 +9,10 @@ import os
 import resource
 import socket
 import subprocess
+import time
 from typing import Any
 
-from twisted.internet import defer, reactor
+from twisted.internet import defer, reactor, task
 from twisted.internet.task import Clock
 from twisted.logger import Logger, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
@@ -64,14 +65,18 @@ class IdleLogTests(TestCase):
         before = health_probes(fleet)
         client = Client()
         self.addCleanup(client.pool.closeCachedConnections)
-        # a dashboard and a Prometheus polling, while every backend is probed 20 more times
-        for _ in range(500):  # bounded: 20 probes at 0.1s take about 2s
+        # a dashboard and a Prometheus polling every 0.05s, while every backend is probed
+        # 20 more times (about 2s; bounded at 30s by the deadline, and by the count)
+        deadline = time.monotonic() + 30
+        for _ in range(1000):
             if min(now - then for now, then in zip(health_probes(fleet), before,
                                                   strict=True)) >= 20:
                 break
+            self.assertLess(time.monotonic(), deadline, "the backends were not probed")
             for path in ("/", "/status", "/metrics"):
                 response, _ = yield defer.ensureDeferred(client.fetch(lb.admin_url + path))
                 self.assertEqual(response.code, 200)
+            yield task.deferLater(reactor, 0.05)
         else:
             self.fail("the backends were not probed 20 times")
         after = lb.output().splitlines()[len(start_up):]
