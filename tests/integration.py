@@ -120,7 +120,7 @@ class TwistdProcess:
             extra += ["--log-file", "none"]
         return extra
 
-    def __init__(self, *args: str, reactor: str | None = None) -> None:
+    def __init__(self, *args: str, reactor: str | None = None, **popen: Any) -> None:
         handle, name = tempfile.mkstemp(prefix="txlb-twistd-", suffix=".log")
         self.log_path = Path(name)
         self._log = os.fdopen(handle, "wb")
@@ -129,6 +129,7 @@ class TwistdProcess:
             twistd_command("--listen", "tcp:0:interface=127.0.0.1", *self.defaults(args), *args,
                            reactor=reactor),
             stdout=self._log, stderr=subprocess.STDOUT, env=clean_environment(), cwd=ROOT,
+            **popen,
         )
         self.port = 0
         self.admin_port = 0

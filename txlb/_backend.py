@@ -482,9 +482,10 @@ class Pool:
         now = self._now()
         down = sum(1 for b in self._backends.values() if not b.healthy)
         if (down + 1) * 2 > len(self._backends):
-            log.warn("backend {backend} answered {count} 5xx in a row but stays in: "
-                     "half the fleet is already out", backend=backend.key,
-                     count=backend.errors_in_a_row)
+            if backend.errors_in_a_row == rule.consecutive_5xx:  # once per run of 5xx
+                log.warn("backend {backend} answered {count} 5xx in a row but stays in: "
+                         "half the fleet is already out", backend=backend.key,
+                         count=backend.errors_in_a_row)
             return
         backend.outlier_ejections += 1
         cooldown = rule.base_cooldown * min(backend.outlier_ejections, MAX_COOLDOWN_FACTOR)

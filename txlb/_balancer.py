@@ -19,7 +19,7 @@ from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.web.client import Agent
 from twisted.web.iweb import IAgent
 from twisted.web.resource import IResource
 from twisted.web.server import Site
@@ -34,6 +34,7 @@ from ._hung import HangDetector, health_probe
 from ._metrics import Metrics
 from ._policies import PeakEwmaLatency, make_policy
 from ._proxy import ProxyContext, ProxyResource
+from ._quiet import QuietConnectionPool
 from ._ratelimit import RateLimiter, TokenBuckets, client_key
 from ._relay import AgentUpstream
 from ._resultlog import open_result_log
@@ -163,7 +164,8 @@ class LoadBalancer:
             probe_agent = Agent(
                 reactor,
                 connectTimeout=config.health_timeout,
-                pool=HTTPConnectionPool(reactor, persistent=False),
+                # quiet: two "Starting/Stopping factory" lines per probe would flood the log
+                pool=QuietConnectionPool(reactor, persistent=False),
             )
         self.privacy = privacy_of(config)
         self.result_log = open_result_log(
@@ -189,6 +191,7 @@ class LoadBalancer:
         self.router.on_queue_wait = self.metrics.queue_wait.observe
         self.history = History(reactor, self._current_backends,
                                lambda: self.router.queue_length)
+        self.metrics.state.queue_length = lambda: self.router.queue_length
         self.health = HealthChecker(
             self.pool,
             probe_agent,

@@ -11,13 +11,14 @@ and the offending value -- the one line an operator sees when start-up refuses.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import os
 import re
 import secrets
 import sys
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -250,11 +251,16 @@ def _backend_item(option: str, item: object) -> BackendSpec:
         return parse_backend_address(option, item)
     if not isinstance(item, dict):
         raise ConfigError(f"--{option}: {item!r} is not a backend")
-    unknown = sorted(set(item) - _BACKEND_TABLE_KEYS)
+    url = item.get("url")
+    where = f"the backend table for {url!r}" if isinstance(url, str) else "a backend table"
+    unknown = sorted(set(item) - _BACKEND_TABLE_KEYS, key=str)
     if unknown:
-        raise ConfigError(f"backends: unknown key {unknown[0]!r} in {item!r}")
+        raise ConfigError(f"backends: unknown key {unknown[0]!r} in {where}"
+                          f"{did_you_mean(str(unknown[0]), _BACKEND_TABLE_KEYS)}; a backend table "
+                          f"takes {', '.join(sorted(_BACKEND_TABLE_KEYS))}")
     if "url" not in item:
-        raise ConfigError(f"backends: {item!r} has no 'url'")
+        raise ConfigError("backends: a backend table has no 'url' (add url = "
+                          "\"http://host:port\")")
     if not isinstance(item["url"], str):
         raise ConfigError(f"backends.url: {item['url']!r} is not a string")
     spec = parse_backend_address("backends.url", item["url"])
@@ -684,6 +690,26 @@ def check_workers(config: Config) -> None:
                           f"--listen endpoint, not {config.listen!r}")
 
 
+def closest_name(word: str, known: Iterable[str]) -> str | None:
+    """
+    The known name a mistyped ``word`` most likely meant, or ``None`` when none is close.
+    Case, dashes and underscores do not count against a match: ``maxconns``,
+    ``max-conns`` and ``MAX_CONNS`` all find ``max_conns``.
+    """
+    def plain(name: str) -> str:
+        return name.lower().replace("-", "").replace("_", "")
+
+    names = {plain(name): name for name in known}
+    close = difflib.get_close_matches(plain(word), list(names), n=1, cutoff=0.75)
+    return names[close[0]] if close else None
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """``" (did you mean 'max_conns'?)"``, or nothing when no known name is close."""
+    name = closest_name(word, known)
+    return f" (did you mean {name!r}?)" if name else ""
+
+
 def read_toml(path: str) -> dict[str, Any]:
     """Read the ``--config`` file, turning every way it can fail into a ConfigError."""
     try:
@@ -717,7 +743,8 @@ def build_config(
             del file_values[key]
         unknown = sorted(set(file_values) - set(_BY_NAME))
         if unknown:
-            raise ConfigError(f"--config: unknown key {unknown[0]!r} in {config_path}")
+            raise ConfigError(f"--config: unknown key {unknown[0]!r} in {config_path}"
+                              f"{did_you_mean(unknown[0], _BY_NAME)}")
 
     values: dict[str, Any] = {}
     for spec in OPTIONS:

@@ -36,6 +36,7 @@ from . import _engines
 from ._backend import Backend, Pool
 from ._engines import prometheus_sum
 from ._hung import timed_out
+from ._words import describe_failure
 
 __all__ = ["HealthChecker", "prometheus_sum"]
 
@@ -250,7 +251,7 @@ class HealthChecker(Service):
 
         def failed(failure: Failure) -> None:
             log.warn("could not learn the models of {backend}: {error}",
-                     backend=backend.key, error=failure.getErrorMessage())
+                     backend=backend.key, error=describe_failure(failure))
 
         request = self._fetch(backend, b"/v1/models", _json_body)
         return request.addCallback(learned).addErrback(failed)
@@ -318,7 +319,7 @@ class HealthChecker(Service):
         if timeout:
             reason = f"health: no answer within {self.timeout:g}s"
         else:
-            reason = f"health: {failure.getErrorMessage()}"
+            reason = f"health: {describe_failure(failure)}"
         if timeout and backend.last_byte is not None and backend.last_byte >= started:
             # Its streams flowed while /health said nothing: busy, not dead (SGLang's
             # /health times out during a long prefill).  Not a failure towards --fall.

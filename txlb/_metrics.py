@@ -11,17 +11,23 @@ Two kinds of metric, two sources:
   writes.
 
 A registry per balancer (not prometheus_client's global one) lets several balancers live in
-one process, and tests scrape exactly what one balancer did.
+one process, and tests scrape exactly what one balancer did.  Its scrape leaves out the
+``*_created`` series prometheus_client adds to every counter and histogram (a timestamp per
+series that Prometheus stores as one more time series and nobody queries); only this
+registry's, since prometheus_client's own switch for it is process-wide and an embedding
+application may want them in its own metrics.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from importlib import metadata
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from twisted.web.resource import Resource
 from twisted.web.server import Request
 
@@ -36,11 +42,20 @@ _MAX_CACHED_SERIES = 10_000
 QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
+def _version() -> str:
+    try:
+        return metadata.version("txlb")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 class PoolCollector:
     """Per-backend state, read from the pool at each scrape."""
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: Pool, queue_length: Callable[[], int] | None = None) -> None:
         self._pool = pool
+        self.queue_length = queue_length
+        self._version = _version()
 
     def describe(self) -> list[Metric]:
         return []  # dynamic label sets: nothing to pre-register
@@ -61,6 +76,10 @@ class PoolCollector:
             "max_conns": GaugeMetricFamily(
                 "txlb_backend_max_conns", "The backend's in-flight cap (0 = none).",
                 labels=["backend"]),
+            "ejected": GaugeMetricFamily(
+                "txlb_backend_outlier_ejected",
+                "1 while outlier detection keeps the backend out (5xx in a row), else 0.",
+                labels=["backend"]),
         }
         ejections = CounterMetricFamily(
             "txlb_backend_ejections", "Times the backend was marked down.", labels=["backend"])
@@ -68,6 +87,9 @@ class PoolCollector:
             "txlb_backend_hung_ejections",
             "Times the backend was marked down as hung: no byte from any of its requests "
             "in flight and no answer from its health path.", labels=["backend"])
+        outlier_ejections = CounterMetricFamily(
+            "txlb_backend_outlier_ejections",
+            "Times outlier detection ejected the backend.", labels=["backend"])
         probes = CounterMetricFamily(
             "txlb_health_probes", "Health probes by result.", labels=["backend", "result"])
         for backend in backends:
@@ -76,18 +98,43 @@ class PoolCollector:
             gauges["healthy"].add_metric(key, 1 if backend.healthy else 0)
             gauges["draining"].add_metric(key, 1 if backend.draining else 0)
             gauges["max_conns"].add_metric(key, backend.spec.max_conns)
+            gauges["ejected"].add_metric(key, 0 if backend.ejected_until is None else 1)
             ejections.add_metric(key, backend.ejections)
             hung.add_metric(key, backend.hung_ejections)
+            outlier_ejections.add_metric(key, backend.outlier_ejections)
             probes.add_metric([backend.key, "ok"], backend.probes_ok)
             probes.add_metric([backend.key, "failed"], backend.probes_failed)
         yield from gauges.values()
         yield ejections
         yield hung
+        yield outlier_ejections
         yield probes
         yield GaugeMetricFamily("txlb_backends_healthy", "Healthy backends.",
                                 value=sum(1 for b in backends if b.healthy))
-        yield GaugeMetricFamily("txlb_backends_total", "Configured backends.",
-                                value=len(backends))
+        # a gauge: no _total suffix, which Prometheus reserves for counters
+        yield GaugeMetricFamily("txlb_backends", "Configured backends.", value=len(backends))
+        if self.queue_length is not None:
+            yield GaugeMetricFamily(
+                "txlb_queue_length",
+                "Requests waiting now for a backend slot (every eligible one at max_conns).",
+                value=self.queue_length())
+        build = GaugeMetricFamily("txlb_build_info", "The running txlb (always 1).",
+                                  labels=["version"])
+        build.add_metric([self._version], 1)
+        yield build
+
+
+class _WithoutCreated(Collector):
+    """A registry's metrics without their ``*_created`` samples (see the module docstring)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._registry.collect():  # fresh Metric objects on every call
+            created = metric.name + "_created"
+            metric.samples = [s for s in metric.samples if s.name != created]
+            yield metric
 
 
 class Metrics:
@@ -97,7 +144,9 @@ class Metrics:
         self._requests: dict[tuple[str, str, int], Any] = {}
         self._children: dict[tuple[int, str], Any] = {}
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(PoolCollector(pool))
+        self.state = PoolCollector(pool)
+        self.registry.register(self.state)
+        self._scraped = _WithoutCreated(self.registry)
         self.requests = Counter(
             "txlb_requests", "Finished requests by backend, method and status class.",
             ["backend", "method", "status_class"], registry=self.registry)
@@ -152,7 +201,7 @@ class Metrics:
         return child
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._scraped)
 
 
 class MetricsResource(Resource):

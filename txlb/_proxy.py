@@ -43,6 +43,7 @@ from ._ratelimit import RateLimiter, client_key
 from ._routing import Router, RoutingError
 from ._summary import RequestRecord, parse_json_object
 from ._upstream import Upstream, UpstreamResponse
+from ._words import describe_failure
 
 log = Logger()
 
@@ -444,9 +445,10 @@ class Exchange:
                                         "before its body", "upstream_error")
         else:
             log.warn(
-                "upstream {backend} failed mid-response: {error}",
+                "backend {backend} stopped part-way through a response ({error}); the "
+                "client got a truncated response",
                 backend=self.lease.backend.key,
-                error=failure.getErrorMessage(),
+                error=describe_failure(failure),
             )
             self._end("upstream_error", self._cut_client)
 
@@ -485,7 +487,7 @@ class Exchange:
             log.warn(
                 "request to {backend} failed: {error}",
                 backend=backend.key,
-                error=failure.getErrorMessage(),
+                error=describe_failure(failure),
             )
             self._fail(502, f"bad response from {self._named(backend)}", "upstream_error")
 
@@ -669,8 +671,8 @@ def _failure_words(failure: Failure) -> str:
     """What a connection failure was, in words (a wrapper's own message is a repr list)."""
     reasons: list[Any] = getattr(failure.value, "reasons", [])
     if reasons and isinstance(reasons[0], Failure):
-        return f"connection lost while sending the request ({reasons[0].getErrorMessage()})"
-    return failure.getErrorMessage()
+        return f"connection lost while sending the request ({describe_failure(reasons[0])})"
+    return describe_failure(failure)
 
 
 def _is_reset(failure: Failure) -> bool:

@@ -342,6 +342,7 @@ class ProxySite(Site):
 
     protocol = ProxyChannel  # type: ignore[assignment]
     requestFactory = LimitedRequest
+    noisy = False  # "Starting factory <ProxySite object at 0x...>" says nothing to operators
 
     def __init__(self, resource: IResource, max_body: int = 0, header_timeout: float = 30.0,
                  on_refused: Any = None, **kwargs: Any) -> None:

@@ -56,6 +56,7 @@ from zope.interface import implementer
 from ._backend import Backend
 from ._balancer import LoadBalancer, SequentialService
 from ._policies import PeakEwmaLatency
+from ._quiet import summarise_accept_errors
 from ._shm import SharedCounts
 from ._summary import Summary
 from ._wire import Lines, config_from, decode, encode, summary_message
@@ -150,6 +151,7 @@ class AdoptedPort(Service):
         port = port_class._fromListeningDescriptor(self._reactor, self._fd, self._family,
                                                    self._site)
         port.startListening()
+        summarise_accept_errors(port, self._reactor, "the main port")
         self.port = port
         # The port listens on a duplicate of the inherited descriptor; the original must
         # go now, or it stays open after the port stops: the kernel would keep accepting

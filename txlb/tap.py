@@ -8,19 +8,31 @@ on the command line" from "not given" and apply the precedence rule
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
-from twisted.application import strports
+from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import IService, Service
+from twisted.internet import endpoints
+from twisted.internet.error import CannotListenError
 from twisted.logger import Logger
 from twisted.python import usage
 from twisted.web.server import Site
 
 from ._admin import ADMIN_MAX_BODY
 from ._balancer import LoadBalancer, SequentialService
-from ._config import OPTIONS, Config, ConfigError, build_config, is_loopback_endpoint
+from ._config import (
+    OPTIONS,
+    Config,
+    ConfigError,
+    build_config,
+    closest_name,
+    is_loopback_endpoint,
+)
+from ._quiet import QuietAcceptErrors
 from ._site import LimitedRequest, ProxyChannel
 
 log = Logger()
@@ -49,16 +61,47 @@ class Options(usage.Options):
 
     config: Config
 
+    def parseOptions(self, options: Sequence[str] | None = None) -> None:
+        """
+        Parse, and under twistd/twist turn any error into one line on standard error and
+        exit status 2.
+
+        Overridden because twistd answers a ``UsageError`` from a plugin by printing the
+        plugin's whole usage text (some 75 lines) with the error last, where an operator
+        reading a failed unit's journal sees only the tail of the help.  Run on its own
+        (tests, embedders) the ``UsageError`` is raised as usual.
+        """
+        try:
+            super().parseOptions(options)
+        except usage.UsageError as error:
+            if getattr(self, "parent", None) is None:
+                raise
+            message = str(error)
+            if not isinstance(error, _BadValue):
+                message = self._explain(message)
+            sys.stderr.write(f"txlb: error: {message}\n")
+            raise SystemExit(2) from None
+
+    def _explain(self, message: str) -> str:
+        """A usage error in words, with the option most likely meant."""
+        unknown = re.fullmatch(r"option (-{1,2})(\S+) not recognized", message)
+        if unknown:
+            names = [str(spec[0]) for spec in self.optParameters]
+            hint = closest_name(unknown.group(2), names)
+            meant = f" (did you mean --{hint}?)" if hint else ""
+            return (f"unknown option {unknown.group(1)}{unknown.group(2)}{meant}; "
+                    "'twistd llmlb --help' lists them all")
+        return f"{message}; 'twistd llmlb --help' lists the options"
+
     def postOptions(self) -> None:
         try:
             self.config = build_config({k: v for k, v in self.items()})
         except ConfigError as error:
-            if getattr(self, "parent", None) is not None:
-                # Under twistd/twist a UsageError dumps the whole usage text before the
-                # error; an operator reading a failed unit's journal wants the one line.
-                sys.stderr.write(f"txlb: error: {error}\n")
-                raise SystemExit(2) from None
-            raise usage.UsageError(str(error)) from None
+            raise _BadValue(str(error)) from None
+
+
+class _BadValue(usage.UsageError):
+    """A value the options parser accepted and txlb's configuration refused."""
 
 
 class _CleanExitOnSignals(Service):
@@ -107,10 +150,51 @@ class _AdminSite(Site):
     protocol = ProxyChannel  # type: ignore[assignment]
     requestFactory = LimitedRequest
     max_body = ADMIN_MAX_BODY
+    noisy = False  # its "Starting factory" line says nothing the port's own line does not
 
     def __init__(self, resource: Any, **kwargs: Any) -> None:
         kwargs.setdefault("parsePOSTFormSubmission", False)
         super().__init__(resource, **kwargs)
+
+    def log(self, request: Any) -> None:
+        """
+        No access line per admin request: the dashboard polls every two seconds and a
+        Prometheus scrape comes every few, which would bury the lines that say what
+        changed (changes made through the admin API are logged where they happen).
+        """
+
+
+class _ListeningService(StreamServerEndpointService):
+    """
+    A port that ``twistd llmlb`` listens on.
+
+    It fails start-up with one line naming the option and the endpoint, rather than the
+    traceback twistd prints for a ``CannotListenError``, and it reports accept errors
+    (file-descriptor exhaustion) as a summary rather than a line per refused client.
+    """
+
+    def __init__(self, option: str, description: str, factory: Any, reactor: Any) -> None:
+        endpoint = QuietAcceptErrors(endpoints.serverFromString(reactor, description),
+                                     reactor, f"--{option} {description}")
+        super().__init__(endpoint, factory)
+        self._option = option
+        self._description = description
+        self._raiseSynchronously = True  # as strports.service: fail start-up, not later
+
+    def privilegedStartService(self) -> None:
+        try:
+            super().privilegedStartService()
+        except CannotListenError as error:
+            _cannot_listen(self._option, self._description, error)
+
+
+def _cannot_listen(option: str, description: str, error: CannotListenError) -> NoReturn:
+    """End start-up with one line on a port that cannot be listened on, exit status 1."""
+    reason = getattr(error.socketError, "strerror", None) or str(error.socketError)
+    log.critical("txlb: error: --{option} {endpoint}: cannot listen: {reason}. Stop whatever "
+                 "holds it, or choose another with --{option}", option=option,
+                 endpoint=description, reason=str(reason).lower())
+    raise SystemExit(1) from None
 
 
 def makeService(options: Options) -> IService:
@@ -128,10 +212,10 @@ def makeService(options: Options) -> IService:
     if config.admin != "none":
         _warn_open_admin(config)
         admin_site = _AdminSite(balancer.admin_resource())
-        strports.service(config.admin, admin_site).setServiceParent(top)
+        _ListeningService("admin", config.admin, admin_site, reactor).setServiceParent(top)
     balancer.service().setServiceParent(top)
     _CleanExitOnSignals(reactor).setServiceParent(top)
-    strports.service(config.listen, balancer.site()).setServiceParent(top)
+    _ListeningService("listen", config.listen, balancer.site(), reactor).setServiceParent(top)
     return top
 
 
@@ -151,14 +235,23 @@ def _supervised(config: Config, reactor: Any) -> IService:
     from ._shm import SharedCounts
     from ._supervisor import WorkerSupervisor
 
+    class _Supervisor(WorkerSupervisor):
+        """Binds the main port itself: a port in use is the same one line as without."""
+
+        def privilegedStartService(self) -> None:
+            try:
+                super().privilegedStartService()
+            except CannotListenError as error:
+                _cannot_listen("listen", config.listen, error)
+
     shared = SharedCounts.create(config.workers)
     balancer = LoadBalancer(config=config, inflight=shared)
-    supervisor = WorkerSupervisor(balancer, shared, reactor, config.workers)
+    supervisor = _Supervisor(balancer, shared, reactor, config.workers)
     top = SequentialService()
     if config.admin != "none":
         _warn_open_admin(config)
         admin_site = _AdminSite(balancer.admin_resource(extra_status=supervisor.status))
-        strports.service(config.admin, admin_site).setServiceParent(top)
+        _ListeningService("admin", config.admin, admin_site, reactor).setServiceParent(top)
     balancer.service().setServiceParent(top)
     _CleanExitOnSignals(reactor).setServiceParent(top)
     supervisor.setServiceParent(top)
