@@ -1,0 +1,315 @@
+"""
+Mutation testing of txlb's core modules (``python -m bench.mutation``), on cosmic-ray.
+
+Coverage says a line ran; a mutant says whether a test would notice it going wrong.  Each
+mutant is one small change cosmic-ray makes to one module (``<`` for ``<=``, ``and`` for
+``or``, a number changed, ``not`` added, ...); the module's own unit test modules
+(:data:`MODULE_TESTS`) then run against it, and the mutant is *killed* if they fail,
+*timed out* if they run past ``--timeout`` (the mutant made something loop or wait), else it
+*survived*.  A survivor is either a missing test or an equivalent mutant (no behaviour can
+differ); those are listed with the reason in ``bench/results/mutation.md``.
+
+Why cosmic-ray and not mutmut: mutmut 3 runs pytest only (it maps mutants to tests with its
+own pytest plugin and rewrites the package into trampolines); cosmic-ray takes any test
+command and a timeout, so each mutant runs twisted.trial on just the relevant modules.
+
+Every mutant runs in a copy of the tree made for the run (one per ``--jobs``), never in the
+working tree, so an interrupted run leaves no mutant behind.
+
+Examples::
+
+    python -m bench.mutation                       # every mutant of every core module
+    python -m bench.mutation --module _health      # one module
+    python -m bench.mutation --sample 50 --seed 1  # a fixed sample (what CI runs)
+    python -m bench.mutation --changed origin/main # only modules a change touched
+    python -m bench.mutation --known               # replay the known bugs (see KNOWN_BUGS)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Each core module and the unit test modules that should catch its mutants (in-memory
+#: only: fast, deterministic; the integration suites would make each mutant cost minutes).
+MODULE_TESTS: dict[str, tuple[str, ...]] = {
+    "_proxy": ("tests.test_proxy", "tests.test_failover", "tests.test_regressions",
+               "tests.test_upstream"),
+    "_upstream": ("tests.test_upstream", "tests.test_regressions"),
+    "_backend": ("tests.test_scheduling", "tests.test_failover", "tests.test_regressions",
+                 "tests.test_admin"),
+    "_health": ("tests.test_health", "tests.test_regressions", "tests.test_scheduling"),
+    "_routing": ("tests.test_scheduling", "tests.test_policies", "tests.test_failover"),
+    "_policies": ("tests.test_policies", "tests.test_scheduling"),
+    "_site": ("tests.test_failover", "tests.test_regressions", "tests.test_proxy"),
+    "_resultlog": ("tests.test_resultlog", "tests.test_regressions"),
+    "_summary": ("tests.test_summary", "tests.test_properties", "tests.test_regressions",
+                 "tests.test_resultlog"),
+}
+
+#: cosmic-ray's binary and comparison operators come as every (from, to) pair: ten
+#: mutants per ``+``, most killed by any test that runs the line.  One meaningful
+#: replacement per operator is kept (the classic "sufficient" set); the other operators
+#: (numbers, ``not``, ``and``/``or``, booleans, exceptions, loops, decorators) all run.
+_KEPT_PAIRS = {
+    "ReplaceBinaryOperator": {"Add_Sub", "Sub_Add", "Mul_Div", "Div_Mul", "FloorDiv_Mul",
+                              "Mod_FloorDiv", "Pow_Mul", "BitOr_BitAnd", "BitAnd_BitOr",
+                              "BitXor_BitOr", "LShift_RShift", "RShift_LShift"},
+    "ReplaceComparisonOperator": {"Lt_LtE", "LtE_Lt", "Gt_GtE", "GtE_Gt", "Eq_NotEq",
+                                  "NotEq_Eq", "Is_IsNot", "IsNot_Is", "In_NotIn",
+                                  "NotIn_In", "Lt_Gt", "Gt_Lt"},
+}
+
+
+@dataclass(frozen=True)
+class KnownBug:
+    """A bug once put into the code by hand that the suite at first let through."""
+
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...] = ("tests.test_regressions",)
+
+
+#: The nine deliberate bugs that passed the whole suite before ``tests/test_regressions``.
+#: ``--known`` applies each to a copy of the tree and checks the tests now fail.
+KNOWN_BUGS: tuple[KnownBug, ...] = (
+    KnownBug("lease released twice counts twice", "txlb/_backend.py",
+             "        if not self.released:\n            self.released = True\n",
+             "        if True:\n            self.released = True\n"),
+    KnownBug("--max-body not enforced on lb.resource()", "txlb/_proxy.py",
+             "if self.max_body and len(record.request_body) > self.max_body:",
+             "if False and len(record.request_body) > self.max_body:"),
+    KnownBug("chunked body over --max-body refused only once whole", "txlb/_site.py",
+             "        if limit and self._body_seen > limit:\n",
+             "        if False:\n"),
+    KnownBug("carriage return raw in the result log", "txlb/_resultlog.py",
+             'text.replace("\\r", "\\\\r").replace("\\n", "\\\\n")',
+             'text.replace("\\n", "\\\\n")'),
+    KnownBug("connect timeout retried", "txlb/_proxy.py",
+             "        elif failure.check(*_CONNECT_TIMEOUT):\n",
+             "        elif failure.check(*_CONNECT_TIMEOUT):\n"
+             "            if self._can_retry():\n                self._retry()\n"
+             "                return\n"),
+    KnownBug("retried answer read to the end (Agent)", "txlb/_relay.py",
+             "        self.transport.stopProducing()  # type: ignore[attr-defined]\n",
+             "        pass\n"),
+    KnownBug("retried answer read to the end (own client)", "txlb/_upstream.py",
+             '        """Abort: the body of a 502/503 that is retried elsewhere is not worth '
+             'reading."""\n        self.abort()\n',
+             '        """Read it to the end."""\n'
+             "        self._owner = None\n"),
+    KnownBug("connection reused after bytes beyond the body", "txlb/_upstream.py",
+             "            self._keep_alive = False  # bytes beyond the body: never reuse "
+             "this connection\n",
+             "            pass\n"),
+    KnownBug("probe 404 counted healthy", "txlb/_health.py",
+             "        if code != 200:\n", "        if code >= 500:\n"),
+    KnownBug("500 retried like 502/503", "txlb/_proxy.py",
+             "_RETRIED_STATUSES = frozenset({502, 503})",
+             "_RETRIED_STATUSES = frozenset({500, 502, 503})"),
+)
+
+
+@dataclass
+class Outcome:
+    module: str
+    operator: str
+    occurrence: int
+    line: int
+    status: str  # killed, survived, timeout, incompetent, no-test
+    diff: str = ""
+
+
+@dataclass
+class Tally:
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, status: str) -> None:
+        self.counts[status] = self.counts.get(status, 0) + 1
+
+    def get(self, status: str) -> int:
+        return self.counts.get(status, 0)
+
+
+def copy_tree(into: Path) -> Path:
+    """A copy of what the tests need (package, plugin, tests), so mutants touch no tree
+    anyone works in."""
+    for name in ("txlb", "tests", "twisted"):
+        shutil.copytree(ROOT / name, into / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "_trial_temp*"))
+    return into
+
+
+def test_command(copy: Path, tests: Sequence[str]) -> str:
+    """Trial on ``tests``, run in ``copy`` (``env -C``) so the copy's txlb is imported."""
+    return (f"env -C {copy} PYTHONPATH={copy} {sys.executable} -m twisted.trial "
+            f"--temp-directory={copy}/_trial_temp " + " ".join(tests))
+
+
+def mutants(module: str) -> list[object]:
+    """cosmic-ray's work items for one module, less the redundant operator pairs."""
+    from cosmic_ray.commands.init import _all_work_items
+
+    kept = []
+    for item in _all_work_items([ROOT / "txlb" / f"{module}.py"], {}):
+        name = item.mutations[0].operator_name.split("/", 1)[-1]
+        family, _, pair = name.partition("_")
+        if family in _KEPT_PAIRS and pair not in _KEPT_PAIRS[family]:
+            continue
+        kept.append(item)
+    return kept
+
+
+def run_one(item: object, module: str, copy: Path, timeout: float) -> Outcome:
+    from cosmic_ray.mutating import mutate_and_test
+    from cosmic_ray.work_item import MutationSpec
+
+    spec = item.mutations[0]  # type: ignore[attr-defined]
+    local = MutationSpec(module_path=copy / "txlb" / f"{module}.py",
+                         operator_name=spec.operator_name, occurrence=spec.occurrence,
+                         start_pos=spec.start_pos, end_pos=spec.end_pos,
+                         operator_args=spec.operator_args,
+                         definition_name=spec.definition_name)
+    result = mutate_and_test([local], test_command(copy, MODULE_TESTS[module]), timeout)
+    status = str(result.worker_outcome.value)
+    if result.test_outcome is not None and status == "normal":
+        status = str(result.test_outcome.value)
+        if status == "killed" and result.output == "timeout":
+            status = "timeout"
+    return Outcome(module, spec.operator_name.split("/", 1)[-1], spec.occurrence,
+                   spec.start_pos[0], status, result.diff or "")
+
+
+def changed_modules(base: str) -> list[str]:
+    """Core modules a change since ``base`` touched (``git diff --name-only``)."""
+    names = subprocess.run(["git", "diff", "--name-only", base, "--", "txlb"], cwd=ROOT,
+                           check=True, capture_output=True, text=True).stdout.split()
+    return [m for m in MODULE_TESTS if f"txlb/{m}.py" in names]
+
+
+def run_mutants(modules: Iterable[str], sample: int | None, seed: int, timeout: float,
+                jobs: int, out: Path | None) -> int:
+    work: list[tuple[str, object]] = []
+    for module in modules:
+        items = mutants(module)
+        if sample is not None:
+            items = random.Random(f"{seed}:{module}").sample(items, min(sample, len(items)))
+        work += [(module, item) for item in items]
+    print(f"{len(work)} mutants over {', '.join(modules)}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="txlb-mutation-") as scratch:
+        copies = [copy_tree(Path(scratch) / f"copy{n}") for n in range(jobs)]
+        free = list(copies)
+
+        def task(entry: tuple[str, object]) -> Outcome:
+            copy = free.pop()
+            try:
+                return run_one(entry[1], entry[0], copy, timeout)
+            finally:
+                free.append(copy)
+
+        outcomes: list[Outcome] = []
+        started = time.monotonic()
+        with ThreadPoolExecutor(jobs) as pool:
+            for n, outcome in enumerate(pool.map(task, work), 1):
+                outcomes.append(outcome)
+                if outcome.status not in ("killed", "timeout"):
+                    print(f"  {outcome.status}: {outcome.module}:{outcome.line} "
+                          f"{outcome.operator}#{outcome.occurrence}", flush=True)
+                if n % 25 == 0:
+                    print(f"  ... {n}/{len(work)} in {time.monotonic() - started:.0f}s",
+                          flush=True)
+    report(outcomes)
+    if out is not None:
+        out.write_text(json.dumps([o.__dict__ for o in outcomes], indent=1))
+    survived = sum(o.status == "survived" for o in outcomes)
+    return 1 if survived else 0
+
+
+def report(outcomes: Sequence[Outcome]) -> None:
+    tallies: dict[str, Tally] = {}
+    for outcome in outcomes:
+        tallies.setdefault(outcome.module, Tally()).add(outcome.status)
+    print(f"{'module':<12} {'mutants':>7} {'killed':>6} {'timeout':>7} {'survived':>8} "
+          f"{'other':>5} {'kill rate':>9}")
+    for module, tally in tallies.items():
+        total = sum(tally.counts.values())
+        dead = tally.get("killed") + tally.get("timeout")
+        other = total - dead - tally.get("survived")
+        rate = dead / (dead + tally.get("survived") or 1)
+        print(f"{module:<12} {total:>7} {tally.get('killed'):>6} {tally.get('timeout'):>7} "
+              f"{tally.get('survived'):>8} {other:>5} {rate:>8.0%}")
+
+
+def run_known(timeout: float) -> int:
+    """Apply each known bug to a fresh copy; the tests must fail with it (and pass without)."""
+    failures = 0
+    with tempfile.TemporaryDirectory(prefix="txlb-known-") as scratch:
+        copy = copy_tree(Path(scratch) / "copy")
+        clean = subprocess.run(test_command(copy, ("tests.test_regressions",)).split(),
+                               capture_output=True, timeout=timeout)
+        print(f"{'passes' if clean.returncode == 0 else 'FAILS'} without any bug")
+        failures += clean.returncode != 0
+        for bug in KNOWN_BUGS:
+            path = copy / bug.path
+            original = path.read_text()
+            if original.count(bug.old) != 1:
+                print(f"DOES NOT APPLY (code changed): {bug.name}")
+                failures += 1
+                continue
+            path.write_text(original.replace(bug.old, bug.new))
+            try:
+                run = subprocess.run(test_command(copy, bug.tests).split(),
+                                     capture_output=True, timeout=timeout)
+                caught = run.returncode != 0
+            except subprocess.TimeoutExpired:
+                caught = True
+            finally:
+                path.write_text(original)
+            print(f"{'killed  ' if caught else 'SURVIVED'} {bug.name}")
+            failures += not caught
+    return 1 if failures else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--module", action="append", choices=sorted(MODULE_TESTS),
+                        help="only this core module (repeat for several)")
+    parser.add_argument("--changed", metavar="REV",
+                        help="only the core modules changed since REV")
+    parser.add_argument("--sample", type=int, help="at most this many mutants per module")
+    parser.add_argument("--seed", type=int, default=1, help="for --sample (default 1)")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds one mutant's tests may take (default 60)")
+    parser.add_argument("--jobs", type=int, default=1, help="mutants run at once")
+    parser.add_argument("--json", type=Path, help="write every outcome here")
+    parser.add_argument("--known", action="store_true", help="replay KNOWN_BUGS only")
+    args = parser.parse_args(argv)
+    if args.known:
+        return run_known(args.timeout)
+    modules = args.module or list(MODULE_TESTS)
+    if args.changed:
+        modules = [m for m in modules if m in changed_modules(args.changed)]
+        if not modules:
+            print("no core module changed")
+            return 0
+    return run_mutants(modules, args.sample, args.seed, args.timeout, max(1, args.jobs),
+                       args.json)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
