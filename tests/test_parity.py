@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from twisted.internet import defer, reactor, task, threads
-from twisted.trial.unittest import SkipTest, TestCase
+from twisted.trial.unittest import TestCase
 
 from txlb import build_config
 from txlb.nginx import render
 
 from .integration import Client, TwistdProcess, chat_body, header, wait_until
+from .parts import missing
 from .test_integration import JSON, Fleet
 
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx")
@@ -114,8 +115,8 @@ class ParityTestCase(TestCase):
     @defer.inlineCallbacks
     def setUp(self) -> Any:
         if NGINX is None:
-            raise SkipTest("NOT RUN: nginx is not installed (apt-get install nginx); "
-                           "the nginx parity suite needs it")
+            missing("nginx", "nginx is not installed (apt-get install nginx); "
+                             "the nginx parity suite needs it")
         self.fleet = Fleet(self, 2, tokens_per_second=200)
         args = ["backends", ",".join(self.fleet.keys), *self.lb_args]
         self.nginx = NginxProcess(args)
@@ -209,7 +210,7 @@ class ClientViewParityTests(ParityTestCase):
         try:
             import openai
         except ImportError:
-            raise SkipTest("NOT RUN: the openai package is not installed") from None
+            missing("openai", "the openai package is not installed")
 
         def ask(base: str) -> tuple[Any, ...]:
             client = openai.OpenAI(base_url=base + "/v1", api_key="sk-test", max_retries=0)
