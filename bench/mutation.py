@@ -124,6 +124,14 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
 )
 
 
+#: Mutants no test can kill because no behaviour can differ, each with the reason: the
+#: module, cosmic-ray's operator, and text of the mutated line (line numbers move).  They are
+#: reported as ``equivalent`` and left out of the kill rate; bench/results/mutation.md
+#: lists them.
+EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
+)
+
+
 @dataclass
 class Outcome:
     module: str
@@ -190,8 +198,18 @@ def run_one(item: object, module: str, copy: Path, timeout: float) -> Outcome:
         status = str(result.test_outcome.value)
         if status == "killed" and result.output == "timeout":
             status = "timeout"
-    return Outcome(module, spec.operator_name.split("/", 1)[-1], spec.occurrence,
-                   spec.start_pos[0], status, result.diff or "")
+    operator = spec.operator_name.split("/", 1)[-1]
+    line = spec.start_pos[0]
+    if status == "survived" and is_equivalent(module, operator, line):
+        status = "equivalent"
+    return Outcome(module, operator, spec.occurrence, line, status, result.diff or "")
+
+
+def is_equivalent(module: str, operator: str, line: int) -> bool:
+    """Whether the mutant at ``line`` is one of :data:`EQUIVALENT`."""
+    text = (ROOT / "txlb" / f"{module}.py").read_text().splitlines()[line - 1]
+    return any(module == m and operator == o and snippet in text
+               for m, o, snippet, _ in EQUIVALENT)
 
 
 def changed_modules(base: str) -> list[str]:
@@ -202,7 +220,7 @@ def changed_modules(base: str) -> list[str]:
 
 
 def run_mutants(modules: Iterable[str], sample: int | None, seed: int, timeout: float,
-                jobs: int, out: Path | None) -> int:
+                jobs: int, out: Path | None, fail_under: float) -> int:
     work: list[tuple[str, object]] = []
     for module in modules:
         items = mutants(module)
@@ -235,8 +253,13 @@ def run_mutants(modules: Iterable[str], sample: int | None, seed: int, timeout: 
     report(outcomes)
     if out is not None:
         out.write_text(json.dumps([o.__dict__ for o in outcomes], indent=1))
+    dead = sum(o.status in ("killed", "timeout") for o in outcomes)
     survived = sum(o.status == "survived" for o in outcomes)
-    return 1 if survived else 0
+    rate = 100.0 * dead / ((dead + survived) or 1)
+    if rate < fail_under:
+        print(f"kill rate {rate:.0f}% is under --fail-under {fail_under:g}%")
+        return 1
+    return 0
 
 
 def report(outcomes: Sequence[Outcome]) -> None:
@@ -248,7 +271,7 @@ def report(outcomes: Sequence[Outcome]) -> None:
     for module, tally in tallies.items():
         total = sum(tally.counts.values())
         dead = tally.get("killed") + tally.get("timeout")
-        other = total - dead - tally.get("survived")
+        other = total - dead - tally.get("survived")  # equivalent, incompetent, no-test
         rate = dead / (dead + tally.get("survived") or 1)
         print(f"{module:<12} {total:>7} {tally.get('killed'):>6} {tally.get('timeout'):>7} "
               f"{tally.get('survived'):>8} {other:>5} {rate:>8.0%}")
@@ -296,6 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="seconds one mutant's tests may take (default 60)")
     parser.add_argument("--jobs", type=int, default=1, help="mutants run at once")
     parser.add_argument("--json", type=Path, help="write every outcome here")
+    parser.add_argument("--fail-under", type=float, default=100.0, metavar="PCT",
+                        help="exit 1 when under PCT%% of the non-equivalent mutants are "
+                             "killed (default 100)")
     parser.add_argument("--known", action="store_true", help="replay KNOWN_BUGS only")
     args = parser.parse_args(argv)
     if args.known:
@@ -307,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("no core module changed")
             return 0
     return run_mutants(modules, args.sample, args.seed, args.timeout, max(1, args.jobs),
-                       args.json)
+                       args.json, args.fail_under)
 
 
 if __name__ == "__main__":
