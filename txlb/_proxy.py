@@ -624,10 +624,12 @@ class ProxyResource(Resource):
             return NOT_DONE_YET
         if self.shutting_down:
             # a new request on a kept-alive connection while draining: refuse it and close
+            # (the channel is taken first: a finished request no longer has one)
+            channel = request.channel
             self._refuse(request, record, 503, "the balancer is shutting down",
                          self.retry_after)
-            if request.channel is not None:
-                request.channel.loseConnection()
+            if channel is not None:
+                channel.loseConnection()
             return NOT_DONE_YET
         if self.max_body and len(record.request_body) > self.max_body:
             # only when mounted in a Site of the embedder's: ProxySite refuses it earlier
