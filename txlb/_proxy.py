@@ -73,10 +73,11 @@ def forwarded_uri(request: Request) -> bytes:
     uri = request.uri
     if uri[:8].lower().startswith((b"http://", b"https://")):
         # absolute-form (RFC 9112 3.2.2), as sent to proxies: forward in origin-form
-        authority_and_path = uri.split(b"://", 1)[1]
-        slash = authority_and_path.find(b"/")
-        uri = b"/" if slash < 0 else authority_and_path[slash:]
-        if uri.startswith(b"?"):
+        # the authority ends at the first "/" or "?" (RFC 3986 3.2): "http://h?q" is "/?q"
+        after_scheme = uri.split(b"://", 1)[1]
+        ends = [i for i in (after_scheme.find(b"/"), after_scheme.find(b"?")) if i >= 0]
+        uri = after_scheme[min(ends):] if ends else b""
+        if not uri.startswith(b"/"):
             uri = b"/" + uri
     raw_path, question, query = uri.partition(b"?")
     mounted = len(request.prepath or ())
