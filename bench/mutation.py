@@ -28,6 +28,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import random
 import shutil
@@ -46,17 +47,20 @@ ROOT = Path(__file__).resolve().parent.parent
 #: only: fast, deterministic; the integration suites would make each mutant cost minutes).
 MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "_proxy": ("tests.test_proxy", "tests.test_failover", "tests.test_regressions",
-               "tests.test_upstream"),
-    "_upstream": ("tests.test_upstream", "tests.test_regressions"),
+               "tests.test_upstream", "tests.test_mutants"),
+    "_upstream": ("tests.test_upstream", "tests.test_regressions", "tests.test_mutants"),
     "_backend": ("tests.test_scheduling", "tests.test_failover", "tests.test_regressions",
-                 "tests.test_admin"),
-    "_health": ("tests.test_health", "tests.test_regressions", "tests.test_scheduling"),
-    "_routing": ("tests.test_scheduling", "tests.test_policies", "tests.test_failover"),
-    "_policies": ("tests.test_policies", "tests.test_scheduling"),
-    "_site": ("tests.test_failover", "tests.test_regressions", "tests.test_proxy"),
-    "_resultlog": ("tests.test_resultlog", "tests.test_regressions"),
+                 "tests.test_admin", "tests.test_mutants"),
+    "_health": ("tests.test_health", "tests.test_regressions", "tests.test_scheduling",
+                "tests.test_mutants"),
+    "_routing": ("tests.test_scheduling", "tests.test_policies", "tests.test_failover",
+                 "tests.test_mutants"),
+    "_policies": ("tests.test_policies", "tests.test_scheduling", "tests.test_mutants"),
+    "_site": ("tests.test_failover", "tests.test_regressions", "tests.test_proxy",
+              "tests.test_mutants"),
+    "_resultlog": ("tests.test_resultlog", "tests.test_regressions", "tests.test_mutants"),
     "_summary": ("tests.test_summary", "tests.test_properties", "tests.test_regressions",
-                 "tests.test_resultlog"),
+                 "tests.test_resultlog", "tests.test_mutants"),
 }
 
 #: cosmic-ray's binary and comparison operators come as every (from, to) pair: ten
@@ -168,15 +172,39 @@ def test_command(copy: Path, tests: Sequence[str]) -> str:
             f"--temp-directory={copy}/_trial_temp " + " ".join(tests))
 
 
+def annotation_lines(module: str) -> set[tuple[int, int]]:
+    """
+    (line, column) of every node inside a type annotation: every core module has
+    ``from __future__ import annotations``, so an annotation is never evaluated and a
+    mutant in one (``str | None`` to ``str & None``) is equivalent by construction.
+    """
+    tree = ast.parse((ROOT / "txlb" / f"{module}.py").read_text())
+    annotations: list[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg | ast.AnnAssign) and node.annotation is not None:
+            annotations.append(node.annotation)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.returns:
+            annotations.append(node.returns)
+    return {(sub.lineno, sub.col_offset) for annotation in annotations
+            for sub in ast.walk(annotation) if hasattr(sub, "lineno")}
+
+
 def mutants(module: str) -> list[object]:
-    """cosmic-ray's work items for one module, less the redundant operator pairs."""
+    """
+    cosmic-ray's work items for one module, less the redundant operator pairs and the
+    mutants inside annotations (never evaluated).
+    """
     from cosmic_ray.commands.init import _all_work_items
 
+    in_annotations = annotation_lines(module)
     kept = []
     for item in _all_work_items([ROOT / "txlb" / f"{module}.py"], {}):
-        name = item.mutations[0].operator_name.split("/", 1)[-1]
+        spec = item.mutations[0]
+        name = spec.operator_name.split("/", 1)[-1]
         family, _, pair = name.partition("_")
         if family in _KEPT_PAIRS and pair not in _KEPT_PAIRS[family]:
+            continue
+        if tuple(spec.start_pos) in in_annotations:
             continue
         kept.append(item)
     return kept
@@ -212,6 +240,11 @@ def is_equivalent(module: str, operator: str, line: int) -> bool:
                for m, o, snippet, _ in EQUIVALENT)
 
 
+def _identity(item: object) -> tuple[str, int]:
+    spec = item.mutations[0]  # type: ignore[attr-defined]
+    return spec.operator_name.split("/", 1)[-1], spec.occurrence
+
+
 def changed_modules(base: str) -> list[str]:
     """Core modules a change since ``base`` touched (``git diff --name-only``)."""
     names = subprocess.run(["git", "diff", "--name-only", base, "--", "txlb"], cwd=ROOT,
@@ -220,12 +253,15 @@ def changed_modules(base: str) -> list[str]:
 
 
 def run_mutants(modules: Iterable[str], sample: int | None, seed: int, timeout: float,
-                jobs: int, out: Path | None, fail_under: float) -> int:
+                jobs: int, out: Path | None, fail_under: float,
+                only: set[tuple[str, str, int]] | None = None) -> int:
     work: list[tuple[str, object]] = []
     for module in modules:
         items = mutants(module)
         if sample is not None:
             items = random.Random(f"{seed}:{module}").sample(items, min(sample, len(items)))
+        if only is not None:
+            items = [i for i in items if (module, *_identity(i)) in only]
         work += [(module, item) for item in items]
     print(f"{len(work)} mutants over {', '.join(modules)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="txlb-mutation-") as scratch:
@@ -323,6 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="exit 1 when under PCT%% of the non-equivalent mutants are "
                              "killed (default 100)")
     parser.add_argument("--known", action="store_true", help="replay KNOWN_BUGS only")
+    parser.add_argument("--rerun", type=Path, metavar="JSON",
+                        help="only the mutants that survived in this --json output")
     args = parser.parse_args(argv)
     if args.known:
         return run_known(args.timeout)
@@ -332,8 +370,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not modules:
             print("no core module changed")
             return 0
+    only = None
+    if args.rerun:
+        only = {(o["module"], o["operator"], o["occurrence"])
+                for o in json.loads(args.rerun.read_text()) if o["status"] == "survived"}
+        modules = [m for m in modules if any(m == o[0] for o in only)]
     return run_mutants(modules, args.sample, args.seed, args.timeout, max(1, args.jobs),
-                       args.json, args.fail_under)
+                       args.json, args.fail_under, only)
 
 
 if __name__ == "__main__":

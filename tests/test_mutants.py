@@ -1,0 +1,179 @@
+"""
+Tests written to kill mutants that survived ``python -m bench.mutation``: each pins a
+behaviour the rest of the suite ran but never checked (bench/results/mutation.md lists them).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from twisted.internet import error as neterror
+from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.trial.unittest import SynchronousTestCase
+
+from txlb import BackendSpec, Pool
+from txlb._backend import Backend
+from txlb._upstream import UpstreamClient
+
+from .helpers import FakeResponse
+from .test_failover import FailoverTestCase
+from .test_proxy import ProxyTestCase
+from .test_upstream import Owner
+
+
+class ProxyMutantTests(ProxyTestCase):
+    def test_send_timeout_counts_from_the_pause(self) -> None:
+        """A paused client is cut ``send_timeout`` after it stopped reading, not sooner."""
+        self.build(["127.0.0.1:8002"], read_timeout=5, send_timeout=60)
+        client = self.client()
+        client.request(b"GET", b"/stream")
+        response = self.upstream.last.respond(FakeResponse(200))
+        response.send(b"a")
+        self.clock.advance(1)
+        client.transport.producer.pauseProducing()  # at t=1
+        self.clock.advance(59.5)  # t=60.5: read watchdog fired at 5, re-armed for the pause
+        self.assertFalse(client.transport.disconnected)
+        self.clock.advance(1)  # t=61.5: 60 s since the pause
+        self.assertTrue(client.transport.disconnected)
+
+    def test_status_and_models_answer_200(self) -> None:
+        for path in (b"/__lb_status", b"/v1/models"):
+            client = self.client()
+            client.request(b"GET", path)
+            self.assertEqual(client.response().status, 200, path)
+
+    def test_a_request_while_shutting_down_is_refused_and_its_connection_closed(self) -> None:
+        """
+        503 with Retry-After (the health interval, rounded up, never under 1 s), then the
+        kept-alive connection is closed so the client goes elsewhere.
+        """
+        self.build(["127.0.0.1:8002"], health_interval=1)
+        self.lb.proxy.shutting_down = True
+        client = self.client()
+        client.request(b"GET", b"/v1/models/x")
+        answer = client.response()
+        self.assertEqual((answer.status, answer.header(b"retry-after")), (503, [b"1"]))
+        self.assertTrue(client.transport.disconnecting)
+        self.assertEqual(self.upstream.calls, [])
+
+    def test_body_forwarded_byte_for_byte_when_the_model_is_no_alias(self) -> None:
+        body = b'{"model":"m","prompt":"x",  "n":1}'
+        client = self.client()
+        client.request(b"POST", b"/v1/completions", body=body)
+        self.assertEqual(self.upstream.last.body, body)
+
+    def test_internal_error_before_the_head_is_a_502(self) -> None:
+        def explode(backend: object, status: int) -> None:
+            raise RuntimeError("a bookkeeping bug")
+
+        self.lb.proxy.context.on_answer = explode
+        client = self.client()
+        client.request(b"GET", b"/v1/x")
+        self.upstream.last.respond(FakeResponse(200, length=0)).end()
+        answer = client.response()
+        self.assertEqual(answer.status, 502)
+        self.assertEqual(json.loads(answer.body)["error"]["message"], "internal proxy error")
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+
+    def test_absolute_form_with_only_a_query(self) -> None:
+        client = self.client()
+        client.send(b"GET http://lb.example?x=1 HTTP/1.1\r\nHost: lb.example\r\n\r\n")
+        self.assertTrue(self.upstream.last.uri.endswith(b":8002/?x=1")
+                        or self.upstream.last.uri.endswith(b":8003/?x=1"),
+                        self.upstream.last.uri)
+
+    def test_default_send_timeout_is_60s(self) -> None:
+        self.assertEqual(self.lb.proxy.context.send_timeout, 60.0)
+
+
+class RetryWindowBoundaryTests(FailoverTestCase):
+    def test_no_new_try_once_the_window_has_passed_exactly(self) -> None:
+        self.build(retry_window=2)
+        client = self.post()
+        self.clock.advance(2)
+        self.upstream.calls[0].fail(neterror.ConnectionRefusedError())
+        self.assertEqual(len(self.upstream.calls), 1)
+        self.assertEqual(client.response().status, 502)
+
+    def test_a_try_just_inside_the_window(self) -> None:
+        self.build(retry_window=2)
+        self.post()
+        self.clock.advance(1.9)
+        self.upstream.calls[0].fail(neterror.ConnectionRefusedError())
+        self.assertEqual(len(self.upstream.calls), 2)
+
+
+class UpstreamMutantTests(SynchronousTestCase):
+    def test_close_idle_closes_every_pooled_connection(self) -> None:
+        reactor = MemoryReactorClock()
+        client = UpstreamClient(reactor, connect_timeout=5)
+        transports = []
+        for port in (8002, 8003):
+            result: list[Any] = []
+            client.send("127.0.0.1", port, b"GET", b"/", [], None).addBoth(result.append)
+            _, _, factory, _, _ = reactor.tcpClients[-1]
+            protocol = factory.buildProtocol(None)
+            transport = StringTransport()
+            protocol.makeConnection(transport)
+            protocol.dataReceived(b"HTTP/1.1 204 No Content\r\n\r\n")
+            result[0].deliver(Owner(), raw=False)
+            transports.append(transport)
+        self.assertEqual(client.idle_count("127.0.0.1", 8002), 1)
+        client.close_idle()
+        self.assertTrue(all(t.disconnecting for t in transports))
+        self.assertEqual(client.idle_count("127.0.0.1", 8003), 0)
+
+
+class _Slots:
+    """Records what a pool asks of its shared in-flight counts."""
+
+    def __init__(self) -> None:
+        self.assigned: list[tuple[str, int]] = []
+
+    def register(self, key: str) -> int:
+        return 7
+
+    def assign(self, key: str, slot: int) -> None:
+        self.assigned.append((key, slot))
+
+    def take(self, key: str) -> None:
+        pass
+
+    def give_back(self, key: str) -> None:
+        pass
+
+
+class BackendMutantTests(SynchronousTestCase):
+    def test_slow_start_never_takes_a_backend_to_zero(self) -> None:
+        clock = Clock()
+        backend = Backend(BackendSpec("127.0.0.1", 8002, weight=2), clock=clock.seconds,
+                          slow_start=10)
+        backend.up_since = clock.seconds()
+        self.assertEqual(backend.ramp, 0.01)
+        self.assertGreater(backend.effective_weight, 0)
+        clock.advance(5)
+        self.assertEqual(backend.ramp, 0.5)
+        clock.advance(50)
+        self.assertEqual(backend.ramp, 1.0)
+
+    def test_a_worker_takes_the_supervisors_slots(self) -> None:
+        supervisor = Pool((BackendSpec("127.0.0.1", 8002),), shared=_Slots())  # type: ignore[arg-type]
+        worker_slots = _Slots()
+        worker = Pool((), shared=worker_slots)  # type: ignore[arg-type]
+        worker.mirror(supervisor.shared_state())
+        self.assertEqual(worker_slots.assigned, [("127.0.0.1:8002", 7)])
+        states: list[Any] = supervisor.shared_state()
+        states[0]["slot"] = None
+        worker_slots.assigned.clear()
+        worker.mirror(states)
+        self.assertEqual(worker_slots.assigned, [])
+
+    def test_probes_ok_counts_each_good_probe(self) -> None:
+        pool = Pool((BackendSpec("127.0.0.1", 8002),))
+        backend = pool.get("127.0.0.1:8002")
+        for _ in range(3):
+            pool.probe_succeeded(backend, rise=1)
+        self.assertEqual(backend.probes_ok, 3)
+        self.assertEqual(backend.detailed_status()["probes_ok"], 3)
