@@ -177,3 +177,32 @@ class BackendMutantTests(SynchronousTestCase):
             pool.probe_succeeded(backend, rise=1)
         self.assertEqual(backend.probes_ok, 3)
         self.assertEqual(backend.detailed_status()["probes_ok"], 3)
+
+
+class BackendCounterTests(SynchronousTestCase):
+    """The per-backend counters and averages the admin status and metrics report."""
+
+    def setUp(self) -> None:
+        self.pool = Pool(tuple(BackendSpec("127.0.0.1", p) for p in (8002, 8003, 8004)))
+        self.backend = self.pool.get("127.0.0.1:8002")
+
+    def test_probes_failed_counts_from_zero(self) -> None:
+        self.assertEqual(self.backend.probes_failed, 0)
+        for _ in range(2):
+            self.pool.probe_failed(self.backend, "health: HTTP 503", definitive=True, fall=3)
+        self.assertEqual(self.backend.detailed_status()["probes_failed"], 2)
+
+    def test_latency_is_an_ewma_rounded_to_a_tenth_of_a_millisecond(self) -> None:
+        from txlb._backend import EWMA_ALPHA, _ewma
+
+        self.assertEqual(_ewma(None, 2.0), 2.0)
+        self.assertAlmostEqual(_ewma(1.0, 3.0), 1.0 + EWMA_ALPHA * 2.0)
+        self.assertAlmostEqual(_ewma(3.0, 1.0), 3.0 - EWMA_ALPHA * 2.0)
+        self.backend.ewma_duration = 0.123456
+        self.assertEqual(self.backend.detailed_status()["latency_ewma_s"], 0.1235)
+
+    def test_the_5xx_count_starts_again_after_an_ejection(self) -> None:
+        for _ in range(self.pool.outliers.consecutive_5xx):
+            self.pool.record_answer(self.backend, 500)
+        self.assertFalse(self.backend.healthy)
+        self.assertEqual(self.backend.errors_in_a_row, 0)
