@@ -206,3 +206,11 @@ class BackendCounterTests(SynchronousTestCase):
             self.pool.record_answer(self.backend, 500)
         self.assertFalse(self.backend.healthy)
         self.assertEqual(self.backend.errors_in_a_row, 0)
+
+    def test_a_passive_ejection_restarts_the_rise_count(self) -> None:
+        self.pool.probe_succeeded(self.backend, rise=2)  # one good probe while up
+        self.pool.mark_down(self.backend, "proxy: connection refused")
+        self.pool.probe_succeeded(self.backend, rise=2)
+        self.assertFalse(self.backend.healthy)  # one success since the ejection, not two
+        self.pool.probe_succeeded(self.backend, rise=2)
+        self.assertTrue(self.backend.healthy)
