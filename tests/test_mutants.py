@@ -214,3 +214,61 @@ class BackendCounterTests(SynchronousTestCase):
         self.assertFalse(self.backend.healthy)  # one success since the ejection, not two
         self.pool.probe_succeeded(self.backend, rise=2)
         self.assertTrue(self.backend.healthy)
+
+
+class HealthMutantTests(SynchronousTestCase):
+    """The prober's extras: learning models, scraping the engine queue, probing on demand."""
+
+    def checker(self, spec: BackendSpec, scrape: bool = False) -> tuple[Any, Any, Any]:
+        from txlb._health import HealthChecker
+
+        from .helpers import FakeUpstream
+
+        agent = FakeUpstream()
+        pool = Pool((spec,))
+        checker = HealthChecker(pool, agent, Clock(), interval=2, timeout=1, path="/health",
+                                rise=1, fall=3, scrape_engine_queue=scrape)
+        checker.startService()
+        self.addCleanup(checker.stopService)
+        return checker, agent, pool.get(spec.key)
+
+    def paths(self, agent: Any) -> list[bytes]:
+        return [call.uri.split(b"8002", 1)[1] for call in agent.calls]
+
+    def test_prometheus_sum(self) -> None:
+        from txlb._health import prometheus_sum
+
+        text = ("# HELP vllm:num_requests_running x\n"
+                'vllm:num_requests_running{model_name="a"} 2\n'
+                'vllm:num_requests_running{model_name="b"} 1.5\n'
+                "vllm:num_requests_running_total 100\n"
+                "vllm:num_requests_running{broken} \n"
+                "vllm:num_requests_running \n"
+                "vllm:num_requests_running{x=\"y\"} nan-ish\n")
+        self.assertEqual(prometheus_sum(text, "vllm:num_requests_running"), 3.5)
+        self.assertEqual(prometheus_sum("vllm:num_requests_waiting 4\n",
+                                        "vllm:num_requests_waiting"), 4.0)
+        self.assertIsNone(prometheus_sum("other 1\n", "vllm:num_requests_waiting"))
+
+    def test_models_are_learned_only_when_none_are_configured(self) -> None:
+        _, agent, _ = self.checker(BackendSpec("127.0.0.1", 8002, models=("m",)))
+        agent.calls[0].respond(FakeResponse(200, length=0)).end()
+        self.assertEqual(self.paths(agent), [b"/health"])
+
+    def test_redirects_from_models_and_metrics_are_not_followed(self) -> None:
+        _, agent, backend = self.checker(BackendSpec("127.0.0.1", 8002), scrape=True)
+        agent.calls[0].respond(FakeResponse(200, length=0)).end()
+        self.assertEqual(sorted(self.paths(agent)), [b"/health", b"/metrics", b"/v1/models"])
+        for call in agent.calls[1:]:
+            call.respond(FakeResponse(
+                302, [(b"location", b"http://127.0.0.1:8002/elsewhere")], length=0)).end()
+        self.assertEqual(len(agent.calls), 3)
+        self.assertIsNone(backend.engine_depth)
+
+    def test_probe_soon_probes_unless_a_probe_is_running(self) -> None:
+        checker, agent, backend = self.checker(BackendSpec("127.0.0.1", 8002, models=("m",)))
+        checker.probe_soon(backend)
+        self.assertEqual(len(agent.calls), 1)  # the start-up probe is still running
+        agent.calls[0].respond(FakeResponse(200, length=0)).end()
+        checker.probe_soon(backend)
+        self.assertEqual(len(agent.calls), 2)
