@@ -272,3 +272,23 @@ class HealthMutantTests(SynchronousTestCase):
         agent.calls[0].respond(FakeResponse(200, length=0)).end()
         checker.probe_soon(backend)
         self.assertEqual(len(agent.calls), 2)
+
+    def scrape(self, text: bytes) -> Any:
+        _, agent, backend = self.checker(BackendSpec("127.0.0.1", 8002, models=("m",)),
+                                         scrape=True)
+        agent.calls[0].respond(FakeResponse(200, length=0)).end()
+        metrics = agent.calls[1]
+        self.assertTrue(metrics.uri.endswith(b"/metrics"))
+        response = metrics.respond(FakeResponse(
+            200, [(b"content-type", b"text/plain; charset=utf-8")], length=len(text)))
+        response.send(text)
+        response.end()
+        return backend
+
+    def test_engine_depth_is_running_plus_waiting(self) -> None:
+        backend = self.scrape(b"vllm:num_requests_running 2\nvllm:num_requests_waiting 3\n")
+        self.assertEqual(backend.engine_depth, 5)
+
+    def test_engine_depth_needs_both_gauges(self) -> None:
+        for text in (b"vllm:num_requests_running 2\n", b"vllm:num_requests_waiting 3\n"):
+            self.assertIsNone(self.scrape(text).engine_depth, text)
