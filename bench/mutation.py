@@ -129,10 +129,29 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
 
 
 #: Mutants no test can kill because no behaviour can differ, each with the reason: the
-#: module, cosmic-ray's operator, and text of the mutated line (line numbers move).  They are
+#: module, cosmic-ray's operator, and text found in the mutated line (line numbers move).  They are
 #: reported as ``equivalent`` and left out of the kill rate; bench/results/mutation.md
 #: lists them.
 EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
+    ("_proxy", "ReplaceComparisonOperator_Eq_NotEq", 'elif self.state != "relaying":',
+     "pauseProducing's elif: while relaying the read watchdog is always armed (it is "
+     "cleared only inside _read_timed_out, which re-arms or ends), and the exchange is the "
+     "client's producer only while relaying, so neither form of the branch ever runs"),
+    ("_proxy", "NumberReplacer", "send_timeout: float =",
+     "ProxyContext's default: the balancer always passes config.send_timeout"),
+    ("_upstream", "ReplaceFalseWithTrue", 'return "close", None, True',
+     "a close-delimited body ends with the connection (connectionLost), never in "
+     "_complete, the only reader of keep_alive"),
+    ("_upstream", "ReplaceOrWithAnd", "isdigit() and code_bytes[0] == 48",
+     "a status code with a leading 0 is below 100, which _framing refuses with the same "
+     "BadResponse (only the message differs)"),
+    ("_health", "ReplaceTrueWithFalse", "gatherResults(extras, consumeErrors=False)",
+     "each extra ends in its own errback, so the gathered Deferreds never fail"),
+    ("_health", "NumberReplacer", "rest.rsplit(None, 2)[-1]",
+     "rsplit(None, 1)[-1] and rsplit(None, 2)[-1] are the same last token"),
+    ("_health", "NumberReplacer", 'rest.split("}", 2)[1]',
+     "the same token follows the first '}' either way unless a label value holds '}', "
+     "and then neither parses as a number (the line is skipped)"),
 )
 
 
@@ -227,16 +246,17 @@ def run_one(item: object, module: str, copy: Path, timeout: float) -> Outcome:
         if status == "killed" and result.output == "timeout":
             status = "timeout"
     operator = spec.operator_name.split("/", 1)[-1]
-    line = spec.start_pos[0]
-    if status == "survived" and is_equivalent(module, operator, line):
+    if status == "survived" and is_equivalent(module, operator, result.diff or ""):
         status = "equivalent"
-    return Outcome(module, operator, spec.occurrence, line, status, result.diff or "")
+    return Outcome(module, operator, spec.occurrence, spec.start_pos[0], status,
+                   result.diff or "")
 
 
-def is_equivalent(module: str, operator: str, line: int) -> bool:
-    """Whether the mutant at ``line`` is one of :data:`EQUIVALENT`."""
-    text = (ROOT / "txlb" / f"{module}.py").read_text().splitlines()[line - 1]
-    return any(module == m and operator == o and snippet in text
+def is_equivalent(module: str, operator: str, diff: str) -> bool:
+    """Whether the mutant whose ``diff`` this is, is one of :data:`EQUIVALENT`."""
+    added = [line[1:] for line in diff.splitlines()
+             if line.startswith("+") and not line.startswith("+++")]
+    return any(module == m and operator == o and any(snippet in line for line in added)
                for m, o, snippet, _ in EQUIVALENT)
 
 
