@@ -292,3 +292,9 @@ class HealthMutantTests(SynchronousTestCase):
     def test_engine_depth_needs_both_gauges(self) -> None:
         for text in (b"vllm:num_requests_running 2\n", b"vllm:num_requests_waiting 3\n"):
             self.assertIsNone(self.scrape(text).engine_depth, text)
+
+
+class RoutingMutantTests(ProxyTestCase):
+    def test_an_empty_queue_reports_no_wait(self) -> None:
+        status = self.lb.router.queue_status()
+        self.assertEqual((status["length"], status["oldest_wait_s"]), (0, 0.0))
