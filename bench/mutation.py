@@ -204,7 +204,7 @@ def annotation_lines(module: str) -> set[tuple[int, int]]:
             annotations.append(node.annotation)
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.returns:
             annotations.append(node.returns)
-    return {(sub.lineno, sub.col_offset) for annotation in annotations
+    return {(sub.lineno, getattr(sub, "col_offset", 0)) for annotation in annotations
             for sub in ast.walk(annotation) if hasattr(sub, "lineno")}
 
 
@@ -213,7 +213,7 @@ def mutants(module: str) -> list[object]:
     cosmic-ray's work items for one module, less the redundant operator pairs and the
     mutants inside annotations (never evaluated).
     """
-    from cosmic_ray.commands.init import _all_work_items
+    from cosmic_ray.commands.init import _all_work_items  # type: ignore[import-untyped]
 
     in_annotations = annotation_lines(module)
     kept = []
@@ -230,8 +230,8 @@ def mutants(module: str) -> list[object]:
 
 
 def run_one(item: object, module: str, copy: Path, timeout: float) -> Outcome:
-    from cosmic_ray.mutating import mutate_and_test
-    from cosmic_ray.work_item import MutationSpec
+    from cosmic_ray.mutating import mutate_and_test  # type: ignore[import-untyped]
+    from cosmic_ray.work_item import MutationSpec  # type: ignore[import-untyped]
 
     spec = item.mutations[0]  # type: ignore[attr-defined]
     local = MutationSpec(module_path=copy / "txlb" / f"{module}.py",

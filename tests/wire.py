@@ -107,7 +107,7 @@ class WireCall:
         return not self.answered and bool(self.connection.transport.disconnected)
 
     def header(self, name: bytes) -> list[bytes]:
-        return self.headers.getRawHeaders(name) or []
+        return list(self.headers.getRawHeaders(name) or [])
 
     def respond(self, response: FakeResponse) -> FakeResponse:
         self.answered = True
@@ -119,7 +119,7 @@ class WireCall:
         if chunked and b"transfer-encoding" not in names:
             lines.append(b"Transfer-Encoding: chunked")
         elif not chunked and b"content-length" not in names:
-            lines.append(b"Content-Length: %d" % response.length)  # type: ignore[str-bytes-safe]
+            lines.append(b"Content-Length: %d" % int(response.length))  # type: ignore[call-overload]
         response.transport = _BodyTransportView(self.connection.transport)  # type: ignore[assignment]
         response.protocol = _WireBody(self.connection, chunked)  # type: ignore[assignment]
         self.connection.protocol.dataReceived(b"\r\n".join(lines) + b"\r\n\r\n")
@@ -174,6 +174,7 @@ class WireUpstream:
             host, port, factory, _, _ = clients[self._connected]
             self._connected += 1
             protocol = factory.buildProtocol(None)
+            assert protocol is not None
             transport = WireTransport()
             connection = _Connection(protocol, factory, transport,
                                      f"{host}:{port}".encode())
