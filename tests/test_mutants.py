@@ -298,3 +298,20 @@ class RoutingMutantTests(ProxyTestCase):
     def test_an_empty_queue_reports_no_wait(self) -> None:
         status = self.lb.router.queue_status()
         self.assertEqual((status["length"], status["oldest_wait_s"]), (0, 0.0))
+
+    def test_503_names_the_model_or_says_this_request(self) -> None:
+        for backend in self.lb.pool:
+            self.lb.pool.mark_down(backend, "test")
+        for body, expected in ((b'{"model": "m"}', "model `m`"), (b"{}", "this request")):
+            client = self.client()
+            client.request(b"POST", b"/v1/completions", body=body)
+            answer = client.response()
+            self.assertEqual(answer.status, 503)
+            self.assertIn(expected, json.loads(answer.body)["error"]["message"])
+
+    def test_an_alias_routes_without_a_given_rng(self) -> None:
+        from txlb._routing import ModelRoute, Router
+
+        router = Router(self.lb.pool, self.lb.policy, self.clock, queue_timeout=1,
+                        retry_after=1, routes={"chat": ModelRoute("chat", (("m", 1),))})
+        self.assertEqual(router.resolve("chat"), "m")
