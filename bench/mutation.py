@@ -307,6 +307,10 @@ def run_mutants(modules: Iterable[str], sample: int | None, seed: int, timeout: 
                     print(f"  ... {n}/{len(work)} in {time.monotonic() - started:.0f}s",
                           flush=True)
     report(outcomes)
+    for outcome in outcomes:
+        if outcome.status == "survived":
+            print(f"survived {outcome.module}:{outcome.line} {outcome.operator}"
+                  f"#{outcome.occurrence}\n{outcome.diff}")
     if out is not None:
         out.write_text(json.dumps([o.__dict__ for o in outcomes], indent=1))
     dead = sum(o.status in ("killed", "timeout") for o in outcomes)
@@ -318,19 +322,27 @@ def run_mutants(modules: Iterable[str], sample: int | None, seed: int, timeout: 
     return 0
 
 
-def report(outcomes: Sequence[Outcome]) -> None:
+def table(outcomes: Sequence[Outcome]) -> list[str]:
+    """The per-module Markdown table: killed, timed out, survived, equivalent, kill rate."""
     tallies: dict[str, Tally] = {}
     for outcome in outcomes:
         tallies.setdefault(outcome.module, Tally()).add(outcome.status)
-    print(f"{'module':<12} {'mutants':>7} {'killed':>6} {'timeout':>7} {'survived':>8} "
-          f"{'other':>5} {'kill rate':>9}")
+    rows = ["| module | mutants | killed | timed out | survived | equivalent | other | "
+            "killed of non-equivalent |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for module, tally in tallies.items():
         total = sum(tally.counts.values())
         dead = tally.get("killed") + tally.get("timeout")
-        other = total - dead - tally.get("survived")  # equivalent, incompetent, no-test
-        rate = dead / (dead + tally.get("survived") or 1)
-        print(f"{module:<12} {total:>7} {tally.get('killed'):>6} {tally.get('timeout'):>7} "
-              f"{tally.get('survived'):>8} {other:>5} {rate:>8.0%}")
+        other = total - dead - tally.get("survived") - tally.get("equivalent")
+        rate = dead / ((dead + tally.get("survived")) or 1)
+        rows.append(f"| {module} | {total} | {tally.get('killed')} | {tally.get('timeout')} | "
+                    f"{tally.get('survived')} | {tally.get('equivalent')} | {other} | "
+                    f"{rate:.0%} |")
+    return rows
+
+
+def report(outcomes: Sequence[Outcome]) -> None:
+    print("\n".join(table(outcomes)))
 
 
 def run_known(timeout: float) -> int:
