@@ -315,3 +315,72 @@ class RoutingMutantTests(ProxyTestCase):
         router = Router(self.lb.pool, self.lb.policy, self.clock, queue_timeout=1,
                         retry_after=1, routes={"chat": ModelRoute("chat", (("m", 1),))})
         self.assertEqual(router.resolve("chat"), "m")
+
+
+class SiteMutantTests(FailoverTestCase):
+    def test_the_head_deadline_is_the_configured_one(self) -> None:
+        self.build(header_timeout=10)
+        client = self.client()
+        client.send(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        self.clock.advance(9.5)
+        self.assertFalse(client.transport.disconnecting)
+        self.clock.advance(1)
+        self.assertTrue(client.transport.value().startswith(b"HTTP/1.1 408 "))
+
+    def test_the_next_request_on_a_connection_gets_a_deadline_too(self) -> None:
+        self.build(header_timeout=10)
+        client = self.client()
+        client.request(b"GET", b"/one")
+        self.answer(0, 200)
+        client.transport.clear()
+        client.send(b"GET /two HTTP/1.1\r\nHost: x\r\n")  # and no more
+        self.clock.advance(11)
+        self.assertTrue(client.transport.value().startswith(b"HTTP/1.1 408 "))
+        self.assertEqual(len(self.upstream.calls), 1)
+
+    def test_proxy_site_defaults(self) -> None:
+        """No body limit and a 30 s head deadline unless told otherwise."""
+        from twisted.internet.address import IPv4Address
+        from twisted.web.resource import Resource
+
+        from txlb._site import ProxySite
+
+        site = ProxySite(Resource(), reactor=Clock())
+        self.assertEqual(site.max_body, 0)
+        channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 1))
+        self.assertEqual(channel.header_timeout, 30.0)
+
+
+class PolicyMutantTests(SynchronousTestCase):
+    def backends(self, *weights: int) -> list[Backend]:
+        return [Backend(BackendSpec("127.0.0.1", 8002 + n, weight=w))
+                for n, w in enumerate(weights)]
+
+    def test_p2c_gives_an_idle_heavier_backend_its_share(self) -> None:
+        import random
+
+        from txlb._policies import PowerOfTwoChoices
+
+        policy = PowerOfTwoChoices(random.Random(4))
+        heavy, light = self.backends(3, 1)
+        picks = [policy.choose([heavy, light]) for _ in range(400)]
+        self.assertGreater(picks.count(heavy), 250)  # ties go to the first drawn (3:1)
+
+    def test_latency_prefers_the_heavier_of_equal_backends(self) -> None:
+        from txlb._policies import PeakEwmaLatency
+
+        policy = PeakEwmaLatency(Clock().seconds)
+        light, heavy = self.backends(1, 2)
+        for backend in (light, heavy):
+            backend.peak_ewma = 0.5
+            backend.active = 1
+        self.assertIs(policy.choose([light, heavy]), heavy)
+
+    def test_latency_without_decay_takes_the_last_sample(self) -> None:
+        from txlb._policies import PeakEwmaLatency
+
+        policy = PeakEwmaLatency(Clock().seconds, decay=0)
+        (backend,) = self.backends(1)
+        policy.observe(backend, 2.0)
+        policy.observe(backend, 1.0)
+        self.assertEqual(backend.peak_ewma, 1.0)
