@@ -145,6 +145,10 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("_upstream", "ReplaceOrWithAnd", "isdigit() and code_bytes[0] == 48",
      "a status code with a leading 0 is below 100, which _framing refuses with the same "
      "BadResponse (only the message differs)"),
+    ("_policies", "NumberReplacer", "weights=weights)[ -1]",
+     "random.choices draws one element (k=1): [0] and [-1] are the same"),
+    ("_policies", "NumberReplacer", "return tied[ -1]",
+     "only reached when len(tied) == 1: [0] and [-1] are the same"),
     ("_health", "ReplaceTrueWithFalse", "gatherResults(extras, consumeErrors=False)",
      "each extra ends in its own errback, so the gathered Deferreds never fail"),
     ("_health", "NumberReplacer", "rest.rsplit(None, 2)[-1]",

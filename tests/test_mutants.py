@@ -326,6 +326,14 @@ class SiteMutantTests(FailoverTestCase):
         self.assertFalse(client.transport.disconnecting)
         self.clock.advance(1)
         self.assertTrue(client.transport.value().startswith(b"HTTP/1.1 408 "))
+        self.assertEqual(json.loads(client.response().body)["error"]["code"], 408)
+
+    def test_a_refused_body_says_413_in_its_json_too(self) -> None:
+        self.build(max_body="1KiB")
+        client = self.client()
+        client.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n")
+        self.assertEqual(json.loads(client.response().body)["error"]["code"], 413)
+        self.assertEqual(self.records[-1].status, 413)
 
     def test_the_next_request_on_a_connection_gets_a_deadline_too(self) -> None:
         self.build(header_timeout=10)
