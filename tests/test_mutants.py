@@ -15,6 +15,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from txlb import BackendSpec, Pool
 from txlb._backend import Backend
+from txlb._summary import RequestRecord
 from txlb._upstream import UpstreamClient
 
 from .helpers import FakeResponse
@@ -392,3 +393,116 @@ class PolicyMutantTests(SynchronousTestCase):
         policy.observe(backend, 2.0)
         policy.observe(backend, 1.0)
         self.assertEqual(backend.peak_ewma, 1.0)
+
+
+class ResultLogMutantTests(SynchronousTestCase):
+    """The result log's formats and its recovery after a failed write."""
+
+    def summary(self, **fields: Any) -> Any:
+        from txlb._summary import summarize
+
+        record = RequestRecord(started=1.0, method=b"POST", path=b"/v1/completions",
+                               orid_header=None, request_body=b'{"max_tokens": 9}',
+                               backend="127.0.0.1:8002", status=200, ended=2.5,
+                               content_type=b"application/json")
+        record.capture(b'{"choices": [{"text": "hi"}]}')
+        import attrs
+
+        return attrs.evolve(summarize(record), **fields)
+
+    def test_text_line_fields(self) -> None:
+        from txlb._resultlog import format_text
+
+        line = format_text(self.summary())
+        self.assertIn(" finish=- ctok=-/9 thinking=False think=False empty=False clen=2 ",
+                      line)
+        line = format_text(self.summary(finish="stop", completion_tokens=2, think=True))
+        self.assertIn(" finish=stop ctok=2/9 thinking=False think=True ", line)
+
+    def test_json_line_fields(self) -> None:
+        from txlb._resultlog import format_json
+
+        plain = json.loads(format_json(self.summary()))
+        self.assertNotIn("trunc", plain)
+        self.assertNotIn("tries", plain)
+        self.assertTrue(plain["time"].endswith(".500"), plain["time"])
+        marked = json.loads(format_json(self.summary(truncated=True, tries=2)))
+        self.assertEqual((marked["trunc"], marked["tries"]), (True, 2))
+
+    def test_a_failed_write_recovers_and_says_so_once(self) -> None:
+        from pathlib import Path
+
+        from twisted.logger import globalLogPublisher
+
+        from txlb._resultlog import RETRY_SECONDS, ResultLog
+
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        path = Path(self.mktemp())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        clock = Clock()
+        log = ResultLog(str(path), max_bytes=10**7, backups=1, fmt="text", clock=clock)
+        self.addCleanup(log.close)
+        sink: Any = log._sink
+
+        def full(data: bytes) -> None:
+            raise OSError(28, "No space left on device")
+
+        original, sink.write = sink.write, full
+        log.write(self.summary())
+        self.assertEqual(log.dropped, 1)
+        sink.write = original
+        clock.advance(RETRY_SECONDS)
+        for _ in range(3):
+            log.write(self.summary())
+        self.assertEqual(log.written, 3)
+        self.assertEqual(len(path.read_text().splitlines()), 3)
+        again = [e for e in events if "writable again" in str(e.get("log_format", ""))]
+        self.assertEqual(len(again), 1)
+
+    def test_standard_output_is_written_unbuffered(self) -> None:
+        import os
+        import tempfile
+
+        from txlb._resultlog import ResultLog
+
+        with tempfile.TemporaryFile() as captured:
+            saved = os.dup(1)
+            os.dup2(captured.fileno(), 1)
+            try:
+                log = ResultLog("-", max_bytes=0, backups=0, fmt="text", clock=Clock())
+                log.write(self.summary())
+                captured.seek(0)
+                written = captured.read()  # before close: nothing held in a buffer
+                log.close()
+            finally:
+                os.dup2(saved, 1)
+                os.close(saved)
+        self.assertEqual(written.count(b"\n"), 1)
+        self.assertIn(b"status=200", written)
+
+
+class SummaryMutantTests(SynchronousTestCase):
+    def test_dechunk(self) -> None:
+        from txlb._summary import dechunk
+
+        self.assertEqual(dechunk(b"1\r\na\r\n10\r\n" + b"b" * 16 + b"\r\n2;x=1\r\ncc\r\n0\r\n\r\n"),
+                         b"a" + b"b" * 16 + b"cc")
+        self.assertEqual(dechunk(b"1\r\na\r\n"), b"a")
+        self.assertEqual(dechunk(b"zz\r\nbad\r\n"), b"")
+
+    def test_only_the_first_choice_counts(self) -> None:
+        from txlb._summary import summarize
+
+        record = RequestRecord(started=0.0, method=b"POST", path=b"/v1/chat/completions",
+                               orid_header=None, request_body=b'{"n": 2}',
+                               backend="127.0.0.1:8002", status=200, ended=1.0,
+                               content_type=b"application/json")
+        record.capture(json.dumps({"choices": [
+            {"index": 0, "message": {"content": "one"}, "finish_reason": "stop"},
+            {"index": 1, "message": {"content": "second choice"}},
+            "not a choice",
+        ]}).encode())
+        summary = summarize(record)
+        self.assertEqual((summary.preview, summary.clen), ("one", 3))
