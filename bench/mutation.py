@@ -209,21 +209,24 @@ def test_command(copy: Path, tests: Sequence[str]) -> str:
             f"--temp-directory={copy}/_trial_temp " + " ".join(tests))
 
 
-def annotation_lines(module: str) -> set[tuple[int, int]]:
+def annotation_spans(module: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """
-    (line, column) of every node inside a type annotation: every core module has
-    ``from __future__ import annotations``, so an annotation is never evaluated and a
-    mutant in one (``str | None`` to ``str & None``) is equivalent by construction.
+    Where the type annotations are, as ((line, column), (end line, end column)): every core
+    module has ``from __future__ import annotations``, so an annotation is never evaluated
+    and a mutant in one (``str | None`` to ``str & None``) is equivalent by construction.
     """
     tree = ast.parse((ROOT / "txlb" / f"{module}.py").read_text())
-    annotations: list[ast.AST] = []
+    spans = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.arg | ast.AnnAssign) and node.annotation is not None:
-            annotations.append(node.annotation)
-        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.returns:
-            annotations.append(node.returns)
-    return {(sub.lineno, getattr(sub, "col_offset", 0)) for annotation in annotations
-            for sub in ast.walk(annotation) if hasattr(sub, "lineno")}
+        annotation = None
+        if isinstance(node, ast.arg | ast.AnnAssign):
+            annotation = node.annotation
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            annotation = node.returns
+        if annotation is not None and annotation.end_lineno is not None:
+            spans.append(((annotation.lineno, annotation.col_offset),
+                          (annotation.end_lineno, annotation.end_col_offset or 0)))
+    return spans
 
 
 def mutants(module: str) -> list[object]:
@@ -233,7 +236,7 @@ def mutants(module: str) -> list[object]:
     """
     from cosmic_ray.commands.init import _all_work_items  # type: ignore[import-untyped]
 
-    in_annotations = annotation_lines(module)
+    spans = annotation_spans(module)
     kept = []
     for item in _all_work_items([ROOT / "txlb" / f"{module}.py"], {}):
         spec = item.mutations[0]
@@ -241,7 +244,7 @@ def mutants(module: str) -> list[object]:
         family, _, pair = name.partition("_")
         if family in _KEPT_PAIRS and pair not in _KEPT_PAIRS[family]:
             continue
-        if tuple(spec.start_pos) in in_annotations:
+        if any(start <= tuple(spec.start_pos) < end for start, end in spans):
             continue
         kept.append(item)
     return kept
