@@ -13,11 +13,12 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
-from txlb import BackendSpec, Pool
+from txlb import BackendSpec, Pool, build_config
 from txlb._backend import Backend
 from txlb._summary import RequestRecord
 from txlb._upstream import UpstreamClient
 
+from . import test_failover
 from .helpers import FakeResponse
 from .test_failover import FailoverTestCase
 from .test_proxy import ProxyTestCase
@@ -506,3 +507,25 @@ class SummaryMutantTests(SynchronousTestCase):
         ]}).encode())
         summary = summarize(record)
         self.assertEqual((summary.preview, summary.clen), ("one", 3))
+
+
+class AffinityAndQueueMutantTests(FailoverTestCase):
+    def test_requests_without_a_session_key_rotate(self) -> None:
+        self.build(affinity="header:X-Session")
+        seen = []
+        for n in range(3):
+            self.post()
+            seen.append(self.backend_of(n))
+            self.answer(n, 200)
+        self.assertEqual(sorted(seen), sorted(test_failover.THREE))
+
+    def test_queue_wait_is_reported_to_the_millisecond(self) -> None:
+        path = self.mktemp()
+        with open(path, "w") as handle:
+            handle.write('[[backends]]\nurl = "127.0.0.1:8002"\nmax_conns = 1\n')
+        self.build(config=build_config({"config": path, "log-file": "none"}, {}),
+                   backends=None)
+        self.post()
+        self.post()  # queued
+        self.clock.advance(1.23456)
+        self.assertEqual(self.lb.router.queue_status()["oldest_wait_s"], 1.235)
