@@ -167,6 +167,12 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "in one process nothing can free a slot between the failed take and this second one"),
     ("_routing", "NumberReplacer", "retry_after: int =",
      "Router's default: the balancer always passes retry_after"),
+    ("_health", "ReplaceOrWithAnd", "if running is None and waiting is None:",
+     "with one gauge missing, running + waiting raises TypeError, which the same errback "
+     "turns into the same fallback (engine_depth None); only the debug message differs"),
+    ("_summary", "ReplaceComparisonOperator_LtE_Lt", "if length < 0:",
+     "after the zero-size chunk only trailer lines follow, and a 'name: value' line never "
+     "parses as a chunk size: the walk stops with the same payload"),
     ("_health", "ReplaceTrueWithFalse", "gatherResults(extras, consumeErrors=False)",
      "each extra ends in its own errback, so the gathered Deferreds never fail"),
     ("_health", "NumberReplacer", "rest.rsplit(None, 2)[-1]",

@@ -19,7 +19,7 @@ from txlb._summary import RequestRecord
 from txlb._upstream import UpstreamClient
 
 from . import test_failover
-from .helpers import FakeResponse
+from .helpers import ClientConnection, FakeResponse
 from .test_failover import FailoverTestCase
 from .test_proxy import ProxyTestCase
 from .test_upstream import Owner
@@ -355,10 +355,19 @@ class SiteMutantTests(FailoverTestCase):
 
         from txlb._site import ProxySite
 
-        site = ProxySite(Resource(), reactor=Clock())
+        class Ok(Resource):
+            isLeaf = True
+
+            def render(self, request: Any) -> bytes:
+                return b"ok"
+
+        site = ProxySite(Ok(), reactor=Clock())
         self.assertEqual(site.max_body, 0)
         channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 1))
         self.assertEqual(channel.header_timeout, 30.0)
+        client = ClientConnection(site)
+        client.request(b"POST", b"/", body=b"x" * 100_000)  # max_body 0: no limit
+        self.assertEqual(client.response().status, 200)
 
 
 class PolicyMutantTests(SynchronousTestCase):
@@ -492,6 +501,7 @@ class SummaryMutantTests(SynchronousTestCase):
                          b"a" + b"b" * 16 + b"cc")
         self.assertEqual(dechunk(b"1\r\na\r\n"), b"a")
         self.assertEqual(dechunk(b"zz\r\nbad\r\n"), b"")
+        self.assertEqual(dechunk(b"1\r\na\r\n5"), b"a")  # capture cut in a size line
 
     def test_only_the_first_choice_counts(self) -> None:
         from txlb._summary import summarize
