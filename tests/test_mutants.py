@@ -368,6 +368,16 @@ class SiteMutantTests(FailoverTestCase):
         client = ClientConnection(site)
         client.request(b"POST", b"/", body=b"x" * 100_000)  # max_body 0: no limit
         self.assertEqual(client.response().status, 200)
+        # the request class in a Site that sets no limit at all: no limit either
+        from twisted.web.server import Site
+
+        from txlb._site import LimitedRequest
+
+        plain = Site(Ok(), reactor=Clock())
+        plain.requestFactory = LimitedRequest
+        client = ClientConnection(plain)
+        client.request(b"POST", b"/", body=b"x" * 100)
+        self.assertEqual(client.response().status, 200)
 
 
 class PolicyMutantTests(SynchronousTestCase):
