@@ -140,6 +140,8 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "client's producer only while relaying, so neither form of the branch ever runs"),
     ("_proxy", "NumberReplacer", "send_timeout: float =",
      "ProxyContext's default: the balancer always passes config.send_timeout"),
+    ("_proxy", "ReplaceComparisonOperator_Gt_GtE", "if watchdog.getTime() >= now + limit:",
+     "at equality, reset(limit) moves the watchdog to the time it already has"),
     ("_upstream", "ReplaceFalseWithTrue", 'return "close", None, True',
      "a close-delimited body ends with the connection (connectionLost), never in "
      "_complete, the only reader of keep_alive"),
