@@ -142,6 +142,13 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "ProxyContext's default: the balancer always passes config.send_timeout"),
     ("_proxy", "ReplaceComparisonOperator_Gt_GtE", "if watchdog.getTime() >= now + limit:",
      "at equality, reset(limit) moves the watchdog to the time it already has"),
+    ("_upstream", "NumberReplacer", "self._chunk_state == -1:",
+     "with the one-chunk fast path off, the general walk hands on the same bytes: only "
+     "speed differs"),
+    ("_upstream", "NumberReplacer", "bad header line {line[:",
+     "only how much of a bad header line the error message quotes"),
+    ("_backend", "NumberReplacer", "base_cooldown: float =",
+     "OutlierRule's default: the balancer always passes --outlier-cooldown's value"),
     ("_upstream", "ReplaceFalseWithTrue", 'return "close", None, True',
      "a close-delimited body ends with the connection (connectionLost), never in "
      "_complete, the only reader of keep_alive"),

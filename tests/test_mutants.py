@@ -152,6 +152,7 @@ class BackendMutantTests(SynchronousTestCase):
         clock = Clock()
         backend = Backend(BackendSpec("127.0.0.1", 8002, weight=2), clock=clock.seconds,
                           slow_start=10)
+        clock.advance(100)
         backend.up_since = clock.seconds()
         self.assertEqual(backend.ramp, 0.01)
         self.assertGreater(backend.effective_weight, 0)
@@ -166,6 +167,11 @@ class BackendMutantTests(SynchronousTestCase):
         worker = Pool((), shared=worker_slots)  # type: ignore[arg-type]
         worker.mirror(supervisor.shared_state())
         self.assertEqual(worker_slots.assigned, [("127.0.0.1:8002", 7)])
+        supervisor.drain(supervisor.get("127.0.0.1:8002"))
+        supervisor.mark_down(supervisor.get("127.0.0.1:8002"), "test")
+        worker.mirror(supervisor.shared_state())
+        mirrored = worker.get("127.0.0.1:8002")
+        self.assertEqual((mirrored.draining, mirrored.healthy), (True, False))
         states: list[Any] = supervisor.shared_state()
         states[0]["slot"] = None
         worker_slots.assigned.clear()
@@ -549,3 +555,46 @@ class AffinityAndQueueMutantTests(FailoverTestCase):
         self.post()  # queued
         self.clock.advance(1.23456)
         self.assertEqual(self.lb.router.queue_status()["oldest_wait_s"], 1.235)
+
+
+class _Totals(_Slots):
+    """Shared counts as a worker's pool reads them back (``Pool.refresh``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = {7: 0}
+        self.own = 0
+        self.slot = lambda key: 7
+
+    def totals(self) -> dict[int, int]:
+        return self.counts
+
+    def started(self, key: str) -> int:
+        return 0
+
+    def mine(self, key: str) -> int:
+        return self.own
+
+
+class PoolMutantTests(SynchronousTestCase):
+    def test_idle_is_when_nothing_is_in_flight(self) -> None:
+        pool = Pool((BackendSpec("127.0.0.1", 8002),))
+        backend = pool.get("127.0.0.1:8002")
+        first, second = pool.acquire(backend), pool.acquire(backend)
+        idle = pool.when_idle()
+        first.release()
+        self.assertNoResult(idle)
+        second.release()
+        self.successResultOf(idle)
+
+    def test_a_removed_backend_leaves_on_refresh_once_this_worker_is_done(self) -> None:
+        shared = _Totals()
+        pool = Pool((BackendSpec("127.0.0.1", 8002),), shared=shared)  # type: ignore[arg-type]
+        backend = pool.get("127.0.0.1:8002")
+        shared.counts[7] = shared.own = 1  # a request of this worker's is in flight
+        backend.removing = True
+        pool.refresh()
+        self.assertIs(pool.get("127.0.0.1:8002"), backend)
+        shared.counts[7] = shared.own = 0  # it ended (counted down in shared memory)
+        pool.refresh()
+        self.assertIsNone(pool.get("127.0.0.1:8002"))
