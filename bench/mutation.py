@@ -149,6 +149,13 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "only how much of a bad header line the error message quotes"),
     ("_backend", "NumberReplacer", "base_cooldown: float =",
      "OutlierRule's default: the balancer always passes --outlier-cooldown's value"),
+    ("_policies", "NumberReplacer", "if len(tied) == 0:",
+     "a single tied backend through the weighted walk: its current weight rises by w and "
+     "falls by the total, w; it is chosen, and nothing else changes"),
+    ("_policies", "NumberReplacer", "return candidates[ -1]",
+     "reached only when there is one candidate"),
+    ("_summary", "ReplaceFalseWithTrue", "think: bool =",
+     "think is shown only for completions, for which summarize passes it"),
     ("_upstream", "ReplaceFalseWithTrue", 'return "close", None, True',
      "a close-delimited body ends with the connection (connectionLost), never in "
      "_complete, the only reader of keep_alive"),

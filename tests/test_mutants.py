@@ -598,3 +598,57 @@ class PoolMutantTests(SynchronousTestCase):
         shared.counts[7] = shared.own = 0  # it ended (counted down in shared memory)
         pool.refresh()
         self.assertIsNone(pool.get("127.0.0.1:8002"))
+
+
+class MoreMutantTests(SynchronousTestCase):
+    def test_every_policy_provides_the_interface(self) -> None:
+        from zope.interface.verify import verifyObject
+
+        from txlb._policies import POLICY_NAMES, IPolicy, make_policy
+
+        for name in POLICY_NAMES:
+            self.assertTrue(verifyObject(IPolicy, make_policy(name, Clock().seconds, None)),
+                            name)
+
+    def test_queue_depth_prefers_the_emptier_engine(self) -> None:
+        from txlb._policies import make_policy
+
+        policy = make_policy("queue-depth", Clock().seconds, None)
+        empty, busy = (Backend(BackendSpec("127.0.0.1", p)) for p in (8002, 8003))
+        empty.engine_depth, busy.engine_depth = 0.0, 0.5
+        self.assertEqual({policy.choose([empty, busy]).key for _ in range(4)}, {empty.key})
+
+    def test_a_formatter_bug_loses_the_line_not_the_request(self) -> None:
+        from pathlib import Path
+
+        from txlb._resultlog import ResultLog
+
+        path = Path(self.mktemp())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log = ResultLog(str(path), max_bytes=10**7, backups=1, fmt="text", clock=Clock())
+        self.addCleanup(log.close)
+
+        def broken(summary: object) -> str:
+            raise KeyError("a formatter bug")
+
+        log.format = broken
+        log.write(ResultLogMutantTests.summary(self))  # type: ignore[arg-type]
+        self.assertEqual(len(self.flushLoggedErrors(KeyError)), 1)
+
+    def test_text_line_says_tries_only_when_retried(self) -> None:
+        from txlb._resultlog import format_text
+
+        self.assertNotIn("tries=", format_text(ResultLogMutantTests.summary(self)))  # type: ignore[arg-type]
+        self.assertIn(" tries=2", format_text(ResultLogMutantTests.summary(self, tries=2)))  # type: ignore[arg-type]
+
+    def test_an_sse_answer_that_opens_with_a_comment(self) -> None:
+        from txlb._summary import summarize
+
+        record = RequestRecord(started=0.0, method=b"POST", path=b"/v1/chat/completions",
+                               orid_header=None, request_body=b"{}",
+                               backend="127.0.0.1:8002", status=200, ended=1.0,
+                               content_type=b"text/event-stream")
+        record.capture(b': ping\n\ndata: {"choices": [{"index": 0, "delta": {"content": "hi"},'
+                       b' "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n')
+        summary = summarize(record)
+        self.assertEqual((summary.finish, summary.preview), ("stop", "hi"))
