@@ -156,6 +156,9 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "reached only when there is one candidate"),
     ("_summary", "ReplaceFalseWithTrue", "think: bool =",
      "think is shown only for completions, for which summarize passes it"),
+    ("_routing", "ReplaceFalseWithTrue", "@attrs.define(eq=True)",
+     "_Waiter compared by fields instead of identity: its fields include its own Deferred "
+     "and timer, compared by identity, so two waiters are equal only if they are one"),
     ("_upstream", "ReplaceFalseWithTrue", 'return "close", None, True',
      "a close-delimited body ends with the connection (connectionLost), never in "
      "_complete, the only reader of keep_alive"),

@@ -40,6 +40,14 @@ class ProxyMutantTests(ProxyTestCase):
         self.clock.advance(1)  # t=61.5: 60 s since the pause
         self.assertTrue(client.transport.disconnected)
 
+    def test_the_transport_stopping_the_stream_stops_the_backend(self) -> None:
+        client = self.client()
+        client.request(b"GET", b"/stream")
+        response = self.upstream.last.respond(FakeResponse(200))
+        response.send(b"a")
+        client.transport.producer.stopProducing()  # what a TCP transport does on loss
+        self.assertTrue(response.transport.stopped)
+
     def test_status_and_models_answer_200(self) -> None:
         for path in (b"/__lb_status", b"/v1/models"):
             client = self.client()
