@@ -50,7 +50,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
                "tests.test_upstream", "tests.test_mutants"),
     "_upstream": ("tests.test_upstream", "tests.test_regressions", "tests.test_mutants"),
     "_backend": ("tests.test_scheduling", "tests.test_failover", "tests.test_regressions",
-                 "tests.test_admin", "tests.test_mutants"),
+                 "tests.test_admin", "tests.test_health", "tests.test_mutants"),
     "_health": ("tests.test_health", "tests.test_regressions", "tests.test_scheduling",
                 "tests.test_mutants"),
     "_routing": ("tests.test_scheduling", "tests.test_policies", "tests.test_failover",
@@ -159,6 +159,8 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("_routing", "ReplaceFalseWithTrue", "@attrs.define(eq=True)",
      "_Waiter compared by fields instead of identity: its fields include its own Deferred "
      "and timer, compared by identity, so two waiters are equal only if they are one"),
+    ("_proxy", "NumberReplacer", "max_body: int =",
+     "ProxyResource's default: the balancer always passes --max-body"),
     ("_upstream", "ReplaceFalseWithTrue", 'return "close", None, True',
      "a close-delimited body ends with the connection (connectionLost), never in "
      "_complete, the only reader of keep_alive"),

@@ -660,3 +660,48 @@ class MoreMutantTests(SynchronousTestCase):
                        b' "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n')
         summary = summarize(record)
         self.assertEqual((summary.finish, summary.preview), ("stop", "hi"))
+
+
+class CiSampleMutantTests(SynchronousTestCase):
+    """Survivors of CI's seeded sample."""
+
+    def test_a_host_that_is_no_valid_idna_name_still_gets_a_host_header(self) -> None:
+        reactor = MemoryReactorClock()
+        client = UpstreamClient(reactor, connect_timeout=5)
+        host = "a" * 64 + ".example"  # a label over 63 characters: not IDNA
+        client.send(host, 8002, b"GET", b"/", [], None)
+        _, _, factory, _, _ = reactor.tcpClients[-1]
+        protocol = factory.buildProtocol(None)
+        transport = StringTransport()
+        protocol.makeConnection(transport)
+        self.assertIn(b"\r\nHost: " + host.encode() + b":8002\r\n", transport.value())
+
+    def test_p2c_with_one_candidate(self) -> None:
+        import random
+
+        from txlb._policies import PowerOfTwoChoices
+
+        (only,) = [Backend(BackendSpec("127.0.0.1", 8002))]
+        self.assertIs(PowerOfTwoChoices(random.Random(1)).choose([only]), only)
+
+    def test_a_log_moved_away_is_reopened_at_its_path(self) -> None:
+        from pathlib import Path
+
+        from txlb._resultlog import RETRY_SECONDS, ResultLog
+
+        directory = Path(self.mktemp())
+        directory.mkdir(parents=True)
+        path = directory / "lb_results.log"
+        clock = Clock()
+        log = ResultLog(str(path), max_bytes=10**7, backups=1, fmt="text", clock=clock)
+        self.addCleanup(log.close)
+        summary = ResultLogMutantTests.summary(self)  # type: ignore[arg-type]
+        log.write(summary)
+        path.rename(directory / "moved.log")  # logrotate's move
+        clock.advance(RETRY_SECONDS)
+        log.write(summary)
+        self.assertEqual(len(path.read_text().splitlines()), 1)
+        self.assertEqual(len((directory / "moved.log").read_text().splitlines()), 1)
+        clock.advance(RETRY_SECONDS)
+        log.write(summary)  # unchanged file: kept open, appended to
+        self.assertEqual(len(path.read_text().splitlines()), 2)
