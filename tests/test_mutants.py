@@ -697,7 +697,8 @@ class CiSampleMutantTests(SynchronousTestCase):
         self.addCleanup(log.close)
         summary = ResultLogMutantTests.summary(self)  # type: ignore[arg-type]
         log.write(summary)
-        path.rename(directory / "moved.log")  # logrotate's move
+        path.rename(directory / "moved.log")  # logrotate's move,
+        path.write_text("")  # and its create: another file at the same path
         clock.advance(RETRY_SECONDS)
         log.write(summary)
         self.assertEqual(len(path.read_text().splitlines()), 1)
