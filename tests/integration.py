@@ -208,9 +208,9 @@ def throwaway_certificate(directory: Path) -> tuple[Path, Path]:
     except ImportError:
         openssl = shutil.which("openssl")
         if openssl is None:
-            from twisted.trial.unittest import SkipTest
-            raise SkipTest("NOT RUN: neither the cryptography package nor openssl is "
-                           "installed to make a test certificate") from None
+            from .parts import missing
+            missing("openssl", "neither the cryptography package nor openssl is installed "
+                    "to make a test certificate")
         subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt",
                         "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
                         "-subj", "/CN=localhost", "-addext",

@@ -13,7 +13,7 @@ from treq.testing import StubTreq
 from twisted.internet import defer, utils
 from twisted.internet import error as neterror
 from twisted.internet.task import Clock
-from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.server import Site
 
 from txlb import LoadBalancer
@@ -23,6 +23,7 @@ from txlb.tap import _AdminSite
 
 from .helpers import ClientConnection, FakeResponse, FakeUpstream
 from .integration import TwistdProcess
+from .parts import missing
 from .test_integration import Fleet
 
 A, B = "127.0.0.1:8002", "127.0.0.1:8003"
@@ -534,7 +535,7 @@ class AdminProcessTests(TestCase):
     @defer.inlineCallbacks
     def test_curl_as_documented(self) -> Any:
         if CURL is None:
-            raise SkipTest("NOT RUN: curl is not installed")
+            missing("curl", "curl is not installed (apt-get install curl)")
         fleet = Fleet(self, 2)
         lb = TwistdProcess("--backends", ",".join(fleet.keys), "--admin",
                            "tcp:0:interface=127.0.0.1", "--admin-hosts", "lb-admin.internal")

@@ -12,13 +12,14 @@ import json
 from typing import Any
 
 from twisted.internet import defer, reactor, threads
-from twisted.trial.unittest import SkipTest, TestCase
+from twisted.trial.unittest import TestCase
 from twisted.web.resource import IResource, Resource
 from twisted.web.server import Request, Site
 
 from txlb import LoadBalancer
 from txlb.tap import _AdminSite
 
+from .parts import missing
 from .test_integration import Fleet
 from .test_operations import CHROMEDRIVER, CHROMIUM
 
@@ -102,13 +103,12 @@ class AdminBrowserAttackTests(TestCase):
 
     def setUp(self) -> None:
         if not (CHROMIUM and CHROMEDRIVER):
-            raise SkipTest("NOT RUN: Debian's chromium and chromium-driver are not installed "
-                           "(apt-get install chromium chromium-driver)")
+            missing("chromium", "Debian's chromium and chromium-driver are not installed "
+                    "(apt-get install chromium chromium-driver)")
         try:
             import selenium  # noqa: F401
         except ImportError:
-            raise SkipTest("NOT RUN: selenium is not installed (pip install '.[test]')") \
-                from None
+            missing("selenium", "selenium is not installed (pip install '.[test]')")
         self.fleet = Fleet(self, 2)
         self.lb = LoadBalancer(self.fleet.keys, reactor=reactor, log_file="none")
         service = self.lb.service()

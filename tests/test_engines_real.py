@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from twisted.internet import defer
-from twisted.trial.unittest import SkipTest, TestCase
+from twisted.trial.unittest import TestCase
 
-from .integration import ROOT, Client, TwistdProcess, header, wait_until
+from .integration import Client, TwistdProcess, header, wait_until
+from .parts import missing, real_engine_dir
 
-REALENGINE = Path(os.environ.get("TXLB_REALENGINE", ROOT.parent / "shared" / "realengine"))
+REALENGINE = real_engine_dir()
 SERVER = REALENGINE / "llama-server"
 JSON = {b"content-type": [b"application/json"]}
 
@@ -37,15 +38,15 @@ class LlamaServers(TestCase):
 
     def setUp(self) -> None:
         if not os.access(SERVER, os.X_OK):
-            raise SkipTest(f"NOT RUN: no llama-server at {SERVER}")
+            missing("llama-server", f"no llama-server at {SERVER}")
         model = Path(self.mktemp() + ".gguf").resolve()
         made = subprocess.run(
             [sys.executable, str(REALENGINE / "make_model.py"), str(model), "--n-embd", "128",
              "--n-layer", "2", "--n-head", "4", "--n-head-kv", "2", "--n-ff", "352"],
             capture_output=True, timeout=60)
         if made.returncode != 0:
-            raise SkipTest("NOT RUN: make_model.py failed (pip install gguf numpy): "
-                           + made.stderr.decode(errors="replace")[-300:])
+            missing("gguf", "make_model.py failed (pip install gguf numpy): "
+                    + made.stderr.decode(errors="replace")[-300:])
         self.model = model
         self.keys: list[str] = []
 

@@ -13,13 +13,14 @@ from typing import Any
 
 from twisted.internet import defer, reactor
 from twisted.internet.interfaces import IListeningPort
-from twisted.trial.unittest import SkipTest, TestCase
+from twisted.trial.unittest import TestCase
 from twisted.web.server import Site
 
 from txlb import LoadBalancer
 from txlb.testing import SimulatedVLLM, listen_simulated
 
 from .integration import Client, chat_body, header, wait_until
+from .parts import missing
 
 JSON = {b"content-type": [b"application/json"]}
 
@@ -38,7 +39,7 @@ class IPv6BackendTests(TestCase):
 
     def setUp(self) -> None:
         if not _has_ipv6_loopback():
-            raise SkipTest("NOT RUN: this machine's loopback has no IPv6 (::1)")
+            missing("ipv6", "this machine's loopback has no IPv6 (::1)")
         self.v4 = SimulatedVLLM(reactor)
         self.v6 = SimulatedVLLM(reactor)
         v4_port = self.listen(self.v4, "127.0.0.1")

@@ -11,10 +11,10 @@ import subprocess
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from twisted.trial.unittest import SkipTest
 
 from .helpers import FakeResponse
 from .integration import ROOT
+from .parts import missing
 from .test_scheduling import BalancerTestCase
 
 A, B = "127.0.0.1:8002", "127.0.0.1:8003"
@@ -80,7 +80,7 @@ class ExpositionTests(BalancerTestCase):
     def test_promtool_check_metrics(self) -> None:
         promtool = shutil.which("promtool")
         if promtool is None:
-            raise SkipTest("NOT RUN: promtool is not installed (apt-get install prometheus)")
+            missing("promtool", "promtool is not installed (apt-get install prometheus)")
         self.traffic()
         done = subprocess.run([promtool, "check", "metrics"],
                               input=self.lb.metrics.exposition(), capture_output=True,
@@ -111,7 +111,7 @@ class ExampleAlertsTests(BalancerTestCase):
     def test_promtool_check_rules(self) -> None:
         promtool = shutil.which("promtool")
         if promtool is None:
-            raise SkipTest("NOT RUN: promtool is not installed (apt-get install prometheus)")
+            missing("promtool", "promtool is not installed (apt-get install prometheus)")
         path = self.mktemp() + ".yml"
         with open(path, "w") as handle:
             handle.write(self.alerts())

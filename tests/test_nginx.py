@@ -8,12 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from twisted.trial.unittest import SkipTest, SynchronousTestCase
+from twisted.trial.unittest import SynchronousTestCase
 
 from txlb import build_config
 from txlb.nginx import listen_directive, render
 
 from .integration import ROOT, throwaway_certificate
+from .parts import missing
 
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists()
                                   else None)
@@ -110,7 +111,7 @@ class GeneratedConfigTests(SynchronousTestCase):
 
     def test_nginx_accepts_every_variant(self) -> None:
         if NGINX is None:
-            raise SkipTest("NOT RUN: nginx is not installed (apt-get install nginx)")
+            missing("nginx", "nginx is not installed (apt-get install nginx)")
         prefix = Path(self.mktemp()).resolve()
         prefix.mkdir()
         variants = [{}, {"policy": "p2c"}, {"policy": "random", "retries": "0"},
@@ -181,7 +182,7 @@ class TlsAndLogTests(SynchronousTestCase):
                                 capture_output=True, text=True, check=True, env=env)
         self.assertTrue(prefix.is_dir())
         if NGINX is None:
-            raise SkipTest("NOT RUN: nginx is not installed (apt-get install nginx)")
+            missing("nginx", "nginx is not installed (apt-get install nginx)")
         (prefix / "nginx.conf").write_text(result.stdout)
         checked = subprocess.run([NGINX, "-t", "-p", str(prefix), "-c",
                                   str(prefix / "nginx.conf")], capture_output=True, text=True)

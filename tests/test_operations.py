@@ -14,7 +14,7 @@ from typing import Any
 
 from twisted.internet import defer, reactor, threads
 from twisted.logger import globalLogPublisher
-from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.server import Site
 
 from txlb import LoadBalancer
@@ -29,6 +29,7 @@ from .integration import (
     header,
     wait_until,
 )
+from .parts import missing
 from .test_integration import JSON, Fleet
 
 STREAM_TOKENS = 40
@@ -182,13 +183,13 @@ class DashboardBrowserTests(TestCase):
 
     def setUp(self) -> None:
         if not (CHROMIUM and CHROMEDRIVER):
-            raise SkipTest("NOT RUN: Debian's chromium and chromium-driver are not installed "
-                           "(apt-get install chromium chromium-driver)")
+            missing("chromium" if not CHROMIUM else "chromedriver",
+                    "Debian's chromium and chromium-driver are not installed "
+                    "(apt-get install chromium chromium-driver)")
         try:
             import selenium  # noqa: F401
         except ImportError:
-            raise SkipTest("NOT RUN: selenium is not installed (pip install '.[test]')") \
-                from None
+            missing("selenium", "selenium is not installed (pip install '.[test]')")
 
     @defer.inlineCallbacks
     def test_page_shows_backends_charts_and_drains(self) -> Any:

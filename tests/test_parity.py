@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from twisted.internet import defer, reactor, task, threads
-from twisted.trial.unittest import SkipTest, TestCase
+from twisted.trial.unittest import TestCase
 
 from txlb import build_config
 from txlb.nginx import render
@@ -35,6 +35,7 @@ from .integration import (
     throwaway_certificate,
     wait_until,
 )
+from .parts import missing
 from .test_integration import JSON, Fleet
 
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx")
@@ -123,8 +124,8 @@ class ParityTestCase(TestCase):
     @defer.inlineCallbacks
     def setUp(self) -> Any:
         if NGINX is None:
-            raise SkipTest("NOT RUN: nginx is not installed (apt-get install nginx); "
-                           "the nginx parity suite needs it")
+            missing("nginx", "nginx is not installed (apt-get install nginx); "
+                             "the nginx parity suite needs it")
         self.fleet = Fleet(self, 2, tokens_per_second=200)
         args = ["backends", ",".join(self.fleet.keys), *self.lb_args]
         self.nginx = NginxProcess(args)
@@ -218,7 +219,7 @@ class ClientViewParityTests(ParityTestCase):
         try:
             import openai  # noqa: F401
         except ImportError:
-            raise SkipTest("NOT RUN: the openai package is not installed") from None
+            missing("openai", "the openai package is not installed")
         via_txlb = yield threads.deferToThread(ask_openai, self.txlb.url)
         via_nginx = yield threads.deferToThread(ask_openai, self.nginx.url)
         self.assertEqual(via_txlb, via_nginx)
@@ -256,12 +257,12 @@ class TlsParityTests(TestCase):
     @defer.inlineCallbacks
     def test_openai_client_over_https_gets_the_same_results(self) -> Any:
         if NGINX is None:
-            raise SkipTest("NOT RUN: nginx is not installed (apt-get install nginx); "
-                           "the nginx parity suite needs it")
+            missing("nginx", "nginx is not installed (apt-get install nginx); the nginx "
+                    "parity suite needs it")
         try:
             import openai
         except ImportError:
-            raise SkipTest("NOT RUN: the openai package is not installed") from None
+            missing("openai", "the openai package is not installed")
         directory = Path(self.mktemp()).resolve()
         directory.mkdir()
         key, cert = throwaway_certificate(directory)

@@ -28,11 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from twisted.internet import defer, reactor, task
-from twisted.trial.unittest import SkipTest, TestCase
+from twisted.trial.unittest import TestCase
 
 from .integration import ROOT, Chunks, Client, TwistdProcess, header, wait_until
+from .parts import missing, real_engine_dir
 
-ENGINE_DIR = Path(os.environ.get("TXLB_REALENGINE") or ROOT.parent / "shared" / "realengine")
+ENGINE_DIR = real_engine_dir()
 ENGINE = ENGINE_DIR / "llama-server"
 #: the project's own copy of the engine kit's model generator
 MAKE_MODEL = ROOT / "bench" / "make_model.py"
@@ -48,15 +49,14 @@ def engine_model() -> Path:
     """The engine and a model for it, generated once per test run; else SkipTest."""
     global _model_path
     if not os.access(ENGINE, os.X_OK):
-        raise SkipTest(f"NOT RUN: no llama-server engine at {ENGINE_DIR} "
-                       "(set TXLB_REALENGINE, or build one with bench/build_llama_server.sh)")
+        missing("llama-server", f"no llama-server engine at {ENGINE_DIR} (set "
+                "TXLB_REALENGINE, or build one with bench/build_llama_server.sh)")
     if _model_path is None:
         try:
             import gguf  # noqa: F401
             import numpy  # noqa: F401
         except ImportError as error:
-            raise SkipTest(f"NOT RUN: the model generator needs {error.name} "
-                           "(pip install gguf numpy)") from None
+            missing("gguf", f"the model generator needs {error.name} (pip install gguf numpy)")
         directory = Path(tempfile.mkdtemp(prefix="txlb-realengine-"))
         atexit.register(shutil.rmtree, directory, True)
         path = directory / "fast.gguf"

@@ -8,7 +8,6 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from unittest import SkipTest
 
 from twisted.internet.task import Clock
 from twisted.logger import LogLevel, globalLogPublisher
@@ -21,6 +20,7 @@ from txlb._resultlog import RETRY_SECONDS, ResultLog, format_text, open_result_l
 from txlb._summary import MAX_LINE, MAX_ORID, RequestRecord, summarize
 
 from .helpers import ClientConnection, FakeResponse, FakeUpstream
+from .parts import missing
 
 
 def a_record(n: int = 0) -> RequestRecord:
@@ -314,9 +314,9 @@ class RecipeTests(SynchronousTestCase):
 
     def test_recipes_find_only_true_fields(self) -> None:
         tools = ["sh", "grep", "awk", "sed", "sort", "uniq", "tail"]
-        missing = [tool for tool in tools if shutil.which(tool) is None]
-        if missing:
-            raise SkipTest(f"NOT RUN: the recipes need {', '.join(missing)}")
+        absent = [tool for tool in tools if shutil.which(tool) is None]
+        if absent:
+            missing("coreutils", f"the recipes need {', '.join(absent)}")
         page = DOCS.read_text()
         blocks = re.findall(r"```sh\n(.*?)```", page.split("## Grep recipes", 1)[1], re.DOTALL)
         self.assertEqual(len(blocks), len(self.EXPECTED), "a recipe was added or removed")

@@ -82,12 +82,10 @@ def forwarded_uri(request: Request) -> bytes:
     uri = request.uri
     if uri[:8].lower().startswith((b"http://", b"https://")):
         # absolute-form (RFC 9112 3.2.2), as sent to proxies: forward in origin-form
-        # the authority ends at the first "/" or "?" (RFC 3986 3.2): a "/" inside the
-        # query of "http://h?a=/b" is not where the path starts
-        authority_and_path = uri.split(b"://", 1)[1]
-        end = min((i for i in (authority_and_path.find(b"/"), authority_and_path.find(b"?"))
-                   if i >= 0), default=len(authority_and_path))
-        uri = authority_and_path[end:]
+        # the authority ends at the first "/" or "?" (RFC 3986 3.2): "http://h?q" is "/?q"
+        after_scheme = uri.split(b"://", 1)[1]
+        ends = [i for i in (after_scheme.find(b"/"), after_scheme.find(b"?")) if i >= 0]
+        uri = after_scheme[min(ends):] if ends else b""
         if not uri.startswith(b"/"):
             uri = b"/" + uri
     raw_path, question, query = uri.partition(b"?")
@@ -743,10 +741,12 @@ class ProxyResource(Resource):
             return NOT_DONE_YET
         if self.shutting_down:
             # a new request on a kept-alive connection while draining: refuse it and close
+            # (the channel is taken first: a finished request no longer has one)
+            channel = request.channel
             self._refuse(request, record, 503, "the balancer is shutting down",
                          self.retry_after)
-            if request.channel is not None:
-                request.channel.loseConnection()
+            if channel is not None:
+                channel.loseConnection()
             return NOT_DONE_YET
         if self.max_body and len(record.request_body) > self.max_body:
             # only when mounted in a Site of the embedder's: ProxySite refuses it earlier

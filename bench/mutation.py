@@ -1,0 +1,469 @@
+"""
+Mutation testing of txlb's core modules (``python -m bench.mutation``), on cosmic-ray.
+
+Coverage says a line ran; a mutant says whether a test would notice it going wrong.  Each
+mutant is one small change cosmic-ray makes to one module (``<`` for ``<=``, ``and`` for
+``or``, a number changed, ``not`` added, ...); the module's own unit test modules
+(:data:`MODULE_TESTS`) then run against it, and the mutant is *killed* if they fail,
+*timed out* if they run past ``--timeout`` (the mutant made something loop or wait), else it
+*survived*.  A survivor is either a missing test or an equivalent mutant (no behaviour can
+differ); those are listed with the reason in ``bench/results/mutation.md``.
+
+Why cosmic-ray and not mutmut: mutmut 3 runs pytest only (it maps mutants to tests with its
+own pytest plugin and rewrites the package into trampolines); cosmic-ray takes any test
+command and a timeout, so each mutant runs twisted.trial on just the relevant modules.
+
+Every mutant runs in a copy of the tree made for the run (one per ``--jobs``), never in the
+working tree, so an interrupted run leaves no mutant behind.
+
+Examples::
+
+    python -m bench.mutation                       # every mutant of every core module
+    python -m bench.mutation --module _health      # one module
+    python -m bench.mutation --sample 50 --seed 1  # a fixed sample (what CI runs)
+    python -m bench.mutation --changed origin/main # only modules a change touched
+    python -m bench.mutation --known               # replay the known bugs (see KNOWN_BUGS)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Each core module and the unit test modules that should catch its mutants (in-memory
+#: only: fast, deterministic; the integration suites would make each mutant cost minutes).
+MODULE_TESTS: dict[str, tuple[str, ...]] = {
+    "_proxy": ("tests.test_proxy", "tests.test_failover", "tests.test_regressions",
+               "tests.test_upstream", "tests.test_mutants"),
+    "_upstream": ("tests.test_upstream", "tests.test_regressions", "tests.test_mutants"),
+    "_backend": ("tests.test_scheduling", "tests.test_failover", "tests.test_regressions",
+                 "tests.test_admin", "tests.test_health", "tests.test_mutants"),
+    "_health": ("tests.test_health", "tests.test_regressions", "tests.test_scheduling",
+                "tests.test_mutants"),
+    "_routing": ("tests.test_scheduling", "tests.test_policies", "tests.test_failover",
+                 "tests.test_mutants"),
+    "_policies": ("tests.test_policies", "tests.test_scheduling", "tests.test_mutants"),
+    "_site": ("tests.test_failover", "tests.test_regressions", "tests.test_proxy",
+              "tests.test_mutants"),
+    "_resultlog": ("tests.test_resultlog", "tests.test_regressions", "tests.test_summary",
+                   "tests.test_mutants"),
+    "_summary": ("tests.test_summary", "tests.test_properties", "tests.test_regressions",
+                 "tests.test_resultlog", "tests.test_mutants"),
+}
+
+#: cosmic-ray's binary and comparison operators come as every (from, to) pair: ten
+#: mutants per ``+``, most killed by any test that runs the line.  One meaningful
+#: replacement per operator is kept (the classic "sufficient" set); the other operators
+#: (numbers, ``not``, ``and``/``or``, booleans, exceptions, loops, decorators) all run.
+_KEPT_PAIRS = {
+    "ReplaceBinaryOperator": {"Add_Sub", "Sub_Add", "Mul_Div", "Div_Mul", "FloorDiv_Mul",
+                              "Mod_FloorDiv", "Pow_Mul", "BitOr_BitAnd", "BitAnd_BitOr",
+                              "BitXor_BitOr", "LShift_RShift", "RShift_LShift"},
+    "ReplaceComparisonOperator": {"Lt_LtE", "LtE_Lt", "Gt_GtE", "GtE_Gt", "Eq_NotEq",
+                                  "NotEq_Eq", "Is_IsNot", "IsNot_Is", "In_NotIn",
+                                  "NotIn_In", "Lt_Gt", "Gt_Lt"},
+}
+
+
+@dataclass(frozen=True)
+class KnownBug:
+    """A bug once put into the code by hand that the suite at first let through."""
+
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...] = ("tests.test_regressions",)
+
+
+#: The nine deliberate bugs that passed the whole suite before ``tests/test_regressions``.
+#: ``--known`` applies each to a copy of the tree and checks the tests now fail.
+KNOWN_BUGS: tuple[KnownBug, ...] = (
+    KnownBug("lease released twice counts twice", "txlb/_backend.py",
+             "        if not self.released:\n            self.released = True\n",
+             "        if True:\n            self.released = True\n"),
+    KnownBug("--max-body not enforced on lb.resource()", "txlb/_proxy.py",
+             "if self.max_body and len(record.request_body) > self.max_body:",
+             "if False and len(record.request_body) > self.max_body:"),
+    KnownBug("chunked body over --max-body refused only once whole", "txlb/_site.py",
+             "        if limit and self._body_seen > limit:\n",
+             "        if False:\n"),
+    # (escaping moved to txlb/_escape.py: the escaped CR turned back into a raw one)
+    KnownBug("carriage return raw in the result log", "txlb/_escape.py",
+             "        text = _unprintable().sub(_unicode_escape, text)\n    return text\n",
+             "        text = _unprintable().sub(_unicode_escape, text)\n"
+             "    return text.replace('\\\\x0d', '\\r')\n"),
+    KnownBug("connect timeout retried", "txlb/_proxy.py",
+             "        elif failure.check(*_CONNECT_TIMEOUT):\n",
+             "        elif failure.check(*_CONNECT_TIMEOUT):\n"
+             "            if self._can_retry():\n                self._retry()\n"
+             "                return\n"),
+    KnownBug("retried answer read to the end (Agent)", "txlb/_relay.py",
+             "        self.transport.stopProducing()  # type: ignore[attr-defined]\n",
+             "        pass\n"),
+    KnownBug("retried answer read to the end (own client)", "txlb/_upstream.py",
+             '        """Abort: the body of a 502/503 that is retried elsewhere is not worth '
+             'reading."""\n        self.abort()\n',
+             '        """Read it to the end."""\n'
+             "        self._owner = None\n"),
+    KnownBug("connection reused after bytes beyond the body", "txlb/_upstream.py",
+             "            self._keep_alive = False  # bytes beyond the body: never reuse "
+             "this connection\n",
+             "            pass\n"),
+    KnownBug("probe 404 counted healthy", "txlb/_health.py",
+             "        if code != 200:\n", "        if code >= 500:\n"),
+    KnownBug("500 retried like 502/503", "txlb/_proxy.py",
+             "_RETRIED_STATUSES = frozenset({502, 503})",
+             "_RETRIED_STATUSES = frozenset({500, 502, 503})"),
+)
+
+
+#: Mutants no test can kill because no behaviour can differ, each with the reason: the
+#: module, cosmic-ray's operator, and text found in the mutated line (line numbers move).  They are
+#: reported as ``equivalent`` and left out of the kill rate; bench/results/mutation.md
+#: lists them.
+EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
+    ("_proxy", "ReplaceComparisonOperator_Eq_NotEq", 'elif self.state != "relaying":',
+     "pauseProducing's elif: while relaying the read watchdog is always armed (it is "
+     "cleared only inside _read_timed_out, which re-arms or ends), and the exchange is the "
+     "client's producer only while relaying, so neither form of the branch ever runs"),
+    ("_proxy", "NumberReplacer", "send_timeout: float =",
+     "ProxyContext's default: the balancer always passes config.send_timeout"),
+    ("_proxy", "ReplaceComparisonOperator_Gt_GtE", "if watchdog.getTime() >= now + limit:",
+     "at equality, reset(limit) moves the watchdog to the time it already has"),
+    ("_upstream", "NumberReplacer", "self._chunk_state == -1:",
+     "with the one-chunk fast path off, the general walk hands on the same bytes: only "
+     "speed differs"),
+    ("_upstream", "NumberReplacer", "bad header line {line[:",
+     "only how much of a bad header line the error message quotes"),
+    ("_backend", "NumberReplacer", "base_cooldown: float =",
+     "OutlierRule's default: the balancer always passes --outlier-cooldown's value"),
+    ("_policies", "NumberReplacer", "if len(tied) == 0:",
+     "a single tied backend through the weighted walk: its current weight rises by w and "
+     "falls by the total, w; it is chosen, and nothing else changes"),
+    ("_policies", "NumberReplacer", "return candidates[ -1]",
+     "reached only when there is one candidate"),
+    ("_summary", "ReplaceFalseWithTrue", "think: bool =",
+     "think is shown only for completions, for which summarize passes it"),
+    ("_routing", "ReplaceFalseWithTrue", "@attrs.define(eq=True)",
+     "_Waiter compared by fields instead of identity: its fields include its own Deferred "
+     "and timer, compared by identity, so two waiters are equal only if they are one"),
+    ("_proxy", "NumberReplacer", "max_body: int =",
+     "ProxyResource's default: the balancer always passes --max-body"),
+    ("_upstream", "ReplaceFalseWithTrue", 'return "close", None, True',
+     "a close-delimited body ends with the connection (connectionLost), never in "
+     "_complete, the only reader of keep_alive"),
+    ("_upstream", "ReplaceOrWithAnd", "isdigit() and code_bytes[0] == 48",
+     "a status code with a leading 0 is below 100, which _framing refuses with the same "
+     "BadResponse (only the message differs)"),
+    ("_policies", "NumberReplacer", "weights=weights)[ -1]",
+     "random.choices draws one element (k=1): [0] and [-1] are the same"),
+    ("_policies", "NumberReplacer", "return tied[ -1]",
+     "only reached when len(tied) == 1: [0] and [-1] are the same"),
+    ("_summary", "NumberReplacer", '.split(b";", 2)[0]',
+     "the chunk size is the part before the first ';' either way"),
+    ("_summary", "NumberReplacer", "if end < 1:",
+     "end is 0 only at position 0 with an empty size line, which int() refuses: the same "
+     "break"),
+    ("_summary", "ReplaceComparisonOperator_Lt_LtE", "while position <= size:",
+     "at position == size find() returns -1: the same break"),
+    ("_summary", "NumberReplacer", "tries: int =",
+     "summarize always passes tries"),
+    ("_summary", "NumberReplacer", "clen: int =",
+     "clen is shown only for completions, for which summarize passes it"),
+    ("_resultlog", "NumberReplacer", "self._next_check =",
+     "__init__'s value is overwritten at once by _open"),
+    ("_routing", "AddNot", "if not self.pool.shared is not None:",
+     "in one process nothing can free a slot between the failed take and this second one"),
+    ("_routing", "NumberReplacer", "retry_after: int =",
+     "Router's default: the balancer always passes retry_after"),
+    ("_health", "ReplaceOrWithAnd", "if running is None and waiting is None:",
+     "with one gauge missing, running + waiting raises TypeError, which the same errback "
+     "turns into the same fallback (engine_depth None); only the debug message differs"),
+    ("_summary", "ReplaceComparisonOperator_LtE_Lt", "if length < 0:",
+     "after the zero-size chunk only trailer lines follow, and a 'name: value' line never "
+     "parses as a chunk size: the walk stops with the same payload"),
+    ("_health", "ReplaceTrueWithFalse", "gatherResults(extras, consumeErrors=False)",
+     "each extra ends in its own errback, so the gathered Deferreds never fail"),
+    ("_health", "NumberReplacer", "rest.rsplit(None, 2)[-1]",
+     "rsplit(None, 1)[-1] and rsplit(None, 2)[-1] are the same last token"),
+    ("_health", "NumberReplacer", 'rest.split("}", 2)[1]',
+     "the same token follows the first '}' either way unless a label value holds '}', "
+     "and then neither parses as a number (the line is skipped)"),
+)
+
+
+@dataclass
+class Outcome:
+    module: str
+    operator: str
+    occurrence: int
+    line: int
+    status: str  # killed, survived, timeout, incompetent, no-test
+    diff: str = ""
+
+
+@dataclass
+class Tally:
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, status: str) -> None:
+        self.counts[status] = self.counts.get(status, 0) + 1
+
+    def get(self, status: str) -> int:
+        return self.counts.get(status, 0)
+
+
+def copy_tree(into: Path) -> Path:
+    """A copy of what the tests need (package, plugin, tests), so mutants touch no tree
+    anyone works in."""
+    for name in ("txlb", "tests", "twisted"):
+        shutil.copytree(ROOT / name, into / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "_trial_temp*"))
+    return into
+
+
+def test_command(copy: Path, tests: Sequence[str]) -> str:
+    """Trial on ``tests``, run in ``copy`` (``env -C``) so the copy's txlb is imported."""
+    return (f"env -C {copy} PYTHONPATH={copy} {sys.executable} -m twisted.trial "
+            f"--temp-directory={copy}/_trial_temp " + " ".join(tests))
+
+
+def annotation_spans(module: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """
+    Where the type annotations are, as ((line, column), (end line, end column)): every core
+    module has ``from __future__ import annotations``, so an annotation is never evaluated
+    and a mutant in one (``str | None`` to ``str & None``) is equivalent by construction.
+    """
+    tree = ast.parse((ROOT / "txlb" / f"{module}.py").read_text())
+    spans = []
+    for node in ast.walk(tree):
+        annotation = None
+        if isinstance(node, ast.arg | ast.AnnAssign):
+            annotation = node.annotation
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            annotation = node.returns
+        if annotation is not None and annotation.end_lineno is not None:
+            spans.append(((annotation.lineno, annotation.col_offset),
+                          (annotation.end_lineno, annotation.end_col_offset or 0)))
+    return spans
+
+
+def mutants(module: str) -> list[object]:
+    """
+    cosmic-ray's work items for one module, less the redundant operator pairs and the
+    mutants inside annotations (never evaluated).
+    """
+    from cosmic_ray.commands.init import _all_work_items  # type: ignore[import-untyped]
+
+    spans = annotation_spans(module)
+    kept = []
+    for item in _all_work_items([ROOT / "txlb" / f"{module}.py"], {}):
+        spec = item.mutations[0]
+        name = spec.operator_name.split("/", 1)[-1]
+        family, _, pair = name.partition("_")
+        if family in _KEPT_PAIRS and pair not in _KEPT_PAIRS[family]:
+            continue
+        if any(start <= tuple(spec.start_pos) < end for start, end in spans):
+            continue
+        kept.append(item)
+    return kept
+
+
+def run_one(item: object, module: str, copy: Path, timeout: float) -> Outcome:
+    from cosmic_ray.mutating import mutate_and_test  # type: ignore[import-untyped]
+    from cosmic_ray.work_item import MutationSpec  # type: ignore[import-untyped]
+
+    spec = item.mutations[0]  # type: ignore[attr-defined]
+    local = MutationSpec(module_path=copy / "txlb" / f"{module}.py",
+                         operator_name=spec.operator_name, occurrence=spec.occurrence,
+                         start_pos=spec.start_pos, end_pos=spec.end_pos,
+                         operator_args=spec.operator_args,
+                         definition_name=spec.definition_name)
+    result = mutate_and_test([local], test_command(copy, MODULE_TESTS[module]), timeout)
+    status = str(result.worker_outcome.value)
+    if result.test_outcome is not None and status == "normal":
+        status = str(result.test_outcome.value)
+        if status == "killed" and result.output == "timeout":
+            status = "timeout"
+    operator = spec.operator_name.split("/", 1)[-1]
+    if status == "survived" and is_equivalent(module, operator, result.diff or ""):
+        status = "equivalent"
+    return Outcome(module, operator, spec.occurrence, spec.start_pos[0], status,
+                   result.diff or "")
+
+
+def is_equivalent(module: str, operator: str, diff: str) -> bool:
+    """Whether the mutant whose ``diff`` this is, is one of :data:`EQUIVALENT`."""
+    added = [line[1:] for line in diff.splitlines()
+             if line.startswith("+") and not line.startswith("+++")]
+    return any(module == m and operator == o and any(snippet in line for line in added)
+               for m, o, snippet, _ in EQUIVALENT)
+
+
+def _identity(item: object) -> tuple[str, int]:
+    spec = item.mutations[0]  # type: ignore[attr-defined]
+    return spec.operator_name.split("/", 1)[-1], spec.occurrence
+
+
+def changed_modules(base: str) -> list[str]:
+    """Core modules a change since ``base`` touched (``git diff --name-only``)."""
+    names = subprocess.run(["git", "diff", "--name-only", base, "--", "txlb"], cwd=ROOT,
+                           check=True, capture_output=True, text=True).stdout.split()
+    return [m for m in MODULE_TESTS if f"txlb/{m}.py" in names]
+
+
+def run_mutants(modules: Iterable[str], sample: int | None, seed: int, timeout: float,
+                jobs: int, out: Path | None, fail_under: float,
+                only: set[tuple[str, str, int]] | None = None) -> int:
+    work: list[tuple[str, object]] = []
+    for module in modules:
+        items = mutants(module)
+        if sample is not None:
+            items = random.Random(f"{seed}:{module}").sample(items, min(sample, len(items)))
+        if only is not None:
+            items = [i for i in items if (module, *_identity(i)) in only]
+        work += [(module, item) for item in items]
+    print(f"{len(work)} mutants over {', '.join(modules)}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="txlb-mutation-") as scratch:
+        copies = [copy_tree(Path(scratch) / f"copy{n}") for n in range(jobs)]
+        free = list(copies)
+
+        def task(entry: tuple[str, object]) -> Outcome:
+            copy = free.pop()
+            try:
+                return run_one(entry[1], entry[0], copy, timeout)
+            finally:
+                free.append(copy)
+
+        outcomes: list[Outcome] = []
+        started = time.monotonic()
+        with ThreadPoolExecutor(jobs) as pool:
+            for n, outcome in enumerate(pool.map(task, work), 1):
+                outcomes.append(outcome)
+                if outcome.status not in ("killed", "timeout"):
+                    print(f"  {outcome.status}: {outcome.module}:{outcome.line} "
+                          f"{outcome.operator}#{outcome.occurrence}", flush=True)
+                if n % 25 == 0:
+                    print(f"  ... {n}/{len(work)} in {time.monotonic() - started:.0f}s",
+                          flush=True)
+    report(outcomes)
+    for outcome in outcomes:
+        if outcome.status == "survived":
+            print(f"survived {outcome.module}:{outcome.line} {outcome.operator}"
+                  f"#{outcome.occurrence}\n{outcome.diff}")
+    if out is not None:
+        out.write_text(json.dumps([o.__dict__ for o in outcomes], indent=1))
+    dead = sum(o.status in ("killed", "timeout") for o in outcomes)
+    survived = sum(o.status == "survived" for o in outcomes)
+    rate = 100.0 * dead / ((dead + survived) or 1)
+    if rate < fail_under:
+        print(f"kill rate {rate:.0f}% is under --fail-under {fail_under:g}%")
+        return 1
+    return 0
+
+
+def table(outcomes: Sequence[Outcome]) -> list[str]:
+    """The per-module Markdown table: killed, timed out, survived, equivalent, kill rate."""
+    tallies: dict[str, Tally] = {}
+    for outcome in outcomes:
+        tallies.setdefault(outcome.module, Tally()).add(outcome.status)
+    rows = ["| module | mutants | killed | timed out | survived | equivalent | other | "
+            "killed of non-equivalent |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for module, tally in tallies.items():
+        total = sum(tally.counts.values())
+        dead = tally.get("killed") + tally.get("timeout")
+        other = total - dead - tally.get("survived") - tally.get("equivalent")
+        rate = dead / ((dead + tally.get("survived")) or 1)
+        rows.append(f"| {module} | {total} | {tally.get('killed')} | {tally.get('timeout')} | "
+                    f"{tally.get('survived')} | {tally.get('equivalent')} | {other} | "
+                    f"{rate:.0%} |")
+    return rows
+
+
+def report(outcomes: Sequence[Outcome]) -> None:
+    print("\n".join(table(outcomes)))
+
+
+def run_known(timeout: float) -> int:
+    """Apply each known bug to a fresh copy; the tests must fail with it (and pass without)."""
+    failures = 0
+    with tempfile.TemporaryDirectory(prefix="txlb-known-") as scratch:
+        copy = copy_tree(Path(scratch) / "copy")
+        clean = subprocess.run(test_command(copy, ("tests.test_regressions",)).split(),
+                               capture_output=True, timeout=timeout)
+        print(f"{'passes' if clean.returncode == 0 else 'FAILS'} without any bug")
+        failures += clean.returncode != 0
+        for bug in KNOWN_BUGS:
+            path = copy / bug.path
+            original = path.read_text()
+            if original.count(bug.old) != 1:
+                print(f"DOES NOT APPLY (code changed): {bug.name}")
+                failures += 1
+                continue
+            path.write_text(original.replace(bug.old, bug.new))
+            try:
+                run = subprocess.run(test_command(copy, bug.tests).split(),
+                                     capture_output=True, timeout=timeout)
+                caught = run.returncode != 0
+            except subprocess.TimeoutExpired:
+                caught = True
+            finally:
+                path.write_text(original)
+            print(f"{'killed  ' if caught else 'SURVIVED'} {bug.name}")
+            failures += not caught
+    return 1 if failures else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--module", action="append", choices=sorted(MODULE_TESTS),
+                        help="only this core module (repeat for several)")
+    parser.add_argument("--changed", metavar="REV",
+                        help="only the core modules changed since REV")
+    parser.add_argument("--sample", type=int, help="at most this many mutants per module")
+    parser.add_argument("--seed", type=int, default=1, help="for --sample (default 1)")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds one mutant's tests may take (default 60)")
+    parser.add_argument("--jobs", type=int, default=1, help="mutants run at once")
+    parser.add_argument("--json", type=Path, help="write every outcome here")
+    parser.add_argument("--fail-under", type=float, default=100.0, metavar="PCT",
+                        help="exit 1 when under PCT%% of the non-equivalent mutants are "
+                             "killed (default 100)")
+    parser.add_argument("--known", action="store_true", help="replay KNOWN_BUGS only")
+    parser.add_argument("--rerun", type=Path, metavar="JSON",
+                        help="only the mutants that survived in this --json output")
+    args = parser.parse_args(argv)
+    if args.known:
+        return run_known(args.timeout)
+    modules = args.module or list(MODULE_TESTS)
+    if args.changed:
+        modules = [m for m in modules if m in changed_modules(args.changed)]
+        if not modules:
+            print("no core module changed")
+            return 0
+    only = None
+    if args.rerun:
+        only = {(o["module"], o["operator"], o["occurrence"])
+                for o in json.loads(args.rerun.read_text()) if o["status"] == "survived"}
+        modules = [m for m in modules if any(m == o[0] for o in only)]
+    return run_mutants(modules, args.sample, args.seed, args.timeout, max(1, args.jobs),
+                       args.json, args.fail_under, only)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
