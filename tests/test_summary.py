@@ -496,6 +496,8 @@ class EngineAPITests(SynchronousTestCase):
                   b'{"content": {"type": "text"}, "stop_reason": 3}',
                   b'data: {"type": "message_delta", "delta": 4, "usage": []}\n\n',
                   b'data: {"type": "response.completed", "response": []}\n\n',
+                  # a type that is no string (a list cannot even be looked up in a set)
+                  b'data: {"type": []}\n\ndata: {"type": {"a": 1}, "delta": "x"}\n\n',
                   b'{"data": 3, "usage": {"prompt_tokens": "x"}}', b"[1]", b"\xff"]
         for path in (b"/v1/responses", b"/v1/messages", b"/v1/embeddings"):
             for body in bodies:

@@ -335,6 +335,8 @@ def parse_responses(body: bytes, content_type: bytes | None) -> _Completion:
     final = None
     for event in _sse_payloads(body):
         kind = event.get("type")
+        if kind.__class__ is not str:
+            continue  # a list or an object cannot even be looked up among the kinds
         delta = event.get("delta")
         if kind == "response.output_text.delta" and delta.__class__ is str:
             completion.content.append(delta)
