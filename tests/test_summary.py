@@ -23,6 +23,7 @@ from txlb._summary import (
     Privacy,
     RequestRecord,
     Summary,
+    parse_json_object,
     summarize,
 )
 
@@ -490,6 +491,19 @@ class EngineAPITests(SynchronousTestCase):
                          "ptok=11 dur=6.913")
         fields = json.loads(format_json(summary))  # type: ignore[arg-type]
         self.assertEqual((fields["kind"], fields["n"], fields["ptok"]), ("embedding", 2, 11))
+
+    def test_nesting_too_deep_to_parse_is_not_json(self) -> None:
+        """
+        Python's parser recurses: 100,000 nested arrays raise RecursionError, not the
+        ValueError of other bad JSON.  As a request body it failed the request with an
+        HTML 500 and a traceback (the proxy reads the body's model); in a stream it lost
+        the line.
+        """
+        deep = b'{"model": "m", "a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        self.assertIsNone(parse_json_object(deep))
+        summary = summarize(record(path=b"/v1/responses", request=deep,
+                                   chunks=[b"data: " + deep + b"\n\n"], content_type=SSE_TYPE))
+        self.assertEqual(summary.kind, "completion")
 
     def test_hostile_shapes_never_raise(self) -> None:
         bodies = [b'{"output": 5, "status": [], "usage": {"output_tokens": 1e400}}',

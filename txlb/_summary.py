@@ -185,12 +185,16 @@ class Summary:
 
 
 def parse_json_object(body: bytes) -> dict[str, Any] | None:
-    """``body`` as a JSON object, or ``None`` if it is not one."""
+    """
+    ``body`` as a JSON object, or ``None`` if it is not one -- nor one nested too deep for
+    Python's recursive parser (RecursionError, not ValueError: a client or a backend
+    choosing the depth must not get past this).
+    """
     if not body or body.lstrip()[:1] != b"{":
         return None
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
 
@@ -218,7 +222,7 @@ def _sse_payloads(data: bytes) -> list[dict[str, Any]]:
     payloads = [p for p in payloads if b"[DONE]" not in p or p.strip() != b"[DONE]"]
     try:
         parsed = json.loads(b"[" + b",".join(payloads) + b"]")
-    except ValueError:
+    except (ValueError, RecursionError):
         return [event for event in map(parse_json_object, payloads) if event is not None]
     return [event for event in parsed if isinstance(event, dict)]
 
