@@ -188,6 +188,24 @@ class RecognitionTests(SynchronousTestCase):
         status = json.dumps(self.backend.detailed_status())
         json.loads(status, parse_constant=lambda name: self.fail(f"{name} in /status"))
 
+    def test_a_failing_metrics_page_is_asked_again(self) -> None:
+        """
+        A 5xx from ``/metrics`` (an engine between restarts, a sidecar hiccup) says nothing
+        of the engine: it is not taken for ``unknown`` -- which would stop the queue reads
+        for good -- but recognised at a later probe.  Without ``--policy queue-depth`` too.
+        """
+        for queue_depth, spec in ((True, A_MODELS), (False, A)):
+            self.build(spec, queue_depth=queue_depth)
+            self.probe("busy", code=503, models=not spec.models)
+            self.assertIsNone(self.backend.engine)
+            self.assertEqual(self.warnings, [])
+            self.clock.advance(2)
+            self.probe(fixture("engines/vllm-metrics.txt"), models=False)
+            self.assertEqual(self.backend.engine, "vllm")
+            if queue_depth:
+                self.assertEqual(self.backend.engine_depth, 9.0)
+            self.checker.stopService()
+
     def test_without_queue_depth_nothing_is_warned(self) -> None:
         self.build(A, queue_depth=False)
         self.probe("up 1\n")
