@@ -304,6 +304,11 @@ class HealthChecker(Service):
         def failed(failure: Failure) -> None:
             if self.scrape_engine_queue:
                 self.pool.forget_engine_depth(backend)
+                if backend.engine is None:
+                    # never read at all: as silent a fallback as a /metrics without a queue
+                    self._warn_no_queue(backend, "reading it failed: "
+                                        + (failure.getErrorMessage() or "no answer"))
+                    return
             log.debug("could not scrape {backend}/metrics: {error}",
                       backend=backend.key, error=failure.getErrorMessage())
 
