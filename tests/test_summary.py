@@ -9,8 +9,9 @@ from collections.abc import Callable
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from txlb import _escape
+from txlb import Pool, _escape
 from txlb._escape import clip, escape, escape_json
+from txlb._metrics import Metrics
 from txlb._resultlog import format_json, format_text
 from txlb._summary import (
     CAPTURE_LIMIT,
@@ -504,6 +505,24 @@ class EngineAPITests(SynchronousTestCase):
         summary = summarize(record(path=b"/v1/responses", request=deep,
                                    chunks=[b"data: " + deep + b"\n\n"], content_type=SSE_TYPE))
         self.assertEqual(summary.kind, "completion")
+
+    def test_a_negative_token_count_is_no_count(self) -> None:
+        """
+        A backend's ``usage`` saying -5 tokens is no count: the metrics' counter refuses a
+        negative increment (ValueError), which lost the request's result-log line.
+        """
+        answers = [(b"/v1/chat/completions", {"choices": [{"message": {"content": "x"},
+                                                            "finish_reason": "stop"}],
+                                               "usage": {"completion_tokens": -5}}),
+                   (b"/v1/responses", {"status": "completed", "usage": {"output_tokens": -5}}),
+                   (b"/v1/messages", {"content": [], "usage": {"output_tokens": -5}})]
+        for path, answer in answers:
+            summary = summarize(record(path=path, chunks=[json.dumps(answer).encode()]))
+            self.assertIsNone(summary.completion_tokens, path)
+            Metrics(Pool()).observe(summary)
+        embedding = summarize(record(path=b"/v1/embeddings", chunks=[
+            b'{"data": [], "usage": {"prompt_tokens": -1}}']))
+        self.assertIsNone(embedding.prompt_tokens)
 
     def test_hostile_shapes_never_raise(self) -> None:
         bodies = [b'{"output": 5, "status": [], "usage": {"output_tokens": 1e400}}',

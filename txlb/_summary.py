@@ -209,6 +209,12 @@ def _int_or_none(value: object) -> int | None:
     return None
 
 
+def _count(value: int | None) -> int | None:
+    """A count of tokens a backend reported: a negative one is none (the metrics' counters
+    refuse a negative increment)."""
+    return None if value is None or value < 0 else value
+
+
 def _sse_payloads(data: bytes) -> list[dict[str, Any]]:
     """
     The JSON objects of every ``data:`` line; ``[DONE]`` and broken events are skipped.
@@ -516,7 +522,7 @@ def summarize(record: RequestRecord, privacy: Privacy = KEEP_ALL) -> Summary:
     return Summary(
         kind="completion",
         finish=None if completion.finish is None else clip(completion.finish, MAX_FINISH),
-        completion_tokens=completion.completion_tokens,
+        completion_tokens=_count(completion.completion_tokens),
         max_tokens=max_tokens,
         thinking=thinking,
         think=bool(reasoning) or "<think>" in content,
@@ -554,5 +560,5 @@ def _embedding(body: bytes, common: dict[str, Any]) -> Summary:
             count = len(data)
         usage = answer.get("usage")
         if isinstance(usage, dict):
-            prompt_tokens = _int_or_none(usage.get("prompt_tokens"))
+            prompt_tokens = _count(_int_or_none(usage.get("prompt_tokens")))
     return Summary(kind="embedding", prompt_tokens=prompt_tokens, count=count, **common)
