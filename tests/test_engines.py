@@ -67,6 +67,17 @@ class ParsingTests(SynchronousTestCase):
         reading = read(text, BY_NAME["vllm"])
         self.assertEqual((reading.running, reading.waiting, reading.kv_cache), (2.0, 0.0, 1.0))
 
+    def test_values_too_big_to_add_up_are_no_reading(self) -> None:
+        """
+        Finite but huge values sum to infinity: that is no queue (and an ``Infinity`` in
+        ``/status`` is not JSON -- the dashboard and any strict client would choke on it).
+        """
+        many = "".join(f'vllm:num_requests_running{{e="{i}"}} 1e308\n' for i in range(3))
+        for text in (many + "vllm:num_requests_waiting 0\n",
+                     "vllm:num_requests_running 1e308\nvllm:num_requests_waiting 1e308\n"):
+            reading = read(text, BY_NAME["vllm"])
+            self.assertEqual((reading.running, reading.waiting), (None, None), text)
+
     def test_prometheus_sum_matches_whole_names_only(self) -> None:
         text = "vllm:num_requests_running_x 7\nvllm:num_requests_running{e=\"0\"} 1\n"
         self.assertEqual(prometheus_sum(text, "vllm:num_requests_running"), 1.0)
@@ -166,6 +177,35 @@ class RecognitionTests(SynchronousTestCase):
         # an unknown engine is not scraped on every probe, nor warned about again
         self.assertEqual(len([c for c in self.agent.calls if c.uri.endswith(b"/metrics")]), 1)
         self.assertEqual(len(self.warnings), 1)
+
+    def test_a_queue_too_big_to_count_stays_out_of_status(self) -> None:
+        self.build(A_MODELS, queue_depth=True)
+        self.answer(b"/health", "")
+        self.answer(b"/metrics", "vllm:num_requests_running 1e308\n"
+                                 "vllm:num_requests_waiting 1e308\n")
+        self.assertEqual(self.backend.engine, "vllm")
+        self.assertIsNone(self.backend.engine_depth)  # local counts, not an infinite queue
+        status = json.dumps(self.backend.detailed_status())
+        json.loads(status, parse_constant=lambda name: self.fail(f"{name} in /status"))
+
+    def test_a_failing_metrics_page_is_asked_again(self) -> None:
+        """
+        A 5xx from ``/metrics`` (an engine between restarts, a sidecar hiccup) says nothing
+        of the engine: it is not taken for ``unknown`` -- which would stop the queue reads
+        for good -- but recognised at a later probe.  Without ``--policy queue-depth`` too.
+        """
+        for queue_depth, spec in ((True, A_MODELS), (False, A)):
+            self.build(spec, queue_depth=queue_depth)
+            self.probe("busy", code=503, models=not spec.models)
+            self.assertIsNone(self.backend.engine)
+            # queue-depth cannot read this queue: said once, not at debug level
+            self.assertEqual(len(self.warnings), queue_depth)
+            self.clock.advance(2)
+            self.probe(fixture("engines/vllm-metrics.txt"), models=False)
+            self.assertEqual(self.backend.engine, "vllm")
+            if queue_depth:
+                self.assertEqual(self.backend.engine_depth, 9.0)
+            self.checker.stopService()
 
     def test_without_queue_depth_nothing_is_warned(self) -> None:
         self.build(A, queue_depth=False)

@@ -154,6 +154,59 @@ class LlamaServers(TestCase):
         self.assertIn("HTTP 501", warnings[0])
 
 
+    def test_queue_depth_reads_the_llamacpp_queue(self) -> Any:
+        return defer.ensureDeferred(self.queue_depth_scenario())
+
+    async def queue_depth_scenario(self) -> None:
+        """
+        ``--policy queue-depth`` reads the engine's own ``llamacpp:requests_processing`` and
+        ``llamacpp:requests_deferred``: requests sent to the engine directly (so that txlb
+        counts none of them itself) show in the backend's ``engine_depth``, and with one
+        slot a depth of 2 or more can only come from the deferred queue.
+        """
+        client = Client()
+        self.addCleanup(client.pool.closeCachedConnections)
+        key = self.start_server("--metrics", "--parallel", "1")
+        await self.healthy(client, key)
+        lb = TwistdProcess("--backends", key, "--policy", "queue-depth",
+                           "--health-interval", "0.2", "--admin", "tcp:0:interface=127.0.0.1")
+        self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
+        await lb.started()
+
+        async def status() -> dict[str, Any]:
+            _, body = await client.fetch(lb.admin_url + "/status")
+            backends: list[dict[str, Any]] = json.loads(body.body)["backends"]
+            return backends[0]
+
+        deadline = time.monotonic() + 20
+        while (await status()).get("engine") != "llamacpp":
+            self.assertLess(time.monotonic(), deadline, "the engine was never recognised")
+            await defer.ensureDeferred(_sleepless_pause())
+        idle = await status()
+        self.assertEqual(idle["engine_depth"], 0.0)
+
+        # four long generations straight to the engine: one runs, three wait in its queue
+        # (ignore_eos: the random model may end one at once)
+        body = json.dumps({"model": "x", "prompt": "Hi", "max_tokens": 1500,
+                           "ignore_eos": True}).encode()
+        direct = [defer.ensureDeferred(client.fetch(f"http://{key}/v1/completions", b"POST",
+                                                    body, JSON)) for _ in range(4)]
+        depths = []
+        deadline = time.monotonic() + 30
+        try:
+            while not any(depth >= 2 for depth in depths):
+                self.assertLess(time.monotonic(), deadline,
+                                f"the engine's queue never showed: depths {depths}")
+                backend = await status()
+                self.assertEqual(backend["active"], 0)  # none of them is txlb's
+                if backend["engine_depth"] is not None:
+                    depths.append(backend["engine_depth"])
+                await defer.ensureDeferred(_sleepless_pause())
+        finally:
+            await defer.DeferredList(direct, consumeErrors=True)
+        self.assertLessEqual(max(depths), 4, depths)
+
+
 async def _sleepless_pause() -> None:
     """Give the reactor 50 ms (a timer, not a sleep: other events run meanwhile)."""
     from twisted.internet import reactor, task

@@ -227,6 +227,21 @@ class OutlierTests(FailoverTestCase):
         self.five_hundred_from_bad(3, body=b"[1, 2]")  # JSON, but not an object
         self.assertTrue(self.bad.healthy)
 
+    def test_json_only_python_accepts_never_ejects(self) -> None:
+        """
+        Python's parser takes ``NaN``, ``Infinity``, numbers past a double and lone
+        surrogates; JSON (RFC 8259) and llama.cpp's parser do not: it answers 500
+        ("parse error", "number overflow", "invalid string: surrogate"), the request's
+        fault as much as a body that is no JSON at all.
+        """
+        assert self.bad is not None
+        for body in (b'{"prompt": "x", "t": NaN}', b'{"prompt": "x", "t": -Infinity}',
+                     b'{"prompt": "x", "t": 1e400}', b'{"prompt": "x", "t": 1' + b"0" * 400
+                     + b'}', b'{"prompt": "\\ud800"}'):
+            self.five_hundred_from_bad(6, body=body, peers=3)
+            self.assertTrue(self.bad.healthy, body)
+            self.assertEqual(self.bad.errors_in_a_row, 0, body)
+
     def test_one_client_alone_never_ejects(self) -> None:
         """A streak of 5xx all caused by one client's requests is that client's doing."""
         assert self.bad is not None

@@ -106,7 +106,15 @@ class HungIntegrationTests(TestCase):
 
     async def test_answering_nothing_is_out_within_3s(self) -> None:
         """Requests and /health accepted and never answered (a wedged engine)."""
-        await self.start()
+        await self.hung_out_within_3s()
+
+    async def test_answering_nothing_is_out_within_3s_with_workers(self) -> None:
+        """The same with ``--workers 2``: each worker judges from its own requests and
+        the supervisor takes its verdict."""
+        await self.hung_out_within_3s("--workers", "2")
+
+    async def hung_out_within_3s(self, *lb_args: str) -> None:
+        await self.start(*lb_args)
         loops = await self.traffic()
         gate = self.gates[0]
         gate.sim.hang = gate.hang_health = True
@@ -120,7 +128,8 @@ class HungIntegrationTests(TestCase):
         await self.end(loops)
         self.assertLess(detected, 3.0)
         self.assertIn("hung: no byte from any of", self.lb.output())
-        print(f"\nhung engine and /health: out in {detected:.2f}s", file=sys.stderr)
+        print(f"\nhung engine and /health{' '.join(('', *lb_args))}: out in {detected:.2f}s",
+              file=sys.stderr)
 
     async def test_hung_health_while_streams_flow_stays_in(self) -> None:
         """/health hangs but the engine streams (SGLang during a long prefill): busy, not

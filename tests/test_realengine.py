@@ -237,12 +237,22 @@ class AnswersTests(RealEngineTestCase):
         self.assertEqual(seen[-1], [MODEL])
 
     async def test_garbage_posts_do_not_eject(self) -> None:
-        """llama-server answers 500 to a body that is not JSON: that is not its failure."""
-        await self.start()
-        for _ in range(15):
-            response, _ = await self.post(self.lb.url, b"this is not json")
-            self.assertEqual(response.code, 500)
-        self.assertEqual(self.lb_healthy(), 3)
+        """
+        llama-server answers 500 to a body that is not JSON, or JSON only Python's parser
+        takes (NaN, 1e400, a lone surrogate): that is not its failure -- even when the
+        garbage comes from several clients (``--rate-key header:x-user``), so the
+        two-client rule alone would not keep it in.
+        """
+        await self.start("--rate-key", "header:x-user")
+        bodies = [b"this is not json", chat(stream=False)[:-1] + b', "t": NaN}',
+                  chat(stream=False)[:-1] + b', "t": 1e400}',
+                  chat(stream=False)[:-1] + b', "t": "\\ud800"}']
+        for n in range(40):
+            response, _ = await self.client.fetch(
+                self.lb.url + "/v1/chat/completions", b"POST", bodies[n % len(bodies)],
+                {b"content-type": [b"application/json"], b"x-user": [b"u%d" % (n % 2)]})
+            self.assertEqual(response.code, 500, bodies[n % len(bodies)])
+        self.assertEqual(self.lb_healthy(), 3, self.lb.output()[-3000:])
         response, _ = await self.post(self.lb.url, chat(stream=False))
         self.assertEqual(response.code, 200)
 

@@ -13,6 +13,7 @@ from twisted.web.server import Site
 
 from txlb import BackendSpec, LoadBalancer, Pool
 from txlb._affinity import BoundedLoadRing
+from txlb._backend import MAX_MODEL_NAME, MAX_MODEL_NAMES
 from txlb._config import ConfigError, build_config
 from txlb._health import prometheus_sum
 from txlb._policies import (
@@ -364,6 +365,32 @@ class AliasTests(BalancerTestCase):
     def test_a_404_names_the_aliases_too(self) -> None:
         message = json.loads(self.post({"model": "gpt-9"}).response().body)["error"]["message"]
         self.assertIn("other, t, tiny, tiny.gguf", message)
+
+
+class HostileModelListTests(BalancerTestCase):
+    """A backend's /v1/models may hold 4 MiB of names: txlb learns a bounded number."""
+
+    def test_at_most_max_model_names_each_at_most_max_model_name_long(self) -> None:
+        self.build(["127.0.0.1:8002", "127.0.0.1:8003"])
+        a, b = self.lb.pool
+        aliases = [f"alias-{n}" for n in range(200_000)]
+        self.lb.pool.set_models(a, [{"id": "x" * (MAX_MODEL_NAME + 1)},
+                                    {"id": "m", "aliases": ["y" * (MAX_MODEL_NAME + 1),
+                                                            *aliases]}])
+        self.lb.pool.set_models(b, [{"id": "other"}])
+        self.assertEqual(len(a.models or ()), MAX_MODEL_NAMES)
+        self.assertEqual(a.models[:2], ("m", "alias-0"))  # type: ignore[index]
+        self.post({"model": "alias-998"})
+        self.assertEqual(self.target(), "127.0.0.1:8002")
+        self.finish()
+        response = self.post({"model": "alias-999"}).response()
+        self.assertEqual(response.status, 404)
+        self.assertLess(len(response.body), 64 * 1024)  # not every name it sent
+        client = ClientConnection(self.site)
+        client.request(b"GET", b"/v1/models")
+        data = json.loads(client.response().body)["data"]
+        self.assertEqual([entry["id"] for entry in data], ["m", "other"])
+        self.assertEqual(len(data[0]["aliases"]), MAX_MODEL_NAMES - 1)
 
 
 class UnknownModelTests(BalancerTestCase):

@@ -9,8 +9,9 @@ from collections.abc import Callable
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from txlb import _escape
+from txlb import Pool, _escape
 from txlb._escape import clip, escape, escape_json
+from txlb._metrics import Metrics
 from txlb._resultlog import format_json, format_text
 from txlb._summary import (
     CAPTURE_LIMIT,
@@ -23,6 +24,7 @@ from txlb._summary import (
     Privacy,
     RequestRecord,
     Summary,
+    parse_json_object,
     summarize,
 )
 
@@ -491,11 +493,44 @@ class EngineAPITests(SynchronousTestCase):
         fields = json.loads(format_json(summary))  # type: ignore[arg-type]
         self.assertEqual((fields["kind"], fields["n"], fields["ptok"]), ("embedding", 2, 11))
 
+    def test_nesting_too_deep_to_parse_is_not_json(self) -> None:
+        """
+        Python's parser recurses: 100,000 nested arrays raise RecursionError, not the
+        ValueError of other bad JSON.  As a request body it failed the request with an
+        HTML 500 and a traceback (the proxy reads the body's model); in a stream it lost
+        the line.
+        """
+        deep = b'{"model": "m", "a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        self.assertIsNone(parse_json_object(deep))
+        summary = summarize(record(path=b"/v1/responses", request=deep,
+                                   chunks=[b"data: " + deep + b"\n\n"], content_type=SSE_TYPE))
+        self.assertEqual(summary.kind, "completion")
+
+    def test_a_negative_token_count_is_no_count(self) -> None:
+        """
+        A backend's ``usage`` saying -5 tokens is no count: the metrics' counter refuses a
+        negative increment (ValueError), which lost the request's result-log line.
+        """
+        answers = [(b"/v1/chat/completions", {"choices": [{"message": {"content": "x"},
+                                                            "finish_reason": "stop"}],
+                                               "usage": {"completion_tokens": -5}}),
+                   (b"/v1/responses", {"status": "completed", "usage": {"output_tokens": -5}}),
+                   (b"/v1/messages", {"content": [], "usage": {"output_tokens": -5}})]
+        for path, answer in answers:
+            summary = summarize(record(path=path, chunks=[json.dumps(answer).encode()]))
+            self.assertIsNone(summary.completion_tokens, path)
+            Metrics(Pool()).observe(summary)
+        embedding = summarize(record(path=b"/v1/embeddings", chunks=[
+            b'{"data": [], "usage": {"prompt_tokens": -1}}']))
+        self.assertIsNone(embedding.prompt_tokens)
+
     def test_hostile_shapes_never_raise(self) -> None:
         bodies = [b'{"output": 5, "status": [], "usage": {"output_tokens": 1e400}}',
                   b'{"content": {"type": "text"}, "stop_reason": 3}',
                   b'data: {"type": "message_delta", "delta": 4, "usage": []}\n\n',
                   b'data: {"type": "response.completed", "response": []}\n\n',
+                  # a type that is no string (a list cannot even be looked up in a set)
+                  b'data: {"type": []}\n\ndata: {"type": {"a": 1}, "delta": "x"}\n\n',
                   b'{"data": 3, "usage": {"prompt_tokens": "x"}}', b"[1]", b"\xff"]
         for path in (b"/v1/responses", b"/v1/messages", b"/v1/embeddings"):
             for body in bodies:

@@ -270,6 +270,11 @@ class OutlierRule:
 
 
 MAX_COOLDOWN_FACTOR = 10
+#: The most model names (ids and aliases) learned from one backend, and their longest: a
+#: backend's /v1/models may be 4 MiB, and every name is matched per request and listed in
+#: every 404 (200,000 aliases made each 404 3 MB and each request 1 ms slower).
+MAX_MODEL_NAMES = 1000
+MAX_MODEL_NAME = 512
 
 
 class Pool:
@@ -519,10 +524,34 @@ class Pool:
         The backend's ``/v1/models`` answer: the names it serves -- each model's id and its
         ``aliases`` (llama.cpp lists them; a client may ask for any) -- and the entries.
         """
-        backend.model_entries = {str(entry["id"]): entry for entry in entries if "id" in entry}
-        names = dict.fromkeys(backend.model_entries)
-        for entry in backend.model_entries.values():
-            names.update(dict.fromkeys(_aliases_of(entry)))
+        names: dict[str, None] = {}
+        dropped = 0
+
+        def keep(name: str) -> bool:
+            nonlocal dropped
+            if name in names:
+                return True
+            if len(name) > MAX_MODEL_NAME or len(names) >= MAX_MODEL_NAMES:
+                dropped += 1
+                return False
+            names[name] = None
+            return True
+
+        kept = {}
+        for entry in entries:
+            if "id" in entry and keep(str(entry["id"])):
+                kept[str(entry["id"])] = entry
+        for model_id, entry in kept.items():
+            aliases = _aliases_of(entry)
+            listed = [alias for alias in aliases if keep(alias)]
+            if len(listed) < len(aliases):
+                kept[model_id] = {**entry, "aliases": listed}  # what GET /v1/models shows
+        if dropped:
+            log.warn("backend {backend} lists {dropped} more model names than txlb learns "
+                     "(at most {most}, of {longest} characters or fewer); requests for "
+                     "those get --unknown-model's answer", backend=backend.key,
+                     dropped=dropped, most=MAX_MODEL_NAMES, longest=MAX_MODEL_NAME)
+        backend.model_entries = kept
         ids = tuple(names)
         if ids != backend.learned_models:
             log.info("backend {backend} serves {models}", backend=backend.key,

@@ -138,6 +138,10 @@ def read(text: str, engine: Engine) -> Reading:
             break
     running = sums.get(engine.running)
     waiting = sums.get(engine.waiting)
+    if not math.isfinite((running or 0.0) + (waiting or 0.0)):
+        # finite samples too big to add up (a hostile or broken exporter): no queue read,
+        # rather than an infinite one (which is not even JSON in /status)
+        running = waiting = None
     return Reading(
         running=None if running is None else max(0.0, running),
         waiting=None if waiting is None else max(0.0, waiting),

@@ -212,8 +212,9 @@ class HealthChecker(Service):
         # gets nothing from txlb but probes and traffic.  Both fetches at once: the next
         # probe waits for this one.
         learning = not backend.spec.models and (backend.learned_models is None or was_down)
-        first_sight = learning or (self.scrape_engine_queue
-                                   and (backend.engine is None or was_down))
+        # an engine not recognised yet (its /metrics failed) is looked for again
+        first_sight = (learning or (not backend.spec.models and backend.engine is None)
+                       or (self.scrape_engine_queue and (backend.engine is None or was_down)))
         extras = []
         if first_sight:
             extras.append(self._scrape_engine(backend, recognise=True))
@@ -269,6 +270,13 @@ class HealthChecker(Service):
 
         def answered(response: IResponse) -> Deferred[tuple[str, str]]:
             """(why there is nothing to read, or ``""``; the text)."""
+            if response.code >= 500 and response.code != 501:
+                # a failure, not an answer (501: llama.cpp without --metrics): the engine
+                # is not taken for "unknown" on that -- it is looked for again
+                def failure(_: object) -> tuple[str, str]:
+                    raise ValueError(f"/metrics answered HTTP {response.code}")
+
+                return read_body(response).addBoth(failure)
             if response.code != 200:
                 skipped = read_body(response)
                 return skipped.addCallback(lambda _: (f"HTTP {response.code}", ""))
@@ -297,6 +305,11 @@ class HealthChecker(Service):
         def failed(failure: Failure) -> None:
             if self.scrape_engine_queue:
                 self.pool.forget_engine_depth(backend)
+                if backend.engine is None:
+                    # never read at all: as silent a fallback as a /metrics without a queue
+                    self._warn_no_queue(backend, "reading it failed: "
+                                        + (failure.getErrorMessage() or "no answer"))
+                    return
             log.debug("could not scrape {backend}/metrics: {error}",
                       backend=backend.key, error=failure.getErrorMessage())
 

@@ -319,7 +319,7 @@ class Exchange:
         if status < 500:
             return ""
         body = self.record.request_body
-        if (body or self.request.method in _BODY_METHODS) and parse_json_object(body) is None:
+        if (body or self.request.method in _BODY_METHODS) and not standard_json_object(body):
             return None
         return self.context.client_key(self.request)
 
@@ -856,3 +856,32 @@ class ProxyResource(Resource):
         record.ended = self.clock.seconds()
         write_body(request, status, body, retry_after)
         self.on_end(record)
+
+
+def standard_json_object(body: bytes) -> bool:
+    """
+    Whether ``body`` is a JSON object as RFC 8259 and strict parsers read it.  Python's
+    parser also takes ``NaN``, ``Infinity``, numbers past a double and lone surrogates,
+    which llama.cpp's rejects with a 500: a client sending them must not count as the
+    backend failing.  Only a 5xx asks, so the re-encoding (for surrogates) is rare.
+    """
+    if not body or body.lstrip()[:1] != b"{":
+        return False
+
+    def refused(text: str) -> float:
+        raise ValueError(text)
+
+    def finite(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(text)
+        return value
+
+    try:
+        value = json.loads(body, parse_constant=refused, parse_float=finite,
+                           parse_int=finite)
+        if b"\\u" in body:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")  # lone surrogates raise
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(value, dict)

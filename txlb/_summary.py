@@ -185,12 +185,16 @@ class Summary:
 
 
 def parse_json_object(body: bytes) -> dict[str, Any] | None:
-    """``body`` as a JSON object, or ``None`` if it is not one."""
+    """
+    ``body`` as a JSON object, or ``None`` if it is not one -- nor one nested too deep for
+    Python's recursive parser (RecursionError, not ValueError: a client or a backend
+    choosing the depth must not get past this).
+    """
     if not body or body.lstrip()[:1] != b"{":
         return None
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
 
@@ -203,6 +207,12 @@ def _int_or_none(value: object) -> int | None:
     if isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63:
         return value
     return None
+
+
+def _count(value: int | None) -> int | None:
+    """A count of tokens a backend reported: a negative one is none (the metrics' counters
+    refuse a negative increment)."""
+    return None if value is None or value < 0 else value
 
 
 def _sse_payloads(data: bytes) -> list[dict[str, Any]]:
@@ -218,7 +228,7 @@ def _sse_payloads(data: bytes) -> list[dict[str, Any]]:
     payloads = [p for p in payloads if b"[DONE]" not in p or p.strip() != b"[DONE]"]
     try:
         parsed = json.loads(b"[" + b",".join(payloads) + b"]")
-    except ValueError:
+    except (ValueError, RecursionError):
         return [event for event in map(parse_json_object, payloads) if event is not None]
     return [event for event in parsed if isinstance(event, dict)]
 
@@ -335,6 +345,8 @@ def parse_responses(body: bytes, content_type: bytes | None) -> _Completion:
     final = None
     for event in _sse_payloads(body):
         kind = event.get("type")
+        if kind.__class__ is not str:
+            continue  # a list or an object cannot even be looked up among the kinds
         delta = event.get("delta")
         if kind == "response.output_text.delta" and delta.__class__ is str:
             completion.content.append(delta)
@@ -510,7 +522,7 @@ def summarize(record: RequestRecord, privacy: Privacy = KEEP_ALL) -> Summary:
     return Summary(
         kind="completion",
         finish=None if completion.finish is None else clip(completion.finish, MAX_FINISH),
-        completion_tokens=completion.completion_tokens,
+        completion_tokens=_count(completion.completion_tokens),
         max_tokens=max_tokens,
         thinking=thinking,
         think=bool(reasoning) or "<think>" in content,
@@ -548,5 +560,5 @@ def _embedding(body: bytes, common: dict[str, Any]) -> Summary:
             count = len(data)
         usage = answer.get("usage")
         if isinstance(usage, dict):
-            prompt_tokens = _int_or_none(usage.get("prompt_tokens"))
+            prompt_tokens = _count(_int_or_none(usage.get("prompt_tokens")))
     return Summary(kind="embedding", prompt_tokens=prompt_tokens, count=count, **common)
