@@ -57,7 +57,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
                  "tests.test_mutants"),
     "_policies": ("tests.test_policies", "tests.test_scheduling", "tests.test_mutants"),
     "_site": ("tests.test_failover", "tests.test_regressions", "tests.test_proxy",
-              "tests.test_mutants"),
+              "tests.test_framing", "tests.test_mutants"),
     "_resultlog": ("tests.test_resultlog", "tests.test_regressions", "tests.test_summary",
                    "tests.test_mutants"),
     "_summary": ("tests.test_summary", "tests.test_properties", "tests.test_regressions",

@@ -202,6 +202,14 @@ class BackendCounterTests(SynchronousTestCase):
         self.pool = Pool(tuple(BackendSpec("127.0.0.1", p) for p in (8002, 8003, 8004)))
         self.backend = self.pool.get("127.0.0.1:8002")
 
+    def test_marked_down_is_told_once_per_change(self) -> None:
+        """``on_down`` listeners (a --workers worker reports through one) hear each change."""
+        heard: list[tuple[str, str]] = []
+        self.pool.on_down.append(lambda backend, reason: heard.append((backend.key, reason)))
+        self.pool.mark_down(self.backend, "proxy: connection refused")
+        self.pool.mark_down(self.backend, "proxy: connection refused")  # already down
+        self.assertEqual(heard, [("127.0.0.1:8002", "proxy: connection refused")])
+
     def test_probes_failed_counts_from_zero(self) -> None:
         self.assertEqual(self.backend.probes_failed, 0)
         for _ in range(2):
