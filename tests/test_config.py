@@ -259,3 +259,34 @@ class PrivacyOptionTests(SynchronousTestCase):
         with self.assertRaises(ConfigError) as raised:
             build_config({}, {"LB_LOG_USER_KEY": "short-secret"})
         self.assertNotIn("short-secret", str(raised.exception))
+
+
+class ImportCostTests(SynchronousTestCase):
+    """
+    Building a balancer on an injected clock touches neither the global reactor nor Klein:
+    importing ``twisted.internet.reactor`` installs the default one, which would pre-empt
+    twistd's ``--reactor`` or an embedder's own choice.
+    """
+
+    def test_config_and_balancer_leave_the_reactor_alone(self) -> None:
+        import subprocess
+        import sys
+
+        script = (
+            "import sys\n"
+            "from twisted.internet.task import Clock\n"
+            "from txlb import LoadBalancer, build_config\n"
+            "build_config({'backends': '127.0.0.1:8002', 'listen': 'tcp:8000:interface=127.0.0.1',"
+            " 'admin': 'tcp:8001'}, {})\n"
+            "LoadBalancer(['127.0.0.1:8002'], reactor=Clock(), log_file='none')\n"
+            "print(sorted(m for m in ('klein', 'twisted.internet.reactor') if m in sys.modules))\n"
+        )
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=60, check=True)
+        self.assertEqual(done.stdout.strip(), "[]", done.stderr)
+
+    def test_a_bad_endpoint_is_still_refused(self) -> None:
+        with self.assertRaises(ConfigError) as caught:
+            build_config({"backends": "127.0.0.1:8002",
+                          "listen": "ssl:8443:privateKey=/nonexistent/key.pem"}, {})
+        self.assertIn("--listen", str(caught.exception))

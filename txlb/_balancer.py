@@ -24,7 +24,6 @@ from twisted.web.iweb import IAgent
 from twisted.web.resource import IResource
 from twisted.web.server import Site
 
-from ._admin import Admin
 from ._affinity import BoundedLoadRing
 from ._backend import Backend, InFlightStore, OutlierRule, Pool
 from ._config import OPTIONS, Config, build_config
@@ -285,6 +284,8 @@ class LoadBalancer:
         The admin API (Klein): status, drain, membership, metrics and the dashboard.
         ``extra_status`` adds keys to ``/status`` (a supervisor's view of its workers).
         """
+        from ._admin import Admin  # Klein (and its reactor import) only when it is built
+
         admin = Admin(self.pool, self.metrics, self.config.admin_token,
                       on_added=self.health.probe_soon, clock=self.reactor.seconds,
                       extra_status=extra_status, allowed_hosts=self.config.admin_hosts,

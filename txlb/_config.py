@@ -131,6 +131,10 @@ def parse_path(option: str, value: object) -> str:
     return text
 
 
+#: What endpoint strings are parsed with: a stand-in for the reactor they will listen on.
+_PARSE_ONLY = object()
+
+
 def parse_listen(option: str, value: object) -> str:
     """
     A port number or a Twisted server endpoint string.
@@ -146,11 +150,13 @@ def parse_listen(option: str, value: object) -> str:
         return f"tcp:{port}"
     if not text:
         raise ConfigError(f"--{option}: {value!r} is not an endpoint")
-    from twisted.internet import reactor
     from twisted.internet.endpoints import serverFromString
 
     try:
-        serverFromString(reactor, text)
+        # Only parsed, never listened on: the endpoint needs no reactor now.  Importing
+        # the global one here would install the default reactor before twistd's
+        # --reactor, or an embedder's own, had the chance.
+        serverFromString(_PARSE_ONLY, text)
     except Exception as error:  # the parser raises ValueError, KeyError, TypeError...
         raise ConfigError(
             f"--{option}: {value!r} is not a Twisted endpoint ({error!s})"
