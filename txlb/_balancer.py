@@ -9,6 +9,7 @@ tests run the whole balancer in memory.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import random
 from collections.abc import Callable, Iterable
@@ -16,13 +17,17 @@ from typing import Any
 
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred, maybeDeferred, succeed
+from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
+from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import Agent
-from twisted.web.iweb import IAgent
+from twisted.web.client import URI, Agent
+from twisted.web.error import SchemeNotSupported
+from twisted.web.iweb import IAgent, IAgentEndpointFactory
 from twisted.web.resource import IResource
 from twisted.web.server import Site
+from zope.interface import implementer
 
 from ._admin import Admin
 from ._affinity import BoundedLoadRing
@@ -114,6 +119,35 @@ class _LifecycleService(Service):
         return balancer.upstream.close_idle()
 
 
+
+@implementer(IAgentEndpointFactory)
+class ProbeEndpoints:
+    """
+    Where the health prober connects: a backend given as an IP address directly, one
+    given by name through the reactor's resolver.
+
+    Agent's own endpoints resolve every host, an IP literal too, with ``getaddrinfo`` in
+    the reactor's thread pool: a few backends whose names resolve slowly held every thread,
+    and the probes of all the others waited behind them past ``--health-timeout`` -- the
+    whole fleet marked down for a DNS problem of backends it does not need DNS for.
+    """
+
+    def __init__(self, reactor: Any, connect_timeout: float) -> None:
+        self._reactor = reactor
+        self._timeout = connect_timeout
+
+    def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:
+        if uri.scheme != b"http":
+            raise SchemeNotSupported(f"unsupported scheme: {uri.scheme!r}")
+        host = uri.host.decode("ascii")
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return HostnameEndpoint(self._reactor, uri.host, uri.port, timeout=self._timeout)
+        endpoint = TCP6ClientEndpoint if address.version == 6 else TCP4ClientEndpoint
+        return endpoint(self._reactor, host, uri.port, timeout=self._timeout)
+
+
 class LoadBalancer:
     """
     A least-connections, health-checked, streaming reverse proxy over a set of backends.
@@ -161,9 +195,9 @@ class LoadBalancer:
         )
         if probe_agent is None:
             # Probes use fresh connections: a probe must prove the backend still accepts.
-            probe_agent = Agent(
+            probe_agent = Agent.usingEndpointFactory(
                 reactor,
-                connectTimeout=config.health_timeout,
+                ProbeEndpoints(reactor, config.health_timeout),
                 # quiet: two "Starting/Stopping factory" lines per probe would flood the log
                 pool=QuietConnectionPool(reactor, persistent=False),
             )
