@@ -39,7 +39,7 @@ from ._hung import HangDetector, health_probe
 from ._metrics import Metrics
 from ._policies import PeakEwmaLatency, make_policy
 from ._proxy import ProxyContext, ProxyResource
-from ._quiet import QuietConnectionPool
+from ._quiet import QuietConnectionPool, RepeatSummary
 from ._ratelimit import RateLimiter, TokenBuckets, client_key
 from ._relay import AgentUpstream
 from ._resultlog import open_result_log
@@ -202,6 +202,8 @@ class LoadBalancer:
                 pool=QuietConnectionPool(reactor, persistent=False),
             )
         self.privacy = privacy_of(config)
+        #: per-request warnings, summarised per kind: one line a minute each, not per request
+        self.repeats = RepeatSummary(reactor)
         self.result_log = open_result_log(
             config.log_file, config.log_max_bytes, config.log_backups, config.log_format, reactor
         )
@@ -251,6 +253,7 @@ class LoadBalancer:
             on_retry=self.metrics.retries.inc,
             client_key=lambda request: client_key(request, config.rate_key),
             x_backend=config.x_backend,
+            repeats=self.repeats,
         )
         limiter = None
         if config.rate_limit is not None:
@@ -329,7 +332,8 @@ class LoadBalancer:
         """A ``Site`` serving only the proxy (what ``twistd llmlb`` listens with)."""
         return ProxySite(self.proxy, max_body=self.config.max_body,
                          header_timeout=self.config.header_timeout,
-                         on_refused=self.proxy.log_refused, reactor=self.reactor)
+                         on_refused=self.proxy.log_refused, reactor=self.reactor,
+                         repeats=self.repeats)
 
     def service(self, health_checks: bool = True) -> IService:
         """
