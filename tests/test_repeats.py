@@ -56,3 +56,26 @@ class RepeatedWarningTests(FailoverTestCase):
         self.clock.advance(60)
         self.assertEqual(sum("more like this" in line
                              for line in self.lines("stopped part-way")), len(backends))
+
+
+class FlushTests(FailoverTestCase):
+    def test_stopping_writes_the_open_summaries_and_leaves_no_timer(self) -> None:
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        self.build(header_timeout=10)
+        service = self.lb.service(health_checks=False)
+        service.startService()
+        clients = [self.client(peer=f"10.9.2.{n}") for n in range(3)]
+        for client in clients:
+            client.send(b"GET / HTTP/1.1\r\n")
+        self.clock.advance(11)
+        for client in clients:
+            client.disconnect()
+        stopped = service.stopService()
+        self.clock.advance(0)  # the release runs on the next turn
+        self.successResultOf(stopped)
+        lines = [formatEvent(e) for e in events]
+        self.assertTrue(any("2 more like this" in line for line in lines), lines)
+        self.assertEqual([c for c in self.clock.getDelayedCalls()
+                          if "RepeatSummary" in repr(c)], [])

@@ -114,6 +114,7 @@ class _LifecycleService(Service):
 
     def _release(self) -> Deferred[None] | None:
         balancer = self._balancer
+        balancer.repeats.flush()  # the summaries still counting, before the process ends
         if balancer.result_log is not None:
             balancer.result_log.close()
         return balancer.upstream.close_idle()

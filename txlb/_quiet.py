@@ -155,6 +155,7 @@ class RepeatSummary:
         self._window = window
         #: kinds logged within the window -> how many more came since
         self._open: dict[Hashable, int] = {}
+        self._timers: dict[Hashable, tuple[IDelayedCall, tuple[Any, ...]]] = {}
 
     def emit(self, kind: Hashable, log: Logger, level: LogLevel, format: str,
              **fields: Any) -> None:
@@ -167,10 +168,20 @@ class RepeatSummary:
             return
         log.emit(level, format, **fields)
         self._open[kind] = 0
-        self._clock.callLater(self._window, self._close, kind, log, level, format, fields)
+        arguments = (kind, log, level, format, fields)
+        self._timers[kind] = (self._clock.callLater(self._window, self._close, *arguments),
+                              arguments)
+
+    def flush(self) -> None:
+        """Write every open window's summary now (at shutdown: no count is lost)."""
+        for timer, arguments in list(self._timers.values()):
+            if timer.active():
+                timer.cancel()
+                self._close(*arguments)
 
     def _close(self, kind: Hashable, log: Logger, level: LogLevel, format: str,
                fields: dict[str, Any]) -> None:
+        self._timers.pop(kind, None)
         count = self._open.pop(kind)
         if count:
             log.emit(level, format + "; {repeats} more like this in the last {window:g}s",
