@@ -261,7 +261,11 @@ class ProxyChannel(HTTPChannel):
         if self.transport is None:
             return
         message = "client {peer} sent no complete request head within {timeout:g}s"
-        peer = str(self.transport.getPeer())
+        address = self.transport.getPeer()
+        host, port = getattr(address, "host", None), getattr(address, "port", None)
+        # host:port ([v6]:port), not the IPv4Address(type='TCP', ...) repr
+        peer = (str(address) if host is None else
+                f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         repeats = getattr(getattr(self, "site", None), "repeats", None)
         if repeats is None:
             log.info(message, peer=peer, timeout=self.header_timeout)
