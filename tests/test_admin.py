@@ -13,6 +13,7 @@ from treq.testing import StubTreq
 from twisted.internet import defer, utils
 from twisted.internet import error as neterror
 from twisted.internet.task import Clock
+from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.server import Site
 
@@ -115,6 +116,16 @@ class DrainTests(AdminTestCase):
         self.assertEqual(len(self.lb.pool), 3)
         code, error = self.call("POST", "/backends", {"backend": "127.0.0.1:9100"})
         self.assertEqual(code, 409)
+
+    def test_an_added_backend_is_in_the_service_log(self) -> None:
+        """Removing one is logged; adding one through the API must be too (what changed)."""
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        self.call("POST", "/backends", {"backend": "127.0.0.1:9100", "weight": 2})
+        lines = [formatEvent(e) for e in events]
+        self.assertIn("backend 127.0.0.1:9100 added through the admin API (weight 2, "
+                      "max_conns 0)", lines)
 
     def test_remove_waits_for_in_flight(self) -> None:
         client = self.proxy()  # on A

@@ -11,7 +11,7 @@ from pathlib import Path
 from twisted.trial.unittest import SynchronousTestCase
 
 from txlb import build_config
-from txlb.nginx import listen_directive, render
+from txlb.nginx import listen_directive, render, tls_directives
 
 from .integration import ROOT, throwaway_certificate
 from .parts import missing
@@ -96,6 +96,34 @@ class GeneratedConfigTests(SynchronousTestCase):
         self.assertEqual(listen_directive("tcp:8000:interface=127.0.0.1"), "127.0.0.1:8000")
         self.assertEqual(listen_directive("tcp6:8000:interface=\\:\\:1"), "[::1]:8000")
         self.assertEqual(listen_directive("unix:/run/lb.sock"), "unix:/run/lb.sock")
+
+    def test_listen_forms_as_twisted_parses_them(self) -> None:
+        """
+        Any spelling Twisted's endpoint parser accepts for twistd is the same listener in
+        nginx: the port as a keyword, positional arguments in each parser's own order, a
+        backslash taking the next character (an escaped backslash before a separator too).
+        """
+        self.assertEqual(listen_directive("tcp:port=8000:interface=127.0.0.1"),
+                         "127.0.0.1:8000")
+        self.assertEqual(listen_directive("tcp:8000:127.0.0.1"), "127.0.0.1:8000")
+        self.assertEqual(listen_directive("tcp6:8000:50:\\:\\:1"),
+                         "[::1]:8000")  # tcp6's order: port, backlog, interface
+        self.assertEqual(listen_directive("ssl:port=8443:privateKey=k.pem"), "8443 ssl")
+        self.assertEqual(listen_directive("unix:address=/run/lb.sock"), "unix:/run/lb.sock")
+        self.assertEqual(listen_directive("unix:/run/a\\:b.sock"),
+                         "unix:/run/a:b.sock")
+
+    def test_ssl_key_paths_as_twisted_reads_them(self) -> None:
+        """The key as a positional argument, an escaped backslash, Twisted's server.pem."""
+        here = os.getcwd()
+        positional = "\n".join(tls_directives("ssl:8443:/k/key.pem:/k/cert.pem"))
+        self.assertIn("ssl_certificate '/k/cert.pem';", positional)
+        self.assertIn("ssl_certificate_key '/k/key.pem';", positional)
+        backslash = "\n".join(tls_directives("ssl:8443:privateKey=/k/a\\\\:certKey=/k/c"))
+        self.assertIn("ssl_certificate_key '/k/a\\\\';", backslash)  # the file /k/a\
+        self.assertIn("ssl_certificate '/k/c';", backslash)
+        default = "\n".join(tls_directives("ssl:8443"))  # Twisted reads ./server.pem
+        self.assertIn(f"ssl_certificate_key '{here}/server.pem';", default)
 
     def test_command_line(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -224,6 +224,27 @@ class StartUpErrorTests(SynchronousTestCase):
                                         "--backends", "127.0.0.1:9")
         self.assertIn(f"--admin {admin}: cannot listen", line)
 
+    def test_unix_socket_in_missing_directory(self) -> None:
+        """
+        Not only a port in use: a path Twisted cannot even lock (its directory is
+        missing) raises a plain OSError, which twistd printed as a 40-line traceback.
+        """
+        # not under mktemp(): its path has this class's name, an "error" in every line
+        listen = f"unix:/tmp/txlb-no-such-directory-{os.getpid()}/lb.sock"
+        _, [line] = self.run_twistd("--listen", listen, "--admin", "none",
+                                    "--log-file", "none", "--backends", "127.0.0.1:9")
+        self.assertIn(f"--listen {listen}: cannot listen: no such file or directory", line)
+        self.assertNotIn("Stop whatever holds it", line)  # nothing holds it
+        self.assertIn("choose another with --listen", line)
+
+    def test_address_not_on_this_host(self) -> None:
+        """EADDRNOTAVAIL is not a port someone holds: the hint must not say so."""
+        listen = "tcp:0:interface=192.0.2.1"  # TEST-NET-1, never a local address
+        _, [line] = self.run_twistd("--listen", listen, "--admin", "none",
+                                    "--log-file", "none", "--backends", "127.0.0.1:9")
+        self.assertIn(f"--listen {listen}: cannot listen: cannot assign requested", line)
+        self.assertNotIn("Stop whatever holds it", line)
+
     def test_mistyped_option(self) -> None:
         code, [line] = self.run_twistd("--helth-interval", "3")
         self.assertEqual(code, 2)

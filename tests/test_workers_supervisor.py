@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import attrs
+from prometheus_client.parser import text_string_to_metric_families
 from treq.testing import StubTreq
 from twisted.internet.error import ProcessTerminated
 from twisted.internet.task import Clock
@@ -185,6 +186,22 @@ class SupervisorTests(SynchronousTestCase):
         sup.received(worker, [["down", hung.key, "hung: no byte from any of 2 requests"]])
         self.assertFalse(hung.healthy)
         self.assertEqual(hung.hung_ejections, 1)
+
+    def test_the_queue_length_is_every_workers(self) -> None:
+        """
+        Under --workers the requests wait in the workers' routers, never in the
+        supervisor's: txlb_queue_length (like the dashboard's queue) is their sum, not
+        the supervisor's own router's, which is always 0.
+        """
+        sup = supervisor(self)
+        row = SharedCounts(sup.shared.fd, 2, sup.shared.slots_max, row=1)
+        self.addCleanup(row.close)
+        row.set_waiters(3)
+        text = sup.balancer.metrics.exposition().decode()
+        [family] = [f for f in text_string_to_metric_families(text)
+                    if f.name == "txlb_queue_length"]
+        self.assertEqual([sample.value for sample in family.samples], [3])
+        self.assertEqual(sup.balancer.history.sample().queued, 3)
 
     def test_a_crash_loop_backs_off_and_never_gives_up(self) -> None:
         reactor = SpawningReactor()

@@ -428,6 +428,10 @@ class Admin:
             backend = self.pool.add(spec)
         except ValueError as error:
             raise AdminError(409, str(error)) from None
+        # here, not in Pool.add, which also builds the configured fleet at start-up
+        log.info("backend {backend} added through the admin API (weight {weight}, "
+                 "max_conns {max_conns})", backend=backend.key, weight=spec.weight,
+                 max_conns=spec.max_conns)
         try:
             self._on_added(backend)
         except Exception:

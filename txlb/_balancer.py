@@ -9,6 +9,7 @@ tests run the whole balancer in memory.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import random
 from collections.abc import Callable, Iterable
@@ -16,13 +17,17 @@ from typing import Any
 
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred, maybeDeferred, succeed
+from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
+from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import Agent
-from twisted.web.iweb import IAgent
+from twisted.web.client import URI, Agent
+from twisted.web.error import SchemeNotSupported
+from twisted.web.iweb import IAgent, IAgentEndpointFactory
 from twisted.web.resource import IResource
 from twisted.web.server import Site
+from zope.interface import implementer
 
 from ._affinity import BoundedLoadRing
 from ._backend import Backend, InFlightStore, OutlierRule, Pool
@@ -33,7 +38,7 @@ from ._hung import HangDetector, health_probe
 from ._metrics import Metrics
 from ._policies import PeakEwmaLatency, make_policy
 from ._proxy import ProxyContext, ProxyResource
-from ._quiet import QuietConnectionPool
+from ._quiet import QuietConnectionPool, RepeatSummary
 from ._ratelimit import RateLimiter, TokenBuckets, client_key
 from ._relay import AgentUpstream
 from ._resultlog import open_result_log
@@ -108,9 +113,39 @@ class _LifecycleService(Service):
 
     def _release(self) -> Deferred[None] | None:
         balancer = self._balancer
+        balancer.repeats.flush()  # the summaries still counting, before the process ends
         if balancer.result_log is not None:
             balancer.result_log.close()
         return balancer.upstream.close_idle()
+
+
+
+@implementer(IAgentEndpointFactory)
+class ProbeEndpoints:
+    """
+    Where the health prober connects: a backend given as an IP address directly, one
+    given by name through the reactor's resolver.
+
+    Agent's own endpoints resolve every host, an IP literal too, with ``getaddrinfo`` in
+    the reactor's thread pool: a few backends whose names resolve slowly held every thread,
+    and the probes of all the others waited behind them past ``--health-timeout`` -- the
+    whole fleet marked down for a DNS problem of backends it does not need DNS for.
+    """
+
+    def __init__(self, reactor: Any, connect_timeout: float) -> None:
+        self._reactor = reactor
+        self._timeout = connect_timeout
+
+    def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:
+        if uri.scheme != b"http":
+            raise SchemeNotSupported(f"unsupported scheme: {uri.scheme!r}")
+        host = uri.host.decode("ascii")
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return HostnameEndpoint(self._reactor, uri.host, uri.port, timeout=self._timeout)
+        endpoint = TCP6ClientEndpoint if address.version == 6 else TCP4ClientEndpoint
+        return endpoint(self._reactor, host, uri.port, timeout=self._timeout)
 
 
 class LoadBalancer:
@@ -160,13 +195,15 @@ class LoadBalancer:
         )
         if probe_agent is None:
             # Probes use fresh connections: a probe must prove the backend still accepts.
-            probe_agent = Agent(
+            probe_agent = Agent.usingEndpointFactory(
                 reactor,
-                connectTimeout=config.health_timeout,
+                ProbeEndpoints(reactor, config.health_timeout),
                 # quiet: two "Starting/Stopping factory" lines per probe would flood the log
                 pool=QuietConnectionPool(reactor, persistent=False),
             )
         self.privacy = privacy_of(config)
+        #: per-request warnings, summarised per kind: one line a minute each, not per request
+        self.repeats = RepeatSummary(reactor)
         self.result_log = open_result_log(
             config.log_file, config.log_max_bytes, config.log_backups, config.log_format, reactor
         )
@@ -216,6 +253,7 @@ class LoadBalancer:
             on_retry=self.metrics.retries.inc,
             client_key=lambda request: client_key(request, config.rate_key),
             x_backend=config.x_backend,
+            repeats=self.repeats,
         )
         limiter = None
         if config.rate_limit is not None:
@@ -296,7 +334,8 @@ class LoadBalancer:
         """A ``Site`` serving only the proxy (what ``twistd llmlb`` listens with)."""
         return ProxySite(self.proxy, max_body=self.config.max_body,
                          header_timeout=self.config.header_timeout,
-                         on_refused=self.proxy.log_refused, reactor=self.reactor)
+                         on_refused=self.proxy.log_refused, reactor=self.reactor,
+                         repeats=self.repeats)
 
     def service(self, health_checks: bool = True) -> IService:
         """

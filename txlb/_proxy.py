@@ -23,7 +23,7 @@ from twisted.internet import error as neterror
 from twisted.internet.address import UNIXAddress
 from twisted.internet.defer import CancelledError, Deferred, fail
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 from twisted.web.client import RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived
 from twisted.web.http import HTTPChannel
@@ -39,6 +39,7 @@ from ._headers import (
     flatten,
     upstream_request_headers,
 )
+from ._quiet import RepeatSummary
 from ._ratelimit import RateLimiter, client_key
 from ._routing import Router, RoutingError
 from ._summary import RequestRecord, parse_json_object
@@ -143,6 +144,8 @@ class ProxyContext:
     live: set[Exchange] = attrs.field(factory=set)
     #: who gets ``X-Backend``/``X-Backend-Port``: ``on``, ``loopback`` or ``off``
     x_backend: str = "on"
+    #: per-request warnings, one line per kind a minute (``None``: every one logged)
+    repeats: RepeatSummary | None = None
 
 
 @attrs.frozen
@@ -288,6 +291,15 @@ class Exchange:
         else:
             failure.raiseException()
 
+    def _say(self, kind: tuple[object, ...], level: LogLevel, format: str,
+             **fields: object) -> None:
+        """A per-request warning: summarised per kind (see txlb._quiet.RepeatSummary)."""
+        repeats = self.context.repeats
+        if repeats is None:
+            log.emit(level, format, **fields)
+        else:
+            repeats.emit(kind, log, level, format, **fields)
+
     # -- response head ----------------------------------------------------------------------
 
     def _got_response(self, response: UpstreamResponse) -> None:
@@ -295,8 +307,9 @@ class Exchange:
         self.lease.backend.last_byte = self._now()
         self.context.on_answer(self.lease.backend, response.code, self._blamed(response.code))
         if response.code in _RETRIED_STATUSES and self._can_retry():
-            log.info("backend {backend} answered {status}; trying another",
-                     backend=self.lease.backend.key, status=response.code)
+            self._say(("retried", self.lease.backend.key, response.code), LogLevel.info,
+                      "backend {backend} answered {status}; trying another",
+                      backend=self.lease.backend.key, status=response.code)
             response.discard()
             self._retry()
             return
@@ -442,7 +455,8 @@ class Exchange:
             self._fail_before_body(502, f"{self._named(self.lease.backend)} failed "
                                         "before its body", "upstream_error")
         else:
-            log.warn(
+            self._say(
+                ("part-way", self.lease.backend.key), LogLevel.warn,
                 "backend {backend} stopped part-way through a response ({error}); the "
                 "client got a truncated response",
                 backend=self.lease.backend.key,
@@ -474,15 +488,17 @@ class Exchange:
             # answering: an engine killed mid-prefill may have done the work already, and
             # for an LLM a second try is a second generation.  502, never a retry; the
             # backend is probed at once and leaves rotation only if the probe fails.
-            log.warn("backend {backend} closed the connection after receiving the whole "
-                     "request, before answering; not retried", backend=backend.key)
+            self._say(("closed-unanswered", backend.key), LogLevel.warn,
+                      "backend {backend} closed the connection after receiving the whole "
+                      "request, before answering; not retried", backend=backend.key)
             self.context.on_suspect(backend)
             self._fail(502, f"{self._named(backend)} closed the connection without answering",
                        "upstream_error")
         elif failure.check(*_CONNECT_TIMEOUT):
             self._fail(504, f"timed out connecting to {self._named(backend)}", "timeout")
         else:
-            log.warn(
+            self._say(
+                ("failed", backend.key), LogLevel.warn,
                 "request to {backend} failed: {error}",
                 backend=backend.key,
                 error=describe_failure(failure),
@@ -500,8 +516,9 @@ class Exchange:
             if stalled < limit:
                 self._watchdog = self.clock.callLater(limit - stalled, self._read_timed_out)
                 return
-            log.info("client of a {backend} response read nothing for {timeout:g}s; "
-                     "cutting it off", backend=backend.key, timeout=limit)
+            self._say(("client-stalled",), LogLevel.info,
+                      "client of a {backend} response read nothing for {timeout:g}s; "
+                      "cutting it off", backend=backend.key, timeout=limit)
             self._end("client_timeout", self._cut_client)
             return
         silent = self._now() - self._last_activity
@@ -510,7 +527,8 @@ class Exchange:
             self._watchdog = self.clock.callLater(self.read_timeout - silent,
                                                   self._read_timed_out)
             return
-        log.warn(
+        self._say(
+            ("silent", backend.key), LogLevel.warn,
             "backend {backend} silent for {timeout}s; giving up",
             backend=backend.key,
             timeout=self.read_timeout,

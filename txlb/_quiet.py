@@ -11,11 +11,15 @@ Twisted's defaults bury those under routine lines:
 * ``Site`` writes an access line per request, and the dashboard polls the admin port every
   two seconds (the admin Site overrides ``log``);
 * a listening port logs one line per connection it fails to accept, so at the file-descriptor
-  limit every refused client adds a line (:class:`AcceptErrorSummary`).
+  limit every refused client adds a line (:class:`AcceptErrorSummary`);
+* txlb's own per-request warnings (a backend killed with 200 streams in flight, a slow
+  client's head, a 503 retried elsewhere) would be one line per request
+  (:class:`RepeatSummary`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 from twisted.internet.defer import Deferred
@@ -25,12 +29,12 @@ from twisted.internet.interfaces import (
     IReactorTime,
     IStreamServerEndpoint,
 )
-from twisted.logger import ILogObserver, Logger
+from twisted.logger import ILogObserver, Logger, LogLevel
 from twisted.web.client import HTTPConnectionPool, _HTTP11ClientFactory
 from zope.interface import implementer
 
 __all__ = ["AcceptErrorSummary", "QuietAcceptErrors", "QuietConnectionPool",
-           "summarise_accept_errors"]
+           "RepeatSummary", "summarise_accept_errors"]
 
 
 class _QuietHTTP11ClientFactory(_HTTP11ClientFactory):
@@ -132,3 +136,53 @@ def summarise_accept_errors(port: object, clock: IReactorTime, description: str)
         summary = AcceptErrorSummary(clock, description)
         port._logger = Logger(  # type: ignore[attr-defined]
             namespace=original.namespace, observer=summary)
+
+
+class RepeatSummary:
+    """
+    Per-request warnings, at most one line per kind a window: the first of a kind is
+    logged as it happens, the rest of that window are counted and summarised in one line
+    when it ends.
+
+    A kind is what an operator acts on -- "backend B stopped part-way", "slow client
+    heads" -- not each request: a backend killed with 200 streams in flight is one event,
+    and a client opening connections it never completes must not be able to write a line
+    per connection.
+    """
+
+    def __init__(self, clock: IReactorTime, window: float = 60.0) -> None:
+        self._clock = clock
+        self._window = window
+        #: kinds logged within the window -> how many more came since
+        self._open: dict[Hashable, int] = {}
+        self._timers: dict[Hashable, tuple[IDelayedCall, tuple[Any, ...]]] = {}
+
+    def emit(self, kind: Hashable, log: Logger, level: LogLevel, format: str,
+             **fields: Any) -> None:
+        """
+        Log ``format`` through ``log`` (the caller's, so its namespace stays), or count it
+        if this kind was logged within the window.
+        """
+        if kind in self._open:
+            self._open[kind] += 1
+            return
+        log.emit(level, format, **fields)
+        self._open[kind] = 0
+        arguments = (kind, log, level, format, fields)
+        self._timers[kind] = (self._clock.callLater(self._window, self._close, *arguments),
+                              arguments)
+
+    def flush(self) -> None:
+        """Write every open window's summary now (at shutdown: no count is lost)."""
+        for timer, arguments in list(self._timers.values()):
+            if timer.active():
+                timer.cancel()
+                self._close(*arguments)
+
+    def _close(self, kind: Hashable, log: Logger, level: LogLevel, format: str,
+               fields: dict[str, Any]) -> None:
+        self._timers.pop(kind, None)
+        count = self._open.pop(kind)
+        if count:
+            log.emit(level, format + "; {repeats} more like this in the last {window:g}s",
+                     **fields, repeats=count, window=self._window)

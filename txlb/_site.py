@@ -44,13 +44,14 @@ from typing import Any
 
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import connectionDone
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel
 from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
 from ._errors import error_body
+from ._quiet import RepeatSummary
 
 log = Logger()
 
@@ -259,8 +260,18 @@ class ProxyChannel(HTTPChannel):
         self._head_deadline = None
         if self.transport is None:
             return
-        log.info("client {peer} sent no complete request head within {timeout:g}s",
-                 peer=str(self.transport.getPeer()), timeout=self.header_timeout)
+        message = "client {peer} sent no complete request head within {timeout:g}s"
+        address = self.transport.getPeer()
+        host, port = getattr(address, "host", None), getattr(address, "port", None)
+        # host:port ([v6]:port), not the IPv4Address(type='TCP', ...) repr
+        peer = (str(address) if host is None else
+                f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        repeats = getattr(getattr(self, "site", None), "repeats", None)
+        if repeats is None:
+            log.info(message, peer=peer, timeout=self.header_timeout)
+        else:  # a client opening connections it never completes: not a line per connection
+            repeats.emit(("slow-head",), log, LogLevel.info, message, peer=peer,
+                         timeout=self.header_timeout)
         self.refuse(408, f"request headers not received within {self.header_timeout:g}s")
 
 
@@ -345,11 +356,13 @@ class ProxySite(Site):
     noisy = False  # "Starting factory <ProxySite object at 0x...>" says nothing to operators
 
     def __init__(self, resource: IResource, max_body: int = 0, header_timeout: float = 30.0,
-                 on_refused: Any = None, **kwargs: Any) -> None:
+                 on_refused: Any = None, repeats: RepeatSummary | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(resource, **kwargs)
         self.max_body = max_body
         self.header_timeout = header_timeout
         self.on_refused = on_refused
+        self.repeats = repeats
 
     def buildProtocol(self, addr: Any) -> Any:
         channel = super().buildProtocol(addr)

@@ -189,8 +189,9 @@ class WorkerSupervisor(Service):
         self._all_ended: Deferred[None] | None = None
         self._config_blob = config_blob(balancer.config)
         balancer.pool.on_update.append(self._schedule_push)
-        # the queues are the workers', not this process's router's
+        # the queues are the workers', not this process's router's (always empty)
         balancer.history.queued = self.queued
+        balancer.metrics.state.queue_length = self.queued
 
     # -- start ----------------------------------------------------------------------------
 

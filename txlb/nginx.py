@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 from collections.abc import Sequence
 
@@ -42,33 +41,61 @@ def _size(value: int) -> str:
     return str(value)
 
 
-def _endpoint_parts(endpoint: str) -> list[str]:
-    """A Twisted endpoint string split on its unescaped ``:``."""
-    return re.split(r"(?<!\\):", endpoint)
+#: Each server endpoint's arguments in the order Twisted's parser takes them positionally
+#: (``tcp:8000:127.0.0.1`` names the interface; tcp6 puts the backlog before it).
+_POSITIONAL = {
+    "tcp": ("port", "interface", "backlog"),
+    "tcp6": ("port", "backlog", "interface"),
+    "ssl": ("port", "privateKey", "certKey", "sslmethod", "interface", "backlog",
+            "extraCertChain", "dhParameters"),
+    "unix": ("address", "mode", "backlog", "lockfile"),
+}
 
 
-def _unescape(value: str) -> str:
-    """An endpoint argument as Twisted reads it: a backslash takes the next character."""
-    return re.sub(r"\\(.)", r"\1", value)
+def _endpoint_arguments(endpoint: str) -> tuple[str, dict[str, str]]:
+    """
+    A Twisted server endpoint string read as Twisted reads it: the kind, and every
+    argument by name whether it was given by position or as ``name=value``.  A backslash
+    takes the next character (so ``\\:`` is a backslash, then a separator), and a
+    value may hold ``=``.  Reading it any other way would give nginx a listener or a key
+    file other than the one twistd uses.
+    """
+    fields: list[list[str]] = [[""]]
+    characters = iter(endpoint)
+    for character in characters:
+        if character == "\\":
+            fields[-1][-1] += next(characters, "")
+        elif character == ":":
+            fields.append([""])
+        elif character == "=" and len(fields[-1]) == 1:
+            fields[-1].append("")
+        else:
+            fields[-1][-1] += character
+    kind = fields[0][0].lower()
+    names = _POSITIONAL.get(kind, ())
+    arguments: dict[str, str] = {}
+    positional = [field[0] for field in fields[1:] if len(field) == 1]
+    for name, value in zip(names, positional, strict=False):  # extra ones: Twisted errs
+        arguments[name] = value
+    arguments.update((field[0], field[1]) for field in fields[1:] if len(field) == 2)
+    return kind, arguments
 
 
 def tls_directives(endpoint: str) -> list[str]:
     """
     ``ssl_certificate`` and ``ssl_certificate_key`` for an ``ssl:`` endpoint (none for
     others): nginx refuses ``listen ... ssl`` without them.  Twisted's ``privateKey`` is
-    the key (and the certificate too unless ``certKey`` is given), ``certKey`` the
-    certificate.  Paths are made absolute against the working directory, as twistd reads
-    them, because nginx would read a relative one against its own prefix.
+    the key (``server.pem`` when not given, as Twisted reads it; the certificate too
+    unless ``certKey`` is given), ``certKey`` the certificate.  Paths are made absolute
+    against the working directory, as twistd reads them, because nginx would read a
+    relative one against its own prefix.
     """
-    parts = _endpoint_parts(endpoint)
-    if parts[0].lower() != "ssl":
+    kind, arguments = _endpoint_arguments(endpoint)
+    if kind != "ssl":
         return []
-    arguments = dict(part.split("=", 1) for part in parts[2:] if "=" in part)
-    if "privateKey" not in arguments:
-        raise ConfigError(f"--listen: {endpoint!r} names no privateKey for nginx's "
-                          "ssl_certificate_key")
-    key = os.path.abspath(_unescape(arguments["privateKey"]))
-    certificate = os.path.abspath(_unescape(arguments.get("certKey", arguments["privateKey"])))
+    private_key = arguments.get("privateKey", "server.pem")
+    key = os.path.abspath(private_key)
+    certificate = os.path.abspath(arguments.get("certKey", private_key))
     lines = [f"ssl_certificate {_quote(certificate)};",
              f"ssl_certificate_key {_quote(key)};"]
     if "extraCertChain" in arguments:
@@ -92,15 +119,13 @@ def access_log_directive(log_file: str, base: str | None = None) -> str:
 
 def listen_directive(endpoint: str) -> str:
     """A Twisted server endpoint string as an nginx ``listen`` (TCP only)."""
-    parts = _endpoint_parts(endpoint)
-    kind = parts[0].lower()
+    kind, arguments = _endpoint_arguments(endpoint)
     if kind == "unix":
-        return f"unix:{parts[1]}"
-    if kind not in ("tcp", "tcp6", "ssl"):
+        return f"unix:{arguments.get('address', '')}"
+    if kind not in ("tcp", "tcp6", "ssl") or "port" not in arguments:
         raise ConfigError(f"--listen: {endpoint!r} has no nginx equivalent")
-    port = parts[1]
-    interface = next((p.split("=", 1)[1].replace("\\:", ":") for p in parts[2:]
-                      if p.startswith("interface=")), None)
+    port = arguments["port"]
+    interface = arguments.get("interface")
     address = f"[{interface}]:{port}" if interface and ":" in interface else \
         f"{interface}:{port}" if interface else port
     return f"{address} ssl" if kind == "ssl" else address

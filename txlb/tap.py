@@ -8,6 +8,7 @@ on the command line" from "not given" and apply the precedence rule
 
 from __future__ import annotations
 
+import errno
 import re
 import signal
 import sys
@@ -184,16 +185,22 @@ class _ListeningService(StreamServerEndpointService):
     def privilegedStartService(self) -> None:
         try:
             super().privilegedStartService()
-        except CannotListenError as error:
+        except (CannotListenError, OSError) as error:
+            # OSError too: a unix: path whose directory is missing fails in Twisted's
+            # lock file with a plain FileNotFoundError, not a CannotListenError
             _cannot_listen(self._option, self._description, error)
 
 
-def _cannot_listen(option: str, description: str, error: CannotListenError) -> NoReturn:
+def _cannot_listen(option: str, description: str, error: Exception) -> NoReturn:
     """End start-up with one line on a port that cannot be listened on, exit status 1."""
-    reason = getattr(error.socketError, "strerror", None) or str(error.socketError)
-    log.critical("txlb: error: --{option} {endpoint}: cannot listen: {reason}. Stop whatever "
-                 "holds it, or choose another with --{option}", option=option,
-                 endpoint=description, reason=str(reason).lower())
+    cause = error.socketError if isinstance(error, CannotListenError) else error
+    reason = getattr(cause, "strerror", None) or str(cause)
+    # only a port in use is held by something the operator could stop
+    held = getattr(cause, "errno", None) == errno.EADDRINUSE
+    hint = "Stop whatever holds it, or choose" if held else "Check the endpoint, or choose"
+    log.critical("txlb: error: --{option} {endpoint}: cannot listen: {reason}. {hint} "
+                 "another with --{option}", option=option, endpoint=description,
+                 reason=str(reason).lower(), hint=hint)
     raise SystemExit(1) from None
 
 
@@ -241,7 +248,7 @@ def _supervised(config: Config, reactor: Any) -> IService:
         def privilegedStartService(self) -> None:
             try:
                 super().privilegedStartService()
-            except CannotListenError as error:
+            except (CannotListenError, OSError) as error:
                 _cannot_listen("listen", config.listen, error)
 
     shared = SharedCounts.create(config.workers)
