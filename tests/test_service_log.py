@@ -287,3 +287,28 @@ class RepeatedEventTests(SynchronousTestCase):
         stays = [e for e in events if "stays in" in str(e.get("log_format"))]
         self.assertEqual(len(stays), 1)
         self.assertTrue(second.healthy)
+
+
+class BackendChosenTextTests(SynchronousTestCase):
+    """What a backend chooses (its model names) cannot forge or split a service-log line."""
+
+    def test_model_names_are_escaped(self) -> None:
+        from twisted.logger import formatEvent
+
+        from txlb import BackendSpec, Pool
+
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        pool = Pool((BackendSpec("127.0.0.1", 8002),))
+        backend = pool.get("127.0.0.1:8002")
+        assert backend is not None
+        pool.set_models(backend, [{"id": "m\nbackend 127.0.0.1:8003 marked down: forged"},
+                                  {"id": "\x1b]0;pwned\x07"}])
+        lines = [formatEvent(e) for e in events if "serves" in str(e.get("log_format"))]
+        self.assertEqual(len(lines), 1)
+        self.assertNotIn("\n", lines[0])
+        self.assertNotIn("\x1b", lines[0])
+        self.assertIn("\\n", lines[0])
+        self.assertEqual(backend.learned_models,
+                         ("m\nbackend 127.0.0.1:8003 marked down: forged", "\x1b]0;pwned\x07"))

@@ -17,6 +17,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
 from ._config import BackendSpec
+from ._escape import escape
 
 log = Logger()
 
@@ -554,8 +555,9 @@ class Pool:
         backend.model_entries = kept
         ids = tuple(names)
         if ids != backend.learned_models:
+            # the names are the backend's to choose: escaped, so none can forge a log line
             log.info("backend {backend} serves {models}", backend=backend.key,
-                     models=", ".join(ids) or "no model")
+                     models=escape(", ".join(ids), "text") or "no model")
         backend.learned_models = ids
         self._updated()
 
