@@ -22,7 +22,7 @@ from twisted.web.server import Site
 from txlb import BackendSpec, LoadBalancer, Pool
 from txlb._health import HealthChecker
 from txlb._resultlog import ResultLog
-from txlb._summary import RequestRecord
+from txlb._summary import RequestRecord, summarize
 from txlb._upstream import UpstreamClient, UpstreamConnection
 
 from .helpers import ClientConnection, FakeResponse, FakeUpstream
@@ -128,7 +128,7 @@ class ResultLogLineTests(SynchronousTestCase):
                                    content_type=b"application/json")
         completion.capture(b'{"choices": [{"text": "one\\rtwo", "finish_reason": "stop"}]}')
         for record in (other, error, completion):
-            log.record(record)
+            log.write(summarize(record))
         data = path.read_bytes()
         self.assertNotIn(b"\r", data)
         self.assertEqual(data.count(b"\n"), 3, data)

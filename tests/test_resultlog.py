@@ -55,14 +55,14 @@ class ResultLogTests(SynchronousTestCase):
     def test_one_line_per_record(self) -> None:
         log = self.result_log()
         for n in range(3):
-            log.record(a_record(n))
+            log.write(summarize(a_record(n)))
         lines = self.lines()
         self.assertEqual(len(lines), 3)
         self.assertTrue(lines[2].endswith("GET /v1/models/2 status=200 dur=0.500"), lines[2])
 
     def test_json_lines(self) -> None:
         log = self.result_log(fmt="json")
-        log.record(a_record(7))
+        log.write(summarize(a_record(7)))
         self.assertEqual(json.loads(self.lines()[0])["path"], "/v1/models/7")
 
     def test_lone_surrogate_in_a_request_key_is_written_escaped(self) -> None:
@@ -73,7 +73,7 @@ class ResultLogTests(SynchronousTestCase):
             record = RequestRecord(started=0.0, method=b"POST", path=b"/v1/completions",
                                    orid_header=None, request_body=b'{"\\ud800": 1}',
                                    backend="127.0.0.1:8002", status=404, ended=0.5)
-            log.record(record)
+            log.write(summarize(record))
             log.close()
             self.assertEqual(len(self.lines()), 1, fmt)
             self.assertIn("ud800", self.lines()[0])
@@ -82,9 +82,9 @@ class ResultLogTests(SynchronousTestCase):
     def test_a_body_of_many_keys_makes_a_bounded_line(self) -> None:
         log = self.result_log()
         body = json.dumps({f"k{n:06d}" + "x" * 200: n for n in range(5000)}).encode()
-        log.record(RequestRecord(started=0.0, method=b"POST", path=b"/v1/completions",
-                                 orid_header=None, request_body=body,
-                                 backend="127.0.0.1:8002", status=400, ended=0.5))
+        log.write(summarize(RequestRecord(
+            started=0.0, method=b"POST", path=b"/v1/completions", orid_header=None,
+            request_body=body, backend="127.0.0.1:8002", status=400, ended=0.5)))
         line = self.lines()[0]
         self.assertLess(len(line), 10_000)
         self.assertIn(",'…+4936']", line)
@@ -92,7 +92,7 @@ class ResultLogTests(SynchronousTestCase):
     def test_rotation_by_size(self) -> None:
         log = self.result_log(max_bytes=300, backups=2)
         for n in range(40):
-            log.record(a_record(n))
+            log.write(summarize(a_record(n)))
         names = sorted(p.name for p in self.directory.iterdir())
         self.assertEqual(names, ["lb_results.log", "lb_results.log.1", "lb_results.log.2"])
         newest_backup = self.lines(self.directory / "lb_results.log.1")
@@ -105,17 +105,17 @@ class ResultLogTests(SynchronousTestCase):
 
     def test_vanished_directory_reported_once_then_recovered(self) -> None:
         log = self.result_log()
-        log.record(a_record(0))
+        log.write(summarize(a_record(0)))
         shutil.rmtree(self.directory)
         self.clock.advance(RETRY_SECONDS)
         for n in range(1, 6):
-            log.record(a_record(n))  # never raises
+            log.write(summarize(a_record(n)))  # never raises
         self.assertEqual(len(self.errors()), 1)
         self.assertIn("cannot write the result log", str(self.errors()[0]["log_format"]))
         self.assertEqual(log.dropped, 5)
         self.directory.mkdir()
         self.clock.advance(RETRY_SECONDS)
-        log.record(a_record(6))
+        log.write(summarize(a_record(6)))
         self.assertEqual(self.lines()[-1].split()[5], "/v1/models/6")
         self.assertEqual(len(self.errors()), 1)
         recovered = [e for e in self.events if "writable again" in str(e.get("log_format"))]
@@ -126,7 +126,7 @@ class ResultLogTests(SynchronousTestCase):
         self.path = Path("/dev/full")
         log = self.result_log()
         for n in range(5):
-            log.record(a_record(n))
+            log.write(summarize(a_record(n)))
             self.clock.advance(RETRY_SECONDS)  # every retry fails again: still one report
         self.assertEqual(log.written, 0)
         self.assertEqual(log.dropped, 5)
@@ -135,16 +135,18 @@ class ResultLogTests(SynchronousTestCase):
     def test_unopenable_at_start_does_not_raise(self) -> None:
         self.path = self.directory / "missing-dir" / "x.log"
         log = self.result_log()
-        log.record(a_record())
+        log.write(summarize(a_record()))
         self.assertEqual((log.written, log.dropped), (0, 1))
         self.assertEqual(len(self.errors()), 1)
 
     def test_summariser_bug_does_not_escape(self) -> None:
-        log = self.result_log()
+        lb = LoadBalancer(["127.0.0.1:8002"], reactor=self.clock, agent=FakeUpstream(),
+                          probe_agent=FakeUpstream(), log_file=str(self.path))
+        self.addCleanup(lambda: lb.result_log and lb.result_log.close())
         broken = a_record()
         broken.response = [None]  # type: ignore[list-item]
-        log.record(broken)
-        log.record(a_record(1))
+        lb._request_ended(broken)
+        lb._request_ended(a_record(1))
         self.assertEqual(len(self.lines()), 1)
         self.assertEqual(len(self.flushLoggedErrors(TypeError)), 1)
 

@@ -25,11 +25,8 @@ from importlib import metadata
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from twisted.web.resource import Resource
-from twisted.web.server import Request
 
 from ._backend import Pool
 from ._summary import Summary
@@ -203,16 +200,3 @@ class Metrics:
     def exposition(self) -> bytes:
         return generate_latest(self._scraped)
 
-
-class MetricsResource(Resource):
-    """``GET /metrics``: the Prometheus text format, generated per scrape."""
-
-    isLeaf = True
-
-    def __init__(self, metrics: Metrics) -> None:
-        super().__init__()
-        self._metrics = metrics
-
-    def render_GET(self, request: Request) -> bytes:
-        request.setHeader(b"content-type", CONTENT_TYPE_PLAIN_0_0_4.encode())
-        return self._metrics.exposition()

@@ -8,7 +8,7 @@ Two promises shape this module:
   the first failure is reported once on the service log, lines are dropped (and counted)
   while it lasts, the file is reopened at most every :data:`RETRY_SECONDS`, and recovery
   is reported with the number of lines lost.
-* **Nothing per chunk.**  The proxy hands over a finished :class:`RequestRecord`; the
+* **Nothing per chunk.**  The balancer hands over a finished request's :class:`Summary`; the
   summary is computed and written once, when the request has ended.
 
 Rotation is Twisted's own ``LogFile`` (size-based; ``name.1`` is the newest backup).
@@ -28,7 +28,7 @@ from twisted.logger import Logger
 from twisted.python.logfile import LogFile
 
 from ._escape import escape, escape_json
-from ._summary import CLASSIC_PATHS, KEEP_ALL, Privacy, RequestRecord, Summary, summarize
+from ._summary import CLASSIC_PATHS, Summary
 
 log = Logger()
 
@@ -188,15 +188,6 @@ class ResultLog:
         self._next_check = 0.0
         self._identity: tuple[int, int] | None = None
         self._open()
-
-    def record(self, record: RequestRecord, privacy: Privacy = KEEP_ALL) -> None:
-        """Summarise and write one finished request.  Never raises."""
-        try:
-            summary = summarize(record, privacy)
-        except Exception:
-            log.failure("could not summarise a request for the result log")
-            return
-        self.write(summary)
 
     def write(self, summary: Summary) -> None:
         """Write one summarised request.  Never raises."""
