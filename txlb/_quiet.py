@@ -30,14 +30,16 @@ from twisted.internet.interfaces import (
     IStreamServerEndpoint,
 )
 from twisted.logger import ILogObserver, Logger, LogLevel
-from twisted.web.client import HTTPConnectionPool, _HTTP11ClientFactory
+from twisted.web.client import HTTPConnectionPool
 from zope.interface import implementer
+
+from ._compat import HTTP11ClientFactory, port_logger, set_port_logger
 
 __all__ = ["AcceptErrorSummary", "QuietAcceptErrors", "QuietConnectionPool",
            "RepeatSummary", "summarise_accept_errors"]
 
 
-class _QuietHTTP11ClientFactory(_HTTP11ClientFactory):
+class _QuietHTTP11ClientFactory(HTTP11ClientFactory):
     """The factory an HTTP client pool makes per connection, without its two log lines."""
 
     noisy = False
@@ -53,7 +55,7 @@ class QuietConnectionPool(HTTPConnectionPool):
     each backend writes two lines.
     """
 
-    _factory = _QuietHTTP11ClientFactory
+    _factory = _QuietHTTP11ClientFactory  # txlb._compat.POOL_FACTORY_ATTRIBUTE
 
 
 _log = Logger()
@@ -131,11 +133,10 @@ def summarise_accept_errors(port: object, clock: IReactorTime, description: str)
     :class:`AcceptErrorSummary`: they log through the port's ``_logger`` attribute (a class
     attribute, which an instance attribute overrides).  Other ports are left as they are.
     """
-    original = getattr(port, "_logger", None)
+    original = port_logger(port)
     if isinstance(original, Logger):
         summary = AcceptErrorSummary(clock, description)
-        port._logger = Logger(  # type: ignore[attr-defined]
-            namespace=original.namespace, observer=summary)
+        set_port_logger(port, Logger(namespace=original.namespace, observer=summary))
 
 
 class RepeatSummary:

@@ -32,6 +32,8 @@ from twisted.internet import tcp
 from twisted.internet.epollreactor import EPollReactor
 from twisted.python import log as legacy_log
 
+from ._compat import write_buffer_empty, write_disconnected
+
 _EPOLLIN = select.EPOLLIN
 #: send() results that mean "the kernel buffer is full": queue the data the stock way.
 _WOULD_BLOCK = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.EINTR})
@@ -46,9 +48,8 @@ class EagerWriteMixin:
 
     Anything that cannot go out then -- a partial send, a full kernel buffer -- and any
     write while data is already queued, TLS is started or the connection is closing takes
-    the stock path, which also handles errors and producer pausing.  It relies on
-    FileDescriptor's buffer attributes (``dataBuffer``, ``offset``, ``_tempDataBuffer``),
-    unchanged in the Twisted versions setup.cfg allows.
+    the stock path, which also handles errors and producer pausing.  FileDescriptor's
+    private buffer state is read through :mod:`txlb._compat`.
     """
 
     #: data written during the current event, not sent yet (``None``: nothing corked)
@@ -67,10 +68,9 @@ class EagerWriteMixin:
             pending is not None
             and conn.connected
             and not conn.disconnecting
-            and not conn._writeDisconnected
+            and not write_disconnected(conn)
             and not conn.TLS
-            and not conn._tempDataBuffer
-            and conn.offset == len(conn.dataBuffer)
+            and write_buffer_empty(conn)
         ):
             conn._corked = [data]
             pending.append(conn)
@@ -87,7 +87,7 @@ class EagerWriteMixin:
         if not corked or not conn.connected:
             return
         data = corked[0] if len(corked) == 1 else b"".join(corked)
-        if conn.disconnecting or conn._writeDisconnected or conn.TLS:
+        if conn.disconnecting or write_disconnected(conn) or conn.TLS:
             tcp.Connection.write(conn, data)
             return
         try:

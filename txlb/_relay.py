@@ -25,6 +25,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IBodyProducer, IResponse
 from zope.interface import implementer
 
+from ._compat import response_connection_headers
 from ._headers import RawHeaders, connection_tokens, flatten
 from ._upstream import IRelayOwner, UpstreamResponse
 
@@ -142,16 +143,7 @@ def connection_named(response: IResponse) -> frozenset[bytes]:
     so it is read there; should a Twisted version move it, nothing is stripped (the headers
     pass, as before) rather than anything failing.
     """
-    # Response._transport is a TransportProxyProducer around the TCP transport, whose
-    # protocol -- under the endpoint's wrapper -- is the HTTP11ClientProtocol holding the
-    # parser that kept the connection headers.
-    proxy = getattr(response, "_transport", None)
-    connection = getattr(getattr(proxy, "_producer", None), "protocol", None)
-    for _ in range(3):
-        if hasattr(connection, "_parser"):
-            break
-        connection = getattr(connection, "_wrappedProtocol", None)
-    headers = getattr(getattr(connection, "_parser", None), "connHeaders", None)
+    headers = response_connection_headers(response)
     if not isinstance(headers, Headers):
         return frozenset()
     return connection_tokens(flatten(headers.getAllRawHeaders()))

@@ -50,6 +50,7 @@ from twisted.web.http import HTTPChannel
 from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
+from ._compat import parsed_request_line
 from ._errors import error_body
 from ._quiet import RepeatSummary
 
@@ -76,21 +77,10 @@ _VISIBLE_ASCII = bytes(range(0x21, 0x7F))
 _TOKEN_SEPARATORS = re.compile(rb"[\s,]+")
 
 
-# -- twisted.web private API -----------------------------------------------------------------
-# HTTPChannel keeps the request line it parsed in private attributes (``_command``, ``_path``,
-# ``_version``) until it hands it to the request: they are read here, and only here.  It
-# answers malformed input from a private method, ``_respondToBadRequestAndDisconnect``, which
-# ProxyChannel overrides; should twisted.web rename it, its refusals would lose their JSON
-# body and their result-log line (tests/test_framing.py would say so), not their 400.
-
-def _parsed_request_line(channel: HTTPChannel) -> tuple[bytes | None, bytes | None,
-                                                         bytes | None]:
-    """The method, target and version of the request whose head is being parsed."""
-    return (getattr(channel, "_command", None), getattr(channel, "_path", None),
-            getattr(channel, "_version", None))
-
-
-# ---------------------------------------------------------------------------------------------
+# twisted.web private API: the request line being parsed is read through
+# txlb._compat.parsed_request_line; ProxyChannel overrides HTTPChannel's private
+# _respondToBadRequestAndDisconnect (txlb._compat.BAD_REQUEST_HOOK, whose existence
+# tests/test_compat.py checks).
 
 
 def _raw_response(status: int, body: bytes) -> bytes:
@@ -165,7 +155,7 @@ class ProxyChannel(HTTPChannel):
         """
         self._transfer_codings += _codings(value)
         codings = self._transfer_codings
-        _, _, version = _parsed_request_line(self)
+        _, _, version = parsed_request_line(self)
         if version != b"HTTP/1.1":
             return self.refuse(400, "Transfer-Encoding is not allowed in an HTTP/1.0 "
                                     "request")
@@ -182,7 +172,7 @@ class ProxyChannel(HTTPChannel):
         self._cancel_deadline()
         missing_host = self._host_lines == 0
         self._reset_head()
-        _, target, version = _parsed_request_line(self)
+        _, target, version = parsed_request_line(self)
         if target is not None and len(target.translate(None, _VISIBLE_ASCII)) != 0:
             # twisted.web lets DEL and bytes 0x80-0xB0 through; the backend's parser may not
             self.refuse(400, "the request target has bytes that are not visible ASCII")
@@ -335,7 +325,7 @@ class LimitedRequest(Request):
         self._refused = True
         # The request line is parsed but not yet given to the request: take it from the
         # channel, so the result log says what was refused ("-" when it did not parse).
-        command, path, _ = _parsed_request_line(self.channel)
+        command, path, _ = parsed_request_line(self.channel)
         self.method = command or b"-"
         self.uri = path or b"-"
         site = getattr(self.channel, "site", None)

@@ -43,6 +43,7 @@ from twisted.logger import InvalidLogLevelError, Logger, LogLevel
 from twisted.python.failure import Failure
 
 from ._balancer import LoadBalancer
+from ._compat import tcp_endpoint_address
 from ._config import ConfigError
 from ._shm import SharedCounts
 from ._wire import Lines, config_blob, decode, encode, summary_from
@@ -78,10 +79,8 @@ def listening_socket(reactor: Any, description: str) -> socket.socket:
     else:
         raise ConfigError(f"--workers: worker processes need a tcp: --listen endpoint, "
                           f"not {description!r}")
-    # The endpoint keeps what it parsed in attributes of its own (stable since 2009).
-    port: int = endpoint._port
-    interface: str = endpoint._interface or default
-    backlog: int = endpoint._backlog
+    port, interface, backlog = tcp_endpoint_address(endpoint)
+    interface = interface or default
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

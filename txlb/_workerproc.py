@@ -55,6 +55,7 @@ from zope.interface import implementer
 
 from ._backend import Backend
 from ._balancer import LoadBalancer, SequentialService
+from ._compat import adopt_listening_port
 from ._policies import PeakEwmaLatency
 from ._quiet import summarise_accept_errors
 from ._shm import SharedCounts
@@ -148,8 +149,8 @@ class AdoptedPort(Service):
             if isinstance(self._reactor, DirectDispatchEPollReactor):
                 base = EagerPort
         port_class: Any = type("WorkerPort", (FewAccepts, base), {})
-        port = port_class._fromListeningDescriptor(self._reactor, self._fd, self._family,
-                                                   self._site)
+        port = adopt_listening_port(port_class, self._reactor, self._fd, self._family,
+                                    self._site)
         port.startListening()
         summarise_accept_errors(port, self._reactor, "the main port")
         self.port = port
