@@ -135,6 +135,10 @@ class ProxyChannel(HTTPChannel):
         ``line`` is one whole field line (an obs-fold already joined with a space).
         """
         name, colon, value = line.partition(b":")
+        if len(value.translate(None, b"\x00\r\n")) != len(value):
+            # RFC 9110 5.5; twisted.web 25.5 passes a lone CR or LF through, which a
+            # backend's parser may read as the end of the line (request smuggling)
+            return self.refuse(400, "a header value has a NUL, CR or LF")
         lowered = name.lower()  # exact: "Host " (space before the colon) is twisted's 400
         if colon and lowered == b"transfer-encoding":
             return self._transfer_encoding(value)
