@@ -120,6 +120,26 @@ class HungTests(HungTestCase):
             "txlb_backend_hung_ejections_total", {"backend": hung})
         self.assertEqual(metrics, 1)
 
+    def test_a_confirming_probe_that_stalls_is_closed(self) -> None:
+        """
+        A stopped engine's kernel may still take the probe and a half-sent head may come
+        back: the 1 s timeout cancels the body read, which must close that connection, not
+        leave one open per confirmation.
+        """
+        self.open_streams(6)
+        hung = THREE[0]
+        self.flow(1, flowing=set(THREE))
+        stalled = []
+        while not stalled:
+            self.flow(STEP, flowing=set(THREE[1:]))
+            for call in self.probes.calls:
+                if not call.deferred.called:
+                    stalled.append(call.respond(FakeResponse(200)))  # a head, no body end
+        self.flow(2, flowing=set(THREE[1:]))
+        self.assertFalse(self.backend(hung).healthy)
+        self.assertIn("/health did not answer in 1s", " ".join(self.reasons))
+        self.assertTrue(stalled[0].transport.stopped)
+
     def test_a_hung_backend_with_requests_waiting_for_their_head(self) -> None:
         """Requests sent to it that never get a head count as much as stalled streams."""
         self.open_streams(2)  # one stream each on two backends

@@ -34,7 +34,7 @@ from ._backend import Backend, InFlightStore, OutlierRule, Pool
 from ._config import OPTIONS, Config, build_config
 from ._health import HealthChecker
 from ._history import History, HistoryService
-from ._hung import HangDetector, health_probe
+from ._hung import HangDetector
 from ._metrics import Metrics
 from ._policies import PeakEwmaLatency, make_policy
 from ._proxy import ProxyContext, ProxyResource
@@ -264,7 +264,7 @@ class LoadBalancer:
                                    affinity=config.affinity, rate_limiter=limiter,
                                    max_body=config.max_body, lb_status=config.lb_status)
         self.hung = HangDetector(self.pool, context.live, reactor,
-                                 health_probe(probe_agent, config.health_path),
+                                 self.health.health_status,
                                  stall=config.hung_after)
 
     def _request_ended(self, record: RequestRecord) -> None:

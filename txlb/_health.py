@@ -175,8 +175,7 @@ class HealthChecker(Service):
         backend's state has been updated.  A probe that cannot even be sent counts as a
         failed probe of that backend, never as an error of the loop.
         """
-        request = self._get(backend, self.path)
-        request.addCallback(self._read_body)
+        request = self.health_status(backend)
         request.addTimeout(self.timeout, self.clock)
         self._probing[backend] = request
         started = self.clock.seconds()
@@ -187,9 +186,16 @@ class HealthChecker(Service):
         done.addBoth(self._forget, backend)
         return done
 
-    def _read_body(self, response: IResponse) -> Deferred[int]:
-        # Read the (tiny) body so the connection finishes cleanly; the status is what counts.
-        return read_body(response).addCallback(lambda _: response.code)
+    def health_status(self, backend: Backend) -> Deferred[int]:
+        """
+        ``GET`` the health path once, no state changed: the status, after the (small) body
+        is read so the connection ends cleanly -- and is closed if the caller cancels (a
+        timeout), instead of left open on a backend that stalls.  The hang detector's
+        confirming probe is this too.
+        """
+        request = self._get(backend, self.path)
+        return request.addCallback(
+            lambda response: read_body(response).addCallback(lambda _: response.code))
 
     def probe_soon(self, backend: Backend) -> None:
         """Probe ``backend`` now unless a probe of it is already running."""

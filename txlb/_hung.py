@@ -45,8 +45,6 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseFailed, ResponseNeverReceived
-from twisted.web.http_headers import Headers
-from twisted.web.iweb import IAgent, IResponse
 
 from ._backend import Backend, Pool
 
@@ -239,23 +237,3 @@ def timed_out(failure: Failure) -> bool:
         return any(isinstance(reason, Failure) and reason.check(defer.CancelledError)
                    for reason in reasons)
     return False
-
-
-def health_probe(agent: IAgent, path: str) -> Callable[[Backend], Deferred[int]]:
-    """``GET path`` on a backend through ``agent``; fires with the status once the (small)
-    body is read, so the connection ends cleanly."""
-    encoded = path.encode("ascii")
-
-    def probe(backend: Backend) -> Deferred[int]:
-        request: Deferred[IResponse] = defer.maybeDeferred(
-            agent.request, b"GET", backend.base_url + encoded, Headers())
-
-        def read(response: IResponse) -> Deferred[int]:
-            from treq import collect
-
-            body: Deferred[None] = collect(response, lambda _data: None)
-            return body.addCallback(lambda _: response.code)
-
-        return request.addCallback(read)
-
-    return probe
