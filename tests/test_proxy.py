@@ -506,6 +506,13 @@ class EdgeCaseTests(ProxyTestCase):
                                                          b":8003/v1/files?x=1")),
                         self.upstream.last.uri)
 
+    def test_absolute_form_with_https_too(self) -> None:
+        client = self.client()
+        client.send(b"GET HTTPS://lb.example/v1/files?x=1 HTTP/1.1\r\nHost: lb.example\r\n\r\n")
+        self.assertTrue(self.upstream.last.uri.endswith((b":8002/v1/files?x=1",
+                                                         b":8003/v1/files?x=1")),
+                        self.upstream.last.uri)
+
     def test_absolute_form_keeps_a_query_that_comes_before_any_path(self) -> None:
         """
         ``http://h?x=1`` is path ``/`` and query ``x=1``; the query was dropped, and in
