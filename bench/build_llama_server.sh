@@ -1,5 +1,5 @@
 #!/bin/bash
-# Builds llama.cpp's llama-server (CPU only), the real engine tests/test_realengine.py runs
+# Builds llama.cpp's llama-server (CPU only), the real engine tests/integration/test_realengine.py runs
 # txlb in front of, from the llama.cpp tree vendored in the PyPI source distribution of
 # llama-cpp-python 0.3.36 (llama.cpp commit 0c1e570), so nothing depends on a prebuilt
 # binary.  About 10 minutes on two cores; needs cmake and a C++ compiler (installed with

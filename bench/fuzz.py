@@ -14,8 +14,8 @@ half-closes, stalled readers, pipelined garbage -- while well-behaved clients
 * no smuggled request (path ``/smuggled``) reached a backend.
 
 Randomness is seeded (``--seed``, else a fresh one, printed first), so a failing run can be
-replayed.  The test suite runs the same code for ~20 s (``tests/test_fuzz.py``); this is the
-multi-minute run, by hand::
+replayed.  The test suite runs the same code for ~20 s (``tests/integration/test_fuzz.py``); this
+is the multi-minute run, by hand::
 
     python -m bench.fuzz --duration 300
 """
@@ -39,7 +39,7 @@ from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone
 from twisted.web.http_headers import Headers
 
 from tests.framing import CASES
-from txlb._relay import BytesProducer
+from txlb._upstream.agent import BytesProducer
 
 HOST = "127.0.0.1"
 #: The marker of a request hidden behind a framing trick: no backend may ever receive it.
@@ -390,7 +390,7 @@ def problems(report: FuzzReport, status: dict[str, Any], alive: bool, output: st
 
 
 async def _main(reactor: Any, args: argparse.Namespace) -> None:
-    from tests.integration import TwistdProcess
+    from tests.processes import TwistdProcess
     from txlb.testing import SimulatedVLLM, listen_simulated
 
     print(f"fuzz seed {args.seed} (replay with --seed {args.seed})", flush=True)

@@ -19,7 +19,7 @@ working tree, so an interrupted run leaves no mutant behind.
 Examples::
 
     python -m bench.mutation                       # every mutant of every core module
-    python -m bench.mutation --module _health      # one module
+    python -m bench.mutation --module _cluster/health   # one module
     python -m bench.mutation --sample 50 --seed 1  # a fixed sample (what CI runs)
     python -m bench.mutation --changed origin/main # only modules a change touched
     python -m bench.mutation --known               # replay the known bugs (see KNOWN_BUGS)
@@ -43,25 +43,30 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: Each core module and the unit test modules that should catch its mutants (in-memory
-#: only: fast, deterministic; the integration suites would make each mutant cost minutes).
+def _unit(*names: str) -> tuple[str, ...]:
+    return tuple(f"tests.unit.{name}" for name in names)
+
+
+#: Each core module (its path under txlb/, without .py) and the unit test modules that
+#: should catch its mutants (in-memory only: fast, deterministic; the integration suites
+#: would make each mutant cost minutes).
 MODULE_TESTS: dict[str, tuple[str, ...]] = {
-    "_proxy": ("tests.test_proxy", "tests.test_failover", "tests.test_regressions",
-               "tests.test_upstream", "tests.test_mutants"),
-    "_upstream": ("tests.test_upstream", "tests.test_regressions", "tests.test_mutants"),
-    "_backend": ("tests.test_scheduling", "tests.test_failover", "tests.test_regressions",
-                 "tests.test_admin", "tests.test_health", "tests.test_mutants"),
-    "_health": ("tests.test_health", "tests.test_regressions", "tests.test_scheduling",
-                "tests.test_mutants"),
-    "_routing": ("tests.test_scheduling", "tests.test_policies", "tests.test_failover",
-                 "tests.test_mutants"),
-    "_policies": ("tests.test_policies", "tests.test_scheduling", "tests.test_mutants"),
-    "_site": ("tests.test_failover", "tests.test_regressions", "tests.test_proxy",
-              "tests.test_framing", "tests.test_mutants"),
-    "_resultlog": ("tests.test_resultlog", "tests.test_regressions", "tests.test_summary",
-                   "tests.test_mutants"),
-    "_summary": ("tests.test_summary", "tests.test_properties", "tests.test_regressions",
-                 "tests.test_resultlog", "tests.test_mutants"),
+    "_proxy/resource": _unit("test_proxy", "test_failover", "test_regressions",
+                             "test_upstream", "test_mutants"),
+    "_upstream/client": _unit("test_upstream", "test_regressions", "test_mutants"),
+    "_cluster/backend": _unit("test_scheduling", "test_failover", "test_regressions",
+                              "test_admin", "test_health", "test_mutants"),
+    "_cluster/health": _unit("test_health", "test_regressions", "test_scheduling",
+                             "test_mutants"),
+    "_scheduling/router": _unit("test_scheduling", "test_policies", "test_failover",
+                                "test_mutants"),
+    "_scheduling/policies": _unit("test_policies", "test_scheduling", "test_mutants"),
+    "_server/site": _unit("test_failover", "test_regressions", "test_proxy", "test_mutants")
+    + ("tests.integration.test_framing",),
+    "_records/resultlog": _unit("test_resultlog", "test_regressions", "test_summary",
+                                "test_mutants"),
+    "_records/summary": _unit("test_summary", "test_properties", "test_regressions",
+                              "test_resultlog", "test_mutants"),
 }
 
 #: cosmic-ray's binary and comparison operators come as every (from, to) pair: ten
@@ -86,46 +91,46 @@ class KnownBug:
     path: str
     old: str
     new: str
-    tests: tuple[str, ...] = ("tests.test_regressions",)
+    tests: tuple[str, ...] = ("tests.unit.test_regressions",)
 
 
-#: The nine deliberate bugs that passed the whole suite before ``tests/test_regressions``.
+#: The nine deliberate bugs that passed the whole suite before ``tests/unit/test_regressions``.
 #: ``--known`` applies each to a copy of the tree and checks the tests now fail.
 KNOWN_BUGS: tuple[KnownBug, ...] = (
-    KnownBug("lease released twice counts twice", "txlb/_backend.py",
+    KnownBug("lease released twice counts twice", "txlb/_cluster/backend.py",
              "        if not self.released:\n            self.released = True\n",
              "        if True:\n            self.released = True\n"),
-    KnownBug("--max-body not enforced on lb.resource()", "txlb/_proxy.py",
+    KnownBug("--max-body not enforced on lb.resource()", "txlb/_proxy/resource.py",
              "if self.max_body and len(record.request_body) > self.max_body:",
              "if False and len(record.request_body) > self.max_body:"),
-    KnownBug("chunked body over --max-body refused only once whole", "txlb/_site.py",
+    KnownBug("chunked body over --max-body refused only once whole", "txlb/_server/site.py",
              "        if limit and self._body_seen > limit:\n",
              "        if False:\n"),
-    # (escaping moved to txlb/_escape.py: the escaped CR turned back into a raw one)
-    KnownBug("carriage return raw in the result log", "txlb/_escape.py",
+    # (escaping moved to txlb/_records/escape.py: the escaped CR turned back into a raw one)
+    KnownBug("carriage return raw in the result log", "txlb/_records/escape.py",
              "        text = _unprintable().sub(_unicode_escape, text)\n    return text\n",
              "        text = _unprintable().sub(_unicode_escape, text)\n"
              "    return text.replace('\\\\x0d', '\\r')\n"),
-    KnownBug("connect timeout retried", "txlb/_proxy.py",
+    KnownBug("connect timeout retried", "txlb/_proxy/resource.py",
              "        elif failure.check(*_CONNECT_TIMEOUT):\n",
              "        elif failure.check(*_CONNECT_TIMEOUT):\n"
              "            if self._can_retry():\n                self._retry()\n"
              "                return\n"),
-    KnownBug("retried answer read to the end (Agent)", "txlb/_relay.py",
+    KnownBug("retried answer read to the end (Agent)", "txlb/_upstream/agent.py",
              "        self.transport.stopProducing()  # type: ignore[attr-defined]\n",
              "        pass\n"),
-    KnownBug("retried answer read to the end (own client)", "txlb/_upstream.py",
+    KnownBug("retried answer read to the end (own client)", "txlb/_upstream/client.py",
              '        """Abort: the body of a 502/503 that is retried elsewhere is not worth '
              'reading."""\n        self.abort()\n',
              '        """Read it to the end."""\n'
              "        self._owner = None\n"),
-    KnownBug("connection reused after bytes beyond the body", "txlb/_upstream.py",
+    KnownBug("connection reused after bytes beyond the body", "txlb/_upstream/client.py",
              "            self._keep_alive = False  # bytes beyond the body: never reuse "
              "this connection\n",
              "            pass\n"),
-    KnownBug("probe 404 counted healthy", "txlb/_health.py",
+    KnownBug("probe 404 counted healthy", "txlb/_cluster/health.py",
              "        if code != 200:\n", "        if code >= 500:\n"),
-    KnownBug("500 retried like 502/503", "txlb/_proxy.py",
+    KnownBug("500 retried like 502/503", "txlb/_proxy/resource.py",
              "_RETRIED_STATUSES = frozenset({502, 503})",
              "_RETRIED_STATUSES = frozenset({500, 502, 503})"),
 )
@@ -136,71 +141,71 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
 #: reported as ``equivalent`` and left out of the kill rate; bench/results/mutation.md
 #: lists them.
 EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
-    ("_proxy", "ReplaceComparisonOperator_Eq_NotEq", 'elif self.state != "relaying":',
+    ("_proxy/resource", "ReplaceComparisonOperator_Eq_NotEq", 'elif self.state != "relaying":',
      "pauseProducing's elif: while relaying the read watchdog is always armed (it is "
      "cleared only inside _read_timed_out, which re-arms or ends), and the exchange is the "
      "client's producer only while relaying, so neither form of the branch ever runs"),
-    ("_proxy", "NumberReplacer", "send_timeout: float =",
+    ("_proxy/resource", "NumberReplacer", "send_timeout: float =",
      "ProxyContext's default: the balancer always passes config.send_timeout"),
-    ("_proxy", "ReplaceComparisonOperator_Gt_GtE", "if watchdog.getTime() >= now + limit:",
+    ("_proxy/resource", "ReplaceComparisonOperator_Gt_GtE", "if watchdog.getTime() >= now + limit:",
      "at equality, reset(limit) moves the watchdog to the time it already has"),
-    ("_upstream", "NumberReplacer", "self._chunk_state == -1:",
+    ("_upstream/client", "NumberReplacer", "self._chunk_state == -1:",
      "with the one-chunk fast path off, the general walk hands on the same bytes: only "
      "speed differs"),
-    ("_upstream", "NumberReplacer", "bad header line {line[:",
+    ("_upstream/client", "NumberReplacer", "bad header line {line[:",
      "only how much of a bad header line the error message quotes"),
-    ("_backend", "NumberReplacer", "base_cooldown: float =",
+    ("_cluster/backend", "NumberReplacer", "base_cooldown: float =",
      "OutlierRule's default: the balancer always passes --outlier-cooldown's value"),
-    ("_policies", "NumberReplacer", "if len(tied) == 0:",
+    ("_scheduling/policies", "NumberReplacer", "if len(tied) == 0:",
      "a single tied backend through the weighted walk: its current weight rises by w and "
      "falls by the total, w; it is chosen, and nothing else changes"),
-    ("_policies", "NumberReplacer", "return candidates[ -1]",
+    ("_scheduling/policies", "NumberReplacer", "return candidates[ -1]",
      "reached only when there is one candidate"),
-    ("_summary", "ReplaceFalseWithTrue", "think: bool =",
+    ("_records/summary", "ReplaceFalseWithTrue", "think: bool =",
      "think is shown only for completions, for which summarize passes it"),
-    ("_routing", "ReplaceFalseWithTrue", "@attrs.define(eq=True)",
+    ("_scheduling/router", "ReplaceFalseWithTrue", "@attrs.define(eq=True)",
      "_Waiter compared by fields instead of identity: its fields include its own Deferred "
      "and timer, compared by identity, so two waiters are equal only if they are one"),
-    ("_proxy", "NumberReplacer", "max_body: int =",
+    ("_proxy/resource", "NumberReplacer", "max_body: int =",
      "ProxyResource's default: the balancer always passes --max-body"),
-    ("_upstream", "ReplaceFalseWithTrue", 'return "close", None, True',
+    ("_upstream/client", "ReplaceFalseWithTrue", 'return "close", None, True',
      "a close-delimited body ends with the connection (connectionLost), never in "
      "_complete, the only reader of keep_alive"),
-    ("_upstream", "ReplaceOrWithAnd", "isdigit() and code_bytes[0] == 48",
+    ("_upstream/client", "ReplaceOrWithAnd", "isdigit() and code_bytes[0] == 48",
      "a status code with a leading 0 is below 100, which _framing refuses with the same "
      "BadResponse (only the message differs)"),
-    ("_policies", "NumberReplacer", "weights=weights)[ -1]",
+    ("_scheduling/policies", "NumberReplacer", "weights=weights)[ -1]",
      "random.choices draws one element (k=1): [0] and [-1] are the same"),
-    ("_policies", "NumberReplacer", "return tied[ -1]",
+    ("_scheduling/policies", "NumberReplacer", "return tied[ -1]",
      "only reached when len(tied) == 1: [0] and [-1] are the same"),
-    ("_summary", "NumberReplacer", '.split(b";", 2)[0]',
+    ("_records/summary", "NumberReplacer", '.split(b";", 2)[0]',
      "the chunk size is the part before the first ';' either way"),
-    ("_summary", "NumberReplacer", "if end < 1:",
+    ("_records/summary", "NumberReplacer", "if end < 1:",
      "end is 0 only at position 0 with an empty size line, which int() refuses: the same "
      "break"),
-    ("_summary", "ReplaceComparisonOperator_Lt_LtE", "while position <= size:",
+    ("_records/summary", "ReplaceComparisonOperator_Lt_LtE", "while position <= size:",
      "at position == size find() returns -1: the same break"),
-    ("_summary", "NumberReplacer", "tries: int =",
+    ("_records/summary", "NumberReplacer", "tries: int =",
      "summarize always passes tries"),
-    ("_summary", "NumberReplacer", "clen: int =",
+    ("_records/summary", "NumberReplacer", "clen: int =",
      "clen is shown only for completions, for which summarize passes it"),
-    ("_resultlog", "NumberReplacer", "self._next_check =",
+    ("_records/resultlog", "NumberReplacer", "self._next_check =",
      "__init__'s value is overwritten at once by _open"),
-    ("_routing", "AddNot", "if not self.pool.shared is not None:",
+    ("_scheduling/router", "AddNot", "if not self.pool.shared is not None:",
      "in one process nothing can free a slot between the failed take and this second one"),
-    ("_routing", "NumberReplacer", "retry_after: int =",
+    ("_scheduling/router", "NumberReplacer", "retry_after: int =",
      "Router's default: the balancer always passes retry_after"),
-    ("_health", "ReplaceOrWithAnd", "if running is None and waiting is None:",
+    ("_cluster/health", "ReplaceOrWithAnd", "if running is None and waiting is None:",
      "with one gauge missing, running + waiting raises TypeError, which the same errback "
      "turns into the same fallback (engine_depth None); only the debug message differs"),
-    ("_summary", "ReplaceComparisonOperator_LtE_Lt", "if length < 0:",
+    ("_records/summary", "ReplaceComparisonOperator_LtE_Lt", "if length < 0:",
      "after the zero-size chunk only trailer lines follow, and a 'name: value' line never "
      "parses as a chunk size: the walk stops with the same payload"),
-    ("_health", "ReplaceTrueWithFalse", "gatherResults(extras, consumeErrors=False)",
+    ("_cluster/health", "ReplaceTrueWithFalse", "gatherResults(extras, consumeErrors=False)",
      "each extra ends in its own errback, so the gathered Deferreds never fail"),
-    ("_health", "NumberReplacer", "rest.rsplit(None, 2)[-1]",
+    ("_cluster/health", "NumberReplacer", "rest.rsplit(None, 2)[-1]",
      "rsplit(None, 1)[-1] and rsplit(None, 2)[-1] are the same last token"),
-    ("_health", "NumberReplacer", 'rest.split("}", 2)[1]',
+    ("_cluster/health", "NumberReplacer", 'rest.split("}", 2)[1]',
      "the same token follows the first '}' either way unless a label value holds '}', "
      "and then neither parses as a number (the line is skipped)"),
 )
@@ -404,7 +409,7 @@ def run_known(timeout: float) -> int:
     failures = 0
     with tempfile.TemporaryDirectory(prefix="txlb-known-") as scratch:
         copy = copy_tree(Path(scratch) / "copy")
-        clean = subprocess.run(test_command(copy, ("tests.test_regressions",)).split(),
+        clean = subprocess.run(test_command(copy, ("tests.unit.test_regressions",)).split(),
                                capture_output=True, timeout=timeout)
         print(f"{'passes' if clean.returncode == 0 else 'FAILS'} without any bug")
         failures += clean.returncode != 0

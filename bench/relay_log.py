@@ -568,8 +568,8 @@ def log_cost_in_process(sim_port: int, tokens: int, workdir: Path, core: int | N
 
     from twisted.internet.task import Clock
 
-    from txlb._resultlog import ResultLog
-    from txlb._summary import RequestRecord, summarize
+    from txlb._records.resultlog import ResultLog
+    from txlb._records.summary import RequestRecord, summarize
 
     body = json.dumps({
         "model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}],

@@ -1,6 +1,6 @@
 """
 The fake upstream's interface (:class:`tests.helpers.FakeUpstream`) played over txlb's own
-production upstream client (:class:`txlb._upstream.UpstreamClient`).
+production upstream client (:class:`txlb._upstream.client.UpstreamClient`).
 
 The proxy suites were written against a fake ``IAgent``, which left the client the proxy
 really uses tested by its own module only.  :class:`WireUpstream` lets the same tests drive

@@ -17,22 +17,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._backend import Backend, Lease, Pool
-    from ._balancer import LoadBalancer
-    from ._config import BackendSpec, Config, ConfigError, build_config
-    from ._policies import IPolicy, LeastConnections
+    from txlb._balancer import LoadBalancer
+    from txlb._cluster.backend import Backend, Lease, Pool
+    from txlb._config import BackendSpec, Config, ConfigError, build_config
+    from txlb._scheduling.policies import IPolicy, LeastConnections
 
 _EXPORTS = {
-    "Backend": "._backend",
-    "Lease": "._backend",
-    "Pool": "._backend",
+    "Backend": "._cluster.backend",
+    "Lease": "._cluster.backend",
+    "Pool": "._cluster.backend",
     "LoadBalancer": "._balancer",
     "BackendSpec": "._config",
     "Config": "._config",
     "ConfigError": "._config",
     "build_config": "._config",
-    "IPolicy": "._policies",
-    "LeastConnections": "._policies",
+    "IPolicy": "._scheduling.policies",
+    "LeastConnections": "._scheduling.policies",
 }
 
 __all__ = [

@@ -29,23 +29,23 @@ from twisted.web.resource import IResource
 from twisted.web.server import Site
 from zope.interface import implementer
 
-from ._affinity import BoundedLoadRing
-from ._backend import Backend, InFlightStore, OutlierRule, Pool
-from ._config import OPTIONS, Config, build_config
-from ._health import HealthChecker
-from ._history import History, HistoryService
-from ._hung import HangDetector
-from ._metrics import Metrics
-from ._policies import PeakEwmaLatency, make_policy
-from ._proxy import ProxyContext, ProxyResource
-from ._quiet import QuietConnectionPool, RepeatSummary
-from ._ratelimit import RateLimiter, TokenBuckets, client_key
-from ._relay import AgentUpstream
-from ._resultlog import open_result_log
-from ._routing import ModelRoute, Router
-from ._site import ProxySite
-from ._summary import RequestRecord, Summary, privacy_of, summarize
-from ._upstream import Upstream, UpstreamClient
+from txlb._admin.history import History, HistoryService
+from txlb._cluster.backend import Backend, InFlightStore, OutlierRule, Pool
+from txlb._cluster.health import HealthChecker
+from txlb._cluster.hung import HangDetector
+from txlb._config import OPTIONS, Config, build_config
+from txlb._proxy.resource import ProxyContext, ProxyResource
+from txlb._records.metrics import Metrics
+from txlb._records.resultlog import open_result_log
+from txlb._records.summary import RequestRecord, Summary, privacy_of, summarize
+from txlb._scheduling.affinity import BoundedLoadRing
+from txlb._scheduling.policies import PeakEwmaLatency, make_policy
+from txlb._scheduling.ratelimit import RateLimiter, TokenBuckets, client_key
+from txlb._scheduling.router import ModelRoute, Router
+from txlb._server.quiet import QuietConnectionPool, RepeatSummary
+from txlb._server.site import ProxySite
+from txlb._upstream.agent import AgentUpstream
+from txlb._upstream.client import Upstream, UpstreamClient
 
 log = Logger()
 
@@ -322,7 +322,7 @@ class LoadBalancer:
         The admin API (Klein): status, drain, membership, metrics and the dashboard.
         ``extra_status`` adds keys to ``/status`` (a supervisor's view of its workers).
         """
-        from ._admin import Admin  # Klein (and its reactor import) only when it is built
+        from txlb._admin.app import Admin  # Klein (and its reactor import) only when it is built
 
         admin = Admin(self.pool, self.metrics, self.config.admin_token,
                       on_added=self.health.probe_soon, clock=self.reactor.seconds,

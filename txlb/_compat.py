@@ -1,6 +1,6 @@
 """
 Where txlb reads Twisted's private state: each use in one place, with the reason, so that a
-Twisted release that changes one fails a test in ``tests/test_compat.py`` instead of
+Twisted release that changes one fails a test in ``tests/unit/test_compat.py`` instead of
 silently changing what txlb does.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 # The per-connection factory class of HTTPConnectionPool, private to twisted.web.client;
-# txlb subclasses it to silence its log lines (txlb._quiet.QuietConnectionPool).
+# txlb subclasses it to silence its log lines (txlb._server.quiet.QuietConnectionPool).
 from twisted.web.client import _HTTP11ClientFactory as HTTP11ClientFactory
 
 __all__ = ["BAD_REQUEST_HOOK", "CONNECTOR_MAKE_TRANSPORT", "EPOLL_REACTOR_INTERNALS",

@@ -295,7 +295,7 @@ def parse_log_format(option: str, value: object) -> str:
 
 def parse_log_content(option: str, value: object) -> int:
     """Characters of the answer kept in the result log: 0 to 1000."""
-    from ._summary import MAX_PREVIEW_CHARS
+    from txlb._records.summary import MAX_PREVIEW_CHARS
 
     number = parse_nonnegative_int(option, value)
     if number > MAX_PREVIEW_CHARS:

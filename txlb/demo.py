@@ -22,10 +22,10 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
 from twisted.web.server import Site
 
-from ._balancer import LoadBalancer
-from ._config import ConfigError, parse_listen
-from ._relay import BytesProducer
-from .testing import SimulatedVLLM, listen_simulated
+from txlb._balancer import LoadBalancer
+from txlb._config import ConfigError, parse_listen
+from txlb._upstream.agent import BytesProducer
+from txlb.testing import SimulatedVLLM, listen_simulated
 
 MODEL = "sim-model"
 

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 from twisted.python import usage
 
-from ._config import Config, ConfigError, build_config
-from .tap import Options as LlmlbOptions
+from txlb._config import Config, ConfigError, build_config
+from txlb.tap import Options as LlmlbOptions
 
 UPSTREAM = "txlb_backends"
 
@@ -132,7 +132,7 @@ def listen_directive(endpoint: str) -> str:
 
 
 def _error_body(status: int, message: str) -> str:
-    from ._errors import error_body
+    from txlb._proxy.errors import error_body
 
     return error_body(status, message).decode()
 

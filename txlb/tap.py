@@ -23,9 +23,9 @@ from twisted.logger import Logger
 from twisted.python import usage
 from twisted.web.server import Site
 
-from ._admin import ADMIN_MAX_BODY
-from ._balancer import LoadBalancer, SequentialService
-from ._config import (
+from txlb._admin.app import ADMIN_MAX_BODY
+from txlb._balancer import LoadBalancer, SequentialService
+from txlb._config import (
     OPTIONS,
     Config,
     ConfigError,
@@ -33,8 +33,8 @@ from ._config import (
     closest_name,
     is_loopback_endpoint,
 )
-from ._quiet import QuietAcceptErrors
-from ._site import LimitedRequest, ProxyChannel
+from txlb._server.quiet import QuietAcceptErrors
+from txlb._server.site import LimitedRequest, ProxyChannel
 
 log = Logger()
 
@@ -236,11 +236,11 @@ def _warn_open_admin(config: Config) -> None:
 def _supervised(config: Config, reactor: Any) -> IService:
     """
     ``--workers N``: this process supervises N workers that serve the main port (see
-    txlb._supervisor), and keeps what must exist once: probes, admin, metrics, result log.
+    txlb._workers.supervisor), and keeps what must exist once: probes, admin, metrics, result log.
     Stopped in reverse like the single process: the workers drain first.
     """
-    from ._shm import SharedCounts
-    from ._supervisor import WorkerSupervisor
+    from txlb._cluster.shared_counts import SharedCounts
+    from txlb._workers.supervisor import WorkerSupervisor
 
     class _Supervisor(WorkerSupervisor):
         """Binds the main port itself: a port in use is the same one line as without."""

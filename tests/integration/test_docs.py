@@ -1,0 +1,76 @@
+"""
+The docs and the programs agree: every option ``twistd -n llmlb --help`` lists is in
+docs/usage.md, and every ``--option`` the docs mention is an option of the program it is
+given to.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from ..processes import ROOT, clean_environment, twistd_command
+
+OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+
+#: Flags of programs that are not txlb's, as the docs pass them.
+OTHER_PROGRAMS = {
+    "--user", "--now",  # systemctl, journalctl, loginctl
+    "--port", "--model", "--max-num-seqs",  # vllm serve (the simulator takes them too)
+    "--served-model-name",  # vllm serve
+    "--alias", "--metrics",  # llama.cpp's llama-server
+}
+#: Written wrong on purpose: the docs show what txlb answers to a mistyped option.
+MISTYPED_ON_PURPOSE = {"--helth-interval"}
+
+
+def options_of(*command: str) -> set[str]:
+    """The long options a program's ``--help`` lists."""
+    done = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=60,
+                          env=clean_environment(), cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return set(OPTION.findall(done.stdout))
+
+
+class DocsMatchOptionsTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        # the real process, as an operator runs it (twistd_command adds -n and --pidfile=)
+        self.llmlb = options_of(*twistd_command())
+
+    def test_every_llmlb_option_is_in_usage(self) -> None:
+        usage = (ROOT / "docs" / "usage.md").read_text()
+        self.assertGreater(len(self.llmlb), 30)
+        missing = sorted(o for o in self.llmlb if not re.search(re.escape(o) + r"(?![\w-])",
+                                                                 usage))
+        self.assertEqual(missing, [], "options of twistd llmlb missing from docs/usage.md")
+
+    def test_every_option_the_docs_mention_exists(self) -> None:
+        twistd = twistd_command()[0]
+        python = sys.executable
+        known = (self.llmlb | options_of(twistd) | options_of(twistd, "vllm-sim")
+                 | options_of(python, "-m", "txlb.nginx") | options_of(python, "-m", "txlb.demo")
+                 | options_of(python, "-m", "bench") | options_of(python, "-m", "bench.ab")
+                 | options_of(python, "-m", "bench.fuzz")
+                 | {"--index"}  # txlb._workers.main, as it shows in ps
+                 | OTHER_PROGRAMS | MISTYPED_ON_PURPOSE)
+        unknown = sorted({f"{path.name}: {option}" for path in DOCS
+                          for option in OPTION.findall(path.read_text())
+                          if option not in known})
+        self.assertEqual(unknown, [], "--options in the docs that no program takes")
+
+
+class DocsSpeakToUsersTests(SynchronousTestCase):
+    """The docs describe txlb to its users, not the project's internal material."""
+
+    INTERNAL = re.compile(r"\bthe contract\b|\bcontract's\b|\bthe issue\b|\bissue's\b|"
+                          r"\bas the \w+ issue\b|\bin this version\b|\bdoes not yet\b|"
+                          r"\bthe lead\b", re.IGNORECASE)
+
+    def test_no_internal_references(self) -> None:
+        found = [f"{path.name}: {match.group(0)}" for path in DOCS
+                 for match in self.INTERNAL.finditer(path.read_text())]
+        self.assertEqual(found, [])

@@ -1,0 +1,255 @@
+"""
+Request framing on the main port: every case of :mod:`tests.framing`, in memory (the real
+``ProxySite`` channel over a ``StringTransport``, a fake upstream, a Clock) and once against
+the real ``twistd -n llmlb`` on loopback sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from typing import Any
+
+from twisted.internet import defer, threads
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+
+from txlb import LoadBalancer
+
+from ..framing import BACKEND, CASES, Case, Sent
+from ..helpers import ClientConnection, FakeResponse, FakeUpstream
+from ..processes import Client, TwistdProcess
+from .test_integration import Fleet
+
+HEADER_TIMEOUT = 5.0
+
+
+def split_responses(raw: bytes) -> tuple[list[tuple[int, dict[bytes, bytes], bytes]], bytes]:
+    """
+    Every complete response in ``raw`` as (status, lowercase headers, body), and what is
+    left over.  Responses here have a Content-Length, are chunked, or are interim (1xx).
+    """
+    responses = []
+    while b"\r\n\r\n" in raw:
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split(b" ")[1])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            headers[name.strip().lower()] = value.strip()
+        if 100 <= status < 200:
+            responses.append((status, headers, b""))
+            raw = rest
+            continue
+        if headers.get(b"transfer-encoding") == b"chunked":
+            body = b""
+            while True:
+                size_line, sep, after = rest.partition(b"\r\n")
+                if not sep:
+                    return responses, raw
+                size = int(size_line.split(b";")[0], 16)
+                if size == 0:
+                    if not after.startswith(b"\r\n"):
+                        return responses, raw
+                    rest = after[2:]
+                    break
+                if len(after) < size + 2:
+                    return responses, raw
+                body += after[:size]
+                rest = after[size + 2:]
+        else:
+            length = int(headers.get(b"content-length", b"0"))
+            if len(rest) < length:
+                return responses, raw
+            body, rest = rest[:length], rest[length:]
+        responses.append((status, headers, body))
+        raw = rest
+    return responses, raw
+
+
+def describe(responses: list[tuple[int, dict[bytes, bytes], bytes]]) -> tuple[int, ...]:
+    """Statuses as a :class:`Case` states them: the backend's answers as ``BACKEND``."""
+    return tuple(BACKEND if b"x-backend" in headers else status
+                 for status, headers, _ in responses)
+
+
+def check_refusal_bodies(test: Any, case: Case,
+                         responses: list[tuple[int, dict[bytes, bytes], bytes]]) -> None:
+    """txlb's own errors are OpenAI-style JSON and say the connection closes."""
+    for status, headers, body in responses:
+        if b"x-backend" in headers or status < 200:
+            continue
+        error = json.loads(body)["error"]
+        test.assertEqual(error["code"], status, case.name)
+        test.assertEqual(headers.get(b"connection"), b"close", case.name)
+
+
+class InMemoryFramingTests(SynchronousTestCase):
+    """Each case against the real channel, deterministically."""
+
+    def run_case(self, case: Case) -> None:
+        clock = Clock()
+        upstream = FakeUpstream()
+        lb = LoadBalancer(["127.0.0.1:8002"], reactor=clock, agent=upstream,
+                          probe_agent=FakeUpstream(), log_file="none", max_body="1KiB",
+                          header_timeout=HEADER_TIMEOUT)
+        client = ClientConnection(lb.site())
+        client.send(case.raw)
+        answered = 0
+        while answered < len(upstream.calls):  # answer each forwarded request in turn
+            response = upstream.calls[answered].respond(
+                FakeResponse(200, [(b"Content-Type", b"text/plain")], length=2))
+            response.send(b"ok")
+            response.end()
+            answered += 1
+        if case.wait:
+            self.assertEqual(client.transport.value(), b"", case.name)
+            clock.advance(HEADER_TIMEOUT)
+        responses, rest = split_responses(client.transport.value())
+        self.assertEqual(describe(responses), case.answers, case.name)
+        self.assertEqual(rest, b"", case.name)
+        self.assertEqual(bool(client.transport.disconnecting), case.closed, case.name)
+        check_refusal_bodies(self, case, responses)
+        sent = []
+        for call, expected in zip(upstream.calls, case.forwarded, strict=False):
+            path = b"/" + call.uri.split(b"/", 3)[3]
+            sent.append(Sent(call.method, path, call.body or b"", expected.headers))
+            for name, value in expected.headers:
+                self.assertEqual(call.header(name), [value], case.name)
+        self.assertEqual(len(upstream.calls), len(case.forwarded), case.name)
+        self.assertEqual(tuple(sent), case.forwarded, case.name)
+
+    def test_every_case(self) -> None:
+        failures = []
+        for case in CASES:
+            try:
+                self.run_case(case)
+            except Exception as failure:  # every case reported, not only the first
+                failures.append(f"{case.name}: {failure!r}"[:300])
+        self.assertFalse(failures, "\n".join(failures))
+
+    def test_refused_framing_is_logged_with_its_request_line(self) -> None:
+        """A refusal gets a result-log line, like every request txlb answers itself."""
+        clock = Clock()
+        upstream = FakeUpstream()
+        lb = LoadBalancer(["127.0.0.1:8002"], reactor=clock, agent=upstream,
+                          probe_agent=FakeUpstream(), log_file="none")
+        records: list[Any] = []
+        lb.proxy.context.on_end = records.append
+        client = ClientConnection(lb.site())
+        client.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Transfer-Encoding: identity\r\n\r\n")
+        self.assertEqual([(r.method, r.path, r.status) for r in records],
+                         [(b"POST", b"/v1/chat/completions", 400)])
+
+    def test_data_after_a_refusal_is_never_parsed(self) -> None:
+        """Bytes arriving after the 400 (before the close completes) are dropped."""
+        clock = Clock()
+        upstream = FakeUpstream()
+        lb = LoadBalancer(["127.0.0.1:8002"], reactor=clock, agent=upstream,
+                          probe_agent=FakeUpstream(), log_file="none")
+        client = ClientConnection(lb.site())
+        client.send(b"POST /t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: identity\r\n\r\n")
+        written = client.transport.value()
+        client.send(b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(client.transport.value(), written)
+        self.assertEqual(upstream.calls, [])
+
+    def test_nothing_after_a_refusal_is_parsed_even_before_the_close(self) -> None:
+        """
+        The rest of the same read is dropped too, whether or not the transport already
+        says it is disconnecting (twisted.web's line loop relies on that flag).
+        """
+        clock = Clock()
+        upstream = FakeUpstream()
+        lb = LoadBalancer(["127.0.0.1:8002"], reactor=clock, agent=upstream,
+                          probe_agent=FakeUpstream(), log_file="none")
+        client = ClientConnection(lb.site())
+        client.transport.loseConnection = lambda: None  # type: ignore[method-assign]
+        client.send(b"GET /t HTTP/1.1\r\nHost: a\r\nHost: b\r\nX-A: 1\r\n\r\n"
+                    b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n")
+        client.send(b"POST /t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    b"zz\r\n" + b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n")
+        responses, rest = split_responses(client.transport.value())
+        self.assertEqual(describe(responses), (400,))
+        self.assertEqual(rest, b"")
+        self.assertEqual(upstream.calls, [])
+
+
+def exchange(port: int, case: Case, deadline: float) -> tuple[bytes, bool]:
+    """
+    Send ``case.raw`` on a fresh connection and read what comes back: until the server
+    closes, or -- for a case that keeps the connection -- until its answers are in and a
+    last request (``/probe``, ``Connection: close``) has been answered on it too.
+    Returns the bytes before the probe's answer and whether the server closed by itself.
+    """
+    with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+        sock.sendall(case.raw)
+        received = b""
+        probed_at = None
+        while time.monotonic() < deadline:
+            responses, _ = split_responses(received)
+            if not case.closed and probed_at is None and len(responses) >= len(case.answers):
+                probed_at = len(received)
+                sock.sendall(b"GET /probe HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            try:
+                data = sock.recv(65536)
+            except TimeoutError:
+                continue
+            except ConnectionResetError:
+                data = b""
+            if not data:
+                if probed_at is None:
+                    return received, True
+                after, _ = split_responses(received[probed_at:])
+                return received[:probed_at], not after
+            received += data
+        raise AssertionError(f"{case.name}: no end within the deadline: {received[:300]!r}")
+
+
+class RealProcessFramingTests(TestCase):
+    """The whole table over real sockets, against ``twistd -n llmlb``."""
+
+    timeout = 120
+
+    @defer.inlineCallbacks
+    def test_every_case_over_a_socket(self) -> Any:
+        fleet = Fleet(self, 1)
+        lb = TwistdProcess("--backends", ",".join(fleet.keys), "--max-body", "1KiB",
+                           "--header-timeout", "1")
+        self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
+        yield defer.ensureDeferred(lb.started())
+        client = Client()
+        self.addCleanup(client.pool.closeCachedConnections)
+        sim = fleet.sims[0]
+        failures = []
+        for case in CASES:
+            before = len(sim.requests)
+            try:
+                raw, closed = yield threads.deferToThread(
+                    exchange, lb.port, case, time.monotonic() + 3)
+            except AssertionError as error:
+                failures.append(str(error))
+                continue
+            responses, _ = split_responses(raw)
+            got = [r for r in sim.requests[before:]
+                   if r.path not in (b"/health", b"/v1/models", b"/metrics", b"/probe")]
+            forwarded = tuple(Sent(r.method, r.path, r.body) for r in got)
+            expected = tuple(Sent(s.method, s.path, s.body) for s in case.forwarded)
+            for name, value in (case.forwarded[0].headers if case.forwarded else ()):
+                if got and got[0].header(name) != [value]:
+                    failures.append(f"{case.name}: {name!r} arrived as {got[0].header(name)}")
+            outcome = (describe(responses), closed, forwarded)
+            if outcome != (case.answers, case.closed, expected):
+                failures.append(f"{case.name}: {outcome} != "
+                                f"{(case.answers, case.closed, expected)}")
+            try:
+                check_refusal_bodies(self, case, responses)
+            except (self.failureException, ValueError, KeyError) as error:
+                failures.append(f"{case.name}: {error!r}"[:300])
+        self.assertFalse(failures, "\n".join(failures))
+        self.assertIsNone(lb.process.poll(), "the balancer died")
+        self.assertNotIn("Traceback", lb.output())
+        self.assertNotIn(b"/smuggled", [r.path for r in sim.requests])

@@ -1,0 +1,141 @@
+"""
+A request is sent to a second backend only when it provably never started -- on real
+sockets, with backends that reset the connection at the two moments that matter.
+
+For an LLM a re-sent request is a second generation: a backend that had the whole request
+and then reset (an engine killed mid-prefill) may have done the work, so the client gets 502
+and no other backend sees the request.  A backend that resets while part of the request is
+still unsent never had it, so another backend gets it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from twisted.internet import defer, reactor
+from twisted.internet.protocol import Factory, Protocol
+from twisted.trial.unittest import TestCase
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request, Site
+
+from txlb import LoadBalancer
+from txlb.testing import SimulatedVLLM, listen_simulated
+
+from ..processes import Client, chat_body, header, wait_until
+
+JSON = {b"content-type": [b"application/json"]}
+
+
+class _ResetAfterWholeRequest(Resource):
+    """Answers probes; takes every other request whole, then resets without answering."""
+
+    isLeaf = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.taken: list[bytes] = []
+        self.probes = 0
+
+    def render(self, request: Request) -> Any:
+        if request.path == b"/health":
+            self.probes += 1
+            return b"ok"
+        if request.path == b"/v1/models":
+            return json.dumps({"data": [{"id": "sim-model"}]}).encode()
+        if request.path == b"/metrics":  # the engine scrape at first sight: not a generation
+            request.setResponseCode(404)
+            return b""
+        self.taken.append(request.content.read() if request.content else b"")
+        request.channel.transport.abortConnection()  # type: ignore[union-attr]
+        return NOT_DONE_YET
+
+
+class _ResetOnHead(Protocol):
+    """Answers ``GET /health``; resets any other request as soon as its head arrives."""
+
+    def __init__(self, heads: list[bytes]) -> None:
+        self.heads = heads
+        self.buffer = b""
+
+    def dataReceived(self, data: bytes) -> None:
+        self.buffer += data
+        if b"\r\n\r\n" not in self.buffer:
+            return
+        head = self.buffer.split(b"\r\n\r\n", 1)[0]
+        assert self.transport is not None
+        if head.startswith((b"GET /health ", b"GET /v1/models ", b"GET /metrics ")):
+            body = b'{"data": [{"id": "sim-model"}]}'
+            self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n"
+                                 b"Connection: close\r\n\r\n%s" % (len(body), body))
+            self.transport.loseConnection()
+            return
+        self.heads.append(head)
+        self.transport.abortConnection()  # type: ignore[attr-defined]
+
+
+class NoDuplicateGenerationTests(TestCase):
+    timeout = 60
+
+    def start(self, keys: list[str], **options: Any) -> str:
+        self.lb = LoadBalancer(keys, reactor=reactor, log_file="none", **options)
+        service = self.lb.service()
+        service.startService()
+        self.addCleanup(service.stopService)
+        port = reactor.listenTCP(0, Site(self.lb.resource()), interface="127.0.0.1")
+        self.addCleanup(port.stopListening)
+        self.client = Client()
+        self.addCleanup(self.client.pool.closeCachedConnections)
+        return f"http://127.0.0.1:{port.getHost().port}"
+
+    def listen_site(self, resource: Resource) -> str:
+        port = reactor.listenTCP(0, Site(resource), interface="127.0.0.1")
+        self.addCleanup(port.stopListening)
+        return f"127.0.0.1:{port.getHost().port}"
+
+    @defer.inlineCallbacks
+    def test_reset_after_the_whole_request_is_502_and_never_sent_again(self) -> Any:
+        first, second = _ResetAfterWholeRequest(), _ResetAfterWholeRequest()
+        keys = [self.listen_site(first), self.listen_site(second)]
+        url = self.start(keys)  # --retries 2, the default
+        yield defer.ensureDeferred(wait_until(lambda: first.probes and second.probes,
+                                              what="the first probes"))
+        response, chunks = yield defer.ensureDeferred(self.client.fetch(
+            url + "/v1/chat/completions", b"POST", chat_body(stream=False), JSON))
+        self.assertEqual(response.code, 502)
+        self.assertIn(b"closed the connection without answering", chunks.body)
+        self.assertEqual(len(first.taken) + len(second.taken), 1)
+        # it was probed at once, answered, and so stays in rotation
+        probed = first if first.taken else second
+        probes_before = probed.probes
+        yield defer.ensureDeferred(wait_until(lambda: probed.probes > probes_before,
+                                              what="an immediate probe of that backend"))
+        self.assertTrue(all(b.healthy for b in self.lb.pool))
+        self.assertEqual(sum(b.active for b in self.lb.pool), 0)
+
+    @defer.inlineCallbacks
+    def test_reset_while_the_request_is_being_sent_goes_elsewhere(self) -> Any:
+        heads: list[bytes] = []
+        factory = Factory.forProtocol(lambda: _ResetOnHead(heads))
+        resetting = reactor.listenTCP(0, factory, interface="127.0.0.1")
+        self.addCleanup(resetting.stopListening)
+        sim = SimulatedVLLM(reactor)
+        good = listen_simulated(reactor, sim)
+        self.addCleanup(good.stopListening)
+        reset_key = f"127.0.0.1:{resetting.getHost().port}"
+        good_key = f"127.0.0.1:{good.getHost().port}"
+        url = self.start([reset_key, good_key], health_interval=3600)
+        # 16 MiB: more than the kernel's socket buffers take, so most of it is still in
+        # txlb's own buffer when the reset arrives
+        body = chat_body(stream=False, padding="x" * (16 * 1024 * 1024))
+        for _ in range(2):  # rotation may start with either backend
+            response, chunks = yield defer.ensureDeferred(self.client.fetch(
+                url + "/v1/chat/completions", b"POST", body, JSON))
+            self.assertEqual(response.code, 200, chunks.body[:300])
+            self.assertEqual(header(response, b"x-backend"), good_key)
+            if heads:
+                break
+        self.assertEqual(len(heads), 1)
+        received = [r for r in sim.requests if r.path == b"/v1/chat/completions"]
+        self.assertEqual([len(r.body) for r in received][-1], len(body))
+        self.assertEqual(sum(b.active for b in self.lb.pool), 0)

@@ -1,0 +1,1 @@
+"""Unit tests: in memory, on an injected clock; no child process, no real time."""

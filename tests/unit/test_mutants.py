@@ -1,0 +1,717 @@
+"""
+Tests written to kill mutants that survived ``python -m bench.mutation``: each pins a
+behaviour the rest of the suite ran but never checked (bench/results/mutation.md lists them).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from twisted.internet import error as neterror
+from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.trial.unittest import SynchronousTestCase
+
+from txlb import BackendSpec, Pool, build_config
+from txlb._cluster.backend import Backend
+from txlb._records.summary import RequestRecord
+from txlb._upstream.client import UpstreamClient
+
+from ..helpers import ClientConnection, FakeResponse
+from . import test_failover
+from .test_failover import FailoverTestCase
+from .test_proxy import ProxyTestCase
+from .test_upstream import Owner
+
+
+class ProxyMutantTests(ProxyTestCase):
+    def test_send_timeout_counts_from_the_pause(self) -> None:
+        """A paused client is cut ``send_timeout`` after it stopped reading, not sooner."""
+        self.build(["127.0.0.1:8002"], read_timeout=5, send_timeout=60)
+        client = self.client()
+        client.request(b"GET", b"/stream")
+        response = self.upstream.last.respond(FakeResponse(200))
+        response.send(b"a")
+        self.clock.advance(1)
+        client.transport.producer.pauseProducing()  # at t=1
+        self.clock.advance(59.5)  # t=60.5: read watchdog fired at 5, re-armed for the pause
+        self.assertFalse(client.transport.disconnected)
+        self.clock.advance(1)  # t=61.5: 60 s since the pause
+        self.assertTrue(client.transport.disconnected)
+
+    def test_the_transport_stopping_the_stream_stops_the_backend(self) -> None:
+        client = self.client()
+        client.request(b"GET", b"/stream")
+        response = self.upstream.last.respond(FakeResponse(200))
+        response.send(b"a")
+        client.transport.producer.stopProducing()  # what a TCP transport does on loss
+        self.assertTrue(response.transport.stopped)
+
+    def test_status_and_models_answer_200(self) -> None:
+        for path in (b"/__lb_status", b"/v1/models"):
+            client = self.client()
+            client.request(b"GET", path)
+            self.assertEqual(client.response().status, 200, path)
+
+    def test_a_request_while_shutting_down_is_refused_and_its_connection_closed(self) -> None:
+        """
+        503 with Retry-After (the health interval, rounded up, never under 1 s), then the
+        kept-alive connection is closed so the client goes elsewhere.
+        """
+        self.build(["127.0.0.1:8002"], health_interval=1)
+        self.lb.proxy.shutting_down = True
+        client = self.client()
+        client.request(b"GET", b"/v1/models/x")
+        answer = client.response()
+        self.assertEqual((answer.status, answer.header(b"retry-after")), (503, [b"1"]))
+        self.assertTrue(client.transport.disconnecting)
+        self.assertEqual(self.upstream.calls, [])
+
+    def test_body_forwarded_byte_for_byte_when_the_model_is_no_alias(self) -> None:
+        body = b'{"model":"m","prompt":"x",  "n":1}'
+        client = self.client()
+        client.request(b"POST", b"/v1/completions", body=body)
+        self.assertEqual(self.upstream.last.body, body)
+
+    def test_internal_error_before_the_head_is_a_502(self) -> None:
+        def explode(*_: object) -> None:
+            raise RuntimeError("a bookkeeping bug")
+
+        self.lb.proxy.context.on_answer = explode
+        client = self.client()
+        client.request(b"GET", b"/v1/x")
+        self.upstream.last.respond(FakeResponse(200, length=0)).end()
+        answer = client.response()
+        self.assertEqual(answer.status, 502)
+        self.assertEqual(json.loads(answer.body)["error"]["message"], "internal proxy error")
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+
+    def test_absolute_form_with_only_a_query(self) -> None:
+        client = self.client()
+        client.send(b"GET http://lb.example?x=1 HTTP/1.1\r\nHost: lb.example\r\n\r\n")
+        self.assertTrue(self.upstream.last.uri.endswith(b":8002/?x=1")
+                        or self.upstream.last.uri.endswith(b":8003/?x=1"),
+                        self.upstream.last.uri)
+
+    def test_default_send_timeout_is_60s(self) -> None:
+        self.assertEqual(self.lb.proxy.context.send_timeout, 60.0)
+
+
+class RetryWindowBoundaryTests(FailoverTestCase):
+    def test_no_new_try_once_the_window_has_passed_exactly(self) -> None:
+        self.build(retry_window=2)
+        client = self.post()
+        self.clock.advance(2)
+        self.upstream.calls[0].fail(neterror.ConnectionRefusedError())
+        self.assertEqual(len(self.upstream.calls), 1)
+        self.assertEqual(client.response().status, 502)
+
+    def test_a_try_just_inside_the_window(self) -> None:
+        self.build(retry_window=2)
+        self.post()
+        self.clock.advance(1.9)
+        self.upstream.calls[0].fail(neterror.ConnectionRefusedError())
+        self.assertEqual(len(self.upstream.calls), 2)
+
+
+class UpstreamMutantTests(SynchronousTestCase):
+    def test_close_idle_closes_every_pooled_connection(self) -> None:
+        reactor = MemoryReactorClock()
+        client = UpstreamClient(reactor, connect_timeout=5)
+        transports = []
+        for port in (8002, 8003):
+            result: list[Any] = []
+            client.send("127.0.0.1", port, b"GET", b"/", [], None).addBoth(result.append)
+            _, _, factory, _, _ = reactor.tcpClients[-1]
+            protocol = factory.buildProtocol(None)
+            transport = StringTransport()
+            protocol.makeConnection(transport)
+            protocol.dataReceived(b"HTTP/1.1 204 No Content\r\n\r\n")
+            result[0].deliver(Owner(), raw=False)
+            transports.append(transport)
+        self.assertEqual(client.idle_count("127.0.0.1", 8002), 1)
+        client.close_idle()
+        self.assertTrue(all(t.disconnecting for t in transports))
+        self.assertEqual(client.idle_count("127.0.0.1", 8003), 0)
+
+
+class _Slots:
+    """Records what a pool asks of its shared in-flight counts."""
+
+    def __init__(self) -> None:
+        self.assigned: list[tuple[str, int]] = []
+
+    def register(self, key: str) -> int:
+        return 7
+
+    def assign(self, key: str, slot: int) -> None:
+        self.assigned.append((key, slot))
+
+    def take(self, key: str) -> None:
+        pass
+
+    def give_back(self, key: str) -> None:
+        pass
+
+
+class BackendMutantTests(SynchronousTestCase):
+    def test_slow_start_never_takes_a_backend_to_zero(self) -> None:
+        clock = Clock()
+        backend = Backend(BackendSpec("127.0.0.1", 8002, weight=2), clock=clock.seconds,
+                          slow_start=10)
+        clock.advance(100)
+        backend.up_since = clock.seconds()
+        self.assertEqual(backend.ramp, 0.01)
+        self.assertGreater(backend.effective_weight, 0)
+        clock.advance(5)
+        self.assertEqual(backend.ramp, 0.5)
+        clock.advance(50)
+        self.assertEqual(backend.ramp, 1.0)
+
+    def test_a_worker_takes_the_supervisors_slots(self) -> None:
+        supervisor = Pool((BackendSpec("127.0.0.1", 8002),), shared=_Slots())  # type: ignore[arg-type]
+        worker_slots = _Slots()
+        worker = Pool((), shared=worker_slots)  # type: ignore[arg-type]
+        worker.mirror(supervisor.shared_state())
+        self.assertEqual(worker_slots.assigned, [("127.0.0.1:8002", 7)])
+        supervisor.drain(supervisor.get("127.0.0.1:8002"))
+        supervisor.mark_down(supervisor.get("127.0.0.1:8002"), "test")
+        worker.mirror(supervisor.shared_state())
+        mirrored = worker.get("127.0.0.1:8002")
+        self.assertEqual((mirrored.draining, mirrored.healthy), (True, False))
+        states: list[Any] = supervisor.shared_state()
+        states[0]["slot"] = None
+        worker_slots.assigned.clear()
+        worker.mirror(states)
+        self.assertEqual(worker_slots.assigned, [])
+
+    def test_probes_ok_counts_each_good_probe(self) -> None:
+        pool = Pool((BackendSpec("127.0.0.1", 8002),))
+        backend = pool.get("127.0.0.1:8002")
+        for _ in range(3):
+            pool.probe_succeeded(backend, rise=1)
+        self.assertEqual(backend.probes_ok, 3)
+        self.assertEqual(backend.detailed_status()["probes_ok"], 3)
+
+
+class BackendCounterTests(SynchronousTestCase):
+    """The per-backend counters and averages the admin status and metrics report."""
+
+    def setUp(self) -> None:
+        self.pool = Pool(tuple(BackendSpec("127.0.0.1", p) for p in (8002, 8003, 8004)))
+        self.backend = self.pool.get("127.0.0.1:8002")
+
+    def test_marked_down_is_told_once_per_change(self) -> None:
+        """``on_down`` listeners (a --workers worker reports through one) hear each change."""
+        heard: list[tuple[str, str]] = []
+        self.pool.on_down.append(lambda backend, reason: heard.append((backend.key, reason)))
+        self.pool.mark_down(self.backend, "proxy: connection refused")
+        self.pool.mark_down(self.backend, "proxy: connection refused")  # already down
+        self.assertEqual(heard, [("127.0.0.1:8002", "proxy: connection refused")])
+
+    def test_probes_failed_counts_from_zero(self) -> None:
+        self.assertEqual(self.backend.probes_failed, 0)
+        for _ in range(2):
+            self.pool.probe_failed(self.backend, "health: HTTP 503", definitive=True, fall=3)
+        self.assertEqual(self.backend.detailed_status()["probes_failed"], 2)
+
+    def test_latency_is_an_ewma_rounded_to_a_tenth_of_a_millisecond(self) -> None:
+        from txlb._cluster.backend import EWMA_ALPHA, _ewma
+
+        self.assertEqual(_ewma(None, 2.0), 2.0)
+        self.assertAlmostEqual(_ewma(1.0, 3.0), 1.0 + EWMA_ALPHA * 2.0)
+        self.assertAlmostEqual(_ewma(3.0, 1.0), 3.0 - EWMA_ALPHA * 2.0)
+        self.backend.ewma_duration = 0.123456
+        self.assertEqual(self.backend.detailed_status()["latency_ewma_s"], 0.1235)
+
+    def test_the_5xx_count_starts_again_after_an_ejection(self) -> None:
+        for number in range(self.pool.outliers.consecutive_5xx):  # a streak of two clients
+            self.pool.record_answer(self.backend, 500, client=f"10.0.0.{number % 2}")
+        self.assertFalse(self.backend.healthy)
+        self.assertEqual(self.backend.errors_in_a_row, 0)
+
+    def test_a_passive_ejection_restarts_the_rise_count(self) -> None:
+        self.pool.probe_succeeded(self.backend, rise=2)  # one good probe while up
+        self.pool.mark_down(self.backend, "proxy: connection refused")
+        self.pool.probe_succeeded(self.backend, rise=2)
+        self.assertFalse(self.backend.healthy)  # one success since the ejection, not two
+        self.pool.probe_succeeded(self.backend, rise=2)
+        self.assertTrue(self.backend.healthy)
+
+
+class HealthMutantTests(SynchronousTestCase):
+    """The prober's extras: learning models, scraping the engine queue, probing on demand."""
+
+    def checker(self, spec: BackendSpec, scrape: bool = False) -> tuple[Any, Any, Any]:
+        from txlb._cluster.health import HealthChecker
+
+        from ..helpers import FakeUpstream
+
+        agent = FakeUpstream()
+        pool = Pool((spec,))
+        checker = HealthChecker(pool, agent, Clock(), interval=2, timeout=1, path="/health",
+                                rise=1, fall=3, scrape_engine_queue=scrape)
+        checker.startService()
+        self.addCleanup(checker.stopService)
+        return checker, agent, pool.get(spec.key)
+
+    def paths(self, agent: Any) -> list[bytes]:
+        return [call.uri.split(b"8002", 1)[1] for call in agent.calls]
+
+    def test_prometheus_sum(self) -> None:
+        from txlb._cluster.health import prometheus_sum
+
+        text = ("# HELP vllm:num_requests_running x\n"
+                'vllm:num_requests_running{model_name="a"} 2\n'
+                'vllm:num_requests_running{model_name="b"} 1.5\n'
+                "vllm:num_requests_running_total 100\n"
+                "vllm:num_requests_running{broken} \n"
+                "vllm:num_requests_running \n"
+                "vllm:num_requests_running{x=\"y\"} nan-ish\n")
+        self.assertEqual(prometheus_sum(text, "vllm:num_requests_running"), 3.5)
+        self.assertEqual(prometheus_sum("vllm:num_requests_waiting 4\n",
+                                        "vllm:num_requests_waiting"), 4.0)
+        self.assertIsNone(prometheus_sum("other 1\n", "vllm:num_requests_waiting"))
+
+    def test_models_are_learned_only_when_none_are_configured(self) -> None:
+        _, agent, _ = self.checker(BackendSpec("127.0.0.1", 8002, models=("m",)))
+        agent.calls[0].respond(FakeResponse(200, length=0)).end()
+        self.assertEqual(self.paths(agent), [b"/health"])
+
+    def test_redirects_from_models_and_metrics_are_not_followed(self) -> None:
+        _, agent, backend = self.checker(BackendSpec("127.0.0.1", 8002), scrape=True)
+        agent.calls[0].respond(FakeResponse(200, length=0)).end()
+        self.assertEqual(sorted(self.paths(agent)), [b"/health", b"/metrics", b"/v1/models"])
+        for call in agent.calls[1:]:
+            call.respond(FakeResponse(
+                302, [(b"location", b"http://127.0.0.1:8002/elsewhere")], length=0)).end()
+        self.assertEqual(len(agent.calls), 3)
+        self.assertIsNone(backend.engine_depth)
+
+    def test_probe_soon_probes_unless_a_probe_is_running(self) -> None:
+        checker, agent, backend = self.checker(BackendSpec("127.0.0.1", 8002, models=("m",)))
+        checker.probe_soon(backend)
+        self.assertEqual(len(agent.calls), 1)  # the start-up probe is still running
+        agent.calls[0].respond(FakeResponse(200, length=0)).end()
+        checker.probe_soon(backend)
+        self.assertEqual(len(agent.calls), 2)
+
+    def scrape(self, text: bytes) -> Any:
+        _, agent, backend = self.checker(BackendSpec("127.0.0.1", 8002, models=("m",)),
+                                         scrape=True)
+        agent.calls[0].respond(FakeResponse(200, length=0)).end()
+        metrics = agent.calls[1]
+        self.assertTrue(metrics.uri.endswith(b"/metrics"))
+        response = metrics.respond(FakeResponse(
+            200, [(b"content-type", b"text/plain; charset=utf-8")], length=len(text)))
+        response.send(text)
+        response.end()
+        return backend
+
+    def test_engine_depth_is_running_plus_waiting(self) -> None:
+        backend = self.scrape(b"vllm:num_requests_running 2\nvllm:num_requests_waiting 3\n")
+        self.assertEqual(backend.engine_depth, 5)
+
+    def test_engine_depth_needs_both_gauges(self) -> None:
+        for text in (b"vllm:num_requests_running 2\n", b"vllm:num_requests_waiting 3\n"):
+            self.assertIsNone(self.scrape(text).engine_depth, text)
+
+
+class RoutingMutantTests(ProxyTestCase):
+    def test_an_empty_queue_reports_no_wait(self) -> None:
+        status = self.lb.router.queue_status()
+        self.assertEqual((status["length"], status["oldest_wait_s"]), (0, 0.0))
+
+    def test_503_names_the_model_or_says_this_request(self) -> None:
+        for backend in self.lb.pool:
+            self.lb.pool.mark_down(backend, "test")
+        for body, expected in ((b'{"model": "m"}', "model `m`"), (b"{}", "this request")):
+            client = self.client()
+            client.request(b"POST", b"/v1/completions", body=body)
+            answer = client.response()
+            self.assertEqual(answer.status, 503)
+            self.assertIn(expected, json.loads(answer.body)["error"]["message"])
+
+    def test_an_alias_routes_without_a_given_rng(self) -> None:
+        from txlb._scheduling.router import ModelRoute, Router
+
+        router = Router(self.lb.pool, self.lb.policy, self.clock, queue_timeout=1,
+                        retry_after=1, routes={"chat": ModelRoute("chat", (("m", 1),))})
+        self.assertEqual(router.resolve("chat"), "m")
+
+
+class SiteMutantTests(FailoverTestCase):
+    def test_the_head_deadline_is_the_configured_one(self) -> None:
+        self.build(header_timeout=10)
+        client = self.client()
+        client.send(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        self.clock.advance(9.5)
+        self.assertFalse(client.transport.disconnecting)
+        self.clock.advance(1)
+        self.assertTrue(client.transport.value().startswith(b"HTTP/1.1 408 "))
+        self.assertEqual(json.loads(client.response().body)["error"]["code"], 408)
+
+    def test_a_refused_body_says_413_in_its_json_too(self) -> None:
+        self.build(max_body="1KiB")
+        client = self.client()
+        client.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n")
+        self.assertEqual(json.loads(client.response().body)["error"]["code"], 413)
+        self.assertEqual(self.records[-1].status, 413)
+
+    def test_the_next_request_on_a_connection_gets_a_deadline_too(self) -> None:
+        self.build(header_timeout=10)
+        client = self.client()
+        client.request(b"GET", b"/one")
+        self.answer(0, 200)
+        client.transport.clear()
+        client.send(b"GET /two HTTP/1.1\r\nHost: x\r\n")  # and no more
+        self.clock.advance(11)
+        self.assertTrue(client.transport.value().startswith(b"HTTP/1.1 408 "))
+        self.assertEqual(len(self.upstream.calls), 1)
+
+    def test_proxy_site_defaults(self) -> None:
+        """No body limit and a 30 s head deadline unless told otherwise."""
+        from twisted.internet.address import IPv4Address
+        from twisted.web.resource import Resource
+
+        from txlb._server.site import ProxySite
+
+        class Ok(Resource):
+            isLeaf = True
+
+            def render(self, request: Any) -> bytes:
+                return b"ok"
+
+        site = ProxySite(Ok(), reactor=Clock())
+        self.assertEqual(site.max_body, 0)
+        channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 1))
+        self.assertEqual(channel.header_timeout, 30.0)
+        client = ClientConnection(site)
+        client.request(b"POST", b"/", body=b"x" * 100_000)  # max_body 0: no limit
+        self.assertEqual(client.response().status, 200)
+        # the request class in a Site that sets no limit at all: no limit either
+        from twisted.web.server import Site
+
+        from txlb._server.site import LimitedRequest
+
+        plain = Site(Ok(), reactor=Clock())
+        plain.requestFactory = LimitedRequest
+        client = ClientConnection(plain)
+        client.request(b"POST", b"/", body=b"x" * 100)
+        self.assertEqual(client.response().status, 200)
+
+
+class PolicyMutantTests(SynchronousTestCase):
+    def backends(self, *weights: int) -> list[Backend]:
+        return [Backend(BackendSpec("127.0.0.1", 8002 + n, weight=w))
+                for n, w in enumerate(weights)]
+
+    def test_p2c_gives_an_idle_heavier_backend_its_share(self) -> None:
+        import random
+
+        from txlb._scheduling.policies import PowerOfTwoChoices
+
+        policy = PowerOfTwoChoices(random.Random(4))
+        heavy, light = self.backends(3, 1)
+        picks = [policy.choose([heavy, light]) for _ in range(400)]
+        self.assertGreater(picks.count(heavy), 250)  # ties go to the first drawn (3:1)
+
+    def test_latency_prefers_the_heavier_of_equal_backends(self) -> None:
+        from txlb._scheduling.policies import PeakEwmaLatency
+
+        policy = PeakEwmaLatency(Clock().seconds)
+        light, heavy = self.backends(1, 2)
+        for backend in (light, heavy):
+            backend.peak_ewma = 0.5
+            backend.active = 1
+        self.assertIs(policy.choose([light, heavy]), heavy)
+
+    def test_latency_without_decay_takes_the_last_sample(self) -> None:
+        from txlb._scheduling.policies import PeakEwmaLatency
+
+        policy = PeakEwmaLatency(Clock().seconds, decay=0)
+        (backend,) = self.backends(1)
+        policy.observe(backend, 2.0)
+        policy.observe(backend, 1.0)
+        self.assertEqual(backend.peak_ewma, 1.0)
+
+
+class ResultLogMutantTests(SynchronousTestCase):
+    """The result log's formats and its recovery after a failed write."""
+
+    def summary(self, **fields: Any) -> Any:
+        from txlb._records.summary import summarize
+
+        record = RequestRecord(started=1.0, method=b"POST", path=b"/v1/completions",
+                               orid_header=None, request_body=b'{"max_tokens": 9}',
+                               backend="127.0.0.1:8002", status=200, ended=2.5,
+                               content_type=b"application/json")
+        record.capture(b'{"choices": [{"text": "hi"}]}')
+        import attrs
+
+        return attrs.evolve(summarize(record), **fields)
+
+    def test_text_line_fields(self) -> None:
+        from txlb._records.resultlog import format_text
+
+        line = format_text(self.summary())
+        self.assertIn(" finish=- ctok=-/9 thinking=False think=False empty=False clen=2 ",
+                      line)
+        line = format_text(self.summary(finish="stop", completion_tokens=2, think=True))
+        self.assertIn(" finish=stop ctok=2/9 thinking=False think=True ", line)
+
+    def test_json_line_fields(self) -> None:
+        from txlb._records.resultlog import format_json
+
+        plain = json.loads(format_json(self.summary()))
+        self.assertNotIn("trunc", plain)
+        self.assertNotIn("tries", plain)
+        from datetime import datetime
+        self.assertEqual(datetime.fromisoformat(plain["time"]).timestamp(), 2.5, plain["time"])
+        marked = json.loads(format_json(self.summary(truncated=True, tries=2)))
+        self.assertEqual((marked["trunc"], marked["tries"]), (True, 2))
+
+    def test_a_failed_write_recovers_and_says_so_once(self) -> None:
+        from pathlib import Path
+
+        from twisted.logger import globalLogPublisher
+
+        from txlb._records.resultlog import RETRY_SECONDS, ResultLog
+
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        path = Path(self.mktemp())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        clock = Clock()
+        log = ResultLog(str(path), max_bytes=10**7, backups=1, fmt="text", clock=clock)
+        self.addCleanup(log.close)
+        sink: Any = log._sink
+
+        def full(data: bytes) -> None:
+            raise OSError(28, "No space left on device")
+
+        original, sink.write = sink.write, full
+        log.write(self.summary())
+        self.assertEqual(log.dropped, 1)
+        sink.write = original
+        clock.advance(RETRY_SECONDS)
+        for _ in range(3):
+            log.write(self.summary())
+        self.assertEqual(log.written, 3)
+        self.assertEqual(len(path.read_text().splitlines()), 3)
+        again = [e for e in events if "writable again" in str(e.get("log_format", ""))]
+        self.assertEqual(len(again), 1)
+
+    def test_standard_output_is_written_unbuffered(self) -> None:
+        import os
+        import tempfile
+
+        from txlb._records.resultlog import ResultLog
+
+        with tempfile.TemporaryFile() as captured:
+            saved = os.dup(1)
+            os.dup2(captured.fileno(), 1)
+            try:
+                log = ResultLog("-", max_bytes=0, backups=0, fmt="text", clock=Clock())
+                log.write(self.summary())
+                captured.seek(0)
+                written = captured.read()  # before close: nothing held in a buffer
+                log.close()
+            finally:
+                os.dup2(saved, 1)
+                os.close(saved)
+        self.assertEqual(written.count(b"\n"), 1)
+        self.assertIn(b"status=200", written)
+
+
+class SummaryMutantTests(SynchronousTestCase):
+    def test_dechunk(self) -> None:
+        from txlb._records.summary import dechunk
+
+        self.assertEqual(dechunk(b"1\r\na\r\n10\r\n" + b"b" * 16 + b"\r\n2;x=1\r\ncc\r\n0\r\n\r\n"),
+                         b"a" + b"b" * 16 + b"cc")
+        self.assertEqual(dechunk(b"1\r\na\r\n"), b"a")
+        self.assertEqual(dechunk(b"zz\r\nbad\r\n"), b"")
+        self.assertEqual(dechunk(b"1\r\na\r\n5"), b"a")  # capture cut in a size line
+
+    def test_only_the_first_choice_counts(self) -> None:
+        from txlb._records.summary import summarize
+
+        record = RequestRecord(started=0.0, method=b"POST", path=b"/v1/chat/completions",
+                               orid_header=None, request_body=b'{"n": 2}',
+                               backend="127.0.0.1:8002", status=200, ended=1.0,
+                               content_type=b"application/json")
+        record.capture(json.dumps({"choices": [
+            {"index": 0, "message": {"content": "one"}, "finish_reason": "stop"},
+            {"index": 1, "message": {"content": "second choice"}},
+            "not a choice",
+        ]}).encode())
+        summary = summarize(record)
+        self.assertEqual((summary.preview, summary.clen), ("one", 3))
+
+
+class AffinityAndQueueMutantTests(FailoverTestCase):
+    def test_requests_without_a_session_key_rotate(self) -> None:
+        self.build(affinity="header:X-Session")
+        seen = []
+        for n in range(3):
+            self.post()
+            seen.append(self.backend_of(n))
+            self.answer(n, 200)
+        self.assertEqual(sorted(seen), sorted(test_failover.THREE))
+
+    def test_queue_wait_is_reported_to_the_millisecond(self) -> None:
+        path = self.mktemp()
+        with open(path, "w") as handle:
+            handle.write('[[backends]]\nurl = "127.0.0.1:8002"\nmax_conns = 1\n')
+        self.build(config=build_config({"config": path, "log-file": "none"}, {}),
+                   backends=None)
+        self.post()
+        self.post()  # queued
+        self.clock.advance(1.23456)
+        self.assertEqual(self.lb.router.queue_status()["oldest_wait_s"], 1.235)
+
+
+class _Totals(_Slots):
+    """Shared counts as a worker's pool reads them back (``Pool.refresh``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = {7: 0}
+        self.own = 0
+        self.slot = lambda key: 7
+
+    def totals(self) -> dict[int, int]:
+        return self.counts
+
+    def started(self, key: str) -> int:
+        return 0
+
+    def mine(self, key: str) -> int:
+        return self.own
+
+
+class PoolMutantTests(SynchronousTestCase):
+    def test_idle_is_when_nothing_is_in_flight(self) -> None:
+        pool = Pool((BackendSpec("127.0.0.1", 8002),))
+        backend = pool.get("127.0.0.1:8002")
+        first, second = pool.acquire(backend), pool.acquire(backend)
+        idle = pool.when_idle()
+        first.release()
+        self.assertNoResult(idle)
+        second.release()
+        self.successResultOf(idle)
+
+    def test_a_removed_backend_leaves_on_refresh_once_this_worker_is_done(self) -> None:
+        shared = _Totals()
+        pool = Pool((BackendSpec("127.0.0.1", 8002),), shared=shared)  # type: ignore[arg-type]
+        backend = pool.get("127.0.0.1:8002")
+        shared.counts[7] = shared.own = 1  # a request of this worker's is in flight
+        backend.removing = True
+        pool.refresh()
+        self.assertIs(pool.get("127.0.0.1:8002"), backend)
+        shared.counts[7] = shared.own = 0  # it ended (counted down in shared memory)
+        pool.refresh()
+        self.assertIsNone(pool.get("127.0.0.1:8002"))
+
+
+class MoreMutantTests(SynchronousTestCase):
+    def test_every_policy_provides_the_interface(self) -> None:
+        from zope.interface.verify import verifyObject
+
+        from txlb._scheduling.policies import POLICY_NAMES, IPolicy, make_policy
+
+        for name in POLICY_NAMES:
+            self.assertTrue(verifyObject(IPolicy, make_policy(name, Clock().seconds, None)),
+                            name)
+
+    def test_queue_depth_prefers_the_emptier_engine(self) -> None:
+        from txlb._scheduling.policies import make_policy
+
+        policy = make_policy("queue-depth", Clock().seconds, None)
+        empty, busy = (Backend(BackendSpec("127.0.0.1", p)) for p in (8002, 8003))
+        empty.engine_depth, busy.engine_depth = 0.0, 0.5
+        self.assertEqual({policy.choose([empty, busy]).key for _ in range(4)}, {empty.key})
+
+    def test_a_formatter_bug_loses_the_line_not_the_request(self) -> None:
+        from pathlib import Path
+
+        from txlb._records.resultlog import ResultLog
+
+        path = Path(self.mktemp())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log = ResultLog(str(path), max_bytes=10**7, backups=1, fmt="text", clock=Clock())
+        self.addCleanup(log.close)
+
+        def broken(summary: object) -> str:
+            raise KeyError("a formatter bug")
+
+        log.format = broken
+        log.write(ResultLogMutantTests.summary(self))  # type: ignore[arg-type]
+        self.assertEqual(len(self.flushLoggedErrors(KeyError)), 1)
+
+    def test_text_line_says_tries_only_when_retried(self) -> None:
+        from txlb._records.resultlog import format_text
+
+        self.assertNotIn("tries=", format_text(ResultLogMutantTests.summary(self)))  # type: ignore[arg-type]
+        self.assertIn(" tries=2", format_text(ResultLogMutantTests.summary(self, tries=2)))  # type: ignore[arg-type]
+
+    def test_an_sse_answer_that_opens_with_a_comment(self) -> None:
+        from txlb._records.summary import summarize
+
+        record = RequestRecord(started=0.0, method=b"POST", path=b"/v1/chat/completions",
+                               orid_header=None, request_body=b"{}",
+                               backend="127.0.0.1:8002", status=200, ended=1.0,
+                               content_type=b"text/event-stream")
+        record.capture(b': ping\n\ndata: {"choices": [{"index": 0, "delta": {"content": "hi"},'
+                       b' "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n')
+        summary = summarize(record)
+        self.assertEqual((summary.finish, summary.preview), ("stop", "hi"))
+
+
+class CiSampleMutantTests(SynchronousTestCase):
+    """Survivors of CI's seeded sample."""
+
+    def test_a_host_that_is_no_valid_idna_name_still_gets_a_host_header(self) -> None:
+        reactor = MemoryReactorClock()
+        client = UpstreamClient(reactor, connect_timeout=5)
+        host = "a" * 64 + ".example"  # a label over 63 characters: not IDNA
+        client.send(host, 8002, b"GET", b"/", [], None)
+        _, _, factory, _, _ = reactor.tcpClients[-1]
+        protocol = factory.buildProtocol(None)
+        transport = StringTransport()
+        protocol.makeConnection(transport)
+        self.assertIn(b"\r\nHost: " + host.encode() + b":8002\r\n", transport.value())
+
+    def test_p2c_with_one_candidate(self) -> None:
+        import random
+
+        from txlb._scheduling.policies import PowerOfTwoChoices
+
+        (only,) = [Backend(BackendSpec("127.0.0.1", 8002))]
+        self.assertIs(PowerOfTwoChoices(random.Random(1)).choose([only]), only)
+
+    def test_a_log_moved_away_is_reopened_at_its_path(self) -> None:
+        from pathlib import Path
+
+        from txlb._records.resultlog import RETRY_SECONDS, ResultLog
+
+        directory = Path(self.mktemp())
+        directory.mkdir(parents=True)
+        path = directory / "lb_results.log"
+        clock = Clock()
+        log = ResultLog(str(path), max_bytes=10**7, backups=1, fmt="text", clock=clock)
+        self.addCleanup(log.close)
+        summary = ResultLogMutantTests.summary(self)  # type: ignore[arg-type]
+        log.write(summary)
+        path.rename(directory / "moved.log")  # logrotate's move,
+        path.write_text("")  # and its create: another file at the same path
+        clock.advance(RETRY_SECONDS)
+        log.write(summary)
+        self.assertEqual(len(path.read_text().splitlines()), 1)
+        self.assertEqual(len((directory / "moved.log").read_text().splitlines()), 1)
+        clock.advance(RETRY_SECONDS)
+        log.write(summary)  # unchanged file: kept open, appended to
+        self.assertEqual(len(path.read_text().splitlines()), 2)

@@ -1,0 +1,3 @@
+"""
+The admin port: the Klein app, its guard against web pages, and the dashboard's history.
+"""

@@ -1,0 +1,239 @@
+"""
+Hung-backend detection from the traffic itself: a backend that accepts connections and
+never answers (a stopped process, a wedged engine) leaves rotation within seconds.
+
+Why passive: the active prober needs ``--health-timeout`` x ``--fall`` plus an interval
+(about 17 s at the defaults) to call a silent backend down, and a short probe timeout alone
+would eject an engine that is merely busy (SGLang's ``/health`` times out during a long
+prefill).  What tells a hung engine from a slow one is whether its *other* streams still
+flow: a prefill stalls one request, a stopped process stalls them all.  So the detector
+looks, every :data:`TICK` seconds, at this process's requests in flight on each backend:
+
+1. **quiet**: no byte (response head or body) from the backend for ``stall`` seconds while
+   it has requests in flight, counted from the last byte or from when the oldest of those
+   requests was sent, whichever is later -- and longer than ``factor`` times the backend's
+   own time-to-first-byte average, so a backend whose answers always take long is judged by
+   its own pace;
+2. **not everyone**: some other healthy backend is not quiet in the same way (if all are,
+   the cause is shared -- the network, or txlb itself -- and ejecting would help nothing);
+3. **confirmed**: an immediate probe of the health path gets no 200 within
+   ``probe_timeout`` seconds, and still no byte came from the backend meanwhile.
+
+Then the backend is marked down (at most half the fleet, like outlier ejection); the
+active prober brings it back once its ``/health`` answers again.  A probe that answers
+clears the suspicion, and the backend is not suspected again before another ``stall`` of
+silence.  Requests the backend already has are left alone: it may resume (a stopped process
+continued, a wedged engine recovering) and finish them, and failing them early would turn a
+false alarm into lost work; they end as any request does, at the latest with 504 after
+``--read-timeout``.
+
+The per-chunk cost on the data path is one attribute store (``Backend.last_byte``); the
+rest runs on the timer, only while requests are in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from twisted.application.service import Service
+from twisted.internet import defer
+from twisted.internet import error as neterror
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.client import ResponseFailed, ResponseNeverReceived
+
+from txlb._cluster.backend import Backend, Pool
+
+log = Logger()
+
+#: Seconds between two looks at the requests in flight.
+TICK = 0.25
+#: Seconds without a byte from any request in flight that make a backend suspect.
+STALL = 1.25
+#: Seconds the confirming probe may take.
+PROBE_TIMEOUT = 1.0
+#: A backend is quiet only after this many times its own time-to-first-byte average.
+TTFB_FACTOR = 4.0
+
+
+class InFlight(Protocol):
+    """What the detector reads of one request in flight (:class:`txlb._proxy.resource.Exchange`)."""
+
+    @property
+    def backend_waited_since(self) -> float | None:
+        """When this request's try was sent or last got a byte; ``None`` when it is not
+        waiting on its backend (ended, between tries, or paused by a slow client)."""
+
+    @property
+    def backend(self) -> Backend: ...
+
+
+class HangDetector(Service):
+    """
+    Marks down a backend that stopped answering every request it has (see the module's
+    docstring).  ``live`` is the proxy's set of requests in flight; ``probe(backend)``
+    fires with the status of one ``GET`` of the health path or fails.
+    """
+
+    def __init__(self, pool: Pool, live: Iterable[InFlight], clock: IReactorTime,
+                 probe: Callable[[Backend], Deferred[int]], stall: float = STALL,
+                 probe_timeout: float = PROBE_TIMEOUT, factor: float = TTFB_FACTOR,
+                 tick: float = TICK) -> None:
+        self.pool = pool
+        self.live = live
+        self.clock = clock
+        self.probe = probe
+        self.stall = stall
+        self.probe_timeout = probe_timeout
+        self.factor = factor
+        self.tick = tick
+        self._loop: LoopingCall | None = None
+        self._last_tick: float | None = None
+        #: backends being probed now, and when their suspicion began
+        self._probing: dict[Backend, Deferred[Any]] = {}
+        #: a probe answered at this time: quiet is counted again from here
+        self._cleared: dict[Backend, float] = {}
+
+    def startService(self) -> None:
+        super().startService()
+        loop = self._loop = LoopingCall(self._check_safely)
+        loop.clock = self.clock
+        loop.start(self.tick, now=False).addErrback(
+            lambda failure: log.failure("the hung-backend check stopped", failure))
+
+    def stopService(self) -> None:
+        super().stopService()
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        for pending in list(self._probing.values()):
+            pending.cancel()
+
+    # -- the look ---------------------------------------------------------------------------
+
+    def quiet_for(self) -> dict[Backend, tuple[float, int]]:
+        """
+        Per backend with requests in flight here: how long it has sent no byte, and how
+        many requests it has.
+        """
+        oldest: dict[Backend, float] = {}
+        count: dict[Backend, int] = {}
+        for request in list(self.live):
+            since = request.backend_waited_since
+            if since is None:
+                continue
+            backend = request.backend
+            count[backend] = count.get(backend, 0) + 1
+            if since < oldest.get(backend, since + 1):
+                oldest[backend] = since
+        now = self.clock.seconds()
+        quiet = {}
+        for backend, since in oldest.items():
+            start = max(since, backend.last_byte or since, self._cleared.get(backend, since))
+            quiet[backend] = (now - start, count[backend])
+        return quiet
+
+    def threshold(self, backend: Backend) -> float:
+        """The silence after which ``backend`` is suspect: ``stall``, or longer for a
+        backend whose first bytes always take long."""
+        return max(self.stall, self.factor * (backend.ewma_ttft or 0.0))
+
+    def _check_safely(self) -> None:
+        """A LoopingCall stops for good on an exception: none may escape a look."""
+        try:
+            self.check()
+        except Exception:
+            log.failure("looking for hung backends failed")
+
+    def check(self) -> None:
+        """One look: suspect and probe each backend that is quiet while others are not."""
+        now = self.clock.seconds()
+        late = self._last_tick is not None and now - self._last_tick > 3 * self.tick
+        self._last_tick = now
+        if late:
+            # txlb itself was stalled (a long GC, a stopped process): what the backends
+            # sent meanwhile is still unread in the sockets, so silence says nothing yet
+            return
+        if len(self._cleared) > len(self.pool):
+            # forget backends removed since
+            current = set(self.pool)
+            self._cleared = {b: t for b, t in self._cleared.items() if b in current}
+        quiet = self.quiet_for()
+        suspects = [b for b, (silent, _) in quiet.items()
+                    if silent >= self.threshold(b) and b.healthy]
+        if not suspects:
+            return
+        for backend in suspects:
+            if backend in self._probing:
+                continue
+            if not any(other.healthy and other not in suspects
+                       and quiet.get(other, (0.0, 0))[0] < self.threshold(other)
+                       for other in self.pool if other is not backend):
+                continue  # every backend is silent at once: not this one's fault
+            self._confirm(backend, *quiet[backend])
+
+    # -- the confirming probe ---------------------------------------------------------------
+
+    def _confirm(self, backend: Backend, silent: float, requests: int) -> None:
+        last_byte = backend.last_byte
+        try:
+            probe = self.probe(backend)
+        except Exception:
+            probe = defer.fail()
+        probe.addTimeout(self.probe_timeout, self.clock)
+        self._probing[backend] = probe
+        started = self.clock.seconds()
+
+        def answered(code: int) -> None:
+            if code == 200:
+                self._cleared[backend] = self.clock.seconds()
+                log.info("backend {backend}: no byte from {requests} requests for "
+                         "{silent:.1f}s, but /health answers: slow, not hung",
+                         backend=backend.key, requests=requests, silent=silent)
+                return
+            judge(f"/health answered {code}")
+
+        def failed(failure: Failure) -> None:
+            if not self.running:
+                return
+            if timed_out(failure):
+                judge(f"/health did not answer in {self.probe_timeout:g}s")
+            else:
+                judge(f"/health failed: {failure.getErrorMessage()}")
+
+        def judge(probe_result: str) -> None:
+            if backend.last_byte != last_byte:
+                self._cleared[backend] = self.clock.seconds()
+                return  # it sent something while we probed: alive
+            if self.pool.get(backend.key) is not backend or not backend.healthy:
+                return
+            waited = silent + self.clock.seconds() - started
+            # should it stay in (half the fleet out), suspect it again only after
+            # another stall, not at every tick
+            self._cleared[backend] = self.clock.seconds()
+            self.pool.mark_hung(backend, f"hung: no byte from any of {requests} requests "
+                                         f"for {waited:.1f}s and {probe_result}")
+
+        probe.addCallbacks(answered, failed)
+        probe.addErrback(lambda failure: log.failure("judging {backend}", failure,
+                                                     backend=backend.key))
+        probe.addBoth(lambda _: self._probing.pop(backend, None))
+
+
+def timed_out(failure: Failure) -> bool:
+    """
+    Whether a probe given ``addTimeout`` failed by running out of time.  Twisted's Agent
+    turns the cancellation into ``ResponseNeverReceived([CancelledError])`` (or
+    ``ResponseFailed`` once the head came), which ``addTimeout`` does not translate into
+    its ``TimeoutError``.
+    """
+    if failure.check(defer.TimeoutError, neterror.TimeoutError, defer.CancelledError):
+        return True
+    if failure.check(ResponseNeverReceived, ResponseFailed):
+        reasons = getattr(failure.value, "reasons", [])
+        return any(isinstance(reason, Failure) and reason.check(defer.CancelledError)
+                   for reason in reasons)
+    return False

@@ -1,0 +1,202 @@
+"""
+Prometheus metrics, on a registry of the balancer's own.
+
+Two kinds of metric, two sources:
+
+* **State** (in flight, healthy, draining, ejections, probe results) is read from the
+  :class:`~txlb._cluster.backend.Pool` at scrape time by :class:`PoolCollector`, so it is exact by
+  construction and follows backends as they are added and removed.
+* **Events** (requests by status class, duration and time-to-first-byte histograms, tokens
+  generated) are observed once per finished request, from the same summary the result log
+  writes.
+
+A registry per balancer (not prometheus_client's global one) lets several balancers live in
+one process, and tests scrape exactly what one balancer did.  Its scrape leaves out the
+``*_created`` series prometheus_client adds to every counter and histogram (a timestamp per
+series that Prometheus stores as one more time series and nobody queries); only this
+registry's, since prometheus_client's own switch for it is process-wide and an embedding
+application may want them in its own metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from importlib import metadata
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from txlb._cluster.backend import Pool
+from txlb._records.summary import Summary
+
+#: 10 ms to 5 min: from a cached short completion to a long reasoning generation.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
+                   120.0, 300.0)
+#: Bound on the label-child caches (a client varying methods must not grow them forever).
+_MAX_CACHED_SERIES = 10_000
+QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("txlb")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+class PoolCollector:
+    """Per-backend state, read from the pool at each scrape."""
+
+    def __init__(self, pool: Pool, queue_length: Callable[[], int] | None = None) -> None:
+        self._pool = pool
+        self.queue_length = queue_length
+        self._version = _version()
+
+    def describe(self) -> list[Metric]:
+        return []  # dynamic label sets: nothing to pre-register
+
+    def collect(self) -> Iterator[Metric]:
+        self._pool.refresh()  # with --workers: the counts of every worker
+        backends = list(self._pool)
+        gauges = {
+            "in_flight": GaugeMetricFamily(
+                "txlb_backend_in_flight", "Requests in flight on the backend now.",
+                labels=["backend"]),
+            "healthy": GaugeMetricFamily(
+                "txlb_backend_healthy", "1 if the backend is healthy, else 0.",
+                labels=["backend"]),
+            "draining": GaugeMetricFamily(
+                "txlb_backend_draining", "1 if the backend is draining, else 0.",
+                labels=["backend"]),
+            "max_conns": GaugeMetricFamily(
+                "txlb_backend_max_conns", "The backend's in-flight cap (0 = none).",
+                labels=["backend"]),
+            "ejected": GaugeMetricFamily(
+                "txlb_backend_outlier_ejected",
+                "1 while outlier detection keeps the backend out (5xx in a row), else 0.",
+                labels=["backend"]),
+        }
+        ejections = CounterMetricFamily(
+            "txlb_backend_ejections", "Times the backend was marked down.", labels=["backend"])
+        hung = CounterMetricFamily(
+            "txlb_backend_hung_ejections",
+            "Times the backend was marked down as hung: no byte from any of its requests "
+            "in flight and no answer from its health path.", labels=["backend"])
+        outlier_ejections = CounterMetricFamily(
+            "txlb_backend_outlier_ejections",
+            "Times outlier detection ejected the backend.", labels=["backend"])
+        probes = CounterMetricFamily(
+            "txlb_health_probes", "Health probes by result.", labels=["backend", "result"])
+        for backend in backends:
+            key = [backend.key]
+            gauges["in_flight"].add_metric(key, backend.active)
+            gauges["healthy"].add_metric(key, 1 if backend.healthy else 0)
+            gauges["draining"].add_metric(key, 1 if backend.draining else 0)
+            gauges["max_conns"].add_metric(key, backend.spec.max_conns)
+            gauges["ejected"].add_metric(key, 0 if backend.ejected_until is None else 1)
+            ejections.add_metric(key, backend.ejections)
+            hung.add_metric(key, backend.hung_ejections)
+            outlier_ejections.add_metric(key, backend.outlier_ejections)
+            probes.add_metric([backend.key, "ok"], backend.probes_ok)
+            probes.add_metric([backend.key, "failed"], backend.probes_failed)
+        yield from gauges.values()
+        yield ejections
+        yield hung
+        yield outlier_ejections
+        yield probes
+        yield GaugeMetricFamily("txlb_backends_healthy", "Healthy backends.",
+                                value=sum(1 for b in backends if b.healthy))
+        # a gauge: no _total suffix, which Prometheus reserves for counters
+        yield GaugeMetricFamily("txlb_backends", "Configured backends.", value=len(backends))
+        if self.queue_length is not None:
+            yield GaugeMetricFamily(
+                "txlb_queue_length",
+                "Requests waiting now for a backend slot (every eligible one at max_conns).",
+                value=self.queue_length())
+        build = GaugeMetricFamily("txlb_build_info", "The running txlb (always 1).",
+                                  labels=["version"])
+        build.add_metric([self._version], 1)
+        yield build
+
+
+class _WithoutCreated(Collector):
+    """A registry's metrics without their ``*_created`` samples (see the module docstring)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._registry.collect():  # fresh Metric objects on every call
+            created = metric.name + "_created"
+            metric.samples = [s for s in metric.samples if s.name != created]
+            yield metric
+
+
+class Metrics:
+    """The balancer's Prometheus registry and the per-request observations."""
+
+    def __init__(self, pool: Pool) -> None:
+        self._requests: dict[tuple[str, str, int], Any] = {}
+        self._children: dict[tuple[int, str], Any] = {}
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.state = PoolCollector(pool)
+        self.registry.register(self.state)
+        self._scraped = _WithoutCreated(self.registry)
+        self.requests = Counter(
+            "txlb_requests", "Finished requests by backend, method and status class.",
+            ["backend", "method", "status_class"], registry=self.registry)
+        self.duration = Histogram(
+            "txlb_request_duration_seconds", "Time from request arrival to its end.",
+            ["backend"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ttfb = Histogram(
+            "txlb_time_to_first_byte_seconds",
+            "Time from request arrival to the first byte of the response body.",
+            ["backend"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tokens = Counter(
+            "txlb_completion_tokens", "Completion tokens generated (usage.completion_tokens).",
+            ["backend"], registry=self.registry)
+        self.client_aborts = Counter(
+            "txlb_client_aborts", "Requests whose client disconnected before the end.",
+            ["backend"], registry=self.registry)
+        self.queue_wait = Histogram(
+            "txlb_queue_wait_seconds",
+            "Time requests waited for a backend slot (max_conns queueing).",
+            buckets=QUEUE_BUCKETS, registry=self.registry)
+        self.retries = Counter(
+            "txlb_retries", "Requests retried on another backend.", registry=self.registry)
+
+    def observe(self, summary: Summary) -> None:
+        backend = summary.backend
+        key = (backend, summary.method, summary.status // 100)
+        requests = self._requests.get(key)
+        if requests is None:
+            # labels() takes a lock and builds a key on every call: each series is looked
+            # up once and kept (the label sets are few: backends x methods x classes)
+            if len(self._requests) >= _MAX_CACHED_SERIES:
+                self._requests.clear()
+            requests = self._requests[key] = self.requests.labels(
+                backend, summary.method, f"{summary.status // 100}xx")
+        requests.inc()
+        self._child(self.duration, backend).observe(summary.dur)
+        if summary.ttft is not None:
+            self._child(self.ttfb, backend).observe(summary.ttft)
+        if summary.completion_tokens:
+            self._child(self.tokens, backend).inc(summary.completion_tokens)
+        if summary.outcome == "client_abort":
+            self._child(self.client_aborts, backend).inc()
+
+    def _child(self, metric: Any, backend: str) -> Any:
+        """``metric.labels(backend)``, looked up once per metric and backend."""
+        key = (id(metric), backend)
+        child = self._children.get(key)
+        if child is None:
+            if len(self._children) >= _MAX_CACHED_SERIES:
+                self._children.clear()
+            child = self._children[key] = metric.labels(backend)
+        return child
+
+    def exposition(self) -> bytes:
+        return generate_latest(self._scraped)
+

@@ -1,0 +1,564 @@
+"""
+What one finished request amounts to: the fields of its result-log line.
+
+Pure functions over bytes, kept apart from the writer so they can be tested (and fuzzed) on
+their own, and so nothing here runs per chunk: the proxy only collects the first
+:data:`CAPTURE_LIMIT` bytes of the response, and :func:`summarize` reads them once, when
+the request has ended.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+from typing import TYPE_CHECKING, Any, Literal
+
+import attrs
+
+from txlb._records.escape import clip
+
+if TYPE_CHECKING:
+    from txlb._config import Config
+
+#: How much of a response is kept for the summary; the client always gets all of it.
+CAPTURE_LIMIT = 512 * 1024
+#: Characters of content shown after ``|`` by default (``--log-content``), and the most
+#: that can be asked for: 1,000 characters take at most 12,000 bytes escaped, which keeps a
+#: completion line under :data:`MAX_LINE`.
+PREVIEW_CHARS = 200
+MAX_PREVIEW_CHARS = 1000
+#: Request keys listed on an error line.
+MAX_REQ_KEYS = 64
+#: Bytes each value chosen by a client or a backend may take once escaped, in either
+#: format (:func:`~txlb._records.escape.clip`): with these no line is longer than
+#: :data:`MAX_LINE` bytes, plus the backend's name (which comes from the configuration).
+MAX_ORID = 256
+MAX_METHOD = 32
+MAX_PATH = 2048
+MAX_FINISH = 64
+MAX_KEY = 64
+MAX_ERR_BODY = 8192
+MAX_LINE = 16 * 1024
+#: The LLM APIs txlb summarises, by path: OpenAI's chat and completions (also without
+#: ``/v1``, as an ``openai`` client whose base URL lacks it sends them), the Responses API,
+#: the Anthropic-style Messages API (vLLM and llama.cpp serve it) and embeddings.
+API_PATHS = {
+    b"/v1/chat/completions": "chat",
+    b"/chat/completions": "chat",
+    b"/v1/completions": "chat",
+    b"/completions": "chat",
+    b"/v1/responses": "responses",
+    b"/responses": "responses",
+    b"/v1/messages": "messages",
+    b"/v1/embeddings": "embeddings",
+    b"/embeddings": "embeddings",
+}
+#: Paths whose responses are LLM completions and get the full summary.
+COMPLETION_PATHS = frozenset(path for path, api in API_PATHS.items() if api != "embeddings")
+#: The two paths whose text line does not name its path (it is what the line always was).
+CLASSIC_PATHS = frozenset({b"/v1/chat/completions", b"/v1/completions"})
+
+#: What happens to an orid taken from the request body's ``user`` (often an e-mail address).
+UserMode = Literal["keep", "hash", "drop"]
+#: Hex digits of the keyed digest written in place of a hashed ``user``: 64 bits, enough to
+#: tell a fleet's users apart, and a prefix no e-mail address or X-Orid is likely to share.
+USER_DIGEST_HEX = 16
+USER_DIGEST_PREFIX = "h:"
+
+
+@attrs.frozen
+class Privacy:
+    """
+    How much of what users wrote or were answered a summary keeps, applied once in
+    :func:`summarize` -- so both formats and the ``--workers`` pipe carry only what is kept.
+
+    ``content``: characters of the answer kept after ``|`` (0: none).  ``user``: an orid
+    taken from the body's ``user`` is kept, replaced by a keyed digest (``user_key``; the
+    same user always gets the same digest under one key, and no one without the key can
+    recover or test a guess of the address), or dropped (``-``); an ``X-Orid`` header is the
+    operator's own id and always kept.  ``err_body``: characters of an error body kept
+    (``None``: all, up to :data:`MAX_ERR_BODY` bytes; 0: none) -- a backend's 400 often
+    quotes the prompt back.
+    """
+
+    content: int = PREVIEW_CHARS
+    user: UserMode = "keep"
+    user_key: bytes = attrs.field(default=b"", repr=False)
+    err_body: int | None = None
+
+
+KEEP_ALL = Privacy()
+
+
+def privacy_of(config: Config) -> Privacy:
+    """The :class:`Privacy` of a :class:`~txlb._config.Config`'s ``--log-*`` options."""
+    key = config.log_user_key
+    user: UserMode = "hash" if config.log_user == "hash" else (
+        "drop" if config.log_user == "drop" else "keep")
+    return Privacy(content=config.log_content, user=user,
+                   user_key=b"" if key is None else key.encode("utf-8", "surrogatepass"),
+                   err_body=config.log_error_body)
+
+_THINK_BLOCK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)
+
+
+@attrs.define
+class RequestRecord:
+    """
+    The raw facts about one proxied request, gathered by the proxy as it runs.
+
+    ``outcome`` says how it ended: ``ok``; ``client_abort`` (the client left first);
+    ``timeout`` (the backend was silent past ``--read-timeout``); ``upstream_error`` (the
+    backend failed or could not be reached); ``proxy_error`` (txlb answered by itself:
+    no backend, body too large, ...).
+    """
+
+    started: float
+    method: bytes
+    path: bytes
+    orid_header: bytes | None
+    request_body: bytes
+    backend: str | None = None
+    status: int | None = None
+    outcome: str = "ok"
+    ended: float = 0.0
+    first_byte: float | None = None
+    content_type: bytes | None = None
+    response: list[bytes] = attrs.field(factory=list)
+    captured: int = 0
+    truncated: bool = False
+    queue_wait: float | None = None
+    tries: int = 1
+    #: the captured response is in chunked framing (passed through as the backend sent it)
+    chunked: bool = False
+
+    def answered_by_proxy(self, status: int, body: bytes) -> None:
+        """txlb answered this request itself, with ``status`` and the JSON ``body``."""
+        self.status = status
+        self.content_type = b"application/json"
+        self.capture(body)
+
+    def capture(self, data: bytes) -> None:
+        """Keep ``data`` for the summary while under the limit (called per chunk: cheap)."""
+        room = CAPTURE_LIMIT - self.captured
+        if room <= 0:
+            self.truncated = True
+            return
+        if len(data) > room:
+            data = data[:room]
+            self.truncated = True
+        self.response.append(data)
+        self.captured += len(data)
+
+
+@attrs.frozen
+class Summary:
+    """The fields of one result-log line, in the order the text format writes them."""
+
+    time: float
+    orid: str
+    backend: str
+    method: str
+    path: str
+    status: int
+    kind: str  # "completion", "embedding", "error" or "other"
+    outcome: str
+    dur: float
+    ttft: float | None = None
+    finish: str | None = None
+    completion_tokens: int | None = None
+    max_tokens: int | None = None
+    thinking: bool = False
+    think: bool = False
+    empty: bool = True
+    clen: int = 0
+    preview: str = ""
+    req_keys: list[str] | None = None
+    err_body: str = ""
+    truncated: bool = False
+    tries: int = 1
+    #: embeddings: the prompt tokens and how many vectors came back
+    prompt_tokens: int | None = None
+    count: int | None = None
+
+
+def parse_json_object(body: bytes) -> dict[str, Any] | None:
+    """
+    ``body`` as a JSON object, or ``None`` if it is not one -- nor one nested too deep for
+    Python's recursive parser (RecursionError, not ValueError: a client or a backend
+    choosing the depth must not get past this).
+    """
+    if not body or body.lstrip()[:1] != b"{":
+        return None
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _int_or_none(value: object) -> int | None:
+    """
+    ``value`` if it is an integer in the 64-bit range any engine's counts fit in: JSON
+    allows 4,300 digits, which would bloat the line and overflow the metrics' floats.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63:
+        return value
+    return None
+
+
+def _count(value: int | None) -> int | None:
+    """A count of tokens a backend reported: a negative one is none (the metrics' counters
+    refuse a negative increment)."""
+    return None if value is None or value < 0 else value
+
+
+def _sse_payloads(data: bytes) -> list[dict[str, Any]]:
+    """
+    The JSON objects of every ``data:`` line; ``[DONE]`` and broken events are skipped.
+
+    All events are parsed in one ``json.loads`` of a JSON array made of them -- about 2.5
+    times faster than one call per event for a typical 200-token stream, which matters
+    because this runs once for every streamed request.  A stream with any broken event
+    (or cut by the capture limit) falls back to parsing the events one by one.
+    """
+    payloads = [line[5:] for line in data.split(b"\n") if line[:5] == b"data:"]
+    payloads = [p for p in payloads if b"[DONE]" not in p or p.strip() != b"[DONE]"]
+    try:
+        parsed = json.loads(b"[" + b",".join(payloads) + b"]")
+    except (ValueError, RecursionError):
+        return [event for event in map(parse_json_object, payloads) if event is not None]
+    return [event for event in parsed if isinstance(event, dict)]
+
+
+@attrs.define
+class _Completion:
+    content: list[str] = attrs.field(factory=list)
+    reasoning: list[str] = attrs.field(factory=list)
+    finish: str | None = None
+    completion_tokens: int | None = None
+
+    def add_events(self, events: list[dict[str, Any]], part: str) -> None:
+        """
+        Fold the events of a stream (``part="delta"``) or a whole answer (``"message"``)
+        in.  Only the first choice counts.  Written as one loop with no calls per event:
+        it runs over every token of every streamed request.
+        """
+        content, reasoning = self.content, self.reasoning
+        for event in events:
+            choices = event.get("choices")
+            if choices.__class__ is list:
+                for choice in choices:
+                    if choice.__class__ is not dict or choice.get("index", 0) != 0:
+                        continue
+                    holder = choice.get(part)
+                    if holder.__class__ is dict:
+                        text = holder.get("content")
+                        if text.__class__ is str:
+                            content.append(text)
+                        text = holder.get("reasoning_content") or holder.get("reasoning")
+                        if text.__class__ is str:
+                            reasoning.append(text)
+                    text = choice.get("text")  # /v1/completions
+                    if text.__class__ is str:
+                        content.append(text)
+                    finish = choice.get("finish_reason")
+                    if finish.__class__ is str:
+                        self.finish = finish
+            usage = event.get("usage")
+            if usage.__class__ is dict:
+                tokens = _int_or_none(usage.get("completion_tokens"))
+                if tokens is not None:
+                    self.completion_tokens = tokens
+
+
+def parse_completion(body: bytes, content_type: bytes | None) -> _Completion:
+    """Content, reasoning, finish reason and usage from a plain JSON or an SSE response."""
+    completion = _Completion()
+    stripped = body.lstrip()
+    if (content_type or b"").startswith(b"text/event-stream") or stripped.startswith(b"data:"):
+        completion.add_events(_sse_payloads(body), "delta")
+    else:
+        answer = parse_json_object(body)
+        if answer is not None:
+            completion.add_events([answer], "message")
+    return completion
+
+
+def _texts(blocks: object, kinds: tuple[str, ...], field: str = "text") -> list[str]:
+    """The ``field`` strings of the blocks (dicts) in a list whose ``type`` is in ``kinds``."""
+    if not isinstance(blocks, list):
+        return []
+    return [block[field] for block in blocks
+            if isinstance(block, dict) and block.get("type") in kinds
+            and isinstance(block.get(field), str)]
+
+
+def _fold_response(completion: _Completion, response: dict[str, Any], texts: bool) -> None:
+    """A whole Responses API object: status, usage and (``texts``) the output's texts."""
+    status = response.get("status")
+    details = response.get("incomplete_details")
+    reason = details.get("reason") if details.__class__ is dict else None
+    if reason.__class__ is str:
+        completion.finish = reason
+    elif status.__class__ is str:
+        completion.finish = status
+    usage = response.get("usage")
+    if usage.__class__ is dict:
+        tokens = _int_or_none(usage.get("output_tokens"))
+        if tokens is not None:
+            completion.completion_tokens = tokens
+    if not texts:
+        return
+    output = response.get("output")
+    for item in output if output.__class__ is list else ():
+        if item.__class__ is not dict:
+            continue
+        if item.get("type") == "message":
+            completion.content.extend(_texts(item.get("content"), ("output_text",)))
+        elif item.get("type") == "reasoning":
+            completion.reasoning.extend(_texts(item.get("content"), ("reasoning_text",)))
+            completion.reasoning.extend(_texts(item.get("summary"), ("summary_text",)))
+
+
+#: Responses API stream events that end it, carrying the whole response object
+_RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+_REASONING_DELTAS = frozenset({"response.reasoning_text.delta",
+                               "response.reasoning_summary_text.delta"})
+
+
+def parse_responses(body: bytes, content_type: bytes | None) -> _Completion:
+    """
+    A Responses API answer.  Its stream is typed events, not chat's choices: the text comes
+    in ``response.output_text.delta`` events (reasoning in ``response.reasoning_*``) and
+    status and usage in the final ``response.completed`` (or ``.incomplete``, ``.failed``),
+    whose full output is used only when no delta was kept (the capture may have cut them).
+    """
+    completion = _Completion()
+    if not _is_stream(body, content_type):
+        answer = parse_json_object(body)
+        if answer is not None:
+            _fold_response(completion, answer, texts=True)
+        return completion
+    final = None
+    for event in _sse_payloads(body):
+        kind = event.get("type")
+        if kind.__class__ is not str:
+            continue  # a list or an object cannot even be looked up among the kinds
+        delta = event.get("delta")
+        if kind == "response.output_text.delta" and delta.__class__ is str:
+            completion.content.append(delta)
+        elif kind in _REASONING_DELTAS and delta.__class__ is str:
+            completion.reasoning.append(delta)
+        elif kind in _RESPONSE_ENDS and event.get("response").__class__ is dict:
+            final = event["response"]
+    if final is not None:
+        texts = not completion.content and not completion.reasoning
+        _fold_response(completion, final, texts)
+    return completion
+
+
+def parse_messages(body: bytes, content_type: bytes | None) -> _Completion:
+    """
+    A Messages API (Anthropic-style) answer: ``text`` and ``thinking`` content blocks,
+    ``stop_reason`` and ``usage.output_tokens``; streamed as ``content_block_*`` events,
+    with the stop reason and final usage in ``message_delta``.
+    """
+    completion = _Completion()
+    blocks: list[object] = []  # content blocks, and stream deltas, in order
+    ends: list[dict[str, Any]] = []  # what holds stop_reason and usage
+    if _is_stream(body, content_type):
+        for event in _sse_payloads(body):
+            kind = event.get("type")
+            if kind == "message_start" and isinstance(event.get("message"), dict):
+                ends.append(event["message"])
+            elif kind in ("content_block_start", "content_block_delta"):
+                blocks.append(event.get("content_block") or event.get("delta"))
+            elif kind == "message_delta":
+                delta = event.get("delta")
+                ends.append({**(delta if isinstance(delta, dict) else {}),
+                             "usage": event.get("usage")})
+    else:
+        answer = parse_json_object(body)
+        if answer is not None:
+            content = answer.get("content")
+            blocks.extend(content if isinstance(content, list) else [])
+            ends.append(answer)
+    completion.content.extend(_texts(blocks, ("text", "text_delta")))
+    completion.reasoning.extend(_texts(blocks, ("thinking", "thinking_delta"), "thinking"))
+    for end in ends:
+        if isinstance(end.get("stop_reason"), str):
+            completion.finish = end["stop_reason"]
+        usage = end.get("usage")
+        if isinstance(usage, dict):
+            tokens = _int_or_none(usage.get("output_tokens"))
+            if tokens is not None:
+                completion.completion_tokens = tokens
+    return completion
+
+
+def _is_stream(body: bytes, content_type: bytes | None) -> bool:
+    stripped = body.lstrip()
+    return ((content_type or b"").startswith(b"text/event-stream")
+            or stripped.startswith((b"data:", b"event:")))
+
+
+def orid_of(header: bytes | None, request: dict[str, Any] | None,
+            privacy: Privacy = KEEP_ALL) -> str:
+    """
+    ``X-Orid``, else the body's ``user`` (a string or an integer; kept, hashed or dropped
+    as ``privacy`` says), else ``-``; clipped.
+    """
+    if header:
+        return clip(header.decode("utf-8", "replace"), MAX_ORID)
+    user = None if request is None else request.get("user")
+    if isinstance(user, int) and not isinstance(user, bool) and user:
+        user = str(user)
+    if not isinstance(user, str) or not user:
+        return "-"
+    if privacy.user == "drop":
+        return "-"
+    if privacy.user == "hash":
+        # the whole value is digested (not the clipped one): two long addresses that share
+        # their first 256 bytes are still two users; surrogates cannot be encoded strictly
+        digest = hmac.new(privacy.user_key, user.encode("utf-8", "surrogatepass"),
+                          hashlib.sha256).hexdigest()
+        return USER_DIGEST_PREFIX + digest[:USER_DIGEST_HEX]
+    return clip(user, MAX_ORID)
+
+
+def request_keys(request: dict[str, Any]) -> list[str]:
+    """
+    The request's top-level keys for an error line, sorted -- at most
+    :data:`MAX_REQ_KEYS` of them, each clipped to :data:`MAX_KEY` bytes, then ``…+N`` for
+    the N left out, so a body of a million keys makes a long line, not a megabyte one.
+    """
+    keys = sorted(request)
+    shown = [clip(key, MAX_KEY, "key") for key in keys[:MAX_REQ_KEYS]]
+    if len(keys) > MAX_REQ_KEYS:
+        shown.append(f"…+{len(keys) - MAX_REQ_KEYS}")
+    return shown
+
+
+def dechunk(framed: bytes) -> bytes:
+    """
+    The payload of a chunked body (as far as it is complete and well formed: the capture
+    may stop mid-chunk).  Runs once per request, in the summary, so that the relay itself
+    can pass chunks through without decoding them.
+    """
+    parts = []
+    position = 0
+    size = len(framed)
+    while position < size:
+        end = framed.find(b"\r\n", position)
+        if end < 0:
+            break
+        try:
+            length = int(framed[position:end].split(b";", 1)[0], 16)
+        except ValueError:
+            break
+        if length <= 0:
+            break
+        start = end + 2
+        parts.append(framed[start:start + length])
+        position = start + length + 2
+    return b"".join(parts)
+
+
+def summarize(record: RequestRecord, privacy: Privacy = KEEP_ALL) -> Summary:
+    """Turn what the proxy saw into the fields of the log line, keeping what ``privacy`` allows."""
+    request = parse_json_object(record.request_body)
+    body = b"".join(record.response)
+    if record.chunked:
+        body = dechunk(body)
+    status = record.status if record.status is not None else 499
+    common: dict[str, Any] = {
+        "time": record.ended,
+        "orid": orid_of(record.orid_header, request, privacy),
+        "backend": record.backend or "-",
+        "method": clip(record.method.decode("ascii", "replace"), MAX_METHOD),
+        "path": clip(record.path.decode("utf-8", "replace"), MAX_PATH),
+        "status": status,
+        "outcome": record.outcome,
+        "dur": max(0.0, record.ended - record.started),
+        "ttft": None if record.first_byte is None else record.first_byte - record.started,
+        "truncated": record.truncated,
+        "tries": record.tries,
+    }
+    if status != 200:
+        keys = request_keys(request) if request is not None else None
+        # decoding stops early: the clip keeps at most MAX_ERR_BODY characters anyway
+        err_body = body[:4 * MAX_ERR_BODY].decode("utf-8", "replace")
+        if privacy.err_body is not None:
+            err_body = err_body[:privacy.err_body]
+        err_body = clip(err_body, MAX_ERR_BODY, "text")
+        return Summary(kind="error", req_keys=keys, err_body=err_body, **common)
+    api = API_PATHS.get(record.path)
+    if api is None:
+        return Summary(kind="other", **common)
+    if api == "embeddings":
+        return _embedding(body, common)
+
+    if api == "responses":
+        completion = parse_responses(body, record.content_type)
+    elif api == "messages":
+        completion = parse_messages(body, record.content_type)
+    else:
+        completion = parse_completion(body, record.content_type)
+    content = "".join(completion.content)
+    reasoning = "".join(completion.reasoning)
+    visible = _THINK_BLOCK.sub("", content).strip()
+    max_tokens = None
+    thinking = False
+    if request is not None:
+        max_tokens = _int_or_none(request.get("max_tokens"))
+        if max_tokens is None:
+            max_tokens = _int_or_none(request.get("max_completion_tokens"))
+        if max_tokens is None and api == "responses":
+            max_tokens = _int_or_none(request.get("max_output_tokens"))
+        thinking = _asked_to_think(request)
+    return Summary(
+        kind="completion",
+        finish=None if completion.finish is None else clip(completion.finish, MAX_FINISH),
+        completion_tokens=_count(completion.completion_tokens),
+        max_tokens=max_tokens,
+        thinking=thinking,
+        think=bool(reasoning) or "<think>" in content,
+        empty=not visible,
+        clen=len(content),
+        preview=visible[:min(privacy.content, MAX_PREVIEW_CHARS)],
+        **common,
+    )
+
+
+def _asked_to_think(request: dict[str, Any]) -> bool:
+    """
+    The request turned reasoning on: ``chat_template_kwargs.enable_thinking`` (vLLM, SGLang),
+    the Messages API's ``thinking: {"type": "enabled"}`` or the Responses API's
+    ``reasoning: {"effort": ...}`` (any effort but ``none``).
+    """
+    kwargs = request.get("chat_template_kwargs")
+    if isinstance(kwargs, dict) and kwargs.get("enable_thinking") is True:
+        return True
+    thinking = request.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        return True
+    reasoning = request.get("reasoning")
+    return (isinstance(reasoning, dict) and isinstance(reasoning.get("effort"), str)
+            and reasoning["effort"] != "none")
+
+
+def _embedding(body: bytes, common: dict[str, Any]) -> Summary:
+    """An embeddings answer: how many vectors, and the prompt tokens they took."""
+    answer = parse_json_object(body)
+    count = prompt_tokens = None
+    if answer is not None:
+        data = answer.get("data")
+        if isinstance(data, list):
+            count = len(data)
+        usage = answer.get("usage")
+        if isinstance(usage, dict):
+            prompt_tokens = _count(_int_or_none(usage.get("prompt_tokens")))
+    return Summary(kind="embedding", prompt_tokens=prompt_tokens, count=count, **common)

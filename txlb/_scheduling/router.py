@@ -1,0 +1,288 @@
+"""
+Request -> an in-flight slot on one eligible backend: model-aware, queueing at the caps.
+
+The choice and the slot are taken in one synchronous step (:meth:`Router._take`), so no
+other request can run between "this backend has the fewest in flight" and "it now has one
+more" -- the property that keeps a burst of N requests on B backends at ceil(N/B) each.
+
+When every backend that could serve a request is at its ``max_conns``, the request waits
+in a FIFO queue.  Nothing polls: the pool tells the router whenever capacity appears (a
+slot released, a backend up, undrained or added) and the queue is served in order, each
+waiter the moment a backend it may use has room.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+
+import attrs
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+
+from txlb._cluster.backend import Backend, Lease, Pool
+from txlb._scheduling.affinity import BoundedLoadRing
+from txlb._scheduling.policies import IPolicy
+
+log = Logger()
+
+
+class RoutingError(Exception):
+    """A request no backend will take: answered with ``status`` and ``message``."""
+
+    def __init__(self, status: int, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry_after = retry_after
+
+
+@attrs.frozen
+class ModelRoute:
+    """A client-facing model name split by weight over target models (``[[routes]]``)."""
+
+    model: str
+    targets: tuple[tuple[str, int], ...]
+
+
+@attrs.define(eq=False)
+class _Waiter:
+    model: str | None
+    session: str | None
+    exclude: frozenset[str]
+    since: float
+    deferred: Deferred[Lease] | None = None
+    timer: IDelayedCall | None = None
+
+
+class Router:
+    """Filters the pool down to what may serve a request and lets the policy choose."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        policy: IPolicy,
+        clock: IReactorTime,
+        queue_timeout: float = 30.0,
+        retry_after: int = 1,
+        routes: Mapping[str, ModelRoute] | None = None,
+        affinity: BoundedLoadRing | None = None,
+        rng: random.Random | None = None,
+        forward_unknown_models: bool = False,
+    ) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.clock = clock
+        self.queue_timeout = queue_timeout
+        self.retry_after = retry_after
+        self.routes = dict(routes or {})
+        self.affinity = affinity
+        #: ``--unknown-model forward``: a model no backend lists goes to any backend
+        self.forward_unknown_models = forward_unknown_models
+        self._rng = rng or random.Random()
+        self._queue: deque[_Waiter] = deque()
+        self.on_queue_wait: Callable[[float], object] = lambda seconds: None
+        #: Told the queue's length whenever it changes (a worker process publishes it so
+        #: that slots freed in other workers wake this queue; see txlb._workers.supervisor).
+        self.on_queue_length: Callable[[int], object] = lambda length: None
+        pool.on_change.append(self._dispatch)
+
+    # -- models ---------------------------------------------------------------------------
+
+    def resolve(self, model: str) -> str:
+        """An alias's target, drawn by weight; any other model name as it is."""
+        route = self.routes.get(model)
+        if route is None:
+            return model
+        names = [name for name, _ in route.targets]
+        weights = [weight for _, weight in route.targets]
+        return self._rng.choices(names, weights=weights)[0]
+
+    def _routed(self, model: str | None) -> str | None:
+        """
+        The model the choice filters on.  With ``--unknown-model forward`` a model no
+        known backend lists routes like a request without one (engines such as
+        llama.cpp's answer any model name); a model some backend lists, even a down one,
+        still goes only to its backends.
+        """
+        if (model is None or not self.forward_unknown_models
+                or any(b.serves(model) for b in self.pool)):
+            return model
+        return None
+
+    def served_models(self) -> list[str]:
+        """Every model some known backend serves (healthy or not), and the aliases."""
+        models: set[str] = set(self.routes)
+        for backend in self.pool:
+            models.update(backend.models or ())
+        return sorted(models)
+
+    def model_list(self) -> dict[str, object]:
+        """``GET /v1/models``: the union over healthy backends, in OpenAI's list shape."""
+        entries: dict[str, dict[str, object]] = {}
+        for backend in self.pool:
+            if not backend.healthy:
+                continue
+            aliases = backend.aliases  # listed inside their model's entry, as the engine does
+            for model in backend.models or ():
+                if model in aliases:
+                    continue
+                entry = backend.model_entries.get(model) or {
+                    "id": model, "object": "model", "created": 0, "owned_by": "txlb"}
+                entries.setdefault(model, dict(entry))
+        for alias in self.routes:
+            entries.setdefault(alias, {"id": alias, "object": "model", "created": 0,
+                                       "owned_by": "txlb"})
+        return {"object": "list", "data": [entries[m] for m in sorted(entries)]}
+
+    # -- taking a slot ------------------------------------------------------------------
+
+    def acquire(self, model: str | None = None, session: str | None = None,
+                exclude: frozenset[str] = frozenset()) -> Deferred[Lease]:
+        """
+        A slot on a backend that serves ``model`` (any backend for ``None``), now or once
+        one frees up.  Fails with :class:`RoutingError`: 404 when no backend serves the
+        model, 503 when none can take it (all down or draining, or the queue wait ran out).
+        Cancelling the Deferred (the client left) takes the request out of the queue.
+        """
+        model = self._routed(model)
+        serving = self._serving(model, exclude)
+        if model is not None and not serving and not any(
+                b.serves(model) for b in self.pool):
+            served = ", ".join(self.served_models()) or "none"
+            return fail(RoutingError(
+                404, f"The model `{model}` does not exist. Served models: {served}"))
+        lease = self._take(serving, session)
+        if lease is not None:
+            return succeed(lease)
+        if not self._queue_worthy(serving):
+            what = f"model `{model}`" if model is not None else "this request"
+            return fail(RoutingError(503, f"no backend is available for {what}",
+                                     self.retry_after))
+        waiter = _Waiter(model, session, exclude, self.clock.seconds())
+        waiting = self._enqueue(waiter)
+        if self.pool.shared is not None:
+            # With --workers, a slot freed in another worker wakes this queue only if the
+            # supervisor sees it non-empty (published by _enqueue).  A slot freed between
+            # the failed take above and that publication would wake nobody: so try once
+            # more now that the waiter is visible; a slot freed after this try is
+            # announced to us.
+            lease = self._take(serving, session)
+            if lease is not None:
+                self._leave(waiter)
+                return succeed(lease)
+        return waiting
+
+    def can_serve_now(self, model: str | None, exclude: frozenset[str]) -> bool:
+        """
+        Whether a backend not in ``exclude`` could take this request right now.  Retries
+        ask this: a try that would have to queue is not made -- the answer at hand (a
+        502/503) goes to the client as it came instead of waiting behind the queue.
+        """
+        # With --workers a backend's ``active`` is fresh only under the shared lock (other
+        # workers take and release slots meanwhile): read the totals there, or a retry
+        # would be made into a queue, or refused although a backend is free.
+        serving = self._serving(self._routed(model), exclude)
+        return self.pool.exclusive(lambda: any(b.eligible for b in serving))
+
+    def _serving(self, model: str | None, exclude: frozenset[str]) -> list[Backend]:
+        return [b for b in self.pool
+                if b.key not in exclude and not b.removing
+                and (model is None or b.serves(model))]
+
+    @staticmethod
+    def _queue_worthy(serving: Sequence[Backend]) -> bool:
+        """Worth waiting for: some backend is up and in rotation, only full."""
+        return any(b.healthy and not b.draining and b.spec.max_conns for b in serving)
+
+    def _take(self, serving: Sequence[Backend], session: str | None) -> Lease | None:
+        # With --workers the pool reads the shared counts and holds the lock across
+        # processes for the choice and the slot; in one process this is a plain call.
+        return self.pool.exclusive(self._choose, serving, session)
+
+    def _choose(self, serving: Sequence[Backend], session: str | None) -> Lease | None:
+        candidates = [b for b in serving if b.eligible]
+        if not candidates:
+            return None
+        if session is not None and self.affinity is not None:
+            chosen = self.affinity.choose(session, candidates)
+        else:
+            chosen = self.policy.choose(candidates)
+        return self.pool.acquire(chosen)
+
+    # -- the queue ----------------------------------------------------------------------
+
+    def _enqueue(self, waiter: _Waiter) -> Deferred[Lease]:
+        def cancel(_: Deferred[Lease]) -> None:
+            self._leave(waiter)
+
+        waiter.deferred = Deferred(cancel)
+        waiter.timer = self.clock.callLater(self.queue_timeout, self._expire, waiter)
+        self._queue.append(waiter)
+        self.on_queue_length(len(self._queue))
+        return waiter.deferred
+
+    def _leave(self, waiter: _Waiter) -> None:
+        if waiter in self._queue:
+            self._queue.remove(waiter)
+            self.on_queue_length(len(self._queue))
+        if waiter.timer is not None and waiter.timer.active():
+            waiter.timer.cancel()
+
+    def _expire(self, waiter: _Waiter) -> None:
+        waiter.timer = None
+        self._leave(waiter)
+        waited = self.clock.seconds() - waiter.since
+        self.on_queue_wait(waited)
+        assert waiter.deferred is not None
+        waiter.deferred.errback(RoutingError(
+            503, f"every backend stayed at its max_conns for {waited:g}s", self.retry_after))
+
+    def _dispatch(self) -> None:
+        """
+        The pool changed: serve waiters in arrival order, each as soon as it fits, and
+        answer at once those that nothing can serve any more (their backends went down,
+        were drained or removed) instead of leaving them to time out.
+        """
+        for waiter in list(self._queue):
+            if waiter not in self._queue:
+                continue  # served by a nested dispatch (a release while we were serving)
+            serving = self._serving(waiter.model, waiter.exclude)
+            lease = self._take(serving, waiter.session)
+            if lease is None:
+                if not self._queue_worthy(serving):
+                    self._leave(waiter)
+                    assert waiter.deferred is not None
+                    what = (f"model `{waiter.model}`" if waiter.model is not None
+                            else "this request")
+                    waiter.deferred.errback(RoutingError(
+                        503, f"no backend is available for {what}", self.retry_after))
+                continue
+            self._leave(waiter)
+            waited = self.clock.seconds() - waiter.since
+            lease.waited = waited
+            self.on_queue_wait(waited)
+            assert waiter.deferred is not None
+            waiter.deferred.callback(lease)
+
+    def abandon_queue(self, message: str) -> None:
+        """Refuse every queued request with 503 (the balancer is shutting down)."""
+        for waiter in list(self._queue):
+            self._leave(waiter)
+            if waiter.deferred is not None and not waiter.deferred.called:
+                waiter.deferred.errback(RoutingError(503, message, self.retry_after))
+
+    @property
+    def queue_length(self) -> int:
+        """Requests waiting for a slot now."""
+        return len(self._queue)
+
+    def queue_status(self) -> dict[str, object]:
+        now = self.clock.seconds()
+        return {
+            "length": len(self._queue),
+            "oldest_wait_s": round(now - self._queue[0].since, 3) if self._queue else 0.0,
+            "timeout_s": self.queue_timeout,
+        }

@@ -1,0 +1,368 @@
+"""
+The main port's ``Site``: twisted.web's HTTP server with the limits a proxy needs.
+
+twisted.web reads a whole request body (into memory, or a temporary file above 100 kB)
+before any resource sees it, and its idle timeout restarts on every byte, so on its own it
+would buffer any body a client sends and wait forever for headers trickling in one byte a
+second (slowloris).  The channel and request here add what nginx calls
+``client_header_timeout`` and ``client_max_body_size``:
+
+* :class:`ProxyChannel` gives each request's line and headers ``header_timeout`` seconds
+  from their first byte, then answers 408 and closes;
+* :class:`LimitedRequest` answers 413 the moment ``Content-Length`` (or a chunked body
+  so far) exceeds ``max_body``, without buffering past the limit, and never lets the
+  refused request reach the proxy.
+
+Oversized header blocks are refused: a line over 16 KiB with 431 (here), more than 16 KiB or
+500 headers in all with 400.
+
+The channel is also strict about framing where twisted.web is lenient, because a proxy that
+reads a request's length differently from the client lets the rest of the stream be taken
+for a second request nobody checked (request smuggling).  RFC 9112 §6.1-6.3 and RFC 9110
+§7.2/§7.6.1, as nginx and HAProxy apply them:
+
+* ``Transfer-Encoding`` must be exactly ``chunked`` (one coding, on HTTP/1.1).  A final
+  coding other than chunked (``identity``, ``gzip``, a second header line saying
+  ``identity`` after ``chunked``) leaves the length unknowable: 400.  Chunked after another
+  coding is well framed but names a coding txlb cannot forward: 501.  On HTTP/1.0: 400.
+* ``Content-Length`` with ``Transfer-Encoding``, or twice, is twisted.web's own 400.
+* An HTTP/1.1 request without ``Host``, any request with two, or an invalid ``Host``: 400.
+* A request target with a byte that is not visible ASCII (twisted.web lets DEL and
+  0x80-0xB0 through): 400.
+* ``Connection`` is a comma-separated token list over every ``Connection`` line:
+  ``keep-alive, close`` closes.
+
+Every such refusal has the OpenAI-style JSON body of :func:`txlb._proxy.errors.error_body`, says
+``Connection: close``, closes the connection, and never reaches the proxy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Any
+
+from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.protocol import connectionDone
+from twisted.logger import Logger, LogLevel
+from twisted.python.failure import Failure
+from twisted.web.http import HTTPChannel
+from twisted.web.resource import IResource
+from twisted.web.server import Request, Site
+
+from txlb._compat import parsed_request_line
+from txlb._proxy.errors import error_body
+from txlb._server.quiet import RepeatSummary
+
+log = Logger()
+
+_REASONS = {
+    400: b"Bad Request",
+    408: b"Request Timeout",
+    413: b"Content Too Large",
+    431: b"Request Header Fields Too Large",
+    501: b"Not Implemented",
+}
+
+#: RFC 3986 ``host [ ":" port ]``: an IP literal in brackets, or a reg-name / IPv4 address
+#: (unreserved, pct-encoded and sub-delims characters); anything else in ``Host`` is 400.
+_VALID_HOST = re.compile(
+    rb"(?:\[[A-Za-z0-9:._~%!$&'()*+,;=-]*\]|[A-Za-z0-9._~%!$&'()*+,;=-]*)(?::[0-9]*)?")
+
+#: What a request target may hold (RFC 9112 §3.2: URI characters, all visible ASCII).
+_VISIBLE_ASCII = bytes(range(0x21, 0x7F))
+
+#: ``Connection`` tokens are comma-separated (RFC 9110 §7.6.1); whitespace separates too,
+#: as twisted.web reads it, so that every spelling that could mean "close" closes.
+_TOKEN_SEPARATORS = re.compile(rb"[\s,]+")
+
+
+# twisted.web private API: the request line being parsed is read through
+# txlb._compat.parsed_request_line; ProxyChannel overrides HTTPChannel's private
+# _respondToBadRequestAndDisconnect (txlb._compat.BAD_REQUEST_HOOK, whose existence
+# tests/unit/test_compat.py checks).
+
+
+def _raw_response(status: int, body: bytes) -> bytes:
+    return (b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+            b"Connection: close\r\n\r\n" % (status, _REASONS[status], len(body))) + body
+
+
+def _codings(value: bytes) -> list[bytes]:
+    """A ``Transfer-Encoding`` value as lowercase codings (empty list elements dropped)."""
+    return [c for c in (part.strip(b" \t").lower() for part in value.split(b",")) if c]
+
+
+class ProxyChannel(HTTPChannel):
+    """
+    An HTTP/1.1 channel that gives a request's head a deadline (slowloris defence) and
+    refuses any framing a second parser could read differently (smuggling defence).
+    """
+
+    header_timeout = 30.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._awaiting_head = True
+        self._head_deadline: IDelayedCall | None = None
+        self._closing = False
+        self._reset_head()
+
+    def _reset_head(self) -> None:
+        """What the framing checks remember of the head being parsed."""
+        self._host_lines = 0
+        self._transfer_codings: list[bytes] = []
+
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        # Streamed tokens are small writes: do not let Nagle's algorithm hold them back
+        # (nginx's tcp_nodelay, on by default).
+        set_no_delay = getattr(self.transport, "setTcpNoDelay", None)
+        if set_no_delay is not None:
+            with contextlib.suppress(OSError):  # not a TCP socket, or already closed
+                set_no_delay(True)
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._closing:
+            return  # refused: whatever follows is never parsed, so never forwarded
+        if self._awaiting_head and self._head_deadline is None:
+            self._head_deadline = self.callLater(self.header_timeout, self._head_too_slow)
+        super().dataReceived(data)
+
+    def headerReceived(self, line: bytes) -> bool:
+        """
+        Check the headers that decide framing and routing before twisted.web sees them.
+        ``line`` is one whole field line (an obs-fold already joined with a space).
+        """
+        name, colon, value = line.partition(b":")
+        if len(value.translate(None, b"\x00\r\n")) != len(value):
+            # RFC 9110 5.5; twisted.web 25.5 passes a lone CR or LF through, which a
+            # backend's parser may read as the end of the line (request smuggling)
+            return self.refuse(400, "a header value has a NUL, CR or LF")
+        lowered = name.lower()  # exact: "Host " (space before the colon) is twisted's 400
+        if colon and lowered == b"transfer-encoding":
+            return self._transfer_encoding(value)
+        if colon and lowered == b"host":
+            self._host_lines += 1
+            if self._host_lines > 1:
+                return self.refuse(400, "the request has more than one Host header")
+            if not _VALID_HOST.fullmatch(value.strip(b" \t")):
+                return self.refuse(400, "the request's Host header is not a valid host")
+        ok: bool = super().headerReceived(line)
+        return ok
+
+    def _transfer_encoding(self, value: bytes) -> bool:
+        """
+        Accept exactly one coding, ``chunked``, over all ``Transfer-Encoding`` lines; every
+        other value is refused here, where twisted.web would take ``identity`` for "no body"
+        and a later ``identity`` line after ``chunked`` for chunked.
+        """
+        self._transfer_codings += _codings(value)
+        codings = self._transfer_codings
+        _, _, version = parsed_request_line(self)
+        if version != b"HTTP/1.1":
+            return self.refuse(400, "Transfer-Encoding is not allowed in an HTTP/1.0 "
+                                    "request")
+        if codings == [b"chunked"]:
+            ok: bool = super().headerReceived(b"Transfer-Encoding: chunked")
+            return ok
+        if not codings or codings[-1] != b"chunked" or b"chunked" in codings[:-1]:
+            return self.refuse(400, "the request's final transfer coding must be chunked "
+                                    "(and only once), or its length cannot be known")
+        return self.refuse(501, "transfer codings other than chunked are not supported")
+
+    def allHeadersReceived(self) -> None:
+        self._awaiting_head = False
+        self._cancel_deadline()
+        missing_host = self._host_lines == 0
+        self._reset_head()
+        _, target, version = parsed_request_line(self)
+        if target is not None and len(target.translate(None, _VISIBLE_ASCII)) != 0:
+            # twisted.web lets DEL and bytes 0x80-0xB0 through; the backend's parser may not
+            self.refuse(400, "the request target has bytes that are not visible ASCII")
+            return
+        if missing_host and version == b"HTTP/1.1":
+            self.refuse(400, "an HTTP/1.1 request must have a Host header")
+            return  # nothing more: the refused request never reaches the proxy
+        super().allHeadersReceived()
+
+    def checkPersistence(self, request: Any, version: bytes) -> bool:
+        """
+        Keep the connection open unless the client asked to close it, reading every
+        ``Connection`` line as a token list (twisted.web reads only the first line, split
+        on spaces, so ``keep-alive,close`` would stay open).  HTTP/1.0 always closes.
+        """
+        tokens = {token.lower()
+                  for value in request.requestHeaders.getRawHeaders(b"connection", [])
+                  for token in _TOKEN_SEPARATORS.split(value) if token}
+        if version == b"HTTP/1.1" and b"close" not in tokens:
+            return True
+        if version == b"HTTP/1.1":
+            request.responseHeaders.setRawHeaders(b"Connection", [b"close"])
+        return False
+
+    def requestDone(self, request: Request) -> None:
+        # the next request's head gets its own deadline, from its first byte
+        self._awaiting_head = True
+        super().requestDone(request)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self._cancel_deadline()
+        super().connectionLost(reason)
+
+    def lineLengthExceeded(self, line: bytes) -> None:
+        """A request line or header over 16 KiB: 431, as nginx answers, not a bare close."""
+        self.refuse(431, "request header fields too large")
+
+    def _respondToBadRequestAndDisconnect(self) -> None:
+        """
+        twisted.web's answer to a malformed request line, header, length or chunked body
+        (private API, see the top of this module): the same 400, with a JSON body, and
+        logged.
+        """
+        if self._awaiting_head:
+            self.refuse(400, "malformed request line or headers")
+        else:
+            self.refuse(400, "malformed request body framing")
+
+    def refuse(self, status: int, message: str) -> bool:
+        """
+        Answer ``status`` with a JSON error, close the connection, and make sure the
+        request being parsed (if any) never reaches the resource.  Only the first refusal
+        of a connection is written: twisted.web may find a second fault in bytes it had
+        already read.  Returns ``False``, twisted.web's "stop parsing this header".
+        """
+        if self._closing:
+            return False
+        self._closing = True
+        self._cancel_deadline()
+        request = self.requests[-1] if self.requests else None
+        body = error_body(status, message)
+        if isinstance(request, LimitedRequest):
+            request.refused(status, body)
+        if self.transport is not None:
+            self.transport.write(_raw_response(status, body))
+            self.loseConnection()
+        return False
+
+    def _cancel_deadline(self) -> None:
+        if self._head_deadline is not None and self._head_deadline.active():
+            self._head_deadline.cancel()
+        self._head_deadline = None
+
+    def _head_too_slow(self) -> None:
+        self._head_deadline = None
+        if self.transport is None:
+            return
+        message = "client {peer} sent no complete request head within {timeout:g}s"
+        address = self.transport.getPeer()
+        host, port = getattr(address, "host", None), getattr(address, "port", None)
+        # host:port ([v6]:port), not the IPv4Address(type='TCP', ...) repr
+        peer = (str(address) if host is None else
+                f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        repeats = getattr(getattr(self, "site", None), "repeats", None)
+        if repeats is None:
+            log.info(message, peer=peer, timeout=self.header_timeout)
+        else:  # a client opening connections it never completes: not a line per connection
+            repeats.emit(("slow-head",), log, LogLevel.info, message, peer=peer,
+                         timeout=self.header_timeout)
+        self.refuse(408, f"request headers not received within {self.header_timeout:g}s")
+
+
+class LimitedRequest(Request):
+    """A request that refuses a body over its site's ``max_body`` while it arrives."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._body_seen = 0
+        self._refused = False
+
+    @property
+    def _max_body(self) -> int:
+        site = getattr(self.channel, "site", None)
+        return getattr(site, "max_body", 0) or 0
+
+    def gotLength(self, length: int | None) -> None:
+        limit = self._max_body
+        if limit and length is not None and length > limit:
+            # no "100 Continue" for a body that is refused anyway
+            self.requestHeaders.removeHeader(b"expect")
+            self._refuse(f"the request body ({length} bytes) is over the limit of "
+                         f"{limit} bytes")
+            return
+        super().gotLength(length)
+
+    def handleContentChunk(self, data: bytes) -> None:
+        if self._refused:
+            return
+        self._body_seen += len(data)
+        limit = self._max_body
+        if limit and self._body_seen > limit:
+            self._refuse(f"the request body is over the limit of {limit} bytes")
+            return
+        super().handleContentChunk(data)
+
+    def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
+        if self._refused:
+            return  # answered already; the proxy never sees it
+        super().requestReceived(command, path, version)
+
+    def _refuse(self, message: str) -> None:
+        channel = self.channel
+        if isinstance(channel, ProxyChannel):
+            channel.refuse(413, message)
+        elif channel is not None:
+            # in an embedder's own channel: answer the same way, without its framing checks
+            body = error_body(413, message)
+            self.refused(413, body)
+            if channel.transport is not None:
+                channel.transport.write(_raw_response(413, body))
+                channel.loseConnection()
+
+    def refused(self, status: int, body: bytes) -> None:
+        """
+        Mark this request as answered by the channel (``status`` with ``body``): it never
+        reaches the resource, and the site's ``on_refused`` gets it for the result log.
+        """
+        if self._refused:
+            return
+        self._refused = True
+        # The request line is parsed but not yet given to the request: take it from the
+        # channel, so the result log says what was refused ("-" when it did not parse).
+        command, path, _ = parsed_request_line(self.channel)
+        self.method = command or b"-"
+        self.uri = path or b"-"
+        site = getattr(self.channel, "site", None)
+        if site is not None and getattr(site, "on_refused", None) is not None:
+            site.on_refused(self, status, body)
+
+
+class ProxySite(Site):
+    """
+    The main port's Site.
+
+    No twisted.web access log: formatting a Common Log Format line per request costs the
+    proxy throughput, and txlb's own result log is the one operators read.
+    """
+
+    protocol = ProxyChannel  # type: ignore[assignment]
+    requestFactory = LimitedRequest
+    noisy = False  # "Starting factory <ProxySite object at 0x...>" says nothing to operators
+
+    def __init__(self, resource: IResource, max_body: int = 0, header_timeout: float = 30.0,
+                 on_refused: Any = None, repeats: RepeatSummary | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(resource, **kwargs)
+        self.max_body = max_body
+        self.header_timeout = header_timeout
+        self.on_refused = on_refused
+        self.repeats = repeats
+
+    def buildProtocol(self, addr: Any) -> Any:
+        channel = super().buildProtocol(addr)
+        if channel is not None:
+            channel.header_timeout = self.header_timeout
+        return channel
+
+    def log(self, request: Any) -> None:
+        pass

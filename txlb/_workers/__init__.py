@@ -1,0 +1,3 @@
+"""
+``--workers N``: the supervisor, the worker processes, and the messages between them.
+"""
