@@ -288,7 +288,58 @@ def mutants(module: str) -> list[object]:
     return kept
 
 
-def run_one(item: object, module: str, copy: Path, timeout: float) -> Outcome:
+#: Which tests ran each line of a module: line number -> trial test ids.
+Coverage = dict[int, frozenset[str]]
+
+
+def who_tests_what(module: str, copy: Path, timeout: float) -> Coverage:
+    """
+    Run the module's tests once under coverage with one context per test (coverage's
+    ``dynamic_context = test_function``): for each line of ``module``, the tests that ran it.
+
+    A mutant then first runs only the tests that reach its lines -- a few seconds instead of
+    the whole list.  The context is the test method's qualified name (the class that
+    defines it), which trial runs by name.  Lines reached only outside a test method (in
+    ``setUp``, or by the reactor after the method returned) have no test here; the
+    fallback in :func:`run_one` covers them.
+    """
+    from coverage import CoverageData
+
+    data_file = copy / f".who-{module.replace('/', '-')}"
+    rc = copy / ".who-rc"
+    rc.write_text(f"[run]\ndynamic_context = test_function\n"
+                  f"include = {copy}/txlb/{module}.py\ndata_file = {data_file}\n")
+    command = (f"env -C {copy} PYTHONPATH={copy} {sys.executable} -m coverage run "
+               f"--rcfile={rc} -m twisted.trial --temp-directory={data_file}-trial "
+               + " ".join(MODULE_TESTS[module]))
+    subprocess.run(command.split(), capture_output=True, timeout=timeout * 10)
+    data = CoverageData(basename=str(data_file))
+    data.read()
+    wanted = str(copy / "txlb" / f"{module}.py")
+    measured = [f for f in data.measured_files() if f == wanted]
+    if not measured:
+        return {}
+    return {line: frozenset(c for c in contexts if c.startswith("tests."))
+            for line, contexts in data.contexts_by_lineno(measured[0]).items()}
+
+
+def tests_for(item: object, module: str, coverage: Coverage) -> tuple[str, ...]:
+    """The tests that ran the mutated lines (all of the module's tests when none did)."""
+    spec = item.mutations[0]  # type: ignore[attr-defined]
+    found: set[str] = set()
+    for line in range(spec.start_pos[0], spec.end_pos[0] + 1):
+        found |= coverage.get(line, frozenset())
+    return tuple(sorted(found)) or MODULE_TESTS[module]
+
+
+def run_one(item: object, module: str, copy: Path, timeout: float,
+            coverage: Coverage | None = None) -> Outcome:
+    """
+    Apply one mutant in ``copy`` and run tests against it.  With ``coverage``, the tests
+    that reach the mutated lines run first; a mutant they kill is killed (a failing test
+    is a failing test), and one that survives them is run against every test of the
+    module before it counts as survived -- so selecting never turns a kill into a survivor.
+    """
     from cosmic_ray.mutating import mutate_and_test  # type: ignore[import-untyped]
     from cosmic_ray.work_item import MutationSpec  # type: ignore[import-untyped]
 
@@ -298,17 +349,27 @@ def run_one(item: object, module: str, copy: Path, timeout: float) -> Outcome:
                          start_pos=spec.start_pos, end_pos=spec.end_pos,
                          operator_args=spec.operator_args,
                          definition_name=spec.definition_name)
-    result = mutate_and_test([local], test_command(copy, MODULE_TESTS[module]), timeout)
-    status = str(result.worker_outcome.value)
-    if result.test_outcome is not None and status == "normal":
-        status = str(result.test_outcome.value)
-        if status == "killed" and result.output == "timeout":
-            status = "timeout"
+    everything = MODULE_TESTS[module]
+    first = everything if coverage is None else tests_for(item, module, coverage)
+    result = mutate_and_test([local], test_command(copy, first), timeout)
+    status = _status(result)
+    if status == "survived" and first != everything:
+        result = mutate_and_test([local], test_command(copy, everything), timeout)
+        status = _status(result)
     operator = spec.operator_name.split("/", 1)[-1]
     if status == "survived" and is_equivalent(module, operator, result.diff or ""):
         status = "equivalent"
     return Outcome(module, operator, spec.occurrence, spec.start_pos[0], status,
                    result.diff or "")
+
+
+def _status(result: object) -> str:
+    status = str(result.worker_outcome.value)  # type: ignore[attr-defined]
+    if result.test_outcome is not None and status == "normal":  # type: ignore[attr-defined]
+        status = str(result.test_outcome.value)  # type: ignore[attr-defined]
+        if status == "killed" and result.output == "timeout":  # type: ignore[attr-defined]
+            status = "timeout"
+    return status
 
 
 def is_equivalent(module: str, operator: str, diff: str) -> bool:
@@ -333,7 +394,7 @@ def changed_modules(base: str) -> list[str]:
 
 def run_mutants(modules: Iterable[str], sample: int | None, seed: int, timeout: float,
                 jobs: int, out: Path | None, fail_under: float,
-                only: set[tuple[str, str, int]] | None = None) -> int:
+                only: set[tuple[str, str, int]] | None = None, select: bool = True) -> int:
     work: list[tuple[str, object]] = []
     for module in modules:
         items = mutants(module)
@@ -346,11 +407,20 @@ def run_mutants(modules: Iterable[str], sample: int | None, seed: int, timeout: 
     with tempfile.TemporaryDirectory(prefix="txlb-mutation-") as scratch:
         copies = [copy_tree(Path(scratch) / f"copy{n}") for n in range(jobs)]
         free = list(copies)
+        coverage: dict[str, Coverage] = {}
+        if select:
+            wanted = sorted({module for module, _ in work})
+            with ThreadPoolExecutor(jobs) as pool:
+                found = pool.map(lambda m: who_tests_what(m[1], copies[m[0] % jobs], timeout),
+                                 enumerate(wanted))
+                coverage = dict(zip(wanted, found, strict=True))
+            print(f"who tests what: {sum(len(c) for c in coverage.values())} lines mapped",
+                  flush=True)
 
         def task(entry: tuple[str, object]) -> Outcome:
             copy = free.pop()
             try:
-                return run_one(entry[1], entry[0], copy, timeout)
+                return run_one(entry[1], entry[0], copy, timeout, coverage.get(entry[0]))
             finally:
                 free.append(copy)
 
@@ -450,6 +520,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="exit 1 when under PCT%% of the non-equivalent mutants are "
                              "killed (default 100)")
     parser.add_argument("--known", action="store_true", help="replay KNOWN_BUGS only")
+    parser.add_argument("--no-select", action="store_true",
+                        help="run every test of the module against each mutant (slower; by "
+                             "default the tests that reach the mutated lines run first)")
     parser.add_argument("--rerun", type=Path, metavar="JSON",
                         help="only the mutants that survived in this --json output")
     args = parser.parse_args(argv)
@@ -467,7 +540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for o in json.loads(args.rerun.read_text()) if o["status"] == "survived"}
         modules = [m for m in modules if any(m == o[0] for o in only)]
     return run_mutants(modules, args.sample, args.seed, args.timeout, max(1, args.jobs),
-                       args.json, args.fail_under, only)
+                       args.json, args.fail_under, only, select=not args.no_select)
 
 
 if __name__ == "__main__":
