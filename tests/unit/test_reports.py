@@ -27,6 +27,7 @@ from txlb._workers.wire import (
     Message,
     Ready,
     Retry,
+    Stop,
     Suspect,
     Wait,
     decode,
@@ -192,3 +193,34 @@ class HostileLinesTests(SynchronousTestCase):
                     and e.get("index") == 1]
         self.assertEqual(len(warnings), len(hostile))
         self.assertEqual(self.flushLoggedErrors(), [])
+
+
+class WorkerSideTests(SynchronousTestCase):
+    """The worker's end of the pipe refuses what is no message too, and keeps reading."""
+
+    def test_a_malformed_line_from_the_supervisor_is_skipped(self) -> None:
+        from twisted.internet.testing import MemoryReactorClock
+
+        from txlb._workers.worker import SupervisorLink
+
+        link = SupervisorLink(MemoryReactorClock(), 0)
+        stops: list[str] = []
+        self.patch(link, "stop", stops.append)
+        link.dataReceived(b'{"t": "hello"}\n' + b"\x00garbage\n" + encode(Kick())
+                          + encode(Stop()))
+        self.assertEqual(stops, ["the supervisor asked"])  # a kick before any hello: ignored
+        self.assertIsNone(link.balancer)
+
+    def test_reports_are_encoded_onto_the_pipe(self) -> None:
+        from twisted.internet.testing import MemoryReactorClock, StringTransport
+
+        from txlb._workers.worker import SupervisorLink
+
+        link = SupervisorLink(MemoryReactorClock(), 0)
+        link.makeConnection(StringTransport())
+        link.report(Suspect(A))
+        link.report(Finished(a_summary(A), True))
+        assert isinstance(link.transport, StringTransport)
+        lines = link.transport.value().splitlines()
+        self.assertEqual([decode(line) for line in lines],
+                         [Suspect(A), Finished(a_summary(A), True)])

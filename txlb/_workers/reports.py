@@ -97,8 +97,6 @@ class WorkerReports:
             books.retried()
         elif isinstance(message, Wait):
             books.waited(float(message.seconds))
-        elif isinstance(message, Ready):
-            log.info("worker {index} (pid {pid}) serving", index=self._index, pid=message.pid)
         elif isinstance(message, Answer | Suspect | Down):
             backend = self._pool.get(message.backend)
             if backend is None:
@@ -109,7 +107,7 @@ class WorkerReports:
                 books.suspect(backend)
             else:
                 books.down(backend, message.reason, reporter=f"worker {self._index}")
-        else:
+        elif not isinstance(message, Ready):  # Ready: a life-cycle matter, the supervisor's
             log.warn("worker {index} sent a message only a supervisor sends: {kind}",
                      index=self._index, kind=message.kind)
         return False

@@ -305,13 +305,16 @@ class WorkerSupervisor(Service):
         """
         A worker's messages, each handed to the bookkeeper (through the worker's
         :class:`~txlb._workers.reports.WorkerReports`); if any ended a request that held a
-        slot, the other workers' queues are looked at again.
+        slot, the other workers' queues are looked at again.  ``Ready`` also marks the
+        worker serving.
         """
         freed = False
         for message in messages:
             try:
                 if isinstance(message, Ready):
                     worker.ready = True
+                    log.info("worker {index} (pid {pid}) serving",
+                             index=worker.index, pid=message.pid)
                 freed = worker.reports.apply(message) or freed
             except Exception:
                 log.failure("could not handle a message from worker {index}",
