@@ -169,6 +169,11 @@ class LoadBalancer:
     ``LoadBalancer(["127.0.0.1:8002", "127.0.0.1:8003"], health_interval=2)`` takes the
     same options as the command line (underscores for dashes); or pass a ready
     :class:`~txlb.Config` as ``config``.
+
+    What the proxy observes of each request goes to :attr:`bookkeeper`, which keeps this
+    process's books; ``observer`` (an
+    :class:`~txlb._records.observer.IRequestObserver`) is told instead when the books are
+    kept elsewhere -- a ``--workers`` worker passes the forwarder to its supervisor.
     """
 
     def __init__(
