@@ -38,11 +38,12 @@ The balancer side
 One :class:`~txlb._cluster.backend.Pool` + :class:`~txlb._scheduling.router.Router` + policy per
 balancer replica, exactly as :mod:`txlb._balancer` wires them.  ``router.acquire()`` gives a lease;
 the request goes to the lease's engine, and ``lease.release()`` is called once when its
-last token is out.  As in ``Balancer._request_ended``, the ``latency`` policy is told the
-request's TTFT (``policy.observe``) when the request *ends*.  For ``queue-depth`` each
-replica scrapes every engine's running/waiting counts every ``scrape_interval`` seconds
-(like the health prober) into ``pool.set_engine_depth``; the replicas' scrape phases are
-staggered evenly over the interval.  Health is perfect: no backend ever goes down.
+last token is out.  As in the bookkeeper (``txlb._records.bookkeeper.policy_learns``), the
+``latency`` policy is told the request's TTFT (``policy.observe``) when the request *ends*.
+For ``queue-depth`` each replica scrapes every engine's running/waiting counts every
+``scrape_interval`` seconds (like the health prober) into ``pool.set_engine_depth``; the
+replicas' scrape phases are staggered evenly over the interval.  Health is perfect: no
+backend ever goes down.
 
 The workload
 ------------
@@ -964,7 +965,7 @@ def markdown(results: Sequence[RunResult], params: Params, seeds: Sequence[int],
         "Mean in flight = requests on one engine (running + waiting), time-averaged while "
         "arrivals last; spread = max - min of that count over the 4 identical fast "
         "engines, averaged over arrivals.  txlb tells `PeakEwmaLatency` a request's TTFT "
-        "when the request *ends* (`Balancer._request_ended`); the what-if rows feed the "
+        "when the request *ends* (the bookkeeper's `policy_learns`); the what-if rows feed the "
         "same sample the moment the first token arrives instead (not what txlb does).", "",
         diagnostic_table(results, seed, load), "",
         "How `latency` gets there: below an engine's batch cap its TTFT is just prefill "

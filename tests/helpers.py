@@ -24,6 +24,8 @@ from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IBodyProducer, IResponse
 from twisted.web.server import Site
 from zope.interface import implementer
 
+from txlb._records.observer import IRequestObserver
+
 
 @implementer(IConsumer)
 class _Collector:
@@ -218,3 +220,47 @@ def parse_response(raw: bytes) -> ParsedResponse:
         length = int(names[b"content-length"])
         return ParsedResponse(status, parsed, rest[:length], len(rest) >= length)
     return ParsedResponse(status, parsed, rest, False)
+
+
+@implementer(IRequestObserver)
+class ObserverTap:
+    """
+    A request observer in front of another: a test hears each event first (``ended``,
+    ``answered``: callables to call with the event's arguments), then the balancer's own
+    observer gets it as usual -- so the books are still kept.
+    """
+
+    def __init__(self, inner: Any, *, ended: Any = None, answered: Any = None) -> None:
+        self._inner = inner
+        self._ended = ended
+        self._answered = answered
+
+    def ended(self, record: Any) -> None:
+        if self._ended is not None:
+            self._ended(record)
+        self._inner.ended(record)
+
+    def answered(self, backend: Any, status: int, client: str | None) -> None:
+        if self._answered is not None:
+            self._answered(backend, status, client)
+        self._inner.answered(backend, status, client)
+
+    def suspect(self, backend: Any) -> None:
+        self._inner.suspect(backend)
+
+    def retried(self) -> None:
+        self._inner.retried()
+
+    def waited(self, seconds: float) -> None:
+        self._inner.waited(seconds)
+
+    def down(self, backend: Any, reason: str) -> None:
+        self._inner.down(backend, reason)
+
+
+def keep_records(lb: Any) -> list[Any]:
+    """The records of every request ``lb``'s proxy finishes from now on, in order."""
+    records: list[Any] = []
+    context = lb.proxy.context
+    context.observer = ObserverTap(context.observer, ended=records.append)
+    return records

@@ -35,11 +35,20 @@ from txlb._cluster.health import HealthChecker
 from txlb._cluster.hung import HangDetector
 from txlb._config import OPTIONS, Config, build_config
 from txlb._proxy.resource import ProxyContext, ProxyResource
+from txlb._records.bookkeeper import (
+    Bookkeeper,
+    SummaryConsumer,
+    SummaryFeed,
+    metrics_counts,
+    policy_learns,
+    pool_results,
+)
 from txlb._records.metrics import Metrics
-from txlb._records.resultlog import open_result_log
-from txlb._records.summary import RequestRecord, Summary, privacy_of, summarize
+from txlb._records.observer import IRequestObserver
+from txlb._records.resultlog import ResultLog, open_result_log
+from txlb._records.summary import Summary, privacy_of
 from txlb._scheduling.affinity import BoundedLoadRing
-from txlb._scheduling.policies import PeakEwmaLatency, make_policy
+from txlb._scheduling.policies import make_policy
 from txlb._scheduling.ratelimit import RateLimiter, TokenBuckets, client_key
 from txlb._scheduling.router import ModelRoute, Router
 from txlb._server.quiet import QuietConnectionPool, RepeatSummary
@@ -148,6 +157,11 @@ class ProbeEndpoints:
         return endpoint(self._reactor, host, uri.port, timeout=self._timeout)
 
 
+def _log_writer(result_log: ResultLog) -> Callable[[Summary, bool], object]:
+    """The result log as a summary consumer: one line per finished request."""
+    return lambda summary, answered: result_log.write(summary)
+
+
 class LoadBalancer:
     """
     A least-connections, health-checked, streaming reverse proxy over a set of backends.
@@ -155,6 +169,11 @@ class LoadBalancer:
     ``LoadBalancer(["127.0.0.1:8002", "127.0.0.1:8003"], health_interval=2)`` takes the
     same options as the command line (underscores for dashes); or pass a ready
     :class:`~txlb.Config` as ``config``.
+
+    What the proxy observes of each request goes to :attr:`bookkeeper`, which keeps this
+    process's books; ``observer`` (an
+    :class:`~txlb._records.observer.IRequestObserver`) is told instead when the books are
+    kept elsewhere -- a ``--workers`` worker passes the forwarder to its supervisor.
     """
 
     def __init__(
@@ -167,6 +186,7 @@ class LoadBalancer:
         probe_agent: IAgent | None = None,
         rng: random.Random | None = None,
         inflight: InFlightStore | None = None,
+        observer: IRequestObserver | None = None,
         **options: object,
     ) -> None:
         if config is None:
@@ -224,7 +244,6 @@ class LoadBalancer:
             affinity=BoundedLoadRing() if config.affinity else None,
             rng=rng,
         )
-        self.router.on_queue_wait = self.metrics.queue_wait.observe
         self.history = History(reactor, self._current_backends,
                                lambda: self.router.queue_length)
         self.metrics.state.queue_length = lambda: self.router.queue_length
@@ -239,6 +258,25 @@ class LoadBalancer:
             fall=config.fall,
             scrape_engine_queue=config.policy == "queue-depth",
         )
+        #: every finished request is summarised once, for these consumers (in this order)
+        self.summaries = SummaryFeed(self.privacy, [
+            pool_results(self.pool),
+            policy_learns(self.pool, self.policy),
+            metrics_counts(self.metrics),
+            SummaryConsumer("the history", self.history.observe),
+        ])
+        if self.result_log is not None:
+            self.summaries.add(SummaryConsumer("the result log", _log_writer(self.result_log)))
+        #: keeps this process's books: what its proxy reports, or its workers do
+        self.bookkeeper = Bookkeeper(self.pool, self.metrics, self.summaries,
+                                     self.health.probe_soon)
+        #: who the proxy, the router and the pool report to: the bookkeeper, unless an
+        #: observer was given (a ``--workers`` worker's forwarder to its supervisor)
+        self.observer: IRequestObserver = self.bookkeeper if observer is None else observer
+        if observer is not None:
+            # the bookkeeper's pool is this one: only another observer needs telling
+            self.pool.on_down.append(observer.down)
+        self.router.on_queue_wait = self.observer.waited
         context = ProxyContext(
             pool=self.pool,
             upstream=self.upstream,
@@ -247,10 +285,7 @@ class LoadBalancer:
             send_timeout=config.send_timeout,
             retries=config.retries,
             retry_window=config.retry_window,
-            on_end=self._request_ended,
-            on_suspect=self._suspect,
-            on_answer=self._answered,
-            on_retry=self.metrics.retries.inc,
+            observer=self.observer,
             client_key=lambda request: client_key(request, config.rate_key),
             x_backend=config.x_backend,
             repeats=self.repeats,
@@ -267,50 +302,10 @@ class LoadBalancer:
                                  self.health.health_status,
                                  stall=config.hung_after)
 
-    def _request_ended(self, record: RequestRecord) -> None:
-        """
-        Summarise a finished request once, for the status counters, the metrics and the
-        result log alike.  Never raises: bookkeeping must not fail a request.
-        """
-        try:
-            summary = summarize(record, self.privacy)
-        except Exception:
-            log.failure("could not summarise a finished request")
-            return
-        self.record_summary(summary, record.status is not None)
-
-    def record_summary(self, summary: Summary, answered: bool = True) -> None:
-        """
-        Count one finished request: status counters, latency, metrics, the result log.
-        ``answered``: a backend's answer reached txlb (so its timings say something about
-        that backend).  A ``--workers`` worker replaces this by a message to its
-        supervisor, which calls it for every request any worker finished.
-        """
-        backend = self.pool.get(summary.backend)
-        if backend is not None and answered:
-            self.pool.record_result(backend, summary.status, summary.dur, summary.ttft)
-            if isinstance(self.policy, PeakEwmaLatency) and summary.ttft is not None:
-                self.policy.observe(backend, summary.ttft)
-        self.metrics.observe(summary)
-        self.history.observe(summary, answered)
-        if self.result_log is not None:
-            self.result_log.write(summary)
-
     def _current_backends(self) -> list[Backend]:
         """The pool's backends with their in-flight counts as of now (shared ones read)."""
         self.pool.refresh()
         return list(self.pool)
-
-    def _suspect(self, backend: Backend) -> None:
-        """A connection to ``backend`` was reset: probe it now (a worker asks its supervisor)."""
-        self.health.probe_soon(backend)
-
-    def _answered(self, backend: Backend, status: int, client: str | None) -> None:
-        """
-        A status ``backend`` answered and who caused it, for outlier ejection (a worker
-        tells its supervisor).
-        """
-        self.pool.record_answer(backend, status, client)
 
     def resource(self) -> IResource:
         """The proxy as a twisted.web resource, to serve as a Site's root or mount below it."""

@@ -18,7 +18,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from txlb import LoadBalancer
 
 from ..framing import BACKEND, CASES, Case, Sent
-from ..helpers import ClientConnection, FakeResponse, FakeUpstream
+from ..helpers import ClientConnection, FakeResponse, FakeUpstream, keep_records
 from ..processes import Client, TwistdProcess
 from .test_integration import Fleet
 
@@ -136,8 +136,7 @@ class InMemoryFramingTests(SynchronousTestCase):
         upstream = FakeUpstream()
         lb = LoadBalancer(["127.0.0.1:8002"], reactor=clock, agent=upstream,
                           probe_agent=FakeUpstream(), log_file="none")
-        records: list[Any] = []
-        lb.proxy.context.on_end = records.append
+        records = keep_records(lb)
         client = ClientConnection(lb.site())
         client.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
                     b"Transfer-Encoding: identity\r\n\r\n")

@@ -16,7 +16,7 @@ from twisted.web.client import ResponseFailed
 from txlb import LoadBalancer, build_config
 from txlb._scheduling.ratelimit import TokenBuckets
 
-from ..helpers import ClientConnection, FakeResponse, FakeUpstream
+from ..helpers import ClientConnection, FakeResponse, FakeUpstream, keep_records
 
 THREE = ["127.0.0.1:8002", "127.0.0.1:8003", "127.0.0.1:8004"]
 
@@ -26,19 +26,12 @@ class FailoverTestCase(SynchronousTestCase):
         self.clock = Clock()
         self.upstream = FakeUpstream()
         self.probes = FakeUpstream()
-        self.records: list[Any] = []
         if options.get("config") is None:
             options.pop("config", None)
             options.setdefault("log_file", "none")
         self.lb = LoadBalancer(backends, reactor=self.clock, agent=self.upstream,
                                probe_agent=self.probes, rng=random.Random(11), **options)
-        original = self.lb.proxy.context.on_end
-
-        def keep(record: Any) -> None:
-            self.records.append(record)
-            original(record)
-
-        self.lb.proxy.context.on_end = keep
+        self.records: list[Any] = keep_records(self.lb)
         self.site = self.lb.site()
 
     def client(self, peer: str = "10.1.2.3") -> ClientConnection:

@@ -18,7 +18,7 @@ from txlb._cluster.backend import Backend
 from txlb._records.summary import RequestRecord
 from txlb._upstream.client import UpstreamClient
 
-from ..helpers import ClientConnection, FakeResponse
+from ..helpers import ClientConnection, FakeResponse, ObserverTap
 from . import test_failover
 from .test_failover import FailoverTestCase
 from .test_proxy import ProxyTestCase
@@ -78,7 +78,8 @@ class ProxyMutantTests(ProxyTestCase):
         def explode(*_: object) -> None:
             raise RuntimeError("a bookkeeping bug")
 
-        self.lb.proxy.context.on_answer = explode
+        context = self.lb.proxy.context
+        context.observer = ObserverTap(context.observer, answered=explode)
         client = self.client()
         client.request(b"GET", b"/v1/x")
         self.upstream.last.respond(FakeResponse(200, length=0)).end()

@@ -14,7 +14,7 @@ from twisted.web.server import Site
 
 from txlb import LoadBalancer
 
-from ..helpers import FakeUpstream
+from ..helpers import FakeUpstream, keep_records
 from ..wire import WireUpstream
 from . import test_failover, test_proxy
 
@@ -52,19 +52,12 @@ class FailoverWireMixin:
         self.clock = MemoryReactorClock()
         self.upstream = WireUpstream(self.clock)
         self.probes = FakeUpstream()
-        self.records: list[Any] = []
         if options.get("config") is None:
             options.pop("config", None)
             options.setdefault("log_file", "none")
         self.lb = LoadBalancer(backends, reactor=self.clock, probe_agent=self.probes,
                                rng=random.Random(11), **options)
-        original = self.lb.proxy.context.on_end
-
-        def keep(record: Any) -> None:
-            self.records.append(record)
-            original(record)
-
-        self.lb.proxy.context.on_end = keep
+        self.records: list[Any] = keep_records(self.lb)
         self.site = self.lb.site()
 
 

@@ -25,7 +25,7 @@ from txlb._records.resultlog import ResultLog
 from txlb._records.summary import RequestRecord, summarize
 from txlb._upstream.client import UpstreamClient, UpstreamConnection
 
-from ..helpers import ClientConnection, FakeResponse, FakeUpstream
+from ..helpers import ClientConnection, FakeResponse, FakeUpstream, keep_records
 
 THREE = ["127.0.0.1:8002", "127.0.0.1:8003", "127.0.0.1:8004"]
 
@@ -58,17 +58,10 @@ class ProxyCase(SynchronousTestCase):
     def build(self, backends: list[str] | None = THREE, **options: Any) -> None:
         self.clock = Clock()
         self.upstream = FakeUpstream()
-        self.records: list[Any] = []
         options.setdefault("log_file", "none")
         self.lb = LoadBalancer(backends, reactor=self.clock, agent=self.upstream,
                                probe_agent=FakeUpstream(), rng=random.Random(5), **options)
-        ended = self.lb.proxy.context.on_end
-
-        def keep(record: Any) -> None:
-            self.records.append(record)
-            ended(record)
-
-        self.lb.proxy.context.on_end = keep
+        self.records: list[Any] = keep_records(self.lb)
 
     def post(self, site: Site, body: bytes = b'{"prompt": "x"}') -> ClientConnection:
         client = ClientConnection(site)

@@ -145,8 +145,8 @@ class ResultLogTests(SynchronousTestCase):
         self.addCleanup(lambda: lb.result_log and lb.result_log.close())
         broken = a_record()
         broken.response = [None]  # type: ignore[list-item]
-        lb._request_ended(broken)
-        lb._request_ended(a_record(1))
+        lb.bookkeeper.ended(broken)
+        lb.bookkeeper.ended(a_record(1))
         self.assertEqual(len(self.lines()), 1)
         self.assertEqual(len(self.flushLoggedErrors(TypeError)), 1)
 

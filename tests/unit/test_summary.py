@@ -601,13 +601,13 @@ class PrivacyTests(SynchronousTestCase):
 
     def test_privacy_survives_the_workers_wire(self) -> None:
         """The supervisor writes what the worker summarised: nothing more comes back."""
-        from txlb._workers.wire import decode, summary_from, summary_message
+        from txlb._workers.wire import Finished, decode, summary_message
         summary = self.summary(Privacy(content=0, user="drop", err_body=0),
                                request={"user": "alice@example.com"})
         text = summary_message(summary, True)
         self.assertNotIn(b"alice", text)
         self.assertNotIn(b"secret", text)
-        self.assertEqual(summary_from(decode(text)[2]), summary)
+        self.assertEqual(decode(text), Finished(summary, True))
 
 
 class TimeTests(SynchronousTestCase):

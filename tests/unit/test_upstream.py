@@ -31,7 +31,7 @@ from txlb._upstream.client import (
     request_head,
 )
 
-from ..helpers import ClientConnection, FakeUpstream, parse_response
+from ..helpers import ClientConnection, FakeUpstream, keep_records, parse_response
 
 SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
             b"transfer-encoding: chunked\r\n\r\n")
@@ -419,12 +419,9 @@ class PassThroughTests(unittest.TestCase):
 
     def setUp(self) -> None:
         self.reactor = MemoryReactorClock()
-        self.records: list[Any] = []
         self.lb = LoadBalancer(["127.0.0.1:8002"], reactor=self.reactor,
                                probe_agent=FakeUpstream())
-        ended = self.lb.proxy.context.on_end
-        self.lb.proxy.context.on_end = lambda record: (self.records.append(record),
-                                                       ended(record))
+        self.records: list[Any] = keep_records(self.lb)
         self.site = Site(self.lb.resource(), reactor=self.reactor)
 
     def backend(self) -> tuple[UpstreamConnection, StringTransport]:

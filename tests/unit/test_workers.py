@@ -18,7 +18,17 @@ from txlb._cluster.shared_counts import SharedCounts
 from txlb._records.summary import Summary
 from txlb._scheduling.policies import LeastConnections
 from txlb._scheduling.router import Router, RoutingError
-from txlb._workers.wire import Lines, config_blob, config_from, decode, encode, summary_from
+from txlb._workers.wire import (
+    Finished,
+    Kick,
+    Lines,
+    Log,
+    Wait,
+    config_blob,
+    config_from,
+    decode,
+    encode,
+)
 
 KEYS = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000")
 
@@ -265,23 +275,19 @@ class WireTests(SynchronousTestCase):
                           path="/v1/chat/completions", status=200, kind="completion",
                           outcome="ok", dur=2.0, ttft=0.1, finish="stop", preview="é\nx",
                           req_keys=["a", "b"], tries=2)
-        from txlb._workers.wire import summary_message
-
-        kind, answered, fields = decode(summary_message(summary, True))
-        self.assertEqual((kind, answered), ("end", True))
-        self.assertEqual(summary_from(fields), summary)
+        self.assertEqual(decode(encode(Finished(summary, True))), Finished(summary, True))
 
     def test_lines_keep_partial_messages(self) -> None:
         lines = Lines()
-        data = encode(["a", 1]) + encode({"t": "kick"})
+        data = encode(Wait(1.5)) + encode(Kick())
         self.assertEqual(lines.feed(data[:5]), [])
-        self.assertEqual([decode(x) for x in lines.feed(data[5:])], [["a", 1], {"t": "kick"}])
+        self.assertEqual([decode(x) for x in lines.feed(data[5:])], [Wait(1.5), Kick()])
         self.assertEqual(lines.feed(b""), [])
 
     def test_a_long_line_in_small_reads_costs_linear_time(self) -> None:
         """Pipes are read 8 KiB at a time: a 4 MB message must not be re-split per read."""
         lines = Lines()
-        message = encode({"t": "end", "x": "y" * 4_000_000})
+        message = encode(Log("info", "-", "y" * 4_000_000))
         got = []
         for start in range(0, len(message), 8192):
             got += lines.feed(message[start:start + 8192])
@@ -301,10 +307,9 @@ class WireTests(SynchronousTestCase):
         summary = Summary(time=1.5, orid="-", backend="h:1", method="POST",
                           path="/v1/completions", status=404, kind="error",
                           outcome="proxy_error", dur=0.0, req_keys=["\ud800"])
-        from txlb._workers.wire import summary_message
-
-        kind, _, fields = decode(summary_message(summary, False))
-        self.assertEqual(summary_from(fields).req_keys, ["\ud800"])
+        message = decode(encode(Finished(summary, False)))
+        assert isinstance(message, Finished)
+        self.assertEqual(message.summary.req_keys, ["\ud800"])
 
     def test_config_travels_whole(self) -> None:
         config = build_config({"workers": "2", "backends": "127.0.0.1:9,127.0.0.1:10",

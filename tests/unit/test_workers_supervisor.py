@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import socket
-from types import SimpleNamespace
 from typing import Any
 
 import attrs
@@ -28,8 +27,8 @@ from txlb._balancer import LoadBalancer
 from txlb._cluster.shared_counts import SharedCounts
 from txlb._records.summary import Summary
 from txlb._workers import worker as _workerproc
-from txlb._workers.supervisor import YOUNG, WorkerSupervisor
-from txlb._workers.wire import decode, summary_message
+from txlb._workers.supervisor import YOUNG, WorkerProcess, WorkerSupervisor
+from txlb._workers.wire import Answer, Down, Finished
 from txlb._workers.worker import PipeWriter, SupervisorLink
 
 from .test_workers import KEYS, SharedPools, specs
@@ -164,27 +163,27 @@ class SupervisorTests(SynchronousTestCase):
         refused = Summary(time=1.0, orid="-", backend=None, method="POST",
                           path="/v1/completions", status=404, kind="error",
                           outcome="proxy_error", dur=0.0)
-        sup.received(first, [decode(summary_message(refused, False))])
+        sup.received(first, [Finished(refused, False)])
         self.assertNotIn(b"kick", second.transport.value())
         served = attrs.evolve(refused, backend="127.0.0.1:9", status=200, outcome="ok")
-        sup.received(first, [decode(summary_message(served, True))])
+        sup.received(first, [Finished(served, True)])
         self.assertIn(b"kick", second.transport.value())
 
     def test_what_workers_report_of_backends(self) -> None:
         """A worker's hung verdict counts as one; its answers carry who caused them."""
         sup = supervisor(self, backends="127.0.0.1:9,127.0.0.1:10,127.0.0.1:11,127.0.0.1:12")
-        worker: Any = SimpleNamespace(index=0)
+        worker = WorkerProcess(sup, 0, 0.0)
         garbage, failing, hung, _ = list(sup.balancer.pool)
         for _ in range(10):  # 5xx to bodies that are not JSON: the worker sends None
-            sup.received(worker, [["answer", garbage.key, 500, None]])
+            sup.received(worker, [Answer(garbage.key, 500, None)])
         self.assertTrue(garbage.healthy)
         self.assertEqual(garbage.errors_in_a_row, 0)
-        sup.received(worker, [["answer", failing.key, 500, "ip:10.0.0.1"]] * 5)
+        sup.received(worker, [Answer(failing.key, 500, "ip:10.0.0.1")] * 5)
         self.assertTrue(failing.healthy)  # one client alone
-        sup.received(worker, [["answer", failing.key, 500, "ip:10.0.0.2"]])
+        sup.received(worker, [Answer(failing.key, 500, "ip:10.0.0.2")])
         self.assertFalse(failing.healthy)
         self.assertEqual(failing.outlier_ejections, 1)
-        sup.received(worker, [["down", hung.key, "hung: no byte from any of 2 requests"]])
+        sup.received(worker, [Down(hung.key, "hung: no byte from any of 2 requests")])
         self.assertFalse(hung.healthy)
         self.assertEqual(hung.hung_ejections, 1)
 

@@ -39,6 +39,7 @@ from txlb._proxy.headers import (
     flatten,
     upstream_request_headers,
 )
+from txlb._records.observer import IRequestObserver, NullObserver
 from txlb._records.summary import RequestRecord, parse_json_object
 from txlb._scheduling.ratelimit import RateLimiter, client_key
 from txlb._scheduling.router import Router, RoutingError
@@ -102,9 +103,6 @@ def local_path(request: Request) -> bytes:
     return forwarded_uri(request).partition(b"?")[0]
 
 
-RecordSink = Callable[[RequestRecord], None]
-
-
 def read_body(request: Request) -> bytes:
     """
     The request body twisted.web has already read (into memory or a temporary file).
@@ -122,7 +120,7 @@ def read_body(request: Request) -> bytes:
 
 @attrs.define
 class ProxyContext:
-    """What every exchange of one proxy shares: collaborators, limits and callbacks."""
+    """What every exchange of one proxy shares: collaborators, limits and its observer."""
 
     pool: Pool
     upstream: Upstream
@@ -131,16 +129,10 @@ class ProxyContext:
     send_timeout: float = 60.0
     retries: int = 0
     retry_window: float = 10.0
-    on_end: RecordSink = lambda record: None
-    on_suspect: Callable[[Backend], object] = lambda backend: None
-    #: a status the backend answered, and who caused it: the client's key (``--rate-key``),
-    #: or ``None`` for a 5xx the request itself provoked (its body is not JSON), which must
-    #: not count against the backend
-    on_answer: Callable[[Backend, int, str | None], object] = (
-        lambda backend, status, client: None)
+    #: who hears what happens to each request: the bookkeeper, or a worker's forwarder
+    observer: IRequestObserver = attrs.field(factory=NullObserver)
     #: who sent a request, for the outlier streak's "two clients at least"
     client_key: Callable[[Request], str] = client_key
-    on_retry: Callable[[], object] = lambda: None
     live: set[Exchange] = attrs.field(factory=set)
     #: who gets ``X-Backend``/``X-Backend-Port``: ``on``, ``loopback`` or ``off``
     x_backend: str = "on"
@@ -268,7 +260,7 @@ class Exchange:
         self.lease.release()
         self.record.tries += 1
         self.record.backend = None  # until another backend is acquired
-        self.context.on_retry()
+        self.context.observer.retried()
         if self._watchdog is not None and self._watchdog.active():
             self._watchdog.cancel()  # waiting for a slot is not backend silence
         self._watchdog = None
@@ -305,7 +297,8 @@ class Exchange:
     def _got_response(self, response: UpstreamResponse) -> None:
         self._upstream = None
         self.lease.backend.last_byte = self._now()
-        self.context.on_answer(self.lease.backend, response.code, self._blamed(response.code))
+        self.context.observer.answered(self.lease.backend, response.code,
+                                       self._blamed(response.code))
         if response.code in _RETRIED_STATUSES and self._can_retry():
             self._say(("retried", self.lease.backend.key, response.code), LogLevel.info,
                       "backend {backend} answered {status}; trying another",
@@ -478,7 +471,7 @@ class Exchange:
             if not failure.check(*_UNREACHABLE):
                 # a reset may be a backend restarting, not a dead one: probe now, so a
                 # healthy one is back at once
-                self.context.on_suspect(backend)
+                self.context.observer.suspect(backend)
             if self._can_retry():
                 self._retry()
                 return
@@ -491,7 +484,7 @@ class Exchange:
             self._say(("closed-unanswered", backend.key), LogLevel.warn,
                       "backend {backend} closed the connection after receiving the whole "
                       "request, before answering; not retried", backend=backend.key)
-            self.context.on_suspect(backend)
+            self.context.observer.suspect(backend)
             self._fail(502, f"{self._named(backend)} closed the connection without answering",
                        "upstream_error")
         elif failure.check(*_CONNECT_TIMEOUT):
@@ -618,7 +611,7 @@ class Exchange:
             answer_client()
         self.record.outcome = outcome
         self.record.ended = self.clock.seconds()
-        self.context.on_end(self.record)
+        self.context.observer.ended(self.record)
 
     def _arm_watchdog(self) -> None:
         """
@@ -732,10 +725,6 @@ class ProxyResource(Resource):
     def live(self) -> set[Exchange]:
         return self.context.live
 
-    @property
-    def on_end(self) -> RecordSink:
-        return self.context.on_end
-
     def render(self, request: Request) -> object:
         request.defaultContentType = None
         path = local_path(request)
@@ -833,7 +822,7 @@ class ProxyResource(Resource):
             record.outcome = "client_abort"
             record.queue_wait = self.clock.seconds() - record.started
             record.ended = self.clock.seconds()
-            self.on_end(record)
+            self.context.observer.ended(record)
             return
         error = failure.value
         if not isinstance(error, RoutingError):
@@ -860,7 +849,7 @@ class ProxyResource(Resource):
         )
         record.answered_by_proxy(status, body)
         record.ended = record.started
-        self.on_end(record)
+        self.context.observer.ended(record)
 
     def _refuse(self, request: Request, record: RequestRecord, status: int, message: str,
                 retry_after: int | None = None) -> None:
@@ -873,7 +862,7 @@ class ProxyResource(Resource):
         record.outcome = "proxy_error"
         record.ended = self.clock.seconds()
         write_body(request, status, body, retry_after)
-        self.on_end(record)
+        self.context.observer.ended(record)
 
 
 def standard_json_object(body: bytes) -> bool:

@@ -1,3 +1,4 @@
 """
-``--workers N``: the supervisor, the worker processes, and the messages between them.
+``--workers N``: the supervisor, the worker processes, the typed messages between them
+(wire), and the reports by which a worker's traffic reaches the supervisor's bookkeeper.
 """

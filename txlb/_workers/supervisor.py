@@ -27,7 +27,6 @@ SIGTERM the supervisor asks every worker to stop, waits while they drain (each f
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import sys
@@ -47,7 +46,21 @@ from txlb._balancer import LoadBalancer
 from txlb._cluster.shared_counts import SharedCounts
 from txlb._compat import tcp_endpoint_address
 from txlb._config import ConfigError
-from txlb._workers.wire import Lines, config_blob, decode, encode, summary_from
+from txlb._workers.reports import WorkerReports
+from txlb._workers.wire import (
+    FromWorker,
+    Hello,
+    Kick,
+    Lines,
+    Log,
+    Ready,
+    State,
+    Stop,
+    WireError,
+    config_blob,
+    decode,
+    encode,
+)
 
 log = Logger()
 
@@ -63,8 +76,8 @@ YOUNG = 2.0
 #: How long past --shutdown-timeout stopping workers get before they are killed.
 KILL_GRACE = 10.0
 
-_KICK = encode({"t": "kick"})
-_STOP = encode({"t": "stop"})
+_KICK = encode(Kick())
+_STOP = encode(Stop())
 
 
 def listening_socket(reactor: Any, description: str) -> socket.socket:
@@ -114,11 +127,17 @@ def reactor_name(reactor: Any) -> str | None:
 
 
 def _relog(index: int, line: bytes) -> None:
-    """Log a worker's event (``[level, namespace, text]``, see txlb._workers.worker) as ours."""
+    """
+    Log a worker's event (a :class:`~txlb._workers.wire.Log`, see txlb._workers.worker) as
+    ours; a line that is none (something the worker printed) as it is, at level info.
+    """
     try:
-        level_name, namespace, text = json.loads(line)
-        level = LogLevel.levelWithName(level_name)
-    except (ValueError, TypeError, InvalidLogLevelError):
+        message = decode(line)
+        if not isinstance(message, Log):
+            raise WireError(f"a {message.kind} message where log events go")
+        level = LogLevel.levelWithName(message.level)
+        namespace, text = message.namespace, message.text
+    except (WireError, InvalidLogLevelError):
         level, namespace, text = LogLevel.info, "-", line.decode("utf-8", "replace")
     Logger(namespace=namespace).emit(level, "{text}", text=text,
                                      log_system=f"worker {index} {namespace}")
@@ -130,6 +149,9 @@ class WorkerProcess(ProcessProtocol):
     def __init__(self, supervisor: WorkerSupervisor, index: int, started: float) -> None:
         self.supervisor = supervisor
         self.index = index
+        #: what this worker reports, applied to the supervisor's bookkeeper
+        self.reports = WorkerReports(index, supervisor.balancer.pool,
+                                     supervisor.balancer.bookkeeper)
         self.started = started
         self.pid: int | None = None
         self.ready = False
@@ -156,11 +178,19 @@ class WorkerProcess(ProcessProtocol):
                 log.error("worker {index}: {line}", index=self.index,
                           line=line.decode("utf-8", "replace"))
             return
-        try:
-            messages = [decode(line) for line in self._lines.feed(data)]
-        except ValueError:
-            log.failure("worker {index} sent a malformed message", index=self.index)
-            return
+        messages: list[FromWorker] = []
+        for line in self._lines.feed(data):
+            try:
+                message = decode(line)
+            except WireError as error:
+                log.warn("worker {index} sent a malformed message, ignored: {error}",
+                         index=self.index, error=str(error))
+                continue
+            if isinstance(message, Hello | State | Kick | Stop):
+                log.warn("worker {index} sent a message only a supervisor sends, ignored: "
+                         "{kind}", index=self.index, kind=message.kind)
+                continue
+            messages.append(message)
         self.supervisor.received(self, messages)
 
     def processEnded(self, reason: Failure) -> None:
@@ -250,11 +280,9 @@ class WorkerSupervisor(Service):
                       5: self.shared.fd},
         )
         self.workers[index] = worker
-        worker.send(encode({
-            "t": "hello", "workers": self.count, "slots": self.shared.slots_max,
-            "family": int(self.socket.family), "config": self._config_blob,
-            "state": self.balancer.pool.shared_state(),
-        }))
+        worker.send(encode(Hello(
+            workers=self.count, slots=self.shared.slots_max, family=int(self.socket.family),
+            config=self._config_blob, state=self.balancer.pool.shared_state())))
 
     # -- state to the workers -------------------------------------------------------------
 
@@ -264,7 +292,7 @@ class WorkerSupervisor(Service):
 
     def _push(self) -> None:
         self._push_call = None
-        line = encode({"t": "state", "state": self.balancer.pool.shared_state()})
+        line = encode(State(self.balancer.pool.shared_state()))
         if line == self._last_state:
             return
         self._last_state = line
@@ -273,45 +301,21 @@ class WorkerSupervisor(Service):
 
     # -- messages from the workers --------------------------------------------------------
 
-    def received(self, worker: WorkerProcess, messages: list[Any]) -> None:
-        balancer = self.balancer
-        pool = balancer.pool
+    def received(self, worker: WorkerProcess, messages: list[FromWorker]) -> None:
+        """
+        A worker's messages, each handed to the bookkeeper (through the worker's
+        :class:`~txlb._workers.reports.WorkerReports`); if any ended a request that held a
+        slot, the other workers' queues are looked at again.  ``Ready`` also marks the
+        worker serving.
+        """
         freed = False
         for message in messages:
             try:
-                kind = message[0]
-                if kind == "end":
-                    summary = summary_from(message[2])
-                    balancer.record_summary(summary, bool(message[1]))
-                    if summary.tries > 1:
-                        balancer.metrics.retries.inc(summary.tries - 1)
-                    # Only a request that reached a backend held a slot; a refusal (404,
-                    # 429, a 503 from the queue) freed nothing worth waking queues for.
-                    freed = freed or summary.backend is not None
-                elif kind == "answer":
-                    backend = pool.get(message[1])
-                    if backend is not None:
-                        client = message[3] if len(message) > 3 else ""
-                        pool.record_answer(backend, int(message[2]),
-                                           None if client is None else str(client))
-                elif kind == "down":
-                    backend = pool.get(message[1])
-                    if backend is not None:
-                        reason = f"worker {worker.index}: {message[2]}"
-                        if str(message[2]).startswith("hung:"):
-                            pool.mark_hung(backend, reason)
-                        else:
-                            pool.mark_down(backend, reason)
-                elif kind == "suspect":
-                    backend = pool.get(message[1])
-                    if backend is not None:
-                        balancer.health.probe_soon(backend)
-                elif kind == "wait":
-                    balancer.metrics.queue_wait.observe(float(message[1]))
-                elif kind == "ready":
+                if isinstance(message, Ready):
                     worker.ready = True
                     log.info("worker {index} (pid {pid}) serving",
-                             index=worker.index, pid=message[1])
+                             index=worker.index, pid=message.pid)
+                freed = worker.reports.apply(message) or freed
             except Exception:
                 log.failure("could not handle a message from worker {index}",
                             index=worker.index)

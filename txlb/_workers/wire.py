@@ -1,27 +1,37 @@
 """
-The messages between a ``--workers`` supervisor and its worker processes: JSON lines.
+The messages between a ``--workers`` supervisor and its worker processes: typed messages,
+one JSON line each, encoded and decoded here and nowhere else.
 
-Supervisor to worker (the worker's standard input): ``hello`` (its row, the config, the
-backends), ``state`` (the backends again, whenever the supervisor's pool changed), ``kick``
-(a slot was freed in another worker: look at your max_conns queue again), ``stop``.
+Supervisor to worker (the worker's standard input): :class:`Hello` (its row, the config,
+the backends), :class:`State` (the backends again, whenever the supervisor's pool changed),
+:class:`Kick` (a slot was freed in another worker: look at your max_conns queue again),
+:class:`Stop`.
 
-Worker to supervisor (the worker's file descriptor 3): ``end`` (one finished request's
-summary, for the one result log and the metrics), ``answer`` (a status a backend
-answered and the key of the client who caused it, for outlier ejection), ``down`` (this
-worker marked a backend down: refused, reset or hung), ``suspect`` (probe this backend
-now), ``wait`` (a request waited this long in the max_conns queue), ``ready``.
+Worker to supervisor (the worker's file descriptor 3): what its proxy observed
+(:class:`Finished`, :class:`Answer`, :class:`Suspect`, :class:`Retry`, :class:`Wait`,
+:class:`Down`; see :class:`txlb._records.observer.IRequestObserver`) and :class:`Ready`.
+On its standard output: :class:`Log`, one per log event.
+
+Every message is a JSON object whose ``t`` names its type, with one key per field --
+except :class:`Finished`, whose summary travels as a list in
+:class:`~txlb._records.summary.Summary`'s field order (:func:`summary_message`,
+:func:`summary_from`), which both ends share because they run the same code.
+:func:`decode` refuses (:class:`WireError`) a line that is too long, not JSON, of an
+unknown type, or whose fields are missing, extra or of the wrong type, so a broken or
+hostile worker costs its supervisor one logged line, never a crash.
 
 JSON rather than pickle on the per-request path: a line is self-delimiting and readable in
-a debugger; the summary travels as a list in :class:`Summary`'s field order, which both ends
-share because they run the same code.
+a debugger.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import math
 import pickle
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeAlias
 
 import attrs
 
@@ -33,20 +43,222 @@ from txlb._records.summary import Summary
 MAX_LINE = 16 * 1024 * 1024
 
 
-def encode(message: object) -> bytes:
+class WireError(ValueError):
+    """A line that is no message of this protocol."""
+
+
+def _is_str(value: object) -> bool:
+    return isinstance(value, str)
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int
+
+
+def _is_bool(value: object) -> bool:
+    return type(value) is bool
+
+
+def _is_seconds(value: object) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)  # type: ignore[arg-type]
+
+
+def _is_client(value: object) -> bool:
+    return value is None or isinstance(value, str)
+
+
+def _is_states(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(entry, dict) for entry in value)
+
+
+def _checked(check: Callable[[object], bool]) -> Any:
+    """An attrs field whose wire value :func:`decode` checks with ``check``."""
+    return attrs.field(metadata={"check": check})
+
+
+# -- supervisor to worker ---------------------------------------------------------------
+
+
+@attrs.frozen
+class Hello:
+    """The first message a worker gets: who it is and what it serves."""
+
+    kind: ClassVar[str] = "hello"
+    #: how many workers share the table, and its slots per worker
+    workers: int = _checked(_is_int)
+    slots: int = _checked(_is_int)
+    #: the listening socket's address family
+    family: int = _checked(_is_int)
+    #: the validated config (:func:`config_blob`)
+    config: str = _checked(_is_str)
+    #: the supervisor's backends (:meth:`txlb._cluster.backend.Pool.shared_state`)
+    state: list[dict[str, Any]] = _checked(_is_states)
+
+
+@attrs.frozen
+class State:
+    """The supervisor's backends, after its pool changed."""
+
+    kind: ClassVar[str] = "state"
+    state: list[dict[str, Any]] = _checked(_is_states)
+
+
+@attrs.frozen
+class Kick:
+    """A slot was freed in another worker: look at the max_conns queue again."""
+
+    kind: ClassVar[str] = "kick"
+
+
+@attrs.frozen
+class Stop:
+    """Drain and end."""
+
+    kind: ClassVar[str] = "stop"
+
+
+# -- worker to supervisor ---------------------------------------------------------------
+
+
+@attrs.frozen
+class Ready:
+    """The worker serves the port."""
+
+    kind: ClassVar[str] = "ready"
+    pid: int = _checked(_is_int)
+
+
+@attrs.frozen
+class Finished:
+    """One finished request's summary, for the one result log, the metrics and the policy."""
+
+    kind: ClassVar[str] = "end"
+    summary: Summary
+    #: a backend's answer reached the worker (its timings say something about the backend)
+    answered: bool
+
+
+@attrs.frozen
+class Answer:
+    """A status a backend answered and the key of the client who caused it (outliers)."""
+
+    kind: ClassVar[str] = "answer"
+    backend: str = _checked(_is_str)
+    status: int = _checked(_is_int)
+    client: str | None = _checked(_is_client)
+
+
+@attrs.frozen
+class Suspect:
+    """A connection to this backend was reset: probe it now."""
+
+    kind: ClassVar[str] = "suspect"
+    backend: str = _checked(_is_str)
+
+
+@attrs.frozen
+class Retry:
+    """A request left a backend that failed it for another one."""
+
+    kind: ClassVar[str] = "retry"
+
+
+@attrs.frozen
+class Wait:
+    """A request waited this long in the max_conns queue."""
+
+    kind: ClassVar[str] = "wait"
+    seconds: float = _checked(_is_seconds)
+
+
+@attrs.frozen
+class Down:
+    """The worker took this backend out of rotation (refused, reset, hung, outlier)."""
+
+    kind: ClassVar[str] = "down"
+    backend: str = _checked(_is_str)
+    reason: str = _checked(_is_str)
+
+
+@attrs.frozen
+class Log:
+    """One of the worker's log events, to be logged by the supervisor as its own."""
+
+    kind: ClassVar[str] = "log"
+    level: str = _checked(_is_str)
+    namespace: str = _checked(_is_str)
+    text: str = _checked(_is_str)
+
+
+ToWorker: TypeAlias = Hello | State | Kick | Stop
+FromWorker: TypeAlias = Ready | Finished | Answer | Suspect | Retry | Wait | Down | Log
+Message: TypeAlias = ToWorker | FromWorker
+
+#: Every message type but :class:`Finished` (a list on the wire), by its ``t``.
+_TYPES: dict[str, type[Any]] = {
+    cls.kind: cls for cls in (Hello, State, Kick, Stop, Ready, Answer, Suspect, Retry, Wait,
+                              Down, Log)
+}
+
+
+def _line(value: object) -> bytes:
     """
-    One message as one line.  ASCII-escaped: a client's JSON may hold a lone surrogate
+    One JSON value as one line.  ASCII-escaped: a client's JSON may hold a lone surrogate
     ("\\ud800"), which has no UTF-8 encoding and would otherwise lose the request's summary.
     """
-    return json.dumps(message, separators=(",", ":")).encode("ascii") + b"\n"
+    return json.dumps(value, separators=(",", ":")).encode("ascii") + b"\n"
 
 
-def decode(line: bytes) -> Any:
-    return json.loads(line)
+def encode(message: Message) -> bytes:
+    """One message as one line."""
+    if isinstance(message, Finished):
+        return summary_message(message.summary, message.answered)
+    fields = attrs.asdict(message, recurse=False)
+    return _line({"t": message.kind, **fields})
+
+
+def decode(line: bytes) -> Message:
+    """The message one line holds; :class:`WireError` if it holds none."""
+    if len(line) > MAX_LINE:
+        raise WireError(f"a line of {len(line)} bytes, over the limit of {MAX_LINE}")
+    try:
+        value = json.loads(line)
+    except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
+        raise WireError(f"not JSON: {error}") from None
+    if isinstance(value, list):
+        return _finished(value)
+    if not isinstance(value, dict):
+        raise WireError(f"not a message: a JSON {type(value).__name__}")
+    kind = value.pop("t", None)
+    cls = _TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise WireError(f"unknown message type {str(kind)[:40]!r}")
+    fields = attrs.fields(cls)
+    names = {field.name for field in fields}
+    if set(value) != names:
+        raise WireError(f"{kind}: fields {sorted(value)[:10]}, not {sorted(names)}")
+    for field in fields:
+        if not field.metadata["check"](value[field.name]):
+            raise WireError(f"{kind}: {field.name} cannot be {value[field.name]!r:.40}")
+    message: Message = cls(**value)
+    return message
+
+
+def _finished(value: list[Any]) -> Finished:
+    if len(value) != 3 or value[0] != Finished.kind:
+        raise WireError("a list that is no finished request")
+    _, answered, fields = value
+    if not _is_bool(answered) or not isinstance(fields, list):
+        raise WireError("end: answered must be a boolean and the summary a list")
+    try:
+        summary = summary_from(fields)
+    except (TypeError, ValueError) as error:
+        raise WireError(f"end: not a summary: {error}") from None
+    return Finished(summary, answered)
 
 
 def summary_message(summary: Summary, answered: bool) -> bytes:
-    return encode(["end", answered, attrs.astuple(summary, recurse=False)])
+    return _line(["end", answered, attrs.astuple(summary, recurse=False)])
 
 
 def summary_from(fields: list[Any]) -> Summary:

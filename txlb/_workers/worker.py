@@ -11,9 +11,10 @@ backends) before anything else.  The worker then serves the socket with
 * takes and releases in-flight slots in its own row of the shared table, choosing under
   the table's lock, so least-connections and ``max_conns`` hold across all workers;
 * mirrors the supervisor's backends (health, drain, membership, models) as they change;
-* reports what only the supervisor may act on: each finished request's summary (for the
-  one result log and the metrics), backends' answers (outlier ejection), backends it found
-  refusing or resetting connections.
+* reports what only the supervisor may act on, through its request observer
+  (txlb._workers.reports): each finished request's summary (for the one result log and the
+  metrics), backends' answers (outlier ejection), backends it found refusing or resetting
+  connections, retries and queue waits.
 
 Log events go to the supervisor over standard output (which logs them as its own, tagged
 ``worker I``, wherever its own log goes); what a crash prints on standard error reaches it
@@ -29,7 +30,6 @@ messages for it, and drops (and counts) the rest.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import select
 import signal
@@ -54,13 +54,26 @@ from twisted.web.server import Site
 from zope.interface import implementer
 
 from txlb._balancer import LoadBalancer, SequentialService
-from txlb._cluster.backend import Backend
 from txlb._cluster.shared_counts import SharedCounts
 from txlb._compat import adopt_listening_port
-from txlb._records.summary import Summary
-from txlb._scheduling.policies import PeakEwmaLatency
+from txlb._records.bookkeeper import policy_learns
+from txlb._records.summary import privacy_of
 from txlb._server.quiet import summarise_accept_errors
-from txlb._workers.wire import Lines, config_from, decode, encode, summary_message
+from txlb._workers.reports import SupervisorForwarder
+from txlb._workers.wire import (
+    Hello,
+    Kick,
+    Lines,
+    Log,
+    Message,
+    Ready,
+    State,
+    Stop,
+    WireError,
+    config_from,
+    decode,
+    encode,
+)
 
 log = Logger(namespace="txlb._workers.main")  # the name operators see in ps
 
@@ -78,38 +91,6 @@ LOG_BUFFER = 1 << 20
 MESSAGE_BUFFER = 32 << 20
 #: How long an ending worker tries to hand its last log lines over.
 FINAL_FLUSH = 2.0
-
-
-class WorkerBalancer(LoadBalancer):
-    """
-    The balancer of one worker: what the supervisor does for all of them (result log,
-    metrics, outlier ejection, probing) is sent to it instead of done here.
-    """
-
-    def __init__(self, send: Callable[[bytes], object], **kwargs: Any) -> None:
-        self._send = send
-        super().__init__(**kwargs)
-        self.pool.on_down.append(
-            lambda backend, reason: send(encode(["down", backend.key, reason])))
-        self.router.on_queue_wait = lambda seconds: send(encode(["wait", seconds]))
-
-    def record_summary(self, summary: Summary, answered: bool = True) -> None:
-        if answered and isinstance(self.policy, PeakEwmaLatency) and summary.ttft is not None:
-            backend = self.pool.get(summary.backend)
-            if backend is not None:
-                self.policy.observe(backend, summary.ttft)  # this worker's own estimate
-        try:
-            message = summary_message(summary, answered)
-        except Exception:  # bookkeeping must never fail a request
-            log.failure("could not encode a finished request for the supervisor")
-            return
-        self._send(message)
-
-    def _suspect(self, backend: Backend) -> None:
-        self._send(encode(["suspect", backend.key]))
-
-    def _answered(self, backend: Backend, status: int, client: str | None) -> None:
-        self._send(encode(["answer", backend.key, status, client]))
 
 
 class FewAccepts:
@@ -178,7 +159,7 @@ class SupervisorLink(Protocol):
     def __init__(self, reactor: Any, index: int) -> None:
         self.reactor = reactor
         self.index = index
-        self.balancer: WorkerBalancer | None = None
+        self.balancer: LoadBalancer | None = None
         self.services: IService | None = None
         self.exit_code = 0
         self._lines = Lines()
@@ -211,6 +192,16 @@ class SupervisorLink(Protocol):
             self._held_back += len(line)
         self.transport.write(line)
 
+    def report(self, message: Message) -> None:
+        """Send one typed message (never raises: bookkeeping must never fail a request)."""
+        try:
+            line = encode(message)
+        except Exception:
+            log.failure("could not encode a {kind} message for the supervisor",
+                        kind=message.kind)
+            return
+        self.send(line)
+
     def pauseProducing(self) -> None:
         self._paused = True
 
@@ -228,32 +219,41 @@ class SupervisorLink(Protocol):
 
     def dataReceived(self, data: bytes) -> None:
         for line in self._lines.feed(data):
-            message = decode(line)
-            kind = message.get("t")
-            if kind == "hello":
+            try:
+                message = decode(line)
+            except WireError as error:
+                log.warn("the supervisor sent a malformed message, ignored: {error}",
+                         error=str(error))
+                continue
+            if isinstance(message, Hello):
                 self._start(message)
-            elif kind == "state" and self.balancer is not None:
-                self.balancer.pool.mirror(message["state"])
-            elif kind == "kick" and self.balancer is not None:
+            elif isinstance(message, State) and self.balancer is not None:
+                self.balancer.pool.mirror(message.state)
+            elif isinstance(message, Kick) and self.balancer is not None:
                 self.balancer.pool.capacity_changed()
-            elif kind == "stop":
+            elif isinstance(message, Stop):
                 self.stop("the supervisor asked")
 
-    def _start(self, hello: dict[str, Any]) -> None:
-        config = attrs.evolve(config_from(hello["config"]), backends=(), log_file="none",
+    def _start(self, hello: Hello) -> None:
+        config = attrs.evolve(config_from(hello.config), backends=(), log_file="none",
                               admin="none", workers=1)
-        shared = SharedCounts(SHARED_FD, hello["workers"], hello["slots"], row=self.index)
+        shared = SharedCounts(SHARED_FD, hello.workers, hello.slots, row=self.index)
         shared.set_pid(os.getpid())
-        balancer = self.balancer = WorkerBalancer(self.send, config=config,
-                                                  reactor=self.reactor, inflight=shared)
-        balancer.pool.mirror(hello["state"])
+        # What the supervisor does for every worker (result log, metrics, outlier
+        # ejection, probing) is reported to it instead of done here ...
+        forwarder = SupervisorForwarder(self.report, privacy_of(config))
+        balancer = self.balancer = LoadBalancer(config=config, reactor=self.reactor,
+                                                inflight=shared, observer=forwarder)
+        # ... but this worker's policy learns from the requests it served itself.
+        forwarder.summaries.add(policy_learns(balancer.pool, balancer.policy))
+        balancer.pool.mirror(hello.state)
         balancer.router.on_queue_length = shared.set_waiters
         services = self.services = SequentialService()
         balancer.service(health_checks=False).setServiceParent(services)
-        AdoptedPort(self.reactor, LISTEN_FD, hello["family"],
+        AdoptedPort(self.reactor, LISTEN_FD, hello.family,
                     balancer.site()).setServiceParent(services)
         services.startService()
-        self.send(encode(["ready", os.getpid()]))
+        self.report(Ready(os.getpid()))
 
     def stop(self, why: str) -> None:
         """Stop accepting, let requests in flight finish, flush the pipe, exit."""
@@ -305,9 +305,10 @@ class SupervisorLink(Protocol):
 @implementer(ILogObserver)
 class ForwardingObserver:
     """
-    This worker's log events as lines on standard output -- ``[level, namespace, text]``
-    in JSON -- which the supervisor reads and logs as its own (tagged ``worker I``), so
-    they go wherever its log goes: a file, journald, standard output.
+    This worker's log events as lines on standard output -- one
+    :class:`~txlb._workers.wire.Log` message each -- which the supervisor reads and logs
+    as its own (tagged ``worker I``), so they go wherever its log goes: a file, journald,
+    standard output.
     """
 
     def __init__(self, write: Callable[[str], object]) -> None:
@@ -318,7 +319,7 @@ class ForwardingObserver:
         level = event.get("log_level")
         name = level.name if level is not None else "info"
         namespace = event.get("log_namespace") or "-"
-        self._write(json.dumps([name, namespace, text]) + "\n")
+        self._write(encode(Log(name, namespace, text)).decode("ascii"))
 
 
 @implementer(IWriteDescriptor)

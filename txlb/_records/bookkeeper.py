@@ -1,0 +1,170 @@
+"""
+The one bookkeeper: where each finished request is counted, once.
+
+A finished :class:`~txlb._records.summary.RequestRecord` is summarised once
+(:func:`~txlb._records.summary.summarize`) and the :class:`~txlb._records.summary.Summary`
+is handed to a declared list of :class:`SummaryConsumer`\\ s -- the pool's result and
+outlier accounting, the policy's ``observe``, the metrics, the dashboard's history, the
+result log (and, later, budgets).  The consumers are declared rather than called inline so
+that what a finished request costs follows from who reads it: with no consumer at all
+nothing is summarised.
+
+:class:`Bookkeeper` is the local :class:`~txlb._records.observer.IRequestObserver`: a
+single process's proxy reports to it directly, and a ``--workers`` supervisor feeds it what
+its workers report (:mod:`txlb._workers.reports`), so both modes keep the same books.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import attrs
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from txlb._cluster.backend import Backend, Pool
+from txlb._records.metrics import Metrics
+from txlb._records.observer import IRequestObserver
+from txlb._records.outcome import RequestOutcome
+from txlb._records.summary import KEEP_ALL, Privacy, RequestRecord, Summary, summarize
+from txlb._scheduling.policies import PeakEwmaLatency
+
+log = Logger()
+
+#: The start of a hung-backend detector's reason (txlb._cluster.hung): such a report is a
+#: hang verdict, which the pool weighs against the rest of the fleet before acting on it.
+HUNG = "hung:"
+
+
+@attrs.frozen
+class SummaryConsumer:
+    """
+    One reader of finished requests' summaries.  ``consume(summary, answered)``:
+    ``answered`` says a backend's answer reached txlb, so the timings say something about
+    that backend.  ``name`` says who it is when it fails.
+    """
+
+    name: str
+    consume: Callable[[Summary, bool], object]
+
+
+class SummaryFeed:
+    """
+    Summarise a finished request once and hand the summary to every declared consumer,
+    in the order they were declared.  One consumer failing is logged and does not keep
+    the summary from the others (bookkeeping must never fail a request).
+    """
+
+    def __init__(self, privacy: Privacy = KEEP_ALL,
+                 consumers: Iterable[SummaryConsumer] = ()) -> None:
+        self._privacy = privacy
+        self._consumers: list[SummaryConsumer] = list(consumers)
+        #: records summarised (none while nobody reads summaries)
+        self.summarised = 0
+
+    @property
+    def consumers(self) -> tuple[SummaryConsumer, ...]:
+        return tuple(self._consumers)
+
+    def add(self, consumer: SummaryConsumer) -> None:
+        """Declare one more reader of summaries (after those declared already)."""
+        self._consumers.append(consumer)
+
+    def ended(self, record: RequestRecord) -> None:
+        """A request finished here: summarise it, if anyone reads summaries, and feed them."""
+        if not self._consumers:
+            return
+        try:
+            summary = summarize(record, self._privacy)
+        except Exception:
+            log.failure("could not summarise a finished request")
+            return
+        self.summarised += 1
+        self.feed(summary, record.status is not None)
+
+    def feed(self, summary: Summary, answered: bool) -> None:
+        """A summary made already (by a worker): hand it to every consumer."""
+        for consumer in self._consumers:
+            try:
+                consumer.consume(summary, answered)
+            except Exception:
+                log.failure("{consumer} could not count a finished request",
+                            consumer=consumer.name)
+
+
+def pool_results(pool: Pool) -> SummaryConsumer:
+    """The pool's per-backend status counts and latency averages (answered requests only)."""
+
+    def consume(summary: Summary, answered: bool) -> None:
+        backend = pool.get(summary.backend) if answered else None
+        if backend is not None:
+            pool.record_result(backend, summary.status, summary.dur, summary.ttft)
+
+    return SummaryConsumer("the pool's result counts", consume)
+
+
+def policy_learns(pool: Pool, policy: object) -> SummaryConsumer:
+    """What the policy learns from each request a backend answered (its ``observe``)."""
+
+    def consume(summary: Summary, answered: bool) -> None:
+        backend = pool.get(summary.backend) if answered else None
+        if backend is None:
+            return
+        outcome = RequestOutcome.of(summary, answered)
+        if isinstance(policy, PeakEwmaLatency) and outcome.ttfb is not None:
+            policy.observe(backend, outcome.ttfb)
+
+    return SummaryConsumer("the policy", consume)
+
+
+def metrics_counts(metrics: Metrics) -> SummaryConsumer:
+    """The Prometheus request counters and histograms."""
+    return SummaryConsumer("the metrics", lambda summary, answered: metrics.observe(summary))
+
+
+@implementer(IRequestObserver)
+class Bookkeeper:
+    """
+    Keeps the books of this process's pool: summaries to the declared consumers, answers
+    to the outlier detector, suspects to the prober, retries and queue waits to the
+    metrics, and other proxies' down verdicts (a worker's) to the pool.
+    """
+
+    def __init__(self, pool: Pool, metrics: Metrics, summaries: SummaryFeed,
+                 probe_soon: Callable[[Backend], object]) -> None:
+        self._pool = pool
+        self._metrics = metrics
+        self._probe_soon = probe_soon
+        self.summaries = summaries
+
+    def ended(self, record: RequestRecord) -> None:
+        self.summaries.ended(record)
+
+    def finished(self, summary: Summary, answered: bool = True) -> None:
+        """A request another process (a worker) finished and summarised: count it here."""
+        self.summaries.feed(summary, answered)
+
+    def answered(self, backend: Backend, status: int, client: str | None) -> None:
+        self._pool.record_answer(backend, status, client)
+
+    def suspect(self, backend: Backend) -> None:
+        self._probe_soon(backend)
+
+    def retried(self) -> None:
+        self._metrics.retries.inc()
+
+    def waited(self, seconds: float) -> None:
+        self._metrics.queue_wait.observe(seconds)
+
+    def down(self, backend: Backend, reason: str, reporter: str | None = None) -> None:
+        """
+        A proxy took ``backend`` out of rotation: so does this pool (a no-op when it is
+        this pool that did, since a backend already down is not marked again).  A hang
+        verdict (a reason starting ``hung:``) goes through the pool's half-the-fleet
+        guard.  ``reporter`` (``worker 2``) prefixes the reason in the log.
+        """
+        said = reason if reporter is None else f"{reporter}: {reason}"
+        if reason.startswith(HUNG):
+            self._pool.mark_hung(backend, said)
+        else:
+            self._pool.mark_down(backend, said)
