@@ -1,0 +1,212 @@
+"""
+The result log's field table (txlb._records.fields): that it describes every field of a
+Summary once, and that the two formats are made from it -- a row added, moved or left out
+changes both formats and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import attrs
+from twisted.trial.unittest import SynchronousTestCase
+
+from txlb._records import fields as _fields
+from txlb._records.fields import (
+    ALL,
+    BOOL,
+    FIELDS,
+    INT,
+    KINDS,
+    STR,
+    Field,
+    Text,
+    count,
+    json_formatter,
+    text_formatter,
+)
+from txlb._records.resultlog import format_json, format_text
+from txlb._records.summary import Summary
+
+
+@attrs.frozen
+class Wider(Summary):
+    """A summary with one more field, the way a new field arrives."""
+
+    cached: int | None = None
+
+
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+CACHED = Field("cached", INT.optional(), text=(Text(330, " cached=", count, omit=_is_none),))
+
+
+def summaries() -> list[Summary]:
+    """One summary of every kind, each with the optional fields shown."""
+    common: dict[str, Any] = dict(time=0.0, orid="o", backend="b:1", method="POST",
+                                  status=200, outcome="timeout", dur=1.0, ttft=0.5,
+                                  tries=2, truncated=True)
+    return [
+        Summary(kind="completion", path="/v1/messages", finish="stop", completion_tokens=3,
+                max_tokens=9, clen=4, preview="abcd", empty=False, **common),
+        Summary(kind="error", path="/v1/completions", req_keys=["a"], err_body="no",
+                **{**common, "status": 400}),
+        Summary(kind="embedding", path="/v1/embeddings", count=2, prompt_tokens=5, **common),
+        Summary(kind="other", path="/v1/models", **common),
+    ]
+
+
+class UTCTestCase(SynchronousTestCase):
+    """Text lines start with a local time: tests read them in UTC."""
+
+    def setUp(self) -> None:
+        old = os.environ.get("TZ")
+        os.environ["TZ"] = "UTC"
+        time.tzset()
+
+        def restore() -> None:
+            if old is None:
+                os.environ.pop("TZ", None)
+            else:
+                os.environ["TZ"] = old
+            time.tzset()
+
+        self.addCleanup(restore)
+
+
+class TableTests(SynchronousTestCase):
+    def test_every_summary_attribute_has_one_row(self) -> None:
+        attributes = [field.attribute for field in FIELDS]
+        self.assertEqual(sorted(attributes), sorted(a.name for a in attrs.fields(Summary)))
+        names = [field.name for field in FIELDS]
+        self.assertEqual(len(set(names)), len(names))
+
+    def test_every_row_names_kinds_there_are(self) -> None:
+        for field in FIELDS:
+            self.assertLessEqual(field.kinds, ALL, field.name)
+            for text in field.text:
+                kinds = field.kinds if text.kinds is None else text.kinds
+                self.assertTrue(kinds, field.name)
+                self.assertLessEqual(kinds, field.kinds, field.name)
+
+    def test_the_log_formats_are_the_tables(self) -> None:
+        """resultlog's two formatters are made from FIELDS, not written by hand."""
+        self.assertEqual(format_text.__source__, text_formatter(FIELDS).__source__)
+        self.assertEqual(format_json.__source__, json_formatter(FIELDS).__source__)
+        self.assertIn("made from the field", format_text.__doc__ or "")
+
+    def test_two_fields_in_one_place_are_refused(self) -> None:
+        clash = Field("cached", INT.optional(), text=(Text(50, " cached="),))
+        with self.assertRaises(ValueError) as caught:
+            text_formatter((*FIELDS, clash))
+        self.assertIn("completion", str(caught.exception))
+
+
+class NewFieldTests(UTCTestCase):
+    """What adding a row does: the seam the next result-log fields go through."""
+
+    def test_a_new_row_reaches_both_formats_of_every_kind(self) -> None:
+        text, as_json = text_formatter((*FIELDS, CACHED)), json_formatter((*FIELDS, CACHED))
+        for summary in summaries():
+            wider = Wider(**attrs.asdict(summary, recurse=False), cached=7)
+            line = text(wider)
+            before = format_text(summary)
+            if " | " in before:  # before the free text, after every other field
+                head, tail = before.split(" | ", 1)
+                if head.endswith(" ERR_BODY"):
+                    head = head[:-len(" ERR_BODY")]
+                    tail = "ERR_BODY | " + tail
+                    self.assertEqual(line, f"{head} cached=7 {tail}")
+                else:
+                    self.assertEqual(line, f"{head} cached=7 | {tail}")
+            else:
+                self.assertEqual(line, before + " cached=7")
+            self.assertEqual(json.loads(as_json(wider)),
+                             {**json.loads(format_json(summary)), "cached": 7})
+            self.assertEqual(list(json.loads(as_json(wider)))[-1], "cached")
+
+    def test_a_new_row_is_omitted_as_it_says(self) -> None:
+        text = text_formatter((*FIELDS, CACHED))
+        for summary in summaries():
+            wider = Wider(**attrs.asdict(summary, recurse=False))
+            self.assertEqual(text(wider), format_text(summary))
+
+    def test_a_row_for_some_kinds_only(self) -> None:
+        only = Field("cached", INT.optional(), kinds=frozenset({"embedding"}),
+                     text=(Text(155, " cached=", count),))
+        text, as_json = text_formatter((*FIELDS, only)), json_formatter((*FIELDS, only))
+        for summary in summaries():
+            wider = Wider(**attrs.asdict(summary, recurse=False))
+            if summary.kind == "embedding":
+                self.assertIn(" n=2 cached=- ptok=5 ", text(wider))  # by its place, 155
+                self.assertIsNone(json.loads(as_json(wider))["cached"])
+            else:
+                self.assertEqual(text(wider), format_text(summary))
+                self.assertNotIn("cached", json.loads(as_json(wider)))
+
+    def test_json_keys_keep_the_row_order_around_an_omitted_field(self) -> None:
+        """A field that may be left out, then one that never is: the order holds."""
+        maybe = Field("cached", INT.optional(), json_omit=_is_none)
+        always = Field("shown", STR, attr="orid")
+        as_json = json_formatter((*FIELDS[:3], maybe, always))
+        wider = Wider(**attrs.asdict(summaries()[0], recurse=False), cached=1)
+        self.assertEqual(list(json.loads(as_json(wider))),
+                         ["time", "orid", "backend", "cached", "shown"])
+        self.assertEqual(list(json.loads(as_json(attrs.evolve(wider, cached=None)))),
+                         ["time", "orid", "backend", "shown"])
+
+    def test_a_json_only_row(self) -> None:
+        """``kind`` has no text piece: the line's shape says it."""
+        (kind,) = [field for field in FIELDS if field.name == "kind"]
+        self.assertEqual(kind.text, ())
+        for summary in summaries():
+            words = format_text(summary).split(" | ")[0].split()
+            self.assertNotIn(summary.kind, words)
+            self.assertFalse([word for word in words if word.startswith("kind=")])
+            self.assertEqual(json.loads(format_json(summary))["kind"], summary.kind)
+
+    def test_a_lead_is_written_as_it_is(self) -> None:
+        """Braces, quotes and backslashes in a lead are text, not code."""
+        odd = Field("cached", INT.optional(), text=(Text(330, ' {"c\\a}\n='),))
+        line = text_formatter((*FIELDS, odd))(
+            Wider(**attrs.asdict(summaries()[3], recurse=False), cached=3))
+        self.assertTrue(line.endswith(' {"c\\a}\n=3'), line)
+
+    def test_an_unknown_kind_is_written_as_an_other_line(self) -> None:
+        other = summaries()[3]
+        odd = attrs.evolve(other, kind="surprise")
+        self.assertEqual(format_text(odd), format_text(other))
+        self.assertEqual(json.loads(format_json(odd)),
+                         {**json.loads(format_json(other)), "kind": "surprise"})
+
+    def test_each_kind_has_its_branch(self) -> None:
+        """Each kind's line is its own (none falls through to another's)."""
+        lines = {summary.kind: format_text(summary) for summary in summaries()}
+        self.assertEqual(set(lines), set(KINDS))
+        self.assertIn(" ctok=3/9 ", lines["completion"])
+        self.assertIn(" ERR_BODY | no", lines["error"])
+        self.assertIn(" n=2 ptok=5 ", lines["embedding"])
+        self.assertEqual(lines["other"], "01-01 00:00:00 orid=o b:1 POST /v1/models "
+                                         "status=200 dur=1.000 end=timeout tries=2 trunc=True")
+
+
+class WireTypeTests(SynchronousTestCase):
+    def test_optional_accepts_null_and_the_type(self) -> None:
+        optional = INT.optional()
+        self.assertEqual(optional.name, "an integer or null")
+        self.assertTrue(optional.accepts(None))
+        self.assertTrue(optional.accepts(3))
+        self.assertFalse(optional.accepts("3"))
+        self.assertFalse(INT.accepts(None))
+
+    def test_a_boolean_is_not_a_number(self) -> None:
+        self.assertFalse(INT.accepts(True))
+        self.assertFalse(_fields.FLOAT.accepts(False))
+        self.assertFalse(BOOL.accepts(1))
+        self.assertEqual(_fields.FLOAT.convert(2), 2.0)
+        self.assertIs(type(_fields.FLOAT.convert(2)), float)
