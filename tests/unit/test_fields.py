@@ -6,6 +6,7 @@ changes both formats and nothing else.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -14,6 +15,7 @@ from typing import Any
 import attrs
 from twisted.trial.unittest import SynchronousTestCase
 
+from bench.formats import variety
 from txlb._records import fields as _fields
 from txlb._records.fields import (
     ALL,
@@ -22,6 +24,7 @@ from txlb._records.fields import (
     INT,
     KINDS,
     STR,
+    BadSummary,
     Field,
     Text,
     count,
@@ -30,6 +33,7 @@ from txlb._records.fields import (
 )
 from txlb._records.resultlog import format_json, format_text
 from txlb._records.summary import Summary
+from txlb._workers.wire import decode, summary_from, summary_message
 
 
 @attrs.frozen
@@ -195,6 +199,21 @@ class NewFieldTests(UTCTestCase):
                                          "status=200 dur=1.000 end=timeout tries=2 trunc=True")
 
 
+class UnchangedTests(UTCTestCase):
+    def test_both_formats_are_what_the_hand_written_formatters_wrote(self) -> None:
+        """
+        3,000 seeded summaries reaching every branch of both formats (bench/formats.py's
+        ``variety``), written in UTC: the digest of their lines is the one the formatters
+        had before the table made them.  A deliberate change to a format changes it too.
+        """
+        digest = hashlib.sha256()
+        for summary in variety(3000):
+            line = format_text(summary) + "\n" + format_json(summary) + "\n"
+            digest.update(line.encode("utf-8", "backslashreplace"))
+        self.assertEqual(digest.hexdigest(),
+                         "27efe8607b532e805138b5e4920eac3750d21ce31e77b3bd154c1f0e60bcd95b")
+
+
 class WireTypeTests(SynchronousTestCase):
     def test_optional_accepts_null_and_the_type(self) -> None:
         optional = INT.optional()
@@ -210,3 +229,76 @@ class WireTypeTests(SynchronousTestCase):
         self.assertFalse(BOOL.accepts(1))
         self.assertEqual(_fields.FLOAT.convert(2), 2.0)
         self.assertIs(type(_fields.FLOAT.convert(2)), float)
+
+
+class WireFormTests(SynchronousTestCase):
+    """A summary on the --workers wire: keyed by the table's names, and checked on arrival."""
+
+    def message(self, summary: Summary | None = None) -> dict[str, Any]:
+        (fields,) = [decode(summary_message(summary or summaries()[0], True))[2]]
+        assert isinstance(fields, dict)
+        return fields
+
+    def test_every_kind_travels_whole(self) -> None:
+        for summary in [*summaries(), *variety(200)]:
+            kind, answered, fields = decode(summary_message(summary, False))
+            self.assertEqual((kind, answered), ("end", False))
+            self.assertEqual(summary_from(fields), summary)
+
+    def test_the_message_is_keyed_by_the_fields_names(self) -> None:
+        fields = self.message()
+        self.assertEqual(list(fields), [field.name for field in FIELDS])
+        self.assertEqual((fields["end"], fields["ctok"], fields["trunc"]),
+                         ("timeout", 3, True))
+
+    def test_a_number_sent_without_its_point_is_still_a_float(self) -> None:
+        fields = {**self.message(), "time": 2, "dur": 0}
+        summary = summary_from(fields)
+        self.assertEqual((summary.time, summary.dur), (2.0, 0.0))
+        self.assertIs(type(summary.dur), float)
+
+    def assertRefused(self, message: object, *words: str) -> None:
+        with self.assertRaises(BadSummary) as caught:
+            summary_from(message)
+        self.assertIsInstance(caught.exception, ValueError)
+        for word in words:
+            self.assertIn(word, str(caught.exception))
+
+    def test_not_an_object_is_refused(self) -> None:
+        """The old positional form, or anything else that is not a JSON object."""
+        self.assertRefused(list(self.message().values()), "JSON object", "a list")
+        self.assertRefused(None, "JSON object", "null")
+        self.assertRefused("end", "JSON object", "a string")
+
+    def test_a_missing_or_unknown_field_is_refused(self) -> None:
+        fields = self.message()
+        del fields["dur"]
+        self.assertRefused(fields, "missing ['dur']", "unknown none")
+        self.assertRefused({**self.message(), "cached": 1}, "missing none",
+                           "unknown ['cached']")
+        self.assertRefused({}, "missing ['backend', 'clen',")
+
+    def test_a_field_of_the_wrong_type_is_refused(self) -> None:
+        for name, value, words in [
+            ("orid", 3, ("'orid'", "a string", "an integer")),
+            ("status", "200", ("'status'", "an integer", "a string")),
+            ("status", True, ("'status'", "a boolean")),
+            ("status", 200.0, ("'status'", "a number")),
+            ("status", None, ("'status'", "null")),
+            ("dur", "1", ("'dur'", "a number")),
+            ("ttft", [], ("'ttft'", "a number or null", "a list")),
+            ("trunc", 1, ("'trunc'", "true or false")),
+            ("req_keys", ["a", 1], ("'req_keys'", "a list of strings or null")),
+            ("req_keys", {"a": 1}, ("'req_keys'", "an object")),
+            ("kind", "surprise", ("'kind'", "one of completion, embedding, error, other")),
+            ("kind", [], ("'kind'", "a list")),  # unhashable: refused, not a TypeError
+            ("ctok", 1.5, ("'ctok'", "an integer or null")),
+        ]:
+            self.assertRefused({**self.message(), name: value}, *words)
+
+    def test_what_may_be_null_may_be(self) -> None:
+        nulls = [field.name for field in FIELDS if field.wire.accepts(None)]
+        self.assertEqual(nulls, ["backend", "ttft", "finish", "ctok", "max_tokens", "n",
+                                 "ptok", "req_keys"])
+        summary = summary_from({**self.message(), **dict.fromkeys(nulls)})
+        self.assertIsNone(summary.completion_tokens)

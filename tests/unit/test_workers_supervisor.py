@@ -26,6 +26,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from txlb import build_config
 from txlb._balancer import LoadBalancer
 from txlb._cluster.shared_counts import SharedCounts
+from txlb._records.fields import BadSummary
 from txlb._records.summary import Summary
 from txlb._workers import worker as _workerproc
 from txlb._workers.supervisor import YOUNG, WorkerSupervisor
@@ -169,6 +170,33 @@ class SupervisorTests(SynchronousTestCase):
         served = attrs.evolve(refused, backend="127.0.0.1:9", status=200, outcome="ok")
         sup.received(first, [decode(summary_message(served, True))])
         self.assertIn(b"kick", second.transport.value())
+
+    def test_a_bad_summary_is_refused_and_the_next_messages_still_handled(self) -> None:
+        """
+        A worker's ``end`` whose summary is not the field table's (the old positional
+        list, a field missing or of the wrong type) is logged, naming what is wrong, and
+        written nowhere; the supervisor goes on with the messages after it.
+        """
+        sup = supervisor(self)
+        worker: Any = SimpleNamespace(index=0)
+        recorded: list[Summary] = []
+        self.patch(sup.balancer, "record_summary",
+                   lambda summary, answered: recorded.append(summary))
+        good = Summary(time=1.0, orid="-", backend="127.0.0.1:9", method="POST",
+                       path="/v1/completions", status=200, kind="other", outcome="ok",
+                       dur=0.5)
+        fields = decode(summary_message(good, True))[2]
+        hostile = [["end", True, list(fields.values())],
+                   ["end", True, {**fields, "status": "200"}],
+                   ["end", True, {k: v for k, v in fields.items() if k != "dur"}],
+                   ["end", True]]
+        sup.received(worker, [*hostile, decode(summary_message(good, True))])
+        self.assertEqual(recorded, [good])
+        errors = [str(e.value) for e in self.flushLoggedErrors(BadSummary, IndexError)]
+        self.assertEqual(len(errors), 4)
+        self.assertIn("a summary is a JSON object, not a list", errors[0])
+        self.assertIn("summary field 'status' must be an integer, not a string", errors[1])
+        self.assertIn("missing ['dur']", errors[2])
 
     def test_what_workers_report_of_backends(self) -> None:
         """A worker's hung verdict counts as one; its answers carry who caused them."""

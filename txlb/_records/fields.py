@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import operator
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -102,33 +103,40 @@ def classic_path(path: str) -> bool:
 
 @attrs.frozen
 class WireType:
-    """What a worker's message may hold for one field, and what the supervisor keeps."""
+    """
+    What a worker's message may hold for one field: a value of one of ``classes`` (exactly:
+    JSON's ``true`` is no integer) that ``check``, if given, accepts; ``convert``, if given,
+    makes what the supervisor keeps of it.  Checked per request for every field, so the
+    common case is one set lookup and no call.
+    """
 
     #: for the error that refuses anything else
     name: str
-    accepts: Callable[[object], bool]
-    convert: Callable[[Any], Any] = attrs.field(default=lambda value: value)
+    classes: frozenset[type]
+    check: Callable[[Any], bool] | None = None
+    convert: Callable[[Any], Any] | None = None
+
+    def accepts(self, value: object) -> bool:
+        return value.__class__ in self.classes and (self.check is None or self.check(value))
 
     def optional(self) -> WireType:
-        accepts = self.accepts
-        convert = self.convert
-        return WireType(f"{self.name} or null",
-                        lambda value: value is None or accepts(value),
-                        lambda value: None if value is None else convert(value))
+        """The same type, or null."""
+        check, convert = self.check, self.convert
+        return WireType(
+            f"{self.name} or null", self.classes | {type(None)},
+            None if check is None else (lambda value: value is None or check(value)),
+            None if convert is None else (lambda value: None if value is None
+                                          else convert(value)))
 
 
-def _is_int(value: object) -> bool:
-    return value.__class__ is int  # not bool: JSON's true is not a count
-
-
-INT = WireType("an integer", _is_int)
+INT = WireType("an integer", frozenset({int}))
 #: a JSON number: ``2.0`` may come back as ``2`` from another encoder; kept as a float
-FLOAT = WireType("a number", lambda value: value.__class__ in (int, float), float)
-STR = WireType("a string", lambda value: value.__class__ is str)
-BOOL = WireType("true or false", lambda value: value.__class__ is bool)
-STR_LIST = WireType("a list of strings", lambda value: value.__class__ is list
-                    and all(item.__class__ is str for item in value))
-KIND = WireType("one of " + ", ".join(KINDS), lambda value: value in ALL)
+FLOAT = WireType("a number", frozenset({int, float}), convert=float)
+STR = WireType("a string", frozenset({str}))
+BOOL = WireType("true or false", frozenset({bool}))
+STR_LIST = WireType("a list of strings", frozenset({list}),
+                    lambda value: all(item.__class__ is str for item in value))
+KIND = WireType("one of " + ", ".join(KINDS), frozenset({str}), lambda value: value in ALL)
 
 
 # -- the table -------------------------------------------------------------------------
@@ -332,3 +340,53 @@ def json_formatter(fields: tuple[Field, ...] = FIELDS,
         bodies[kind] = (["fields = {" + ", ".join(display) + "}", *statements,
                          "return escape_json(encode(fields))"])
     return _compile("format_json", _by_kind(bodies), namespace, doc)
+
+
+# -- the wire --------------------------------------------------------------------------
+
+
+class BadSummary(ValueError):
+    """A worker's message does not hold a summary this code can write."""
+
+
+_WIRE = tuple((field.name, field.attribute, field.wire.classes, field.wire.check,
+               field.wire.convert, field.wire) for field in FIELDS)
+_WIRE_NAMES = tuple(field.name for field in FIELDS)
+_NAMES = frozenset(_WIRE_NAMES)
+_wire_values = operator.attrgetter(*(field.attribute for field in FIELDS))
+
+
+def to_wire(summary: Summary) -> dict[str, Any]:
+    """``summary`` as a JSON object keyed by the fields' names."""
+    return dict(zip(_WIRE_NAMES, _wire_values(summary), strict=True))
+
+
+def from_wire(message: object) -> Summary:
+    """
+    The :class:`~txlb._records.summary.Summary` a worker sent (:func:`to_wire`).
+
+    A worker runs the same code, so anything else is a bug or a process that is not a
+    worker: it is refused whole, with :class:`BadSummary` naming what is wrong, rather than
+    written as a line with the wrong shape (or failing later, in a formatter).
+    """
+    if not isinstance(message, dict):
+        raise BadSummary(f"a summary is a JSON object, not {_json_type(message)}")
+    if message.keys() != _NAMES:
+        missing = sorted(_NAMES - message.keys())
+        unknown = sorted(str(name) for name in message.keys() - _NAMES)
+        raise BadSummary("a summary's fields do not match: "
+                         f"missing {missing or 'none'}, unknown {unknown or 'none'}")
+    values: dict[str, Any] = {}
+    for name, attribute, classes, check, convert, wire in _WIRE:
+        value = message[name]
+        if value.__class__ not in classes or (check is not None and not check(value)):
+            raise BadSummary(f"summary field {name!r} must be {wire.name}, "
+                             f"not {_json_type(value)}")
+        values[attribute] = value if convert is None else convert(value)
+    return Summary(**values)
+
+
+def _json_type(value: object) -> str:
+    names = {type(None): "null", bool: "a boolean", int: "an integer", float: "a number",
+             str: "a string", list: "a list", dict: "an object"}
+    return names.get(type(value), type(value).__name__)

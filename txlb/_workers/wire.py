@@ -12,8 +12,9 @@ worker marked a backend down: refused, reset or hung), ``suspect`` (probe this b
 now), ``wait`` (a request waited this long in the max_conns queue), ``ready``.
 
 JSON rather than pickle on the per-request path: a line is self-delimiting and readable in
-a debugger; the summary travels as a list in :class:`Summary`'s field order, which both ends
-share because they run the same code.
+a debugger; the summary travels as an object keyed by the result log's field names
+(:mod:`txlb._records.fields`), and the supervisor refuses one whose fields or types are not
+the table's (:class:`~txlb._records.fields.BadSummary`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ import json
 import pickle
 from typing import Any
 
-import attrs
-
 from txlb._config import Config
+from txlb._records.fields import from_wire, to_wire
 from txlb._records.summary import Summary
 
 #: A line longer than this is dropped (a summary carries at most the 512 KiB captured from
@@ -46,11 +46,16 @@ def decode(line: bytes) -> Any:
 
 
 def summary_message(summary: Summary, answered: bool) -> bytes:
-    return encode(["end", answered, attrs.astuple(summary, recurse=False)])
+    """The ``end`` message: one finished request's summary, field by field."""
+    return encode(["end", answered, to_wire(summary)])
 
 
-def summary_from(fields: list[Any]) -> Summary:
-    return Summary(*fields)
+def summary_from(fields: object) -> Summary:
+    """
+    The summary of an ``end`` message; :class:`~txlb._records.fields.BadSummary` if it is
+    not one (a missing, unknown or mistyped field).
+    """
+    return from_wire(fields)
 
 
 def config_blob(config: Config) -> str:
