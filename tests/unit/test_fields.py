@@ -9,7 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -20,9 +22,13 @@ from txlb._records import fields as _fields
 from txlb._records.fields import (
     ALL,
     BOOL,
+    COMPLETION,
+    EMBEDDING,
+    ERROR,
     FIELDS,
     INT,
     KINDS,
+    OTHER,
     STR,
     BadSummary,
     Field,
@@ -302,3 +308,90 @@ class WireFormTests(SynchronousTestCase):
                                  "ptok", "req_keys"])
         summary = summary_from({**self.message(), **dict.fromkeys(nulls)})
         self.assertIsNone(summary.completion_tokens)
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "result-log.md"
+_KIND_WORDS = {"completion": COMPLETION, "embedding": EMBEDDING, "error": ERROR,
+               "other": OTHER}
+
+
+def documented_fields() -> dict[str, tuple[str, str]]:
+    """docs/result-log.md's "Every field" table: each name's text and JSON cells."""
+    section = DOCS.read_text(encoding="utf-8").split("\n## Every field\n", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            name, text, on, _ = [cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]]
+            rows[name.strip("`")] = (text, on)
+    return rows
+
+
+def _kinds_named(cell: str) -> frozenset[str]:
+    """The kinds of line a cell names, outside code (``/v1/completions`` names none)."""
+    prose = re.sub(r"`[^`]*`", "", cell)
+    return frozenset(kind for word, kind in _KIND_WORDS.items()
+                     if re.search(rf"\b{word}\b", prose))
+
+
+class DocsTests(SynchronousTestCase):
+    """docs/result-log.md lists every field of the table, as the table writes it."""
+
+    def test_the_docs_list_every_field_and_no_other(self) -> None:
+        self.assertEqual(list(documented_fields()), [field.name for field in FIELDS])
+
+    def test_the_docs_say_how_the_text_line_writes_each_field(self) -> None:
+        docs = documented_fields()
+        for field in FIELDS:
+            text, _ = docs[field.name]
+            if not field.text:
+                self.assertIn("not written", text, field.name)
+            for piece in field.text:
+                lead = piece.lead.strip()
+                if lead.endswith("="):
+                    self.assertIn(f"`{lead}", text, field.name)
+                elif lead.endswith("|"):
+                    self.assertIn(f"after `{lead.replace('|', chr(92) + '|')}`", text,
+                                  field.name)
+                elif lead == "/":
+                    self.assertIn("`/`", text, field.name)
+                elif piece.at == 0:
+                    self.assertIn("first", text, field.name)
+                else:
+                    self.assertIn("bare", text, field.name)
+                if piece.omit is not None:
+                    self.assertTrue(re.search(r"\b(unless|only when|except)\b", text),
+                                    field.name)
+                if piece.kinds is not None and piece.kinds != field.kinds:
+                    self.assertLessEqual(piece.kinds, _kinds_named(text), field.name)
+
+    def test_the_docs_say_which_lines_have_each_field_in_json(self) -> None:
+        docs = documented_fields()
+        for field in FIELDS:
+            _, on = docs[field.name]
+            if field.kinds == ALL:
+                self.assertTrue(on.startswith("every line"), field.name)
+            else:
+                self.assertEqual(_kinds_named(on), field.kinds, field.name)
+            self.assertEqual("only when" in on, field.json_omit is not None, field.name)
+
+
+class FormatsAgreeTests(UTCTestCase):
+    """The lines have the table's fields: in JSON each by name, in text each by its lead."""
+
+    def test_a_json_line_has_its_kinds_fields(self) -> None:
+        for summary in summaries():  # every optional field shown
+            self.assertEqual(list(json.loads(format_json(summary))),
+                             [field.name for field in FIELDS if summary.kind in field.kinds])
+
+    def test_a_text_line_has_its_kinds_pieces_in_place(self) -> None:
+        for summary in summaries():
+            line = format_text(summary)
+            position = 0
+            pieces = sorted((piece.at, piece.lead) for field in FIELDS for piece in field.text
+                            if summary.kind in (piece.kinds or field.kinds))
+            for _, lead in pieces:
+                if lead.strip():
+                    found = line.find(lead, position)
+                    self.assertGreaterEqual(found, position, (summary.kind, lead, line))
+                    position = found + len(lead)
