@@ -116,9 +116,6 @@ class WireType:
     check: Callable[[Any], bool] | None = None
     convert: Callable[[Any], Any] | None = None
 
-    def accepts(self, value: object) -> bool:
-        return value.__class__ in self.classes and (self.check is None or self.check(value))
-
     def optional(self) -> WireType:
         """The same type, or null."""
         check, convert = self.check, self.convert
