@@ -217,7 +217,8 @@ FIELDS: tuple[Field, ...] = (
     Field("status", INT, text=(Text(50, " status="),)),
     Field("kind", KIND),  # the text line's shape says it
     Field("end", STR, attr="outcome", text=(Text(300, " end=", omit=_is_ok),)),
-    Field("ttft", FLOAT.optional(), json=rounded, text=(Text(180, " ttft=", seconds, _C),)),
+    Field("ttft", FLOAT.optional(), json=rounded,
+          text=(Text(180, " ttft=", seconds, kinds=_C),)),
     Field("dur", FLOAT, json=rounded, text=(Text(190, " dur=", seconds),)),
     Field("finish", STR.optional(), kinds=_C, text=(Text(60, " finish=", field_or_dash),)),
     Field("ctok", INT.optional(), kinds=_C, attr="completion_tokens",
