@@ -129,12 +129,13 @@ class RefusalTests(SynchronousTestCase):
             self.refused(text)
 
     def test_a_finished_request_that_is_none(self) -> None:
-        fields = list(attrs.astuple(SUMMARY, recurse=False))
+        fields = json.loads(wire.summary_message(SUMMARY, True))[2]
         self.assertEqual(decode(line(["end", True, fields])), Finished(SUMMARY, True))
         self.refused(line(["end", 1, fields]))  # answered is a boolean
-        self.refused(line(["end", True, {"time": 1}]))
-        self.refused(line(["end", True, fields[:3]]))  # too few fields for a Summary
-        self.refused(line(["end", True, fields + ["extra"] * 40]))
+        self.refused(line(["end", True, {"time": 1}]))  # too few fields for a Summary
+        self.refused(line(["end", True, list(fields.values())]))  # the old positional form
+        self.refused(line(["end", True, {**fields, "extra": 1}]))
+        self.refused(line(["end", True, {**fields, "status": "200"}]))
         self.refused(line(["begin", True, fields]))
 
     def test_oversize(self) -> None:

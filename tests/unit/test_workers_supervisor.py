@@ -18,7 +18,7 @@ from treq.testing import StubTreq
 from twisted.internet.error import ProcessTerminated
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock, StringTransport
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel, formatEvent, globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -28,7 +28,7 @@ from txlb._cluster.shared_counts import SharedCounts
 from txlb._records.summary import Summary
 from txlb._workers import worker as _workerproc
 from txlb._workers.supervisor import YOUNG, WorkerProcess, WorkerSupervisor
-from txlb._workers.wire import Answer, Down, Finished
+from txlb._workers.wire import Answer, Down, Finished, summary_message
 from txlb._workers.worker import PipeWriter, SupervisorLink
 
 from .test_workers import KEYS, SharedPools, specs
@@ -168,6 +168,37 @@ class SupervisorTests(SynchronousTestCase):
         served = attrs.evolve(refused, backend="127.0.0.1:9", status=200, outcome="ok")
         sup.received(first, [Finished(served, True)])
         self.assertIn(b"kick", second.transport.value())
+
+    def test_a_bad_summary_is_refused_and_the_next_messages_still_handled(self) -> None:
+        """
+        A worker's ``end`` whose summary is not the field table's (the old positional
+        list, a field missing or of the wrong type) is logged, naming what is wrong, and
+        counted nowhere; the supervisor goes on with the messages after it.
+        """
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        sup = supervisor(self)
+        process = WorkerProcess(sup, 0, 0.0)
+        good = Summary(time=1.0, orid="-", backend=KEYS[0], method="POST",
+                       path="/v1/completions", status=200, kind="other", outcome="ok",
+                       dur=0.5)
+        fields = json.loads(summary_message(good, True))[2]
+        hostile = [["end", True, list(fields.values())],
+                   ["end", True, {**fields, "status": "200"}],
+                   ["end", True, {k: v for k, v in fields.items() if k != "dur"}],
+                   ["end", True]]
+        lines = b"".join(json.dumps(message).encode() + b"\n" for message in hostile)
+        process.childDataReceived(3, lines + summary_message(good, True))
+        requests = sup.balancer.metrics.registry.get_sample_value(
+            "txlb_requests_total", {"backend": KEYS[0], "method": "POST", "status_class": "2xx"})
+        self.assertEqual(requests, 1.0)
+        warnings = [formatEvent(e) for e in events if e.get("log_level") == LogLevel.warn]
+        self.assertEqual(len(warnings), 4)
+        self.assertIn("the summary an object", warnings[0])
+        self.assertIn("summary field 'status' must be an integer, not a string", warnings[1])
+        self.assertIn("missing ['dur']", warnings[2])
+        self.assertEqual(self.flushLoggedErrors(), [])
 
     def test_what_workers_report_of_backends(self) -> None:
         """A worker's hung verdict counts as one; its answers carry who caused them."""

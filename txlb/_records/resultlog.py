@@ -17,18 +17,15 @@ Rotation is Twisted's own ``LogFile`` (size-based; ``name.1`` is the newest back
 from __future__ import annotations
 
 import contextlib
-import datetime
-import json
 import os
-import time
 from typing import Any, Protocol
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.logfile import LogFile
 
-from txlb._records.escape import escape, escape_json
-from txlb._records.summary import CLASSIC_PATHS, Summary
+from txlb._records.fields import FIELDS, json_formatter, text_formatter
+from txlb._records.summary import Summary
 
 log = Logger()
 
@@ -38,123 +35,18 @@ log = Logger()
 RETRY_SECONDS = 5.0
 
 
-def _flag(value: bool) -> str:
-    return "True" if value else "False"
+format_text = text_formatter(FIELDS, doc="""
+    The contract's text line for ``summary`` (without the newline), made from the field
+    table (:data:`txlb._records.fields.FIELDS`).  Every value that a client or a backend
+    chose is escaped: before the first ``|`` a space, ``=`` or ``|`` only ever separates
+    txlb's own fields.
+    """)
 
-
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
-def _stamp(summary: Summary) -> str:
-    """The text format's ``MM-DD HH:MM:SS``, in the host's local time zone (``TZ``)."""
-    return time.strftime("%m-%d %H:%M:%S", time.localtime(summary.time))
-
-
-def iso_time(when: float) -> str:
-    """
-    ``when`` in ISO 8601 with milliseconds and the local zone's offset
-    (``2026-11-29T14:22:01.123+01:00``): the JSON format is read by tools that merge logs
-    from hosts in different zones and across years, so the line says both.
-    """
-    stamp = datetime.datetime.fromtimestamp(when, datetime.timezone.utc).astimezone()
-    return stamp.isoformat(timespec="milliseconds")
-
-
-def _extras(summary: Summary) -> str:
-    """``key=value`` fields the seed format did not have, only when they say something."""
-    extra = ""
-    if summary.outcome != "ok":
-        extra += f" end={summary.outcome}"
-    if summary.tries > 1:
-        extra += f" tries={summary.tries}"
-    if summary.truncated:
-        extra += " trunc=True"
-    return extra
-
-
-def format_text(summary: Summary) -> str:
-    """
-    The contract's text line (without the newline).
-
-    Every value that a client or a backend chose is escaped (:func:`~txlb._records.escape.escape`):
-    before the first ``|`` a space, ``=`` or ``|`` only ever separates txlb's own fields.
-    """
-    head = f"{_stamp(summary)} orid={escape(summary.orid)} {escape(summary.backend or '-')}"
-    method, path = escape(summary.method), escape(summary.path)
-    if summary.kind == "completion":
-        ctok = (f"{'-' if summary.completion_tokens is None else summary.completion_tokens}"
-                f"/{'-' if summary.max_tokens is None else summary.max_tokens}")
-        return (
-            f"{head} status={summary.status} finish={escape(summary.finish or '-')} "
-            f"ctok={ctok} thinking={_flag(summary.thinking)} think={_flag(summary.think)} "
-            f"empty={_flag(summary.empty)} clen={summary.clen} ttft={_seconds(summary.ttft)} "
-            f"dur={_seconds(summary.dur)}{_path(summary)}{_extras(summary)} | "
-            f"{escape(summary.preview, 'text')}"
-        )
-    if summary.kind == "error":
-        keys = ("-" if summary.req_keys is None
-                else "[" + ",".join(f"'{escape(k, 'key')}'" for k in summary.req_keys) + "]")
-        return (
-            f"{head} status={summary.status} req_keys={keys} method={method} "
-            f"path={path} dur={_seconds(summary.dur)}{_extras(summary)} "
-            f"ERR_BODY | {escape(summary.err_body, 'text')}"
-        )
-    if summary.kind == "embedding":
-        return (f"{head} {method} {path} status={summary.status} n={_count(summary.count)} "
-                f"ptok={_count(summary.prompt_tokens)} dur={_seconds(summary.dur)}"
-                f"{_extras(summary)}")
-    return (f"{head} {method} {path} status={summary.status} "
-            f"dur={_seconds(summary.dur)}{_extras(summary)}")
-
-
-def _count(value: int | None) -> str:
-    return "-" if value is None else str(value)
-
-
-def _path(summary: Summary) -> str:
-    """
-    ``path=`` on a completion line of any API but the two the line was made for (chat and
-    completions under ``/v1``), so that ``/v1/messages`` or a client missing ``/v1`` shows.
-    """
-    if summary.path.encode("utf-8", "replace") in CLASSIC_PATHS:
-        return ""
-    return f" path={escape(summary.path)}"
-
-
-def format_json(summary: Summary) -> str:
-    """
-    The same fields as one JSON object (``--log-format json``), the same values (clipped
-    in :func:`~txlb._records.summary.summarize`), and no character left raw that a line-based
-    tool or a terminal would act on.
-    """
-    fields: dict[str, Any] = {
-        "time": iso_time(summary.time),
-        "orid": summary.orid,
-        "backend": summary.backend,
-        "method": summary.method,
-        "path": summary.path,
-        "status": summary.status,
-        "kind": summary.kind,
-        "end": summary.outcome,
-        "ttft": None if summary.ttft is None else round(summary.ttft, 3),
-        "dur": round(summary.dur, 3),
-    }
-    if summary.kind == "completion":
-        fields.update(
-            finish=summary.finish, ctok=summary.completion_tokens,
-            max_tokens=summary.max_tokens, thinking=summary.thinking, think=summary.think,
-            empty=summary.empty, clen=summary.clen, preview=summary.preview,
-        )
-    elif summary.kind == "embedding":
-        fields.update(n=summary.count, ptok=summary.prompt_tokens)
-    elif summary.kind == "error":
-        fields.update(req_keys=summary.req_keys, err_body=summary.err_body)
-    if summary.truncated:
-        fields["trunc"] = True
-    if summary.tries > 1:
-        fields["tries"] = summary.tries
-    return escape_json(json.dumps(fields, ensure_ascii=False))
+format_json = json_formatter(FIELDS, doc="""
+    The same fields as one JSON object (``--log-format json``), made from the field table:
+    the same values (clipped in :func:`~txlb._records.summary.summarize`), and no character
+    left raw that a line-based tool or a terminal would act on.
+    """)
 
 
 FORMATS = {"text": format_text, "json": format_json}

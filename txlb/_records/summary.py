@@ -55,8 +55,6 @@ API_PATHS = {
     b"/v1/embeddings": "embeddings",
     b"/embeddings": "embeddings",
 }
-#: Paths whose responses are LLM completions and get the full summary.
-COMPLETION_PATHS = frozenset(path for path, api in API_PATHS.items() if api != "embeddings")
 #: The two paths whose text line does not name its path (it is what the line always was).
 CLASSIC_PATHS = frozenset({b"/v1/chat/completions", b"/v1/completions"})
 
@@ -155,7 +153,10 @@ class RequestRecord:
 
 @attrs.frozen
 class Summary:
-    """The fields of one result-log line, in the order the text format writes them."""
+    """
+    The fields of one result-log line.  How each is named, written in both formats and
+    checked on the workers' wire is its row in :data:`txlb._records.fields.FIELDS`.
+    """
 
     time: float
     orid: str

@@ -13,15 +13,16 @@ Worker to supervisor (the worker's file descriptor 3): what its proxy observed
 On its standard output: :class:`Log`, one per log event.
 
 Every message is a JSON object whose ``t`` names its type, with one key per field --
-except :class:`Finished`, whose summary travels as a list in
-:class:`~txlb._records.summary.Summary`'s field order (:func:`summary_message`,
-:func:`summary_from`), which both ends share because they run the same code.
+except :class:`Finished`, a list ``["end", answered, summary]`` whose summary is an object
+keyed by the result log's field names (:func:`summary_message`, :func:`summary_from`).
 :func:`decode` refuses (:class:`WireError`) a line that is too long, not JSON, of an
 unknown type, or whose fields are missing, extra or of the wrong type, so a broken or
 hostile worker costs its supervisor one logged line, never a crash.
 
 JSON rather than pickle on the per-request path: a line is self-delimiting and readable in
-a debugger.
+a debugger; the summary travels as an object keyed by the result log's field names
+(:mod:`txlb._records.fields`), and the supervisor refuses one whose fields or types are not
+the table's (:class:`~txlb._records.fields.BadSummary`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any, ClassVar, TypeAlias
 import attrs
 
 from txlb._config import Config
+from txlb._records.fields import from_wire, to_wire
 from txlb._records.summary import Summary
 
 #: A line longer than this is dropped (a summary carries at most the 512 KiB captured from
@@ -248,8 +250,8 @@ def _finished(value: list[Any]) -> Finished:
     if len(value) != 3 or value[0] != Finished.kind:
         raise WireError("a list that is no finished request")
     _, answered, fields = value
-    if not _is_bool(answered) or not isinstance(fields, list):
-        raise WireError("end: answered must be a boolean and the summary a list")
+    if not _is_bool(answered) or not isinstance(fields, dict):
+        raise WireError("end: answered must be a boolean and the summary an object")
     try:
         summary = summary_from(fields)
     except (TypeError, ValueError) as error:
@@ -258,11 +260,16 @@ def _finished(value: list[Any]) -> Finished:
 
 
 def summary_message(summary: Summary, answered: bool) -> bytes:
-    return _line(["end", answered, attrs.astuple(summary, recurse=False)])
+    """The ``end`` message: one finished request's summary, keyed by field name."""
+    return _line(["end", answered, to_wire(summary)])
 
 
-def summary_from(fields: list[Any]) -> Summary:
-    return Summary(*fields)
+def summary_from(fields: object) -> Summary:
+    """
+    The summary of an ``end`` message; :class:`~txlb._records.fields.BadSummary` if it is
+    not one (a missing, unknown or mistyped field).
+    """
+    return from_wire(fields)
 
 
 def config_blob(config: Config) -> str:
