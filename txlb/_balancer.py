@@ -30,9 +30,11 @@ from twisted.web.server import Site
 from zope.interface import implementer
 
 from txlb._admin.history import History, HistoryService
-from txlb._cluster.backend import Backend, InFlightStore, OutlierRule, Pool
+from txlb._cluster.backend import Backend
 from txlb._cluster.health import HealthChecker
 from txlb._cluster.hung import HangDetector
+from txlb._cluster.outlier import OutlierRule
+from txlb._cluster.pool import InFlightStore, Pool
 from txlb._config import OPTIONS, Config, build_config
 from txlb._proxy.resource import ProxyContext, ProxyResource
 from txlb._records.metrics import Metrics

@@ -13,7 +13,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from txlb import BackendSpec, build_config
-from txlb._cluster.backend import Pool
+from txlb._cluster.pool import Pool
 from txlb._cluster.shared_counts import SharedCounts
 from txlb._records.summary import Summary
 from txlb._scheduling.policies import LeastConnections

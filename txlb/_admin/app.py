@@ -39,7 +39,8 @@ from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException
 
 from txlb._admin.history import CAPACITY, SAMPLE_SECONDS, History
-from txlb._cluster.backend import Backend, Pool
+from txlb._cluster.backend import Backend
+from txlb._cluster.pool import Pool
 from txlb._config import ConfigError, _backend_item, parse_backend_address
 from txlb._records.metrics import Metrics
 

@@ -31,7 +31,8 @@ from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
-from txlb._cluster.backend import Backend, Lease, Pool
+from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.pool import Pool
 from txlb._proxy.errors import error_body, write_body, write_json
 from txlb._proxy.headers import (
     RawHeaders,

@@ -22,7 +22,8 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from txlb._cluster.backend import Backend, Lease, Pool
+from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.pool import Pool
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.policies import IPolicy
 
