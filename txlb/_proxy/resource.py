@@ -305,7 +305,7 @@ class Exchange:
 
     def _got_response(self, response: UpstreamResponse) -> None:
         self._upstream = None
-        self.lease.backend.last_byte = self._now()
+        self.lease.heard(self._now())
         self.context.on_answer(self.lease.backend, response.code, self._blamed(response.code))
         if response.code in _RETRIED_STATUSES and self._can_retry():
             self._say(("retried", self.lease.backend.key, response.code), LogLevel.info,
@@ -439,7 +439,8 @@ class Exchange:
         if self.state != "relaying":
             return
         # the watchdog reads it when it fires, the hung-backend detector the backend's
-        now = self.lease.backend.last_byte = self._last_activity = self._now()
+        now = self._last_activity = self._now()
+        self.lease.heard(now)
         record = self.record
         if record.first_byte is None:
             record.first_byte = now

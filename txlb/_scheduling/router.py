@@ -263,7 +263,7 @@ class Router:
                 continue
             self._leave(waiter)
             waited = self.clock.seconds() - waiter.since
-            lease.waited = waited
+            lease.queued_for(waited)
             self.on_queue_wait(waited)
             assert waiter.deferred is not None
             waiter.deferred.callback(lease)
