@@ -74,7 +74,7 @@ class Backend:
     _errors_in_a_row: int = 0
     #: when the last byte (head or body) of a proxied response came from it, in this
     #: process: what the hung-backend detector (txlb._cluster.hung) and the prober read
-    last_byte: float | None = None
+    _last_byte: float | None = None
     _hung_ejections: int = 0
     #: the first two distinct client keys of the current 5xx streak (two are all it needs)
     _streak_clients: tuple[str, ...] = ()
@@ -110,7 +110,7 @@ class Backend:
 
     def heard(self, at: float) -> None:
         """A byte of a proxied response (head or body) arrived from it at ``at``."""
-        self.last_byte = at
+        self._last_byte = at
 
     # -- what the proxy's answers teach --------------------------------------------------
 
@@ -354,6 +354,9 @@ class Backend:
     def errors_in_a_row(self) -> int:
         return self._errors_in_a_row
 
+    @property
+    def last_byte(self) -> float | None:
+        return self._last_byte
 
     @property
     def hung_ejections(self) -> int:
@@ -501,15 +504,20 @@ class Lease:
     backend: Backend
     _on_release: Callable[[Backend], None]
     _released: bool = False
-    waited: float = 0.0
+    _waited: float = 0.0
 
     @property
     def released(self) -> bool:
         return self._released
 
+    @property
+    def waited(self) -> float:
+        """Seconds the request queued for this slot (0 if it was free at once)."""
+        return self._waited
+
     def queued_for(self, seconds: float) -> None:
         """The router's queue held the request ``seconds`` before this slot came free."""
-        self.waited = seconds
+        self._waited = seconds
 
     def heard(self, at: float) -> None:
         """A byte of the response arrived from the backend (the hung detector reads it)."""

@@ -27,7 +27,7 @@ continued, a wedged engine recovering) and finish them, and failing them early w
 false alarm into lost work; they end as any request does, at the latest with 504 after
 ``--read-timeout``.
 
-The per-chunk cost on the data path is one attribute store (``Backend.last_byte``); the
+The per-chunk cost on the data path is one method call (``Lease.heard``); the
 rest runs on the timer, only while requests are in flight.
 """
 
