@@ -16,6 +16,7 @@ from typing import Any
 
 import attrs
 
+from txlb._cluster.store import Marks
 from txlb._config import BackendSpec
 
 #: Weight of the newest sample in the latency averages shown in status.
@@ -257,6 +258,11 @@ class Backend:
                     and value is not None else value)
 
     # -- views ---------------------------------------------------------------------------
+
+    @property
+    def marks(self) -> Marks:
+        """Its health, drain and removal marks, as a store keeps them."""
+        return Marks(self._healthy, self._draining, self._removing)
 
     @property
     def healthy(self) -> bool:

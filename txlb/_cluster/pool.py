@@ -13,13 +13,14 @@ answers eject it, in :mod:`txlb._cluster.outlier`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
 from txlb._cluster.backend import Backend, Lease, _aliases_of
 from txlb._cluster.outlier import OutlierRule, fleet_can_spare, judge_answer
+from txlb._cluster.store import IBackendStore, IInFlightCounts, LocalStore
 from txlb._config import BackendSpec
 from txlb._records.escape import escape
 
@@ -28,35 +29,8 @@ log = Logger()
 _T = TypeVar("_T")
 
 
-class InFlightStore(Protocol):
-    """
-    Where in-flight counts live when several processes share the backends
-    (:class:`txlb._cluster.shared_counts.SharedCounts`).  Without one, a backend's ``active``
-    attribute is the count; with one, ``active`` is a snapshot of the shared total refreshed before
-    every choice (:meth:`Pool.exclusive`) and every status answer.
-    """
-
-    def register(self, key: str) -> int: ...
-
-    def assign(self, key: str, slot: int) -> None: ...
-
-    def take(self, key: str) -> None: ...
-
-    def give_back(self, key: str) -> None: ...
-
-    def total(self, key: str) -> int: ...
-
-    def started(self, key: str) -> int: ...
-
-    def mine(self, key: str) -> int: ...
-
-    def totals(self) -> Sequence[int]: ...
-
-    def slot(self, key: str) -> int: ...
-
-    def lock(self) -> None: ...
-
-    def unlock(self) -> None: ...
+#: The name the counts' interface had before the store seam (txlb._cluster.store).
+InFlightStore = IInFlightCounts
 
 
 #: The most model names (ids and aliases) learned from one backend, and their longest: a
@@ -72,11 +46,15 @@ class Pool:
     def __init__(self, specs: tuple[BackendSpec, ...] = (),
                  clock: Callable[[], float] | None = None,
                  outliers: OutlierRule | None = None, slow_start: float = 0.0,
-                 shared: InFlightStore | None = None) -> None:
+                 shared: IInFlightCounts | None = None,
+                 store: IBackendStore | None = None) -> None:
         self._now = clock or (lambda: 0.0)
         self.slow_start = slow_start
+        #: where the state several balancers agree on lives (txlb._cluster.store); by
+        #: default this process, with ``shared`` as its in-flight counts
+        self.store: IBackendStore = store if store is not None else LocalStore(counts=shared)
         #: the counts shared with other worker processes, if any (``--workers``)
-        self.shared = shared
+        self.shared: IInFlightCounts | None = self.store.counts
         self.outliers = outliers or OutlierRule()
         self._backends: dict[str, Backend] = {}
         self._idle_waiters: list[Deferred[None]] = []
@@ -110,6 +88,7 @@ class Pool:
             self.shared.register(spec.key)  # raises ValueError when no slot is left
         backend = self._backends[spec.key] = Backend(spec, clock=self._now,
                                                      slow_start=self.slow_start)
+        self._marked(backend)
         self._changed()
         return backend
 
@@ -135,6 +114,7 @@ class Pool:
         idle), so removing a GPU never cuts a running generation.
         """
         backend.leaving()
+        self._marked(backend)
         self._forget_if_idle(backend)
         self._changed()
 
@@ -143,6 +123,45 @@ class Pool:
             del self._backends[backend.key]
             log.info("backend {backend} removed", backend=backend.key)
 
+    def _marked(self, backend: Backend) -> None:
+        """Added here or its marks changed here: the store keeps them for other balancers."""
+        self.store.marks.save(backend.spec, backend.marks)
+
+    def _take_marks(self) -> bool:
+        """
+        Take the backends and marks other balancers saved in the store (:meth:`refresh`),
+        through the same transitions as our own verdicts (a backend coming back starts its
+        slow start); ``True`` if anything changed.
+        """
+        changed = False
+        for spec, stored in self.store.marks.members():
+            backend = self._backends.get(spec.key)
+            if backend is None:
+                if stored.removing:
+                    continue
+                if self.shared is not None:
+                    self.shared.register(spec.key)
+                backend = self._backends[spec.key] = Backend(spec, clock=self._now,
+                                                             slow_start=self.slow_start)
+                log.info("backend {backend} added (from the shared store)",
+                         backend=spec.key)
+            if stored == backend.marks:
+                continue
+            changed = True
+            if stored.removing and not backend.removing:
+                backend.leaving()
+            elif stored.draining and not backend.removing:
+                backend.drain()
+            elif not backend.removing:
+                backend.undrain()
+            if stored.healthy and not backend.healthy:
+                backend.came_up(self._now())
+            elif backend.healthy and not stored.healthy:
+                backend.went_down()
+            log.info("backend {backend} is now {marks} (from the shared store)",
+                     backend=backend.key, marks=stored)
+        return changed
+
     # -- operator state -----------------------------------------------------------------
 
     def drain(self, backend: Backend) -> None:
@@ -150,6 +169,7 @@ class Pool:
         if backend.drain():
             log.info("backend {backend} draining ({active} in flight)",
                      backend=backend.key, active=backend.active)
+            self._marked(backend)
             self._changed()
 
     def undrain(self, backend: Backend) -> None:
@@ -157,6 +177,7 @@ class Pool:
             raise ValueError(f"backend {backend.key} is being removed")
         if backend.undrain():
             log.info("backend {backend} undrained", backend=backend.key)
+            self._marked(backend)
             self._changed()
 
     # -- in-flight accounting -----------------------------------------------------------
@@ -192,17 +213,23 @@ class Pool:
 
     def refresh(self) -> None:
         """
-        Read the shared counts into each backend's ``active`` and ``requests``, and forget
-        removed backends that have gone idle meanwhile.  A no-op in a single process.
+        Read what other processes changed: the shared counts into each backend's
+        ``active`` and ``requests``, and the marks other balancers saved in the store;
+        then forget removed backends that have gone idle meanwhile.  A no-op in a single
+        process with the local store.
         """
+        changed = self._take_marks()
         shared = self.shared
-        if shared is None:
-            return
-        totals, slot = shared.totals(), shared.slot
-        for backend in list(self._backends.values()):
-            backend.counted(totals[slot(backend.key)], shared.started(backend.key))
-            if backend.removing:
-                self._forget_if_idle(backend)
+        if shared is not None:
+            totals, slot = shared.totals(), shared.slot
+            for backend in list(self._backends.values()):
+                backend.counted(totals[slot(backend.key)], shared.started(backend.key))
+        if shared is not None or changed:
+            for backend in list(self._backends.values()):
+                if backend.removing:
+                    self._forget_if_idle(backend)
+        if changed:
+            self._changed()
 
     def _held(self, backend: Backend) -> int:
         """Requests in flight on ``backend`` that this process must wait for."""
@@ -337,6 +364,7 @@ class Pool:
         if backend.went_down():
             log.warn("backend {backend} marked down: {reason}", backend=backend.key,
                      reason=reason)
+            self._marked(backend)
             for listener in list(self.on_down):
                 listener(backend, reason)
             self._changed()
@@ -344,6 +372,7 @@ class Pool:
     def mark_up(self, backend: Backend) -> None:
         if backend.came_up(self._now()):
             log.info("backend {backend} is back up", backend=backend.key)
+            self._marked(backend)
             self._changed()
 
     def probe_succeeded(self, backend: Backend, rise: int) -> None:
@@ -421,11 +450,13 @@ class Pool:
                 backend = Backend(spec, clock=self._now, slow_start=self.slow_start)
                 self._backends[spec.key] = backend
             backend.mirror(state)
+            self._marked(backend)
             order.append(spec.key)
         known = set(order)
         for key, backend in list(self._backends.items()):
             if key not in known:
                 backend.leaving()
+                self._marked(backend)
                 order.append(key)
         self._backends = {key: self._backends[key] for key in order}
         for backend in list(self._backends.values()):
