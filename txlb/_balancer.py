@@ -35,6 +35,7 @@ from txlb._cluster.health import HealthChecker
 from txlb._cluster.hung import HangDetector
 from txlb._cluster.outlier import OutlierRule
 from txlb._cluster.pool import InFlightStore, Pool
+from txlb._cluster.store import IBackendStore, LocalStore
 from txlb._config import OPTIONS, Config, build_config
 from txlb._proxy.resource import ProxyContext, ProxyResource
 from txlb._records.metrics import Metrics
@@ -42,7 +43,7 @@ from txlb._records.resultlog import open_result_log
 from txlb._records.summary import RequestRecord, Summary, privacy_of, summarize
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.policies import PeakEwmaLatency, make_policy
-from txlb._scheduling.ratelimit import RateLimiter, TokenBuckets, client_key
+from txlb._scheduling.ratelimit import RateLimiter, client_key
 from txlb._scheduling.router import ModelRoute, Router
 from txlb._server.quiet import QuietConnectionPool, RepeatSummary
 from txlb._server.site import ProxySite
@@ -169,6 +170,7 @@ class LoadBalancer:
         probe_agent: IAgent | None = None,
         rng: random.Random | None = None,
         inflight: InFlightStore | None = None,
+        store: IBackendStore | None = None,
         **options: object,
     ) -> None:
         if config is None:
@@ -183,6 +185,8 @@ class LoadBalancer:
             config = build_config(given, environ={})
         elif backends is not None or options:
             raise TypeError("pass either config or backends/options, not both")
+        if store is not None and inflight is not None:
+            raise TypeError("pass either store or inflight (a store has its own counts)")
         if reactor is None:
             from twisted.internet import reactor as default_reactor
 
@@ -209,9 +213,12 @@ class LoadBalancer:
         self.result_log = open_result_log(
             config.log_file, config.log_max_bytes, config.log_backups, config.log_format, reactor
         )
+        #: where counts, marks and rate buckets live (txlb._cluster.store): this process,
+        #: or a store several balancers share
+        self.store = store if store is not None else LocalStore(counts=inflight)
         self.pool = Pool(config.backends, clock=reactor.seconds, outliers=OutlierRule(
             consecutive_5xx=config.outlier_5xx, base_cooldown=config.outlier_cooldown),
-            slow_start=config.slow_start, shared=inflight)
+            slow_start=config.slow_start, store=self.store)
         self.metrics = Metrics(self.pool)
         retry_after = max(1, math.ceil(config.health_interval))
         self.policy = make_policy(config.policy, reactor.seconds, rng)
@@ -260,7 +267,7 @@ class LoadBalancer:
         limiter = None
         if config.rate_limit is not None:
             burst = config.rate_burst or max(1, math.ceil(config.rate_limit))
-            limiter = RateLimiter(TokenBuckets(config.rate_limit, burst, reactor.seconds),
+            limiter = RateLimiter(self.store.rate_buckets(config.rate_limit, burst, reactor),
                                   config.rate_key)
         self.proxy = ProxyResource(self.router, context, retry_after=retry_after,
                                    affinity=config.affinity, rate_limiter=limiter,

@@ -16,7 +16,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
-from txlb import BackendSpec
+from txlb import BackendSpec, LoadBalancer
 from txlb._cluster.pool import Pool
 from txlb._cluster.shared_counts import SharedCounts
 from txlb._cluster.store import (
@@ -31,6 +31,8 @@ from txlb._cluster.store import (
 from txlb._scheduling.policies import LeastConnections
 from txlb._scheduling.ratelimit import TokenBuckets
 from txlb._scheduling.router import Router
+
+from ..helpers import ClientConnection, FakeUpstream
 
 A, B = "127.0.0.1:8002", "127.0.0.1:8003"
 SPECS = (BackendSpec("127.0.0.1", 8002), BackendSpec("127.0.0.1", 8003, max_conns=1))
@@ -261,3 +263,33 @@ class SharedStoreTests(SynchronousTestCase):
     def test_the_stores_own_rate_buckets_decide(self) -> None:
         buckets = self.one.store.rate_buckets(10, 10, self.clock)
         self.assertEqual(buckets.take("ip:10.0.0.1"), 7.0)
+
+
+class BalancerStoreTests(SynchronousTestCase):
+    """``LoadBalancer(store=...)``: the seam an embedder (and the scale-out work) plugs into."""
+
+    def build(self, **options: object) -> LoadBalancer:
+        return LoadBalancer([A, B], reactor=Clock(), agent=FakeUpstream(),
+                            probe_agent=FakeUpstream(), log_file="none", **options)
+
+    def test_the_local_store_by_default_with_the_workers_counts(self) -> None:
+        counts = _TableCounts(_Table(), "one")
+        lb = self.build(inflight=counts)
+        self.assertIsInstance(lb.store, LocalStore)
+        self.assertIs(lb.pool.shared, counts)
+
+    def test_a_given_store_holds_the_pools_marks_and_the_rate_buckets(self) -> None:
+        table = _Table()
+        lb = self.build(store=_TableStore(table, "one"), rate_limit="100/s")
+        self.assertEqual(set(table.marks), {A, B})
+        lb.pool.drain(lb.pool.get(A))  # type: ignore[arg-type]
+        self.assertTrue(table.marks[A][1].draining)
+        client = ClientConnection(lb.site(), peer="10.1.2.3")
+        client.request(b"POST", b"/v1/completions", body=b'{"prompt": "x"}')
+        refused = client.response()  # the store's buckets refuse everyone, for 7 s
+        self.assertEqual((refused.status, refused.header(b"retry-after")), (429, [b"7"]))
+
+    def test_a_store_brings_its_own_counts(self) -> None:
+        with self.assertRaises(TypeError):
+            self.build(store=_TableStore(_Table(), "one"),
+                       inflight=_TableCounts(_Table(), "one"))
