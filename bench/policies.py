@@ -407,7 +407,7 @@ def run(experiment: Experiment, policy_name: str, params: Params,
     routers: list[Router] = []
     latency_policies: list[PeakEwmaLatency | None] = []
     for replica in range(experiment.replicas):
-        pool = Pool(tuple(spec for spec, _ in specs), clock=clock.seconds)
+        pool = Pool(tuple(spec for spec, _ in specs), clock=clock)
         policy = make_policy(policy_name, clock.seconds,
                              random.Random(f"policy-{params.seed}-{policy_name}-{replica}"))
         pools.append(pool)

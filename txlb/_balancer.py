@@ -18,7 +18,7 @@ from typing import Any
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
-from twisted.internet.interfaces import IStreamClientEndpoint
+from twisted.internet.interfaces import IReactorTime, IStreamClientEndpoint
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -157,7 +157,10 @@ class LoadBalancer:
 
     ``LoadBalancer(["127.0.0.1:8002", "127.0.0.1:8003"], health_interval=2)`` takes the
     same options as the command line (underscores for dashes); or pass a ready
-    :class:`~txlb.Config` as ``config``.
+    :class:`~txlb.Config` as ``config``.  ``reactor`` is what everything waits on, an
+    ``IReactorTime`` (a ``twisted.internet.task.Clock`` in tests), and, unless ``agent`` is
+    given, what it connects with; ``store`` is where in-flight counts, backend marks and rate
+    buckets live when several balancers share them (:mod:`txlb._cluster.store`).
     """
 
     def __init__(
@@ -165,7 +168,7 @@ class LoadBalancer:
         backends: Iterable[str] | None = None,
         *,
         config: Config | None = None,
-        reactor: Any = None,
+        reactor: IReactorTime | None = None,
         agent: IAgent | None = None,
         probe_agent: IAgent | None = None,
         rng: random.Random | None = None,
@@ -216,7 +219,7 @@ class LoadBalancer:
         #: where counts, marks and rate buckets live (txlb._cluster.store): this process,
         #: or a store several balancers share
         self.store = store if store is not None else LocalStore(counts=inflight)
-        self.pool = Pool(config.backends, clock=reactor.seconds, outliers=OutlierRule(
+        self.pool = Pool(config.backends, clock=reactor, outliers=OutlierRule(
             consecutive_5xx=config.outlier_5xx, base_cooldown=config.outlier_cooldown),
             slow_start=config.slow_start, store=self.store)
         self.metrics = Metrics(self.pool)
@@ -334,7 +337,7 @@ class LoadBalancer:
         from txlb._admin.app import Admin  # Klein (and its reactor import) only when it is built
 
         admin = Admin(self.pool, self.metrics, self.config.admin_token,
-                      on_added=self.health.probe_soon, clock=self.reactor.seconds,
+                      on_added=self.health.probe_soon, clock=self.reactor,
                       extra_status=extra_status, allowed_hosts=self.config.admin_hosts,
                       history=self.history)
         return admin.resource()

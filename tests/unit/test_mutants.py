@@ -158,7 +158,7 @@ class _Slots:
 class BackendMutantTests(SynchronousTestCase):
     def test_slow_start_never_takes_a_backend_to_zero(self) -> None:
         clock = Clock()
-        backend = Backend(BackendSpec("127.0.0.1", 8002, weight=2), clock=clock.seconds,
+        backend = Backend(BackendSpec("127.0.0.1", 8002, weight=2), clock=clock,
                           slow_start=10, healthy=False)
         clock.advance(100)
         backend.came_up(clock.seconds())

@@ -134,7 +134,7 @@ class InterfaceTests(SynchronousTestCase):
     def test_the_local_parts_provide_their_interfaces(self) -> None:
         self.assertTrue(verifyObject(IBackendStore, LocalStore()))
         self.assertTrue(verifyObject(IBackendMarks, OwnMarks()))
-        self.assertTrue(verifyObject(IRateBuckets, TokenBuckets(1, 1, Clock().seconds)))
+        self.assertTrue(verifyObject(IRateBuckets, TokenBuckets(1, 1, Clock())))
         counts = SharedCounts.create(1, 4)
         self.addCleanup(counts.close)
         self.assertTrue(verifyObject(IInFlightCounts, counts))
@@ -187,8 +187,8 @@ class SharedStoreTests(SynchronousTestCase):
         self.clock = Clock()
         table = _Table()
         self.table = table
-        self.one = Pool(SPECS, clock=self.clock.seconds, store=_TableStore(table, "one"))
-        self.two = Pool(SPECS, clock=self.clock.seconds, store=_TableStore(table, "two"))
+        self.one = Pool(SPECS, clock=self.clock, store=_TableStore(table, "one"))
+        self.two = Pool(SPECS, clock=self.clock, store=_TableStore(table, "two"))
 
     def backend(self, pool: Pool, key: str):  # type: ignore[no-untyped-def]
         backend = pool.get(key)

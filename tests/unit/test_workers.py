@@ -118,11 +118,11 @@ class SharedPools:
                  queue_timeout: float = 30.0) -> None:
         self.table = Table(test)
         self.clock = Clock()
-        self.supervisor = Pool(backends, clock=self.clock.seconds, shared=self.table.supervisor)
+        self.supervisor = Pool(backends, clock=self.clock, shared=self.table.supervisor)
         self.workers = []
         self.routers = []
         for view in self.table.rows:
-            pool = Pool(clock=self.clock.seconds, shared=view)
+            pool = Pool(clock=self.clock, shared=view)
             pool.mirror(self.supervisor.shared_state())
             self.workers.append(pool)
             router = Router(pool, LeastConnections(), self.clock, queue_timeout=queue_timeout)

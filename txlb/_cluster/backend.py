@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+from twisted.internet.interfaces import IReactorTime
 
 from txlb._cluster.store import Marks
 from txlb._config import BackendSpec
@@ -86,7 +87,7 @@ class Backend:
     peak_ewma: float | None = None
     peak_ewma_at: float | None = None
     #: set by the pool: its clock and slow-start length, for :attr:`effective_weight`
-    clock: Callable[[], float] | None = attrs.field(default=None, repr=False)
+    clock: IReactorTime | None = attrs.field(default=None, repr=False)
     slow_start: float = 0.0
 
 
@@ -404,7 +405,7 @@ class Backend:
         """
         if not self.slow_start or self.up_since is None or self.clock is None:
             return 1.0
-        return max(0.01, min(1.0, (self.clock() - self.up_since) / self.slow_start))
+        return max(0.01, min(1.0, (self.clock.seconds() - self.up_since) / self.slow_start))
 
     @property
     def effective_weight(self) -> float:

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import Clock
 from twisted.logger import Logger
 
 from txlb._cluster.backend import Backend, Lease, _aliases_of
@@ -44,11 +46,14 @@ class Pool:
     """The ordered set of backends, keyed by ``host:port``."""
 
     def __init__(self, specs: tuple[BackendSpec, ...] = (),
-                 clock: Callable[[], float] | None = None,
+                 clock: IReactorTime | None = None,
                  outliers: OutlierRule | None = None, slow_start: float = 0.0,
                  shared: IInFlightCounts | None = None,
                  store: IBackendStore | None = None) -> None:
-        self._now = clock or (lambda: 0.0)
+        #: the time every verdict and slow start is measured on (a stopped clock at 0 if
+        #: none is given: a pool built for a test or a tool that never waits)
+        self.clock: IReactorTime = clock if clock is not None else Clock()
+        self._now = self.clock.seconds
         self.slow_start = slow_start
         #: where the state several balancers agree on lives (txlb._cluster.store); by
         #: default this process, with ``shared`` as its in-flight counts
@@ -86,7 +91,7 @@ class Pool:
             raise ValueError(f"backend {spec.key} already exists")
         if self.shared is not None:
             self.shared.register(spec.key)  # raises ValueError when no slot is left
-        backend = self._backends[spec.key] = Backend(spec, clock=self._now,
+        backend = self._backends[spec.key] = Backend(spec, clock=self.clock,
                                                      slow_start=self.slow_start)
         self._marked(backend)
         self._changed()
@@ -141,7 +146,7 @@ class Pool:
                     continue
                 if self.shared is not None:
                     self.shared.register(spec.key)
-                backend = self._backends[spec.key] = Backend(spec, clock=self._now,
+                backend = self._backends[spec.key] = Backend(spec, clock=self.clock,
                                                              slow_start=self.slow_start)
                 log.info("backend {backend} added (from the shared store)",
                          backend=spec.key)
@@ -447,7 +452,7 @@ class Pool:
                 self.shared.assign(spec.key, state["slot"])
             backend = self._backends.get(spec.key)
             if backend is None or backend.spec != spec:
-                backend = Backend(spec, clock=self._now, slow_start=self.slow_start)
+                backend = Backend(spec, clock=self.clock, slow_start=self.slow_start)
                 self._backends[spec.key] = backend
             backend.mirror(state)
             self._marked(backend)

@@ -144,4 +144,4 @@ class LocalStore:
     def rate_buckets(self, rate: float, burst: int, clock: IReactorTime) -> IRateBuckets:
         from txlb._scheduling.ratelimit import TokenBuckets
 
-        return TokenBuckets(rate, burst, clock.seconds)
+        return TokenBuckets(rate, burst, clock)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Callable
 
+from twisted.internet.interfaces import IReactorTime
 from twisted.web.server import Request
 from zope.interface import implementer
 
@@ -30,11 +30,11 @@ MAX_KEYS = 100_000
 class TokenBuckets:
     """The buckets of all client keys, on an injected clock: the local rate store."""
 
-    def __init__(self, rate: float, burst: int, clock: Callable[[], float],
+    def __init__(self, rate: float, burst: int, clock: IReactorTime,
                  max_keys: int = MAX_KEYS) -> None:
         self.rate = rate
         self.burst = burst
-        self._now = clock
+        self._now = clock.seconds
         self.max_keys = max_keys
         # key -> (tokens, time of last update), least recently used first
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
