@@ -233,11 +233,20 @@ class SharedStoreTests(SynchronousTestCase):
     def test_a_backend_added_by_one_reaches_the_other_with_its_marks(self) -> None:
         spec = BackendSpec("127.0.0.1", 8004)
         added = self.one.add(spec)
+        self.one.add(BackendSpec("127.0.0.1", 8005))
         self.one.mark_down(added, "refused")
         self.two.refresh()
         other = self.backend(self.two, spec.key)
         self.assertEqual((other.spec, other.healthy), (spec, False))
-        self.assertEqual([b.key for b in self.two], [A, B, spec.key])
+        self.assertEqual([b.key for b in self.two], [A, B, spec.key, "127.0.0.1:8005"])
+        self.assertTrue(self.backend(self.two, "127.0.0.1:8005").healthy)
+
+    def test_a_healthy_newcomer_wakes_waiting_requests(self) -> None:
+        self.one.add(BackendSpec("127.0.0.1", 8005))
+        changes: list[None] = []
+        self.two.on_change.append(lambda: changes.append(None))
+        self.two.refresh()
+        self.assertEqual(len(changes), 1)
 
     def test_a_removed_backend_is_not_added_back(self) -> None:
         self.one.remove(self.backend(self.one, A))

@@ -150,6 +150,7 @@ class Pool:
                                                              slow_start=self.slow_start)
                 log.info("backend {backend} added (from the shared store)",
                          backend=spec.key)
+                changed = True
             if stored == backend.marks:
                 continue
             changed = True

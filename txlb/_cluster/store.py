@@ -142,6 +142,7 @@ class LocalStore:
     marks: IBackendMarks = attrs.field(factory=OwnMarks)
 
     def rate_buckets(self, rate: float, burst: int, clock: IReactorTime) -> IRateBuckets:
+        # imported here: the buckets belong to scheduling, which imports the cluster
         from txlb._scheduling.ratelimit import TokenBuckets
 
         return TokenBuckets(rate, burst, clock)
