@@ -59,6 +59,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "_cluster/pool": _unit("test_scheduling", "test_failover", "test_regressions",
                            "test_admin", "test_health", "test_mutants"),
     "_cluster/outlier": _unit("test_failover", "test_regressions", "test_mutants"),
+    "_cluster/models": _unit("test_scheduling", "test_health", "test_mutants"),
     "_cluster/health": _unit("test_health", "test_regressions", "test_scheduling",
                              "test_mutants"),
     "_scheduling/router": _unit("test_scheduling", "test_policies", "test_failover",

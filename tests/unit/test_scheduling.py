@@ -13,7 +13,7 @@ from twisted.web.server import Site
 
 from txlb import BackendSpec, LoadBalancer, Pool
 from txlb._cluster.health import prometheus_sum
-from txlb._cluster.pool import MAX_MODEL_NAME, MAX_MODEL_NAMES
+from txlb._cluster.models import MAX_MODEL_NAME, MAX_MODEL_NAMES
 from txlb._config import ConfigError, build_config
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.policies import (

@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 from twisted.internet.interfaces import IReactorTime
 
+from txlb._cluster.models import aliases_of
 from txlb._cluster.store import Marks
 from txlb._config import BackendSpec
 
@@ -427,7 +428,7 @@ class Backend:
         ``--alias``) that are not model ids themselves: served, but not entries of their own.
         """
         names = {alias for entry in self.model_entries.values()
-                 for alias in _aliases_of(entry)}
+                 for alias in aliases_of(entry)}
         return frozenset(names - set(self.model_entries))
 
     def serves(self, model: str) -> bool:
@@ -481,14 +482,6 @@ class Backend:
             "ttft_ewma_s": _rounded(self.ewma_ttft),
             "hung_ejections": self.hung_ejections,
         }
-
-
-def _aliases_of(entry: dict[str, object]) -> list[str]:
-    """The ``aliases`` of one ``/v1/models`` entry: its non-empty strings, nothing else."""
-    aliases = entry.get("aliases")
-    if not isinstance(aliases, list):
-        return []
-    return [alias for alias in aliases if isinstance(alias, str) and alias]
 
 
 def _rounded(value: float | None) -> float | None:

@@ -20,7 +20,8 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import Clock
 from twisted.logger import Logger
 
-from txlb._cluster.backend import Backend, Lease, _aliases_of
+from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.models import MAX_MODEL_NAME, MAX_MODEL_NAMES, learn
 from txlb._cluster.outlier import OutlierRule, fleet_can_spare, judge_answer
 from txlb._cluster.store import IBackendStore, IInFlightCounts, LocalStore
 from txlb._config import BackendSpec
@@ -33,13 +34,6 @@ _T = TypeVar("_T")
 
 #: The name the counts' interface had before the store seam (txlb._cluster.store).
 InFlightStore = IInFlightCounts
-
-
-#: The most model names (ids and aliases) learned from one backend, and their longest: a
-#: backend's /v1/models may be 4 MiB, and every name is matched per request and listed in
-#: every 404 (200,000 aliases made each 404 3 MB and each request 1 ms slower).
-MAX_MODEL_NAMES = 1000
-MAX_MODEL_NAME = 512
 
 
 class Pool:
@@ -305,39 +299,18 @@ class Pool:
         The backend's ``/v1/models`` answer: the names it serves -- each model's id and its
         ``aliases`` (llama.cpp lists them; a client may ask for any) -- and the entries.
         """
-        names: dict[str, None] = {}
-        dropped = 0
-
-        def keep(name: str) -> bool:
-            nonlocal dropped
-            if name in names:
-                return True
-            if len(name) > MAX_MODEL_NAME or len(names) >= MAX_MODEL_NAMES:
-                dropped += 1
-                return False
-            names[name] = None
-            return True
-
-        kept = {}
-        for entry in entries:
-            if "id" in entry and keep(str(entry["id"])):
-                kept[str(entry["id"])] = entry
-        for model_id, entry in kept.items():
-            aliases = _aliases_of(entry)
-            listed = [alias for alias in aliases if keep(alias)]
-            if len(listed) < len(aliases):
-                kept[model_id] = {**entry, "aliases": listed}  # what GET /v1/models shows
-        if dropped:
+        learned = learn(entries)
+        if learned.dropped:
             log.warn("backend {backend} lists {dropped} more model names than txlb learns "
                      "(at most {most}, of {longest} characters or fewer); requests for "
                      "those get --unknown-model's answer", backend=backend.key,
-                     dropped=dropped, most=MAX_MODEL_NAMES, longest=MAX_MODEL_NAME)
-        ids = tuple(names)
+                     dropped=learned.dropped, most=MAX_MODEL_NAMES, longest=MAX_MODEL_NAME)
+        ids = learned.names
         if ids != backend.learned_models:
             # the names are the backend's to choose: escaped, so none can forge a log line
             log.info("backend {backend} serves {models}", backend=backend.key,
                      models=escape(", ".join(ids), "text") or "no model")
-        backend.learned(kept, ids)
+        backend.learned(learned.entries, ids)
         self._updated()
 
     def set_engine(self, backend: Backend, engine: str,
