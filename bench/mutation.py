@@ -56,6 +56,10 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "_upstream/client": _unit("test_upstream", "test_regressions", "test_mutants"),
     "_cluster/backend": _unit("test_scheduling", "test_failover", "test_regressions",
                               "test_admin", "test_health", "test_mutants"),
+    "_cluster/pool": _unit("test_scheduling", "test_failover", "test_regressions",
+                           "test_admin", "test_health", "test_mutants"),
+    "_cluster/outlier": _unit("test_failover", "test_regressions", "test_mutants"),
+    "_cluster/models": _unit("test_scheduling", "test_health", "test_mutants"),
     "_cluster/health": _unit("test_health", "test_regressions", "test_scheduling",
                              "test_mutants"),
     "_scheduling/router": _unit("test_scheduling", "test_policies", "test_failover",
@@ -100,8 +104,8 @@ class KnownBug:
 #: ``--known`` applies each to a copy of the tree and checks the tests now fail.
 KNOWN_BUGS: tuple[KnownBug, ...] = (
     KnownBug("lease released twice counts twice", "txlb/_cluster/backend.py",
-             "        if not self.released:\n            self.released = True\n",
-             "        if True:\n            self.released = True\n"),
+             "        if not self._released:\n            self._released = True\n",
+             "        if True:\n            self._released = True\n"),
     KnownBug("--max-body not enforced on lb.resource()", "txlb/_proxy/resource.py",
              "if self.max_body and len(record.request_body) > self.max_body:",
              "if False and len(record.request_body) > self.max_body:"),
@@ -156,7 +160,7 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "speed differs"),
     ("_upstream/client", "NumberReplacer", "bad header line {line[:",
      "only how much of a bad header line the error message quotes"),
-    ("_cluster/backend", "NumberReplacer", "base_cooldown: float =",
+    ("_cluster/outlier", "NumberReplacer", "base_cooldown: float =",
      "OutlierRule's default: the balancer always passes --outlier-cooldown's value"),
     ("_scheduling/policies", "NumberReplacer", "if len(tied) == 0:",
      "a single tied backend through the weighted walk: its current weight rises by w and "

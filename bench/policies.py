@@ -2,7 +2,7 @@
 Which scheduling policy should txlb use in front of heterogeneous LLM engines?
 
 A deterministic discrete-event simulation that drives txlb's *real* scheduling code --
-:class:`txlb._cluster.backend.Pool`, :class:`txlb._scheduling.router.Router` and the policies
+:class:`txlb._cluster.pool.Pool`, :class:`txlb._scheduling.router.Router` and the policies
 made by :func:`txlb._scheduling.policies.make_policy` -- on a
 :class:`twisted.internet.task.Clock`.  There is no real time, no socket and no HTTP: only the
 engines behind the balancer are modelled.
@@ -35,7 +35,7 @@ Completion time is arrival to last token.
 
 The balancer side
 -----------------
-One :class:`~txlb._cluster.backend.Pool` + :class:`~txlb._scheduling.router.Router` + policy per
+One :class:`~txlb._cluster.pool.Pool` + :class:`~txlb._scheduling.router.Router` + policy per
 balancer replica, exactly as :mod:`txlb._balancer` wires them.  ``router.acquire()`` gives a lease;
 the request goes to the lease's engine, and ``lease.release()`` is called once when its
 last token is out.  As in the bookkeeper (``txlb._records.bookkeeper.policy_learns``), the
@@ -110,7 +110,8 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
-from txlb._cluster.backend import Lease, Pool
+from txlb._cluster.backend import Lease
+from txlb._cluster.pool import Pool
 from txlb._config import BackendSpec
 from txlb._scheduling.policies import POLICY_NAMES, PeakEwmaLatency, make_policy
 from txlb._scheduling.router import Router, RoutingError
@@ -407,7 +408,7 @@ def run(experiment: Experiment, policy_name: str, params: Params,
     routers: list[Router] = []
     latency_policies: list[PeakEwmaLatency | None] = []
     for replica in range(experiment.replicas):
-        pool = Pool(tuple(spec for spec, _ in specs), clock=clock.seconds)
+        pool = Pool(tuple(spec for spec, _ in specs), clock=clock)
         policy = make_policy(policy_name, clock.seconds,
                              random.Random(f"policy-{params.seed}-{policy_name}-{replica}"))
         pools.append(pool)

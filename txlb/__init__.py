@@ -18,14 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from txlb._balancer import LoadBalancer
-    from txlb._cluster.backend import Backend, Lease, Pool
+    from txlb._cluster.backend import Backend, Lease
+    from txlb._cluster.pool import Pool
     from txlb._config import BackendSpec, Config, ConfigError, build_config
     from txlb._scheduling.policies import IPolicy, LeastConnections
 
 _EXPORTS = {
     "Backend": "._cluster.backend",
     "Lease": "._cluster.backend",
-    "Pool": "._cluster.backend",
+    "Pool": "._cluster.pool",
     "LoadBalancer": "._balancer",
     "BackendSpec": "._config",
     "Config": "._config",

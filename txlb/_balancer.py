@@ -18,7 +18,7 @@ from typing import Any
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
-from twisted.internet.interfaces import IStreamClientEndpoint
+from twisted.internet.interfaces import IReactorTime, IStreamClientEndpoint
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -30,9 +30,12 @@ from twisted.web.server import Site
 from zope.interface import implementer
 
 from txlb._admin.history import History, HistoryService
-from txlb._cluster.backend import Backend, InFlightStore, OutlierRule, Pool
+from txlb._cluster.backend import Backend
 from txlb._cluster.health import HealthChecker
 from txlb._cluster.hung import HangDetector
+from txlb._cluster.outlier import OutlierRule
+from txlb._cluster.pool import InFlightStore, Pool
+from txlb._cluster.store import IBackendStore, LocalStore
 from txlb._config import OPTIONS, Config, build_config
 from txlb._proxy.resource import ProxyContext, ProxyResource
 from txlb._records.bookkeeper import (
@@ -49,7 +52,7 @@ from txlb._records.resultlog import ResultLog, open_result_log
 from txlb._records.summary import Summary, privacy_of
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.policies import make_policy
-from txlb._scheduling.ratelimit import RateLimiter, TokenBuckets, client_key
+from txlb._scheduling.ratelimit import RateLimiter, client_key
 from txlb._scheduling.router import ModelRoute, Router
 from txlb._server.quiet import QuietConnectionPool, RepeatSummary
 from txlb._server.site import ProxySite
@@ -168,7 +171,10 @@ class LoadBalancer:
 
     ``LoadBalancer(["127.0.0.1:8002", "127.0.0.1:8003"], health_interval=2)`` takes the
     same options as the command line (underscores for dashes); or pass a ready
-    :class:`~txlb.Config` as ``config``.
+    :class:`~txlb.Config` as ``config``.  ``reactor`` is what everything waits on, an
+    ``IReactorTime`` (a ``twisted.internet.task.Clock`` in tests), and, unless ``agent`` is
+    given, what it connects with; ``store`` is where in-flight counts, backend marks and rate
+    buckets live when several balancers share them (:mod:`txlb._cluster.store`).
 
     What the proxy observes of each request goes to :attr:`bookkeeper`, which keeps this
     process's books; ``observer`` (an
@@ -181,12 +187,13 @@ class LoadBalancer:
         backends: Iterable[str] | None = None,
         *,
         config: Config | None = None,
-        reactor: Any = None,
+        reactor: IReactorTime | None = None,
         agent: IAgent | None = None,
         probe_agent: IAgent | None = None,
         rng: random.Random | None = None,
         inflight: InFlightStore | None = None,
         observer: IRequestObserver | None = None,
+        store: IBackendStore | None = None,
         **options: object,
     ) -> None:
         if config is None:
@@ -201,6 +208,8 @@ class LoadBalancer:
             config = build_config(given, environ={})
         elif backends is not None or options:
             raise TypeError("pass either config or backends/options, not both")
+        if store is not None and inflight is not None:
+            raise TypeError("pass either store or inflight (a store has its own counts)")
         if reactor is None:
             from twisted.internet import reactor as default_reactor
 
@@ -227,9 +236,12 @@ class LoadBalancer:
         self.result_log = open_result_log(
             config.log_file, config.log_max_bytes, config.log_backups, config.log_format, reactor
         )
-        self.pool = Pool(config.backends, clock=reactor.seconds, outliers=OutlierRule(
+        #: where counts, marks and rate buckets live (txlb._cluster.store): this process,
+        #: or a store several balancers share
+        self.store = store if store is not None else LocalStore(counts=inflight)
+        self.pool = Pool(config.backends, clock=reactor, outliers=OutlierRule(
             consecutive_5xx=config.outlier_5xx, base_cooldown=config.outlier_cooldown),
-            slow_start=config.slow_start, shared=inflight)
+            slow_start=config.slow_start, store=self.store)
         self.metrics = Metrics(self.pool)
         retry_after = max(1, math.ceil(config.health_interval))
         self.policy = make_policy(config.policy, reactor.seconds, rng)
@@ -293,7 +305,7 @@ class LoadBalancer:
         limiter = None
         if config.rate_limit is not None:
             burst = config.rate_burst or max(1, math.ceil(config.rate_limit))
-            limiter = RateLimiter(TokenBuckets(config.rate_limit, burst, reactor.seconds),
+            limiter = RateLimiter(self.store.rate_buckets(config.rate_limit, burst, reactor),
                                   config.rate_key)
         self.proxy = ProxyResource(self.router, context, retry_after=retry_after,
                                    affinity=config.affinity, rate_limiter=limiter,
@@ -320,7 +332,7 @@ class LoadBalancer:
         from txlb._admin.app import Admin  # Klein (and its reactor import) only when it is built
 
         admin = Admin(self.pool, self.metrics, self.config.admin_token,
-                      on_added=self.health.probe_soon, clock=self.reactor.seconds,
+                      on_added=self.health.probe_soon, clock=self.reactor,
                       extra_status=extra_status, allowed_hosts=self.config.admin_hosts,
                       history=self.history)
         return admin.resource()

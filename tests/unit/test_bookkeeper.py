@@ -13,7 +13,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
 from txlb import LoadBalancer
-from txlb._cluster.backend import OutlierRule, Pool
+from txlb._cluster.outlier import OutlierRule
+from txlb._cluster.pool import Pool
 from txlb._config import BackendSpec
 from txlb._records.bookkeeper import (
     Bookkeeper,
@@ -53,7 +54,7 @@ def a_summary(backend: str = A, status: int = 200, ttft: float | None = 0.25) ->
 def a_pool(*keys: str, consecutive_5xx: int = 0) -> Pool:
     specs = [key.rsplit(":", 1) for key in keys]
     return Pool(tuple(BackendSpec(host, int(port)) for host, port in specs),
-                clock=Clock().seconds, outliers=OutlierRule(consecutive_5xx=consecutive_5xx))
+                clock=Clock(), outliers=OutlierRule(consecutive_5xx=consecutive_5xx))
 
 
 def counter(metrics: Metrics, name: str) -> float:

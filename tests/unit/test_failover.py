@@ -336,7 +336,7 @@ class RateLimitTests(FailoverTestCase):
 
     def test_memory_stays_bounded_under_many_keys(self) -> None:
         clock = Clock()
-        buckets = TokenBuckets(rate=10, burst=10, clock=clock.seconds, max_keys=50_000)
+        buckets = TokenBuckets(rate=10, burst=10, clock=clock, max_keys=50_000)
         for n in range(100_000):
             buckets.take(f"client-{n}")
         self.assertLessEqual(len(buckets), 50_000)

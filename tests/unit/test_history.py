@@ -43,7 +43,7 @@ class HistoryTests(SynchronousTestCase):
                                      outcome="upstream_error"))
         self.history.observe(summary(backend="-", status=503, ttft=None,
                                      outcome="proxy_error"))
-        self.pool[0].active = 3
+        self.pool[0].counted(3)
         self.queue = 2
         sample = self.tick()
         self.assertEqual(sample["rps"], 102.0)
@@ -152,7 +152,7 @@ class HistoryEndpointTests(AdminTestCase):
     def test_status_shows_ejection_and_slow_start(self) -> None:
         backend = self.lb.pool.get(A)
         assert backend is not None
-        backend.ejected_until = self.clock.seconds() + 12
+        backend.ejected(self.clock.seconds() + 12)
         code, body = self.call("GET", "/status")
         row = next(b for b in body["backends"] if b["backend"] == A)
         self.assertEqual((row["ejected_for_s"], row["slow_start_ramp"]), (12, 1.0))

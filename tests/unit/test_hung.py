@@ -193,7 +193,7 @@ class HungTests(HungTestCase):
         """A backend whose first bytes take 2 s on average is quiet only after 8 s."""
         self.open_streams(2)
         slow = next(key for key in THREE if not self.streams[key])
-        self.backend(slow).ewma_ttft = 2.0
+        self.backend(slow).record_result(200, 2.0, ttft=2.0)
         self.open_waiting(slow)
         self.assertIsNone(self.flow(7.5, flowing=set(THREE)))
         self.assertEqual(self.probed(slow), 0)

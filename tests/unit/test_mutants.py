@@ -159,10 +159,10 @@ class _Slots:
 class BackendMutantTests(SynchronousTestCase):
     def test_slow_start_never_takes_a_backend_to_zero(self) -> None:
         clock = Clock()
-        backend = Backend(BackendSpec("127.0.0.1", 8002, weight=2), clock=clock.seconds,
-                          slow_start=10)
+        backend = Backend(BackendSpec("127.0.0.1", 8002, weight=2), clock=clock,
+                          slow_start=10, healthy=False)
         clock.advance(100)
-        backend.up_since = clock.seconds()
+        backend.came_up(clock.seconds())
         self.assertEqual(backend.ramp, 0.01)
         self.assertGreater(backend.effective_weight, 0)
         clock.advance(5)
@@ -223,7 +223,7 @@ class BackendCounterTests(SynchronousTestCase):
         self.assertEqual(_ewma(None, 2.0), 2.0)
         self.assertAlmostEqual(_ewma(1.0, 3.0), 1.0 + EWMA_ALPHA * 2.0)
         self.assertAlmostEqual(_ewma(3.0, 1.0), 3.0 - EWMA_ALPHA * 2.0)
-        self.backend.ewma_duration = 0.123456
+        self.backend.record_result(200, 0.123456, None)
         self.assertEqual(self.backend.detailed_status()["latency_ewma_s"], 0.1235)
 
     def test_the_5xx_count_starts_again_after_an_ejection(self) -> None:
@@ -425,7 +425,7 @@ class PolicyMutantTests(SynchronousTestCase):
         light, heavy = self.backends(1, 2)
         for backend in (light, heavy):
             backend.peak_ewma = 0.5
-            backend.active = 1
+            backend.counted(1)
         self.assertIs(policy.choose([light, heavy]), heavy)
 
     def test_latency_without_decay_takes_the_last_sample(self) -> None:
@@ -610,7 +610,7 @@ class PoolMutantTests(SynchronousTestCase):
         pool = Pool((BackendSpec("127.0.0.1", 8002),), shared=shared)  # type: ignore[arg-type]
         backend = pool.get("127.0.0.1:8002")
         shared.counts[7] = shared.own = 1  # a request of this worker's is in flight
-        backend.removing = True
+        backend.leaving()
         pool.refresh()
         self.assertIs(pool.get("127.0.0.1:8002"), backend)
         shared.counts[7] = shared.own = 0  # it ended (counted down in shared memory)
@@ -632,8 +632,8 @@ class MoreMutantTests(SynchronousTestCase):
         from txlb._scheduling.policies import make_policy
 
         policy = make_policy("queue-depth", Clock().seconds, None)
-        empty, busy = (Backend(BackendSpec("127.0.0.1", p)) for p in (8002, 8003))
-        empty.engine_depth, busy.engine_depth = 0.0, 0.5
+        empty, busy = (Backend(BackendSpec("127.0.0.1", p), engine_depth=depth)
+                       for p, depth in ((8002, 0.0), (8003, 0.5)))
         self.assertEqual({policy.choose([empty, busy]).key for _ in range(4)}, {empty.key})
 
     def test_a_formatter_bug_loses_the_line_not_the_request(self) -> None:

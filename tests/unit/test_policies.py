@@ -15,7 +15,8 @@ class LeastConnectionsTests(SynchronousTestCase):
     def test_fewest_in_flight_wins(self) -> None:
         pool = pool_of(1, 1, 1)
         a, b, c = list(pool)
-        a.active, b.active, c.active = 3, 1, 2
+        for backend, active in ((a, 3), (b, 1), (c, 2)):
+            backend.counted(active)
         self.assertIs(LeastConnections().choose([a, b, c]), b)
 
     def test_ties_rotate(self) -> None:
@@ -26,14 +27,15 @@ class LeastConnectionsTests(SynchronousTestCase):
 
     def test_rotation_skips_busier_backends(self) -> None:
         backends = list(pool_of(1, 1, 1))
-        backends[1].active = 1
+        backends[1].counted(1)
         policy = LeastConnections()
         self.assertEqual([policy.choose(backends).port for _ in range(4)],
                          [9000, 9002, 9000, 9002])
 
     def test_weight_divides_in_flight(self) -> None:
         heavy, light = list(pool_of(4, 1))
-        heavy.active, light.active = 3, 1  # 0.75 < 1
+        heavy.counted(3)
+        light.counted(1)  # 0.75 < 1
         self.assertIs(LeastConnections().choose([heavy, light]), heavy)
 
     def test_ipv6_key_is_bracketed(self) -> None:

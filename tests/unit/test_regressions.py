@@ -313,7 +313,7 @@ class ProbeStatusTests(SynchronousTestCase):
         agent = FakeUpstream()
         pool = Pool((BackendSpec("127.0.0.1", 8002),))
         backend = pool.get("127.0.0.1:8002")
-        backend.healthy = False
+        pool.mark_down(backend, "down before the first probe")
         checker = HealthChecker(pool, agent, clock, interval=2, timeout=1, path="/health",
                                 rise=1, fall=3)
         checker.startService()

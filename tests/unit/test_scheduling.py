@@ -12,8 +12,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.server import Site
 
 from txlb import BackendSpec, LoadBalancer, Pool
-from txlb._cluster.backend import MAX_MODEL_NAME, MAX_MODEL_NAMES
 from txlb._cluster.health import prometheus_sum
+from txlb._cluster.models import MAX_MODEL_NAME, MAX_MODEL_NAMES
 from txlb._config import ConfigError, build_config
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.policies import (
@@ -49,11 +49,12 @@ class PolicyTests(SynchronousTestCase):
 
     def test_p2c_never_takes_the_busier_of_its_two(self) -> None:
         idle, busy = backends(1, 1)
-        busy.active = 10
+        busy.counted(10)
         policy = PowerOfTwoChoices(random.Random(1))
         self.assertEqual({policy.choose([idle, busy]).key for _ in range(50)}, {idle.key})
         three = backends(1, 1, 1)
-        three[0].active, three[1].active, three[2].active = 5, 0, 9
+        for backend, active in zip(three, (5, 0, 9), strict=True):
+            backend.counted(active)
         policy = PowerOfTwoChoices(random.Random(3))
         picks = Counter(policy.choose(three).key for _ in range(300))
         self.assertEqual(picks[three[2].key], 0)  # the busiest never wins a pair
@@ -84,11 +85,11 @@ class PolicyTests(SynchronousTestCase):
         policy = PeakEwmaLatency(Clock().seconds)
         policy.observe(a, 0.1)
         policy.observe(b, 0.15)
-        a.active = 3  # 0.1 * 4 > 0.15 * 1
+        a.counted(3)  # 0.1 * 4 > 0.15 * 1
         self.assertIs(policy.choose([a, b]), b)
-        a.active = b.active = 0
+        a.counted(0)
         b.peak_ewma = a.peak_ewma
-        b.active = 1  # equal latency: fewer in flight wins
+        b.counted(1)  # equal latency: fewer in flight wins
         self.assertIs(policy.choose([a, b]), a)
 
     def test_queue_depth_uses_engine_counts(self) -> None:

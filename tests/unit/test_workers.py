@@ -13,7 +13,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from txlb import BackendSpec, build_config
-from txlb._cluster.backend import Pool
+from txlb._cluster.pool import Pool
 from txlb._cluster.shared_counts import SharedCounts
 from txlb._records.summary import Summary
 from txlb._scheduling.policies import LeastConnections
@@ -128,11 +128,11 @@ class SharedPools:
                  queue_timeout: float = 30.0) -> None:
         self.table = Table(test)
         self.clock = Clock()
-        self.supervisor = Pool(backends, clock=self.clock.seconds, shared=self.table.supervisor)
+        self.supervisor = Pool(backends, clock=self.clock, shared=self.table.supervisor)
         self.workers = []
         self.routers = []
         for view in self.table.rows:
-            pool = Pool(clock=self.clock.seconds, shared=view)
+            pool = Pool(clock=self.clock, shared=view)
             pool.mirror(self.supervisor.shared_state())
             self.workers.append(pool)
             router = Router(pool, LeastConnections(), self.clock, queue_timeout=queue_timeout)

@@ -24,13 +24,13 @@ import ipaddress
 import json
 import math
 import re
-import time
 from collections.abc import Callable, Iterable
 from importlib import resources
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
 from klein import Klein
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
@@ -39,7 +39,8 @@ from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException
 
 from txlb._admin.history import CAPACITY, SAMPLE_SECONDS, History
-from txlb._cluster.backend import Backend, Pool
+from txlb._cluster.backend import Backend
+from txlb._cluster.pool import Pool
 from txlb._config import ConfigError, _backend_item, parse_backend_address
 from txlb._records.metrics import Metrics
 
@@ -274,7 +275,7 @@ class Admin:
 
     def __init__(self, pool: Pool, metrics: Metrics, token: str | None,
                  on_added: Callable[[Backend], object] = lambda backend: None,
-                 clock: Callable[[], float] = time.time,
+                 clock: IReactorTime | None = None,
                  extra_status: Callable[[], dict[str, object]] | None = None,
                  allowed_hosts: Iterable[str] = (),
                  history: History | None = None) -> None:
@@ -283,8 +284,11 @@ class Admin:
         self._metrics = metrics
         self._token = token.encode("utf-8") if token else None
         self._on_added = on_added
-        self._clock = clock
-        self._started = clock()
+        if clock is None:
+            from twisted.internet import reactor as clock
+        assert clock is not None
+        self._clock: IReactorTime = clock
+        self._started = clock.seconds()
         #: more top-level keys for ``/status`` (the worker processes, with --workers)
         self._extra_status = extra_status
         self._history = history
@@ -354,12 +358,12 @@ class Admin:
         self._authorize(request)
         summary = self.pool.status()
         backends = list(self.pool)
-        now = self._clock()
+        now = self._clock.seconds()
         summary["backends"] = [_dashboard_status(backend, now) for backend in backends]
         summary["in_flight"] = sum(b.active for b in backends)
         summary["requests"] = sum(b.requests for b in backends)
         summary["draining"] = sum(1 for b in backends if b.draining)
-        summary["uptime_s"] = round(self._clock() - self._started, 3)
+        summary["uptime_s"] = round(self._clock.seconds() - self._started, 3)
         if self._extra_status is not None:
             summary.update(self._extra_status())
         return _json(request, 200, summary)

@@ -1,65 +1,32 @@
 """
-Backend state and the :class:`Pool` that owns it.
+One backend's state: :class:`Backend`, and the :class:`Lease` on one of its in-flight slots.
 
-Everything that changes a backend -- the proxy taking and releasing in-flight slots, the
-prober marking it up or down, an operator draining, adding or removing it -- goes through
-the Pool's methods, so the rules (a slot is released exactly once, a drained backend stays
-drained whatever its health, a removed backend leaves only once idle) live in one place.
+A backend's fields are private and read through properties; each change is a method named
+for the event that causes it (a slot taken, a probe passed, an engine scraped...), called
+by the :class:`~txlb._cluster.pool.Pool` that owns the backend, or by a lease.  No other
+module writes a backend's state (``tests/unit/test_state_ownership.py`` checks it), so the
+rules tying fields together -- a drained backend stays drained, a new scrape restarts the
+local count, an ejection ends the 5xx streak -- each live in one method here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
-from twisted.internet.defer import Deferred, succeed
-from twisted.logger import Logger
+from twisted.internet.interfaces import IReactorTime
 
+from txlb._cluster.models import aliases_of
+from txlb._cluster.store import Marks
 from txlb._config import BackendSpec
-from txlb._records.escape import escape
-
-log = Logger()
 
 #: Weight of the newest sample in the latency averages shown in status.
 EWMA_ALPHA = 0.2
 
-_T = TypeVar("_T")
-
-
-class InFlightStore(Protocol):
-    """
-    Where in-flight counts live when several processes share the backends
-    (:class:`txlb._cluster.shared_counts.SharedCounts`).  Without one, a backend's ``active``
-    attribute is the count; with one, ``active`` is a snapshot of the shared total refreshed before
-    every choice (:meth:`Pool.exclusive`) and every status answer.
-    """
-
-    def register(self, key: str) -> int: ...
-
-    def assign(self, key: str, slot: int) -> None: ...
-
-    def take(self, key: str) -> None: ...
-
-    def give_back(self, key: str) -> None: ...
-
-    def total(self, key: str) -> int: ...
-
-    def started(self, key: str) -> int: ...
-
-    def mine(self, key: str) -> int: ...
-
-    def totals(self) -> Sequence[int]: ...
-
-    def slot(self, key: str) -> int: ...
-
-    def lock(self) -> None: ...
-
-    def unlock(self) -> None: ...
-
-
-#: Backend state a supervisor shares with its worker processes (see :meth:`Pool.mirror`):
-#: what routing decisions and ``/__lb_status`` read, and the prober or operator changes.
+#: Backend state a supervisor shares with its worker processes (see
+#: :meth:`txlb._cluster.pool.Pool.mirror`): what routing decisions and ``/__lb_status``
+#: read, and the prober or operator changes.
 SHARED_FIELDS = ("healthy", "draining", "removing", "last_probe_error", "learned_models",
                  "model_entries", "engine_depth", "engine_scrapes", "up_since",
                  "ejected_until", "engine", "kv_cache_usage")
@@ -71,52 +38,349 @@ class Backend:
     One upstream server and what the balancer knows about it right now.
 
     ``eq=False``: two backends are the same only if they are the same object, which keeps
-    them usable as dict keys while their counters change.
+    them usable as dict keys while their counters change.  The constructor takes every
+    field by its public name (``Backend(spec, healthy=False)``), for tests and tools that
+    build a backend in a given state.
     """
 
     spec: BackendSpec
-    healthy: bool = True
-    draining: bool = False
-    removing: bool = False
-    active: int = 0
-    successes_in_a_row: int = 0
-    failures_in_a_row: int = 0
-    last_probe_error: str | None = None
-    requests: int = 0
-    responses: dict[str, int] = attrs.field(factory=dict)
-    ejections: int = 0
-    probes_ok: int = 0
-    probes_failed: int = 0
-    ewma_duration: float | None = None
-    ewma_ttft: float | None = None
-    peak_ewma: float | None = None
-    peak_ewma_at: float | None = None
-    engine_depth: float | None = None
+    _healthy: bool = True
+    _draining: bool = False
+    _removing: bool = False
+    #: in-flight requests: this process's own count, or with shared counts the
+    #: all-process total as last read (:meth:`Pool.refresh`)
+    _active: int = 0
+    _successes_in_a_row: int = 0
+    _failures_in_a_row: int = 0
+    _last_probe_error: str | None = None
+    _requests: int = 0
+    _responses: dict[str, int] = attrs.field(factory=dict)
+    _ejections: int = 0
+    _probes_ok: int = 0
+    _probes_failed: int = 0
+    _ewma_duration: float | None = None
+    _ewma_ttft: float | None = None
+    _engine_depth: float | None = None
     #: the engine recognised from its ``/metrics`` ("vllm", "sglang", "llamacpp", "tgi",
     #: "unknown"); ``None`` until looked at
-    engine: str | None = None
+    _engine: str | None = None
     #: the engine's KV-cache usage, a fraction (1 = full), when it exports one
-    kv_cache_usage: float | None = None
+    _kv_cache_usage: float | None = None
     #: scrapes of the engine's queue so far (a worker process restarts its local count
     #: "since the scrape" when this changes)
-    engine_scrapes: int = 0
-    started_since_scrape: int = 0
-    finished_since_scrape: int = 0
-    learned_models: tuple[str, ...] | None = None
-    model_entries: dict[str, dict[str, object]] = attrs.field(factory=dict)
-    up_since: float | None = None
-    #: set by the pool: its clock and slow-start length, for :attr:`effective_weight`
-    clock: Callable[[], float] | None = attrs.field(default=None, repr=False)
-    slow_start: float = 0.0
-    errors_in_a_row: int = 0
+    _engine_scrapes: int = 0
+    _started_since_scrape: int = 0
+    _finished_since_scrape: int = 0
+    _learned_models: tuple[str, ...] | None = None
+    _model_entries: dict[str, dict[str, object]] = attrs.field(factory=dict)
+    _up_since: float | None = None
+    _errors_in_a_row: int = 0
     #: when the last byte (head or body) of a proxied response came from it, in this
     #: process: what the hung-backend detector (txlb._cluster.hung) and the prober read
-    last_byte: float | None = None
-    hung_ejections: int = 0
+    _last_byte: float | None = None
+    _hung_ejections: int = 0
     #: the first two distinct client keys of the current 5xx streak (two are all it needs)
-    streak_clients: tuple[str, ...] = ()
-    outlier_ejections: int = 0
-    ejected_until: float | None = None
+    _streak_clients: tuple[str, ...] = ()
+    _outlier_ejections: int = 0
+    _ejected_until: float | None = None
+    #: Peak-EWMA's estimate, and when it was last folded: the policy's own state, written by
+    #: txlb._scheduling.policies (public until that state moves into the policy).
+    peak_ewma: float | None = None
+    peak_ewma_at: float | None = None
+    #: set by the pool: its clock and slow-start length, for :attr:`effective_weight`
+    clock: IReactorTime | None = attrs.field(default=None, repr=False)
+    slow_start: float = 0.0
+
+
+    # -- in-flight slots (the pool and leases) -------------------------------------------
+
+    def took_slot(self) -> None:
+        """A request was sent here: one more in flight, started, and since the scrape."""
+        self._active += 1
+        self._requests += 1
+        self._started_since_scrape += 1
+
+    def gave_slot(self) -> None:
+        """A request sent here ended (its lease released)."""
+        self._active -= 1
+        self._finished_since_scrape += 1
+
+    def counted(self, active: int, requests: int | None = None) -> None:
+        """The all-process counts, as the shared counts last read them (``--workers``)."""
+        self._active = active
+        if requests is not None:
+            self._requests = requests
+
+    def heard(self, at: float) -> None:
+        """A byte of a proxied response (head or body) arrived from it at ``at``."""
+        self._last_byte = at
+
+    # -- what the proxy's answers teach --------------------------------------------------
+
+    def record_result(self, status: int, duration: float, ttft: float | None) -> None:
+        """Count a finished request's status class and fold its timings into the averages."""
+        status_class = f"{status // 100}xx"
+        self._responses[status_class] = self._responses.get(status_class, 0) + 1
+        self._ewma_duration = _ewma(self._ewma_duration, duration)
+        if ttft is not None:
+            self._ewma_ttft = _ewma(self._ewma_ttft, ttft)
+
+    def answered(self, status: int, client: str | None) -> int:
+        """
+        Extend or end the streak of 5xx answers (see
+        :func:`txlb._cluster.outlier.judge_answer`); returns its length.  A ``None`` client
+        (the request provoked the 5xx itself) neither counts nor resets it.
+        """
+        if status < 500:
+            self._errors_in_a_row = 0
+            self._streak_clients = ()
+        elif client is not None:
+            self._errors_in_a_row += 1
+            clients = self._streak_clients
+            if client not in clients and len(clients) < 2:
+                self._streak_clients = (*clients, client)
+        return self._errors_in_a_row
+
+    def ejected(self, until: float) -> None:
+        """Ejected as an outlier until ``until``: the streak that did it is over."""
+        self._outlier_ejections += 1
+        self._ejected_until = until
+        self._errors_in_a_row = 0
+        self._streak_clients = ()
+
+    def judged_hung(self) -> None:
+        self._hung_ejections += 1
+
+    # -- health (the rise/fall state machine) --------------------------------------------
+
+    def went_down(self) -> bool:
+        """Out of rotation; ``True`` if it was in (a new ejection)."""
+        self._successes_in_a_row = 0
+        if not self._healthy:
+            return False
+        self._healthy = False
+        self._ejections += 1
+        return True
+
+    def came_up(self, now: float) -> bool:
+        """Back in rotation at ``now`` (slow start counts from here); ``True`` if it was out."""
+        if self._healthy:
+            return False
+        self._healthy = True
+        self._up_since = now
+        self._errors_in_a_row = 0
+        self._streak_clients = ()
+        return True
+
+    def probe_passed(self, now: float, rise: int) -> bool | None:
+        """
+        A 200 from the health path.  ``None`` while an outlier ejection's cool-down runs
+        (the success does not count), else whether ``rise`` successes in a row are reached.
+        """
+        self._probes_ok += 1
+        if self._ejected_until is not None:
+            if now < self._ejected_until:
+                self._last_probe_error = None
+                return None
+            self._ejected_until = None
+        self._failures_in_a_row = 0
+        self._successes_in_a_row += 1
+        self._last_probe_error = None
+        return self._successes_in_a_row >= rise
+
+    def probe_failed(self, reason: str) -> int:
+        """A failed probe; returns the failures in a row."""
+        self._probes_failed += 1
+        self._successes_in_a_row = 0
+        self._failures_in_a_row += 1
+        self._last_probe_error = reason
+        return self._failures_in_a_row
+
+    # -- operator state ------------------------------------------------------------------
+
+    def drain(self) -> bool:
+        """No new requests; ``True`` if it was not draining already."""
+        changed = not self._draining
+        self._draining = True
+        return changed
+
+    def undrain(self) -> bool:
+        changed = self._draining
+        self._draining = False
+        return changed
+
+    def leaving(self) -> None:
+        """Being removed: drained, and forgotten once idle."""
+        self._draining = self._removing = True
+
+    # -- what the prober learns ----------------------------------------------------------
+
+    def learned(self, entries: dict[str, dict[str, object]], ids: tuple[str, ...]) -> None:
+        """Its ``/v1/models`` answer: the entries kept and every name served."""
+        self._model_entries = entries
+        self._learned_models = ids
+
+    def engine_seen(self, engine: str, kv_cache: float | None) -> None:
+        self._engine = engine
+        self._kv_cache_usage = kv_cache
+
+    def engine_scraped(self, depth: float, kv_cache: float | None) -> None:
+        """The engine's own queue: a new scrape restarts the local count since the last."""
+        self._kv_cache_usage = kv_cache
+        self._engine_depth = depth
+        self._engine_scrapes += 1
+        self._started_since_scrape = 0
+        self._finished_since_scrape = 0
+
+    def engine_depth_lost(self) -> bool:
+        """The queue could not be scraped; ``True`` if a figure was known (now forgotten)."""
+        if self._engine_depth is None:
+            return False
+        self._engine_depth = None
+        return True
+
+    # -- replication between processes (--workers) ---------------------------------------
+
+    def shared_state(self) -> dict[str, Any]:
+        """:data:`SHARED_FIELDS`, JSON-ready."""
+        state = {}
+        for name in SHARED_FIELDS:
+            value = getattr(self, name)
+            state[name] = list(value) if isinstance(value, tuple) else value
+        return state
+
+    def mirror(self, state: Mapping[str, Any]) -> None:
+        """Take the supervisor's :meth:`shared_state` of this backend."""
+        if state["engine_scrapes"] != self._engine_scrapes:
+            # a new scrape counts what this worker sent before it: start again
+            self._started_since_scrape = self._finished_since_scrape = 0
+        for name in SHARED_FIELDS:
+            value = state[name]
+            setattr(self, "_" + name, tuple(value) if name == "learned_models"
+                    and value is not None else value)
+
+    # -- views ---------------------------------------------------------------------------
+
+    @property
+    def marks(self) -> Marks:
+        """Its health, drain and removal marks, as a store keeps them."""
+        return Marks(self._healthy, self._draining, self._removing)
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def removing(self) -> bool:
+        return self._removing
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    @property
+    def successes_in_a_row(self) -> int:
+        return self._successes_in_a_row
+
+    @property
+    def failures_in_a_row(self) -> int:
+        return self._failures_in_a_row
+
+    @property
+    def last_probe_error(self) -> str | None:
+        return self._last_probe_error
+
+    @property
+    def requests(self) -> int:
+        return self._requests
+
+    @property
+    def responses(self) -> dict[str, int]:
+        return self._responses
+
+    @property
+    def ejections(self) -> int:
+        return self._ejections
+
+    @property
+    def probes_ok(self) -> int:
+        return self._probes_ok
+
+    @property
+    def probes_failed(self) -> int:
+        return self._probes_failed
+
+    @property
+    def ewma_duration(self) -> float | None:
+        return self._ewma_duration
+
+    @property
+    def ewma_ttft(self) -> float | None:
+        return self._ewma_ttft
+
+    @property
+    def engine_depth(self) -> float | None:
+        return self._engine_depth
+
+    @property
+    def engine(self) -> str | None:
+        return self._engine
+
+    @property
+    def kv_cache_usage(self) -> float | None:
+        return self._kv_cache_usage
+
+    @property
+    def engine_scrapes(self) -> int:
+        return self._engine_scrapes
+
+    @property
+    def started_since_scrape(self) -> int:
+        return self._started_since_scrape
+
+    @property
+    def finished_since_scrape(self) -> int:
+        return self._finished_since_scrape
+
+    @property
+    def learned_models(self) -> tuple[str, ...] | None:
+        return self._learned_models
+
+    @property
+    def model_entries(self) -> dict[str, dict[str, object]]:
+        return self._model_entries
+
+    @property
+    def up_since(self) -> float | None:
+        return self._up_since
+
+    @property
+    def errors_in_a_row(self) -> int:
+        return self._errors_in_a_row
+
+    @property
+    def last_byte(self) -> float | None:
+        return self._last_byte
+
+    @property
+    def hung_ejections(self) -> int:
+        return self._hung_ejections
+
+    @property
+    def streak_clients(self) -> tuple[str, ...]:
+        return self._streak_clients
+
+    @property
+    def outlier_ejections(self) -> int:
+        return self._outlier_ejections
+
+    @property
+    def ejected_until(self) -> float | None:
+        return self._ejected_until
 
     @property
     def key(self) -> str:
@@ -142,7 +406,7 @@ class Backend:
         """
         if not self.slow_start or self.up_since is None or self.clock is None:
             return 1.0
-        return max(0.01, min(1.0, (self.clock() - self.up_since) / self.slow_start))
+        return max(0.01, min(1.0, (self.clock.seconds() - self.up_since) / self.slow_start))
 
     @property
     def effective_weight(self) -> float:
@@ -164,7 +428,7 @@ class Backend:
         ``--alias``) that are not model ids themselves: served, but not entries of their own.
         """
         names = {alias for entry in self.model_entries.values()
-                 for alias in _aliases_of(entry)}
+                 for alias in aliases_of(entry)}
         return frozenset(names - set(self.model_entries))
 
     def serves(self, model: str) -> bool:
@@ -180,9 +444,9 @@ class Backend:
     def eligible(self) -> bool:
         """May receive a new request: healthy, not draining, below its cap."""
         return (
-            self.healthy
-            and not self.draining
-            and (self.spec.max_conns == 0 or self.active < self.spec.max_conns)
+            self._healthy
+            and not self._draining
+            and (self.spec.max_conns == 0 or self._active < self.spec.max_conns)
         )
 
     def status(self) -> dict[str, object]:
@@ -220,14 +484,6 @@ class Backend:
         }
 
 
-def _aliases_of(entry: dict[str, object]) -> list[str]:
-    """The ``aliases`` of one ``/v1/models`` entry: its non-empty strings, nothing else."""
-    aliases = entry.get("aliases")
-    if not isinstance(aliases, list):
-        return []
-    return [alias for alias in aliases if isinstance(alias, str) and alias]
-
-
 def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
@@ -247,475 +503,28 @@ class Lease:
 
     backend: Backend
     _on_release: Callable[[Backend], None]
-    released: bool = False
-    waited: float = 0.0
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self.backend.active -= 1
-            self._on_release(self.backend)
-
-
-@attrs.frozen
-class OutlierRule:
-    """
-    Passive outlier detection, as Envoy does it: ``consecutive_5xx`` answers of 5xx in a
-    row eject a backend for ``base_cooldown`` seconds times the number of times it was
-    ejected (capped at :data:`MAX_COOLDOWN_FACTOR`), and never more than half the fleet
-    is out for this reason at once.  ``consecutive_5xx`` 0 disables it.
-    """
-
-    consecutive_5xx: int = 5
-    base_cooldown: float = 30.0
-
-
-MAX_COOLDOWN_FACTOR = 10
-#: The most model names (ids and aliases) learned from one backend, and their longest: a
-#: backend's /v1/models may be 4 MiB, and every name is matched per request and listed in
-#: every 404 (200,000 aliases made each 404 3 MB and each request 1 ms slower).
-MAX_MODEL_NAMES = 1000
-MAX_MODEL_NAME = 512
-
-
-class Pool:
-    """The ordered set of backends, keyed by ``host:port``."""
-
-    def __init__(self, specs: tuple[BackendSpec, ...] = (),
-                 clock: Callable[[], float] | None = None,
-                 outliers: OutlierRule | None = None, slow_start: float = 0.0,
-                 shared: InFlightStore | None = None) -> None:
-        self._now = clock or (lambda: 0.0)
-        self.slow_start = slow_start
-        #: the counts shared with other worker processes, if any (``--workers``)
-        self.shared = shared
-        self.outliers = outliers or OutlierRule()
-        self._backends: dict[str, Backend] = {}
-        self._idle_waiters: list[Deferred[None]] = []
-        #: Called whenever backends change in a way that matters to waiting requests: a
-        #: slot released, a backend up or down, drained, undrained, added or removed (the
-        #: router's queue listens here instead of polling).
-        self.on_change: list[Callable[[], object]] = []
-        #: Called on every change a worker process must mirror: those of ``on_change``
-        #: plus what the prober learns (probe errors, models, engine queue depth).
-        self.on_update: list[Callable[[], object]] = []
-        #: Called with (backend, reason) when this process marks a backend down itself.
-        self.on_down: list[Callable[[Backend, str], object]] = []
-        for spec in specs:
-            self.add(spec)
-
-    def __iter__(self) -> Iterator[Backend]:
-        return iter(list(self._backends.values()))
-
-    def __len__(self) -> int:
-        return len(self._backends)
-
-    def get(self, key: str) -> Backend | None:
-        return self._backends.get(key)
-
-    # -- membership ---------------------------------------------------------------------
-
-    def add(self, spec: BackendSpec) -> Backend:
-        if spec.key in self._backends:
-            raise ValueError(f"backend {spec.key} already exists")
-        if self.shared is not None:
-            self.shared.register(spec.key)  # raises ValueError when no slot is left
-        backend = self._backends[spec.key] = Backend(spec, clock=self._now,
-                                                     slow_start=self.slow_start)
-        self._changed()
-        return backend
-
-    def _changed(self) -> None:
-        for listener in list(self.on_change):
-            try:
-                listener()
-            except Exception:
-                log.failure("a pool listener failed")
-        if self.on_update:
-            self._updated()
-
-    def _updated(self) -> None:
-        for listener in list(self.on_update):
-            try:
-                listener()
-            except Exception:
-                log.failure("a pool listener failed")
-
-    def remove(self, backend: Backend) -> None:
-        """
-        Drain ``backend`` and forget it once its last in-flight request ends (at once if
-        idle), so removing a GPU never cuts a running generation.
-        """
-        backend.draining = True
-        backend.removing = True
-        self._forget_if_idle(backend)
-        self._changed()
-
-    def _forget_if_idle(self, backend: Backend) -> None:
-        if backend.removing and self._held(backend) == 0 and self.get(backend.key) is backend:
-            del self._backends[backend.key]
-            log.info("backend {backend} removed", backend=backend.key)
-
-    # -- operator state -----------------------------------------------------------------
-
-    def drain(self, backend: Backend) -> None:
-        """No new requests; in-flight ones finish.  Survives health changes."""
-        if not backend.draining:
-            backend.draining = True
-            log.info("backend {backend} draining ({active} in flight)",
-                     backend=backend.key, active=backend.active)
-            self._changed()
-
-    def undrain(self, backend: Backend) -> None:
-        if backend.removing:
-            raise ValueError(f"backend {backend.key} is being removed")
-        if backend.draining:
-            backend.draining = False
-            log.info("backend {backend} undrained", backend=backend.key)
-            self._changed()
-
-    # -- in-flight accounting -----------------------------------------------------------
-
-    def acquire(self, backend: Backend) -> Lease:
-        """
-        Take an in-flight slot.  Synchronous on purpose: the count rises at the moment of
-        choice, before anything else can run, so a burst cannot all see the same idle
-        backend.
-        """
-        backend.active += 1
-        backend.requests += 1
-        backend.started_since_scrape += 1
-        if self.shared is not None:
-            self.shared.take(backend.key)
-        return Lease(backend, self._released)
-
-    def exclusive(self, choose: Callable[..., _T], *args: Any) -> _T:
-        """
-        Run ``choose`` (which reads the counts and takes a slot) so that no other process
-        sharing the counts can take one in between, on fresh counts.  Without shared
-        counts, just a call: one process's choice is already atomic.
-        """
-        shared = self.shared
-        if shared is None:
-            return choose(*args)
-        shared.lock()
-        try:
-            totals, slot = shared.totals(), shared.slot
-            for backend in self._backends.values():
-                backend.active = totals[slot(backend.key)]
-            return choose(*args)
-        finally:
-            shared.unlock()
-
-    def refresh(self) -> None:
-        """
-        Read the shared counts into each backend's ``active`` and ``requests``, and forget
-        removed backends that have gone idle meanwhile.  A no-op in a single process.
-        """
-        shared = self.shared
-        if shared is None:
-            return
-        totals, slot = shared.totals(), shared.slot
-        for backend in list(self._backends.values()):
-            backend.active = totals[slot(backend.key)]
-            backend.requests = shared.started(backend.key)
-            if backend.removing:
-                self._forget_if_idle(backend)
-
-    def _held(self, backend: Backend) -> int:
-        """Requests in flight on ``backend`` that this process must wait for."""
-        return backend.active if self.shared is None else self.shared.mine(backend.key)
-
-    def _released(self, backend: Backend) -> None:
-        if self.shared is not None:
-            self.shared.give_back(backend.key)
-        backend.finished_since_scrape += 1
-        self._forget_if_idle(backend)
-        self._changed()
-        if self._idle_waiters and self.in_flight == 0:
-            waiters, self._idle_waiters = self._idle_waiters, []
-            for waiter in waiters:
-                waiter.callback(None)
-
-    def capacity_changed(self) -> None:
-        """
-        Another process sharing the counts freed a slot: let waiting requests look again
-        (the router's queue listens on ``on_change``).
-        """
-        self._changed()
-
-    def when_idle(self) -> Deferred[None]:
-        """Fires once no request is in flight on any backend (at once if none is)."""
-        if self.in_flight == 0:
-            return succeed(None)
-        waiter: Deferred[None] = Deferred()
-        self._idle_waiters.append(waiter)
-        return waiter
-
-    def record_result(self, backend: Backend, status: int, duration: float,
-                      ttft: float | None) -> None:
-        """Count a finished request's status class and fold its timings into the averages."""
-        status_class = f"{status // 100}xx"
-        backend.responses[status_class] = backend.responses.get(status_class, 0) + 1
-        backend.ewma_duration = _ewma(backend.ewma_duration, duration)
-        if ttft is not None:
-            backend.ewma_ttft = _ewma(backend.ewma_ttft, ttft)
-
-    def record_answer(self, backend: Backend, status: int, client: str | None = "") -> None:
-        """
-        A status the backend itself answered (not one txlb made up): feeds the passive
-        outlier detection.  ``client`` is the key of the client who sent the request, or
-        ``None`` when the request provoked the 5xx itself (see
-        :meth:`txlb._proxy.resource.Exchange._blamed`): such an answer neither counts nor resets
-        the streak.  A streak ejects only once it spans two clients at least, so one
-        client sending requests an engine chokes on cannot take a healthy backend out.
-        """
-        if status < 500:
-            backend.errors_in_a_row = 0
-            backend.streak_clients = ()
-            return
-        if client is None:
-            return
-        backend.errors_in_a_row += 1
-        clients = backend.streak_clients
-        if client not in clients and len(clients) < 2:
-            backend.streak_clients = (*clients, client)
-        rule = self.outliers
-        if not rule.consecutive_5xx or backend.errors_in_a_row < rule.consecutive_5xx:
-            return
-        if len(backend.streak_clients) < 2 or not backend.healthy:
-            return
-        now = self._now()
-        down = sum(1 for b in self._backends.values() if not b.healthy)
-        if (down + 1) * 2 > len(self._backends):
-            if backend.errors_in_a_row == rule.consecutive_5xx:  # once per run of 5xx
-                log.warn("backend {backend} answered {count} 5xx in a row but stays in: "
-                         "half the fleet is already out", backend=backend.key,
-                         count=backend.errors_in_a_row)
-            return
-        backend.outlier_ejections += 1
-        cooldown = rule.base_cooldown * min(backend.outlier_ejections, MAX_COOLDOWN_FACTOR)
-        backend.ejected_until = now + cooldown
-        count = backend.errors_in_a_row
-        backend.errors_in_a_row = 0
-        backend.streak_clients = ()
-        self.mark_down(backend, f"outlier: {count} 5xx answers in a row from "
-                                f"2 clients or more; ejected for {cooldown:g}s")
-
-    def mark_hung(self, backend: Backend, reason: str) -> None:
-        """
-        The hung-backend detector's verdict (txlb._cluster.hung): out of rotation now, unless that
-        would take more than half the fleet out -- the detector judges from silence, and a
-        silence shared by so many is more likely txlb's or the network's than theirs.
-        """
-        if not backend.healthy:
-            return
-        down = sum(1 for b in self._backends.values() if not b.healthy)
-        if (down + 1) * 2 > len(self._backends):
-            log.warn("backend {backend} looks hung but stays in: half the fleet is "
-                     "already out ({reason})", backend=backend.key, reason=reason)
-            return
-        backend.hung_ejections += 1
-        self.mark_down(backend, reason)
-
-    # -- what the prober learns ---------------------------------------------------------
-
-    def set_models(self, backend: Backend, entries: list[dict[str, object]]) -> None:
-        """
-        The backend's ``/v1/models`` answer: the names it serves -- each model's id and its
-        ``aliases`` (llama.cpp lists them; a client may ask for any) -- and the entries.
-        """
-        names: dict[str, None] = {}
-        dropped = 0
-
-        def keep(name: str) -> bool:
-            nonlocal dropped
-            if name in names:
-                return True
-            if len(name) > MAX_MODEL_NAME or len(names) >= MAX_MODEL_NAMES:
-                dropped += 1
-                return False
-            names[name] = None
-            return True
-
-        kept = {}
-        for entry in entries:
-            if "id" in entry and keep(str(entry["id"])):
-                kept[str(entry["id"])] = entry
-        for model_id, entry in kept.items():
-            aliases = _aliases_of(entry)
-            listed = [alias for alias in aliases if keep(alias)]
-            if len(listed) < len(aliases):
-                kept[model_id] = {**entry, "aliases": listed}  # what GET /v1/models shows
-        if dropped:
-            log.warn("backend {backend} lists {dropped} more model names than txlb learns "
-                     "(at most {most}, of {longest} characters or fewer); requests for "
-                     "those get --unknown-model's answer", backend=backend.key,
-                     dropped=dropped, most=MAX_MODEL_NAMES, longest=MAX_MODEL_NAME)
-        backend.model_entries = kept
-        ids = tuple(names)
-        if ids != backend.learned_models:
-            # the names are the backend's to choose: escaped, so none can forge a log line
-            log.info("backend {backend} serves {models}", backend=backend.key,
-                     models=escape(", ".join(ids), "text") or "no model")
-        backend.learned_models = ids
-        self._updated()
-
-    def set_engine(self, backend: Backend, engine: str,
-                   kv_cache: float | None = None) -> None:
-        """The engine recognised from the backend's ``/metrics``, and its KV-cache usage."""
-        if engine != backend.engine:
-            log.info("backend {backend} runs {engine}", backend=backend.key, engine=engine)
-        backend.engine = engine
-        backend.kv_cache_usage = kv_cache
-        self._updated()
-
-    def set_engine_depth(self, backend: Backend, running: float, waiting: float,
-                         kv_cache: float | None = None) -> None:
-        """The engine's own queue, scraped from its ``/metrics``; restarts the local count."""
-        backend.kv_cache_usage = kv_cache
-        backend.engine_depth = running + waiting
-        backend.engine_scrapes += 1
-        backend.started_since_scrape = 0
-        backend.finished_since_scrape = 0
-        self._updated()
-
-    def forget_engine_depth(self, backend: Backend) -> None:
-        """
-        The engine's queue could not be scraped: policies fall back to local counts
-        rather than act on a stale figure.  Through the pool (not by writing the attribute)
-        so that worker processes mirror the fallback too.
-        """
-        if backend.engine_depth is not None:
-            backend.engine_depth = None
-            self._updated()
-
-    # -- health -------------------------------------------------------------------------
-
-    def mark_down(self, backend: Backend, reason: str) -> None:
-        """Take a backend out of rotation now (definitive failure or passive ejection)."""
-        backend.successes_in_a_row = 0
-        if backend.healthy:
-            backend.healthy = False
-            backend.ejections += 1
-            log.warn("backend {backend} marked down: {reason}", backend=backend.key,
-                     reason=reason)
-            for listener in list(self.on_down):
-                listener(backend, reason)
-            self._changed()
-
-    def mark_up(self, backend: Backend) -> None:
-        if not backend.healthy:
-            backend.healthy = True
-            backend.up_since = self._now()
-            backend.errors_in_a_row = 0
-            backend.streak_clients = ()
-            log.info("backend {backend} is back up", backend=backend.key)
-            self._changed()
-
-    def probe_succeeded(self, backend: Backend, rise: int) -> None:
-        """
-        A 200 from the health path: ``rise`` of these in a row bring a backend back --
-        once the cool-down of an outlier ejection, if any, is over.
-        """
-        backend.probes_ok += 1
-        if backend.ejected_until is not None:
-            if self._now() < backend.ejected_until:
-                backend.last_probe_error = None
-                self._updated()
-                return
-            backend.ejected_until = None
-        backend.failures_in_a_row = 0
-        backend.successes_in_a_row += 1
-        backend.last_probe_error = None
-        if backend.successes_in_a_row >= rise:
-            self.mark_up(backend)
-        self._updated()
-
-    def probe_failed(self, backend: Backend, reason: str, definitive: bool, fall: int) -> None:
-        """
-        A failed probe.  Definitive failures (refused, a non-200 answer) mark the backend
-        down at once; ambiguous ones (timeout, reset) only after ``fall`` in a row, so one
-        lost packet does not take a GPU out of rotation.
-        """
-        backend.probes_failed += 1
-        backend.successes_in_a_row = 0
-        backend.failures_in_a_row += 1
-        backend.last_probe_error = reason
-        if definitive or backend.failures_in_a_row >= fall:
-            self.mark_down(backend, reason)
-        self._updated()
-
-    # -- views --------------------------------------------------------------------------
+    _released: bool = False
+    _waited: float = 0.0
 
     @property
-    def in_flight(self) -> int:
-        """Requests in flight that this process holds (its own, with shared counts)."""
-        if self.shared is not None:
-            return sum(self._held(backend) for backend in self._backends.values())
-        return sum(backend.active for backend in self._backends.values())
+    def released(self) -> bool:
+        return self._released
 
-    def status(self) -> dict[str, object]:
-        """The body of ``GET /__lb_status``."""
-        self.refresh()
-        backends = list(self)
-        return {
-            "healthy": sum(1 for b in backends if b.healthy),
-            "total": len(backends),
-            "backends": [b.status() for b in backends],
-        }
+    @property
+    def waited(self) -> float:
+        """Seconds the request queued for this slot (0 if it was free at once)."""
+        return self._waited
 
-    # -- replication between processes (--workers) --------------------------------------
+    def queued_for(self, seconds: float) -> None:
+        """The router's queue held the request ``seconds`` before this slot came free."""
+        self._waited = seconds
 
-    def shared_state(self) -> list[dict[str, Any]]:
-        """
-        What a worker process needs to know of every backend, in order: its spec, its slot
-        in the shared counts and :data:`SHARED_FIELDS` (JSON-ready).
-        """
-        states = []
-        for backend in self._backends.values():
-            spec = backend.spec
-            state: dict[str, Any] = {
-                "spec": [spec.host, spec.port, spec.weight, spec.max_conns, list(spec.models)],
-                "slot": None if self.shared is None else self.shared.register(spec.key),
-            }
-            for name in SHARED_FIELDS:
-                value = getattr(backend, name)
-                state[name] = list(value) if isinstance(value, tuple) else value
-            states.append(state)
-        return states
+    def heard(self, at: float) -> None:
+        """A byte of the response arrived from the backend (the hung detector reads it)."""
+        self.backend.heard(at)
 
-    def mirror(self, states: Sequence[dict[str, Any]]) -> None:
-        """
-        Make this pool a copy of the supervisor's (:meth:`shared_state`): add the backends
-        it has, take its health, drain and model state, and remove (once idle here) those
-        it no longer has.  In-flight counts are not copied: they are shared already.
-        """
-        order = []
-        for state in states:
-            host, port, weight, max_conns, models = state["spec"]
-            spec = BackendSpec(host, port, weight, max_conns, tuple(models))
-            if self.shared is not None and state.get("slot") is not None:
-                self.shared.assign(spec.key, state["slot"])
-            backend = self._backends.get(spec.key)
-            if backend is None or backend.spec != spec:
-                backend = Backend(spec, clock=self._now, slow_start=self.slow_start)
-                self._backends[spec.key] = backend
-            if state["engine_scrapes"] != backend.engine_scrapes:
-                # a new scrape counts what this worker sent before it: start again
-                backend.started_since_scrape = backend.finished_since_scrape = 0
-            for name in SHARED_FIELDS:
-                value = state[name]
-                setattr(backend, name, tuple(value) if name == "learned_models"
-                        and value is not None else value)
-            order.append(spec.key)
-        known = set(order)
-        for key, backend in list(self._backends.items()):
-            if key not in known:
-                backend.draining = backend.removing = True
-                order.append(key)
-        self._backends = {key: self._backends[key] for key in order}
-        for backend in list(self._backends.values()):
-            if backend.removing:
-                self._forget_if_idle(backend)
-        self._changed()
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.backend.gave_slot()
+            self._on_release(self.backend)

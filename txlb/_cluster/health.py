@@ -33,9 +33,10 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IResponse
 
 from txlb._cluster import engines as _engines
-from txlb._cluster.backend import Backend, Pool
+from txlb._cluster.backend import Backend
 from txlb._cluster.engines import prometheus_sum
 from txlb._cluster.hung import timed_out
+from txlb._cluster.pool import Pool
 from txlb._upstream.words import describe_failure
 
 __all__ = ["HealthChecker", "prometheus_sum"]

@@ -27,7 +27,7 @@ continued, a wedged engine recovering) and finish them, and failing them early w
 false alarm into lost work; they end as any request does, at the latest with 504 after
 ``--read-timeout``.
 
-The per-chunk cost on the data path is one attribute store (``Backend.last_byte``); the
+The per-chunk cost on the data path is one method call (``Lease.heard``); the
 rest runs on the timer, only while requests are in flight.
 """
 
@@ -46,7 +46,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseFailed, ResponseNeverReceived
 
-from txlb._cluster.backend import Backend, Pool
+from txlb._cluster.backend import Backend
+from txlb._cluster.pool import Pool
 
 log = Logger()
 

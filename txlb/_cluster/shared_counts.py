@@ -36,6 +36,10 @@ import os
 import tempfile
 from collections.abc import Iterator
 
+from zope.interface import implementer
+
+from txlb._cluster.store import IInFlightCounts
+
 #: Distinct backend addresses a multi-worker balancer can know over its lifetime.
 MAX_SLOTS = 1024
 #: Header cells at the start of each row.
@@ -55,6 +59,7 @@ def _anonymous_file(size: int) -> int:
     return fd
 
 
+@implementer(IInFlightCounts)
 class SharedCounts:
     """
     The in-flight table as one process sees it.

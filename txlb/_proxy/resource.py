@@ -31,7 +31,8 @@ from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
-from txlb._cluster.backend import Backend, Lease, Pool
+from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.pool import Pool
 from txlb._proxy.errors import error_body, write_body, write_json
 from txlb._proxy.headers import (
     RawHeaders,
@@ -296,7 +297,7 @@ class Exchange:
 
     def _got_response(self, response: UpstreamResponse) -> None:
         self._upstream = None
-        self.lease.backend.last_byte = self._now()
+        self.lease.heard(self._now())
         self.context.observer.answered(self.lease.backend, response.code,
                                        self._blamed(response.code))
         if response.code in _RETRIED_STATUSES and self._can_retry():
@@ -431,7 +432,8 @@ class Exchange:
         if self.state != "relaying":
             return
         # the watchdog reads it when it fires, the hung-backend detector the backend's
-        now = self.lease.backend.last_byte = self._last_activity = self._now()
+        now = self._last_activity = self._now()
+        self.lease.heard(now)
         record = self.record
         if record.first_byte is None:
             record.first_byte = now

@@ -22,7 +22,8 @@ import attrs
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from txlb._cluster.backend import Backend, Pool
+from txlb._cluster.backend import Backend
+from txlb._cluster.pool import Pool
 from txlb._records.metrics import Metrics
 from txlb._records.observer import IRequestObserver
 from txlb._records.outcome import RequestOutcome

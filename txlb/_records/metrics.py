@@ -4,7 +4,7 @@ Prometheus metrics, on a registry of the balancer's own.
 Two kinds of metric, two sources:
 
 * **State** (in flight, healthy, draining, ejections, probe results) is read from the
-  :class:`~txlb._cluster.backend.Pool` at scrape time by :class:`PoolCollector`, so it is exact by
+  :class:`~txlb._cluster.pool.Pool` at scrape time by :class:`PoolCollector`, so it is exact by
   construction and follows backends as they are added and removed.
 * **Events** (requests by status class, duration and time-to-first-byte histograms, tokens
   generated) are observed once per finished request, from the same summary the result log
@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from txlb._cluster.backend import Pool
+from txlb._cluster.pool import Pool
 from txlb._records.summary import Summary
 
 #: 10 ms to 5 min: from a cached short completion to a long reasoning generation.

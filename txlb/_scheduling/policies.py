@@ -2,7 +2,7 @@
 Selection policies: given the backends eligible for a request, pick one.
 
 A policy only chooses; it never changes backend state.  The caller takes the in-flight slot
-(:meth:`txlb._cluster.backend.Pool.acquire`) immediately after ``choose`` returns, in the same
+(:meth:`txlb._cluster.pool.Pool.acquire`) immediately after ``choose`` returns, in the same
 synchronous step, which is what keeps a burst of simultaneous requests spread out.
 
 Policies read what they need from :class:`~txlb._cluster.backend.Backend` (in-flight count, weight,

@@ -15,22 +15,26 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Callable
 
+from twisted.internet.interfaces import IReactorTime
 from twisted.web.server import Request
+from zope.interface import implementer
+
+from txlb._cluster.store import IRateBuckets
 
 #: Live buckets kept at most; a bucket costs roughly 100 bytes.
 MAX_KEYS = 100_000
 
 
+@implementer(IRateBuckets)
 class TokenBuckets:
-    """The buckets of all client keys, on an injected clock."""
+    """The buckets of all client keys, on an injected clock: the local rate store."""
 
-    def __init__(self, rate: float, burst: int, clock: Callable[[], float],
+    def __init__(self, rate: float, burst: int, clock: IReactorTime,
                  max_keys: int = MAX_KEYS) -> None:
         self.rate = rate
         self.burst = burst
-        self._now = clock
+        self._now = clock.seconds
         self.max_keys = max_keys
         # key -> (tokens, time of last update), least recently used first
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
@@ -87,7 +91,7 @@ def client_key(request: Request, kind: str = "ip") -> str:
 class RateLimiter:
     """Maps a request to its client key and its key to a bucket."""
 
-    def __init__(self, buckets: TokenBuckets, key: str) -> None:
+    def __init__(self, buckets: IRateBuckets, key: str) -> None:
         self.buckets = buckets
         self.key = key
 

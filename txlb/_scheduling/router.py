@@ -22,7 +22,8 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from txlb._cluster.backend import Backend, Lease, Pool
+from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.pool import Pool
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.policies import IPolicy
 
@@ -262,7 +263,7 @@ class Router:
                 continue
             self._leave(waiter)
             waited = self.clock.seconds() - waiter.since
-            lease.waited = waited
+            lease.queued_for(waited)
             self.on_queue_wait(waited)
             assert waiter.deferred is not None
             waiter.deferred.callback(lease)

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from txlb._cluster.backend import Backend, Pool
+from txlb._cluster.backend import Backend
+from txlb._cluster.pool import Pool
 from txlb._records.bookkeeper import Bookkeeper, SummaryConsumer, SummaryFeed
 from txlb._records.observer import IRequestObserver
 from txlb._records.summary import KEEP_ALL, Privacy, RequestRecord, Summary

@@ -1,0 +1,155 @@
+"""
+"No module writes another's state", checked so that it stays true.
+
+Backend, Lease and Pool state changes only through their methods: their fields are private
+(``_active``...) behind read-only properties, which mypy enforces for public names.  This test
+walks every module of ``txlb/`` and fails on what mypy cannot see:
+
+* an assignment, augmented assignment or ``del`` of a *private* attribute of any object
+  other than ``self``/``cls`` (``backend._active -= 1``), or a ``setattr`` doing the same;
+* outside ``txlb/_cluster``, an assignment to a backend's or lease's state by its public name
+  on an expression that names a backend or a lease (``self.backend.active -= 1``), in case a
+  setter is ever added back;
+
+and checks that Backend and Lease declare no new public mutable field.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+from twisted.trial.unittest import SynchronousTestCase
+
+from txlb._cluster.backend import Backend, Lease
+
+TXLB = Path(__file__).resolve().parents[2] / "txlb"
+
+#: Writes of another object's private attribute that are meant: (module, target) -> why.
+ALLOWED: dict[tuple[str, str], str] = {
+    ("_compat.py", "port._logger"):
+        "the compatibility module is the one place that touches Twisted's private attributes",
+    ("_server/reactor.py", "conn._corked"):
+        "conn is self, typed Any to reach tcp.Connection's attributes",
+}
+
+#: Public fields Backend and Lease may keep: set at construction and never changed, or the
+#: policy's own state (Peak-EWMA's estimate, until it moves into the policy).
+PUBLIC_FIELDS = {
+    Backend: {"spec", "clock", "slow_start", "peak_ewma", "peak_ewma_at"},
+    Lease: {"backend"},
+}
+
+
+def _state_names() -> frozenset[str]:
+    """What a backend or a lease exposes read-only: every property of theirs."""
+    return frozenset(
+        name for cls in (Backend, Lease) for name, value in vars(cls).items()
+        if isinstance(value, property)
+    )
+
+
+def _names_cluster_object(node: ast.expr) -> bool:
+    """Whether ``node`` reads like a backend or a lease (``backend``, ``self.lease.backend``)."""
+    last = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+    return "backend" in last.lower() or "lease" in last.lower()
+
+
+def _written(tree: ast.AST) -> Iterator[tuple[int, ast.Attribute]]:
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("setattr", "delattr") and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str)):
+            yield node.lineno, ast.Attribute(value=node.args[0], attr=node.args[1].value)
+            continue
+        for target in targets:
+            for sub in ast.walk(target):
+                if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, (ast.Store, ast.Del)):
+                    yield node.lineno, sub
+
+
+def violations(module: str, source: str) -> list[str]:
+    """Every write into another object's state in ``source`` (the module ``module``)."""
+    found = []
+    in_cluster = module.startswith("_cluster/")
+    state = _state_names()
+    for line, target in _written(ast.parse(source)):
+        owner = target.value
+        if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+            continue
+        text = ast.unparse(target)
+        if target.attr.startswith("_") and not target.attr.startswith("__"):
+            if (module, text) not in ALLOWED:
+                found.append(f"txlb/{module}:{line}: writes {text}, another object's private "
+                             "state")
+        elif not in_cluster and target.attr in state and _names_cluster_object(owner):
+            found.append(f"txlb/{module}:{line}: writes {text}: use the Pool's, Backend's "
+                         "or Lease's method")
+    return found
+
+
+def _modules() -> Iterator[tuple[str, str]]:
+    for path in sorted(TXLB.rglob("*.py")):
+        yield path.relative_to(TXLB).as_posix(), path.read_text(encoding="utf-8")
+
+
+class StateOwnershipTests(SynchronousTestCase):
+    def test_no_module_writes_another_objects_state(self) -> None:
+        found = [v for module, source in _modules() for v in violations(module, source)]
+        self.assertEqual(found, [])
+
+    def test_every_allowance_is_still_needed(self) -> None:
+        """An allowance whose write is gone must go too, or it would excuse the next one."""
+        written = {
+            (module, ast.unparse(target))
+            for module, source in _modules()
+            for _, target in _written(ast.parse(source))
+        }
+        self.assertEqual(set(ALLOWED) - written, set())
+
+    def test_a_private_write_from_the_proxy_is_caught(self) -> None:
+        source = (TXLB / "_proxy" / "resource.py").read_text(encoding="utf-8")
+        self.assertEqual(violations("_proxy/resource.py", source), [])
+        broken = source + "\n\ndef _release(backend):\n    backend._active -= 1\n"
+        [found] = violations("_proxy/resource.py", broken)
+        self.assertIn("writes backend._active, another object's private state", found)
+
+    def test_private_writes_are_caught_however_written(self) -> None:
+        for line in ("lease._released = True", "x.backend._healthy, y = False, 1",
+                     "del pool._backends", "setattr(backend, '_draining', True)",
+                     "pool._backends: dict = {}"):
+            self.assertEqual(len(violations("_admin/app.py", line + "\n")), 1, line)
+
+    def test_a_public_state_write_outside_the_cluster_is_caught(self) -> None:
+        for line in ("self.backend.active -= 1", "lease.waited = 2.0",
+                     "self.lease.backend.last_byte = now", "backend.healthy = False"):
+            [found] = violations("_proxy/exchange.py", line + "\n")
+            self.assertIn("use the Pool's, Backend's or Lease's method", found)
+
+    def test_own_state_and_unrelated_objects_are_left_alone(self) -> None:
+        source = ("self._active = 1\ncls._count += 1\nrecord.backend = key\n"
+                  "stats.requests += 1\nself.backend = backend\n")
+        self.assertEqual(violations("_proxy/resource.py", source), [])
+
+    def test_backend_and_lease_state_is_private(self) -> None:
+        """A new field is private, with a read-only property, unless it is listed here."""
+        for cls, allowed in PUBLIC_FIELDS.items():
+            public = {field.name for field in attrs.fields(cls)
+                      if not field.name.startswith("_")}
+            self.assertEqual(public - allowed, set(), cls.__name__)
+
+    def test_state_is_read_only_from_outside(self) -> None:
+        backend = Backend.__new__(Backend)
+        for name in ("active", "healthy", "draining", "last_byte", "engine_depth"):
+            with self.assertRaises(AttributeError):
+                setattr(backend, name, 1)

@@ -1,0 +1,444 @@
+"""
+The :class:`Pool`: the ordered set of backends, and the one door to their state.
+
+Everything that changes a backend -- the proxy taking and releasing in-flight slots, the
+prober marking it up or down, an operator draining, adding or removing it -- goes through
+the Pool's methods, so the rules (a slot is released exactly once, a drained backend stays
+drained whatever its health, a removed backend leaves only once idle) live in one place,
+and every change reaches the listeners (the router's queue, the worker processes) that
+must hear of it.  What one backend is lives in :mod:`txlb._cluster.backend`; when its own
+answers eject it, in :mod:`txlb._cluster.outlier`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import Clock
+from twisted.logger import Logger
+
+from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.models import MAX_MODEL_NAME, MAX_MODEL_NAMES, learn
+from txlb._cluster.outlier import OutlierRule, fleet_can_spare, judge_answer
+from txlb._cluster.store import IBackendStore, IInFlightCounts, LocalStore
+from txlb._config import BackendSpec
+from txlb._records.escape import escape
+
+log = Logger()
+
+_T = TypeVar("_T")
+
+
+#: The name the counts' interface had before the store seam (txlb._cluster.store).
+InFlightStore = IInFlightCounts
+
+
+class Pool:
+    """The ordered set of backends, keyed by ``host:port``."""
+
+    def __init__(self, specs: tuple[BackendSpec, ...] = (),
+                 clock: IReactorTime | None = None,
+                 outliers: OutlierRule | None = None, slow_start: float = 0.0,
+                 shared: IInFlightCounts | None = None,
+                 store: IBackendStore | None = None) -> None:
+        #: the time every verdict and slow start is measured on (a stopped clock at 0 if
+        #: none is given: a pool built for a test or a tool that never waits)
+        self.clock: IReactorTime = clock if clock is not None else Clock()
+        self._now = self.clock.seconds
+        self.slow_start = slow_start
+        #: where the state several balancers agree on lives (txlb._cluster.store); by
+        #: default this process, with ``shared`` as its in-flight counts
+        self.store: IBackendStore = store if store is not None else LocalStore(counts=shared)
+        #: the counts shared with other worker processes, if any (``--workers``)
+        self.shared: IInFlightCounts | None = self.store.counts
+        self.outliers = outliers or OutlierRule()
+        self._backends: dict[str, Backend] = {}
+        self._idle_waiters: list[Deferred[None]] = []
+        #: Called whenever backends change in a way that matters to waiting requests: a
+        #: slot released, a backend up or down, drained, undrained, added or removed (the
+        #: router's queue listens here instead of polling).
+        self.on_change: list[Callable[[], object]] = []
+        #: Called on every change a worker process must mirror: those of ``on_change``
+        #: plus what the prober learns (probe errors, models, engine queue depth).
+        self.on_update: list[Callable[[], object]] = []
+        #: Called with (backend, reason) when this process marks a backend down itself.
+        self.on_down: list[Callable[[Backend, str], object]] = []
+        for spec in specs:
+            self.add(spec)
+
+    def __iter__(self) -> Iterator[Backend]:
+        return iter(list(self._backends.values()))
+
+    def __len__(self) -> int:
+        return len(self._backends)
+
+    def get(self, key: str) -> Backend | None:
+        return self._backends.get(key)
+
+    # -- membership ---------------------------------------------------------------------
+
+    def add(self, spec: BackendSpec) -> Backend:
+        if spec.key in self._backends:
+            raise ValueError(f"backend {spec.key} already exists")
+        if self.shared is not None:
+            self.shared.register(spec.key)  # raises ValueError when no slot is left
+        backend = self._backends[spec.key] = Backend(spec, clock=self.clock,
+                                                     slow_start=self.slow_start)
+        self._marked(backend)
+        self._changed()
+        return backend
+
+    def _changed(self) -> None:
+        for listener in list(self.on_change):
+            try:
+                listener()
+            except Exception:
+                log.failure("a pool listener failed")
+        if self.on_update:
+            self._updated()
+
+    def _updated(self) -> None:
+        for listener in list(self.on_update):
+            try:
+                listener()
+            except Exception:
+                log.failure("a pool listener failed")
+
+    def remove(self, backend: Backend) -> None:
+        """
+        Drain ``backend`` and forget it once its last in-flight request ends (at once if
+        idle), so removing a GPU never cuts a running generation.
+        """
+        backend.leaving()
+        self._marked(backend)
+        self._forget_if_idle(backend)
+        self._changed()
+
+    def _forget_if_idle(self, backend: Backend) -> None:
+        if backend.removing and self._held(backend) == 0 and self.get(backend.key) is backend:
+            del self._backends[backend.key]
+            log.info("backend {backend} removed", backend=backend.key)
+
+    def _marked(self, backend: Backend) -> None:
+        """Added here or its marks changed here: the store keeps them for other balancers."""
+        self.store.marks.save(backend.spec, backend.marks)
+
+    def _take_marks(self) -> bool:
+        """
+        Take the backends and marks other balancers saved in the store (:meth:`refresh`),
+        through the same transitions as our own verdicts (a backend coming back starts its
+        slow start); ``True`` if anything changed.
+        """
+        changed = False
+        for spec, stored in self.store.marks.members():
+            backend = self._backends.get(spec.key)
+            if backend is None:
+                if stored.removing:
+                    continue
+                if self.shared is not None:
+                    self.shared.register(spec.key)
+                backend = self._backends[spec.key] = Backend(spec, clock=self.clock,
+                                                             slow_start=self.slow_start)
+                log.info("backend {backend} added (from the shared store)",
+                         backend=spec.key)
+                changed = True
+            if stored == backend.marks:
+                continue
+            changed = True
+            if stored.removing and not backend.removing:
+                backend.leaving()
+            elif stored.draining and not backend.removing:
+                backend.drain()
+            elif not backend.removing:
+                backend.undrain()
+            if stored.healthy and not backend.healthy:
+                backend.came_up(self._now())
+            elif backend.healthy and not stored.healthy:
+                backend.went_down()
+            log.info("backend {backend} is now {marks} (from the shared store)",
+                     backend=backend.key, marks=stored)
+        return changed
+
+    # -- operator state -----------------------------------------------------------------
+
+    def drain(self, backend: Backend) -> None:
+        """No new requests; in-flight ones finish.  Survives health changes."""
+        if backend.drain():
+            log.info("backend {backend} draining ({active} in flight)",
+                     backend=backend.key, active=backend.active)
+            self._marked(backend)
+            self._changed()
+
+    def undrain(self, backend: Backend) -> None:
+        if backend.removing:
+            raise ValueError(f"backend {backend.key} is being removed")
+        if backend.undrain():
+            log.info("backend {backend} undrained", backend=backend.key)
+            self._marked(backend)
+            self._changed()
+
+    # -- in-flight accounting -----------------------------------------------------------
+
+    def acquire(self, backend: Backend) -> Lease:
+        """
+        Take an in-flight slot.  Synchronous on purpose: the count rises at the moment of
+        choice, before anything else can run, so a burst cannot all see the same idle
+        backend.
+        """
+        backend.took_slot()
+        if self.shared is not None:
+            self.shared.take(backend.key)
+        return Lease(backend, self._released)
+
+    def exclusive(self, choose: Callable[..., _T], *args: Any) -> _T:
+        """
+        Run ``choose`` (which reads the counts and takes a slot) so that no other process
+        sharing the counts can take one in between, on fresh counts.  Without shared
+        counts, just a call: one process's choice is already atomic.
+        """
+        shared = self.shared
+        if shared is None:
+            return choose(*args)
+        shared.lock()
+        try:
+            totals, slot = shared.totals(), shared.slot
+            for backend in self._backends.values():
+                backend.counted(totals[slot(backend.key)])
+            return choose(*args)
+        finally:
+            shared.unlock()
+
+    def refresh(self) -> None:
+        """
+        Read what other processes changed: the shared counts into each backend's
+        ``active`` and ``requests``, and the marks other balancers saved in the store;
+        then forget removed backends that have gone idle meanwhile.  A no-op in a single
+        process with the local store.
+        """
+        changed = self._take_marks()
+        shared = self.shared
+        if shared is not None:
+            totals, slot = shared.totals(), shared.slot
+            for backend in list(self._backends.values()):
+                backend.counted(totals[slot(backend.key)], shared.started(backend.key))
+        if shared is not None or changed:
+            for backend in list(self._backends.values()):
+                if backend.removing:
+                    self._forget_if_idle(backend)
+        if changed:
+            self._changed()
+
+    def _held(self, backend: Backend) -> int:
+        """Requests in flight on ``backend`` that this process must wait for."""
+        return backend.active if self.shared is None else self.shared.mine(backend.key)
+
+    def _released(self, backend: Backend) -> None:
+        if self.shared is not None:
+            self.shared.give_back(backend.key)
+        self._forget_if_idle(backend)
+        self._changed()
+        if self._idle_waiters and self.in_flight == 0:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for waiter in waiters:
+                waiter.callback(None)
+
+    def capacity_changed(self) -> None:
+        """
+        Another process sharing the counts freed a slot: let waiting requests look again
+        (the router's queue listens on ``on_change``).
+        """
+        self._changed()
+
+    def when_idle(self) -> Deferred[None]:
+        """Fires once no request is in flight on any backend (at once if none is)."""
+        if self.in_flight == 0:
+            return succeed(None)
+        waiter: Deferred[None] = Deferred()
+        self._idle_waiters.append(waiter)
+        return waiter
+
+    def record_result(self, backend: Backend, status: int, duration: float,
+                      ttft: float | None) -> None:
+        """Count a finished request's status class and fold its timings into the averages."""
+        backend.record_result(status, duration, ttft)
+
+    def record_answer(self, backend: Backend, status: int, client: str | None = "") -> None:
+        """
+        A status the backend itself answered (not one txlb made up): feeds the passive
+        outlier detection (:func:`txlb._cluster.outlier.judge_answer`).  ``client`` is the
+        key of the client who sent the request, or ``None`` when the request provoked the
+        5xx itself (see :meth:`txlb._proxy.resource.Exchange._blamed`).
+        """
+        reason = judge_answer(self.outliers, backend, status, client,
+                              self._backends.values(), self._now())
+        if reason is not None:
+            self.mark_down(backend, reason)
+
+    def mark_hung(self, backend: Backend, reason: str) -> None:
+        """
+        The hung-backend detector's verdict (txlb._cluster.hung): out of rotation now, unless that
+        would take more than half the fleet out -- the detector judges from silence, and a
+        silence shared by so many is more likely txlb's or the network's than theirs.
+        """
+        if not backend.healthy:
+            return
+        if not fleet_can_spare(self._backends.values()):
+            log.warn("backend {backend} looks hung but stays in: half the fleet is "
+                     "already out ({reason})", backend=backend.key, reason=reason)
+            return
+        backend.judged_hung()
+        self.mark_down(backend, reason)
+
+    # -- what the prober learns ---------------------------------------------------------
+
+    def set_models(self, backend: Backend, entries: list[dict[str, object]]) -> None:
+        """
+        The backend's ``/v1/models`` answer: the names it serves -- each model's id and its
+        ``aliases`` (llama.cpp lists them; a client may ask for any) -- and the entries.
+        """
+        learned = learn(entries)
+        if learned.dropped:
+            log.warn("backend {backend} lists {dropped} more model names than txlb learns "
+                     "(at most {most}, of {longest} characters or fewer); requests for "
+                     "those get --unknown-model's answer", backend=backend.key,
+                     dropped=learned.dropped, most=MAX_MODEL_NAMES, longest=MAX_MODEL_NAME)
+        ids = learned.names
+        if ids != backend.learned_models:
+            # the names are the backend's to choose: escaped, so none can forge a log line
+            log.info("backend {backend} serves {models}", backend=backend.key,
+                     models=escape(", ".join(ids), "text") or "no model")
+        backend.learned(learned.entries, ids)
+        self._updated()
+
+    def set_engine(self, backend: Backend, engine: str,
+                   kv_cache: float | None = None) -> None:
+        """The engine recognised from the backend's ``/metrics``, and its KV-cache usage."""
+        if engine != backend.engine:
+            log.info("backend {backend} runs {engine}", backend=backend.key, engine=engine)
+        backend.engine_seen(engine, kv_cache)
+        self._updated()
+
+    def set_engine_depth(self, backend: Backend, running: float, waiting: float,
+                         kv_cache: float | None = None) -> None:
+        """The engine's own queue, scraped from its ``/metrics``; restarts the local count."""
+        backend.engine_scraped(running + waiting, kv_cache)
+        self._updated()
+
+    def forget_engine_depth(self, backend: Backend) -> None:
+        """
+        The engine's queue could not be scraped: policies fall back to local counts
+        rather than act on a stale figure.  Through the pool (not by writing the attribute)
+        so that worker processes mirror the fallback too.
+        """
+        if backend.engine_depth_lost():
+            self._updated()
+
+    # -- health -------------------------------------------------------------------------
+
+    def mark_down(self, backend: Backend, reason: str) -> None:
+        """Take a backend out of rotation now (definitive failure or passive ejection)."""
+        if backend.went_down():
+            log.warn("backend {backend} marked down: {reason}", backend=backend.key,
+                     reason=reason)
+            self._marked(backend)
+            for listener in list(self.on_down):
+                listener(backend, reason)
+            self._changed()
+
+    def mark_up(self, backend: Backend) -> None:
+        if backend.came_up(self._now()):
+            log.info("backend {backend} is back up", backend=backend.key)
+            self._marked(backend)
+            self._changed()
+
+    def probe_succeeded(self, backend: Backend, rise: int) -> None:
+        """
+        A 200 from the health path: ``rise`` of these in a row bring a backend back --
+        once the cool-down of an outlier ejection, if any, is over.
+        """
+        passed = backend.probe_passed(self._now(), rise)
+        if passed:
+            self.mark_up(backend)
+        self._updated()
+
+    def probe_failed(self, backend: Backend, reason: str, definitive: bool, fall: int) -> None:
+        """
+        A failed probe.  Definitive failures (refused, a non-200 answer) mark the backend
+        down at once; ambiguous ones (timeout, reset) only after ``fall`` in a row, so one
+        lost packet does not take a GPU out of rotation.
+        """
+        failures = backend.probe_failed(reason)
+        if definitive or failures >= fall:
+            self.mark_down(backend, reason)
+        self._updated()
+
+    # -- views --------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in flight that this process holds (its own, with shared counts)."""
+        if self.shared is not None:
+            return sum(self._held(backend) for backend in self._backends.values())
+        return sum(backend.active for backend in self._backends.values())
+
+    def status(self) -> dict[str, object]:
+        """The body of ``GET /__lb_status``."""
+        self.refresh()
+        backends = list(self)
+        return {
+            "healthy": sum(1 for b in backends if b.healthy),
+            "total": len(backends),
+            "backends": [b.status() for b in backends],
+        }
+
+    # -- replication between processes (--workers) --------------------------------------
+
+    def shared_state(self) -> list[dict[str, Any]]:
+        """
+        What a worker process needs to know of every backend, in order: its spec, its slot
+        in the shared counts and :data:`~txlb._cluster.backend.SHARED_FIELDS` (JSON-ready).
+        """
+        states = []
+        for backend in self._backends.values():
+            spec = backend.spec
+            state: dict[str, Any] = {
+                "spec": [spec.host, spec.port, spec.weight, spec.max_conns, list(spec.models)],
+                "slot": None if self.shared is None else self.shared.register(spec.key),
+                **backend.shared_state(),
+            }
+            states.append(state)
+        return states
+
+    def mirror(self, states: Sequence[dict[str, Any]]) -> None:
+        """
+        Make this pool a copy of the supervisor's (:meth:`shared_state`): add the backends
+        it has, take its health, drain and model state, and remove (once idle here) those
+        it no longer has.  In-flight counts are not copied: they are shared already.
+        """
+        order = []
+        for state in states:
+            host, port, weight, max_conns, models = state["spec"]
+            spec = BackendSpec(host, port, weight, max_conns, tuple(models))
+            if self.shared is not None and state.get("slot") is not None:
+                self.shared.assign(spec.key, state["slot"])
+            backend = self._backends.get(spec.key)
+            if backend is None or backend.spec != spec:
+                backend = Backend(spec, clock=self.clock, slow_start=self.slow_start)
+                self._backends[spec.key] = backend
+            backend.mirror(state)
+            self._marked(backend)
+            order.append(spec.key)
+        known = set(order)
+        for key, backend in list(self._backends.items()):
+            if key not in known:
+                backend.leaving()
+                self._marked(backend)
+                order.append(key)
+        self._backends = {key: self._backends[key] for key in order}
+        for backend in list(self._backends.values()):
+            if backend.removing:
+                self._forget_if_idle(backend)
+        self._changed()

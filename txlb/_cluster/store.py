@@ -1,0 +1,148 @@
+"""
+Where the state several balancers must agree on lives: the store seam.
+
+One balancer process keeps everything in its own memory.  Several -- the worker processes of
+``--workers``, or replicas on several machines -- must agree on three things, each behind an
+interface of its own so that each can live elsewhere:
+
+* **in-flight counts** (:class:`IInFlightCounts`): how many requests each backend has, over
+  every process, for least-connections and ``max_conns`` to be exact.  The ``--workers``
+  shared-memory table (:class:`txlb._cluster.shared_counts.SharedCounts`) is one
+  implementation; without one, each backend's own counter is the count.
+* **marks** (:class:`IBackendMarks`): whether each backend is healthy, draining or being
+  removed, so that an operator's drain or one balancer's verdict reaches the others.
+* **rate buckets** (:class:`IRateBuckets`): each client's ``--rate-limit`` tokens
+  (:class:`txlb._scheduling.ratelimit.TokenBuckets` is the local implementation).
+
+:class:`IBackendStore` gathers the three; :class:`LocalStore` is the one used today.  The
+:class:`~txlb._cluster.pool.Pool` calls the counts and the marks; the rate limiter calls the
+buckets.  A store shared between machines implements the same interfaces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+from twisted.internet.interfaces import IReactorTime
+from zope.interface import Attribute, Interface, implementer
+
+from txlb._config import BackendSpec
+
+
+class IInFlightCounts(Interface):
+    """
+    In-flight counts shared by several processes.  With them, a backend's ``active`` is a
+    snapshot of the shared total, read before every choice (:meth:`Pool.exclusive
+    <txlb._cluster.pool.Pool.exclusive>`) and every status answer (:meth:`Pool.refresh
+    <txlb._cluster.pool.Pool.refresh>`).
+    """
+
+    def register(key: str) -> int:
+        """Give ``key`` a slot (once: the same one ever after); raise ValueError if full."""
+
+    def assign(key: str, slot: int) -> None:
+        """Use the slot another process registered for ``key``."""
+
+    def slot(key: str) -> int:
+        """``key``'s slot: its index in :meth:`totals`."""
+
+    def take(key: str) -> None:
+        """This process sent a request to ``key``."""
+
+    def give_back(key: str) -> None:
+        """A request this process sent to ``key`` ended."""
+
+    def total(key: str) -> int:
+        """Requests in flight on ``key``, over every process."""
+
+    def totals() -> Sequence[int]:
+        """Every slot's :meth:`total`, by slot."""
+
+    def started(key: str) -> int:
+        """Requests ever sent to ``key``, over every process."""
+
+    def mine(key: str) -> int:
+        """Requests in flight on ``key`` that this process sent."""
+
+    def lock() -> None:
+        """Let no other process take a slot until :meth:`unlock`."""
+
+    def unlock() -> None:
+        """End :meth:`lock`."""
+
+
+@attrs.frozen
+class Marks:
+    """What an operator or a health verdict says of one backend, as the store keeps it."""
+
+    healthy: bool = True
+    draining: bool = False
+    removing: bool = False
+
+
+class IBackendMarks(Interface):
+    """
+    The membership and marks of the backends several balancers share.  The pool saves a
+    backend's marks each time it adds it or changes them, and in :meth:`Pool.refresh
+    <txlb._cluster.pool.Pool.refresh>` takes what other balancers saved meanwhile: backends
+    they added, and their drains, removals and health verdicts.  A removed backend stays in
+    the store marked ``removing`` (every balancer lets its own requests finish first).
+    """
+
+    def save(spec: BackendSpec, marks: Marks) -> None:
+        """This balancer added the backend of ``spec`` or changed its marks."""
+
+    def members() -> Sequence[tuple[BackendSpec, Marks]]:
+        """Every backend some balancer saved, in the order first saved, with its marks."""
+
+
+class IRateBuckets(Interface):
+    """Every client key's token bucket (``--rate-limit``)."""
+
+    def take(key: str) -> float:
+        """Take a token for ``key``: 0 if allowed, else the seconds until one will be there."""
+
+
+class IBackendStore(Interface):
+    """Everything several balancers share: counts, marks and rate buckets."""
+
+    counts = Attribute(
+        "The :class:`IInFlightCounts` shared with other processes, or ``None``: each "
+        "backend's own counter is the count (one process).")
+    marks = Attribute("The :class:`IBackendMarks`.")
+
+    def rate_buckets(rate: float, burst: int, clock: IReactorTime) -> IRateBuckets:
+        """The buckets of ``--rate-limit rate --rate-burst burst``."""
+
+
+@implementer(IBackendMarks)
+class OwnMarks:
+    """
+    One balancer's marks: its backends' own fields are the truth, so there is nothing to
+    keep and nothing another balancer could have changed.
+    """
+
+    def save(self, spec: BackendSpec, marks: Marks) -> None:
+        pass
+
+    def members(self) -> Sequence[tuple[BackendSpec, Marks]]:
+        return ()
+
+
+@implementer(IBackendStore)
+@attrs.define
+class LocalStore:
+    """
+    The store of one machine: marks and rate buckets in this process, in-flight counts in
+    this process or (``--workers``) in the shared-memory table given as ``counts``.
+    """
+
+    counts: IInFlightCounts | None = None
+    marks: IBackendMarks = attrs.field(factory=OwnMarks)
+
+    def rate_buckets(self, rate: float, burst: int, clock: IReactorTime) -> IRateBuckets:
+        # imported here: the buckets belong to scheduling, which imports the cluster
+        from txlb._scheduling.ratelimit import TokenBuckets
+
+        return TokenBuckets(rate, burst, clock)
