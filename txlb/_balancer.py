@@ -34,7 +34,8 @@ from txlb._cluster.backend import Backend, InFlightStore, OutlierRule, Pool
 from txlb._cluster.health import HealthChecker
 from txlb._cluster.hung import HangDetector
 from txlb._config import OPTIONS, Config, build_config
-from txlb._proxy.resource import ProxyContext, ProxyResource
+from txlb._proxy.context import ProxyContext
+from txlb._proxy.resource import ProxyResource
 from txlb._records.metrics import Metrics
 from txlb._records.resultlog import open_result_log
 from txlb._records.summary import RequestRecord, Summary, privacy_of, summarize

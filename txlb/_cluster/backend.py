@@ -466,7 +466,7 @@ class Pool:
         A status the backend itself answered (not one txlb made up): feeds the passive
         outlier detection.  ``client`` is the key of the client who sent the request, or
         ``None`` when the request provoked the 5xx itself (see
-        :meth:`txlb._proxy.resource.Exchange._blamed`): such an answer neither counts nor resets
+        :meth:`txlb._proxy.exchange.Exchange._blamed`): such an answer neither counts nor resets
         the streak.  A streak ejects only once it spans two clients at least, so one
         client sending requests an engine chokes on cannot take a healthy backend out.
         """
