@@ -30,13 +30,9 @@ from twisted.web.server import Request
 from txlb._cluster.backend import Backend, Lease
 from txlb._proxy.context import ProxyContext, RetryPlan
 from txlb._proxy.errors import error_body, write_body
-from txlb._proxy.headers import (
-    RawHeaders,
-    downstream_response_headers,
-    flatten,
-    upstream_request_headers,
-)
-from txlb._proxy.incoming import forwarded_uri, is_local_client
+from txlb._proxy.head import UpstreamHead, client_head, upstream_head
+from txlb._proxy.headers import flatten
+from txlb._proxy.incoming import is_local_client
 from txlb._records.summary import RequestRecord
 from txlb._scheduling.router import RoutingError
 from txlb._upstream.client import UpstreamResponse
@@ -63,8 +59,6 @@ _RETRIED_STATUSES = frozenset({502, 503})
 #: Methods whose requests carry a body: one missing (or not JSON) provokes a 5xx from some
 #: engines, which is then the request's fault, not the backend's.
 _BODY_METHODS = frozenset({b"POST", b"PUT", b"PATCH"})
-#: Statuses whose responses never carry a body, so no Content-Length is invented for them.
-_NO_BODY_STATUSES = frozenset({204, 304})
 
 
 class Exchange:
@@ -84,7 +78,7 @@ class Exchange:
 
     # One lives for every request in flight (10,000 held streams: 10,000 of these).
     __slots__ = ("request", "record", "lease", "context", "pool", "clock", "read_timeout",
-                 "retry", "tried", "state", "client_gone", "_headers", "_upstream",
+                 "retry", "tried", "state", "client_gone", "_head", "_upstream",
                  "_producer", "_watchdog", "_now", "_last_activity", "_paused_at",
                  "_write", "__weakref__")
 
@@ -101,7 +95,7 @@ class Exchange:
         self.tried: set[str] = set()
         self.state = "waiting"
         self.client_gone = False
-        self._headers: RawHeaders = []
+        self._head = UpstreamHead(request.method, b"", [])  # until start()
         self._upstream: Deferred[Any] | None = None
         self._producer: IPushProducer | None = None
         self._watchdog: IDelayedCall | None = None
@@ -120,9 +114,9 @@ class Exchange:
         client = request.getClientAddress()
         client_host = getattr(client, "host", None) or "unix"
         scheme = b"https" if request.isSecure() else b"http"
-        self._headers = upstream_request_headers(
-            flatten(request.requestHeaders.getAllRawHeaders()), client_host, scheme
-        )
+        self._head = upstream_head(
+            request.method, request.uri, len(request.prepath or ()),
+            flatten(request.requestHeaders.getAllRawHeaders()), client_host, scheme)
         request.notifyFinish().addErrback(self._client_lost)
         self._send()
 
@@ -151,9 +145,9 @@ class Exchange:
         backend = self.lease.backend
         self._arm_watchdog()
         try:
+            head = self._head
             upstream = self._upstream = self.context.upstream.send(
-                backend.host, backend.port, request.method, forwarded_uri(request),
-                self._headers, body)
+                backend.host, backend.port, head.method, head.target, head.headers, body)
         except Exception:
             # an Agent raises synchronously for a URI or method it rejects
             upstream = self._upstream = fail()
@@ -254,42 +248,14 @@ class Exchange:
         """
         request = self.request
         backend = self.lease.backend
+        head = client_head(response.code, request.method, response.headers, response.length,
+                           (backend.key, backend.port) if self._shows_backend() else None)
         self.record.status = response.code
         request.setResponseCode(response.code, response.phrase)
         out = request.responseHeaders
-        headers = response.headers
-        for name, value in downstream_response_headers(headers):
-            out.addRawHeader(name, value)
-        # Twisted's Request sets its own Date and Server; the backend's win, if it sent them.
-        content_type = None
-        content_length: list[bytes] = []
-        own: dict[bytes, list[bytes]] = {}
-        for name, value in headers:
-            if name == b"content-type" and content_type is None:
-                content_type = value
-            elif name == b"content-length":
-                content_length.append(value)
-            elif name == b"date" or name == b"server":
-                own.setdefault(name, []).append(value)
-        for name, values in own.items():
+        for name, values in head.headers:
             out.setRawHeaders(name, values)
-        self.record.content_type = content_type
-        if response.code == 204:
-            pass  # RFC 9110 section 8.6: a 204 carries no Content-Length, whatever was sent
-        elif request.method == b"HEAD" or response.code in _NO_BODY_STATUSES:
-            # no body follows: the backend's own Content-Length (if any) describes the
-            # resource (a 304 may carry it)
-            if content_length:
-                out.setRawHeaders(b"content-length", content_length[:1])
-        elif response.length is not None:
-            out.setRawHeaders(b"content-length", [b"%d" % response.length])
-        if self._shows_backend():
-            out.setRawHeaders(b"x-backend", [backend.key.encode()])
-            out.setRawHeaders(b"x-backend-port", [b"%d" % backend.port])
-        else:
-            # nor the backend's own (a balancer or nginx behind us names its backends too)
-            out.removeHeader(b"x-backend")
-            out.removeHeader(b"x-backend-port")
+        self.record.content_type = head.content_type
         raw = False
         if response.length is None:
             # A stream: send the head now, as nginx does, so an SSE client sees its 200

@@ -14,30 +14,12 @@ import ipaddress
 from twisted.internet.address import UNIXAddress
 from twisted.web.server import Request
 
+from txlb._proxy.head import origin_form
+
 
 def forwarded_uri(request: Request) -> bytes:
-    """
-    The path and query to request upstream, exactly as the client wrote them.
-
-    Built from the raw request URI rather than ``postpath`` (which twisted.web has already
-    percent-decoded, losing ``%2F``), dropping the segments of the mount point when the
-    proxy is mounted below the root of a larger site.
-    """
-    uri = request.uri
-    if uri[:8].lower().startswith((b"http://", b"https://")):
-        # absolute-form (RFC 9112 3.2.2), as sent to proxies: forward in origin-form
-        # the authority ends at the first "/" or "?" (RFC 3986 3.2): "http://h?q" is "/?q"
-        after_scheme = uri.split(b"://", 1)[1]
-        ends = [i for i in (after_scheme.find(b"/"), after_scheme.find(b"?")) if i >= 0]
-        uri = after_scheme[min(ends):] if ends else b""
-        if not uri.startswith(b"/"):
-            uri = b"/" + uri
-    raw_path, question, query = uri.partition(b"?")
-    mounted = len(request.prepath or ())
-    if mounted:
-        segments = raw_path.split(b"/")
-        raw_path = b"/" + b"/".join(segments[1 + mounted :])
-    return raw_path + question + query
+    """The path and query to request upstream (:func:`txlb._proxy.head.origin_form`)."""
+    return origin_form(request.uri, len(request.prepath or ()))
 
 
 def local_path(request: Request) -> bytes:
