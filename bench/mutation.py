@@ -55,6 +55,9 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
                              "test_mutants"),
     "_proxy/exchange": _unit("test_proxy", "test_failover", "test_regressions",
                              "test_upstream", "test_mutants"),
+    "_proxy/failures": _unit("test_failures", "test_proxy", "test_failover",
+                             "test_regressions", "test_mutants"),
+    "_proxy/head": _unit("test_head", "test_proxy", "test_properties", "test_mutants"),
     "_upstream/client": _unit("test_upstream", "test_regressions", "test_mutants"),
     "_cluster/backend": _unit("test_scheduling", "test_failover", "test_regressions",
                               "test_admin", "test_health", "test_mutants"),
@@ -113,11 +116,10 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
              "        text = _unprintable().sub(_unicode_escape, text)\n    return text\n",
              "        text = _unprintable().sub(_unicode_escape, text)\n"
              "    return text.replace('\\\\x0d', '\\r')\n"),
-    KnownBug("connect timeout retried", "txlb/_proxy/exchange.py",
-             "        elif failure.check(*_CONNECT_TIMEOUT):\n",
-             "        elif failure.check(*_CONNECT_TIMEOUT):\n"
-             "            if self._can_retry():\n                self._retry()\n"
-             "                return\n"),
+    # (the exchange's branch became a row of the failure table)
+    KnownBug("connect timeout retried", "txlb/_proxy/failures.py",
+             'Rule(Kind.CONNECT_TIMEOUT, 504, "timeout", retried=False,',
+             'Rule(Kind.CONNECT_TIMEOUT, 504, "timeout", retried=True,'),
     KnownBug("retried answer read to the end (Agent)", "txlb/_upstream/agent.py",
              "        self.transport.stopProducing()  # type: ignore[attr-defined]\n",
              "        pass\n"),
@@ -132,9 +134,9 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
              "            pass\n"),
     KnownBug("probe 404 counted healthy", "txlb/_cluster/health.py",
              "        if code != 200:\n", "        if code >= 500:\n"),
-    KnownBug("500 retried like 502/503", "txlb/_proxy/exchange.py",
-             "_RETRIED_STATUSES = frozenset({502, 503})",
-             "_RETRIED_STATUSES = frozenset({500, 502, 503})"),
+    KnownBug("500 retried like 502/503", "txlb/_proxy/failures.py",
+             "RETRIED_STATUSES = frozenset({502, 503})",
+             "RETRIED_STATUSES = frozenset({500, 502, 503})"),
 )
 
 

@@ -12,17 +12,13 @@ falls exactly once" true by construction rather than by care.
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Callable
 from typing import Any
 
-from twisted.internet import error as neterror
 from twisted.internet.defer import Deferred, fail
 from twisted.internet.interfaces import IDelayedCall, IPushProducer
 from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
-from twisted.web.client import RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived
 from twisted.web.http import HTTPChannel
 from twisted.web.http_headers import Headers
 from twisted.web.server import Request
@@ -30,6 +26,14 @@ from twisted.web.server import Request
 from txlb._cluster.backend import Backend, Lease
 from txlb._proxy.context import ProxyContext, RetryPlan
 from txlb._proxy.errors import error_body, write_body
+from txlb._proxy.failures import (
+    FAILURES,
+    Kind,
+    answered,
+    classify,
+    failure_words,
+    provoked_by_request,
+)
 from txlb._proxy.head import UpstreamHead, client_head, upstream_head
 from txlb._proxy.headers import flatten
 from txlb._proxy.incoming import is_local_client
@@ -41,25 +45,6 @@ from txlb._upstream.words import describe_failure
 #: the namespace operators see on these lines (worker logs name it): kept from before the
 #: exchange had a module of its own
 log = Logger(namespace="txlb._proxy.resource")
-
-#: Connection failures that mean "nothing is listening there": the backend is down.
-_UNREACHABLE = (
-    neterror.ConnectionRefusedError,
-    neterror.NoRouteError,
-    neterror.DNSLookupError,
-    neterror.UnknownHostError,
-)
-#: The connection failed before the whole request left (txlb's client, or Agent's): the
-#: backend never had it, so it cannot have started generating.
-_NEVER_SENT = (RequestTransmissionFailed, RequestNotSent)
-#: Connect attempts that ran out of time: ambiguous, so the prober decides (as nginx: 504).
-_CONNECT_TIMEOUT = (neterror.TimeoutError, neterror.TCPTimedOutError)
-#: Answers that mean "this backend cannot take it now": retried elsewhere when possible.
-_RETRIED_STATUSES = frozenset({502, 503})
-#: Methods whose requests carry a body: one missing (or not JSON) provokes a 5xx from some
-#: engines, which is then the request's fault, not the backend's.
-_BODY_METHODS = frozenset({b"POST", b"PUT", b"PATCH"})
-
 
 class Exchange:
     """
@@ -211,7 +196,7 @@ class Exchange:
         self._upstream = None
         self.lease.backend.last_byte = self._now()
         self.context.on_answer(self.lease.backend, response.code, self._blamed(response.code))
-        if response.code in _RETRIED_STATUSES and self._can_retry():
+        if FAILURES[answered(response.code)].retried and self._can_retry():
             self._say(("retried", self.lease.backend.key, response.code), LogLevel.info,
                       "backend {backend} answered {status}; trying another",
                       backend=self.lease.backend.key, status=response.code)
@@ -236,8 +221,7 @@ class Exchange:
         """
         if status < 500:
             return ""
-        body = self.record.request_body
-        if (body or self.request.method in _BODY_METHODS) and not standard_json_object(body):
+        if provoked_by_request(self.request.method, self.record.request_body):
             return None
         return self.context.client_key(self.request)
 
@@ -328,10 +312,8 @@ class Exchange:
         self._producer = None  # finished: stopping it now would kill a reusable connection
         if failure is None:
             self._end("ok", self._finish_client)
-        elif not self.request.startedWriting:
-            self._fail_before_body(502, f"{self._named(self.lease.backend)} failed "
-                                        "before its body", "upstream_error")
-        else:
+            return
+        if self.request.startedWriting:
             self._say(
                 ("part-way", self.lease.backend.key), LogLevel.warn,
                 "backend {backend} stopped part-way through a response ({error}); the "
@@ -339,7 +321,7 @@ class Exchange:
                 backend=self.lease.backend.key,
                 error=describe_failure(failure),
             )
-            self._end("upstream_error", self._cut_client)
+        self._give_up(Kind.BODY_FAILED, backend=self._named(self.lease.backend))
 
     # -- failures ---------------------------------------------------------------------------
 
@@ -348,39 +330,32 @@ class Exchange:
         if self.state == "ended":
             return  # the client left, or the watchdog fired: already answered
         backend = self.lease.backend
-        if failure.check(*_UNREACHABLE) or failure.check(*_NEVER_SENT):
-            # Provably never started: nothing listens there, or the connection died
-            # while part of the request was still unsent.  Safe to send elsewhere.
-            self.pool.mark_down(backend, f"proxy: {_failure_words(failure)}")
-            if not failure.check(*_UNREACHABLE):
-                # a reset may be a backend restarting, not a dead one: probe now, so a
-                # healthy one is back at once
-                self.context.on_suspect(backend)
-            if self._can_retry():
-                self._retry()
-                return
-            self._fail(502, f"{self._named(backend)} could not be reached", "upstream_error")
-        elif _is_reset(failure):
+        kind = classify(failure)
+        rule = FAILURES[kind]
+        if kind is Kind.CLOSED_UNANSWERED:
             # The backend had the whole request and closed or reset the connection without
-            # answering: an engine killed mid-prefill may have done the work already, and
-            # for an LLM a second try is a second generation.  502, never a retry; the
-            # backend is probed at once and leaves rotation only if the probe fails.
+            # answering; the backend is probed at once and leaves rotation only if the
+            # probe fails.
             self._say(("closed-unanswered", backend.key), LogLevel.warn,
                       "backend {backend} closed the connection after receiving the whole "
                       "request, before answering; not retried", backend=backend.key)
-            self.context.on_suspect(backend)
-            self._fail(502, f"{self._named(backend)} closed the connection without answering",
-                       "upstream_error")
-        elif failure.check(*_CONNECT_TIMEOUT):
-            self._fail(504, f"timed out connecting to {self._named(backend)}", "timeout")
-        else:
+        elif kind is Kind.BAD_RESPONSE:
             self._say(
                 ("failed", backend.key), LogLevel.warn,
                 "request to {backend} failed: {error}",
                 backend=backend.key,
                 error=describe_failure(failure),
             )
-            self._fail(502, f"bad response from {self._named(backend)}", "upstream_error")
+        if rule.backend.marks_down:
+            self.pool.mark_down(backend, f"proxy: {failure_words(failure)}")
+        if rule.backend.probes:
+            # a reset may be a backend restarting, not a dead one: probe now, so a
+            # healthy one is back at once
+            self.context.on_suspect(backend)
+        if rule.retried and self._can_retry():
+            self._retry()
+            return
+        self._give_up(kind, backend=self._named(backend))
 
     def _read_timed_out(self) -> None:
         self._watchdog = None
@@ -396,7 +371,7 @@ class Exchange:
             self._say(("client-stalled",), LogLevel.info,
                       "client of a {backend} response read nothing for {timeout:g}s; "
                       "cutting it off", backend=backend.key, timeout=limit)
-            self._end("client_timeout", self._cut_client)
+            self._end(FAILURES[Kind.CLIENT_STALLED].outcome, self._cut_client)
             return
         silent = self._now() - self._last_activity
         if silent < self.read_timeout:
@@ -410,29 +385,19 @@ class Exchange:
             backend=backend.key,
             timeout=self.read_timeout,
         )
-        message = f"{self._named(backend)} sent nothing for {self.read_timeout:g}s"
-        if self.state == "waiting":
-            self._fail(504, message, "timeout")
-        elif not self.request.startedWriting:
-            self._fail_before_body(504, message, "timeout")
-        else:
-            self._end("timeout", self._cut_client)
+        self._give_up(Kind.READ_TIMEOUT, backend=self._named(backend),
+                      timeout=self.read_timeout)
 
     def _client_lost(self, failure: Failure) -> None:
         if self.state == "ended":
             return
         self.client_gone = True
-        self._end("client_abort")
+        self._end(FAILURES[Kind.CLIENT_GONE].outcome)
 
     def abort(self, reason: str) -> None:
         """End the exchange from outside (shutdown): an error if nothing was sent yet,
         else a truncated response."""
-        if self.state == "waiting":
-            self._fail(503, reason, "shutdown")
-        elif self.state == "relaying" and not self.request.startedWriting:
-            self._fail_before_body(503, reason, "shutdown")
-        elif self.state == "relaying":
-            self._end("shutdown", self._cut_client)
+        self._give_up(Kind.SHUTDOWN, reason=reason)
 
     def _shows_backend(self) -> bool:
         """Whether this client may learn which backend served it (``--x-backend``)."""
@@ -446,6 +411,23 @@ class Exchange:
         operator who hides the header does not want every 502 to say it instead.
         """
         return f"backend {backend.key}" if self._shows_backend() else "the backend"
+
+    def _give_up(self, kind: Kind, **fields: object) -> None:
+        """
+        End the exchange as the failure table says for ``kind``: txlb's own error while
+        nothing of the response has reached the client (the backend's head may have come
+        already: it is dropped), else a truncated response.  ``fields`` fill the rule's
+        message.
+        """
+        if self.state == "ended":
+            return
+        rule = FAILURES[kind]
+        if self.request.startedWriting or not isinstance(rule.status, int):
+            self._end(rule.outcome, self._cut_client)
+        elif self.state == "relaying":  # the backend's headers may be half copied
+            self._fail_before_body(rule.status, rule.message.format(**fields), rule.outcome)
+        else:
+            self._fail(rule.status, rule.message.format(**fields), rule.outcome)
 
     def _fail_before_body(self, status: int, message: str, outcome: str) -> None:
         """
@@ -531,59 +513,6 @@ class Exchange:
 
     def _bug(self, failure: Failure) -> None:
         log.failure("unexpected error in the proxy", failure)
-        if self.state == "ended":
-            return
-        if self.request.startedWriting:
-            self._end("proxy_error", self._cut_client)
-        elif self.state == "relaying":  # the backend's headers may be half copied
-            self._fail_before_body(502, "internal proxy error", "proxy_error")
-        else:
-            self._fail(502, "internal proxy error", "proxy_error")
+        self._give_up(Kind.PROXY_ERROR)
 
-
-
-def _failure_words(failure: Failure) -> str:
-    """What a connection failure was, in words (a wrapper's own message is a repr list)."""
-    reasons: list[Any] = getattr(failure.value, "reasons", [])
-    if reasons and isinstance(reasons[0], Failure):
-        return f"connection lost while sending the request ({describe_failure(reasons[0])})"
-    return describe_failure(failure)
-
-
-def _is_reset(failure: Failure) -> bool:
-    """A connection the backend closed or reset before sending a response head."""
-    if not failure.check(ResponseNeverReceived):
-        return False
-    reasons: list[Any] = getattr(failure.value, "reasons", [])
-    return any(reason.check(neterror.ConnectionLost, neterror.ConnectionDone) for reason in reasons)
-
-
-
-def standard_json_object(body: bytes) -> bool:
-    """
-    Whether ``body`` is a JSON object as RFC 8259 and strict parsers read it.  Python's
-    parser also takes ``NaN``, ``Infinity``, numbers past a double and lone surrogates,
-    which llama.cpp's rejects with a 500: a client sending them must not count as the
-    backend failing.  Only a 5xx asks, so the re-encoding (for surrogates) is rare.
-    """
-    if not body or body.lstrip()[:1] != b"{":
-        return False
-
-    def refused(text: str) -> float:
-        raise ValueError(text)
-
-    def finite(text: str) -> float:
-        value = float(text)
-        if not math.isfinite(value):
-            raise ValueError(text)
-        return value
-
-    try:
-        value = json.loads(body, parse_constant=refused, parse_float=finite,
-                           parse_int=finite)
-        if b"\\u" in body:
-            json.dumps(value, ensure_ascii=False).encode("utf-8")  # lone surrogates raise
-    except (ValueError, RecursionError):
-        return False
-    return isinstance(value, dict)
 
