@@ -36,7 +36,7 @@ from txlb._proxy.failures import (
 )
 from txlb._proxy.head import UpstreamHead, client_head, upstream_head
 from txlb._proxy.headers import flatten
-from txlb._proxy.incoming import is_local_client
+from txlb._proxy.incoming import exposed_to
 from txlb._records.summary import RequestRecord
 from txlb._scheduling.router import RoutingError
 from txlb._upstream.client import UpstreamResponse
@@ -401,8 +401,7 @@ class Exchange:
 
     def _shows_backend(self) -> bool:
         """Whether this client may learn which backend served it (``--x-backend``)."""
-        exposure = self.context.x_backend
-        return exposure == "on" or (exposure == "loopback" and is_local_client(self.request))
+        return exposed_to(self.context.x_backend, self.request)
 
     def _named(self, backend: Backend) -> str:
         """

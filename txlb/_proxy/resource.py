@@ -17,22 +17,21 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from txlb._cluster.backend import Lease
 from txlb._proxy.context import ProxyContext, RecordSink, RetryPlan
-from txlb._proxy.errors import error_body, write_body, write_json
+from txlb._proxy.errors import error_body, write_body
 from txlb._proxy.exchange import Exchange
-from txlb._proxy.incoming import is_local_client, local_path, read_body
+from txlb._proxy.incoming import local_path, read_body
+from txlb._proxy.local import LocalAnswers
 from txlb._records.summary import RequestRecord, parse_json_object
 from txlb._scheduling.ratelimit import RateLimiter
 from txlb._scheduling.router import Router, RoutingError
 
 log = Logger()
 
-STATUS_PATH = b"/__lb_status"
-MODELS_PATH = b"/v1/models"
-
 
 class ProxyResource(Resource):
     """
-    The main port: ``GET /__lb_status`` answers locally, everything else is forwarded.
+    The main port: txlb's own answers (:mod:`txlb._proxy.local`) first; every other
+    request is admitted (or refused), routed and forwarded by an exchange.
 
     A leaf resource, so it also works mounted below the root of someone else's ``Site``.
     """
@@ -43,9 +42,8 @@ class ProxyResource(Resource):
                  affinity: str | None = None, rate_limiter: RateLimiter | None = None,
                  max_body: int = 0, lb_status: str = "on") -> None:
         super().__init__()
-        #: who ``GET /__lb_status`` answers: ``on``, ``loopback`` or ``off`` (the others'
-        #: requests for it are proxied like any other path)
-        self.lb_status = lb_status
+        #: what txlb answers itself (``/__lb_status``, ``/v1/models``) before admission
+        self.local = LocalAnswers(router, lb_status)
         self.rate_limiter = rate_limiter
         self.max_body = max_body
         self.router = router
@@ -54,10 +52,6 @@ class ProxyResource(Resource):
         self.retry_after = max(1, math.ceil(retry_after))
         self.affinity = affinity
         self.shutting_down = False
-
-    def _answers_status(self, request: Request) -> bool:
-        exposure = self.lb_status
-        return exposure == "on" or (exposure == "loopback" and is_local_client(request))
 
     @property
     def live(self) -> set[Exchange]:
@@ -70,13 +64,7 @@ class ProxyResource(Resource):
     def render(self, request: Request) -> object:
         request.defaultContentType = None
         path = local_path(request)
-        if request.method == b"GET" and path == STATUS_PATH and self._answers_status(request):
-            status = self.router.pool.status()
-            status["queue"] = self.router.queue_status()
-            write_json(request, 200, status)
-            return NOT_DONE_YET
-        if request.method == b"GET" and path == MODELS_PATH:
-            write_json(request, 200, self.router.model_list())
+        if self.local.answer(request, path):
             return NOT_DONE_YET
         record = RequestRecord(
             started=self.clock.seconds(),
