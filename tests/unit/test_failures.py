@@ -6,9 +6,11 @@ cannot drift.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
+import attrs
 from twisted.internet import error as neterror
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
@@ -19,6 +21,7 @@ from twisted.web.client import (
     ResponseNeverReceived,
 )
 
+from txlb._proxy import exchange, failures
 from txlb._proxy.failures import (
     FAILURES,
     Answer,
@@ -30,6 +33,9 @@ from txlb._proxy.failures import (
     provoked_by_request,
     standard_json_object,
 )
+from txlb._records.summary import RequestRecord
+
+from .test_proxy import BACKENDS, ProxyTestCase
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
 
@@ -127,3 +133,41 @@ class ProvokedTests(SynchronousTestCase):
         self.assertTrue(standard_json_object(b' {"a": 1.5}'))
         for body in [b'{"a": NaN}', b'{"a": 1e999}', b'{"a": "\\ud800"}', b"{", b"1"]:
             self.assertFalse(standard_json_object(body), body)
+
+
+class ExchangeObeysTheTableTests(ProxyTestCase):
+    """The exchange takes its decisions from FAILURES: a changed row changes the proxy."""
+
+    def patch_rule(self, kind: Kind, **changes: object) -> None:
+        self.patch(failures, "FAILURES", dict(FAILURES))
+        failures.FAILURES[kind] = attrs.evolve(FAILURES[kind], **changes)  # type: ignore[arg-type]
+        self.patch(exchange, "FAILURES", failures.FAILURES)
+
+    def test_status_outcome_and_message_from_the_row(self) -> None:
+        self.build(BACKENDS, retries=0)
+        self.patch_rule(Kind.CONNECT_TIMEOUT, status=503, outcome="shutdown",
+                        message="slow {backend}")
+        records: list[RequestRecord] = []
+        self.lb.proxy.context.on_end = records.append
+        client = self.client()
+        client.request(b"GET", b"/")
+        self.upstream.last.fail(neterror.TimeoutError())
+        result = client.response()
+        self.assertEqual(result.status, 503)
+        self.assertTrue(json.loads(result.body)["error"]["message"].startswith("slow backend "))
+        self.assertEqual(records[-1].outcome, "shutdown")
+
+    def test_retried_from_the_row(self) -> None:
+        self.build(BACKENDS, retries=1)
+        self.patch_rule(Kind.CONNECT_TIMEOUT, retried=True)
+        self.client().request(b"GET", b"/")
+        self.upstream.last.fail(neterror.TimeoutError())
+        self.assertEqual(len(self.upstream.calls), 2)
+
+    def test_backend_cost_from_the_row(self) -> None:
+        self.build(BACKENDS, retries=0)
+        self.patch_rule(Kind.BAD_RESPONSE, backend=Blame.DOWN)
+        self.client().request(b"GET", b"/")
+        key = self.upstream.last.uri.split(b"/")[2].decode()
+        self.upstream.last.fail(ValueError("odd"))
+        self.assertFalse({b.key: b for b in self.lb.pool}[key].healthy)

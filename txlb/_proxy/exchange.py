@@ -8,6 +8,12 @@ Each client request becomes one :class:`Exchange`, which owns all of that reques
 there).  Every way a request can end -- upstream body done, upstream failure, read timeout,
 client gone -- funnels into :meth:`Exchange._end`, which is what makes "the in-flight count
 falls exactly once" true by construction rather than by care.
+
+What the exchange decides is not here: the heads it sends and relays are computed by
+:mod:`txlb._proxy.head`, and what each failure means (status, outcome, retried, the
+backend's cost) is the table in :mod:`txlb._proxy.failures`.  The exchange holds the
+state machine, the failover, the flow control and the two watchdogs (the backend's
+``--read-timeout`` and the client's ``--send-timeout``), and applies those decisions.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from txlb._upstream.words import describe_failure
 #: the namespace operators see on these lines (worker logs name it): kept from before the
 #: exchange had a module of its own
 log = Logger(namespace="txlb._proxy.resource")
+
 
 class Exchange:
     """
