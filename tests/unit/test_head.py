@@ -18,6 +18,9 @@ class OriginFormTests(SynchronousTestCase):
         self.assertEqual(origin_form(b"HTTPS://gpu/v1"), b"/v1")
         self.assertEqual(origin_form(b"http://gpu?q=1"), b"/?q=1")
         self.assertEqual(origin_form(b"http://gpu"), b"/")
+        # an empty authority: what follows the "//" is the target
+        self.assertEqual(origin_form(b"http:///v1/models"), b"/v1/models")
+        self.assertEqual(origin_form(b"http://?q=1"), b"/?q=1")
 
     def test_mount_point_dropped(self) -> None:
         self.assertEqual(origin_form(b"/llm/v1/chat?s=1", mounted=1), b"/v1/chat?s=1")

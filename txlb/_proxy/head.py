@@ -16,9 +16,6 @@ import attrs
 
 from txlb._proxy.headers import RawHeaders, downstream_response_headers, upstream_request_headers
 
-#: Statuses whose responses never carry a body, so no Content-Length is invented for them.
-NO_BODY_STATUSES = frozenset({204, 304})
-
 #: Response headers Twisted's Request writes itself: the backend's, when it sent them, win.
 _REQUEST_OWNED = (b"date", b"server")
 
@@ -110,9 +107,9 @@ def client_head(status: int, method: bytes, headers: RawHeaders, length: int | N
     grouped.update(own)
     if status == 204:
         pass  # RFC 9110 section 8.6: a 204 carries no Content-Length, whatever was sent
-    elif method == b"HEAD" or status in NO_BODY_STATUSES:
+    elif method == b"HEAD" or status == 304:
         # no body follows: the backend's own Content-Length (if any) describes the
-        # resource (a 304 may carry it)
+        # resource (a 304 may carry it); none is invented
         if content_length:
             grouped[b"content-length"] = content_length[:1]
     elif length is not None:
