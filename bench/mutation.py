@@ -52,7 +52,12 @@ def _unit(*names: str) -> tuple[str, ...]:
 #: would make each mutant cost minutes).
 MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "_proxy/resource": _unit("test_proxy", "test_failover", "test_regressions",
+                             "test_mutants"),
+    "_proxy/exchange": _unit("test_proxy", "test_failover", "test_regressions",
                              "test_upstream", "test_mutants"),
+    "_proxy/failures": _unit("test_failures", "test_proxy", "test_failover",
+                             "test_regressions", "test_mutants"),
+    "_proxy/head": _unit("test_head", "test_proxy", "test_properties", "test_mutants"),
     "_upstream/client": _unit("test_upstream", "test_regressions", "test_mutants"),
     "_cluster/backend": _unit("test_scheduling", "test_failover", "test_regressions",
                               "test_admin", "test_health", "test_mutants"),
@@ -117,11 +122,10 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
              "        text = _unprintable().sub(_unicode_escape, text)\n    return text\n",
              "        text = _unprintable().sub(_unicode_escape, text)\n"
              "    return text.replace('\\\\x0d', '\\r')\n"),
-    KnownBug("connect timeout retried", "txlb/_proxy/resource.py",
-             "        elif failure.check(*_CONNECT_TIMEOUT):\n",
-             "        elif failure.check(*_CONNECT_TIMEOUT):\n"
-             "            if self._can_retry():\n                self._retry()\n"
-             "                return\n"),
+    # (the exchange's branch became a row of the failure table)
+    KnownBug("connect timeout retried", "txlb/_proxy/failures.py",
+             'Rule(Kind.CONNECT_TIMEOUT, 504, "timeout", retried=False,',
+             'Rule(Kind.CONNECT_TIMEOUT, 504, "timeout", retried=True,'),
     KnownBug("retried answer read to the end (Agent)", "txlb/_upstream/agent.py",
              "        self.transport.stopProducing()  # type: ignore[attr-defined]\n",
              "        pass\n"),
@@ -136,9 +140,9 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
              "            pass\n"),
     KnownBug("probe 404 counted healthy", "txlb/_cluster/health.py",
              "        if code != 200:\n", "        if code >= 500:\n"),
-    KnownBug("500 retried like 502/503", "txlb/_proxy/resource.py",
-             "_RETRIED_STATUSES = frozenset({502, 503})",
-             "_RETRIED_STATUSES = frozenset({500, 502, 503})"),
+    KnownBug("500 retried like 502/503", "txlb/_proxy/failures.py",
+             "RETRIED_STATUSES = frozenset({502, 503})",
+             "RETRIED_STATUSES = frozenset({500, 502, 503})"),
 )
 
 
@@ -147,13 +151,13 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
 #: reported as ``equivalent`` and left out of the kill rate; bench/results/mutation.md
 #: lists them.
 EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
-    ("_proxy/resource", "ReplaceComparisonOperator_Eq_NotEq", 'elif self.state != "relaying":',
+    ("_proxy/exchange", "ReplaceComparisonOperator_Eq_NotEq", 'elif self.state != "relaying":',
      "pauseProducing's elif: while relaying the read watchdog is always armed (it is "
      "cleared only inside _read_timed_out, which re-arms or ends), and the exchange is the "
      "client's producer only while relaying, so neither form of the branch ever runs"),
-    ("_proxy/resource", "NumberReplacer", "send_timeout: float =",
+    ("_proxy/context", "NumberReplacer", "send_timeout: float =",
      "ProxyContext's default: the balancer always passes config.send_timeout"),
-    ("_proxy/resource", "ReplaceComparisonOperator_Gt_GtE", "if watchdog.getTime() >= now + limit:",
+    ("_proxy/exchange", "ReplaceComparisonOperator_Gt_GtE", "if watchdog.getTime() >= now + limit:",
      "at equality, reset(limit) moves the watchdog to the time it already has"),
     ("_upstream/client", "NumberReplacer", "self._chunk_state == -1:",
      "with the one-chunk fast path off, the general walk hands on the same bytes: only "

@@ -37,7 +37,8 @@ from txlb._cluster.outlier import OutlierRule
 from txlb._cluster.pool import InFlightStore, Pool
 from txlb._cluster.store import IBackendStore, LocalStore
 from txlb._config import OPTIONS, Config, build_config
-from txlb._proxy.resource import ProxyContext, ProxyResource
+from txlb._proxy.context import ProxyContext
+from txlb._proxy.resource import ProxyResource
 from txlb._records.bookkeeper import (
     Bookkeeper,
     SummaryConsumer,

@@ -684,7 +684,7 @@ class LocalClientTests(SynchronousTestCase):
     """Which peers ``--lb-status loopback`` and ``--x-backend loopback`` count as local."""
 
     def local(self, address: object) -> bool:
-        from txlb._proxy.resource import is_local_client
+        from txlb._proxy.incoming import is_local_client
 
         class _Request:
             def getClientAddress(self) -> object:

@@ -62,7 +62,7 @@ TTFB_FACTOR = 4.0
 
 
 class InFlight(Protocol):
-    """What the detector reads of one request in flight (:class:`txlb._proxy.resource.Exchange`)."""
+    """What the detector reads of one request in flight (:class:`txlb._proxy.exchange.Exchange`)."""
 
     @property
     def backend_waited_since(self) -> float | None:

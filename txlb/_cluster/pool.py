@@ -270,7 +270,7 @@ class Pool:
         A status the backend itself answered (not one txlb made up): feeds the passive
         outlier detection (:func:`txlb._cluster.outlier.judge_answer`).  ``client`` is the
         key of the client who sent the request, or ``None`` when the request provoked the
-        5xx itself (see :meth:`txlb._proxy.resource.Exchange._blamed`).
+        5xx itself (see :meth:`txlb._proxy.exchange.Exchange._blamed`).
         """
         reason = judge_answer(self.outliers, backend, status, client,
                               self._backends.values(), self._now())

@@ -2,7 +2,7 @@
 :class:`IRequestObserver`: what the proxy, the router and the pool tell about the requests
 they handle -- the one channel through which traffic reaches the books.
 
-The proxy (:mod:`txlb._proxy.resource`) and the router report events; they never decide who
+The proxy (:mod:`txlb._proxy.exchange`) and the router report events; they never decide who
 counts them.  In a single process the observer is the :class:`~txlb._records.bookkeeper.
 Bookkeeper`, which keeps the books here; in a ``--workers`` worker it is a forwarder
 (:mod:`txlb._workers.reports`) that sends each event to the supervisor as a typed message,

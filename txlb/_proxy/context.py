@@ -1,0 +1,59 @@
+"""
+What every exchange of one proxy shares (:class:`ProxyContext`), and how one request gets
+another backend on failover (:class:`RetryPlan`).
+
+Built once by the composition root (:mod:`txlb._balancer`) and handed to the resource, which
+hands it to each :class:`~txlb._proxy.exchange.Exchange`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import attrs
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.web.server import Request
+
+from txlb._cluster.backend import Lease
+from txlb._cluster.pool import Pool
+from txlb._records.observer import IRequestObserver, NullObserver
+from txlb._scheduling.ratelimit import client_key
+from txlb._server.quiet import RepeatSummary
+from txlb._upstream.client import Upstream
+
+if TYPE_CHECKING:
+    from txlb._proxy.exchange import Exchange
+
+
+
+@attrs.define
+class ProxyContext:
+    """What every exchange of one proxy shares: collaborators, limits and its observer."""
+
+    pool: Pool
+    upstream: Upstream
+    clock: IReactorTime
+    read_timeout: float
+    send_timeout: float = 60.0
+    retries: int = 0
+    retry_window: float = 10.0
+    #: who hears what happens to each request: the bookkeeper, or a worker's forwarder
+    observer: IRequestObserver = attrs.field(factory=NullObserver)
+    #: who sent a request, for the outlier streak's "two clients at least"
+    client_key: Callable[[Request], str] = client_key
+    live: set[Exchange] = attrs.field(factory=set)
+    #: who gets ``X-Backend``/``X-Backend-Port``: ``on``, ``loopback`` or ``off``
+    x_backend: str = "on"
+    #: per-request warnings, one line per kind a minute (``None``: every one logged)
+    repeats: RepeatSummary | None = None
+
+
+@attrs.frozen
+class RetryPlan:
+    """How one request gets another backend: ``acquire(tried)`` and ``possible(tried)``."""
+
+    acquire: Callable[[frozenset[str]], Deferred[Lease]]
+    possible: Callable[[frozenset[str]], bool]
+
