@@ -60,7 +60,9 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
                              "test_mutants"),
     "_scheduling/router": _unit("test_scheduling", "test_policies", "test_failover",
                                 "test_mutants"),
-    "_scheduling/policies": _unit("test_policies", "test_scheduling", "test_mutants"),
+    **{f"_scheduling/policies/{name}": _unit("test_policies", "test_scheduling", "test_mutants")
+       for name in ("_ties", "least_conn", "round_robin", "weighted_random", "p2c", "peak_ewma",
+                    "queue_depth", "registry")},
     "_server/site": _unit("test_failover", "test_regressions", "test_proxy", "test_mutants")
     + ("tests.integration.test_framing",),
     "_records/resultlog": _unit("test_resultlog", "test_regressions", "test_summary",
@@ -156,10 +158,10 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "only how much of a bad header line the error message quotes"),
     ("_cluster/backend", "NumberReplacer", "base_cooldown: float =",
      "OutlierRule's default: the balancer always passes --outlier-cooldown's value"),
-    ("_scheduling/policies", "NumberReplacer", "if len(tied) == 0:",
+    ("_scheduling/policies/_ties", "NumberReplacer", "if len(tied) == 0:",
      "a single tied backend through the weighted walk: its current weight rises by w and "
      "falls by the total, w; it is chosen, and nothing else changes"),
-    ("_scheduling/policies", "NumberReplacer", "return candidates[ -1]",
+    ("_scheduling/policies/p2c", "NumberReplacer", "return candidates[ -1]",
      "reached only when there is one candidate"),
     ("_records/summary", "ReplaceFalseWithTrue", "think: bool =",
      "think is shown only for completions, for which summarize passes it"),
@@ -174,9 +176,11 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("_upstream/client", "ReplaceOrWithAnd", "isdigit() and code_bytes[0] == 48",
      "a status code with a leading 0 is below 100, which _framing refuses with the same "
      "BadResponse (only the message differs)"),
-    ("_scheduling/policies", "NumberReplacer", "weights=weights)[ -1]",
+    ("_scheduling/policies/weighted_random", "NumberReplacer", "weights=weights)[ -1]",
      "random.choices draws one element (k=1): [0] and [-1] are the same"),
-    ("_scheduling/policies", "NumberReplacer", "return tied[ -1]",
+    ("_scheduling/policies/p2c", "NumberReplacer", "weights=weights)[ -1]",
+     "random.choices draws one element (k=1): [0] and [-1] are the same"),
+    ("_scheduling/policies/_ties", "NumberReplacer", "return tied[ -1]",
      "only reached when len(tied) == 1: [0] and [-1] are the same"),
     ("_records/summary", "NumberReplacer", '.split(b";", 2)[0]',
      "the chunk size is the part before the first ';' either way"),

@@ -36,10 +36,12 @@ from txlb._cluster.hung import HangDetector
 from txlb._config import OPTIONS, Config, build_config
 from txlb._proxy.resource import ProxyContext, ProxyResource
 from txlb._records.metrics import Metrics
+from txlb._records.outcome import RequestOutcome
 from txlb._records.resultlog import open_result_log
 from txlb._records.summary import RequestRecord, Summary, privacy_of, summarize
 from txlb._scheduling.affinity import BoundedLoadRing
-from txlb._scheduling.policies import PeakEwmaLatency, make_policy
+from txlb._scheduling.policies import IPolicy
+from txlb._scheduling.policies.registry import make_policy
 from txlb._scheduling.ratelimit import RateLimiter, TokenBuckets, client_key
 from txlb._scheduling.router import ModelRoute, Router
 from txlb._server.quiet import QuietConnectionPool, RepeatSummary
@@ -48,6 +50,17 @@ from txlb._upstream.agent import AgentUpstream
 from txlb._upstream.client import Upstream, UpstreamClient
 
 log = Logger()
+
+
+def tell_policy(policy: IPolicy, backend: Backend, summary: Summary, answered: bool) -> None:
+    """
+    Tell the policy what ``backend``'s answered request taught (once per request, where it
+    is counted).  A policy's failure is logged: bookkeeping must never fail a request.
+    """
+    try:
+        policy.observe(backend, RequestOutcome.of(summary, answered))
+    except Exception:
+        log.failure("policy {policy!r} failed to observe a request", policy=policy)
 
 
 class SequentialService(MultiService):
@@ -167,6 +180,7 @@ class LoadBalancer:
         probe_agent: IAgent | None = None,
         rng: random.Random | None = None,
         inflight: InFlightStore | None = None,
+        policy: IPolicy | None = None,
         **options: object,
     ) -> None:
         if config is None:
@@ -212,7 +226,11 @@ class LoadBalancer:
             slow_start=config.slow_start, shared=inflight)
         self.metrics = Metrics(self.pool)
         retry_after = max(1, math.ceil(config.health_interval))
-        self.policy = make_policy(config.policy, reactor.seconds, rng)
+        if policy is not None and not IPolicy.providedBy(policy):
+            raise TypeError(f"LoadBalancer(policy=...): {policy!r} does not provide IPolicy")
+        #: an embedder's own policy object, or the one ``--policy`` names
+        self.policy: IPolicy = (
+            policy if policy is not None else make_policy(config.policy, reactor, rng))
         self.router = Router(
             self.pool,
             self.policy,
@@ -237,7 +255,7 @@ class LoadBalancer:
             path=config.health_path,
             rise=config.rise,
             fall=config.fall,
-            scrape_engine_queue=config.policy == "queue-depth",
+            scrape_engine_queue=bool(self.policy.needs_engine_metrics),
         )
         context = ProxyContext(
             pool=self.pool,
@@ -289,8 +307,7 @@ class LoadBalancer:
         backend = self.pool.get(summary.backend)
         if backend is not None and answered:
             self.pool.record_result(backend, summary.status, summary.dur, summary.ttft)
-            if isinstance(self.policy, PeakEwmaLatency) and summary.ttft is not None:
-                self.policy.observe(backend, summary.ttft)
+            tell_policy(self.policy, backend, summary, answered)
         self.metrics.observe(summary)
         self.history.observe(summary, answered)
         if self.result_log is not None:
@@ -327,7 +344,7 @@ class LoadBalancer:
         admin = Admin(self.pool, self.metrics, self.config.admin_token,
                       on_added=self.health.probe_soon, clock=self.reactor.seconds,
                       extra_status=extra_status, allowed_hosts=self.config.admin_hosts,
-                      history=self.history)
+                      history=self.history, describe=self.policy.describe)
         return admin.resource()
 
     def site(self) -> Site:

@@ -16,7 +16,7 @@ from txlb import BackendSpec, build_config
 from txlb._cluster.backend import Pool
 from txlb._cluster.shared_counts import SharedCounts
 from txlb._records.summary import Summary
-from txlb._scheduling.policies import LeastConnections
+from txlb._scheduling.policies.least_conn import LeastConnections
 from txlb._scheduling.router import Router, RoutingError
 from txlb._workers.wire import Lines, config_blob, config_from, decode, encode, summary_from
 

@@ -89,8 +89,6 @@ class Backend:
     probes_failed: int = 0
     ewma_duration: float | None = None
     ewma_ttft: float | None = None
-    peak_ewma: float | None = None
-    peak_ewma_at: float | None = None
     engine_depth: float | None = None
     #: the engine recognised from its ``/metrics`` ("vllm", "sglang", "llamacpp", "tgi",
     #: "unknown"); ``None`` until looked at
@@ -207,7 +205,9 @@ class Backend:
             "models": list(self.models or ()),
             "engine_depth": self.engine_depth,
             "kv_cache_usage": _rounded(self.kv_cache_usage),
-            "latency_peak_ewma_s": _rounded(self.peak_ewma),
+            # the latency policy's estimate (IPolicy.describe fills it in the admin API);
+            # kept null for other policies so /status keeps one shape
+            "latency_peak_ewma_s": None,
             "responses": dict(sorted(self.responses.items())),
             "ejections": self.ejections,
             "probes_ok": self.probes_ok,

@@ -53,12 +53,11 @@ from twisted.python.failure import Failure
 from twisted.web.server import Site
 from zope.interface import implementer
 
-from txlb._balancer import LoadBalancer, SequentialService
+from txlb._balancer import LoadBalancer, SequentialService, tell_policy
 from txlb._cluster.backend import Backend
 from txlb._cluster.shared_counts import SharedCounts
 from txlb._compat import adopt_listening_port
 from txlb._records.summary import Summary
-from txlb._scheduling.policies import PeakEwmaLatency
 from txlb._server.quiet import summarise_accept_errors
 from txlb._workers.wire import Lines, config_from, decode, encode, summary_message
 
@@ -94,10 +93,9 @@ class WorkerBalancer(LoadBalancer):
         self.router.on_queue_wait = lambda seconds: send(encode(["wait", seconds]))
 
     def record_summary(self, summary: Summary, answered: bool = True) -> None:
-        if answered and isinstance(self.policy, PeakEwmaLatency) and summary.ttft is not None:
-            backend = self.pool.get(summary.backend)
-            if backend is not None:
-                self.policy.observe(backend, summary.ttft)  # this worker's own estimate
+        backend = self.pool.get(summary.backend)
+        if backend is not None and answered:
+            tell_policy(self.policy, backend, summary, answered)  # this worker's own policy learns
         try:
             message = summary_message(summary, answered)
         except Exception:  # bookkeeping must never fail a request
