@@ -58,9 +58,10 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
                               "test_admin", "test_health", "test_mutants"),
     "_cluster/health": _unit("test_health", "test_regressions", "test_scheduling",
                              "test_mutants"),
-    "_scheduling/router": _unit("test_scheduling", "test_policies", "test_failover",
-                                "test_mutants"),
-    **{f"_scheduling/policies/{name}": _unit("test_policies", "test_scheduling", "test_mutants")
+    "_scheduling/router": _unit("test_scheduling", "test_policies", "test_routing_request",
+                                "test_failover", "test_mutants"),
+    **{f"_scheduling/policies/{name}": _unit("test_policies", "test_scheduling",
+                                             "test_policy_registry", "test_mutants")
        for name in ("_ties", "least_conn", "round_robin", "weighted_random", "p2c", "peak_ewma",
                     "queue_depth", "registry")},
     "_server/site": _unit("test_failover", "test_regressions", "test_proxy", "test_mutants")

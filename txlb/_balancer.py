@@ -167,7 +167,8 @@ class LoadBalancer:
 
     ``LoadBalancer(["127.0.0.1:8002", "127.0.0.1:8003"], health_interval=2)`` takes the
     same options as the command line (underscores for dashes); or pass a ready
-    :class:`~txlb.Config` as ``config``.
+    :class:`~txlb.Config` as ``config``.  ``policy`` is ``--policy``'s name, or an object
+    providing :class:`~txlb.IPolicy`, which then chooses instead of ``config.policy``.
     """
 
     def __init__(
@@ -180,9 +181,15 @@ class LoadBalancer:
         probe_agent: IAgent | None = None,
         rng: random.Random | None = None,
         inflight: InFlightStore | None = None,
-        policy: IPolicy | None = None,
+        policy: IPolicy | str | None = None,
         **options: object,
     ) -> None:
+        if isinstance(policy, str):  # the --policy option, by name
+            options["policy"] = policy
+            policy = None
+        elif policy is not None and not IPolicy.providedBy(policy):
+            raise TypeError(f"LoadBalancer(policy=...): {policy!r} is neither a policy's "
+                            "name nor an IPolicy provider")
         if config is None:
             unknown = sorted(set(options) - {spec.attribute for spec in OPTIONS})
             if unknown:
@@ -226,9 +233,8 @@ class LoadBalancer:
             slow_start=config.slow_start, shared=inflight)
         self.metrics = Metrics(self.pool)
         retry_after = max(1, math.ceil(config.health_interval))
-        if policy is not None and not IPolicy.providedBy(policy):
-            raise TypeError(f"LoadBalancer(policy=...): {policy!r} does not provide IPolicy")
-        #: an embedder's own policy object, or the one ``--policy`` names
+        #: an embedder's own policy object (it overrides ``config.policy``), or the one
+        #: ``--policy`` names
         self.policy: IPolicy = (
             policy if policy is not None else make_policy(config.policy, reactor, rng))
         self.router = Router(

@@ -1,10 +1,28 @@
-"""Least-connections choice, on its own."""
+"""
+Each policy on its own: least-connections' choices, and the contract every built-in policy
+keeps (:class:`PolicyContract`, one test class per policy module -- a new policy's test
+class can inherit it too).  Their other behaviour is tested in test_scheduling.
+"""
 
 from __future__ import annotations
 
-from twisted.trial.unittest import SynchronousTestCase
+import random
 
-from txlb import BackendSpec, LeastConnections, Pool
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+from zope.interface.verify import verifyObject
+
+from txlb import BackendSpec, IPolicy, LeastConnections, Pool, RequestOutcome, RoutingRequest
+from txlb._scheduling.policies import (
+    IPolicyFactory,
+    least_conn,
+    p2c,
+    peak_ewma,
+    queue_depth,
+    round_robin,
+    weighted_random,
+)
+from txlb._scheduling.policies.registry import find_factory
 
 
 def pool_of(*weights: int) -> Pool:
@@ -39,3 +57,89 @@ class LeastConnectionsTests(SynchronousTestCase):
     def test_ipv6_key_is_bracketed(self) -> None:
         spec = BackendSpec("::1", 8002)
         self.assertEqual(spec.key, "[::1]:8002")
+
+
+class PolicyContract:
+    """What every policy module must give: set ``module`` in a SynchronousTestCase."""
+
+    module: object
+    #: learns from what it observes (so an outcome may change its later choices)
+    learns = False
+    needs_engine_metrics = False
+
+    def make(self) -> IPolicy:
+        factory: IPolicyFactory = self.module.factory  # type: ignore[attr-defined]
+        return factory(Clock(), random.Random(3))
+
+    def test_its_factory_is_registered_under_its_name(self) -> None:
+        factory = self.module.factory  # type: ignore[attr-defined]
+        case: SynchronousTestCase = self  # type: ignore[assignment]
+        case.assertTrue(verifyObject(IPolicyFactory, factory))
+        case.assertIs(find_factory(factory.name), factory)
+        policy = self.make()
+        case.assertTrue(verifyObject(IPolicy, policy))
+        case.assertEqual(policy.name, factory.name)
+        case.assertEqual(policy.needs_engine_metrics, self.needs_engine_metrics)
+        case.assertTrue(factory.summary)
+
+    def test_chooses_among_the_candidates(self) -> None:
+        case: SynchronousTestCase = self  # type: ignore[assignment]
+        backends = list(pool_of(1, 2, 1))
+        policy = self.make()
+        for _ in range(20):
+            case.assertIn(policy.choose(backends), backends)
+        case.assertIs(policy.choose(backends[1:2]), backends[1])
+
+    def test_the_routing_request_changes_nothing(self) -> None:
+        case: SynchronousTestCase = self  # type: ignore[assignment]
+        backends = list(pool_of(1, 2, 1))
+        plain, given = self.make(), self.make()
+        request = RoutingRequest(model="m", session="s", client="ip:1", body=b"{}", json={})
+        case.assertEqual([plain.choose(backends).key for _ in range(20)],
+                         [given.choose(backends, request).key for _ in range(20)])
+
+    def test_observe_and_describe(self) -> None:
+        case: SynchronousTestCase = self  # type: ignore[assignment]
+        backends = list(pool_of(1, 1))
+        told, untold = self.make(), self.make()
+        outcome = RequestOutcome(backend=backends[0].key, status=200, answered=True,
+                                 ttfb=5.0, duration=9.0)
+        told.observe(backends[0], outcome)
+        same = ([told.choose(backends).key for _ in range(10)]
+                == [untold.choose(backends).key for _ in range(10)])
+        case.assertEqual(same, not self.learns)
+        case.assertEqual(dict(untold.describe(backends[0])), dict(untold.describe(backends[1])))
+
+
+class LeastConnectionsContractTests(PolicyContract, SynchronousTestCase):
+    module = least_conn
+
+
+class RoundRobinContractTests(PolicyContract, SynchronousTestCase):
+    module = round_robin
+
+
+class WeightedRandomContractTests(PolicyContract, SynchronousTestCase):
+    module = weighted_random
+
+
+class PowerOfTwoChoicesContractTests(PolicyContract, SynchronousTestCase):
+    module = p2c
+
+
+class PeakEwmaContractTests(PolicyContract, SynchronousTestCase):
+    module = peak_ewma
+    learns = True
+
+    def test_describe_shows_the_estimate(self) -> None:
+        (backend,) = list(pool_of(1))
+        policy = self.make()
+        self.assertEqual(policy.describe(backend), {"latency_peak_ewma_s": None})
+        policy.observe(backend, RequestOutcome(backend=backend.key, status=200,
+                                               answered=True, ttfb=0.123456, duration=1.0))
+        self.assertEqual(policy.describe(backend), {"latency_peak_ewma_s": 0.1235})
+
+
+class QueueDepthContractTests(PolicyContract, SynchronousTestCase):
+    module = queue_depth
+    needs_engine_metrics = True
