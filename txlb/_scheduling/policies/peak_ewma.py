@@ -83,14 +83,16 @@ class PeakEwmaLatency(Policy):
 
     def choose(self, candidates: Sequence[Backend],
                request: RoutingRequest = ANY_REQUEST) -> Backend:
-        estimates = [self.estimate(b) for b in candidates]
-        unmeasured = [b for b, e in zip(candidates, estimates, strict=True) if e is None]
+        unmeasured = [b for b in candidates if b not in self._estimates]
         if unmeasured:
             return self._ties.best(unmeasured, load)
-        costs = [e * (b.active + 1) / b.effective_weight  # type: ignore[operator]
-                 for b, e in zip(candidates, estimates, strict=True)]
-        lowest = min(costs)
-        tied = [b for b, c in zip(candidates, costs, strict=True) if c <= lowest * (1 + 1e-9)]
+
+        def cost(backend: Backend) -> float:
+            return self._estimates[backend].seconds * (backend.active + 1) / (
+                backend.effective_weight)
+
+        lowest = min(cost(b) for b in candidates)
+        tied = [b for b in candidates if cost(b) <= lowest * (1 + 1e-9)]
         return self._ties.best(tied, load)  # equal cost: fewer in flight, then by weight
 
 
