@@ -181,6 +181,10 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "random.choices draws one element (k=1): [0] and [-1] are the same"),
     ("_scheduling/policies/p2c", "NumberReplacer", "weights=weights)[ -1]",
      "random.choices draws one element (k=1): [0] and [-1] are the same"),
+    ("_scheduling/policies/peak_ewma", "ReplaceComparisonOperator_Gt_GtE",
+     "seconds >= previous.seconds:",
+     "a sample equal to the estimate: replacing it or averaging it in both leave that value, "
+     "stamped now"),
     ("_scheduling/policies/_ties", "NumberReplacer", "return tied[ -1]",
      "only reached when len(tied) == 1: [0] and [-1] are the same"),
     ("_records/summary", "NumberReplacer", '.split(b";", 2)[0]',

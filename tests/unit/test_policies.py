@@ -6,6 +6,7 @@ class can inherit it too).  Their other behaviour is tested in test_scheduling.
 
 from __future__ import annotations
 
+import math
 import random
 
 from twisted.internet.task import Clock
@@ -140,6 +141,39 @@ class PeakEwmaContractTests(PolicyContract, SynchronousTestCase):
         self.assertEqual(policy.describe(backend), {"latency_peak_ewma_s": 0.1235})
 
 
+    def test_the_decay_counts_from_the_last_sample(self) -> None:
+        clock = Clock()
+        clock.advance(100)  # not at 0: elapsed is now - then, whatever the epoch
+        policy = peak_ewma.PeakEwmaLatency(clock, decay=10)
+        (backend,) = list(pool_of(1))
+        policy.sample(backend, 1.0)
+        clock.advance(10)
+        policy.sample(backend, 0.0)
+        self.assertAlmostEqual(policy.estimate(backend), math.exp(-1))  # type: ignore
+
+
 class QueueDepthContractTests(PolicyContract, SynchronousTestCase):
     module = queue_depth
     needs_engine_metrics = True
+
+    def test_the_engine_queue_is_divided_by_weight(self) -> None:
+        pool = pool_of(2, 1)
+        heavy, light = list(pool)
+        pool.set_engine_depth(heavy, running=4, waiting=0)  # 4 / 2 < 3 / 1
+        pool.set_engine_depth(light, running=3, waiting=0)
+        self.assertIs(self.make().choose([heavy, light]), heavy)
+
+    def test_unscraped_in_flight_is_divided_by_weight(self) -> None:
+        heavy, light = list(pool_of(4, 1))
+        heavy.active, light.active = 3, 1  # 0.75 < 1
+        self.assertIs(self.make().choose([heavy, light]), heavy)
+
+    def test_more_ended_than_the_engine_held_counts_as_empty_not_below(self) -> None:
+        pool = pool_of(1, 1)
+        drained, empty = list(pool)
+        pool.set_engine_depth(drained, running=1, waiting=0)
+        pool.set_engine_depth(empty, running=0, waiting=0)
+        drained.finished_since_scrape = 3  # ended here since the scrape: 1 - 3 -> 0, not -2
+        policy = self.make()
+        self.assertEqual({policy.choose([drained, empty]).key for _ in range(2)},
+                         {drained.key, empty.key})  # a tie: they take turns

@@ -101,6 +101,16 @@ class RegistryTests(SynchronousTestCase):
         needing = [f.name for f in BUILT_IN if make_policy(f.name, Clock()).needs_engine_metrics]
         self.assertEqual(needing, ["queue-depth"])
 
+    def test_the_given_rng_draws(self) -> None:
+        backends = list(Pool(tuple(BackendSpec("127.0.0.1", p) for p in range(1, 9))))
+
+        def draws(name: str) -> list[str]:
+            policy = make_policy(name, Clock(), random.Random(7))
+            return [policy.choose(backends).key for _ in range(30)]
+
+        for name in ("random", "p2c"):
+            self.assertEqual(draws(name), draws(name), name)
+
     def test_an_unknown_name(self) -> None:
         self.assertIsNone(find_factory("fastest"))
         with self.assertRaises(KeyError):
@@ -149,9 +159,9 @@ class RegistryTests(SynchronousTestCase):
 PLUGIN = """
     from txlb import PolicyFactory
 
-    fewest = PolicyFactory("Test-Fewest", "{module}.Fewest",
-                           "the backend with the fewest requests ever", nginx="least_conn;")
-    taken = PolicyFactory("p2c", "{module}.Fewest")  # a built-in name: left out
+    a_taken = PolicyFactory("p2c", "{module}.Fewest")  # a built-in name: left out
+    b_fewest = PolicyFactory("Test-Fewest", "{module}.Fewest",
+                             "the backend with the fewest requests ever", nginx="least_conn;")
 """
 
 IMPLEMENTATION = """

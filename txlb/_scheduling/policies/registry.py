@@ -54,9 +54,7 @@ def plugin_factories(package: ModuleType | None = None) -> dict[str, IPolicyFact
     default), by name; built-in names and repeated names are left out (the first wins).
     """
     found: dict[str, IPolicyFactory] = {}
-    plugins = getPlugins(IPolicyFactory) if package is None else getPlugins(
-        IPolicyFactory, package)
-    for factory in plugins:
+    for factory in getPlugins(IPolicyFactory, package):  # None: twisted.plugins
         name = str(factory.name).strip().lower()
         if name in _BUILT_IN or name in found:
             log.warn("policy plugin {plugin!r}: the name {name!r} is taken; left out",
