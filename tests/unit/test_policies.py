@@ -152,6 +152,56 @@ class PeakEwmaContractTests(PolicyContract, SynchronousTestCase):
         self.assertAlmostEqual(policy.estimate(backend), math.exp(-1))  # type: ignore
 
 
+    def test_the_default_decay_is_ten_seconds(self) -> None:
+        clock = Clock()
+        policy = peak_ewma.factory(clock, random.Random())  # as --policy latency makes it
+        (backend,) = list(pool_of(1))
+        policy.observe(backend, RequestOutcome(backend.key, 200, True, ttfb=1.0, duration=1.0))
+        clock.advance(10)
+        policy.observe(backend, RequestOutcome(backend.key, 200, True, ttfb=0.0, duration=1.0))
+        self.assertAlmostEqual(policy.describe(backend)["latency_peak_ewma_s"],  # type: ignore
+                               round(math.exp(-1), 4))
+
+    def test_a_short_or_backward_step_of_the_clock(self) -> None:
+        clock = Clock()
+        clock.advance(100)
+        policy = peak_ewma.PeakEwmaLatency(clock, decay=0.5)  # a decay under a second works
+        (backend,) = list(pool_of(1))
+        policy.sample(backend, 1.0)
+        clock.advance(0.25)
+        policy.sample(backend, 0.0)
+        self.assertAlmostEqual(policy.estimate(backend), math.exp(-0.5))  # type: ignore
+        clock.rightNow -= 5  # a clock stepped back: no time passed, the estimate holds
+        policy.sample(backend, 0.0)
+        self.assertAlmostEqual(policy.estimate(backend), math.exp(-0.5))  # type: ignore
+
+    def test_the_cost_is_latency_times_in_flight_plus_one(self) -> None:
+        a, b = list(pool_of(1, 1))
+        policy = peak_ewma.PeakEwmaLatency(Clock())
+        policy.sample(a, 0.1)
+        policy.sample(b, 0.3)
+        a.active = 1  # 0.1 * 2 < 0.3 * 1
+        self.assertEqual({policy.choose([a, b]).key for _ in range(3)}, {a.key})
+        a.active = 2  # 0.1 * 3 = 0.3 * 1: a tie, which the fewer in flight wins
+        self.assertEqual({policy.choose([a, b]).key for _ in range(3)}, {b.key})
+        a.active = 3  # 0.1 * 4 > 0.3 * 1
+        self.assertEqual({policy.choose([a, b]).key for _ in range(3)}, {b.key})
+
+    def test_a_zero_latency_sample(self) -> None:
+        a, b = list(pool_of(1, 1))
+        policy = peak_ewma.PeakEwmaLatency(Clock())
+        policy.sample(a, 0.0)  # an answer at once (the same clock tick): cost 0
+        policy.sample(b, 0.2)
+        self.assertIs(policy.choose([a, b]), a)
+
+    def test_a_lower_cost_is_not_a_tie(self) -> None:
+        a, b = list(pool_of(1, 1))
+        policy = peak_ewma.PeakEwmaLatency(Clock())
+        policy.sample(a, 0.1)
+        policy.sample(b, 0.15)
+        self.assertEqual({policy.choose([a, b]).key for _ in range(4)}, {a.key})
+
+
 class QueueDepthContractTests(PolicyContract, SynchronousTestCase):
     module = queue_depth
     needs_engine_metrics = True
