@@ -113,8 +113,12 @@ from twisted.python.failure import Failure
 from txlb._cluster.backend import Lease
 from txlb._cluster.pool import Pool
 from txlb._config import BackendSpec
-from txlb._scheduling.policies import POLICY_NAMES, PeakEwmaLatency, make_policy
+from txlb._records.outcome import RequestOutcome
+from txlb._scheduling.policies import IPolicy
+from txlb._scheduling.policies.registry import BUILT_IN, make_policy
 from txlb._scheduling.router import Router, RoutingError
+
+POLICY_NAMES = tuple(factory.name for factory in BUILT_IN)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -406,21 +410,24 @@ def run(experiment: Experiment, policy_name: str, params: Params,
 
     pools: list[Pool] = []
     routers: list[Router] = []
-    latency_policies: list[PeakEwmaLatency | None] = []
+    policies: list[IPolicy] = []
     for replica in range(experiment.replicas):
         pool = Pool(tuple(spec for spec, _ in specs), clock=clock)
-        policy = make_policy(policy_name, clock.seconds,
+        policy = make_policy(policy_name, clock,
                              random.Random(f"policy-{params.seed}-{policy_name}-{replica}"))
         pools.append(pool)
         routers.append(Router(pool, policy, clock, queue_timeout=params.queue_timeout,
                               retry_after=1, rng=random.Random(f"router-{params.seed}")))
-        latency_policies.append(policy if isinstance(policy, PeakEwmaLatency) else None)
+        policies.append(policy)
 
     def observe(request: Request) -> None:
-        latency = latency_policies[request.replica]
-        if latency is not None:
-            assert request.lease is not None and request.first_token is not None
-            latency.observe(request.lease.backend, request.first_token - request.arrival)
+        # what txlb tells every policy of an answered request (only latency learns from it)
+        assert request.lease is not None and request.first_token is not None
+        backend = request.lease.backend
+        ttfb = request.first_token - request.arrival
+        policies[request.replica].observe(backend, RequestOutcome(
+            backend=backend.key, status=200, answered=True, ttfb=ttfb,
+            duration=clock.seconds() - request.arrival))
 
     def first_token(request: Request) -> None:
         if observe_at == "first-token":
@@ -457,7 +464,7 @@ def run(experiment: Experiment, policy_name: str, params: Params,
         if index + 1 < len(workload.arrivals):
             clock.callLater(workload.arrivals[index + 1][0] - clock.seconds(),
                             arrive, index + 1)
-        d: Deferred[Lease] = routers[replica].acquire(model=None, session=None)
+        d: Deferred[Lease] = routers[replica].acquire()
         d.addCallbacks(leased, refused, callbackArgs=(request,), errbackArgs=(request,))
 
     def scrape(pool: Pool) -> None:

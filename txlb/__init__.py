@@ -21,7 +21,10 @@ if TYPE_CHECKING:
     from txlb._cluster.backend import Backend, Lease
     from txlb._cluster.pool import Pool
     from txlb._config import BackendSpec, Config, ConfigError, build_config
-    from txlb._scheduling.policies import IPolicy, LeastConnections
+    from txlb._records.outcome import RequestOutcome
+    from txlb._scheduling.policies import IPolicy, IPolicyFactory, Policy, PolicyFactory
+    from txlb._scheduling.policies.least_conn import LeastConnections
+    from txlb._scheduling.request import RoutingRequest
 
 _EXPORTS = {
     "Backend": "._cluster.backend",
@@ -33,7 +36,12 @@ _EXPORTS = {
     "ConfigError": "._config",
     "build_config": "._config",
     "IPolicy": "._scheduling.policies",
-    "LeastConnections": "._scheduling.policies",
+    "IPolicyFactory": "._scheduling.policies",
+    "Policy": "._scheduling.policies",
+    "PolicyFactory": "._scheduling.policies",
+    "LeastConnections": "._scheduling.policies.least_conn",
+    "RequestOutcome": "._records.outcome",
+    "RoutingRequest": "._scheduling.request",
 }
 
 __all__ = [
@@ -42,10 +50,15 @@ __all__ = [
     "Config",
     "ConfigError",
     "IPolicy",
+    "IPolicyFactory",
     "Lease",
     "LeastConnections",
     "LoadBalancer",
+    "Policy",
+    "PolicyFactory",
     "Pool",
+    "RequestOutcome",
+    "RoutingRequest",
     "build_config",
 ]
 

@@ -52,7 +52,8 @@ from txlb._records.observer import IRequestObserver
 from txlb._records.resultlog import ResultLog, open_result_log
 from txlb._records.summary import Summary, privacy_of
 from txlb._scheduling.affinity import BoundedLoadRing
-from txlb._scheduling.policies import make_policy
+from txlb._scheduling.policies import IPolicy
+from txlb._scheduling.policies.registry import make_policy
 from txlb._scheduling.ratelimit import RateLimiter, client_key
 from txlb._scheduling.router import ModelRoute, Router
 from txlb._server.quiet import QuietConnectionPool, RepeatSummary
@@ -172,10 +173,12 @@ class LoadBalancer:
 
     ``LoadBalancer(["127.0.0.1:8002", "127.0.0.1:8003"], health_interval=2)`` takes the
     same options as the command line (underscores for dashes); or pass a ready
-    :class:`~txlb.Config` as ``config``.  ``reactor`` is what everything waits on, an
-    ``IReactorTime`` (a ``twisted.internet.task.Clock`` in tests), and, unless ``agent`` is
-    given, what it connects with; ``store`` is where in-flight counts, backend marks and rate
-    buckets live when several balancers share them (:mod:`txlb._cluster.store`).
+    :class:`~txlb.Config` as ``config``.  ``policy`` is ``--policy``'s name, or an object
+    providing :class:`~txlb.IPolicy`, which then chooses instead of ``config.policy``.
+    ``reactor`` is what everything waits on, an ``IReactorTime`` (a
+    ``twisted.internet.task.Clock`` in tests), and, unless ``agent`` is given, what it
+    connects with; ``store`` is where in-flight counts, backend marks and rate buckets live
+    when several balancers share them (:mod:`txlb._cluster.store`).
 
     What the proxy observes of each request goes to :attr:`bookkeeper`, which keeps this
     process's books; ``observer`` (an
@@ -195,8 +198,15 @@ class LoadBalancer:
         inflight: InFlightStore | None = None,
         observer: IRequestObserver | None = None,
         store: IBackendStore | None = None,
+        policy: IPolicy | str | None = None,
         **options: object,
     ) -> None:
+        if isinstance(policy, str):  # the --policy option, by name
+            options["policy"] = policy
+            policy = None
+        elif policy is not None and not IPolicy.providedBy(policy):
+            raise TypeError(f"LoadBalancer(policy=...): {policy!r} is neither a policy's "
+                            "name nor an IPolicy provider")
         if config is None:
             unknown = sorted(set(options) - {spec.attribute for spec in OPTIONS})
             if unknown:
@@ -245,7 +255,10 @@ class LoadBalancer:
             slow_start=config.slow_start, store=self.store)
         self.metrics = Metrics(self.pool)
         retry_after = max(1, math.ceil(config.health_interval))
-        self.policy = make_policy(config.policy, reactor.seconds, rng)
+        #: an embedder's own policy object (it overrides ``config.policy``), or the one
+        #: ``--policy`` names
+        self.policy: IPolicy = (
+            policy if policy is not None else make_policy(config.policy, reactor, rng))
         self.router = Router(
             self.pool,
             self.policy,
@@ -269,7 +282,7 @@ class LoadBalancer:
             path=config.health_path,
             rise=config.rise,
             fall=config.fall,
-            scrape_engine_queue=config.policy == "queue-depth",
+            scrape_engine_queue=bool(self.policy.needs_engine_metrics),
         )
         #: every finished request is summarised once, for these consumers (in this order)
         self.summaries = SummaryFeed(self.privacy, [
@@ -335,7 +348,7 @@ class LoadBalancer:
         admin = Admin(self.pool, self.metrics, self.config.admin_token,
                       on_added=self.health.probe_soon, clock=self.reactor,
                       extra_status=extra_status, allowed_hosts=self.config.admin_hosts,
-                      history=self.history)
+                      history=self.history, describe=self.policy.describe)
         return admin.resource()
 
     def site(self) -> Site:

@@ -24,6 +24,8 @@ from urllib.parse import urlsplit
 
 import attrs
 
+from txlb._scheduling.policies.registry import DEFAULT_POLICY, find_factory, policy_names
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised only on 3.10
@@ -441,14 +443,17 @@ def parse_exposure(option: str, value: object) -> str:
     return text
 
 
-POLICIES = ("least-conn", "round-robin", "random", "p2c", "latency", "queue-depth")
-
-
 def parse_policy(option: str, value: object) -> str:
+    """A policy the registry knows: a built-in one, or one a plugin provides."""
     text = str(value).strip().lower()
-    if text not in POLICIES:
-        raise ConfigError(f"--{option}: {value!r} is not one of {', '.join(POLICIES)}")
+    if find_factory(text) is None:
+        raise ConfigError(f"--{option}: {value!r} is not one of {', '.join(policy_names())}")
     return text
+
+
+def describe_policies() -> str:
+    """``--policy``'s help: every policy the registry knows now, plugins' included."""
+    return f"Backend choice: {', '.join(policy_names())}."
 
 
 UNKNOWN_MODEL = ("404", "forward")
@@ -521,13 +526,18 @@ class OptionSpec:
     name: str
     default: object
     parse: Callable[[str, Any], Any]
-    help: str
+    #: the help line, or a function giving it when it depends on what is installed
+    help: str | Callable[[], str]
     env: str | None = None
     cli: bool = True
 
     @property
     def attribute(self) -> str:
         return self.name.replace("-", "_")
+
+    @property
+    def help_text(self) -> str:
+        return self.help if isinstance(self.help, str) else self.help()
 
 
 DEFAULT_BACKENDS = ",".join(f"127.0.0.1:{port}" for port in range(8002, 8010))
@@ -582,9 +592,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
                "besides loopback names and its own address.", "LB_ADMIN_HOSTS"),
     OptionSpec("shutdown-timeout", 30.0, parse_duration,
                "Seconds in-flight requests get to finish on SIGTERM/SIGINT."),
-    OptionSpec("policy", "least-conn", parse_policy,
-               "Backend choice: least-conn, round-robin, random, p2c, latency, queue-depth.",
-               "LB_POLICY"),
+    OptionSpec("policy", DEFAULT_POLICY, parse_policy, describe_policies, "LB_POLICY"),
     OptionSpec("queue-timeout", 30.0, parse_duration,
                "Seconds a request may wait when every backend for it is at max_conns."),
     OptionSpec("unknown-model", "404", parse_unknown_model,
@@ -664,7 +672,7 @@ class Config:
     admin_token: str | None = None
     admin_hosts: tuple[str, ...] = ()
     shutdown_timeout: float = 30.0
-    policy: str = "least-conn"
+    policy: str = DEFAULT_POLICY
     queue_timeout: float = 30.0
     unknown_model: str = "404"
     affinity: str | None = None

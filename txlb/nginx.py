@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from twisted.python import usage
 
 from txlb._config import Config, ConfigError, build_config
+from txlb._scheduling.policies.registry import find_factory
 from txlb.tap import Options as LlmlbOptions
 
 UPSTREAM = "txlb_backends"
@@ -141,6 +142,12 @@ def _quote(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+def _nginx_directive(policy: str) -> str | None:
+    """What the policy registry says behaves like ``policy`` in nginx, if anything."""
+    factory = find_factory(policy)
+    return None if factory is None else factory.nginx
+
+
 def upstream_block(config: Config) -> list[str]:
     lines = [f"upstream {UPSTREAM} {{"]
     policy = config.policy
@@ -150,14 +157,8 @@ def upstream_block(config: Config) -> list[str]:
     elif config.affinity:
         lines.append("    hash $remote_addr consistent;  # --affinity user: nginx cannot read "
                      "the body's user; the client address is the closest key")
-    elif policy == "least-conn":
-        lines.append("    least_conn;")
-    elif policy == "round-robin":
-        lines.append("    # round-robin: nginx's default (smooth weighted round-robin)")
-    elif policy == "random":
-        lines.append("    random;")
-    elif policy == "p2c":
-        lines.append("    random two least_conn;")
+    elif (directive := _nginx_directive(policy)) is not None:
+        lines.append(f"    {directive}")
     else:
         lines.append("    least_conn;")
         lines.append(f"    # --policy {policy}: no nginx equivalent; least_conn is the closest"

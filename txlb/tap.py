@@ -43,7 +43,7 @@ def _describe(name: str) -> str:
     spec = next(s for s in OPTIONS if s.name == name)
     env = f" [env {spec.env}]" if spec.env else ""
     default = "none" if spec.default == () else spec.default
-    return f"{spec.help} Default: {default}.{env}"
+    return f"{spec.help_text} Default: {default}.{env}"
 
 
 class Options(usage.Options):

@@ -25,8 +25,10 @@ from txlb._records.bookkeeper import (
 )
 from txlb._records.metrics import Metrics
 from txlb._records.observer import IRequestObserver, NullObserver
+from txlb._records.outcome import RequestOutcome
 from txlb._records.summary import RequestRecord, Summary, summarize
-from txlb._scheduling.policies import LeastConnections, PeakEwmaLatency
+from txlb._scheduling.policies.least_conn import LeastConnections
+from txlb._scheduling.policies.peak_ewma import PeakEwmaLatency
 
 from ..helpers import ClientConnection, FakeResponse, FakeUpstream
 
@@ -127,19 +129,24 @@ class ConsumerTests(SynchronousTestCase):
         pool = a_pool(A)
         backend = pool.get(A)
         assert backend is not None
-        consume = policy_learns(pool, PeakEwmaLatency(Clock().seconds)).consume
+        policy = PeakEwmaLatency(Clock())
+        consume = policy_learns(pool, policy).consume
         consume(a_summary(ttft=3.0), False)
         consume(a_summary(ttft=None), True)
-        self.assertIsNone(backend.peak_ewma)
+        self.assertIsNone(policy.estimate(backend))
         consume(a_summary(ttft=0.75), True)
-        self.assertEqual(backend.peak_ewma, 0.75)
+        self.assertEqual(policy.estimate(backend), 0.75)
 
-    def test_a_policy_that_learns_nothing_is_left_alone(self) -> None:
+    def test_every_answered_request_reaches_observe_as_an_outcome(self) -> None:
         pool = a_pool(A)
-        policy_learns(pool, LeastConnections()).consume(a_summary(), True)
-        backend = pool.get(A)
-        assert backend is not None
-        self.assertIsNone(backend.peak_ewma)
+        seen: list[tuple[object, RequestOutcome]] = []
+        policy = LeastConnections()
+        self.patch(policy, "observe", lambda backend, outcome: seen.append((backend, outcome)))
+        consume = policy_learns(pool, policy).consume
+        consume(a_summary(ttft=0.5), True)
+        consume(a_summary(ttft=0.5), False)  # no answer: nothing to learn
+        self.assertEqual([(backend, outcome.ttfb, outcome.answered) for backend, outcome in seen],
+                         [(pool.get(A), 0.5, True)])
 
 
 class BookkeeperTests(SynchronousTestCase):

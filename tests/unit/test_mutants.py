@@ -411,7 +411,7 @@ class PolicyMutantTests(SynchronousTestCase):
     def test_p2c_gives_an_idle_heavier_backend_its_share(self) -> None:
         import random
 
-        from txlb._scheduling.policies import PowerOfTwoChoices
+        from txlb._scheduling.policies.p2c import PowerOfTwoChoices
 
         policy = PowerOfTwoChoices(random.Random(4))
         heavy, light = self.backends(3, 1)
@@ -419,23 +419,23 @@ class PolicyMutantTests(SynchronousTestCase):
         self.assertGreater(picks.count(heavy), 250)  # ties go to the first drawn (3:1)
 
     def test_latency_prefers_the_heavier_of_equal_backends(self) -> None:
-        from txlb._scheduling.policies import PeakEwmaLatency
+        from txlb._scheduling.policies.peak_ewma import PeakEwmaLatency
 
-        policy = PeakEwmaLatency(Clock().seconds)
+        policy = PeakEwmaLatency(Clock())
         light, heavy = self.backends(1, 2)
         for backend in (light, heavy):
-            backend.peak_ewma = 0.5
+            policy.sample(backend, 0.5)
             backend.counted(1)
         self.assertIs(policy.choose([light, heavy]), heavy)
 
     def test_latency_without_decay_takes_the_last_sample(self) -> None:
-        from txlb._scheduling.policies import PeakEwmaLatency
+        from txlb._scheduling.policies.peak_ewma import PeakEwmaLatency
 
-        policy = PeakEwmaLatency(Clock().seconds, decay=0)
+        policy = PeakEwmaLatency(Clock(), decay=0)
         (backend,) = self.backends(1)
-        policy.observe(backend, 2.0)
-        policy.observe(backend, 1.0)
-        self.assertEqual(backend.peak_ewma, 1.0)
+        policy.sample(backend, 2.0)
+        policy.sample(backend, 1.0)
+        self.assertEqual(policy.estimate(backend), 1.0)
 
 
 class ResultLogMutantTests(SynchronousTestCase):
@@ -622,16 +622,16 @@ class MoreMutantTests(SynchronousTestCase):
     def test_every_policy_provides_the_interface(self) -> None:
         from zope.interface.verify import verifyObject
 
-        from txlb._scheduling.policies import POLICY_NAMES, IPolicy, make_policy
+        from txlb._scheduling.policies import IPolicy
+        from txlb._scheduling.policies.registry import BUILT_IN, make_policy
 
-        for name in POLICY_NAMES:
-            self.assertTrue(verifyObject(IPolicy, make_policy(name, Clock().seconds, None)),
-                            name)
+        for name in (factory.name for factory in BUILT_IN):
+            self.assertTrue(verifyObject(IPolicy, make_policy(name, Clock(), None)), name)
 
     def test_queue_depth_prefers_the_emptier_engine(self) -> None:
-        from txlb._scheduling.policies import make_policy
+        from txlb._scheduling.policies.registry import make_policy
 
-        policy = make_policy("queue-depth", Clock().seconds, None)
+        policy = make_policy("queue-depth", Clock(), None)
         empty, busy = (Backend(BackendSpec("127.0.0.1", p), engine_depth=depth)
                        for p, depth in ((8002, 0.0), (8003, 0.5)))
         self.assertEqual({policy.choose([empty, busy]).key for _ in range(4)}, {empty.key})
@@ -689,7 +689,7 @@ class CiSampleMutantTests(SynchronousTestCase):
     def test_p2c_with_one_candidate(self) -> None:
         import random
 
-        from txlb._scheduling.policies import PowerOfTwoChoices
+        from txlb._scheduling.policies.p2c import PowerOfTwoChoices
 
         (only,) = [Backend(BackendSpec("127.0.0.1", 8002))]
         self.assertIs(PowerOfTwoChoices(random.Random(1)).choose([only]), only)

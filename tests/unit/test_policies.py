@@ -1,10 +1,29 @@
-"""Least-connections choice, on its own."""
+"""
+Each policy on its own: least-connections' choices, and the contract every built-in policy
+keeps (:class:`PolicyContract`, one test class per policy module -- a new policy's test
+class can inherit it too).  Their other behaviour is tested in test_scheduling.
+"""
 
 from __future__ import annotations
 
-from twisted.trial.unittest import SynchronousTestCase
+import math
+import random
 
-from txlb import BackendSpec, LeastConnections, Pool
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+from zope.interface.verify import verifyObject
+
+from txlb import BackendSpec, IPolicy, LeastConnections, Pool, RequestOutcome, RoutingRequest
+from txlb._scheduling.policies import (
+    IPolicyFactory,
+    least_conn,
+    p2c,
+    peak_ewma,
+    queue_depth,
+    round_robin,
+    weighted_random,
+)
+from txlb._scheduling.policies.registry import find_factory
 
 
 def pool_of(*weights: int) -> Pool:
@@ -41,3 +60,177 @@ class LeastConnectionsTests(SynchronousTestCase):
     def test_ipv6_key_is_bracketed(self) -> None:
         spec = BackendSpec("::1", 8002)
         self.assertEqual(spec.key, "[::1]:8002")
+
+
+class PolicyContract:
+    """What every policy module must give: set ``module`` in a SynchronousTestCase."""
+
+    module: object
+    #: learns from what it observes (so an outcome may change its later choices)
+    learns = False
+    needs_engine_metrics = False
+
+    def make(self) -> IPolicy:
+        factory: IPolicyFactory = self.module.factory  # type: ignore[attr-defined]
+        return factory(Clock(), random.Random(3))
+
+    def test_its_factory_is_registered_under_its_name(self) -> None:
+        factory = self.module.factory  # type: ignore[attr-defined]
+        case: SynchronousTestCase = self  # type: ignore[assignment]
+        case.assertTrue(verifyObject(IPolicyFactory, factory))
+        case.assertIs(find_factory(factory.name), factory)
+        policy = self.make()
+        case.assertTrue(verifyObject(IPolicy, policy))
+        case.assertEqual(policy.name, factory.name)
+        case.assertEqual(policy.needs_engine_metrics, self.needs_engine_metrics)
+        case.assertTrue(factory.summary)
+
+    def test_chooses_among_the_candidates(self) -> None:
+        case: SynchronousTestCase = self  # type: ignore[assignment]
+        backends = list(pool_of(1, 2, 1))
+        policy = self.make()
+        for _ in range(20):
+            case.assertIn(policy.choose(backends), backends)
+        case.assertIs(policy.choose(backends[1:2]), backends[1])
+
+    def test_the_routing_request_changes_nothing(self) -> None:
+        case: SynchronousTestCase = self  # type: ignore[assignment]
+        backends = list(pool_of(1, 2, 1))
+        plain, given = self.make(), self.make()
+        request = RoutingRequest(model="m", session="s", client="ip:1", body=b"{}", json={})
+        case.assertEqual([plain.choose(backends).key for _ in range(20)],
+                         [given.choose(backends, request).key for _ in range(20)])
+
+    def test_observe_and_describe(self) -> None:
+        case: SynchronousTestCase = self  # type: ignore[assignment]
+        backends = list(pool_of(1, 1))
+        told, untold = self.make(), self.make()
+        outcome = RequestOutcome(backend=backends[0].key, status=200, answered=True,
+                                 ttfb=5.0, duration=9.0)
+        told.observe(backends[0], outcome)
+        same = ([told.choose(backends).key for _ in range(10)]
+                == [untold.choose(backends).key for _ in range(10)])
+        case.assertEqual(same, not self.learns)
+        case.assertEqual(dict(untold.describe(backends[0])), dict(untold.describe(backends[1])))
+
+
+class LeastConnectionsContractTests(PolicyContract, SynchronousTestCase):
+    module = least_conn
+
+
+class RoundRobinContractTests(PolicyContract, SynchronousTestCase):
+    module = round_robin
+
+
+class WeightedRandomContractTests(PolicyContract, SynchronousTestCase):
+    module = weighted_random
+
+
+class PowerOfTwoChoicesContractTests(PolicyContract, SynchronousTestCase):
+    module = p2c
+
+
+class PeakEwmaContractTests(PolicyContract, SynchronousTestCase):
+    module = peak_ewma
+    learns = True
+
+    def test_describe_shows_the_estimate(self) -> None:
+        (backend,) = list(pool_of(1))
+        policy = self.make()
+        self.assertEqual(policy.describe(backend), {"latency_peak_ewma_s": None})
+        policy.observe(backend, RequestOutcome(backend=backend.key, status=200,
+                                               answered=True, ttfb=0.123456, duration=1.0))
+        self.assertEqual(policy.describe(backend), {"latency_peak_ewma_s": 0.1235})
+
+
+    def test_the_decay_counts_from_the_last_sample(self) -> None:
+        clock = Clock()
+        clock.advance(100)  # not at 0: elapsed is now - then, whatever the epoch
+        policy = peak_ewma.PeakEwmaLatency(clock, decay=10)
+        (backend,) = list(pool_of(1))
+        policy.sample(backend, 1.0)
+        clock.advance(10)
+        policy.sample(backend, 0.0)
+        self.assertAlmostEqual(policy.estimate(backend), math.exp(-1))  # type: ignore
+
+
+    def test_the_default_decay_is_ten_seconds(self) -> None:
+        clock = Clock()
+        policy = peak_ewma.factory(clock, random.Random())  # as --policy latency makes it
+        (backend,) = list(pool_of(1))
+        policy.observe(backend, RequestOutcome(backend.key, 200, True, ttfb=1.0, duration=1.0))
+        clock.advance(10)
+        policy.observe(backend, RequestOutcome(backend.key, 200, True, ttfb=0.0, duration=1.0))
+        self.assertAlmostEqual(policy.describe(backend)["latency_peak_ewma_s"],  # type: ignore
+                               round(math.exp(-1), 4))
+
+    def test_a_short_or_backward_step_of_the_clock(self) -> None:
+        clock = Clock()
+        clock.advance(100)
+        policy = peak_ewma.PeakEwmaLatency(clock, decay=0.5)  # a decay under a second works
+        (backend,) = list(pool_of(1))
+        policy.sample(backend, 1.0)
+        clock.advance(0.25)
+        policy.sample(backend, 0.0)
+        self.assertAlmostEqual(policy.estimate(backend), math.exp(-0.5))  # type: ignore
+        clock.rightNow -= 5  # a clock stepped back: no time passed, the estimate holds
+        policy.sample(backend, 0.0)
+        self.assertAlmostEqual(policy.estimate(backend), math.exp(-0.5))  # type: ignore
+
+    def test_the_cost_is_latency_times_in_flight_plus_one(self) -> None:
+        a, b = list(pool_of(1, 1))
+        policy = peak_ewma.PeakEwmaLatency(Clock())
+        policy.sample(a, 0.1)
+        policy.sample(b, 0.3)
+        a.counted(1)  # 0.1 * 2 < 0.3 * 1
+        self.assertEqual({policy.choose([a, b]).key for _ in range(3)}, {a.key})
+        a.counted(2)  # 0.1 * 3 = 0.3 * 1: a tie, which the fewer in flight wins
+        self.assertEqual({policy.choose([a, b]).key for _ in range(3)}, {b.key})
+        a.counted(3)  # 0.1 * 4 > 0.3 * 1
+        self.assertEqual({policy.choose([a, b]).key for _ in range(3)}, {b.key})
+
+    def test_a_zero_latency_sample(self) -> None:
+        a, b = list(pool_of(1, 1))
+        policy = peak_ewma.PeakEwmaLatency(Clock())
+        policy.sample(a, 0.0)  # an answer at once (the same clock tick): cost 0
+        policy.sample(b, 0.2)
+        self.assertIs(policy.choose([a, b]), a)
+
+    def test_a_lower_cost_is_not_a_tie(self) -> None:
+        a, b = list(pool_of(1, 1))
+        policy = peak_ewma.PeakEwmaLatency(Clock())
+        policy.sample(a, 0.1)
+        policy.sample(b, 0.15)
+        self.assertEqual({policy.choose([a, b]).key for _ in range(4)}, {a.key})
+
+
+class QueueDepthContractTests(PolicyContract, SynchronousTestCase):
+    module = queue_depth
+    needs_engine_metrics = True
+
+    def test_the_engine_queue_is_divided_by_weight(self) -> None:
+        pool = pool_of(2, 1)
+        heavy, light = list(pool)
+        pool.set_engine_depth(heavy, running=4, waiting=0)  # 4 / 2 < 3 / 1
+        pool.set_engine_depth(light, running=3, waiting=0)
+        self.assertIs(self.make().choose([heavy, light]), heavy)
+
+    def test_unscraped_in_flight_is_divided_by_weight(self) -> None:
+        heavy, light = list(pool_of(4, 1))
+        heavy.counted(3)
+        light.counted(1)  # 0.75 < 1
+        self.assertIs(self.make().choose([heavy, light]), heavy)
+
+    def test_more_ended_than_the_engine_held_counts_as_empty_not_below(self) -> None:
+        pool = pool_of(1, 1)
+        drained, empty = list(pool)
+        for _ in range(3):
+            drained.took_slot()  # started before the scrape ...
+        pool.set_engine_depth(drained, running=1, waiting=0)
+        pool.set_engine_depth(empty, running=0, waiting=0)
+        for _ in range(3):
+            drained.gave_slot()  # ... ended here since: 1 - 3 -> 0, not -2
+        self.assertEqual(drained.finished_since_scrape, 3)
+        policy = self.make()
+        self.assertEqual({policy.choose([drained, empty]).key for _ in range(2)},
+                         {drained.key, empty.key})  # a tie: they take turns

@@ -91,7 +91,7 @@ class ForwarderTests(SynchronousTestCase):
         self.forwarder.ended(a_record())
         backend = lb.pool.get(A)
         assert backend is not None
-        self.assertEqual(backend.peak_ewma, 0.25)
+        self.assertEqual(lb.policy.describe(backend), {"latency_peak_ewma_s": 0.25})
 
 
 class WorkerReportsTests(SynchronousTestCase):

@@ -38,7 +38,7 @@ ALLOWED: dict[tuple[str, str], str] = {
 #: Public fields Backend and Lease may keep: set at construction and never changed, or the
 #: policy's own state (Peak-EWMA's estimate, until it moves into the policy).
 PUBLIC_FIELDS = {
-    Backend: {"spec", "clock", "slow_start", "peak_ewma", "peak_ewma_at"},
+    Backend: {"spec", "clock", "slow_start"},
     Lease: {"backend"},
 }
 

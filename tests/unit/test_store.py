@@ -28,7 +28,7 @@ from txlb._cluster.store import (
     Marks,
     OwnMarks,
 )
-from txlb._scheduling.policies import LeastConnections
+from txlb._scheduling.policies.least_conn import LeastConnections
 from txlb._scheduling.ratelimit import TokenBuckets
 from txlb._scheduling.router import Router
 

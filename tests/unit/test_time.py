@@ -23,8 +23,6 @@ TXLB = Path(__file__).resolve().parents[2] / "txlb"
 
 #: Modules whose ``clock`` is annotated otherwise, and why.
 OTHER_CLOCKS = {
-    "_scheduling/policies.py": "still a callable: the policy registry (its own change) hands "
-                               "policies an IReactorTime",
     "testing.py": "a typing Protocol of IReactorTime's seconds/callLater, so the public "
                   "testing module type-checks without the zope plugin",
 }

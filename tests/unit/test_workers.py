@@ -16,7 +16,8 @@ from txlb import BackendSpec, build_config
 from txlb._cluster.pool import Pool
 from txlb._cluster.shared_counts import SharedCounts
 from txlb._records.summary import Summary
-from txlb._scheduling.policies import LeastConnections
+from txlb._scheduling.policies.least_conn import LeastConnections
+from txlb._scheduling.request import RoutingRequest
 from txlb._scheduling.router import Router, RoutingError
 from txlb._workers.wire import (
     Finished,
@@ -191,7 +192,7 @@ class SharedPoolTests(SynchronousTestCase):
         self.assertFalse(mirrored[KEYS[0]].healthy)
         self.assertTrue(mirrored[KEYS[1]].draining)
         self.assertEqual(mirrored[KEYS[2]].models, ("llama",))
-        lease = self.successResultOf(pools.routers[0].acquire("llama"))
+        lease = self.successResultOf(pools.routers[0].acquire(RoutingRequest(model="llama")))
         self.assertEqual(lease.backend.key, KEYS[2])
         # removal: the worker keeps the backend until its own request there ends
         sup.remove(sup.get(KEYS[2]))  # type: ignore[arg-type]

@@ -24,7 +24,7 @@ import ipaddress
 import json
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from importlib import resources
 from typing import Any
 from urllib.parse import unquote_to_bytes
@@ -249,12 +249,13 @@ class _Guard(Resource):
                                   "Content-Type: application/json")
 
 
-def _dashboard_status(backend: Backend, now: float) -> dict[str, object]:
+def _dashboard_status(state: dict[str, object], backend: Backend, now: float
+                      ) -> dict[str, object]:
     """
-    A backend's ``/status`` entry, plus what the dashboard shows as state: how long an
-    outlier ejection still lasts, and how far a slow start has ramped (1 = full weight).
+    A backend's ``/status`` entry (``state``), plus what the dashboard shows as state: how
+    long an outlier ejection still lasts, and how far a slow start has ramped (1 = full
+    weight).
     """
-    state = backend.detailed_status()
     until = backend.ejected_until
     state["ejected_for_s"] = round(until - now, 1) if until is not None and until > now else 0
     state["slow_start_ramp"] = round(backend.ramp, 3)
@@ -278,7 +279,9 @@ class Admin:
                  clock: IReactorTime | None = None,
                  extra_status: Callable[[], dict[str, object]] | None = None,
                  allowed_hosts: Iterable[str] = (),
-                 history: History | None = None) -> None:
+                 history: History | None = None,
+                 describe: Callable[[Backend], Mapping[str, object]] = lambda backend: {},
+                 ) -> None:
         self.pool = pool
         self._allowed_hosts = tuple(allowed_hosts)
         self._metrics = metrics
@@ -292,6 +295,12 @@ class Admin:
         #: more top-level keys for ``/status`` (the worker processes, with --workers)
         self._extra_status = extra_status
         self._history = history
+        #: what the policy knows of a backend (IPolicy.describe), added to its entry
+        self._describe = describe
+
+    def _backend_status(self, backend: Backend) -> dict[str, object]:
+        """A backend's entry in ``/status`` and the answers about one backend."""
+        return {**backend.detailed_status(), **self._describe(backend)}
 
     def resource(self) -> IResource:
         """The admin API as a resource: the Klein app behind the request checks."""
@@ -359,7 +368,9 @@ class Admin:
         summary = self.pool.status()
         backends = list(self.pool)
         now = self._clock.seconds()
-        summary["backends"] = [_dashboard_status(backend, now) for backend in backends]
+        summary["backends"] = [
+            _dashboard_status(self._backend_status(backend), backend, now)
+            for backend in backends]
         summary["in_flight"] = sum(b.active for b in backends)
         summary["requests"] = sum(b.requests for b in backends)
         summary["draining"] = sum(1 for b in backends if b.draining)
@@ -400,7 +411,7 @@ class Admin:
         self._authorize(request)
         backend = self._backend(key)
         self.pool.drain(backend)
-        return _json(request, 200, backend.detailed_status())
+        return _json(request, 200, self._backend_status(backend))
 
     @app.route("/backends/<string:key>/undrain", methods=["POST"])
     def undrain(self, request: Request, key: str) -> bytes:
@@ -410,7 +421,7 @@ class Admin:
             self.pool.undrain(backend)
         except ValueError as error:
             raise AdminError(409, str(error)) from None
-        return _json(request, 200, backend.detailed_status())
+        return _json(request, 200, self._backend_status(backend))
 
     @app.route("/backends", methods=["POST"])
     def add(self, request: Request) -> bytes:
@@ -441,14 +452,14 @@ class Admin:
         except Exception:
             # It is in the pool now; say so.  The regular health checks probe it later.
             log.failure("could not start the first probe of {backend}", backend=backend.key)
-        return _json(request, 201, backend.detailed_status())
+        return _json(request, 201, self._backend_status(backend))
 
     @app.route("/backends/<string:key>", methods=["DELETE"])
     def remove(self, request: Request, key: str) -> bytes:
         self._authorize(request)
         backend = self._backend(key)
         self.pool.remove(backend)
-        state = backend.detailed_status()
+        state = self._backend_status(backend)
         state["removed"] = self.pool.get(key) is None
         return _json(request, 202 if not state["removed"] else 200, state)
 

@@ -83,10 +83,6 @@ class Backend:
     _streak_clients: tuple[str, ...] = ()
     _outlier_ejections: int = 0
     _ejected_until: float | None = None
-    #: Peak-EWMA's estimate, and when it was last folded: the policy's own state, written by
-    #: txlb._scheduling.policies (public until that state moves into the policy).
-    peak_ewma: float | None = None
-    peak_ewma_at: float | None = None
     #: set by the pool: its clock and slow-start length, for :attr:`effective_weight`
     clock: IReactorTime | None = attrs.field(default=None, repr=False)
     slow_start: float = 0.0
@@ -471,7 +467,9 @@ class Backend:
             "models": list(self.models or ()),
             "engine_depth": self.engine_depth,
             "kv_cache_usage": _rounded(self.kv_cache_usage),
-            "latency_peak_ewma_s": _rounded(self.peak_ewma),
+            # the latency policy's estimate (IPolicy.describe fills it in the admin API);
+            # kept null for other policies so /status keeps one shape
+            "latency_peak_ewma_s": None,
             "responses": dict(sorted(self.responses.items())),
             "ejections": self.ejections,
             "probes_ok": self.probes_ok,

@@ -23,6 +23,7 @@ from txlb._proxy.incoming import local_path, read_body
 from txlb._proxy.local import LocalAnswers
 from txlb._records.summary import RequestRecord, parse_json_object
 from txlb._scheduling.ratelimit import RateLimiter
+from txlb._scheduling.request import RoutingRequest
 from txlb._scheduling.router import Router, RoutingError
 
 log = Logger()
@@ -92,8 +93,8 @@ class ProxyResource(Resource):
                 self._refuse(request, record, 429, "rate limit exceeded for this client; "
                                                    f"retry in {wait}s", wait)
                 return NOT_DONE_YET
-        model, session = self._route_keys(request, record)
-        waiting = self.router.acquire(model, session)
+        routing = self._routing_request(request, record)
+        waiting = self.router.acquire(routing)
         if not waiting.called:
             # queued for a slot: a client that leaves also leaves the queue (once started,
             # the exchange watches the client itself)
@@ -102,16 +103,17 @@ class ProxyResource(Resource):
 
             request.notifyFinish().addErrback(client_left)
         waiting.addCallbacks(
-            lambda lease: self._forward(request, record, lease, model, session),
+            lambda lease: self._forward(request, record, lease, routing),
             lambda failure: self._not_routed(request, record, failure),
         ).addErrback(lambda failure: log.failure("routing a request failed", failure))
         return NOT_DONE_YET
 
-    def _route_keys(self, request: Request, record: RequestRecord) -> tuple[str | None, str | None]:
+    def _routing_request(self, request: Request, record: RequestRecord) -> RoutingRequest:
         """
-        The model a request names (after alias resolution, rewriting the body for the
-        backend) and its session key for affinity.  A body that is not a JSON object is
-        forwarded untouched and routes like a request without a model.
+        What the request is routed by: the model it names (after alias resolution,
+        rewriting the body for the backend), its session key for affinity, its client key,
+        and the body with the one parse of it made here.  A body that is not a JSON object
+        is forwarded untouched and routes like a request without a model.
         """
         body = parse_json_object(record.request_body)
         model = None
@@ -128,15 +130,17 @@ class ProxyResource(Resource):
         elif self.affinity is not None:
             value = request.getHeader(self.affinity.split(":", 1)[1].encode("ascii"))
             session = value.decode("utf-8", "replace") if value else None
-        return model, session
+        return RoutingRequest(model=model, session=session,
+                              client=self.context.client_key(request),
+                              body=record.request_body, json=body)
 
     def _forward(self, request: Request, record: RequestRecord, lease: Lease,
-                 model: str | None, session: str | None) -> None:
+                 routing: RoutingRequest) -> None:
         record.queue_wait = lease.waited
         router = self.router
         retry = RetryPlan(
-            acquire=lambda tried: router.acquire(model, session, exclude=tried),
-            possible=lambda tried: router.can_serve_now(model, tried),
+            acquire=lambda tried: router.acquire(routing, exclude=tried),
+            possible=lambda tried: router.can_serve_now(routing.model, tried),
         )
         exchange = Exchange(request, record, lease, self.context, retry)
         self.live.add(exchange)

@@ -28,7 +28,7 @@ from txlb._records.metrics import Metrics
 from txlb._records.observer import IRequestObserver
 from txlb._records.outcome import RequestOutcome
 from txlb._records.summary import KEEP_ALL, Privacy, RequestRecord, Summary, summarize
-from txlb._scheduling.policies import PeakEwmaLatency
+from txlb._scheduling.policies import IPolicy
 
 log = Logger()
 
@@ -104,16 +104,17 @@ def pool_results(pool: Pool) -> SummaryConsumer:
     return SummaryConsumer("the pool's result counts", consume)
 
 
-def policy_learns(pool: Pool, policy: object) -> SummaryConsumer:
-    """What the policy learns from each request a backend answered (its ``observe``)."""
+def policy_learns(pool: Pool, policy: IPolicy) -> SummaryConsumer:
+    """
+    What the policy learns from each request a backend answered (its ``observe``); a
+    policy that fails to is logged by the feed, like any consumer.
+    """
 
     def consume(summary: Summary, answered: bool) -> None:
         backend = pool.get(summary.backend) if answered else None
         if backend is None:
             return
-        outcome = RequestOutcome.of(summary, answered)
-        if isinstance(policy, PeakEwmaLatency) and outcome.ttfb is not None:
-            policy.observe(backend, outcome.ttfb)
+        policy.observe(backend, RequestOutcome.of(summary, answered))
 
     return SummaryConsumer("the policy", consume)
 

@@ -26,6 +26,7 @@ from txlb._cluster.backend import Backend, Lease
 from txlb._cluster.pool import Pool
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.policies import IPolicy
+from txlb._scheduling.request import ANY_REQUEST, RoutingRequest
 
 log = Logger()
 
@@ -50,8 +51,9 @@ class ModelRoute:
 
 @attrs.define(eq=False)
 class _Waiter:
+    #: the model the choice filters on (see Router._routed): not always request.model
     model: str | None
-    session: str | None
+    request: RoutingRequest
     exclude: frozenset[str]
     since: float
     deferred: Deferred[Lease] | None = None
@@ -140,29 +142,30 @@ class Router:
 
     # -- taking a slot ------------------------------------------------------------------
 
-    def acquire(self, model: str | None = None, session: str | None = None,
+    def acquire(self, request: RoutingRequest = ANY_REQUEST,
                 exclude: frozenset[str] = frozenset()) -> Deferred[Lease]:
         """
-        A slot on a backend that serves ``model`` (any backend for ``None``), now or once
-        one frees up.  Fails with :class:`RoutingError`: 404 when no backend serves the
-        model, 503 when none can take it (all down or draining, or the queue wait ran out).
-        Cancelling the Deferred (the client left) takes the request out of the queue.
+        A slot on a backend that serves ``request.model`` (any backend for ``None``), now
+        or once one frees up; the session key picks by affinity, else the policy chooses,
+        seeing ``request``.  Fails with :class:`RoutingError`: 404 when no backend serves
+        the model, 503 when none can take it (all down or draining, or the queue wait ran
+        out).  Cancelling the Deferred (the client left) takes the request out of the queue.
         """
-        model = self._routed(model)
+        model = self._routed(request.model)
         serving = self._serving(model, exclude)
         if model is not None and not serving and not any(
                 b.serves(model) for b in self.pool):
             served = ", ".join(self.served_models()) or "none"
             return fail(RoutingError(
                 404, f"The model `{model}` does not exist. Served models: {served}"))
-        lease = self._take(serving, session)
+        lease = self._take(serving, request)
         if lease is not None:
             return succeed(lease)
         if not self._queue_worthy(serving):
             what = f"model `{model}`" if model is not None else "this request"
             return fail(RoutingError(503, f"no backend is available for {what}",
                                      self.retry_after))
-        waiter = _Waiter(model, session, exclude, self.clock.seconds())
+        waiter = _Waiter(model, request, exclude, self.clock.seconds())
         waiting = self._enqueue(waiter)
         if self.pool.shared is not None:
             # With --workers, a slot freed in another worker wakes this queue only if the
@@ -170,7 +173,7 @@ class Router:
             # the failed take above and that publication would wake nobody: so try once
             # more now that the waiter is visible; a slot freed after this try is
             # announced to us.
-            lease = self._take(serving, session)
+            lease = self._take(serving, request)
             if lease is not None:
                 self._leave(waiter)
                 return succeed(lease)
@@ -198,19 +201,19 @@ class Router:
         """Worth waiting for: some backend is up and in rotation, only full."""
         return any(b.healthy and not b.draining and b.spec.max_conns for b in serving)
 
-    def _take(self, serving: Sequence[Backend], session: str | None) -> Lease | None:
+    def _take(self, serving: Sequence[Backend], request: RoutingRequest) -> Lease | None:
         # With --workers the pool reads the shared counts and holds the lock across
         # processes for the choice and the slot; in one process this is a plain call.
-        return self.pool.exclusive(self._choose, serving, session)
+        return self.pool.exclusive(self._choose, serving, request)
 
-    def _choose(self, serving: Sequence[Backend], session: str | None) -> Lease | None:
+    def _choose(self, serving: Sequence[Backend], request: RoutingRequest) -> Lease | None:
         candidates = [b for b in serving if b.eligible]
         if not candidates:
             return None
-        if session is not None and self.affinity is not None:
-            chosen = self.affinity.choose(session, candidates)
+        if request.session is not None and self.affinity is not None:
+            chosen = self.affinity.choose(request.session, candidates)
         else:
-            chosen = self.policy.choose(candidates)
+            chosen = self.policy.choose(candidates, request)
         return self.pool.acquire(chosen)
 
     # -- the queue ----------------------------------------------------------------------
@@ -251,7 +254,7 @@ class Router:
             if waiter not in self._queue:
                 continue  # served by a nested dispatch (a release while we were serving)
             serving = self._serving(waiter.model, waiter.exclude)
-            lease = self._take(serving, waiter.session)
+            lease = self._take(serving, waiter.request)
             if lease is None:
                 if not self._queue_worthy(serving):
                     self._leave(waiter)

@@ -1,0 +1,162 @@
+"""The routing key seam: what a policy's ``choose`` sees of the request it routes."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.server import Site
+
+from txlb import BackendSpec, LoadBalancer, Policy, Pool, RoutingRequest
+from txlb._cluster.backend import Backend
+from txlb._scheduling.request import ANY_REQUEST
+from txlb._scheduling.router import Router
+
+from ..helpers import ClientConnection, FakeResponse, FakeUpstream
+
+
+class Recording(Policy):
+    """Chooses the first candidate and keeps every request it was asked about."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.seen: list[RoutingRequest] = []
+
+    def choose(self, candidates: Sequence[Backend],
+               request: RoutingRequest = ANY_REQUEST) -> Backend:
+        self.seen.append(request)
+        return candidates[0]
+
+
+class PromptTests(SynchronousTestCase):
+    def test_a_completion_prompt(self) -> None:
+        self.assertEqual(RoutingRequest(json={"prompt": "Once upon"}).prompt(), "Once upon")
+        self.assertEqual(RoutingRequest(json={"prompt": ["a", "b"]}).prompt(), "a\nb")
+
+    def test_chat_messages_in_order_text_parts_too(self) -> None:
+        request = RoutingRequest(json={"messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"},
+                                         {"type": "image_url", "image_url": {}}]},
+            "not a message",
+        ]})
+        self.assertEqual(request.prompt(), "be brief\nhi")
+
+    def test_no_prompt(self) -> None:
+        self.assertIsNone(RoutingRequest().prompt())
+        self.assertIsNone(RoutingRequest(json={"input": "x"}).prompt())
+        self.assertIsNone(RoutingRequest(json={"messages": [{"content": 3}]}).prompt())
+        self.assertIsNone(RoutingRequest(json={"prompt": [1, 2]}).prompt())
+
+    def test_frozen(self) -> None:
+        with self.assertRaises(AttributeError):
+            RoutingRequest().model = "x"  # type: ignore[misc]
+
+
+class RouterPassesTheRequestTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.pool = Pool((BackendSpec("127.0.0.1", 1, max_conns=1),
+                          BackendSpec("127.0.0.1", 2, max_conns=1)))
+        self.policy = Recording()
+        self.router = Router(self.pool, self.policy, self.clock)
+
+    def test_choose_sees_the_request(self) -> None:
+        request = RoutingRequest(model=None, client="ip:10.0.0.1", body=b"{}")
+        lease = self.successResultOf(self.router.acquire(request))
+        self.assertEqual(self.policy.seen, [request])
+        self.assertEqual(lease.backend.key, "127.0.0.1:1")
+
+    def test_a_queued_request_is_chosen_for_with_its_request(self) -> None:
+        first = self.successResultOf(self.router.acquire(RoutingRequest(client="a")))
+        self.successResultOf(self.router.acquire(RoutingRequest(client="b")))
+        waiting = self.router.acquire(RoutingRequest(client="c"))
+        self.assertNoResult(waiting)
+        first.release()
+        self.successResultOf(waiting)
+        self.assertEqual([r.client for r in self.policy.seen], ["a", "b", "c"])
+
+    def test_a_retry_carries_the_same_request(self) -> None:
+        request = RoutingRequest(client="a")
+        self.successResultOf(self.router.acquire(request, exclude=frozenset({"127.0.0.1:1"})))
+        self.assertIs(self.policy.seen[-1], request)
+
+    def test_affinity_still_decides_for_a_session(self) -> None:
+        from txlb._scheduling.affinity import BoundedLoadRing
+
+        router = Router(self.pool, self.policy, self.clock, affinity=BoundedLoadRing())
+        self.successResultOf(router.acquire(RoutingRequest(session="s")))
+        self.assertEqual(self.policy.seen, [])
+
+
+class ProxyFillsTheRequestTests(SynchronousTestCase):
+    """From the client's request to the policy: model, session, client, body, one parse."""
+
+    def build(self, **options: Any) -> None:
+        self.clock = Clock()
+        self.upstream = FakeUpstream()
+        self.policy = Recording()
+        self.lb = LoadBalancer(["127.0.0.1:8002", "127.0.0.1:8003"], reactor=self.clock,
+                               agent=self.upstream, probe_agent=FakeUpstream(),
+                               rng=random.Random(5), policy=self.policy, log_file="none",
+                               **options)
+        self.site = Site(self.lb.resource(), reactor=self.clock)
+
+    def post(self, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        ClientConnection(self.site, peer="10.9.8.7").request(
+            b"POST", b"/v1/chat/completions", headers=headers, body=body)
+
+    def test_model_client_body_and_prompt(self) -> None:
+        self.build()
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        self.post(body.encode())
+        (seen,) = self.policy.seen
+        self.assertEqual(seen.model, "m")
+        self.assertEqual(seen.client, "ip:10.9.8.7")
+        self.assertIsNone(seen.session)
+        self.assertEqual(seen.body, body.encode())
+        self.assertEqual(seen.prompt(), "hi")
+        self.upstream.calls[0].respond(FakeResponse(200, length=0)).end()
+
+    def test_an_alias_is_seen_resolved_with_the_body_sent(self) -> None:
+        path = self.mktemp()
+        with open(path, "w") as handle:
+            handle.write('log-file = "none"\nbackends = ["127.0.0.1:8002"]\n'
+                         '[[routes]]\nmodel = "alias"\nto = { "real" = 1 }\n')
+        from txlb import build_config
+
+        self.clock = Clock()
+        self.upstream = FakeUpstream()
+        self.policy = Recording()
+        lb = LoadBalancer(config=build_config({"config": path}, {}), reactor=self.clock,
+                          agent=self.upstream, probe_agent=FakeUpstream(), policy=self.policy)
+        self.site = Site(lb.resource(), reactor=self.clock)
+        self.post(b'{"model": "alias", "prompt": "p"}')
+        (seen,) = self.policy.seen
+        self.assertEqual(seen.model, "real")
+        self.assertEqual(seen.body, self.upstream.calls[0].body)
+        self.assertEqual(json.loads(seen.body)["model"], "real")
+        self.assertEqual(seen.prompt(), "p")
+
+    def test_session_key_of_affinity(self) -> None:
+        self.build(affinity="header:x-session")
+        self.post(b'{"n": 1}', headers=[(b"x-session", b"abc")])
+        # affinity chooses for a session; the policy chose nothing
+        self.assertEqual(self.policy.seen, [])
+        self.post(b'{"n": 2}')
+        (seen,) = self.policy.seen
+        self.assertIsNone(seen.session)
+
+    def test_a_body_that_is_not_json_routes_without_a_model(self) -> None:
+        self.build()
+        self.post(b"not json")
+        (seen,) = self.policy.seen
+        self.assertIsNone(seen.model)
+        self.assertIsNone(seen.json)
+        self.assertIsNone(seen.prompt())
+        self.assertEqual(seen.body, b"not json")

@@ -1,0 +1,90 @@
+"""
+The policies ``--policy`` may name: the built-in ones, then those of plugins.
+
+A third party adds a policy the way Twisted applications add ``twistd`` subcommands: a
+:class:`~txlb._scheduling.policies.PolicyFactory` (any object providing ``IPlugin`` and
+:class:`~txlb._scheduling.policies.IPolicyFactory`) at the top level of a module in a
+``twisted/plugins/`` directory on the path, found with :func:`twisted.plugin.getPlugins`.
+Plugins are looked for only when a name is not built in (and for the full list in
+``--help``), so a balancer on a built-in policy never scans them.  A plugin cannot replace
+a built-in policy: the built-in name wins.
+"""
+
+from __future__ import annotations
+
+import random
+from types import ModuleType
+
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.plugin import getPlugins
+
+from txlb._scheduling.policies import (
+    IPolicy,
+    IPolicyFactory,
+    least_conn,
+    p2c,
+    peak_ewma,
+    queue_depth,
+    round_robin,
+    weighted_random,
+)
+
+log = Logger()
+
+#: The built-in policies, in the order ``--help`` lists them.
+BUILT_IN: tuple[IPolicyFactory, ...] = (
+    least_conn.factory,
+    round_robin.factory,
+    weighted_random.factory,
+    p2c.factory,
+    peak_ewma.factory,
+    queue_depth.factory,
+)
+
+#: The policy used when none is configured.
+DEFAULT_POLICY: str = least_conn.factory.name
+
+_BUILT_IN = {factory.name: factory for factory in BUILT_IN}
+
+
+def plugin_factories(package: ModuleType | None = None) -> dict[str, IPolicyFactory]:
+    """
+    The policies plugins provide (``package``: where to look, ``twisted.plugins`` by
+    default), by name; built-in names and repeated names are left out (the first wins).
+    """
+    found: dict[str, IPolicyFactory] = {}
+    for factory in getPlugins(IPolicyFactory, package):  # None: twisted.plugins
+        name = str(factory.name).strip().lower()
+        if name in _BUILT_IN or name in found:
+            log.warn("policy plugin {plugin!r}: the name {name!r} is taken; left out",
+                     plugin=factory, name=name)
+            continue
+        found[name] = factory
+    return found
+
+
+def policy_factories() -> dict[str, IPolicyFactory]:
+    """Every policy by name: the built-in ones first, then the plugins'."""
+    return {**_BUILT_IN, **plugin_factories()}
+
+
+def policy_names() -> tuple[str, ...]:
+    """Every valid ``--policy`` value, built-in ones first."""
+    return tuple(policy_factories())
+
+
+def find_factory(name: str) -> IPolicyFactory | None:
+    """The factory of policy ``name``; plugins are scanned only for a name not built in."""
+    factory = _BUILT_IN.get(name)
+    if factory is None:
+        factory = plugin_factories().get(name)
+    return factory
+
+
+def make_policy(name: str, clock: IReactorTime, rng: random.Random | None = None) -> IPolicy:
+    """A new policy called ``name`` (one of :func:`policy_names`)."""
+    factory = find_factory(name)
+    if factory is None:
+        raise KeyError(f"no policy called {name!r}; known: {', '.join(policy_names())}")
+    return factory(clock, rng or random.Random())
