@@ -3,7 +3,7 @@ Which scheduling policy should txlb use in front of heterogeneous LLM engines?
 
 A deterministic discrete-event simulation that drives txlb's *real* scheduling code --
 :class:`txlb._cluster.pool.Pool`, :class:`txlb._scheduling.router.Router` and the policies
-made by :func:`txlb._scheduling.policies.make_policy` -- on a
+made by :func:`txlb._scheduling.policies.registry.make_policy` -- on a
 :class:`twisted.internet.task.Clock`.  There is no real time, no socket and no HTTP: only the
 engines behind the balancer are modelled.
 
