@@ -31,6 +31,7 @@ from txlb._scheduling.policies import IPolicy, IPolicyFactory
 from txlb._scheduling.policies.registry import (
     BUILT_IN,
     DEFAULT_POLICY,
+    built_in,
     find_factory,
     make_policy,
     plugin_factories,
@@ -88,6 +89,26 @@ class RegistryTests(SynchronousTestCase):
         self.assertEqual(policy_names()[:6], BUILT_IN_NAMES)
         self.assertEqual(DEFAULT_POLICY, "least-conn")
         self.assertEqual(build_config({}, {}).policy, "least-conn")
+
+    def test_a_new_module_is_a_new_built_in_policy(self) -> None:
+        """
+        A built-in policy is found from its module alone: every public module of the
+        package with a top-level ``factory``, in ``rank`` order -- no list to edit.
+        """
+        root = Path(self.mktemp())
+        package = root / f"txlb_test_policies_{id(self)}"
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text("")
+        factory = ("from txlb import PolicyFactory\n"
+                   "factory = PolicyFactory({name!r}, 'x.y', rank={rank})\n")
+        (package / "late.py").write_text(factory.format(name="late", rank=90))
+        (package / "early.py").write_text(factory.format(name="early", rank=5))
+        (package / "_shared.py").write_text(factory.format(name="private", rank=1))
+        (package / "helpers.py").write_text("factory = 'not a policy factory'\n")
+        sys.path.insert(0, str(root))
+        self.addCleanup(sys.path.remove, str(root))
+        module = __import__(package.name)
+        self.assertEqual([f.name for f in built_in(module)], ["early", "late"])
 
     def test_each_factory_makes_its_policy(self) -> None:
         for factory in BUILT_IN:

@@ -72,6 +72,9 @@ class IPolicyFactory(Interface):
     nginx = Attribute(
         "The nginx ``upstream`` directive that behaves the same (str), or ``None`` when "
         "nginx has none (``python -m txlb.nginx`` then writes ``least_conn`` and says so).")
+    rank = Attribute(
+        "Where ``--help`` lists it (int, lower first; ties by name): a built-in policy's "
+        "place, 100 for a plugin's unless it says otherwise.")
 
     def __call__(clock: IReactorTime, rng: random.Random) -> IPolicy:
         """A new policy, timed by ``clock``, drawing random numbers from ``rng``."""
@@ -90,6 +93,7 @@ class PolicyFactory:
     build: Callable[[IReactorTime, random.Random], IPolicy] | str
     summary: str = ""
     nginx: str | None = None
+    rank: int = 100
 
     def __call__(self, clock: IReactorTime, rng: random.Random) -> IPolicy:
         build = namedAny(self.build) if isinstance(self.build, str) else self.build

@@ -33,4 +33,4 @@ class LeastConnections(Policy):
 
 factory = PolicyFactory(
     LeastConnections.name, lambda clock, rng: LeastConnections(),
-    "fewest in-flight requests per unit of weight (the default)", nginx="least_conn;")
+    "fewest in-flight requests per unit of weight (the default)", nginx="least_conn;", rank=10)

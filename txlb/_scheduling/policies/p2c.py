@@ -42,4 +42,4 @@ class PowerOfTwoChoices(Policy):
 
 factory = PolicyFactory(
     PowerOfTwoChoices.name, lambda clock, rng: PowerOfTwoChoices(rng),
-    "the less loaded of two backends drawn by weight", nginx="random two least_conn;")
+    "the less loaded of two backends drawn by weight", nginx="random two least_conn;", rank=40)

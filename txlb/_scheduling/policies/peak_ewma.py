@@ -98,4 +98,4 @@ class PeakEwmaLatency(Policy):
 
 factory = PolicyFactory(
     PeakEwmaLatency.name, lambda clock, rng: PeakEwmaLatency(clock),
-    "lowest peak-EWMA time to first byte times (in flight + 1)")
+    "lowest peak-EWMA time to first byte times (in flight + 1)", rank=50)

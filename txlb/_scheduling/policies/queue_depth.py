@@ -47,4 +47,4 @@ class QueueDepth(Policy):
 
 factory = PolicyFactory(
     QueueDepth.name, lambda clock, rng: QueueDepth(),
-    "fewest requests queued and running in the engine (scraped from its /metrics)")
+    "fewest requests queued and running in the engine (scraped from its /metrics)", rank=60)

@@ -12,6 +12,8 @@ a built-in policy: the built-in name wins.
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import random
 from types import ModuleType
 
@@ -19,31 +21,36 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.plugin import getPlugins
 
-from txlb._scheduling.policies import (
-    IPolicy,
-    IPolicyFactory,
-    least_conn,
-    p2c,
-    peak_ewma,
-    queue_depth,
-    round_robin,
-    weighted_random,
-)
+from txlb._scheduling import policies
+from txlb._scheduling.policies import IPolicy, IPolicyFactory
 
 log = Logger()
 
-#: The built-in policies, in the order ``--help`` lists them.
-BUILT_IN: tuple[IPolicyFactory, ...] = (
-    least_conn.factory,
-    round_robin.factory,
-    weighted_random.factory,
-    p2c.factory,
-    peak_ewma.factory,
-    queue_depth.factory,
-)
 
-#: The policy used when none is configured.
-DEFAULT_POLICY: str = least_conn.factory.name
+
+def built_in(package: ModuleType = policies) -> tuple[IPolicyFactory, ...]:
+    """
+    The policies of ``package``'s own modules, in the order ``--help`` lists them (their
+    ``rank``): every public module of it whose top level defines ``factory``, an
+    :class:`~txlb._scheduling.policies.IPolicyFactory`.  So a new built-in policy is one new
+    module, and nothing else names it.
+    """
+    found = []
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name.startswith("_") or info.name == __name__.rpartition(".")[2]:
+            continue
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        factory = getattr(module, "factory", None)
+        if IPolicyFactory.providedBy(factory):
+            found.append(factory)
+    return tuple(sorted(found, key=lambda factory: (factory.rank, factory.name)))
+
+
+#: The built-in policies, in the order ``--help`` lists them.
+BUILT_IN: tuple[IPolicyFactory, ...] = built_in()
+
+#: The policy used when none is configured: the first listed.
+DEFAULT_POLICY: str = BUILT_IN[0].name
 
 _BUILT_IN = {factory.name: factory for factory in BUILT_IN}
 
@@ -54,7 +61,8 @@ def plugin_factories(package: ModuleType | None = None) -> dict[str, IPolicyFact
     default), by name; built-in names and repeated names are left out (the first wins).
     """
     found: dict[str, IPolicyFactory] = {}
-    for factory in getPlugins(IPolicyFactory, package):  # None: twisted.plugins
+    plugins = getPlugins(IPolicyFactory, package)  # None: twisted.plugins
+    for factory in sorted(plugins, key=lambda f: (getattr(f, "rank", 100), str(f.name))):
         name = str(factory.name).strip().lower()
         if name in _BUILT_IN or name in found:
             log.warn("policy plugin {plugin!r}: the name {name!r} is taken; left out",

@@ -35,4 +35,4 @@ class SmoothWeightedRoundRobin(Policy):
 factory = PolicyFactory(
     SmoothWeightedRoundRobin.name, lambda clock, rng: SmoothWeightedRoundRobin(),
     "each backend in turn, as often as its weight",
-    nginx="# round-robin: nginx's default (smooth weighted round-robin)")
+    nginx="# round-robin: nginx's default (smooth weighted round-robin)", rank=20)

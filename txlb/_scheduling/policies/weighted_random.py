@@ -29,4 +29,4 @@ class WeightedRandom(Policy):
 
 factory = PolicyFactory(
     WeightedRandom.name, lambda clock, rng: WeightedRandom(rng),
-    "a random backend, in proportion to its weight", nginx="random;")
+    "a random backend, in proportion to its weight", nginx="random;", rank=30)
