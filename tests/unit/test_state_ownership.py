@@ -37,8 +37,8 @@ ALLOWED: dict[tuple[str, str], str] = {
         "conn is self, typed Any to reach tcp.Connection's attributes",
 }
 
-#: Public fields Backend and Lease may keep: set at construction and never changed, or the
-#: policy's own state (Peak-EWMA's estimate, until it moves into the policy).
+#: Public fields Backend and Lease may keep: those set at construction and never changed
+#: (a policy's own state lives in the policy, keyed by backend).
 PUBLIC_FIELDS = {
     Backend: {"spec", "clock", "slow_start"},
     Lease: {"backend"},
