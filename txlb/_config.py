@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import os
+import random
 import re
 import secrets
 import sys
@@ -23,8 +24,14 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import attrs
+from twisted.internet.task import Clock
 
-from txlb._scheduling.policies.registry import DEFAULT_POLICY, find_factory, policy_names
+from txlb._scheduling.policies.registry import (
+    BUILT_IN,
+    DEFAULT_POLICY,
+    find_factory,
+    policy_names,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -444,10 +451,22 @@ def parse_exposure(option: str, value: object) -> str:
 
 
 def parse_policy(option: str, value: object) -> str:
-    """A policy the registry knows: a built-in one, or one a plugin provides."""
+    """
+    A policy the registry knows: a built-in one, or one a plugin provides.  A plugin's is
+    made once here, on a stopped clock, so that one whose module is missing or whose
+    factory makes no policy is the same one-line error as a misspelt name, not a
+    traceback when the balancer starts.
+    """
     text = str(value).strip().lower()
-    if find_factory(text) is None:
+    factory = find_factory(text)
+    if factory is None:
         raise ConfigError(f"--{option}: {value!r} is not one of {', '.join(policy_names())}")
+    if factory not in BUILT_IN:
+        try:
+            factory(Clock(), random.Random())
+        except Exception as error:
+            raise ConfigError(f"--{option}: {value!r} is a plugin's policy that could not be "
+                              f"made: {type(error).__name__}: {error}") from None
     return text
 
 

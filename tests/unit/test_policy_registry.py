@@ -183,6 +183,8 @@ PLUGIN = """
     a_taken = PolicyFactory("p2c", "{module}.Fewest")  # a built-in name: left out
     b_fewest = PolicyFactory("Test-Fewest", "{module}.Fewest",
                              "the backend with the fewest requests ever", nginx="least_conn;")
+    c_missing = PolicyFactory("test-missing", "{module}.Absent")  # a name its module lacks
+    d_junk = PolicyFactory("test-junk", "{module}.junk")  # makes something else
 """
 
 IMPLEMENTATION = """
@@ -197,6 +199,10 @@ IMPLEMENTATION = """
 
         def choose(self, candidates, request=None):
             return min(candidates, key=lambda b: b.requests)
+
+
+    def junk(clock, rng):
+        return object()
 """
 
 
@@ -250,6 +256,17 @@ class PluginTests(SynchronousTestCase):
         first, second = list(lb.pool)
         first.counted(0, requests=5)
         self.assertIs(lb.policy.choose([first, second]), second)
+
+    def test_a_plugin_policy_that_cannot_be_made_is_a_config_error(self) -> None:
+        """One line naming the option and why, as for a misspelt name; not a traceback."""
+        for name, why in (("test-missing", "AttributeError: "),
+                          ("test-junk", "TypeError: policy 'test-junk': ")):
+            with self.assertRaises(ConfigError) as raised:
+                build_config({"policy": name}, {})
+            message = str(raised.exception)
+            self.assertTrue(message.startswith(f"--policy: {name!r} is a plugin's policy "
+                                               "that could not be made: " + why), message)
+        self.assertEqual(build_config({"policy": "test-fewest"}, {}).policy, "test-fewest")
 
     def test_nginx_reads_the_plugin_directive(self) -> None:
         block = upstream_block(build_config({"policy": "test-fewest"}, {}))

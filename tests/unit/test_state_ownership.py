@@ -6,7 +6,9 @@ Backend, Lease and Pool state changes only through their methods: their fields a
 walks every module of ``txlb/`` and fails on what mypy cannot see:
 
 * an assignment, augmented assignment or ``del`` of a *private* attribute of any object
-  other than ``self``/``cls`` (``backend._active -= 1``), or a ``setattr`` doing the same;
+  other than ``self``/``cls`` (``backend._active -= 1``), or of an item of one
+  (``backend._responses[200] += 1``: the container is that object's state too), whether
+  written as an assignment, a ``for``/``with`` target or a ``setattr`` (``object.__setattr__``);
 * outside ``txlb/_cluster``, an assignment to a backend's or lease's state by its public name
   on an expression that names a backend or a lease (``self.backend.active -= 1``), in case a
   setter is ever added back;
@@ -35,8 +37,8 @@ ALLOWED: dict[tuple[str, str], str] = {
         "conn is self, typed Any to reach tcp.Connection's attributes",
 }
 
-#: Public fields Backend and Lease may keep: set at construction and never changed, or the
-#: policy's own state (Peak-EWMA's estimate, until it moves into the policy).
+#: Public fields Backend and Lease may keep: those set at construction and never changed
+#: (a policy's own state lives in the policy, keyed by backend).
 PUBLIC_FIELDS = {
     Backend: {"spec", "clock", "slow_start"},
     Lease: {"backend"},
@@ -57,25 +59,50 @@ def _names_cluster_object(node: ast.expr) -> bool:
     return "backend" in last.lower() or "lease" in last.lower()
 
 
+def _setattr_call(node: ast.Call) -> bool:
+    """``setattr(x, "_a", v)``, also spelled ``object.__setattr__`` or ``builtins.setattr``."""
+    func = node.func
+    name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+    return name in ("setattr", "delattr", "__setattr__", "__delattr__")
+
+
+def _stored(target: ast.expr) -> Iterator[ast.Attribute]:
+    """
+    The attributes a target writes: ``a.b = ...`` writes ``a.b``, and an item write
+    (``a.b[k] = ...``, ``del a.b[k]``) writes into the container ``a.b`` too.
+    """
+    for sub in ast.walk(target):
+        if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, (ast.Store, ast.Del)):
+            yield sub
+        elif isinstance(sub, ast.Subscript) and isinstance(sub.ctx, (ast.Store, ast.Del)):
+            container = sub.value
+            while isinstance(container, ast.Subscript):
+                container = container.value
+            if isinstance(container, ast.Attribute):
+                yield container
+
+
 def _written(tree: ast.AST) -> Iterator[tuple[int, ast.Attribute]]:
     for node in ast.walk(tree):
         targets: list[ast.expr] = []
         if isinstance(node, ast.Assign):
             targets = node.targets
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor,
+                               ast.comprehension)):
             targets = [node.target]
+        elif isinstance(node, (ast.With, ast.AsyncWith)):
+            targets = [item.optional_vars for item in node.items
+                       if item.optional_vars is not None]
         elif isinstance(node, ast.Delete):
             targets = node.targets
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id in ("setattr", "delattr") and len(node.args) >= 2
+        elif (isinstance(node, ast.Call) and _setattr_call(node) and len(node.args) >= 2
               and isinstance(node.args[1], ast.Constant)
               and isinstance(node.args[1].value, str)):
             yield node.lineno, ast.Attribute(value=node.args[0], attr=node.args[1].value)
             continue
         for target in targets:
-            for sub in ast.walk(target):
-                if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, (ast.Store, ast.Del)):
-                    yield node.lineno, sub
+            for sub in _stored(target):
+                yield sub.lineno, sub
 
 
 def violations(module: str, source: str) -> list[str]:
@@ -127,7 +154,16 @@ class StateOwnershipTests(SynchronousTestCase):
     def test_private_writes_are_caught_however_written(self) -> None:
         for line in ("lease._released = True", "x.backend._healthy, y = False, 1",
                      "del pool._backends", "setattr(backend, '_draining', True)",
-                     "pool._backends: dict = {}"):
+                     "pool._backends: dict = {}",
+                     # writes into another object's private container
+                     "backend._responses[200] += 1", "del pool._backends[key]",
+                     "self.backend._responses[status] = 0", "pool._by_key[a][b] = None",
+                     # other spellings of an assignment
+                     "object.__setattr__(backend, '_active', 1)",
+                     "builtins.setattr(backend, '_active', 1)",
+                     "for backend._active in range(3): pass",
+                     "with open(path) as lease._file: pass",
+                     "[0 for backend._active in range(3)]"):
             self.assertEqual(len(violations("_admin/app.py", line + "\n")), 1, line)
 
     def test_a_public_state_write_outside_the_cluster_is_caught(self) -> None:
@@ -138,7 +174,9 @@ class StateOwnershipTests(SynchronousTestCase):
 
     def test_own_state_and_unrelated_objects_are_left_alone(self) -> None:
         source = ("self._active = 1\ncls._count += 1\nrecord.backend = key\n"
-                  "stats.requests += 1\nself.backend = backend\n")
+                  "stats.requests += 1\nself.backend = backend\nself._counts[key] += 1\n"
+                  "del self._waiting[0]\nobject.__setattr__(self, '_frozen', 1)\n"
+                  "record.fields['x'] = 1\nbackends[key] = backend\n")
         self.assertEqual(violations("_proxy/resource.py", source), [])
 
     def test_backend_and_lease_state_is_private(self) -> None:

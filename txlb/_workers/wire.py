@@ -93,7 +93,7 @@ class Hello:
     family: int = _checked(_is_int)
     #: the validated config (:func:`config_blob`)
     config: str = _checked(_is_str)
-    #: the supervisor's backends (:meth:`txlb._cluster.backend.Pool.shared_state`)
+    #: the supervisor's backends (:meth:`txlb._cluster.pool.Pool.shared_state`)
     state: list[dict[str, Any]] = _checked(_is_states)
 
 

@@ -5,9 +5,11 @@ A third party adds a policy the way Twisted applications add ``twistd`` subcomma
 :class:`~txlb._scheduling.policies.PolicyFactory` (any object providing ``IPlugin`` and
 :class:`~txlb._scheduling.policies.IPolicyFactory`) at the top level of a module in a
 ``twisted/plugins/`` directory on the path, found with :func:`twisted.plugin.getPlugins`.
-Plugins are looked for only when a name is not built in (and for the full list in
-``--help``), so a balancer on a built-in policy never scans them.  A plugin cannot replace
-a built-in policy: the built-in name wins.
+Plugins are looked for when a name is not built in and for the full list in ``--policy``'s
+help, which ``txlb.tap`` writes when it is imported (so ``twistd llmlb`` and
+``python -m txlb.nginx`` scan once as they start, a read of Twisted's plugin cache); a
+``LoadBalancer`` built on a built-in policy, and every ``--workers`` worker, never scans
+them.  A plugin cannot replace a built-in policy: the built-in name wins.
 """
 
 from __future__ import annotations
