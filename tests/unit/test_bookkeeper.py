@@ -130,11 +130,11 @@ class ConsumerTests(SynchronousTestCase):
         backend = pool.get(A)
         assert backend is not None
         policy = PeakEwmaLatency(Clock())
-        consume = policy_learns(pool, policy).consume
-        consume(a_summary(ttft=3.0), False)
-        consume(a_summary(ttft=None), True)
+        feed = SummaryFeed(consumers=[policy_learns(pool, policy)])
+        feed.feed(a_summary(ttft=3.0), False)
+        feed.feed(a_summary(ttft=None), True)
         self.assertIsNone(policy.estimate(backend))
-        consume(a_summary(ttft=0.75), True)
+        feed.feed(a_summary(ttft=0.75), True)
         self.assertEqual(policy.estimate(backend), 0.75)
 
     def test_every_answered_request_reaches_observe_as_an_outcome(self) -> None:
@@ -142,11 +142,22 @@ class ConsumerTests(SynchronousTestCase):
         seen: list[tuple[object, RequestOutcome]] = []
         policy = LeastConnections()
         self.patch(policy, "observe", lambda backend, outcome: seen.append((backend, outcome)))
-        consume = policy_learns(pool, policy).consume
-        consume(a_summary(ttft=0.5), True)
-        consume(a_summary(ttft=0.5), False)  # no answer: nothing to learn
+        feed = SummaryFeed(consumers=[policy_learns(pool, policy)])
+        feed.feed(a_summary(ttft=0.5), True)
+        feed.feed(a_summary(ttft=0.5), False)  # no answer: nothing to learn
         self.assertEqual([(backend, outcome.ttfb, outcome.answered) for backend, outcome in seen],
                          [(pool.get(A), 0.5, True)])
+
+    def test_the_outcome_carries_the_requests_client_key(self) -> None:
+        """What a policy or a budget learns says who sent the request (``--rate-key``)."""
+        pool = a_pool(A)
+        seen: list[RequestOutcome] = []
+        policy = LeastConnections()
+        self.patch(policy, "observe", lambda backend, outcome: seen.append(outcome))
+        record = a_record()
+        record.client = "10.0.0.7"
+        SummaryFeed(consumers=[policy_learns(pool, policy)]).ended(record)
+        self.assertEqual([outcome.client for outcome in seen], ["10.0.0.7"])
 
 
 class BookkeeperTests(SynchronousTestCase):

@@ -40,7 +40,7 @@ from txlb._scheduling.policies.registry import (
 from txlb._scheduling.request import ANY_REQUEST, RoutingRequest
 from txlb.nginx import upstream_block
 
-from ..helpers import ClientConnection, FakeUpstream
+from ..helpers import ClientConnection, FakeResponse, FakeUpstream
 
 BUILT_IN_NAMES = ("least-conn", "round-robin", "random", "p2c", "latency", "queue-depth")
 TXLB = Path(txlb.__file__).parent
@@ -342,6 +342,23 @@ class EmbedderPolicyTests(SynchronousTestCase):
         lb.bookkeeper.finished(summary(ttft=0.123456))
         backends = admin_status(lb)["backends"]
         self.assertEqual([b["latency_peak_ewma_s"] for b in backends], [0.1235, None])
+
+
+class OutcomeThroughTheProxyTests(SynchronousTestCase):
+    def test_the_policy_learns_who_sent_each_request(self) -> None:
+        """A request through the proxy reaches observe with its ``--rate-key`` client key."""
+        upstream = FakeUpstream()
+        policy = Learning()
+        lb = LoadBalancer(["127.0.0.1:8002"], reactor=Clock(), agent=upstream,
+                          probe_agent=FakeUpstream(), log_file="none", policy=policy)
+        for backend in lb.pool:
+            lb.pool.mark_up(backend)
+        client = ClientConnection(lb.site(), peer="10.9.8.7")
+        client.request(b"POST", b"/v1/completions", body=b'{"prompt": "hi"}')
+        upstream.last.respond(FakeResponse(200, length=0)).end()
+        self.assertEqual(client.response().status, 200)
+        self.assertEqual([(b.key, o.client, o.status) for b, o in policy.outcomes],
+                         [("127.0.0.1:8002", "ip:10.9.8.7", 200)])
 
 
 class PeakEwmaStateTests(SynchronousTestCase):

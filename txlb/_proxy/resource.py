@@ -94,6 +94,7 @@ class ProxyResource(Resource):
                                                    f"retry in {wait}s", wait)
                 return NOT_DONE_YET
         routing = self._routing_request(request, record)
+        record.client = routing.client
         waiting = self.router.acquire(routing)
         if not waiting.called:
             # queued for a slot: a client that leaves also leaves the queue (once started,

@@ -49,6 +49,21 @@ class SummaryConsumer:
     consume: Callable[[Summary, bool], object]
 
 
+@attrs.frozen
+class OutcomeConsumer:
+    """
+    One reader of finished requests' :class:`~txlb._records.outcome.RequestOutcome`\\ s --
+    what a policy (or a budget) learns: the feed builds each outcome once, with the
+    request's client key, for every consumer of this kind.
+    """
+
+    name: str
+    consume: Callable[[RequestOutcome], object]
+
+
+Consumer = SummaryConsumer | OutcomeConsumer
+
+
 class SummaryFeed:
     """
     Summarise a finished request once and hand the summary to every declared consumer,
@@ -57,17 +72,17 @@ class SummaryFeed:
     """
 
     def __init__(self, privacy: Privacy = KEEP_ALL,
-                 consumers: Iterable[SummaryConsumer] = ()) -> None:
+                 consumers: Iterable[Consumer] = ()) -> None:
         self._privacy = privacy
-        self._consumers: list[SummaryConsumer] = list(consumers)
+        self._consumers: list[Consumer] = list(consumers)
         #: records summarised (none while nobody reads summaries)
         self.summarised = 0
 
     @property
-    def consumers(self) -> tuple[SummaryConsumer, ...]:
+    def consumers(self) -> tuple[Consumer, ...]:
         return tuple(self._consumers)
 
-    def add(self, consumer: SummaryConsumer) -> None:
+    def add(self, consumer: Consumer) -> None:
         """Declare one more reader of summaries (after those declared already)."""
         self._consumers.append(consumer)
 
@@ -81,13 +96,22 @@ class SummaryFeed:
             log.failure("could not summarise a finished request")
             return
         self.summarised += 1
-        self.feed(summary, record.status is not None)
+        self.feed(summary, record.status is not None, record.client)
 
-    def feed(self, summary: Summary, answered: bool) -> None:
-        """A summary made already (by a worker): hand it to every consumer."""
+    def feed(self, summary: Summary, answered: bool, client: str | None = None) -> None:
+        """
+        A summary made already (here, or by a worker, whose client keys stay with it): hand
+        it to every consumer, and its outcome to those that read outcomes.
+        """
+        outcome: RequestOutcome | None = None
         for consumer in self._consumers:
             try:
-                consumer.consume(summary, answered)
+                if isinstance(consumer, OutcomeConsumer):
+                    if outcome is None:
+                        outcome = RequestOutcome.of(summary, answered, client)
+                    consumer.consume(outcome)
+                else:
+                    consumer.consume(summary, answered)
             except Exception:
                 log.failure("{consumer} could not count a finished request",
                             consumer=consumer.name)
@@ -104,19 +128,19 @@ def pool_results(pool: Pool) -> SummaryConsumer:
     return SummaryConsumer("the pool's result counts", consume)
 
 
-def policy_learns(pool: Pool, policy: IPolicy) -> SummaryConsumer:
+def policy_learns(pool: Pool, policy: IPolicy) -> OutcomeConsumer:
     """
     What the policy learns from each request a backend answered (its ``observe``); a
     policy that fails to is logged by the feed, like any consumer.
     """
 
-    def consume(summary: Summary, answered: bool) -> None:
-        backend = pool.get(summary.backend) if answered else None
+    def consume(outcome: RequestOutcome) -> None:
+        backend = pool.get(outcome.backend) if outcome.answered else None
         if backend is None:
             return
-        policy.observe(backend, RequestOutcome.of(summary, answered))
+        policy.observe(backend, outcome)
 
-    return SummaryConsumer("the policy", consume)
+    return OutcomeConsumer("the policy", consume)
 
 
 def metrics_counts(metrics: Metrics) -> SummaryConsumer:

@@ -131,6 +131,9 @@ class RequestRecord:
     tries: int = 1
     #: the captured response is in chunked framing (passed through as the backend sent it)
     chunked: bool = False
+    #: who sent it: the ``--rate-key`` client key, for what learns from each request (the
+    #: policy's outcome); never written to the result log
+    client: str | None = None
 
     def answered_by_proxy(self, status: int, body: bytes) -> None:
         """txlb answered this request itself, with ``status`` and the JSON ``body``."""
