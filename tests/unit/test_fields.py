@@ -32,8 +32,12 @@ from txlb._records.fields import (
     Field,
     Text,
     count,
+    from_wire,
     json_formatter,
     text_formatter,
+    to_wire,
+    wire_reader,
+    wire_writer,
 )
 from txlb._records.resultlog import format_json, format_text
 from txlb._records.summary import Summary
@@ -299,6 +303,74 @@ class WireFormTests(SynchronousTestCase):
                                  "ptok", "req_keys"])
         summary = summary_from({**self.message(), **dict.fromkeys(nulls)})
         self.assertIsNone(summary.completion_tokens)
+
+
+#: for every field, values of a class its wire type refuses (or that its check refuses)
+_WRONG: dict[str, list[object]] = {
+    field.name: [value for value in (True, 3, 2.5, "x", None, [1], {"a": 1})
+                 if value.__class__ not in field.wire.classes]
+    + ([["a", 1]] if field.name == "req_keys" else [])
+    + (["surprise"] if field.name == "kind" else [])
+    for field in FIELDS
+}
+
+
+def walked(message: dict[str, Any]) -> Summary | None:
+    """What reading ``message`` by walking the table, field by field, gives."""
+    values = {}
+    for field in FIELDS:
+        wire, value = field.wire, message[field.name]
+        if value.__class__ not in wire.classes or (wire.check and not wire.check(value)):
+            return None
+        values[field.attribute] = value if wire.convert is None else wire.convert(value)
+    return Summary(**values)
+
+
+class WireCodeTests(SynchronousTestCase):
+    """
+    The wire's two functions are written out from the table (as the formatters are): they
+    must give what walking the table gives, for every field and every wrong type.
+    """
+
+    def test_the_writer_writes_every_field_by_name_in_row_order(self) -> None:
+        for summary in [*summaries(), *variety(200)]:
+            self.assertEqual(list(to_wire(summary).items()),
+                             [(field.name, getattr(summary, field.attribute))
+                              for field in FIELDS])
+
+    def test_the_reader_reads_what_the_writer_wrote(self) -> None:
+        for summary in [*summaries(), *variety(200)]:
+            message = json.loads(json.dumps(to_wire(summary)))
+            self.assertEqual(wire_reader()(message), walked(message))
+            self.assertEqual(wire_reader()(message), summary)
+
+    def test_the_reader_refuses_each_field_of_a_wrong_type(self) -> None:
+        message = to_wire(summaries()[0])
+        read = wire_reader()
+        for name, values in _WRONG.items():
+            self.assertTrue(values, name)
+            for value in values:
+                wrong = {**message, name: value}
+                self.assertIsNone(walked(wrong), (name, value))
+                self.assertIsNone(read(wrong), (name, value))
+                with self.assertRaises(BadSummary) as caught:
+                    from_wire(wrong)
+                self.assertIn(repr(name), str(caught.exception))
+
+    def test_the_reader_converts_as_the_type_says(self) -> None:
+        message = {**to_wire(summaries()[0]), "time": 2, "dur": 0, "ttft": 1}
+        summary = wire_reader()(message)
+        self.assertEqual((summary.time, summary.dur, summary.ttft), (2.0, 0.0, 1.0))
+        self.assertEqual({type(summary.time), type(summary.dur), type(summary.ttft)}, {float})
+
+    def test_a_table_of_its_own(self) -> None:
+        """Both are made from the table given: a field it lacks is neither written nor read."""
+        table = tuple(field for field in FIELDS if field.name != "orid")
+        written = wire_writer(table)(summaries()[0])
+        self.assertNotIn("orid", written)
+        self.assertEqual(len(written), len(FIELDS) - 1)
+        self.assertNotIn("'orid'", wire_reader(table).__source__)  # type: ignore[attr-defined]
+        self.assertIn("'trunc'", wire_reader(table).__source__)  # type: ignore[attr-defined]
 
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "result-log.md"

@@ -78,6 +78,18 @@ class RoundTripTests(SynchronousTestCase):
         self.assertEqual(json.loads(encode(Answer("h:1", 503, None))),
                          {"t": "answer", "backend": "h:1", "status": 503, "client": None})
 
+    def test_each_line_is_the_type_then_every_field_in_declared_order(self) -> None:
+        """What encode and decode read once per type is each type's attrs fields, whole."""
+        for message in EVERY_MESSAGE:
+            if isinstance(message, Finished):
+                continue
+            value = json.loads(encode(message))
+            self.assertEqual(list(value), ["t", *(f.name for f in attrs.fields(type(message)))])
+            self.assertEqual(value, {"t": message.kind, **attrs.asdict(message, recurse=False)})
+            for field in attrs.fields(type(message)):  # and each field's own check is applied
+                broken = {**value, field.name: float("nan")}
+                self.assertRaises(WireError, decode, json.dumps(broken).encode("ascii"))
+
     def test_a_finished_request_travels_as_summary_message_writes_it(self) -> None:
         self.assertEqual(encode(Finished(SUMMARY, True)), wire.summary_message(SUMMARY, True))
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import operator
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -351,12 +350,58 @@ _WIRE = tuple((field.name, field.attribute, field.wire.classes, field.wire.check
                field.wire.convert, field.wire) for field in FIELDS)
 _WIRE_NAMES = tuple(field.name for field in FIELDS)
 _NAMES = frozenset(_WIRE_NAMES)
-_wire_values = operator.attrgetter(*(field.attribute for field in FIELDS))
 
 
-def to_wire(summary: Summary) -> dict[str, Any]:
-    """``summary`` as a JSON object keyed by the fields' names."""
-    return dict(zip(_WIRE_NAMES, _wire_values(summary), strict=True))
+def wire_writer(fields: tuple[Field, ...] = FIELDS) -> Callable[[Summary], dict[str, Any]]:
+    """
+    :func:`to_wire` for ``fields``: one dict display of every field, by name, in row order.
+
+    A ``--workers`` worker makes one per request and its supervisor reads one per request,
+    in the process every worker's requests go through; like the formatters, both are
+    written out from the table once rather than walking it on every call.
+    """
+    display = ", ".join(f"{field.name!r}: s.{field.attribute}" for field in fields)
+    writer: Any = _compile("to_wire", [f"return {{{display}}}"], {},
+                           "``summary`` as a JSON object keyed by the fields' names.")
+    return writer
+
+
+def wire_reader(fields: tuple[Field, ...] = FIELDS) -> Callable[[dict[str, Any]], Any]:
+    """
+    The common case of :func:`from_wire` for ``fields``, given a dict with exactly their
+    names: the :class:`~txlb._records.summary.Summary` when every value has its field's
+    type, else ``None`` (then :func:`from_wire` walks the table to say which one has not).
+    The checks are those :func:`from_wire` makes, one expression per field: a class test
+    (``is`` for a type of one class), the type's ``check``, then its ``convert``.
+    """
+    namespace: dict[str, Any] = {"Summary": Summary}
+    lines, tests, arguments = [], [], []
+    for number, field in enumerate(fields):
+        wire, value = field.wire, f"v{number}"
+        lines.append(f"{value} = s[{field.name!r}]")
+        if len(wire.classes) == 1:
+            (namespace[f"class_{number}"],) = wire.classes
+            tests.append(f"{value}.__class__ is class_{number}")
+        else:
+            namespace[f"classes_{number}"] = wire.classes
+            tests.append(f"{value}.__class__ in classes_{number}")
+        if wire.check is not None:
+            namespace[f"check_{number}"] = wire.check
+            tests.append(f"check_{number}({value})")
+        if wire.convert is not None:
+            namespace[f"convert_{number}"] = wire.convert
+            value = f"convert_{number}({value})"
+        arguments.append(f"{field.attribute}={value}")
+    lines.append("if not (" + " and ".join(tests) + "):")
+    lines.append("    return None")
+    lines.append("return Summary(" + ", ".join(arguments) + ")")
+    reader: Any = _compile("read_wire", lines, namespace,
+                           "A worker's summary, or ``None`` if a value is not of its field's type.")
+    return reader
+
+
+to_wire = wire_writer()
+_read_wire = wire_reader()
 
 
 def from_wire(message: object) -> Summary:
@@ -374,14 +419,15 @@ def from_wire(message: object) -> Summary:
         unknown = sorted(str(name) for name in message.keys() - _NAMES)
         raise BadSummary("a summary's fields do not match: "
                          f"missing {missing or 'none'}, unknown {unknown or 'none'}")
-    values: dict[str, Any] = {}
-    for name, attribute, classes, check, convert, wire in _WIRE:
+    summary: Summary | None = _read_wire(message)
+    if summary is not None:
+        return summary
+    for name, _, classes, check, _, wire in _WIRE:  # which value is wrong, for the error
         value = message[name]
         if value.__class__ not in classes or (check is not None and not check(value)):
             raise BadSummary(f"summary field {name!r} must be {wire.name}, "
                              f"not {_json_type(value)}")
-        values[attribute] = value if convert is None else convert(value)
-    return Summary(**values)
+    raise AssertionError("read_wire refused a summary every field's type accepts")
 
 
 def _json_type(value: object) -> str:

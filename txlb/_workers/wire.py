@@ -203,6 +203,27 @@ _TYPES: dict[str, type[Any]] = {
 }
 
 
+@attrs.frozen
+class _Shape:
+    """
+    A message type's fields as :func:`encode` and :func:`decode` use them, read from attrs
+    once: a worker's messages cross per request (an ``answer`` each), and reading
+    ``attrs.fields`` and their metadata again for every one cost as much as the JSON.
+    """
+
+    names: tuple[str, ...]
+    keys: frozenset[str]
+    checks: tuple[tuple[str, Callable[[object], bool]], ...]
+
+
+_SHAPES: dict[type[Any], _Shape] = {
+    cls: _Shape(tuple(field.name for field in attrs.fields(cls)),
+                frozenset(field.name for field in attrs.fields(cls)),
+                tuple((field.name, field.metadata["check"]) for field in attrs.fields(cls)))
+    for cls in _TYPES.values()
+}
+
+
 def _line(value: object) -> bytes:
     """
     One JSON value as one line.  ASCII-escaped: a client's JSON may hold a lone surrogate
@@ -215,8 +236,10 @@ def encode(message: Message) -> bytes:
     """One message as one line."""
     if isinstance(message, Finished):
         return summary_message(message.summary, message.answered)
-    fields = attrs.asdict(message, recurse=False)
-    return _line({"t": message.kind, **fields})
+    line = {"t": message.kind}
+    for name in _SHAPES[type(message)].names:
+        line[name] = getattr(message, name)
+    return _line(line)
 
 
 def decode(line: bytes) -> Message:
@@ -235,13 +258,12 @@ def decode(line: bytes) -> Message:
     cls = _TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise WireError(f"unknown message type {str(kind)[:40]!r}")
-    fields = attrs.fields(cls)
-    names = {field.name for field in fields}
-    if set(value) != names:
-        raise WireError(f"{kind}: fields {sorted(value)[:10]}, not {sorted(names)}")
-    for field in fields:
-        if not field.metadata["check"](value[field.name]):
-            raise WireError(f"{kind}: {field.name} cannot be {value[field.name]!r:.40}")
+    shape = _SHAPES[cls]
+    if value.keys() != shape.keys:
+        raise WireError(f"{kind}: fields {sorted(value)[:10]}, not {sorted(shape.keys)}")
+    for name, check in shape.checks:
+        if not check(value[name]):
+            raise WireError(f"{kind}: {name} cannot be {value[name]!r:.40}")
     message: Message = cls(**value)
     return message
 
