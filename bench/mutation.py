@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -310,11 +311,16 @@ def mutants(module: str) -> list[object]:
     return kept
 
 
+#: Mutants of one module queued before its "who tests what" map is made (below that, the
+#: map costs more than it saves).
+SELECT_FROM = 6
+
 #: Which tests ran each line of a module: line number -> trial test ids.
 Coverage = dict[int, frozenset[str]]
 
 
-def who_tests_what(module: str, copy: Path, timeout: float) -> Coverage:
+def who_tests_what(module: str, copy: Path, timeout: float,
+                   tests: Sequence[str] | None = None) -> Coverage:
     """
     Run the module's tests once under coverage with one context per test (coverage's
     ``dynamic_context = test_function``): for each line of ``module``, the tests that ran it.
@@ -331,9 +337,12 @@ def who_tests_what(module: str, copy: Path, timeout: float) -> Coverage:
     rc = copy / ".who-rc"
     rc.write_text(f"[run]\ndynamic_context = test_function\n"
                   f"include = {copy}/txlb/{module}.py\ndata_file = {data_file}\n")
-    command = (f"env -C {copy} PYTHONPATH={copy} {sys.executable} -m coverage run "
-               f"--rcfile={rc} -m twisted.trial --temp-directory={data_file}-trial "
-               + " ".join(MODULE_TESTS[module]))
+    # -u: a run measured as a whole (CI's COVERAGE_FILE, COVERAGE_PROCESS_START) must
+    # neither take this run's data nor start a second measurement in it
+    command = (f"env -C {copy} -u COVERAGE_FILE -u COVERAGE_PROCESS_START -u COVERAGE_RCFILE "
+               f"PYTHONPATH={copy} {sys.executable} -m coverage run --rcfile={rc} "
+               f"--data-file={data_file} -m twisted.trial --temp-directory={data_file}-trial "
+               + " ".join(MODULE_TESTS[module] if tests is None else tests))
     subprocess.run(command.split(), capture_output=True, timeout=timeout * 10)
     data = CoverageData(basename=str(data_file))
     data.read()
@@ -431,7 +440,10 @@ def run_mutants(modules: Iterable[str], sample: int | None, seed: int, timeout: 
         free = list(copies)
         coverage: dict[str, Coverage] = {}
         if select:
-            wanted = sorted({module for module, _ in work})
+            # mapping a module costs one run of its tests under coverage: worth it only
+            # when more mutants than that will use it (not for CI's few per module)
+            queued = Counter(module for module, _ in work)
+            wanted = sorted(module for module, count in queued.items() if count >= SELECT_FROM)
             with ThreadPoolExecutor(jobs) as pool:
                 found = pool.map(lambda m: who_tests_what(m[1], copies[m[0] % jobs], timeout),
                                  enumerate(wanted))
