@@ -34,8 +34,8 @@ from txlb._cluster.backend import Backend
 from txlb._cluster.health import HealthChecker
 from txlb._cluster.hung import HangDetector
 from txlb._cluster.outlier import OutlierRule
-from txlb._cluster.pool import InFlightStore, Pool
-from txlb._cluster.store import IBackendStore, LocalStore
+from txlb._cluster.pool import Pool
+from txlb._cluster.store import IBackendStore, IInFlightCounts, LocalStore
 from txlb._config import OPTIONS, Config, build_config
 from txlb._proxy.context import ProxyContext
 from txlb._proxy.resource import ProxyResource
@@ -195,7 +195,7 @@ class LoadBalancer:
         agent: IAgent | None = None,
         probe_agent: IAgent | None = None,
         rng: random.Random | None = None,
-        inflight: InFlightStore | None = None,
+        inflight: IInFlightCounts | None = None,
         observer: IRequestObserver | None = None,
         store: IBackendStore | None = None,
         policy: IPolicy | str | None = None,

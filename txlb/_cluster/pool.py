@@ -32,10 +32,6 @@ log = Logger()
 _T = TypeVar("_T")
 
 
-#: The name the counts' interface had before the store seam (txlb._cluster.store).
-InFlightStore = IInFlightCounts
-
-
 class Pool:
     """The ordered set of backends, keyed by ``host:port``."""
 

@@ -308,7 +308,7 @@ class Exchange:
             return
         # the watchdog reads it when it fires, the hung-backend detector the backend's
         now = self._last_activity = self._now()
-        self.lease.heard(now)
+        self.lease.backend.heard(now)  # per chunk: straight to the backend
         record = self.record
         if record.first_byte is None:
             record.first_byte = now
