@@ -231,6 +231,8 @@ class Exchange:
             return ""
         if provoked_by_request(self.request.method, self.record.request_body):
             return None
+        if self.record.client is not None:  # taken once, when the request was routed
+            return self.record.client
         return self.context.client_key(self.request)
 
     def _write_head(self, response: UpstreamResponse) -> bool:
