@@ -110,9 +110,9 @@ class PrefixHash(Policy):
                request: RoutingRequest = ANY_REQUEST) -> Backend:
         keys = tuple(sorted(b.key for b in candidates))
         if self._ring is None or self._ring[0] != keys:
-            points = sorted((self._hash(f"{k}#{i}"), k) for k in keys
-                            for i in range(self.VIRTUAL_NODES))
-            self._ring = (keys, [p for p, _ in points], [k for _, k in points])
+            ring = sorted((self._hash(f"{k}#{i}"), k) for k in keys
+                          for i in range(self.VIRTUAL_NODES))
+            self._ring = (keys, [p for p, _ in ring], [k for _, k in ring])
         _, points, owners = self._ring
         key = render(request.json or {})[:256]
         owner = owners[bisect.bisect(points, self._hash(key)) % len(points)]
@@ -295,8 +295,8 @@ def summarise(scenario: Scenario, policy_name: str, jobs: Sequence[Job],
               engines: dict[str, CachedEngine], refused: int,
               wall: float) -> VirtualResult:
     ok = [j for j in jobs if j.done is not None and j.first_token is not None]
-    ttft = [j.first_token - j.arrival for j in ok]  # type: ignore[operator]
-    span = max(j.done for j in ok) - min(j.arrival for j in jobs)  # type: ignore[type-var]
+    ttft = [(j.first_token or 0.0) - j.arrival for j in ok]
+    span = max(j.done or 0.0 for j in ok) - min(j.arrival for j in jobs)
     queries = sum(e.query_tokens for e in engines.values())
     hits = sum(e.hit_tokens for e in engines.values())
     return VirtualResult(
