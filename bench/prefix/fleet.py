@@ -165,10 +165,9 @@ TARGETS: tuple[TargetSpec, ...] = (
 )
 
 
-def start_target(children: Children, spec: TargetSpec, fleet: Fleet) -> Target:
-    """Start ``spec`` in front of ``fleet`` and wait until it answers ``/v1/models``."""
+def start_target(children: Children, spec: TargetSpec, urls: Sequence[str]) -> Target:
+    """Start ``spec`` in front of the engines at ``urls``; wait until it answers ``/v1/models``."""
     port = free_port()
-    urls = fleet.urls()
     if spec.kind == "txlb":
         child = children.spawn(spec.name.replace(" ", "-"), [
             TWISTD, "-n", "--pidfile=", "llmlb", "--listen", f"tcp:{port}:interface={HOST}",

@@ -113,7 +113,7 @@ def run_one(children: Children, spec: TargetSpec, workload: str,
     """One target on one workload, on a fresh fleet (see the module docstring)."""
     fleet = Fleet(children, shape).start(supported)
     try:
-        target = start_target(children, spec, fleet)
+        target = start_target(children, spec, fleet.urls())
         try:
             before = [scrape(port) for port in fleet.ports]
             sampler = _RunningSampler(fleet.ports)

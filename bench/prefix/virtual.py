@@ -32,6 +32,7 @@ import hashlib
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -170,14 +171,14 @@ def arrivals(requests: Sequence[PrefixRequest], scenario: Scenario) -> list[floa
     rng = random.Random(f"arrivals-{scenario.workload}-{scenario.seed}")
     mean_prompt = sum(r.prompt_chars() for r in requests) / len(requests) / CHARS_PER_TOKEN
     rate = scenario.load * scenario.engines * scenario.config.prefill_rate / mean_prompt
-    times, now, burst = [], 0.0, None
+    sizes = Counter(r.burst for r in requests if r.burst >= 0)
+    times: list[float] = []
+    now, burst = 0.0, None
     for request in requests:
         if request.burst < 0:
             now += rng.expovariate(rate)
         elif request.burst != burst:
-            size = sum(1 for r in requests if r.burst == request.burst) if burst is None \
-                else 8 * scenario.engines
-            now += rng.expovariate(rate / size)
+            now += rng.expovariate(rate / sizes[request.burst])
             burst = request.burst
         times.append(now)
     return times
