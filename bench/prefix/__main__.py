@@ -87,11 +87,17 @@ def run_virtual(args: argparse.Namespace, command: str) -> None:
                               tenants=min(150, 6 * engines), active=8 * engines)
             for replicas in (2, 4):
                 for policy in [p for p in policies if p in ("least-conn", "cache-aware")]:
-                    for shared in ((False, True) if policy == "cache-aware" else (False,)):
+                    # independent replicas (own pools), then --workers (one pool's counts)
+                    # with an index per worker and, for cache-aware, one shared index
+                    variants = [(False, False), (True, False)]
+                    if policy == "cache-aware":
+                        variants.append((True, True))
+                    for counts, shared in variants:
                         jobs.append((virtual.Scenario(
                             workload, engines=engines, requests=args.requests,
-                            replicas=replicas, shared_index=shared, load=args.load,
-                            seed=args.seed, config=config, options=options), policy))
+                            replicas=replicas, shared_index=shared, shared_counts=counts,
+                            load=args.load, seed=args.seed, config=config,
+                            options=options), policy))
     started = time.perf_counter()
     print(f"virtual: {len(jobs)} runs on {args.jobs} processes", file=sys.stderr)
 

@@ -97,18 +97,21 @@ def virtual_section(part: dict[str, Any]) -> list[str]:
                        "req/s", "out tok/s", "max in-flight", "refused"], rows) + [""]
     replicated = [r for r in results if r["replicas"] > 1]
     if replicated:
-        out += ["### Replicas: one index per replica or one shared index", "",
-                "Each arrival goes to a random replica; every replica has its own pool "
-                "(its own in-flight counts). *per replica*: each replica's own policy "
-                "object (what `--workers N` and separate txlb processes do today); "
-                "*shared*: one policy object behind every replica's router (one index "
-                "for the fleet).", ""]
+        out += ["### Replicas and `--workers`: one index each or one shared index", "",
+                "Each arrival goes to a random replica. *independent*: each replica has its "
+                "own pool (its own in-flight counts) and its own policy -- separate txlb "
+                "processes with no shared state. *workers, own index*: one pool's counts "
+                "(exact fleet-wide in-flight, as `--workers` shares them), each worker's own "
+                "policy object -- what `--workers N` does. *workers, shared index*: the same "
+                "with one policy object behind every worker's router (one index).", ""]
         rows = []
         for r in sorted(replicated, key=lambda r: (r["workload"], r["replicas"], r["policy"],
-                                                     r["shared_index"])):
+                                                     r["shared_counts"], r["shared_index"])):
+            kind = ("independent" if not r["shared_counts"] else
+                    "workers, shared index" if r["shared_index"] else "workers, own index")
             rows.append([r["workload"], str(r["engines"]), str(r["replicas"]), r["policy"],
-                         "shared" if r["shared_index"] else "per replica", _f(r["hit_rate"]),
-                         _ms(r["ttft_p50"]), _ms(r["ttft_p99"]), str(r["max_in_flight"])])
+                         kind, _f(r["hit_rate"]), _ms(r["ttft_p50"]), _ms(r["ttft_p99"]),
+                         str(r["max_in_flight"])])
         out += _table(["workload", "engines", "replicas", "policy", "index", "hit rate",
                        "TTFT p50", "TTFT p99", "max in-flight"], rows) + [""]
     return out

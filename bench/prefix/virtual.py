@@ -130,6 +130,7 @@ class Scenario:
     requests: int = 20_000
     replicas: int = 1
     shared_index: bool = False  # one policy object for every replica's router
+    shared_counts: bool = False  # one pool (exact fleet-wide in-flight, as --workers has)
     load: float = 0.8
     seed: int = 1
     config: EngineConfig = EngineConfig()
@@ -148,6 +149,7 @@ class VirtualResult:
     engines: int
     replicas: int
     shared_index: bool
+    shared_counts: bool
     requests: int
     refused: int
     hit_rate: float  # cached prompt tokens / prompt tokens, as the engines counted them
@@ -213,8 +215,9 @@ def run(scenario: Scenario, policy_name: str,
     routers: list[Router] = []
     policies: list[IPolicy] = []
     shared: IPolicy | None = None
+    common = Pool(specs, clock=clock) if scenario.shared_counts else None
     for replica in range(scenario.replicas):
-        pool = Pool(specs, clock=clock)
+        pool = common or Pool(specs, clock=clock)
         if scenario.shared_index and shared is not None:
             policy = shared
         else:
@@ -268,7 +271,7 @@ def run(scenario: Scenario, policy_name: str,
     needs_depth = any(getattr(p, "needs_engine_metrics", False) for p in policies)
 
     def scrape() -> None:
-        for pool in pools:
+        for pool in dict.fromkeys(pools):
             for backend in pool:
                 engine = engines[backend.key]
                 pool.set_engine(backend, "vllm", engine.kv_usage())
@@ -303,6 +306,7 @@ def summarise(scenario: Scenario, policy_name: str, jobs: Sequence[Job],
     return VirtualResult(
         workload=scenario.workload, policy=policy_name, engines=scenario.engines,
         replicas=scenario.replicas, shared_index=scenario.shared_index,
+        shared_counts=scenario.shared_counts,
         requests=len(jobs), refused=refused, hit_rate=hits / queries if queries else 0.0,
         ttft_p50=quantile(ttft, 0.5), ttft_p99=quantile(ttft, 0.99),
         ttft_mean=sum(ttft) / len(ttft), rps=len(ok) / span if span else 0.0,

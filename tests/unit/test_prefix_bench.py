@@ -174,7 +174,8 @@ class ModelTests(SynchronousTestCase):
 class ReportTests(SynchronousTestCase):
     def virtual(self, policy: str, workload: str, **figures: float) -> dict[str, Any]:
         base = {"workload": workload, "policy": policy, "engines": 8, "replicas": 1,
-                "shared_index": False, "requests": 10, "refused": 0, "hit_rate": 0.5,
+                "shared_index": False, "shared_counts": False, "requests": 10, "refused": 0,
+                "hit_rate": 0.5,
                 "ttft_p50": 0.1, "ttft_p99": 1.0, "ttft_mean": 0.2, "rps": 10.0,
                 "output_tps": 100.0, "max_in_flight": 5}
         return {**base, **figures}
