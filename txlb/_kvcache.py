@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -50,29 +50,27 @@ def count_tokens(text: str) -> int:
     return max(1, len(text) // CHARS_PER_TOKEN)
 
 
-def block_chain(text: str, block_tokens: int = BLOCK_TOKENS) -> tuple[int, ...]:
+def block_chain(
+    text: str, block_tokens: int = BLOCK_TOKENS, known: Sequence[int] = ()
+) -> tuple[int, ...]:
     """
     The keys of ``text``'s whole blocks, each chained over every block before it.
 
     A 64-bit BLAKE2b of the previous key and the block's text: the same text gives the same
     keys in every process and every run (unlike ``hash()``), which keeps seeded benchmarks
     reproducible across worker processes.  About 0.6 µs per block.
+
+    ``known`` is the chain already computed for a text that ``text`` extends (the previous
+    turn of a conversation): its keys are reused and only the blocks after them hashed.
+    It must be the chain of a prefix of ``text`` with the same ``block_tokens``.
     """
     size = block_tokens * CHARS_PER_TOKEN
-    encoded = text.encode("utf-8", "surrogatepass")
-    # Cut by characters, not bytes, so the block count agrees with count_tokens().
-    whole = len(text) // size
-    if whole == 0:
-        return ()
-    if len(encoded) != len(text):
-        pieces: Iterable[bytes] = (
-            text[i * size : (i + 1) * size].encode("utf-8", "surrogatepass") for i in range(whole)
-        )
-    else:
-        pieces = (encoded[i * size : (i + 1) * size] for i in range(whole))
-    keys = []
-    previous = b""
-    for piece in pieces:
+    whole = len(text) // size  # by characters, so the count agrees with count_tokens()
+    start = min(len(known), whole)
+    keys = list(known[:start])
+    previous = keys[-1].to_bytes(8, "big") if keys else b""
+    for i in range(start, whole):
+        piece = text[i * size : (i + 1) * size].encode("utf-8", "surrogatepass")
         previous = hashlib.blake2b(previous + piece, digest_size=8).digest()
         keys.append(int.from_bytes(previous, "big"))
     return tuple(keys)

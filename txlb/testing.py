@@ -34,15 +34,16 @@ Choices worth knowing about (they are deliberate simplifications):
   or a benchmark can compute the same blocks (:func:`block_chain`) without a tokenizer.
 * Token ``i`` of a generation (0-based, reasoning first) is emitted ``ttft + i /
   tokens_per_second`` seconds after the generation starts *running* (not after it was
-  received: queued requests wait first).  With ``prefill_tokens_per_second``, the prompt
-  tokens not found in the prefix cache add their prefill time to ``ttft``; with
-  ``batch_slowdown``, the per-token interval follows the batch size at each token.
+  received: queued requests wait first).  The response is completed together with the
+  last token, so a non-streamed answer of ``T`` tokens arrives ``ttft + (T - 1) /
+  tokens_per_second`` seconds after it starts (``ttft`` when ``T`` is 0).  With
+  ``prefill_tokens_per_second``, the prompt tokens not found in the prefix cache add their
+  prefill time to ``ttft``; with ``batch_slowdown``, the interval to the next token follows
+  the batch size at each token.
 * The prefix cache (:class:`PrefixCache`) is vLLM's in miniature: whole blocks of
   ``block_tokens``, each keyed over its whole prefix, pinned while their request runs and
   evicted least recently used afterwards.  It never holds a request back: when every block
-  is pinned, the rest of a new prompt is simply not cached.  The response is completed together with the
-  last token, so a non-streamed answer of ``T`` tokens arrives ``ttft + (T - 1) /
-  tokens_per_second`` seconds after it starts (``ttft`` when ``T`` is 0).
+  is pinned, the rest of a new prompt is simply not cached.
 * A streamed response's headers go out with its first event, at ``ttft``, as with vLLM,
   which sends nothing until the first token exists.  A queued request therefore sees no
   response bytes at all until it is admitted.
