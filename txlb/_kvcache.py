@@ -189,12 +189,12 @@ class PrefixCache:
 
     @blocks.validator
     def _check_blocks(self, attribute: attrs.Attribute[int], value: int) -> None:
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"blocks must be a positive integer, got {value!r}")
 
     @block_tokens.validator
     def _check_block_tokens(self, attribute: attrs.Attribute[int], value: int) -> None:
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"block_tokens must be a positive integer, got {value!r}")
 
     @property
