@@ -308,6 +308,16 @@ class Engine:
         self._finishing: list[tuple[float, int, Request]] = []
         self._timer: IDelayedCall | None = None
 
+    def kv_usage(self) -> float:
+        """
+        What the engine would report as ``vllm:kv_cache_usage_perc``, as the simulated vLLM
+        does: the fraction of prefix-cache blocks pinned by running requests, or without a
+        cache the fraction of batch slots taken.
+        """
+        if self.cache is not None:
+            return self.cache.usage
+        return min(1.0, self.running / self.max_num_seqs)
+
     def speed(self) -> float:
         """Tokens/s of each decoding sequence with the batch as it is now."""
         return self.cls.decode_rate * (1 - self.degradation * self.running / self.max_num_seqs)

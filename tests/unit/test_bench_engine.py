@@ -73,3 +73,15 @@ class EngineCacheTests(unittest.TestCase):
         for index in range(3):
             engine.submit(Request(index, 0.0, PROMPT, 3, 0))
         self.assertEqual(engine.peak_running, 3)
+
+    def test_kv_usage_is_what_the_simulator_would_report(self) -> None:
+        cached = self.engine(kv_cache_blocks=100)
+        cached.submit(Request(0, 0.0, PROMPT, 3, 0, blocks=CHAIN))
+        self.assertEqual(cached.kv_usage(), len(CHAIN) / 100)
+        while not self.done:
+            self.clock.advance(0.01)
+        self.assertEqual(cached.kv_usage(), 0.0)
+        plain = self.engine()
+        for index in range(8):
+            plain.submit(Request(index, 0.0, PROMPT, 3, 0))
+        self.assertEqual(plain.kv_usage(), 8 / Params().max_num_seqs)
