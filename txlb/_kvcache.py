@@ -64,6 +64,8 @@ def block_chain(
     turn of a conversation): its keys are reused and only the blocks after them hashed.
     It must be the chain of a prefix of ``text`` with the same ``block_tokens``.
     """
+    if not isinstance(block_tokens, int) or block_tokens < 1:
+        raise ValueError(f"block_tokens must be a positive integer, got {block_tokens!r}")
     size = block_tokens * CHARS_PER_TOKEN
     whole = len(text) // size  # by characters, so the count agrees with count_tokens()
     start = min(len(known), whole)
@@ -119,7 +121,8 @@ def _content(value: object, out: list[str], depth: int) -> None:
     if isinstance(value, str):
         out.append(value)
     elif isinstance(value, int) and not isinstance(value, bool):
-        out.append(f"{value} ")  # a token id
+        if -(2**63) <= value < 2**63:  # a token id; a huge one would be slow to print
+            out.append(f"{value} ")
     elif depth >= _MAX_DEPTH:
         return
     elif isinstance(value, list):

@@ -68,6 +68,10 @@ class BlockChainTests(unittest.TestCase):
         self.assertEqual(len(block_chain(text)), 3)
         self.assertEqual(count_tokens(text), 3 * BLOCK_TOKENS)
 
+    def test_block_size_must_be_positive(self) -> None:
+        for bad in (0, -16):
+            self.assertRaises(ValueError, block_chain, "x" * 100, bad)
+
     def test_count_tokens(self) -> None:
         self.assertEqual(count_tokens(""), 1)
         self.assertEqual(count_tokens("abc"), 1)
@@ -148,6 +152,7 @@ class RenderPromptTests(unittest.TestCase):
             self.assertIsInstance(render_prompt(body, chat=True), str)
         self.assertNotIn("core", render_prompt({"prompt": deep}, chat=False))
         self.assertEqual(render_prompt({"prompt": None}, chat=False), "")
+        self.assertEqual(render_prompt({"prompt": [10**5000, 7]}, chat=False), "7 ")
         self.assertEqual(render_prompt({"prompt": {"x": 1}}, chat=False), "")
 
     def test_tools_json_is_rendered_as_given(self) -> None:

@@ -292,6 +292,19 @@ class HostileBodyTests(_CacheFixture):
         self.assertEqual((self.sim.cache.queries, self.sim.cache.resident), (0, 0))
 
 
+    def test_huge_prompt_within_the_context_is_cached_as_far_as_the_cache_goes(self) -> None:
+        self.make_cached(max_model_len=1_000_000, kv_cache_blocks=1000, prefill_tokens_per_second=0)
+        huge = _chat(system="y" * 1_000_000)
+        body = json.dumps(huge).encode()
+        for expected in (0, 1000 * BLOCK_TOKENS):
+            code, answer = self.post_raw(body)
+            self.assertEqual(code, 200)
+            self.assertEqual(answer["usage"]["prompt_tokens"], _tokens(huge))
+            self.assertEqual(answer["usage"]["prompt_tokens_details"]["cached_tokens"], expected)
+        assert self.sim.cache is not None
+        self.assertEqual((self.sim.cache.resident, self.sim.cache.pinned), (1000, 0))
+
+
 class SimTapCacheTests(unittest.TestCase):
     def parse(self, *args: str) -> simtap.Options:
         options = simtap.Options()
