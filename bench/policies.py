@@ -26,8 +26,14 @@ Each simulated engine behaves like a vLLM server, simplified:
   an engine's total throughput still rises with batch size.  The speed is recomputed
   whenever the batch changes (processor sharing on a "virtual token clock").  A request
   finishes when it has produced ``output_tokens`` tokens (the first comes from prefill).
-* No KV-cache limit, no preemption, no chunked prefill, no prefix caching, no network
-  time; the balancer's own overhead is zero.
+* **Prefix cache (off unless ``Params.kv_cache_blocks`` is set).**  The same model as the
+  simulated vLLM's, :class:`txlb.testing.PrefixCache`: a request that carries its prompt's
+  block chain (``Request.blocks``) looks it up when it joins the batch, pins its blocks
+  while it runs, and prefills only the tokens not found (``Request.cached_tokens``); the
+  blocks stay cached, least recently used first out, after it ends.  The experiments below
+  carry no prompts, so the cache changes nothing in them.
+* No KV-cache limit on admission, no preemption, no chunked prefill, no network time; the
+  balancer's own overhead is zero.
 
 TTFT is measured as the real balancer measures it: from the request's arrival at the
 balancer to its first token, i.e. balancer queue wait + engine queue wait + prefill.
@@ -117,6 +123,7 @@ from txlb._records.outcome import RequestOutcome
 from txlb._scheduling.policies import IPolicy
 from txlb._scheduling.policies.registry import BUILT_IN, make_policy
 from txlb._scheduling.router import Router, RoutingError
+from txlb.testing import BLOCK_TOKENS, CacheLease, PrefixCache
 
 POLICY_NAMES = tuple(factory.name for factory in BUILT_IN)
 
@@ -162,6 +169,8 @@ class Params:
     prompt_median: float = 600.0
     prompt_sigma: float = 0.8
     prompt_cap: int = 16000
+    kv_cache_blocks: int = 0  # each engine's prefix cache, in blocks; 0: none
+    block_tokens: int = BLOCK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -192,18 +201,31 @@ Z99 = 2.3263478740408408  # standard normal quantile at 0.99
 
 @dataclass
 class Request:
-    """One request of the workload, and what happened to it."""
+    """
+    One request of the workload, and what happened to it.
+
+    ``blocks`` is the prompt as the engines' prefix cache sees it: the keys of its whole
+    blocks, ``txlb.testing.block_chain(txlb.testing.render_prompt(body, chat))`` (with
+    ``prompt_tokens`` its ``count_tokens``).  A chain rather than the text, so a workload
+    hashes each distinct prompt once (a conversation's next turn extends the last one's
+    chain with ``block_chain(text, known=...)``) and a fleet-scale run of tens of
+    thousands of requests does no hashing in the engines; requests that share a prompt
+    can share one tuple.  Empty: the request shares nothing with any other.
+    """
 
     index: int
     arrival: float
     prompt_tokens: int
     output_tokens: int
     replica: int
+    blocks: tuple[int, ...] = ()
     engine: str | None = None
     lease: Lease | None = None
     first_token: float | None = None
     done: float | None = None
     refused: bool = False
+    cached_tokens: int = 0
+    cache_lease: CacheLease | None = None
 
 
 @dataclass(frozen=True)
@@ -255,7 +277,8 @@ def make_workload(params: Params, replicas: int) -> Workload:
 class Engine:
     """
     One simulated vLLM engine: a batch of at most ``max_num_seqs`` sequences plus a FIFO
-    waiting queue, prefill per sequence, and decode at a shared per-sequence speed.
+    waiting queue, prefill per sequence (of the prompt tokens its prefix cache, if any, does
+    not hold), and decode at a shared per-sequence speed.
 
     Decode uses a virtual token clock ``_vtokens``: the number of tokens any sequence that
     was decoding all along would have produced.  It advances at the current per-sequence
@@ -276,11 +299,24 @@ class Engine:
         self.running = 0  # prefilling + decoding
         self.waiting: deque[Request] = deque()
         self.peak_waiting = 0
+        self.peak_running = 0
+        self.cache = (PrefixCache(params.kv_cache_blocks, params.block_tokens)
+                      if params.kv_cache_blocks else None)
         self.served = 0
         self._vtokens = 0.0
         self._vtokens_at = 0.0
         self._finishing: list[tuple[float, int, Request]] = []
         self._timer: IDelayedCall | None = None
+
+    def kv_usage(self) -> float:
+        """
+        What the engine would report as ``vllm:kv_cache_usage_perc``, as the simulated vLLM
+        does: the fraction of prefix-cache blocks pinned by running requests, or without a
+        cache the fraction of batch slots taken.
+        """
+        if self.cache is not None:
+            return self.cache.usage
+        return min(1.0, self.running / self.max_num_seqs)
 
     def speed(self) -> float:
         """Tokens/s of each decoding sequence with the batch as it is now."""
@@ -305,8 +341,13 @@ class Engine:
         while self.waiting and self.running < self.max_num_seqs:
             request = self.waiting.popleft()
             self.running += 1
-            self.clock.callLater(request.prompt_tokens / self.cls.prefill_rate,
-                                 self._prefilled, request)
+            self.peak_running = max(self.peak_running, self.running)
+            if self.cache is not None and request.blocks:
+                request.cache_lease = self.cache.acquire(request.blocks, request.prompt_tokens)
+                request.cached_tokens = request.cache_lease.cached_tokens
+            self.clock.callLater(
+                (request.prompt_tokens - request.cached_tokens) / self.cls.prefill_rate,
+                self._prefilled, request)
 
     def _prefilled(self, request: Request) -> None:
         self._advance()
@@ -335,6 +376,10 @@ class Engine:
         for request in finished:
             request.done = now
             self.running -= 1
+            if request.cache_lease is not None:
+                assert self.cache is not None
+                self.cache.release(request.cache_lease)
+                request.cache_lease = None
         self._admit()
         self._schedule()
         for request in finished:  # may re-enter submit() through the routers' queues

@@ -6,6 +6,10 @@ For demos and manual testing of the balancer without a GPU, e.g. two backends::
     twistd -n --pidfile= vllm-sim --port 8002 --model m
     twistd -n --pidfile= vllm-sim --port 8003 --model m --tokens-per-second 20
 
+and one with a prefix cache of 512 blocks whose prefill runs at 2,000 tokens/s::
+
+    twistd -n --pidfile= vllm-sim --port 8004 --kv-cache-blocks 512 --prefill-rate 2000
+
 The plugin registration lives in ``twisted/plugins/txlb_llmlb.py``; this module only holds
 the options and the service factory, so importing the plugin stays cheap.
 """
@@ -62,6 +66,28 @@ class Options(usage.Options):
         ["default-tokens", None, "16", "Tokens generated when max_tokens is not given."],
         ["max-model-len", None, "4096", "Context length of the simulated model."],
         ["reasoning-tokens", None, "4", "Reasoning tokens emitted when thinking is on."],
+        [
+            "kv-cache-blocks",
+            None,
+            "0",
+            "KV-cache blocks of the prefix cache (0: no prefix cache). With a cache, a prompt "
+            "counts one token per 4 characters and usage reports cached_tokens.",
+        ],
+        ["block-size", None, "16", "Tokens per KV-cache block (vLLM's default: 16)."],
+        [
+            "prefill-rate",
+            None,
+            "0",
+            "Prompt tokens prefilled per second: time to first token is --ttft plus the "
+            "uncached prompt tokens over this (0: no prefill time).",
+        ],
+        [
+            "batch-slowdown",
+            None,
+            "0",
+            "Decode slowdown of a full batch, 0 to <1: each generation decodes at "
+            "tokens-per-second x (1 - this x running / max-num-seqs).",
+        ],
     ]
 
     def __init__(self) -> None:
@@ -106,6 +132,16 @@ class Options(usage.Options):
         self["reasoning-tokens"] = self._number(
             "reasoning-tokens", int, lambda v: v >= 0, "a non-negative integer"
         )
+        self["kv-cache-blocks"] = self._number(
+            "kv-cache-blocks", int, lambda v: v >= 0, "a non-negative integer"
+        )
+        self["block-size"] = self._number("block-size", int, lambda v: v >= 1, "a positive integer")
+        self["prefill-rate"] = self._number(
+            "prefill-rate", float, lambda v: v >= 0, "a non-negative number (0: no prefill time)"
+        )
+        self["batch-slowdown"] = self._number(
+            "batch-slowdown", float, lambda v: 0 <= v < 1, "a number from 0 up to (not including) 1"
+        )
         if not self["model"]:
             self["model"] = ["sim-model"]
         description = _endpoint_description(str(self["port"]))
@@ -129,6 +165,10 @@ def simulator_from_options(options: Options, reactor: IReactorTime) -> Simulated
         default_tokens=options["default-tokens"],
         max_model_len=options["max-model-len"],
         reasoning_tokens=options["reasoning-tokens"],
+        kv_cache_blocks=options["kv-cache-blocks"],
+        block_tokens=options["block-size"],
+        prefill_tokens_per_second=options["prefill-rate"],
+        batch_slowdown=options["batch-slowdown"],
     )
 
 

@@ -5,8 +5,9 @@ embedder builds on it) without a GPU, a model, or real time passing.
 It speaks the slice of vLLM's OpenAI-compatible HTTP API that a load balancer cares about:
 ``/health``, ``/v1/models``, ``/metrics``, ``/v1/chat/completions`` and ``/v1/completions``
 (streaming and not), and it reproduces the behaviours that make LLM backends awkward to
-balance: generations that take time, a ``max_num_seqs`` cap with a FIFO waiting queue, a
-dead engine behind a live API server, a server that accepts requests and never answers, and
+balance: generations that take time, a ``max_num_seqs`` cap with a FIFO waiting queue, an
+optional prefix cache whose hits shorten the prefill (``kv_cache_blocks``), a dead engine
+behind a live API server, a server that accepts requests and never answers, and
 clients that disconnect mid-generation.  Everything observable is exposed as plain
 attributes, so a test can flip a switch and then assert on counters.
 
@@ -27,12 +28,22 @@ Choices worth knowing about (they are deliberate simplifications):
 
 * Tokens are the words ``tok0 ``, ``tok1 ``, ... (each a word and a space); reasoning
   tokens, when thinking is on, are ``reason0 ``, ``reason1 ``, ...  A prompt's token count
-  is its number of whitespace-separated words.
+  is its number of whitespace-separated words -- unless the prefix cache is on: then the
+  request is rendered as a chat template would (:func:`render_prompt`) and every
+  :data:`CHARS_PER_TOKEN` characters are a token (:func:`count_tokens`), so that a client
+  or a benchmark can compute the same blocks (:func:`block_chain`) without a tokenizer.
 * Token ``i`` of a generation (0-based, reasoning first) is emitted ``ttft + i /
   tokens_per_second`` seconds after the generation starts *running* (not after it was
   received: queued requests wait first).  The response is completed together with the
   last token, so a non-streamed answer of ``T`` tokens arrives ``ttft + (T - 1) /
-  tokens_per_second`` seconds after it starts (``ttft`` when ``T`` is 0).
+  tokens_per_second`` seconds after it starts (``ttft`` when ``T`` is 0).  With
+  ``prefill_tokens_per_second``, the prompt tokens not found in the prefix cache add their
+  prefill time to ``ttft``; with ``batch_slowdown``, the interval to the next token follows
+  the batch size at each token.
+* The prefix cache (:class:`PrefixCache`) is vLLM's in miniature: whole blocks of
+  ``block_tokens``, each keyed over its whole prefix, pinned while their request runs and
+  evicted least recently used afterwards.  It never holds a request back: when every block
+  is pinned, the rest of a new prompt is simply not cached.
 * A streamed response's headers go out with its first event, at ``ttft``, as with vLLM,
   which sends nothing until the first token exists.  A queued request therefore sees no
   response bytes at all until it is admitted.
@@ -66,11 +77,28 @@ from twisted.web.resource import IResource, Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 from zope.interface import implementer
 
+from txlb._kvcache import (
+    BLOCK_TOKENS,
+    CHARS_PER_TOKEN,
+    CacheLease,
+    PrefixCache,
+    block_chain,
+    count_tokens,
+    render_prompt,
+)
+
 __all__ = [
+    "BLOCK_TOKENS",
+    "CHARS_PER_TOKEN",
+    "CacheLease",
+    "PrefixCache",
     "ReceivedRequest",
     "SimulatedVLLM",
+    "block_chain",
+    "count_tokens",
     "filler_bytes",
     "listen_simulated",
+    "render_prompt",
 ]
 
 
@@ -158,21 +186,25 @@ def _error_body(code: int, message: str) -> bytes:
     )
 
 
-def _count_words(value: object) -> int:
+def _count_words(value: object, depth: int = 0) -> int:
     """
     A deterministic stand-in for tokenisation: whitespace-separated words.
 
     Accepts what OpenAI-style requests put in ``content``/``prompt``: a string, a list of
     content parts (``{"type": "text", "text": ...}``), a list of strings, or token ids.
+    Nesting deeper than any real request has is not counted, so a hostile body cannot
+    exhaust the stack.
     """
     if isinstance(value, str):
         return len(value.split())
     if isinstance(value, int) and not isinstance(value, bool):
         return 1
+    if depth >= 32:
+        return 0
     if isinstance(value, dict):
-        return _count_words(value.get("text", ""))
+        return _count_words(value.get("text", ""), depth + 1)
     if isinstance(value, list):
-        return sum(_count_words(item) for item in value)
+        return sum(_count_words(item, depth + 1) for item in value)
     return 0
 
 
@@ -228,11 +260,17 @@ class _Generation:
     finish_reason: str
     ident: str
     created: int
+    prompt: str | None = None
     state: str = "waiting"
     started_at: float = 0.0
     emitted: int = 0
     client_gone: bool = False
     call: _DelayedCall | None = None
+    cache_lease: CacheLease | None = None
+    cached_tokens: int = 0
+    anchor_at: float = 0.0
+    anchor_index: int = 0
+    speed: float = 0.0
 
     @property
     def total(self) -> int:
@@ -245,21 +283,43 @@ class _Generation:
         return False, f"tok{index - self.reasoning_count} "
 
     def start(self) -> None:
+        """
+        Join the batch: look the prompt up in the prefix cache, if there is one, and time
+        the first token after ``ttft`` plus the prefill of what was not cached.
+        """
         self.state = "running"
         self.started_at = self.sim._clock.seconds()
+        cache = self.sim.cache
+        if cache is not None and self.prompt is not None:
+            self.cache_lease = cache.acquire(
+                block_chain(self.prompt, cache.block_tokens), self.prompt_tokens
+            )
+            self.cached_tokens = self.cache_lease.cached_tokens
+        self.anchor_at = self.started_at + self.sim.ttft
+        rate = self.sim.prefill_tokens_per_second
+        if 0 < rate < float("inf"):
+            self.anchor_at += (self.prompt_tokens - self.cached_tokens) / rate
+        self.speed = self.sim._decode_speed()
         self._schedule()
 
     def _schedule(self) -> None:
         """
-        Arm the timer for the next token at its absolute time, ``started_at + ttft +
-        emitted / tokens_per_second``.
+        Arm the timer for the next token at its absolute time: token ``i`` is due at
+        ``anchor_at + (i - anchor_index) / speed``, the first one at ``anchor_at``.
 
         Absolute rather than chained delays, so a late timer (a busy reactor, or a test
         that jumps a Clock forward by a whole generation) catches up instead of shifting
-        every later token.
+        every later token.  When the decode speed changed (``batch_slowdown`` and a batch
+        that grew or shrank), the schedule is anchored again at the previous token.
         """
         clock = self.sim._clock
-        due = self.started_at + self.sim.ttft + self.emitted / self.sim.tokens_per_second
+        speed = self.sim._decode_speed()
+        if speed != self.speed:
+            if self.emitted > 0:
+                self.anchor_at += (self.emitted - 1 - self.anchor_index) / self.speed
+                self.anchor_index = self.emitted - 1
+            self.speed = speed
+        due = self.anchor_at + (self.emitted - self.anchor_index) / self.speed
         self.call = clock.callLater(max(0.0, due - clock.seconds()), self._step)
 
     def abort(self) -> None:
@@ -319,11 +379,14 @@ class _Generation:
 
     def _usage(self) -> dict[str, Any]:
         completion = self.total
+        details = None
+        if self.sim.cache is not None:
+            details = {"cached_tokens": self.cached_tokens}
         return {
             "prompt_tokens": self.prompt_tokens,
             "total_tokens": self.prompt_tokens + completion,
             "completion_tokens": completion,
-            "prompt_tokens_details": None,
+            "prompt_tokens_details": details,
         }
 
     def _envelope(self, choices: list[dict[str, Any]], usage: bool = False) -> dict[str, Any]:
@@ -495,6 +558,16 @@ def _non_negative(instance: object, attribute: attrs.Attribute[Any], value: floa
         raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
 
 
+def _fraction(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not 0 <= value < 1:
+        raise ValueError(f"{attribute.name} must be in [0, 1), got {value!r}")
+
+
+def _count(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{attribute.name} must be an integer >= 0, got {value!r}")
+
+
 class _BadRequest(Exception):
     """An invalid completion request; carries the status and message to answer with."""
 
@@ -521,6 +594,23 @@ class SimulatedVLLM:
     :param max_model_len: context length, for the ``max_tokens`` check and ``/v1/models``.
     :param reasoning_tokens: reasoning tokens emitted first when a chat request has
         ``chat_template_kwargs.enable_thinking`` set.
+    :param kv_cache_blocks: size of the prefix cache in blocks; 0 (the default) means no
+        prefix cache, and prompts are counted in words as before.  With a cache, ``usage``
+        carries ``prompt_tokens_details.cached_tokens`` (as vLLM with
+        ``--enable-prompt-tokens-details``; in a stream only in the usage chunk
+        ``stream_options.include_usage`` asks for), and ``/metrics``'
+        ``vllm:kv_cache_usage_perc`` is the fraction of blocks pinned by running requests.
+    :param block_tokens: tokens per block (vLLM's default, 16).
+    :param prefill_tokens_per_second: prefill speed; time to first token is ``ttft`` plus
+        the uncached prompt tokens over this.  0 (the default) or infinity: no prefill time.
+    :param batch_slowdown: each generation decodes at ``tokens_per_second * (1 -
+        batch_slowdown * running / max_num_seqs)``, so a full batch is slower per sequence
+        (0, the default: no slowdown).
+
+    ``/metrics`` also has ``vllm:prefix_cache_queries_total`` and ``_hits_total`` (prompt
+    tokens looked up and found, 0 without a cache) and ``txlb_sim_peak_requests_running``,
+    the simulator's own gauge of the most requests it ever ran at once (what a benchmark
+    reads as the peak in flight on one backend).
 
     Switches tests flip:
 
@@ -540,6 +630,8 @@ class SimulatedVLLM:
     :ivar completed: generations whose response was finished.
     :ivar aborted: requests whose client disconnected before the response was finished,
         whether they were waiting, running or hung.
+    :ivar peak_running: the most requests that held a slot at once.
+    :ivar cache: the :class:`PrefixCache` (its ``queries``, ``hits``, ``usage``), or None.
     :ivar requests: every request received, in order, as :class:`ReceivedRequest`.
 
     Per-request test controls, as request headers:
@@ -562,6 +654,10 @@ class SimulatedVLLM:
     default_tokens: int = attrs.field(default=16, validator=_non_negative)
     max_model_len: int = attrs.field(default=4096, validator=_positive)
     reasoning_tokens: int = attrs.field(default=4, validator=_non_negative)
+    kv_cache_blocks: int = attrs.field(default=0, validator=_count)
+    block_tokens: int = attrs.field(default=BLOCK_TOKENS, validator=[_count, _positive])
+    prefill_tokens_per_second: float = attrs.field(default=0.0, validator=_non_negative)
+    batch_slowdown: float = attrs.field(default=0.0, validator=_fraction)
 
     engine_dead: bool = attrs.field(default=False, init=False)
     loading: bool = attrs.field(default=False, init=False)
@@ -569,16 +665,28 @@ class SimulatedVLLM:
     started: int = attrs.field(default=0, init=False)
     completed: int = attrs.field(default=0, init=False)
     aborted: int = attrs.field(default=0, init=False)
+    peak_running: int = attrs.field(default=0, init=False)
     requests: list[ReceivedRequest] = attrs.field(factory=list, init=False, repr=False)
+    cache: PrefixCache | None = attrs.field(default=None, init=False, repr=False)
 
     _slots: set[_Generation | _Hung] = attrs.field(factory=set, init=False, repr=False)
     _queue: deque[_Generation] = attrs.field(factory=deque, init=False, repr=False)
     _next_id: int = attrs.field(default=0, init=False, repr=False)
 
+    def __attrs_post_init__(self) -> None:
+        if self.kv_cache_blocks:
+            self.cache = PrefixCache(self.kv_cache_blocks, self.block_tokens)
+
     @property
     def running(self) -> int:
         """Generations holding a slot right now (hung requests included)."""
         return len(self._slots)
+
+    def _decode_speed(self) -> float:
+        """Tokens/s of each generation with the batch as it is now."""
+        return self.tokens_per_second * (
+            1 - self.batch_slowdown * len(self._slots) / self.max_num_seqs
+        )
 
     @property
     def waiting(self) -> int:
@@ -645,6 +753,7 @@ class SimulatedVLLM:
             hung = _Hung(request)
             self._slots.add(hung)
             self.started += 1
+            self.peak_running = max(self.peak_running, len(self._slots))
             request.notifyFinish().addErrback(lambda _: self._release(hung, completed=False))
             return NOT_DONE_YET
 
@@ -688,27 +797,54 @@ class SimulatedVLLM:
 
     def _metrics_text(self) -> bytes:
         label = self.models[0].replace("\\", "\\\\").replace('"', '\\"')
-        kv_usage = min(1.0, self.running / self.max_num_seqs)
+        cache = self.cache
+        if cache is None:
+            kv_usage = min(1.0, self.running / self.max_num_seqs)
+            kv_help = "(simulated: running/max_num_seqs)"
+        else:
+            kv_usage = cache.usage
+            kv_help = "(simulated: prefix blocks pinned by running requests/kv_cache_blocks)"
         lines = []
-        for name, help_text, value in (
+        for name, kind, help_text, value in (
             (
                 "vllm:num_requests_running",
+                "gauge",
                 "Number of requests in model execution batches.",
                 float(self.running),
             ),
             (
                 "vllm:num_requests_waiting",
+                "gauge",
                 "Number of requests waiting to be processed.",
                 float(self.waiting),
             ),
             (
                 "vllm:kv_cache_usage_perc",
-                "KV-cache usage. 1 means 100 percent usage (simulated: running/max_num_seqs).",
+                "gauge",
+                f"KV-cache usage. 1 means 100 percent usage {kv_help}.",
                 kv_usage,
+            ),
+            (
+                "vllm:prefix_cache_queries_total",
+                "counter",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                float(cache.queries if cache else 0),
+            ),
+            (
+                "vllm:prefix_cache_hits_total",
+                "counter",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                float(cache.hits if cache else 0),
+            ),
+            (
+                "txlb_sim_peak_requests_running",
+                "gauge",
+                "The simulator's own: most requests ever running at once.",
+                float(self.peak_running),
             ),
         ):
             lines.append(f"# HELP {name} {help_text}")
-            lines.append(f"# TYPE {name} gauge")
+            lines.append(f"# TYPE {name} {kind}")
             lines.append(f'{name}{{model_name="{label}"}} {value!r}')
         return ("\n".join(lines) + "\n").encode("utf-8")
 
@@ -732,6 +868,8 @@ class SimulatedVLLM:
             payload = json.loads(body)
         except ValueError as e:
             raise _BadRequest(400, f"JSON decode error: {e}") from None
+        except RecursionError:
+            raise _BadRequest(400, "JSON decode error: nested too deeply") from None
         if not isinstance(payload, dict):
             raise _BadRequest(400, "The request body must be a JSON object.")
 
@@ -756,6 +894,10 @@ class SimulatedVLLM:
                 raise _BadRequest(400, "Field required: prompt.")
             prompt_tokens = _count_words(payload["prompt"])
             max_tokens = payload.get("max_tokens")
+        prompt = None
+        if self.cache is not None:
+            prompt = render_prompt(payload, chat)
+            prompt_tokens = count_tokens(prompt)
 
         if max_tokens is not None:
             if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
@@ -819,6 +961,7 @@ class SimulatedVLLM:
             finish_reason=finish_reason,
             ident=f"{'chatcmpl' if chat else 'cmpl'}-{self._next_id}",
             created=int(self._clock.seconds()),
+            prompt=prompt,
         )
 
     def _bytes(self, request: Request) -> bytes | int:
@@ -841,6 +984,7 @@ class SimulatedVLLM:
             generation = self._queue.popleft()
             self._slots.add(generation)
             self.started += 1
+            self.peak_running = max(self.peak_running, len(self._slots))
             generation.start()
 
     def _release(self, holder: _Generation | _Hung, completed: bool) -> None:
@@ -848,6 +992,9 @@ class SimulatedVLLM:
         if holder not in self._slots:
             return
         self._slots.discard(holder)
+        if isinstance(holder, _Generation) and holder.cache_lease is not None:
+            assert self.cache is not None
+            self.cache.release(holder.cache_lease)
         if completed:
             self.completed += 1
         else:
