@@ -46,6 +46,7 @@ class EngineShape:
     ttft: float = 0.02
     kv_cache_blocks: int = 2048  # x 16 tokens = 32,768 tokens of prefix cache
     prefill_rate: float = 20000.0  # prompt tokens/s
+    batch_slowdown: float = 0.3
     max_model_len: int = 65536
 
     def argv(self, port: int, supported: frozenset[str]) -> list[str]:
@@ -57,6 +58,8 @@ class EngineShape:
             argv += ["--kv-cache-blocks", str(self.kv_cache_blocks)]
         if "prefill-rate" in supported:
             argv += ["--prefill-rate", str(self.prefill_rate)]
+        if "batch-slowdown" in supported:
+            argv += ["--batch-slowdown", str(self.batch_slowdown)]
         return argv
 
 

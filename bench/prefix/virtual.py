@@ -59,6 +59,7 @@ from txlb._scheduling.policies.least_conn import load as least_conn_load
 from txlb._scheduling.policies.registry import make_policy
 from txlb._scheduling.request import ANY_REQUEST, RoutingRequest
 from txlb._scheduling.router import Router, RoutingError
+from txlb.testing import count_tokens
 
 LOAD_FACTOR = 1.25
 SCRAPE_INTERVAL = 2.0
@@ -76,22 +77,32 @@ class Oracle(Policy):
 
     name = "oracle"
 
-    def __init__(self, engines: dict[str, CachedEngine], factor: float = LOAD_FACTOR) -> None:
+    def __init__(self, engines: dict[str, CachedEngine],
+                 prompts: dict[int, tuple[tuple[int, ...], int]],
+                 factor: float = LOAD_FACTOR) -> None:
         self.engines = engines
+        self.prompts = prompts  # id(body) -> (block chain, prompt tokens), while in flight
         self.factor = factor
         self._ties = WeightedTies()
 
+    def _prompt(self, request: RoutingRequest) -> tuple[tuple[int, ...], int]:
+        body = request.json or {}
+        known = self.prompts.get(id(body))
+        if known is not None:
+            return known
+        text = render(body)
+        return block_chain(text), count_tokens(text)
+
     def choose(self, candidates: Sequence[Backend],
                request: RoutingRequest = ANY_REQUEST) -> Backend:
-        chain = block_chain(render(request.json or {}))
+        chain, tokens = self._prompt(request)
         room = [b for b in candidates if b.active < load_bound(b, candidates, self.factor)]
         pool = room or list(candidates)
-        best = max(self.engines[b.key].cache.match(chain) for b in pool)
+        matches = {b.key: self.engines[b.key].cache.match(chain, tokens) for b in pool}
+        best = max(matches.values())
         if best == 0:
             return self._ties.best(candidates, least_conn_load)
-        return self._ties.best(
-            [b for b in pool if self.engines[b.key].cache.match(chain) == best],
-            least_conn_load)
+        return self._ties.best([b for b in pool if matches[b.key] == best], least_conn_load)
 
 
 class PrefixHash(Policy):
@@ -187,9 +198,9 @@ def arrivals(requests: Sequence[PrefixRequest], scenario: Scenario) -> list[floa
 
 
 def _make_policy(name: str, clock: Clock, engines: dict[str, CachedEngine],
-                 seed: str) -> IPolicy:
+                 prompts: dict[int, tuple[tuple[int, ...], int]], seed: str) -> IPolicy:
     if name == "oracle":
-        return Oracle(engines)
+        return Oracle(engines, prompts)
     if name == "prefix-hash":
         return PrefixHash()
     return make_policy(name, clock, random.Random(seed))
@@ -211,6 +222,7 @@ def run(scenario: Scenario, policy_name: str,
     replica_of = [replica_rng.randrange(scenario.replicas) for _ in requests]
 
     engines: dict[str, CachedEngine] = {}
+    prompts: dict[int, tuple[tuple[int, ...], int]] = {}
     pools: list[Pool] = []
     routers: list[Router] = []
     policies: list[IPolicy] = []
@@ -221,7 +233,7 @@ def run(scenario: Scenario, policy_name: str,
         if scenario.shared_index and shared is not None:
             policy = shared
         else:
-            policy = _make_policy(policy_name, clock, engines,
+            policy = _make_policy(policy_name, clock, engines, prompts,
                                   f"policy-{scenario.seed}-{policy_name}-{replica}")
             shared = policy
         pools.append(pool)
@@ -233,6 +245,7 @@ def run(scenario: Scenario, policy_name: str,
         lease: Lease = job.context[0]
         replica: int = job.context[1]
         assert job.first_token is not None and job.done is not None
+        prompts.pop(id(job.body), None)
         lease.release()
         policies[replica].observe(lease.backend, RequestOutcome(
             backend=lease.backend.key, status=200, answered=True,
@@ -250,23 +263,26 @@ def run(scenario: Scenario, policy_name: str,
         job.context = (lease, replica)
         engines[lease.backend.key].submit(job)
 
-    def refuse(failure: Failure) -> None:
+    def refuse(failure: Failure, job: Job) -> None:
         failure.trap(RoutingError)
+        prompts.pop(id(job.body), None)
         refused[0] += 1
         outstanding[0] -= 1
 
     def arrive(index: int) -> None:
         request = requests[index]
         body: dict[str, Any] = request.body
-        prompt = max(1, request.prompt_chars() // CHARS_PER_TOKEN)
-        job = Job(index, clock.seconds(), body, prompt, int(body["max_tokens"]))
+        text = render(body)
+        chain, prompt = block_chain(text), count_tokens(text)
+        prompts[id(body)] = (chain, prompt)
+        job = Job(index, clock.seconds(), body, prompt, int(body["max_tokens"]), chain)
         jobs.append(job)
         if index + 1 < len(requests):
             clock.callLater(times[index + 1] - clock.seconds(), arrive, index + 1)
         replica = replica_of[index]
         routed = RoutingRequest(model=body.get("model"), json=body)
         d: Deferred[Lease] = routers[replica].acquire(routed)
-        d.addCallbacks(leased, refuse, callbackArgs=(job, replica))
+        d.addCallbacks(leased, refuse, callbackArgs=(job, replica), errbackArgs=(job,))
 
     needs_depth = any(getattr(p, "needs_engine_metrics", False) for p in policies)
 

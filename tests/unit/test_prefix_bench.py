@@ -18,13 +18,14 @@ from twisted.trial.unittest import SynchronousTestCase
 from bench.prefix import report
 from bench.prefix.__main__ import main
 from bench.prefix.client import Answer, read_event
-from bench.prefix.engine_model import BLOCK_CHARS, BlockCache, block_chain, render
+from bench.prefix.engine_model import block_chain, render
 from bench.prefix.fleet import parse_metrics
 from bench.prefix.virtual import Oracle
 from bench.prefix.workloads import CHARS_PER_TOKEN, WORKLOADS, Options, generate
 from txlb._cluster.pool import Pool
 from txlb._config import BackendSpec
 from txlb._scheduling.request import RoutingRequest
+from txlb.testing import BLOCK_TOKENS
 
 
 def bodies(name: str, **options: Any) -> list[str]:
@@ -136,18 +137,10 @@ class MetricsTests(SynchronousTestCase):
 
 
 class ModelTests(SynchronousTestCase):
-    def test_lru_evicts_the_oldest_block(self) -> None:
-        cache = BlockCache(3)
-        cache.touch([1, 2, 3])
-        cache.touch([1])
-        cache.touch([4])
-        self.assertEqual(cache.match([1]), 1)
-        self.assertEqual(cache.match([2]), 0)
-        self.assertEqual(cache.match([3, 4, 2]), 2)
-
     def test_chain_is_shared_only_up_to_the_first_difference(self) -> None:
-        a = block_chain("x" * BLOCK_CHARS * 3)
-        b = block_chain("x" * BLOCK_CHARS * 2 + "y" * BLOCK_CHARS)
+        size = BLOCK_TOKENS * CHARS_PER_TOKEN
+        a = block_chain("x" * size * 3)
+        b = block_chain("x" * size * 2 + "y" * size)
         self.assertEqual(a[:2], b[:2])
         self.assertNotEqual(a[2], b[2])
 
@@ -161,8 +154,10 @@ class ModelTests(SynchronousTestCase):
         engines = {b.key: CachedEngine(clock, b.key, EngineConfig(), print, print)
                    for b in backends}
         body = {"messages": [{"role": "system", "content": "p" * 1000}]}
-        engines[backends[1].key].cache.touch(block_chain(render(body)))
-        oracle = Oracle(engines)
+        chain = block_chain(render(body))
+        cache = engines[backends[1].key].cache
+        cache.release(cache.acquire(chain, 1000))
+        oracle = Oracle(engines, {})
         request = RoutingRequest(json=body)
         self.assertIs(oracle.choose(backends, request), backends[1])
         leases = [pool.acquire(backends[1]) for _ in range(3)]
