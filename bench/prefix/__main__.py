@@ -68,8 +68,8 @@ def run_virtual(args: argparse.Namespace, command: str) -> None:
     from bench.prefix import virtual
     from bench.prefix.engine_model import EngineConfig
 
-    policies = [p for p in virtual.POLICIES if p in ("oracle", "prefix-hash")
-                or p in _txlb_policies([p])]
+    policies = [p for p in virtual.POLICIES if (p in ("oracle", "prefix-hash")
+                or p in _txlb_policies([p])) and (args.policies is None or p in args.policies)]
     config = EngineConfig()
     jobs: list[tuple[virtual.Scenario, str]] = []
     for engines in args.engines:
@@ -106,13 +106,29 @@ def run_virtual(args: argparse.Namespace, command: str) -> None:
               f" {r.policy:12s} hit {r.hit_rate:.3f} p99 {r.ttft_p99:.3f}s "
               f"({r.wall_seconds:.1f}s)", file=sys.stderr)
 
-    results = virtual.run_all(jobs, args.jobs, progress)
-    report.save_part(args.out, "virtual", _info(
-        command, requests=args.requests, seed=args.seed, load=args.load,
-        wall=time.perf_counter() - started,
-        engine=", ".join(f"{f.name} {getattr(config, f.name)}"
-                         for f in dataclasses.fields(config))),
-        [dataclasses.asdict(r) for r in results])
+    results = [dataclasses.asdict(r) for r in virtual.run_all(jobs, args.jobs, progress)]
+    info = _info(command, requests=args.requests, seed=args.seed, load=args.load,
+                 wall=time.perf_counter() - started,
+                 engine=", ".join(f"{f.name} {getattr(config, f.name)}"
+                                  for f in dataclasses.fields(config)))
+    report.save_part(args.out, "virtual", info, _merged(args.out, info, results))
+
+
+_SAME_RUN = ("workload", "policy", "engines", "replicas", "shared_index", "shared_counts")
+
+
+def _merged(out: Path, info: dict[str, Any], results: list[dict[str, Any]]
+            ) -> list[dict[str, Any]]:
+    """
+    ``results`` plus the saved runs they do not replace, when those were made with the same
+    requests, seed and load (so a policy can be rerun alone); else ``results`` alone.
+    """
+    saved = report.load(out).get("virtual")
+    if not saved or any(saved["info"].get(k) != info[k] for k in ("requests", "seed", "load")):
+        return results
+    fresh = {tuple(r[k] for k in _SAME_RUN) for r in results}
+    kept = [r for r in saved["results"] if tuple(r.get(k) for k in _SAME_RUN) not in fresh]
+    return kept + results
 
 
 def run_policy_cpu(args: argparse.Namespace, command: str) -> None:
@@ -200,6 +216,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--load", type=float, default=0.8,
                    help="virtual arrival rate, as a fraction of the fleet's prefill capacity "
                         "without cache hits (default %(default)s)")
+    p.add_argument("--policies", type=lambda s: s.split(","), default=None,
+                   help="virtual policies to run (default: all); runs saved earlier with "
+                        "the same --requests, --seed and --load are kept for the others")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--jobs", type=int, default=2, help="virtual runs at once")
     p.add_argument("--targets", type=lambda s: s.split(","), default=None,
