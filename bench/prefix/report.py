@@ -242,6 +242,15 @@ def render(parts: dict[str, dict[str, Any]], directory: Path) -> str:
     out += (_table(["target", "where", "figures", "verdict"], rows) if rows
             else ["(no figures yet)"]) + [""]
     out += ["## The workloads", "", "```", (workloads.__doc__ or "").strip(), "```", ""]
+    from bench.prefix import engine_model, process_bench, real_engine, virtual
+
+    out += ["## How the figures are made", ""]
+    for title, module in (("The virtual-clock model", virtual),
+                          ("Its engines", engine_model),
+                          ("The process bench", process_bench),
+                          ("The real engine", real_engine)):
+        out += [f"<details><summary>{title} (<code>{module.__name__}</code>)</summary>", "",
+                "```", (module.__doc__ or "").strip(), "```", "", "</details>", ""]
     if "virtual" in parts:
         out += virtual_section(parts["virtual"])
     if "process" in parts:
