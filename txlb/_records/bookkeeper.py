@@ -145,7 +145,7 @@ def policy_learns(pool: Pool, policy: IPolicy) -> OutcomeConsumer:
 
 def metrics_counts(metrics: Metrics) -> SummaryConsumer:
     """The Prometheus request counters and histograms."""
-    return SummaryConsumer("the metrics", lambda summary, answered: metrics.observe(summary))
+    return SummaryConsumer("the metrics", metrics.observe)
 
 
 @implementer(IRequestObserver)
