@@ -83,6 +83,7 @@ def variety(count: int, seed: int = 12) -> list[Summary]:
             err_body=pick(_TEXTS), truncated=rng.random() < 0.2, tries=pick([1, 1, 2, 3]),
             prompt_tokens=maybe(rng.randrange(0, 99)), count=maybe(rng.randrange(0, 9)),
             cached_prompt_tokens=maybe(rng.randrange(0, 99)),
+            stream=rng.random() < 0.5,
         ))
     return summaries
 

@@ -39,12 +39,14 @@ class ExpositionTests(BalancerTestCase):
         prompt and cached prompt, time per output token), two queued.
         """
         self.post({})
-        response = self.upstream.last.respond(FakeResponse(200))
+        response = self.upstream.last.respond(FakeResponse(
+            200, headers=[(b"content-type", b"text/event-stream")]))
         self.clock.advance(0.1)
-        response.send(b'{"choices": [{"message": {"content": "hi"}}], "usage": '
-                      b'{"prompt_tokens": 30, "completion_tokens": 11, '
-                      b'"prompt_tokens_details": {"cached_tokens": 16}}}')
+        response.send(b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n')
         self.clock.advance(0.2)
+        response.send(b'data: {"choices": [], "usage": '
+                      b'{"prompt_tokens": 30, "completion_tokens": 11, '
+                      b'"prompt_tokens_details": {"cached_tokens": 16}}}\n\ndata: [DONE]\n\n')
         response.end()
         self.post({})
         self.post({})

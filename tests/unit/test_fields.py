@@ -220,7 +220,7 @@ class UnchangedTests(UTCTestCase):
             line = format_text(summary) + "\n" + format_json(summary) + "\n"
             digest.update(line.encode("utf-8", "backslashreplace"))
         self.assertEqual(digest.hexdigest(),
-                         "33edf246af7df1a0c1d08ea9018c524442b04a422b34a2d56a271760465732bb")
+                         "84f63512dc1e0554490a12105c70b8cbc7f24783e52e5d2157638f9bdb8eb403")
 
 
 class WireFormTests(SynchronousTestCase):

@@ -244,7 +244,7 @@ def completion(prompt: int | None, cached: int | None, **extra: Any) -> Summary:
         time=106.9135, orid="-", backend=A, method="POST", path="/v1/chat/completions",
         status=200, kind="completion", outcome="ok", dur=6.913, ttft=0.213, finish="stop",
         completion_tokens=101, max_tokens=None, clen=2, preview="hi", empty=False,
-        prompt_tokens=prompt, cached_prompt_tokens=cached)
+        prompt_tokens=prompt, cached_prompt_tokens=cached, stream=True)
     return Summary(**{**fields, **extra})
 
 
@@ -267,6 +267,14 @@ class ResultLogTests(SynchronousTestCase):
         self.assertEqual((fields["ptok"], fields["cached"]), (812, 768))
         fields = json.loads(format_json(completion(None, None)))
         self.assertEqual((fields["ptok"], fields["cached"]), (None, None))
+
+    def test_the_json_line_says_whether_it_was_a_stream(self) -> None:
+        body = sse(chunk("a"), chunk("b", "stop"))
+        streamed = summarize(record(chunks=[body], content_type=SSE_TYPE))
+        plain = summarize(record(chunks=[json.dumps(chat()).encode()]))
+        self.assertEqual((streamed.stream, plain.stream), (True, False))
+        self.assertIs(json.loads(format_json(streamed))["stream"], True)
+        self.assertNotIn("stream", format_text(streamed).split(" | ")[0])
 
     def test_from_an_answer_to_the_line(self) -> None:
         usage = {"prompt_tokens": 812, "completion_tokens": 5,
@@ -324,6 +332,7 @@ class MetricsTests(SynchronousTestCase):
         self.metrics.observe(completion(1, 0, dur=0.213 + 100 * 0.004))  # 4 ms
         self.metrics.observe(completion(1, 0, completion_tokens=1))  # no second token
         self.metrics.observe(completion(1, 0), answered=False)  # no backend's timing
+        self.metrics.observe(completion(1, 0, stream=False))  # no first-token time
         name = "txlb_time_per_output_token_seconds"
         self.assertEqual(sample(self.metrics, name + "_count", backend=A), 2)
         self.assertEqual(sample(self.metrics, name + "_bucket", backend=A, le="0.005"), 1)

@@ -238,6 +238,7 @@ FIELDS: tuple[Field, ...] = (
                 Text(330, " ptok=", kinds=_C, omit=_unknown))),
     Field("cached", INT.optional(), kinds=_C, attr="cached_prompt_tokens",
           text=(Text(340, " cached=", omit=_unknown),)),
+    Field("stream", BOOL, kinds=_C),  # JSON only: the text line's ttft/dur say enough
     Field("req_keys", STR_LIST.optional(), kinds=_X,
           text=(Text(120, " req_keys=", key_list),)),
     Field("err_body", STR, kinds=_X, text=(Text(1000, " ERR_BODY | ", free_text),)),

@@ -58,11 +58,13 @@ class RequestOutcome:
 def time_per_output_token(summary: Summary, answered: bool) -> float | None:
     """
     Seconds per generated token after the first (decode speed): the time from the first
-    byte to the end over the tokens after the first, for an answered request that
-    generated two tokens or more.  The policies' outcome and the metrics' histogram read
-    this one definition.
+    byte to the end over the tokens after the first, for an answered, streamed request that
+    generated two tokens or more (a plain JSON answer arrives whole, so its first byte
+    says nothing of the first token).  The policies' outcome and the metrics' histogram
+    read this one definition.
     """
     tokens = summary.completion_tokens
-    if not answered or summary.ttft is None or tokens is None or tokens < 2:
+    if (not answered or not summary.stream or summary.ttft is None or tokens is None
+            or tokens < 2):
         return None
     return max(0.0, summary.dur - summary.ttft) / (tokens - 1)

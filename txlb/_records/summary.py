@@ -191,6 +191,9 @@ class Summary:
     cached_prompt_tokens: int | None = None
     #: embeddings: how many vectors came back
     count: int | None = None
+    #: a completion came as a stream (SSE): only then does the time from its first byte to
+    #: its end measure the generation (a plain JSON answer arrives whole, at the end)
+    stream: bool = False
 
 
 def parse_json_object(body: bytes) -> dict[str, Any] | None:
@@ -618,6 +621,7 @@ def summarize(record: RequestRecord, privacy: Privacy = KEEP_ALL) -> Summary:
         completion_tokens=_count(completion.completion_tokens),
         prompt_tokens=completion.prompt_tokens,
         cached_prompt_tokens=completion.cached_prompt_tokens,
+        stream=_is_stream(body, record.content_type),
         max_tokens=max_tokens,
         thinking=thinking,
         think=bool(reasoning) or "<think>" in content,
