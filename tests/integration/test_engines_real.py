@@ -212,12 +212,16 @@ class LlamaServers(TestCase):
     def test_a_repeated_prompt_is_reported_cached(self) -> None:
         return defer.ensureDeferred(self.prompt_cache_scenario())
 
-    async def prompt_cache_scenario(self) -> None:
+    def test_a_repeated_prompt_is_reported_cached_through_workers(self) -> None:
+        """The same, where workers summarise and the supervisor writes and counts."""
+        return defer.ensureDeferred(self.prompt_cache_scenario("--workers", "2"))
+
+    async def prompt_cache_scenario(self, *options: str) -> None:
         """
         llama-server's prompt cache, as txlb reports it: the second of two identical
         prompts (one slot, so the same cache) is mostly served from the cache, in the
-        result log (text and JSON), plain and streamed -- a stream without
-        ``include_usage`` says it only in its ``timings`` -- and in the metrics.
+        result log (JSON), plain and streamed -- a stream without ``include_usage`` says
+        it only in its ``timings`` -- and in the metrics.
         """
         client = Client()
         self.addCleanup(client.pool.closeCachedConnections)
@@ -225,7 +229,7 @@ class LlamaServers(TestCase):
         await self.healthy(client, key)
         log_path = Path(self.mktemp()).resolve()
         lb = TwistdProcess("--backends", key, "--admin", "tcp:0:interface=127.0.0.1",
-                           "--log-file", str(log_path), "--log-format", "json")
+                           "--log-file", str(log_path), "--log-format", "json", *options)
         self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
         await lb.started()
         system = "You answer every question about the sea with care and in detail. " * 6
@@ -239,6 +243,7 @@ class LlamaServers(TestCase):
         await wait_until(lambda: log_path.exists() and len(log_path.read_text().splitlines())
                          >= 3, timeout=10, what="three result-log lines")
         lines = [json.loads(line) for line in log_path.read_text().splitlines()]
+        self.assertEqual([line["stream"] for line in lines], [False, False, True])
         counts = [(line["ptok"], line["cached"]) for line in lines]
         prompt = counts[0][0]
         self.assertGreater(prompt, 100, counts)
