@@ -301,6 +301,8 @@ class _Completion:
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
     cached_prompt_tokens: int | None = None
+    #: the answer was a stream (SSE), as the parser found it
+    stream: bool = False
 
     def add_events(self, events: list[dict[str, Any]], part: str) -> None:
         """
@@ -353,6 +355,7 @@ def parse_completion(body: bytes, content_type: bytes | None) -> _Completion:
     completion = _Completion()
     stripped = body.lstrip()
     if (content_type or b"").startswith(b"text/event-stream") or stripped.startswith(b"data:"):
+        completion.stream = True
         completion.add_events(_sse_payloads(body), "delta")
     else:
         answer = parse_json_object(body)
@@ -420,6 +423,7 @@ def parse_responses(body: bytes, content_type: bytes | None) -> _Completion:
         if answer is not None:
             _fold_response(completion, answer, texts=True)
         return completion
+    completion.stream = True
     final = None
     for event in _sse_payloads(body):
         kind = event.get("type")
@@ -452,6 +456,7 @@ def parse_messages(body: bytes, content_type: bytes | None) -> _Completion:
     blocks: list[object] = []  # content blocks, and stream deltas, in order
     ends: list[dict[str, Any]] = []  # what holds stop_reason and usage
     if _is_stream(body, content_type):
+        completion.stream = True
         for event in _sse_payloads(body):
             kind = event.get("type")
             if kind == "message_start" and isinstance(event.get("message"), dict):
@@ -621,7 +626,7 @@ def summarize(record: RequestRecord, privacy: Privacy = KEEP_ALL) -> Summary:
         completion_tokens=_count(completion.completion_tokens),
         prompt_tokens=completion.prompt_tokens,
         cached_prompt_tokens=completion.cached_prompt_tokens,
-        stream=_is_stream(body, record.content_type),
+        stream=completion.stream,
         max_tokens=max_tokens,
         thinking=thinking,
         think=bool(reasoning) or "<think>" in content,
