@@ -73,7 +73,7 @@ class TextLineTests(SynchronousTestCase):
         self.assertEqual(
             line,
             f"{STAMP} orid=ORD-123 127.0.0.1:8003 status=200 finish=stop ctok=432/1024 "
-            "thinking=False think=False empty=False clen=11 ttft=0.212 dur=6.913 "
+            "thinking=False think=False empty=False clen=11 ttft=0.212 dur=6.913 ptok=3 "
             "| Hello\\nworld",
         )
 
@@ -476,7 +476,7 @@ class EngineAPITests(SynchronousTestCase):
                                request, False)
         self.assertEqual(self.fields(summary), ("completion", "length", 8, 8, 8, False, False))
         line = format_text(summary)  # type: ignore[arg-type]
-        self.assertIn(" path=/chat/completions | ", line)
+        self.assertIn(" path=/chat/completions ptok=26 cached=25 | ", line)
         classic = self.summary(b"/v1/chat/completions", "llamacpp/chat.json", request, False)
         self.assertNotIn("path=", format_text(classic))  # type: ignore[arg-type]
         completions = self.summary(b"/completions", "llamacpp/completions.sse",
