@@ -220,7 +220,7 @@ class UnchangedTests(UTCTestCase):
             line = format_text(summary) + "\n" + format_json(summary) + "\n"
             digest.update(line.encode("utf-8", "backslashreplace"))
         self.assertEqual(digest.hexdigest(),
-                         "84f63512dc1e0554490a12105c70b8cbc7f24783e52e5d2157638f9bdb8eb403")
+                         "4cbc8e935ab22bffef329475f2bafb4c06bacb8fd2e0808bb15c4d48b7fcb02d")
 
 
 class WireFormTests(SynchronousTestCase):

@@ -235,9 +235,9 @@ FIELDS: tuple[Field, ...] = (
     Field("n", INT.optional(), kinds=_E, attr="count", text=(Text(150, " n=", count),)),
     Field("ptok", INT.optional(), kinds=_C | _E, attr="prompt_tokens",
           text=(Text(160, " ptok=", count, kinds=_E),
-                Text(330, " ptok=", kinds=_C, omit=_unknown))),
+                Text(192, " ptok=", count, kinds=_C))),
     Field("cached", INT.optional(), kinds=_C, attr="cached_prompt_tokens",
-          text=(Text(340, " cached=", omit=_unknown),)),
+          text=(Text(194, " cached=", count),)),
     Field("stream", BOOL, kinds=_C),  # JSON only: the text line's ttft/dur say enough
     Field("req_keys", STR_LIST.optional(), kinds=_X,
           text=(Text(120, " req_keys=", key_list),)),
