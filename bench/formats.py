@@ -82,6 +82,8 @@ def variety(count: int, seed: int = 12) -> list[Summary]:
             req_keys=maybe([pick(_TEXTS) for _ in range(rng.randrange(4))]),
             err_body=pick(_TEXTS), truncated=rng.random() < 0.2, tries=pick([1, 1, 2, 3]),
             prompt_tokens=maybe(rng.randrange(0, 99)), count=maybe(rng.randrange(0, 9)),
+            cached_prompt_tokens=maybe(rng.randrange(0, 99)),
+            stream=rng.random() < 0.5,
         ))
     return summaries
 

@@ -1,8 +1,9 @@
 """
 The real ``twistd -n llmlb`` in front of two real llama.cpp ``llama-server`` processes
 (the build in ``../shared/realengine``, see its README): the aliases they list, the
-engine txlb recognises in each, ``--unknown-model forward``, and the result-log lines of
-the Responses and Messages APIs as llama-server answers them.
+engine txlb recognises in each, ``--unknown-model forward``, the result-log lines of
+the Responses and Messages APIs as llama-server answers them, and its prompt cache's hits
+as the result log and the metrics report them.
 """
 
 from __future__ import annotations
@@ -207,6 +208,56 @@ class LlamaServers(TestCase):
         finally:
             await defer.DeferredList(direct, consumeErrors=True)
         self.assertLessEqual(max(depths), 4, depths)
+
+    def test_a_repeated_prompt_is_reported_cached(self) -> None:
+        return defer.ensureDeferred(self.prompt_cache_scenario())
+
+    def test_a_repeated_prompt_is_reported_cached_through_workers(self) -> None:
+        """The same, where workers summarise and the supervisor writes and counts."""
+        return defer.ensureDeferred(self.prompt_cache_scenario("--workers", "2"))
+
+    async def prompt_cache_scenario(self, *options: str) -> None:
+        """
+        llama-server's prompt cache, as txlb reports it: the second of two identical
+        prompts (one slot, so the same cache) is mostly served from the cache, in the
+        result log (JSON), plain and streamed -- a stream without ``include_usage`` says
+        it only in its ``timings`` -- and in the metrics.
+        """
+        client = Client()
+        self.addCleanup(client.pool.closeCachedConnections)
+        key = self.start_server("--parallel", "1", "--alias", "tiny")
+        await self.healthy(client, key)
+        log_path = Path(self.mktemp()).resolve()
+        lb = TwistdProcess("--backends", key, "--admin", "tcp:0:interface=127.0.0.1",
+                           "--log-file", str(log_path), "--log-format", "json", *options)
+        self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
+        await lb.started()
+        system = "You answer every question about the sea with care and in detail. " * 6
+        chat = {"model": "tiny", "max_tokens": 3, "ignore_eos": True,
+                "messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": "Why is the sea blue?"}]}
+        for body in (chat, chat, {**chat, "stream": True}):
+            response, _ = await client.fetch(lb.url + "/v1/chat/completions", b"POST",
+                                             json.dumps(body).encode(), JSON)
+            self.assertEqual(response.code, 200)
+        await wait_until(lambda: log_path.exists() and len(log_path.read_text().splitlines())
+                         >= 3, timeout=10, what="three result-log lines")
+        lines = [json.loads(line) for line in log_path.read_text().splitlines()]
+        self.assertEqual([line["stream"] for line in lines], [False, False, True])
+        counts = [(line["ptok"], line["cached"]) for line in lines]
+        prompt = counts[0][0]
+        self.assertGreater(prompt, 100, counts)
+        self.assertEqual([ptok for ptok, _ in counts], [prompt] * 3, counts)
+        self.assertLess(counts[0][1], prompt // 2, counts)  # a cold cache
+        for _, cached in counts[1:]:
+            self.assertGreater(cached, prompt // 2, counts)
+        _, metrics = await client.fetch(lb.admin_url + "/metrics")
+        text = metrics.body.decode()
+        self.assertIn(f'txlb_prompt_tokens_total{{backend="{key}"}} {float(3 * prompt)}', text)
+        cached_total = float(sum(cached for _, cached in counts))
+        self.assertIn(f'txlb_cached_prompt_tokens_total{{backend="{key}"}} {cached_total}',
+                      text)
+
 
 
 async def _sleepless_pause() -> None:

@@ -34,9 +34,20 @@ class ExpositionTests(BalancerTestCase):
         raise AssertionError(f"no sample {name}{labels}")
 
     def traffic(self) -> None:
-        """One finished request (so the counters and histograms have series), two queued."""
+        """
+        One finished completion (so the counters and histograms have series: its tokens,
+        prompt and cached prompt, time per output token), two queued.
+        """
         self.post({})
-        self.upstream.last.respond(FakeResponse(200, length=0)).end()
+        response = self.upstream.last.respond(FakeResponse(
+            200, headers=[(b"content-type", b"text/event-stream")]))
+        self.clock.advance(0.1)
+        response.send(b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n')
+        self.clock.advance(0.2)
+        response.send(b'data: {"choices": [], "usage": '
+                      b'{"prompt_tokens": 30, "completion_tokens": 11, '
+                      b'"prompt_tokens_details": {"cached_tokens": 16}}}\n\ndata: [DONE]\n\n')
+        response.end()
         self.post({})
         self.post({})
         self.post({})
@@ -68,6 +79,14 @@ class ExpositionTests(BalancerTestCase):
         self.assertEqual(self.value("txlb_backend_outlier_ejected", backend=A), 1)
         self.assertEqual(self.value("txlb_backend_outlier_ejected", backend=B), 0)
         self.assertEqual(self.value("txlb_backend_outlier_ejections_total", backend=A), 1)
+
+    def test_prompt_tokens_and_time_per_output_token(self) -> None:
+        self.traffic()
+        self.assertEqual(self.value("txlb_prompt_tokens_total", backend=A), 30)
+        self.assertEqual(self.value("txlb_cached_prompt_tokens_total", backend=A), 16)
+        self.assertEqual(self.value("txlb_time_per_output_token_seconds_count", backend=A), 1)
+        self.assertAlmostEqual(  # 0.2 s from the first byte to the end, over 10 tokens
+            self.value("txlb_time_per_output_token_seconds_sum", backend=A), 0.02)
 
     def test_created_series_dropped_only_from_txlb(self) -> None:
         self.traffic()

@@ -516,3 +516,30 @@ class BackendHostTests(SynchronousTestCase):
         self.assertEqual([s.key for s in specs],
                          ["[::1]:8004", "10.0.0.7:8002", "gpu-3.example.com:8000",
                           "a" * 63 + ":1"])
+
+
+class PromptTokensStatusTests(AdminTestCase):
+    """/status says, per backend, how much of the prompts its engine found cached."""
+
+    def answer(self, usage: bytes) -> None:
+        client = ClientConnection(self.site)
+        client.request(b"POST", b"/v1/chat/completions", body=b'{"model": "m"}')
+        response = self.upstream.last.respond(FakeResponse(200))
+        response.send(b'{"choices": [{"message": {"content": "hi"}}], "usage": ' + usage + b"}")
+        response.end()
+
+    def entry(self, key: str) -> dict[str, Any]:
+        _, status = self.call("GET", "/status")
+        found: dict[str, Any] = next(b for b in status["backends"] if b["backend"] == key)
+        return found
+
+    def test_totals_and_hit_rate(self) -> None:
+        self.assertEqual([self.entry(A)[k] for k in (
+            "prompt_tokens", "cached_prompt_tokens", "prefix_cache_hit_rate")], [0, 0, None])
+        self.answer(b'{"prompt_tokens": 300, "prompt_tokens_details": {"cached_tokens": 200}}')
+        self.answer(b'{"prompt_tokens": 100}')  # on B: least-conn rotates
+        self.answer(b'{"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 40}}')
+        self.assertEqual([self.entry(A)[k] for k in (
+            "prompt_tokens", "cached_prompt_tokens", "prefix_cache_hit_rate")], [400, 240, 0.6])
+        self.assertEqual([self.entry(B)[k] for k in (
+            "prompt_tokens", "cached_prompt_tokens", "prefix_cache_hit_rate")], [100, 0, 0.0])

@@ -48,14 +48,14 @@ from txlb._workers.wire import Finished, decode, summary_from, summary_message
 class Wider(Summary):
     """A summary with one more field, the way a new field arrives."""
 
-    cached: int | None = None
+    novel: int | None = None
 
 
 def _is_none(value: object) -> bool:
     return value is None
 
 
-CACHED = Field("cached", INT.optional(), text=(Text(330, " cached=", count, omit=_is_none),))
+NOVEL = Field("novel", INT.optional(), text=(Text(900, " novel=", count, omit=_is_none),))
 
 
 def summaries() -> list[Summary]:
@@ -65,7 +65,8 @@ def summaries() -> list[Summary]:
                                   tries=2, truncated=True)
     return [
         Summary(kind="completion", path="/v1/messages", finish="stop", completion_tokens=3,
-                max_tokens=9, clen=4, preview="abcd", empty=False, **common),
+                max_tokens=9, clen=4, preview="abcd", empty=False, prompt_tokens=12,
+                cached_prompt_tokens=8, **common),
         Summary(kind="error", path="/v1/completions", req_keys=["a"], err_body="no",
                 **{**common, "status": 400}),
         Summary(kind="embedding", path="/v1/embeddings", count=2, prompt_tokens=5, **common),
@@ -113,7 +114,7 @@ class TableTests(SynchronousTestCase):
         self.assertIn("made from the field", format_text.__doc__ or "")
 
     def test_two_fields_in_one_place_are_refused(self) -> None:
-        clash = Field("cached", INT.optional(), text=(Text(50, " cached="),))
+        clash = Field("novel", INT.optional(), text=(Text(50, " novel="),))
         with self.assertRaises(ValueError) as caught:
             text_formatter((*FIELDS, clash))
         self.assertIn("completion", str(caught.exception))
@@ -123,9 +124,9 @@ class NewFieldTests(UTCTestCase):
     """What adding a row does: the seam the next result-log fields go through."""
 
     def test_a_new_row_reaches_both_formats_of_every_kind(self) -> None:
-        text, as_json = text_formatter((*FIELDS, CACHED)), json_formatter((*FIELDS, CACHED))
+        text, as_json = text_formatter((*FIELDS, NOVEL)), json_formatter((*FIELDS, NOVEL))
         for summary in summaries():
-            wider = Wider(**attrs.asdict(summary, recurse=False), cached=7)
+            wider = Wider(**attrs.asdict(summary, recurse=False), novel=7)
             line = text(wider)
             before = format_text(summary)
             if " | " in before:  # before the free text, after every other field
@@ -133,43 +134,43 @@ class NewFieldTests(UTCTestCase):
                 if head.endswith(" ERR_BODY"):
                     head = head[:-len(" ERR_BODY")]
                     tail = "ERR_BODY | " + tail
-                    self.assertEqual(line, f"{head} cached=7 {tail}")
+                    self.assertEqual(line, f"{head} novel=7 {tail}")
                 else:
-                    self.assertEqual(line, f"{head} cached=7 | {tail}")
+                    self.assertEqual(line, f"{head} novel=7 | {tail}")
             else:
-                self.assertEqual(line, before + " cached=7")
+                self.assertEqual(line, before + " novel=7")
             self.assertEqual(json.loads(as_json(wider)),
-                             {**json.loads(format_json(summary)), "cached": 7})
-            self.assertEqual(list(json.loads(as_json(wider)))[-1], "cached")
+                             {**json.loads(format_json(summary)), "novel": 7})
+            self.assertEqual(list(json.loads(as_json(wider)))[-1], "novel")
 
     def test_a_new_row_is_omitted_as_it_says(self) -> None:
-        text = text_formatter((*FIELDS, CACHED))
+        text = text_formatter((*FIELDS, NOVEL))
         for summary in summaries():
             wider = Wider(**attrs.asdict(summary, recurse=False))
             self.assertEqual(text(wider), format_text(summary))
 
     def test_a_row_for_some_kinds_only(self) -> None:
-        only = Field("cached", INT.optional(), kinds=frozenset({"embedding"}),
-                     text=(Text(155, " cached=", count),))
+        only = Field("novel", INT.optional(), kinds=frozenset({"embedding"}),
+                     text=(Text(155, " novel=", count),))
         text, as_json = text_formatter((*FIELDS, only)), json_formatter((*FIELDS, only))
         for summary in summaries():
             wider = Wider(**attrs.asdict(summary, recurse=False))
             if summary.kind == "embedding":
-                self.assertIn(" n=2 cached=- ptok=5 ", text(wider))  # by its place, 155
-                self.assertIsNone(json.loads(as_json(wider))["cached"])
+                self.assertIn(" n=2 novel=- ptok=5 ", text(wider))  # by its place, 155
+                self.assertIsNone(json.loads(as_json(wider))["novel"])
             else:
                 self.assertEqual(text(wider), format_text(summary))
-                self.assertNotIn("cached", json.loads(as_json(wider)))
+                self.assertNotIn("novel", json.loads(as_json(wider)))
 
     def test_json_keys_keep_the_row_order_around_an_omitted_field(self) -> None:
         """A field that may be left out, then one that never is: the order holds."""
-        maybe = Field("cached", INT.optional(), json_omit=_is_none)
+        maybe = Field("novel", INT.optional(), json_omit=_is_none)
         always = Field("shown", STR, attr="orid")
         as_json = json_formatter((*FIELDS[:3], maybe, always))
-        wider = Wider(**attrs.asdict(summaries()[0], recurse=False), cached=1)
+        wider = Wider(**attrs.asdict(summaries()[0], recurse=False), novel=1)
         self.assertEqual(list(json.loads(as_json(wider))),
-                         ["time", "orid", "backend", "cached", "shown"])
-        self.assertEqual(list(json.loads(as_json(attrs.evolve(wider, cached=None)))),
+                         ["time", "orid", "backend", "novel", "shown"])
+        self.assertEqual(list(json.loads(as_json(attrs.evolve(wider, novel=None)))),
                          ["time", "orid", "backend", "shown"])
 
     def test_a_json_only_row(self) -> None:
@@ -184,9 +185,9 @@ class NewFieldTests(UTCTestCase):
 
     def test_a_lead_is_written_as_it_is(self) -> None:
         """Braces, quotes and backslashes in a lead are text, not code."""
-        odd = Field("cached", INT.optional(), text=(Text(330, ' {"c\\a}\n='),))
+        odd = Field("novel", INT.optional(), text=(Text(900, ' {"c\\a}\n='),))
         line = text_formatter((*FIELDS, odd))(
-            Wider(**attrs.asdict(summaries()[3], recurse=False), cached=3))
+            Wider(**attrs.asdict(summaries()[3], recurse=False), novel=3))
         self.assertTrue(line.endswith(' {"c\\a}\n=3'), line)
 
     def test_an_unknown_kind_is_written_as_an_other_line(self) -> None:
@@ -219,7 +220,7 @@ class UnchangedTests(UTCTestCase):
             line = format_text(summary) + "\n" + format_json(summary) + "\n"
             digest.update(line.encode("utf-8", "backslashreplace"))
         self.assertEqual(digest.hexdigest(),
-                         "27efe8607b532e805138b5e4920eac3750d21ce31e77b3bd154c1f0e60bcd95b")
+                         "4cbc8e935ab22bffef329475f2bafb4c06bacb8fd2e0808bb15c4d48b7fcb02d")
 
 
 class WireFormTests(SynchronousTestCase):
@@ -266,9 +267,9 @@ class WireFormTests(SynchronousTestCase):
         fields = self.message()
         del fields["dur"]
         self.assertRefused(fields, "missing ['dur']", "unknown none")
-        self.assertRefused({**self.message(), "cached": 1}, "missing none",
-                           "unknown ['cached']")
-        self.assertRefused({}, "missing ['backend', 'clen',")
+        self.assertRefused({**self.message(), "novel": 1}, "missing none",
+                           "unknown ['novel']")
+        self.assertRefused({}, "missing ['backend', 'cached', 'clen',")
 
     def test_a_field_of_the_wrong_type_is_refused(self) -> None:
         for name, value, words in [
@@ -300,7 +301,7 @@ class WireFormTests(SynchronousTestCase):
     def test_what_may_be_null_may_be(self) -> None:
         nulls = [field.name for field in FIELDS if type(None) in field.wire.classes]
         self.assertEqual(nulls, ["backend", "ttft", "finish", "ctok", "max_tokens", "n",
-                                 "ptok", "req_keys"])
+                                 "ptok", "cached", "req_keys"])
         summary = summary_from({**self.message(), **dict.fromkeys(nulls)})
         self.assertIsNone(summary.completion_tokens)
 

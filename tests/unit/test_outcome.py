@@ -11,7 +11,7 @@ from txlb._records.summary import Summary
 def summary(**fields: object) -> Summary:
     base: dict[str, object] = dict(time=0.0, orid="r1", backend="127.0.0.1:8001",
                                    method="POST", path="/v1/chat/completions", status=200,
-                                   kind="completion", outcome="ok", dur=2.0)
+                                   kind="completion", outcome="ok", dur=2.0, stream=True)
     base.update(fields)
     return Summary(**base)  # type: ignore[arg-type]
 
@@ -29,6 +29,12 @@ class OutcomeTests(SynchronousTestCase):
         self.assertIsNone(RequestOutcome.of(summary(ttft=0.5, completion_tokens=9), False)
                           .time_per_output_token)
         self.assertIsNone(RequestOutcome.of(summary(completion_tokens=9), True)
+                          .time_per_output_token)
+
+    def test_no_decode_speed_from_an_answer_that_was_not_streamed(self) -> None:
+        """A plain JSON answer's first byte comes with its last: no first-token time."""
+        self.assertIsNone(RequestOutcome.of(summary(ttft=1.99, completion_tokens=11,
+                                                    stream=False), True)
                           .time_per_output_token)
 
     def test_prompt_tokens_are_carried(self) -> None:

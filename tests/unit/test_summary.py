@@ -73,8 +73,8 @@ class TextLineTests(SynchronousTestCase):
         self.assertEqual(
             line,
             f"{STAMP} orid=ORD-123 127.0.0.1:8003 status=200 finish=stop ctok=432/1024 "
-            "thinking=False think=False empty=False clen=11 ttft=0.212 dur=6.913 "
-            "| Hello\\nworld",
+            "thinking=False think=False empty=False clen=11 ttft=0.212 dur=6.913 ptok=3 "
+            "cached=- | Hello\\nworld",
         )
 
     def test_sse_split_anywhere_with_reasoning_and_usage(self) -> None:
@@ -217,7 +217,7 @@ class HostileValueTests(SynchronousTestCase):
         return words
 
     COMPLETION = {"orid", "status", "finish", "ctok", "thinking", "think", "empty", "clen",
-                  "ttft", "dur"}
+                  "ttft", "dur", "ptok", "cached"}
     ERROR = {"orid", "status", "req_keys", "method", "path", "dur"}
 
     def completion(self, orid: bytes | None = None, request: object = None,
@@ -476,7 +476,7 @@ class EngineAPITests(SynchronousTestCase):
                                request, False)
         self.assertEqual(self.fields(summary), ("completion", "length", 8, 8, 8, False, False))
         line = format_text(summary)  # type: ignore[arg-type]
-        self.assertIn(" path=/chat/completions | ", line)
+        self.assertIn(" ptok=26 cached=25 path=/chat/completions | ", line)
         classic = self.summary(b"/v1/chat/completions", "llamacpp/chat.json", request, False)
         self.assertNotIn("path=", format_text(classic))  # type: ignore[arg-type]
         completions = self.summary(b"/completions", "llamacpp/completions.sse",

@@ -60,6 +60,10 @@ class Backend:
     _probes_failed: int = 0
     _ewma_duration: float | None = None
     _ewma_ttft: float | None = None
+    #: prompt tokens of the answers that said them, and of those the ones the engine
+    #: served from its prefix cache (the admin's hit rate)
+    _prompt_tokens: int = 0
+    _cached_prompt_tokens: int = 0
     _engine_depth: float | None = None
     #: the engine recognised from its ``/metrics`` ("vllm", "sglang", "llamacpp", "tgi",
     #: "unknown"); ``None`` until looked at
@@ -120,6 +124,12 @@ class Backend:
         self._ewma_duration = _ewma(self._ewma_duration, duration)
         if ttft is not None:
             self._ewma_ttft = _ewma(self._ewma_ttft, ttft)
+
+    def prompt_counted(self, prompt_tokens: int, cached_prompt_tokens: int | None) -> None:
+        """An answer said how many prompt tokens it had, and perhaps how many were cached."""
+        self._prompt_tokens += prompt_tokens
+        if cached_prompt_tokens:
+            self._cached_prompt_tokens += cached_prompt_tokens
 
     def answered(self, status: int, client: str | None) -> int:
         """
@@ -319,6 +329,21 @@ class Backend:
         return self._ewma_ttft
 
     @property
+    def prompt_tokens(self) -> int:
+        return self._prompt_tokens
+
+    @property
+    def cached_prompt_tokens(self) -> int:
+        return self._cached_prompt_tokens
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Cached over all prompt tokens reported; ``None`` before any was."""
+        if not self._prompt_tokens:
+            return None
+        return self._cached_prompt_tokens / self._prompt_tokens
+
+    @property
     def engine_depth(self) -> float | None:
         return self._engine_depth
 
@@ -479,6 +504,9 @@ class Backend:
             "ejected_until": self.ejected_until,
             "ttft_ewma_s": _rounded(self.ewma_ttft),
             "hung_ejections": self.hung_ejections,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "prefix_cache_hit_rate": _rounded(self.prefix_cache_hit_rate),
         }
 
 

@@ -261,6 +261,11 @@ class Pool:
         """Count a finished request's status class and fold its timings into the averages."""
         backend.record_result(status, duration, ttft)
 
+    def record_prompt(self, backend: Backend, prompt_tokens: int,
+                      cached_prompt_tokens: int | None) -> None:
+        """An answer's prompt tokens, and those its engine served from its prefix cache."""
+        backend.prompt_counted(prompt_tokens, cached_prompt_tokens)
+
     def record_answer(self, backend: Backend, status: int, client: str | None = "") -> None:
         """
         A status the backend itself answered (not one txlb made up): feeds the passive

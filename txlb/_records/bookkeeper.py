@@ -118,12 +118,18 @@ class SummaryFeed:
 
 
 def pool_results(pool: Pool) -> SummaryConsumer:
-    """The pool's per-backend status counts and latency averages (answered requests only)."""
+    """
+    The pool's per-backend status counts, latency averages and prompt-token totals
+    (answered requests only).
+    """
 
     def consume(summary: Summary, answered: bool) -> None:
         backend = pool.get(summary.backend) if answered else None
         if backend is not None:
             pool.record_result(backend, summary.status, summary.dur, summary.ttft)
+            if summary.prompt_tokens is not None:
+                pool.record_prompt(backend, summary.prompt_tokens,
+                                   summary.cached_prompt_tokens)
 
     return SummaryConsumer("the pool's result counts", consume)
 
@@ -145,7 +151,7 @@ def policy_learns(pool: Pool, policy: IPolicy) -> OutcomeConsumer:
 
 def metrics_counts(metrics: Metrics) -> SummaryConsumer:
     """The Prometheus request counters and histograms."""
-    return SummaryConsumer("the metrics", lambda summary, answered: metrics.observe(summary))
+    return SummaryConsumer("the metrics", metrics.observe)
 
 
 @implementer(IRequestObserver)

@@ -201,6 +201,10 @@ def _no(value: bool) -> bool:
     return not value
 
 
+def _unknown(value: object) -> bool:
+    return value is None
+
+
 #: Every field, in the JSON format's order.  ``at`` numbers leave gaps so that a field can
 #: go between two others; a field that is written only "when it says something" belongs
 #: after ``trunc`` and before the text after ``|`` (``at`` 330-999).
@@ -229,8 +233,12 @@ FIELDS: tuple[Field, ...] = (
     Field("clen", INT, kinds=_C, text=(Text(110, " clen="),)),
     Field("preview", STR, kinds=_C, text=(Text(1000, " | ", free_text),)),
     Field("n", INT.optional(), kinds=_E, attr="count", text=(Text(150, " n=", count),)),
-    Field("ptok", INT.optional(), kinds=_E, attr="prompt_tokens",
-          text=(Text(160, " ptok=", count),)),
+    Field("ptok", INT.optional(), kinds=_C | _E, attr="prompt_tokens",
+          text=(Text(160, " ptok=", count, kinds=_E),
+                Text(192, " ptok=", count, kinds=_C))),
+    Field("cached", INT.optional(), kinds=_C, attr="cached_prompt_tokens",
+          text=(Text(194, " cached=", count),)),
+    Field("stream", BOOL, kinds=_C),  # JSON only: the text line's ttft/dur say enough
     Field("req_keys", STR_LIST.optional(), kinds=_X,
           text=(Text(120, " req_keys=", key_list),)),
     Field("err_body", STR, kinds=_X, text=(Text(1000, " ERR_BODY | ", free_text),)),

@@ -29,6 +29,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from txlb._cluster.pool import Pool
+from txlb._records.outcome import time_per_output_token
 from txlb._records.summary import Summary
 
 #: 10 ms to 5 min: from a cached short completion to a long reasoning generation.
@@ -36,6 +37,10 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
                    120.0, 300.0)
 #: Bound on the label-child caches (a client varying methods must not grow them forever).
 _MAX_CACHED_SERIES = 10_000
+#: 5 ms to 1 s per generated token: a small model's decode on a fast GPU, to a large one's
+#: under a full decode batch (or on CPU).
+TOKEN_TIME_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                      0.2, 0.3, 0.5, 0.75, 1.0)
 QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
@@ -157,6 +162,23 @@ class Metrics:
         self.tokens = Counter(
             "txlb_completion_tokens", "Completion tokens generated (usage.completion_tokens).",
             ["backend"], registry=self.registry)
+        self.prompt_tokens = Counter(
+            "txlb_prompt_tokens",
+            "Prompt tokens of the answers that said them (usage.prompt_tokens, the Responses "
+            "and Messages APIs' input tokens, llama.cpp's timings).",
+            ["backend"], registry=self.registry)
+        self.cached_prompt_tokens = Counter(
+            "txlb_cached_prompt_tokens",
+            "Of the prompt tokens, those the engine served from its prefix cache "
+            "(usage.prompt_tokens_details.cached_tokens, llama.cpp's timings.cache_n); "
+            "the prefix cache hit rate is rate(txlb_cached_prompt_tokens_total) / "
+            "rate(txlb_prompt_tokens_total).",
+            ["backend"], registry=self.registry)
+        self.time_per_output_token = Histogram(
+            "txlb_time_per_output_token_seconds",
+            "Seconds per generated token after the first (from the first byte to the end, "
+            "over the completion tokens but one): the decode speed, or inter-token latency.",
+            ["backend"], buckets=TOKEN_TIME_BUCKETS, registry=self.registry)
         self.client_aborts = Counter(
             "txlb_client_aborts", "Requests whose client disconnected before the end.",
             ["backend"], registry=self.registry)
@@ -167,7 +189,11 @@ class Metrics:
         self.retries = Counter(
             "txlb_retries", "Requests retried on another backend.", registry=self.registry)
 
-    def observe(self, summary: Summary) -> None:
+    def observe(self, summary: Summary, answered: bool = True) -> None:
+        """
+        Count one finished request.  ``answered``: a backend's answer reached txlb, so its
+        timings say something about the backend's decode speed.
+        """
         backend = summary.backend
         key = (backend, summary.method, summary.status // 100)
         requests = self._requests.get(key)
@@ -184,6 +210,14 @@ class Metrics:
             self._child(self.ttfb, backend).observe(summary.ttft)
         if summary.completion_tokens:
             self._child(self.tokens, backend).inc(summary.completion_tokens)
+        if summary.prompt_tokens:
+            self._child(self.prompt_tokens, backend).inc(summary.prompt_tokens)
+            if summary.cached_prompt_tokens:
+                self._child(self.cached_prompt_tokens, backend).inc(
+                    summary.cached_prompt_tokens)
+        per_token = time_per_output_token(summary, answered)
+        if per_token is not None:
+            self._child(self.time_per_output_token, backend).observe(per_token)
         if summary.outcome == "client_abort":
             self._child(self.client_aborts, backend).inc()
 

@@ -42,10 +42,6 @@ class RequestOutcome:
     def of(cls, summary: Summary, answered: bool, client: str | None = None
            ) -> RequestOutcome:
         """The outcome of the request ``summary`` describes."""
-        per_token = None
-        tokens = summary.completion_tokens
-        if answered and summary.ttft is not None and tokens is not None and tokens > 1:
-            per_token = max(0.0, summary.dur - summary.ttft) / (tokens - 1)
         return cls(
             backend=summary.backend,
             status=summary.status,
@@ -53,6 +49,22 @@ class RequestOutcome:
             ttfb=summary.ttft,
             duration=summary.dur,
             prompt_tokens=summary.prompt_tokens,
-            time_per_output_token=per_token,
+            cached_prompt_tokens=summary.cached_prompt_tokens,
+            time_per_output_token=time_per_output_token(summary, answered),
             client=client,
         )
+
+
+def time_per_output_token(summary: Summary, answered: bool) -> float | None:
+    """
+    Seconds per generated token after the first (decode speed): the time from the first
+    byte to the end over the tokens after the first, for an answered, streamed request that
+    generated two tokens or more (a plain JSON answer arrives whole, so its first byte
+    says nothing of the first token).  The policies' outcome and the metrics' histogram
+    read this one definition.
+    """
+    tokens = summary.completion_tokens
+    if (not answered or not summary.stream or summary.ttft is None or tokens is None
+            or tokens < 2):
+        return None
+    return max(0.0, summary.dur - summary.ttft) / (tokens - 1)

@@ -183,9 +183,17 @@ class Summary:
     err_body: str = ""
     truncated: bool = False
     tries: int = 1
-    #: embeddings: the prompt tokens and how many vectors came back
+    #: the prompt's tokens as the engine counted them (completions and embeddings), and of
+    #: those how many it served from its prefix cache (completions): ``None`` when the
+    #: answer did not say; ``cached_prompt_tokens`` is never above ``prompt_tokens`` and is
+    #: ``None`` whenever ``prompt_tokens`` is
     prompt_tokens: int | None = None
+    cached_prompt_tokens: int | None = None
+    #: embeddings: how many vectors came back
     count: int | None = None
+    #: a completion came as a stream (SSE): only then does the time from its first byte to
+    #: its end measure the generation (a plain JSON answer arrives whole, at the end)
+    stream: bool = False
 
 
 def parse_json_object(body: bytes) -> dict[str, Any] | None:
@@ -219,6 +227,54 @@ def _count(value: int | None) -> int | None:
     return None if value is None or value < 0 else value
 
 
+def _sum_counts(*counts: int | None) -> int | None:
+    """The sum of counts that are all known, if it is still in the 64-bit range."""
+    if any(value is None for value in counts):
+        return None
+    total = sum(value for value in counts if value is not None)
+    return total if total < 2**63 else None
+
+
+def _prompt_counts(prompt: int | None, cached: int | None) -> tuple[int | None, int | None]:
+    """
+    A prompt and cached-prompt count as a summary keeps them: each a count (a negative one
+    is none), a cached count only beside a prompt count, and never above it -- a backend
+    claiming more cache hits than prompt tokens gets the whole prompt, not a hit rate
+    above 1.
+    """
+    prompt, cached = _count(prompt), _count(cached)
+    if prompt is None:
+        return None, None
+    return prompt, None if cached is None else min(cached, prompt)
+
+
+def _openai_prompt(usage: object, timings: object) -> tuple[int | None, int | None]:
+    """
+    The prompt and cached-prompt tokens of an OpenAI-style answer: ``usage.prompt_tokens``
+    and ``usage.prompt_tokens_details.cached_tokens`` (vLLM with
+    ``--enable-prompt-tokens-details``, SGLang, llama.cpp), else llama.cpp's ``timings``:
+    ``cache_n`` tokens reused from its prompt cache plus ``prompt_n`` evaluated.
+    """
+    prompt = cached = None
+    if isinstance(usage, dict):
+        prompt = _count(_int_or_none(usage.get("prompt_tokens")))
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            cached = _int_or_none(details.get("cached_tokens"))
+    if isinstance(timings, dict) and (prompt is None or cached is None):
+        reused = _count(_int_or_none(timings.get("cache_n")))
+        if prompt is None:
+            prompt = _sum_counts(reused, _count(_int_or_none(timings.get("prompt_n"))))
+        if cached is None:
+            cached = reused
+    return _prompt_counts(prompt, cached)
+
+
+#: how many events at a stream's end are searched for llama.cpp's ``timings``: it sends
+#: them with the final chunk, and with ``include_usage`` once more on the usage chunk after
+_TIMINGS_TAIL = 3
+
+
 def _sse_payloads(data: bytes) -> list[dict[str, Any]]:
     """
     The JSON objects of every ``data:`` line; ``[DONE]`` and broken events are skipped.
@@ -243,14 +299,21 @@ class _Completion:
     reasoning: list[str] = attrs.field(factory=list)
     finish: str | None = None
     completion_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached_prompt_tokens: int | None = None
+    #: the answer was a stream (SSE), as the parser found it
+    stream: bool = False
 
     def add_events(self, events: list[dict[str, Any]], part: str) -> None:
         """
         Fold the events of a stream (``part="delta"``) or a whole answer (``"message"``)
         in.  Only the first choice counts.  Written as one loop with no calls per event:
-        it runs over every token of every streamed request.
+        it runs over every token of every streamed request.  The prompt's counts are read
+        once, after it, from the last ``usage`` seen and the ``timings`` of the last few
+        events (where llama.cpp puts them), not looked up in every event.
         """
         content, reasoning = self.content, self.reasoning
+        last_usage = None
         for event in events:
             choices = event.get("choices")
             if choices.__class__ is list:
@@ -273,9 +336,18 @@ class _Completion:
                         self.finish = finish
             usage = event.get("usage")
             if usage.__class__ is dict:
+                last_usage = usage
                 tokens = _int_or_none(usage.get("completion_tokens"))
                 if tokens is not None:
                     self.completion_tokens = tokens
+        timings = None
+        for event in reversed(events[-_TIMINGS_TAIL:]):
+            found = event.get("timings")
+            if found.__class__ is dict:
+                timings = found
+                break
+        if last_usage is not None or timings is not None:
+            self.prompt_tokens, self.cached_prompt_tokens = _openai_prompt(last_usage, timings)
 
 
 def parse_completion(body: bytes, content_type: bytes | None) -> _Completion:
@@ -283,6 +355,7 @@ def parse_completion(body: bytes, content_type: bytes | None) -> _Completion:
     completion = _Completion()
     stripped = body.lstrip()
     if (content_type or b"").startswith(b"text/event-stream") or stripped.startswith(b"data:"):
+        completion.stream = True
         completion.add_events(_sse_payloads(body), "delta")
     else:
         answer = parse_json_object(body)
@@ -314,6 +387,10 @@ def _fold_response(completion: _Completion, response: dict[str, Any], texts: boo
         tokens = _int_or_none(usage.get("output_tokens"))
         if tokens is not None:
             completion.completion_tokens = tokens
+        details = usage.get("input_tokens_details")
+        completion.prompt_tokens, completion.cached_prompt_tokens = _prompt_counts(
+            _int_or_none(usage.get("input_tokens")),
+            _int_or_none(details.get("cached_tokens")) if details.__class__ is dict else None)
     if not texts:
         return
     output = response.get("output")
@@ -346,6 +423,7 @@ def parse_responses(body: bytes, content_type: bytes | None) -> _Completion:
         if answer is not None:
             _fold_response(completion, answer, texts=True)
         return completion
+    completion.stream = True
     final = None
     for event in _sse_payloads(body):
         kind = event.get("type")
@@ -368,12 +446,17 @@ def parse_messages(body: bytes, content_type: bytes | None) -> _Completion:
     """
     A Messages API (Anthropic-style) answer: ``text`` and ``thinking`` content blocks,
     ``stop_reason`` and ``usage.output_tokens``; streamed as ``content_block_*`` events,
-    with the stop reason and final usage in ``message_delta``.
+    with the stop reason and final usage in ``message_delta``.  Its ``usage.input_tokens``
+    are the prompt tokens *not* read from the cache: the prompt is those plus
+    ``cache_read_input_tokens`` and ``cache_creation_input_tokens``, the cached part
+    ``cache_read_input_tokens`` (each taken from the last event that says it: a stream's
+    ``message_start``, then its ``message_delta``).
     """
     completion = _Completion()
     blocks: list[object] = []  # content blocks, and stream deltas, in order
     ends: list[dict[str, Any]] = []  # what holds stop_reason and usage
     if _is_stream(body, content_type):
+        completion.stream = True
         for event in _sse_payloads(body):
             kind = event.get("type")
             if kind == "message_start" and isinstance(event.get("message"), dict):
@@ -392,6 +475,7 @@ def parse_messages(body: bytes, content_type: bytes | None) -> _Completion:
             ends.append(answer)
     completion.content.extend(_texts(blocks, ("text", "text_delta")))
     completion.reasoning.extend(_texts(blocks, ("thinking", "thinking_delta"), "thinking"))
+    inputs: dict[str, int] = {}
     for end in ends:
         if isinstance(end.get("stop_reason"), str):
             completion.finish = end["stop_reason"]
@@ -400,7 +484,20 @@ def parse_messages(body: bytes, content_type: bytes | None) -> _Completion:
             tokens = _int_or_none(usage.get("output_tokens"))
             if tokens is not None:
                 completion.completion_tokens = tokens
+            for name in _MESSAGES_INPUTS:
+                tokens = _count(_int_or_none(usage.get(name)))
+                if tokens is not None:
+                    inputs[name] = tokens
+    if "input_tokens" in inputs:
+        read = inputs.get("cache_read_input_tokens")
+        completion.prompt_tokens, completion.cached_prompt_tokens = _prompt_counts(
+            _sum_counts(inputs["input_tokens"], read or 0,
+                        inputs.get("cache_creation_input_tokens", 0)), read)
     return completion
+
+
+#: the Messages API's three parts of a prompt: uncached, read from the cache, written to it
+_MESSAGES_INPUTS = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
 
 
 def _is_stream(body: bytes, content_type: bytes | None) -> bool:
@@ -527,6 +624,9 @@ def summarize(record: RequestRecord, privacy: Privacy = KEEP_ALL) -> Summary:
         kind="completion",
         finish=None if completion.finish is None else clip(completion.finish, MAX_FINISH),
         completion_tokens=_count(completion.completion_tokens),
+        prompt_tokens=completion.prompt_tokens,
+        cached_prompt_tokens=completion.cached_prompt_tokens,
+        stream=completion.stream,
         max_tokens=max_tokens,
         thinking=thinking,
         think=bool(reasoning) or "<think>" in content,
