@@ -111,23 +111,23 @@ def run_virtual(args: argparse.Namespace, command: str) -> None:
                  wall=time.perf_counter() - started,
                  engine=", ".join(f"{f.name} {getattr(config, f.name)}"
                                   for f in dataclasses.fields(config)))
-    report.save_part(args.out, "virtual", info, _merged(args.out, info, results))
+    report.save_part(args.out, "virtual", info, _merged(
+        args.out, "virtual", info, results, ("requests", "seed", "load"),
+        ("workload", "policy", "engines", "replicas", "shared_index", "shared_counts")))
 
 
-_SAME_RUN = ("workload", "policy", "engines", "replicas", "shared_index", "shared_counts")
-
-
-def _merged(out: Path, info: dict[str, Any], results: list[dict[str, Any]]
-            ) -> list[dict[str, Any]]:
+def _merged(out: Path, part: str, info: dict[str, Any], results: list[dict[str, Any]],
+            same: Sequence[str], key: Sequence[str]) -> list[dict[str, Any]]:
     """
-    ``results`` plus the saved runs they do not replace, when those were made with the same
-    requests, seed and load (so a policy can be rerun alone); else ``results`` alone.
+    ``results`` plus the saved runs of ``part`` they do not replace (by ``key``), when those
+    were made with the same ``same`` settings (so one policy or target can be rerun alone);
+    else ``results`` alone.
     """
-    saved = report.load(out).get("virtual")
-    if not saved or any(saved["info"].get(k) != info[k] for k in ("requests", "seed", "load")):
+    saved = report.load(out).get(part)
+    if not saved or any(saved["info"].get(k) != info[k] for k in same):
         return results
-    fresh = {tuple(r[k] for k in _SAME_RUN) for r in results}
-    kept = [r for r in saved["results"] if tuple(r.get(k) for k in _SAME_RUN) not in fresh]
+    fresh = {tuple(r[k] for k in key) for r in results}
+    kept = [r for r in saved["results"] if tuple(r.get(k) for k in key) not in fresh]
     return kept + results
 
 
@@ -171,7 +171,9 @@ def run_process(args: argparse.Namespace, command: str) -> None:
                     results.append(dataclasses.asdict(result))
         finally:
             children.stop_all()
-    report.save_part(args.out, "process", info, results)
+    report.save_part(args.out, "process", info, _merged(
+        args.out, "process", info, results, ("requests", "concurrency", "engines"),
+        ("workload", "target")))
     run_policy_cpu(args, command)
 
 
@@ -222,7 +224,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--jobs", type=int, default=2, help="virtual runs at once")
     p.add_argument("--targets", type=lambda s: s.split(","), default=None,
-                   help="process targets by name or kind (default: all)")
+                   help="process targets by name or kind (default: all); runs saved "
+                        "earlier with the same settings are kept for the others")
     p.add_argument("--process-requests", type=int, default=400,
                    help="process-bench requests per workload (default %(default)s)")
     p.add_argument("--concurrency", type=int, default=32,
