@@ -1,0 +1,328 @@
+"""
+``--policy cache-aware``: prefix matches under a bounded load and each engine's cache room,
+least-conn without a match, and the closed loop that corrects the index from what the
+engines report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import weakref
+from typing import Any
+
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+
+from txlb import BackendSpec, LeastConnections, Pool, RequestOutcome, RoutingRequest
+from txlb._cluster.backend import Backend, Lease
+from txlb._scheduling.affinity import BoundedLoadRing
+from txlb._scheduling.policies import cache_aware
+from txlb._scheduling.policies.cache_aware import MAX_PENDING, CacheAware, load_bound
+from txlb._scheduling.router import Router
+
+from .test_policies import PolicyContract
+
+SECRET = b"k" * 32
+TOOLS = [{"type": "function", "function": {"name": "lookup_invoice", "description": "x" * 600}}]
+
+
+def fleet(n: int = 4) -> tuple[Pool, list[Backend]]:
+    pool = Pool(tuple(BackendSpec("127.0.0.1", 9000 + i) for i in range(n)))
+    return pool, list(pool)
+
+
+def tenant_prompt(tenant: int, chars: int = 3200) -> str:
+    """One tenant's system prompt: ~800 tokens, distinct from its first character."""
+    words = f"Tenant {tenant} rules: answer about account {tenant * 7919}. "
+    return (words * (chars // len(words) + 1))[:chars]
+
+
+def chat(system: str, question: str = "hi", tools: Any = None) -> RoutingRequest:
+    body: dict[str, Any] = {"model": "m", "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": question}]}
+    if tools is not None:
+        body["tools"] = tools
+    return RoutingRequest(model="m", body=json.dumps(body).encode(), json=body)
+
+
+def outcome(backend: Backend, request: RoutingRequest, prompt_tokens: int | None,
+            cached: int | None) -> RequestOutcome:
+    return RequestOutcome(backend=backend.key, status=200, answered=True, ttfb=0.1,
+                          duration=1.0, prompt_tokens=prompt_tokens,
+                          cached_prompt_tokens=cached, routing=request)
+
+
+class CacheAwareContractTests(PolicyContract, SynchronousTestCase):
+    module = cache_aware
+    needs_engine_metrics = True  # the engines' KV cache usage
+
+
+class MatchTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.pool, self.backends = fleet()
+        self.policy = CacheAware(secret=SECRET)
+
+    def route(self, request: RoutingRequest) -> Lease:
+        chosen = self.policy.choose(self.backends, request)
+        return self.pool.acquire(chosen)
+
+    def test_same_prefix_same_backend_while_under_the_bound(self) -> None:
+        prompt = tenant_prompt(1)
+        home = self.route(chat(prompt, "first"))
+        home.release()
+        for n in range(20):
+            lease = self.route(chat(prompt, f"question {n}"))
+            self.assertIs(lease.backend, home.backend)
+            lease.release()
+        # with the others busier too, still home while home is under ceil(1.25 x share)
+        others = [self.pool.acquire(b) for b in self.backends if b is not home.backend
+                  for _ in range(2)]
+        held = [self.route(chat(prompt, f"busy {n}")) for n in range(2)]
+        self.assertEqual({lease.backend for lease in held}, {home.backend})
+        for lease in others + held:
+            lease.release()
+
+    def test_a_hot_prefix_spreads_once_the_bound_is_reached(self) -> None:
+        prompt = tenant_prompt(2)
+        held: list[Lease] = []
+        for n in range(40):
+            held.append(self.route(chat(prompt, f"burst {n}")))
+            in_flight = sum(b.active for b in self.backends)
+            for backend in self.backends:
+                # never above the bound as it stood when that request was placed
+                self.assertLessEqual(backend.active, math.ceil(1.25 * in_flight / 4))
+        self.assertEqual({lease.backend for lease in held}, set(self.backends))
+        counts = sorted(b.active for b in self.backends)
+        self.assertLessEqual(counts[-1], math.ceil(1.25 * 40 / 4))
+
+    def test_eight_tenants_spread_two_per_backend_when_two_fit(self) -> None:
+        """Shared tools would draw every tenant to the first engine; its room says no."""
+        policy = CacheAware(secret=SECRET, capacity_blocks=36)  # ~2.5 tenants' prompts
+        homes: dict[int, Backend] = {}
+        for round_ in range(3):
+            for tenant in range(8):
+                request = chat(tenant_prompt(tenant), f"r{round_}", tools=TOOLS)
+                chosen = policy.choose(self.backends, request)
+                self.pool.acquire(chosen).release()
+                if round_ == 0:
+                    homes[tenant] = chosen
+                else:
+                    self.assertIs(chosen, homes[tenant], f"tenant {tenant} moved")
+        per_backend = sorted(list(homes.values()).count(b) for b in self.backends)
+        self.assertEqual(per_backend, [2, 2, 2, 2])
+
+    def test_without_room_counted_they_would_cluster(self) -> None:
+        """The same workload with room for all: the shared tools pull them onto one."""
+        homes = set()
+        for tenant in range(8):
+            chosen = self.policy.choose(self.backends,
+                                        chat(tenant_prompt(tenant), "r", tools=TOOLS))
+            self.pool.acquire(chosen).release()
+            homes.add(chosen)
+        self.assertEqual(len(homes), 1)
+
+    def test_no_shared_prefix_chooses_exactly_as_least_conn(self) -> None:
+        rng = random.Random(5)
+        pool, backends = fleet(5)
+        # small caches: every index fills, so room could sway a choice -- and must not
+        mine, reference = CacheAware(secret=SECRET, capacity_blocks=20), LeastConnections()
+        held: list[Lease] = []
+        for n in range(300):
+            request = chat(f"unique {n} {rng.random()} " + "x" * rng.randrange(0, 3000), "q")
+            ours, theirs = mine.choose(backends, request), reference.choose(backends, request)
+            self.assertIs(ours, theirs, f"request {n}")
+            held.append(pool.acquire(ours))
+            if held and rng.random() < 0.5:
+                held.pop(rng.randrange(len(held))).release()
+
+    def test_a_request_without_a_prompt_is_least_conn(self) -> None:
+        reference = LeastConnections()
+        for request in (RoutingRequest(), RoutingRequest(json={"model": "m"}),
+                        chat("short")):
+            self.assertIs(self.policy.choose(self.backends, request),
+                          reference.choose(self.backends, request))
+
+    def test_a_kv_saturated_engine_loses_its_preference(self) -> None:
+        prompt = tenant_prompt(3)
+        home = self.route(chat(prompt))
+        home.release()
+        self.pool.set_engine_depth(home.backend, 1, 0, kv_cache=0.97)
+        moved = self.policy.choose(self.backends, chat(prompt, "again"))
+        self.assertIsNot(moved, home.backend)
+        self.pool.set_engine_depth(home.backend, 1, 0, kv_cache=0.5)
+        self.assertIs(self.policy.choose(self.backends, chat(prompt, "later")), home.backend)
+
+    def test_the_load_bound_is_affinitys(self) -> None:
+        ring = BoundedLoadRing(epsilon=0.25)
+        pool = Pool(tuple(BackendSpec("127.0.0.1", 9000 + i, weight=w)
+                          for i, w in enumerate((1, 2, 3))))
+        backends = list(pool)
+        for backend, active in zip(backends, (3, 1, 4), strict=True):
+            backend.counted(active)
+        for backend in backends:
+            self.assertEqual(load_bound(backend, backends, 1.25),
+                             ring.capacity(backend, backends))
+
+    def test_nonsense_load_factor_is_refused(self) -> None:
+        with self.assertRaises(ValueError):
+            CacheAware(load_factor=0.9)
+
+
+class AffinityTests(SynchronousTestCase):
+    def test_a_session_key_follows_affinity(self) -> None:
+        pool, backends = fleet()
+        policy = CacheAware(secret=SECRET)
+        router = Router(pool, policy, Clock(), affinity=BoundedLoadRing())
+        prompt = tenant_prompt(4)
+        first = self.successResultOf(router.acquire(chat(prompt)))
+        home = first.backend
+        first.release()
+        ring_choice = BoundedLoadRing().choose("sess-9", backends)
+        for n in range(3):
+            request = chat(prompt, f"q{n}")
+            with_session = RoutingRequest(model="m", session="sess-9", json=request.json)
+            lease = self.successResultOf(router.acquire(with_session))
+            self.assertIs(lease.backend, ring_choice)
+            lease.release()
+        # without the session, the prefix's home
+        lease = self.successResultOf(router.acquire(chat(prompt, "no session")))
+        self.assertIs(lease.backend, home)
+
+
+class LoopTests(SynchronousTestCase):
+    """What the engines report corrects the index: capacity, trust, ratio."""
+
+    def setUp(self) -> None:
+        self.pool, self.backends = fleet(2)
+        self.policy = CacheAware(secret=SECRET)
+
+    def sent(self, request: RoutingRequest) -> Backend:
+        backend = self.policy.choose(self.backends, request)
+        self.pool.acquire(backend).release()
+        return backend
+
+    def test_an_engine_that_evicted_corrects_the_index_and_loses_trust(self) -> None:
+        prompt = tenant_prompt(5)
+        first = chat(prompt, "one")
+        home = self.sent(first)
+        self.policy.observe(home, outcome(home, first, 820, 0))  # nothing predicted
+        for n in range(12):  # unrelated traffic fills the index
+            self.sent(chat(tenant_prompt(100 + n), "x"))
+        before = dict(self.policy.describe(home))
+        again = chat(prompt, "two")
+        self.assertIs(self.sent(again), home)
+        # predicted ~12 blocks (~800 tokens); the engine had kept nothing
+        self.policy.observe(home, outcome(home, again, 820, 0))
+        after = dict(self.policy.describe(home))
+        self.assertLess(after["cache_capacity_blocks"], before["cache_capacity_blocks"])
+        self.assertLessEqual(after["cache_index_blocks"], after["cache_capacity_blocks"])
+        self.assertLess(after["cache_index_blocks"], before["cache_index_blocks"])
+        self.assertLess(after["cache_trust"], before["cache_trust"])
+        self.assertEqual(after["cache_misses"], 1)
+        self.assertEqual(after["cache_reported_hit_rate"], 0.0)
+        self.assertGreater(after["cache_predicted_hit_rate"], 0.4)
+
+    def test_repeated_misses_downgrade_the_backends_matches(self) -> None:
+        prompt = tenant_prompt(6)
+        home = self.sent(chat(prompt, "0"))
+        for n in range(15):
+            request = chat(prompt, f"{n + 1}")
+            chosen = self.sent(request)
+            self.policy.observe(chosen, outcome(chosen, request, 820, 0))
+        self.assertLess(self.policy.describe(home)["cache_trust"], 0.1)  # type: ignore[operator]
+
+    def test_hits_that_hold_keep_trust_and_more_than_predicted_grows_capacity(self) -> None:
+        policy = CacheAware(secret=SECRET, capacity_blocks=20)
+        prompt = tenant_prompt(7)
+        home = policy.choose(self.backends, chat(prompt, "0"))
+        request = chat(prompt, "1")
+        self.assertIs(policy.choose(self.backends, request), home)
+        # predicted 12-13 blocks; the engine says it had all of the prompt but the question
+        policy.observe(home, outcome(home, request, 805, 800))
+        described = policy.describe(home)
+        self.assertEqual(described["cache_trust"], 1.0)
+        self.assertEqual(described["cache_misses"], 0)
+        self.assertGreaterEqual(described["cache_capacity_blocks"], 20)  # type: ignore[operator]
+
+    def test_more_cached_than_the_index_knew_grows_the_capacity(self) -> None:
+        policy = CacheAware(secret=SECRET, capacity_blocks=20)
+        request = chat(tenant_prompt(8), "0")
+        home = policy.choose(self.backends, request)  # predicted: 0 blocks
+        policy.observe(home, outcome(home, request, 805, 800))
+        self.assertGreater(policy.describe(home)["cache_capacity_blocks"], 20)  # type: ignore[operator]
+
+    def test_the_characters_per_token_ratio_is_learned(self) -> None:
+        request = chat(tenant_prompt(9), "0")
+        home = self.sent(request)
+        for _ in range(30):
+            again = chat(tenant_prompt(9), "0")
+            chosen = self.sent(again)
+            self.policy.observe(chosen, outcome(chosen, again, 1600, None))
+        ratio = self.policy.describe(home)["cache_chars_per_token"]
+        self.assertTrue(1.9 < ratio < 2.1, ratio)  # type: ignore[operator]
+        self.assertEqual(self.policy.describe(home)["cache_unreported"], 30)
+
+    def test_outcomes_that_do_not_match_a_prediction_teach_nothing(self) -> None:
+        request = chat(tenant_prompt(10), "0")
+        home = self.sent(request)
+        other = next(b for b in self.backends if b is not home)
+        untouched = dict(self.policy.describe(other))
+        # served elsewhere (a retry), a request never routed here, and no request at all
+        self.policy.observe(other, outcome(other, request, 800, 0))
+        self.policy.observe(home, outcome(home, chat(tenant_prompt(10), "?"), 800, 0))
+        self.policy.observe(home, RequestOutcome(backend=home.key, status=200, answered=True,
+                                                 ttfb=0.1, duration=1.0))
+        self.assertEqual(dict(self.policy.describe(other)), untouched)
+        self.assertEqual(self.policy.describe(home)["cache_reports"], 0)
+
+    def test_hostile_reports_are_clamped(self) -> None:
+        request = chat(tenant_prompt(11), "0")
+        home = self.sent(request)
+        self.policy.observe(home, outcome(home, request, 1, 10**12))
+        described = self.policy.describe(home)
+        self.assertLessEqual(described["cache_reported_hit_rate"], 1.0)  # type: ignore[operator]
+        self.assertLessEqual(described["cache_chars_per_token"], 32.0)  # type: ignore[operator]
+        again = chat(tenant_prompt(11), "1")
+        self.sent(again)
+        self.policy.observe(home, outcome(home, again, -5, -7))
+        json.dumps(dict(self.policy.describe(home)))
+
+    def test_predictions_are_forgotten_with_their_requests(self) -> None:
+        request = chat(tenant_prompt(12), "0")
+        self.sent(request)
+        self.assertEqual(len(self.policy._pending), 1)
+        ref = weakref.ref(request)
+        del request
+        self.assertIsNone(ref())
+        self.assertEqual(len(self.policy._pending), 0)
+        self.assertEqual(MAX_PENDING, 65_536)
+        self.patch(cache_aware, "MAX_PENDING", 500)  # the same bound, smaller
+        kept = [RoutingRequest(json={"prompt": f"{n} " + "p" * 300}) for n in range(510)]
+        for request in kept:
+            self.policy.choose(self.backends, request)
+        self.assertEqual(len(self.policy._pending), 500)
+
+    def test_describe_is_json_ready(self) -> None:
+        for backend in self.backends:
+            json.dumps(dict(self.policy.describe(backend)))
+        self.sent(chat(tenant_prompt(13)))
+        for backend in self.backends:
+            json.dumps(dict(self.policy.describe(backend)))
+
+
+class MemoryBoundTests(SynchronousTestCase):
+    def test_entries_never_exceed_the_cap_over_100000_distinct_prompts(self) -> None:
+        pool, backends = fleet(4)
+        policy = CacheAware(secret=SECRET, max_entries=5000, capacity_blocks=4000)
+        for n in range(100_000):
+            body = {"prompt": f"{n}:" + "z" * 300}
+            chosen = policy.choose(backends, RoutingRequest(json=body))
+            if n % 997 == 0:
+                self.assertLessEqual(policy.index.entries, 5000)
+        self.assertLessEqual(policy.index.entries, 5000)
+        self.assertGreater(policy.index.entries, 4000)
+        for backend in backends:
+            self.assertLessEqual(len(policy.index.of(backend)), 4000)
+        del chosen, pool
