@@ -15,13 +15,22 @@ from typing import Any
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from txlb import BackendSpec, LeastConnections, Pool, RequestOutcome, RoutingRequest
+from txlb import (
+    BackendSpec,
+    LeastConnections,
+    LoadBalancer,
+    Pool,
+    RequestOutcome,
+    RoutingRequest,
+)
 from txlb._cluster.backend import Backend, Lease
+from txlb._config import ConfigError, build_config
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.policies import cache_aware
 from txlb._scheduling.policies.cache_aware import MAX_PENDING, CacheAware, load_bound
 from txlb._scheduling.router import Router
 
+from ..helpers import FakeUpstream
 from .test_policies import PolicyContract
 
 SECRET = b"k" * 32
@@ -45,6 +54,13 @@ def chat(system: str, question: str = "hi", tools: Any = None) -> RoutingRequest
     if tools is not None:
         body["tools"] = tools
     return RoutingRequest(model="m", body=json.dumps(body).encode(), json=body)
+
+
+def facts(policy: CacheAware, backend: Backend) -> dict[str, Any]:
+    """What /status shows of ``backend`` under the policy: its ``prefix_cache`` object."""
+    described = policy.describe(backend)
+    assert set(described) == {"prefix_cache"}
+    return dict(described["prefix_cache"])  # type: ignore[call-overload]
 
 
 def outcome(backend: Backend, request: RoutingRequest, prompt_tokens: int | None,
@@ -210,19 +226,19 @@ class LoopTests(SynchronousTestCase):
         self.policy.observe(home, outcome(home, first, 820, 0))  # nothing predicted
         for n in range(12):  # unrelated traffic fills the index
             self.sent(chat(tenant_prompt(100 + n), "x"))
-        before = dict(self.policy.describe(home))
+        before = dict(facts(self.policy, home))
         again = chat(prompt, "two")
         self.assertIs(self.sent(again), home)
         # predicted ~12 blocks (~800 tokens); the engine had kept nothing
         self.policy.observe(home, outcome(home, again, 820, 0))
-        after = dict(self.policy.describe(home))
-        self.assertLess(after["cache_capacity_blocks"], before["cache_capacity_blocks"])
-        self.assertLessEqual(after["cache_index_blocks"], after["cache_capacity_blocks"])
-        self.assertLess(after["cache_index_blocks"], before["cache_index_blocks"])
-        self.assertLess(after["cache_trust"], before["cache_trust"])
-        self.assertEqual(after["cache_misses"], 1)
-        self.assertEqual(after["cache_reported_hit_rate"], 0.0)
-        self.assertGreater(after["cache_predicted_hit_rate"], 0.4)
+        after = dict(facts(self.policy, home))
+        self.assertLess(after["capacity_blocks"], before["capacity_blocks"])
+        self.assertLessEqual(after["index_blocks"], after["capacity_blocks"])
+        self.assertLess(after["index_blocks"], before["index_blocks"])
+        self.assertLess(after["trust"], before["trust"])
+        self.assertEqual(after["misses"], 1)
+        self.assertEqual(after["reported_hit_rate"], 0.0)
+        self.assertGreater(after["predicted_hit_rate"], 0.4)
 
     def test_repeated_misses_downgrade_the_backends_matches(self) -> None:
         prompt = tenant_prompt(6)
@@ -231,7 +247,7 @@ class LoopTests(SynchronousTestCase):
             request = chat(prompt, f"{n + 1}")
             chosen = self.sent(request)
             self.policy.observe(chosen, outcome(chosen, request, 820, 0))
-        self.assertLess(self.policy.describe(home)["cache_trust"], 0.1)  # type: ignore[operator]
+        self.assertLess(facts(self.policy, home)["trust"], 0.1)
 
     def test_hits_that_hold_keep_trust_and_more_than_predicted_grows_capacity(self) -> None:
         policy = CacheAware(secret=SECRET, capacity_blocks=20)
@@ -241,17 +257,17 @@ class LoopTests(SynchronousTestCase):
         self.assertIs(policy.choose(self.backends, request), home)
         # predicted 12-13 blocks; the engine says it had all of the prompt but the question
         policy.observe(home, outcome(home, request, 805, 800))
-        described = policy.describe(home)
-        self.assertEqual(described["cache_trust"], 1.0)
-        self.assertEqual(described["cache_misses"], 0)
-        self.assertGreaterEqual(described["cache_capacity_blocks"], 20)  # type: ignore[operator]
+        described = facts(policy, home)
+        self.assertEqual(described["trust"], 1.0)
+        self.assertEqual(described["misses"], 0)
+        self.assertGreaterEqual(described["capacity_blocks"], 20)
 
     def test_more_cached_than_the_index_knew_grows_the_capacity(self) -> None:
         policy = CacheAware(secret=SECRET, capacity_blocks=20)
         request = chat(tenant_prompt(8), "0")
         home = policy.choose(self.backends, request)  # predicted: 0 blocks
         policy.observe(home, outcome(home, request, 805, 800))
-        self.assertGreater(policy.describe(home)["cache_capacity_blocks"], 20)  # type: ignore[operator]
+        self.assertGreater(facts(policy, home)["capacity_blocks"], 20)
 
     def test_the_characters_per_token_ratio_is_learned(self) -> None:
         request = chat(tenant_prompt(9), "0")
@@ -260,34 +276,34 @@ class LoopTests(SynchronousTestCase):
             again = chat(tenant_prompt(9), "0")
             chosen = self.sent(again)
             self.policy.observe(chosen, outcome(chosen, again, 1600, None))
-        ratio = self.policy.describe(home)["cache_chars_per_token"]
-        self.assertTrue(1.9 < ratio < 2.1, ratio)  # type: ignore[operator]
-        self.assertEqual(self.policy.describe(home)["cache_unreported"], 30)
+        ratio = facts(self.policy, home)["chars_per_token"]
+        self.assertTrue(1.9 < ratio < 2.1, ratio)
+        self.assertEqual(facts(self.policy, home)["unreported"], 30)
 
     def test_outcomes_that_do_not_match_a_prediction_teach_nothing(self) -> None:
         request = chat(tenant_prompt(10), "0")
         home = self.sent(request)
         other = next(b for b in self.backends if b is not home)
-        untouched = dict(self.policy.describe(other))
+        untouched = dict(facts(self.policy, other))
         # served elsewhere (a retry), a request never routed here, and no request at all
         self.policy.observe(other, outcome(other, request, 800, 0))
         self.policy.observe(home, outcome(home, chat(tenant_prompt(10), "?"), 800, 0))
         self.policy.observe(home, RequestOutcome(backend=home.key, status=200, answered=True,
                                                  ttfb=0.1, duration=1.0))
-        self.assertEqual(dict(self.policy.describe(other)), untouched)
-        self.assertEqual(self.policy.describe(home)["cache_reports"], 0)
+        self.assertEqual(dict(facts(self.policy, other)), untouched)
+        self.assertEqual(facts(self.policy, home)["reports"], 0)
 
     def test_hostile_reports_are_clamped(self) -> None:
         request = chat(tenant_prompt(11), "0")
         home = self.sent(request)
         self.policy.observe(home, outcome(home, request, 1, 10**12))
         described = self.policy.describe(home)
-        self.assertLessEqual(described["cache_reported_hit_rate"], 1.0)  # type: ignore[operator]
-        self.assertLessEqual(described["cache_chars_per_token"], 32.0)  # type: ignore[operator]
+        self.assertLessEqual(described["prefix_cache"]["reported_hit_rate"], 1.0)
+        self.assertLessEqual(described["prefix_cache"]["chars_per_token"], 32.0)
         again = chat(tenant_prompt(11), "1")
         self.sent(again)
         self.policy.observe(home, outcome(home, again, -5, -7))
-        json.dumps(dict(self.policy.describe(home)))
+        json.dumps(dict(facts(self.policy, home)))
 
     def test_predictions_are_forgotten_with_their_requests(self) -> None:
         request = chat(tenant_prompt(12), "0")
@@ -304,9 +320,10 @@ class LoopTests(SynchronousTestCase):
             self.policy.choose(self.backends, request)
         self.assertEqual(len(self.policy._pending), 500)
 
-    def test_describe_is_json_ready(self) -> None:
+    def test_describe_is_json_ready_in_the_shape_status_keeps(self) -> None:
         for backend in self.backends:
             json.dumps(dict(self.policy.describe(backend)))
+            self.assertIn("prefix_cache", backend.detailed_status())  # null elsewhere
         self.sent(chat(tenant_prompt(13)))
         for backend in self.backends:
             json.dumps(dict(self.policy.describe(backend)))
@@ -326,3 +343,38 @@ class MemoryBoundTests(SynchronousTestCase):
         for backend in backends:
             self.assertLessEqual(len(policy.index.of(backend)), 4000)
         del chosen, pool
+
+
+class OptionTests(SynchronousTestCase):
+    """--cache-block and --cache-entries: from every source, validated, read by the policy."""
+
+    def test_the_defaults(self) -> None:
+        policy = CacheAware()
+        config = build_config({}, {})
+        self.assertEqual((config.cache_block, config.cache_entries), (256, 200_000))
+        self.assertEqual((policy.hasher.block_chars, policy.index.max_entries), (256, 200_000))
+
+    def test_the_balancer_builds_the_policy_with_them(self) -> None:
+        lb = LoadBalancer(["127.0.0.1:9000"], reactor=Clock(), agent=FakeUpstream(),
+                          probe_agent=FakeUpstream(), log_file="none", policy="cache-aware",
+                          cache_block=64, cache_entries=5000)
+        policy = lb.policy
+        assert isinstance(policy, CacheAware)
+        self.assertEqual((policy.hasher.block_chars, policy.index.max_entries), (64, 5000))
+        self.assertTrue(lb.health.scrape_engine_queue)  # the engines' KV cache usage
+
+    def test_from_the_environment_and_the_config_file(self) -> None:
+        path = self.mktemp()
+        with open(path, "w") as toml:
+            toml.write('policy = "cache-aware"\ncache-block = 128\ncache-entries = 9000\n')
+        config = build_config({"config": path}, {"LB_CACHE_ENTRIES": "3000"})
+        self.assertEqual((config.cache_block, config.cache_entries), (128, 3000))
+
+    def test_nonsense_is_refused_by_name(self) -> None:
+        for given, said in (({"cache-block": "8"}, "--cache-block: '8' must be from 16"),
+                            ({"cache-block": "1e9"}, "--cache-block: '1e9' is not a whole"),
+                            ({"cache-entries": "10"}, "--cache-entries: '10' must be at least"),
+                            ({"cache-entries": "-5"}, "--cache-entries: '-5' is not a whole")):
+            with self.assertRaises(ConfigError) as raised:
+                build_config(given, {})
+            self.assertIn(said, str(raised.exception))

@@ -25,6 +25,7 @@ from txlb._workers.reports import SupervisorForwarder
 
 from ..helpers import ClientConnection, FakeResponse, FakeUpstream
 from .test_bookkeeper import A, a_pool, a_record, a_summary
+from .test_cache_aware import facts
 
 B = "127.0.0.1:8003"
 PROMPT = "You are the billing assistant of a large company. " * 40
@@ -82,18 +83,15 @@ class ThreadingTests(SynchronousTestCase):
                           log_file="none", policy=policy)
         for n in range(3):
             self.serve(lb, upstream, {"model": "m", "prompt": PROMPT + f" question {n}"})
-        described = {key: policy.describe(backend) for key, backend in
-                     ((b.key, b) for b in lb.pool)}
+        described = {b.key: facts(policy, b) for b in lb.pool}
         # all three went to the backend holding the prefix, and each outcome found its
         # prediction (reported or not, every one was counted there)
-        learned = {key: int(d["cache_reports"]) + int(d["cache_unreported"])  # type: ignore[call-overload]
-                   for key, d in described.items()}
+        learned = {key: d["reports"] + d["unreported"] for key, d in described.items()}
         self.assertEqual(sorted(learned.values()), [0, 3])
-        self.assertEqual(sum(b.requests for b in lb.pool if b.requests), 3)
         home = next(b for b in lb.pool if learned[b.key] == 3)
         self.assertEqual(home.requests, 3)
         # the answers said nothing of cached tokens: the loop stays open, and says so
-        self.assertEqual(described[home.key]["cache_unreported"], 3)
+        self.assertEqual(described[home.key]["unreported"], 3)
 
     def test_a_worker_routes_and_learns_in_its_own_process(self) -> None:
         """The worker's forwarder builds the outcome where the policy lives, with the request."""

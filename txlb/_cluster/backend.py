@@ -470,6 +470,9 @@ class Backend:
             # the latency policy's estimate (IPolicy.describe fills it in the admin API);
             # kept null for other policies so /status keeps one shape
             "latency_peak_ewma_s": None,
+            # what --policy cache-aware believes this engine's prefix cache holds (filled
+            # the same way; null under other policies)
+            "prefix_cache": None,
             "responses": dict(sorted(self.responses.items())),
             "ejections": self.ejections,
             "probes_ok": self.probes_ok,

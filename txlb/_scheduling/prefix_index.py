@@ -152,20 +152,20 @@ class BackendIndex:
             self.capacity = min(max_capacity, self.capacity + 1)
 
     def describe(self) -> dict[str, object]:
-        """JSON-ready: what ``/status`` shows of this backend's index."""
+        """JSON-ready: what ``/status`` shows of this backend's index (its ``prefix_cache``)."""
         def rate(tokens: float) -> float | None:
             return round(tokens / self.prompt_tokens, 4) if self.prompt_tokens else None
 
         return {
-            "cache_index_blocks": len(self.entries),
-            "cache_capacity_blocks": self.capacity,
-            "cache_trust": round(self.trust, 4),
-            "cache_chars_per_token": round(self.chars_per_token, 3),
-            "cache_predicted_hit_rate": rate(self.predicted_tokens),
-            "cache_reported_hit_rate": rate(self.cached_tokens),
-            "cache_reports": self.reports,
-            "cache_unreported": self.unreported,
-            "cache_misses": self.misses,
+            "index_blocks": len(self.entries),
+            "capacity_blocks": self.capacity,
+            "trust": round(self.trust, 4),
+            "chars_per_token": round(self.chars_per_token, 3),
+            "predicted_hit_rate": rate(self.predicted_tokens),
+            "reported_hit_rate": rate(self.cached_tokens),
+            "reports": self.reports,
+            "unreported": self.unreported,
+            "misses": self.misses,
         }
 
 

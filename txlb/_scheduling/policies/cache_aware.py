@@ -45,7 +45,12 @@ from txlb._scheduling.prefix_index import (
 from txlb._scheduling.request import ANY_REQUEST, RoutingRequest
 
 if TYPE_CHECKING:
+    import random
+
+    from twisted.internet.interfaces import IReactorTime
+
     from txlb._cluster.backend import Backend
+    from txlb._config import Config
     from txlb._records.outcome import RequestOutcome
 
 #: The engine's KV cache usage (``vllm:kv_cache_usage_perc``) above which its matches stop
@@ -176,14 +181,21 @@ class CacheAware(Policy):
         index = self.index.get(backend)
         if index is None:  # nothing sent there yet: what a fresh index would say
             index = BackendIndex(self.index.default_capacity)
-        return index.describe()
+        return {"prefix_cache": index.describe()}
+
+
+def build(clock: IReactorTime, rng: random.Random, config: Config | None) -> CacheAware:
+    """The policy with ``--cache-block`` and ``--cache-entries`` (defaults without a config)."""
+    if config is None:
+        return CacheAware()
+    return CacheAware(block_chars=config.cache_block, max_entries=config.cache_entries)
 
 
 factory = PolicyFactory(
-    CacheAware.name, lambda clock, rng: CacheAware(),
+    CacheAware.name, build,
     "the backend already holding the longest prefix of the prompt, within 1.25x of a fair "
     "share of the load and its cache's room; least-conn when none does",
     nginx="least_conn;  # --policy cache-aware: nginx reads no request bodies, so it cannot "
           "route by the prompt's prefix; least_conn is what cache-aware does for prompts no "
           "backend holds",
-    rank=70)
+    rank=70, takes_config=True)
