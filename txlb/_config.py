@@ -502,6 +502,14 @@ def parse_cache_entries(option: str, value: object) -> int:
     return number
 
 
+def parse_cache_load(option: str, value: object) -> float:
+    """The bounded-load factor: a number from 1 (strict balance) to 100."""
+    factor = _number(option, value)
+    if not 1.0 <= factor <= 100.0:
+        raise ConfigError(f"--{option}: {value!r} must be a number from 1 to 100")
+    return factor
+
+
 def parse_affinity(option: str, value: object) -> str | None:
     """``header:NAME``, ``user`` or ``none``."""
     text = str(value).strip()
@@ -640,6 +648,10 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("cache-entries", 200_000, parse_cache_entries,
                "--policy cache-aware: prompt blocks remembered over all backends "
                "(1,000 or more; ~116 bytes each).", "LB_CACHE_ENTRIES"),
+    OptionSpec("cache-load", 1.25, parse_cache_load,
+               "--policy cache-aware: a backend above this many times its fair share of "
+               "the in-flight requests is passed over for its cache (as --affinity's 1.25).",
+               "LB_CACHE_LOAD"),
     OptionSpec("affinity", None, parse_affinity,
                "Session affinity: 'header:NAME' or 'user' (bounded-load consistent hashing)."),
     OptionSpec("routes", (), parse_routes,
@@ -719,6 +731,7 @@ class Config:
     affinity: str | None = None
     cache_block: int = 256
     cache_entries: int = 200_000
+    cache_load: float = 1.25
     routes: tuple[RouteSpec, ...] = ()
     retries: int = 2
     retry_window: float = 10.0

@@ -351,30 +351,37 @@ class OptionTests(SynchronousTestCase):
     def test_the_defaults(self) -> None:
         policy = CacheAware()
         config = build_config({}, {})
-        self.assertEqual((config.cache_block, config.cache_entries), (256, 200_000))
+        self.assertEqual((config.cache_block, config.cache_entries, config.cache_load),
+                         (256, 200_000, 1.25))
         self.assertEqual((policy.hasher.block_chars, policy.index.max_entries), (256, 200_000))
 
     def test_the_balancer_builds_the_policy_with_them(self) -> None:
         lb = LoadBalancer(["127.0.0.1:9000"], reactor=Clock(), agent=FakeUpstream(),
                           probe_agent=FakeUpstream(), log_file="none", policy="cache-aware",
-                          cache_block=64, cache_entries=5000)
+                          cache_block=64, cache_entries=5000, cache_load=2)
         policy = lb.policy
         assert isinstance(policy, CacheAware)
-        self.assertEqual((policy.hasher.block_chars, policy.index.max_entries), (64, 5000))
+        self.assertEqual((policy.hasher.block_chars, policy.index.max_entries,
+                          policy.load_factor), (64, 5000, 2.0))
         self.assertTrue(lb.health.scrape_engine_queue)  # the engines' KV cache usage
 
     def test_from_the_environment_and_the_config_file(self) -> None:
         path = self.mktemp()
         with open(path, "w") as toml:
             toml.write('policy = "cache-aware"\ncache-block = 128\ncache-entries = 9000\n')
-        config = build_config({"config": path}, {"LB_CACHE_ENTRIES": "3000"})
-        self.assertEqual((config.cache_block, config.cache_entries), (128, 3000))
+        config = build_config({"config": path}, {"LB_CACHE_ENTRIES": "3000",
+                                                 "LB_CACHE_LOAD": "1.5"})
+        self.assertEqual((config.cache_block, config.cache_entries, config.cache_load),
+                         (128, 3000, 1.5))
 
     def test_nonsense_is_refused_by_name(self) -> None:
         for given, said in (({"cache-block": "8"}, "--cache-block: '8' must be from 16"),
                             ({"cache-block": "1e9"}, "--cache-block: '1e9' is not a whole"),
                             ({"cache-entries": "10"}, "--cache-entries: '10' must be at least"),
-                            ({"cache-entries": "-5"}, "--cache-entries: '-5' is not a whole")):
+                            ({"cache-entries": "-5"}, "--cache-entries: '-5' is not a whole"),
+                            ({"cache-load": "0.5"}, "--cache-load: '0.5' must be a number"),
+                            ({"cache-load": "nan"}, "--cache-load: 'nan' must be a number"),
+                            ({"cache-load": "x"}, "--cache-load: 'x' is not a number")):
             with self.assertRaises(ConfigError) as raised:
                 build_config(given, {})
             self.assertIn(said, str(raised.exception))

@@ -185,10 +185,11 @@ class CacheAware(Policy):
 
 
 def build(clock: IReactorTime, rng: random.Random, config: Config | None) -> CacheAware:
-    """The policy with ``--cache-block`` and ``--cache-entries`` (defaults without a config)."""
+    """The policy with ``--cache-block``, ``--cache-entries`` and ``--cache-load``."""
     if config is None:
         return CacheAware()
-    return CacheAware(block_chars=config.cache_block, max_entries=config.cache_entries)
+    return CacheAware(block_chars=config.cache_block, max_entries=config.cache_entries,
+                      load_factor=config.cache_load)
 
 
 factory = PolicyFactory(
