@@ -280,6 +280,14 @@ class LoopTests(SynchronousTestCase):
         self.assertTrue(1.9 < ratio < 2.1, ratio)
         self.assertEqual(facts(self.policy, home)["unreported"], 30)
 
+    def test_a_prompt_longer_than_the_rendering_teaches_no_ratio(self) -> None:
+        """Its tokens count all of it, its characters only what was rendered."""
+        request = chat("z" * 100_000)
+        home = self.sent(request)
+        self.policy.observe(home, outcome(home, request, 25_000, 0))
+        self.assertEqual(facts(self.policy, home)["chars_per_token"], 4.0)
+        self.assertEqual(facts(self.policy, home)["reports"], 1)
+
     def test_outcomes_that_do_not_match_a_prediction_teach_nothing(self) -> None:
         request = chat(tenant_prompt(10), "0")
         home = self.sent(request)

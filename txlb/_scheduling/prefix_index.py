@@ -122,7 +122,8 @@ class BackendIndex:
                 max_capacity: int) -> None:
         """
         The engine answered a request predicted to find ``predicted`` blocks cached, whose
-        rendered prompt was ``chars`` characters: fold in what it reported.
+        rendered prompt was ``chars`` characters (0: not all of it was rendered): fold in
+        what it reported.
         """
         if prompt_tokens is not None and prompt_tokens > 0 and chars > 0:
             ratio = min(32.0, max(0.5, chars / prompt_tokens))

@@ -108,6 +108,8 @@ class CacheAware(Policy):
         chain, chars = self.hasher.key(request.json, request.model)
         if not chain:
             return self._ties.best(candidates, load)
+        if chars >= self.hasher.block_chars * self.hasher.max_blocks:
+            chars = 0  # rendering stopped short: no measure of characters per token
         matches = [self.index.match(b, chain) for b in candidates]
         if not any(matches):
             chosen, matched = self._ties.best(candidates, load), 0
