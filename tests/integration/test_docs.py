@@ -22,6 +22,8 @@ OTHER_PROGRAMS = {
     "--user", "--now",  # systemctl, journalctl, loginctl
     "--port", "--model", "--max-num-seqs",  # vllm serve (the simulator takes them too)
     "--served-model-name",  # vllm serve
+    "--enable-prompt-tokens-details", "--enable-force-include-usage",  # vllm serve
+    "--enable-cache-report",  # SGLang's launch_server
     "--alias", "--metrics",  # llama.cpp's llama-server
 }
 #: Written wrong on purpose: the docs show what txlb answers to a mistyped option.

@@ -393,3 +393,37 @@ class OptionTests(SynchronousTestCase):
             with self.assertRaises(ConfigError) as raised:
                 build_config(given, {})
             self.assertIn(said, str(raised.exception))
+
+
+class RandomisedTests(SynchronousTestCase):
+    def test_any_sequence_of_choices_and_reports_keeps_the_invariants(self) -> None:
+        """Random fleets, prompts and (hostile) reports: a candidate always, bounds always."""
+        rng = random.Random(11)
+        pool = Pool(tuple(BackendSpec("127.0.0.1", 9000 + i, weight=rng.choice((1, 2, 5)))
+                          for i in range(6)))
+        backends = list(pool)
+        policy = CacheAware(secret=SECRET, max_entries=1000, capacity_blocks=300)
+        prefixes = [tenant_prompt(t, rng.randrange(200, 6000)) for t in range(12)]
+        held: list[tuple[Lease, RoutingRequest]] = []
+        for step in range(3000):
+            candidates = [b for b in backends if rng.random() < 0.8] or backends[:1]
+            request = chat(rng.choice(prefixes), f"{step} " * rng.randrange(0, 40))
+            chosen = policy.choose(candidates, request)
+            self.assertIn(chosen, candidates)
+            held.append((pool.acquire(chosen), request))
+            if rng.random() < 0.3:
+                pool.set_engine_depth(rng.choice(backends), 1, 0, kv_cache=rng.random())
+            while held and (len(held) > 20 or rng.random() < 0.4):
+                lease, done = held.pop(rng.randrange(len(held)))
+                lease.release()
+                tokens = rng.choice((None, -3, 0, 50, 900, 10**9))
+                cached = rng.choice((None, -1, 0, 10, 800, 10**12))
+                policy.observe(lease.backend, outcome(lease.backend, done, tokens, cached))
+            self.assertLessEqual(policy.index.entries, 1000)
+            for backend in backends:
+                index = policy.index.get(backend)
+                if index is not None:
+                    self.assertLessEqual(len(index), index.capacity)
+                    self.assertTrue(0.0 <= index.trust <= 1.0)
+        for backend in backends:
+            json.dumps(dict(policy.describe(backend)))

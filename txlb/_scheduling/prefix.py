@@ -16,8 +16,9 @@ backend B hold" is a walk of set lookups.  Only whole blocks count, as in vLLM: 
 shorter than one block has no key.
 
 ``H`` is BLAKE2b keyed with a secret drawn per process (:class:`PrefixHasher`), so a client
-cannot craft a prompt whose hashes collide with another tenant's, nor learn from timing
-which prefixes are cached: nobody outside the process can compute a block's name.
+cannot craft a prompt whose hashes collide with another tenant's: nobody outside the process
+can compute a block's name, and only a prompt that really begins with the same text shares
+its blocks.
 
 The work per request is bounded whatever the body: rendering stops after
 ``max_blocks * block_chars`` characters (the rest of a long prompt cannot change which
