@@ -23,6 +23,7 @@ from txlb import (
     RequestOutcome,
     RoutingRequest,
 )
+from txlb._cluster import engines
 from txlb._cluster.backend import Backend, Lease
 from txlb._config import ConfigError, build_config
 from txlb._scheduling.affinity import BoundedLoadRing
@@ -31,6 +32,7 @@ from txlb._scheduling.policies.cache_aware import MAX_PENDING, CacheAware, load_
 from txlb._scheduling.router import Router
 
 from ..helpers import FakeUpstream
+from .test_engines import RecognitionTests
 from .test_policies import PolicyContract
 
 SECRET = b"k" * 32
@@ -427,3 +429,100 @@ class RandomisedTests(SynchronousTestCase):
                     self.assertTrue(0.0 <= index.trust <= 1.0)
         for backend in backends:
             json.dumps(dict(policy.describe(backend)))
+
+
+VLLM_METRICS = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0"} 1.0
+vllm:num_requests_waiting{engine="0"} 0.0
+vllm:kv_cache_usage_perc{engine="0"} 0.25
+vllm:prefix_cache_queries_total{engine="0"} 9000.0
+vllm:prefix_cache_queries_total{engine="1"} 1000.0
+vllm:prefix_cache_hits_total{engine="0"} 4000.0
+vllm:prefix_cache_hits_total{engine="1"} 500.0
+"""
+
+
+class CounterFallbackTests(SynchronousTestCase):
+    """Answers without cached tokens: the engines' /metrics prefix-cache counters instead."""
+
+    def test_vllms_counters_are_read_summed_over_cores(self) -> None:
+        reading = engines.read(VLLM_METRICS, engines.BY_NAME["vllm"])
+        self.assertEqual(reading.prefix_cache, (4500.0, 10000.0))
+        older = VLLM_METRICS.replace("vllm:prefix_cache", "vllm:gpu_prefix_cache")
+        self.assertEqual(engines.read(older, engines.BY_NAME["vllm"]).prefix_cache,
+                         (4500.0, 10000.0))
+
+    def test_counters_no_cache_could_show_are_ignored(self) -> None:
+        vllm = engines.BY_NAME["vllm"]
+        for text in (VLLM_METRICS.replace("4000.0", "1e308").replace("9000.0", "1e308"),
+                     VLLM_METRICS.replace("4000.0", "40000.0"),  # more hits than queries
+                     VLLM_METRICS.replace("4000.0", "-9000.0"),
+                     "vllm:prefix_cache_hits_total 5\n"):  # no queries
+            self.assertIsNone(engines.read(text, vllm).prefix_cache, text)
+
+    def test_workers_see_the_counters(self) -> None:
+        supervisor, _ = fleet(1)
+        worker, (mirrored,) = fleet(1)
+        supervisor.set_engine_depth(list(supervisor)[0], 1, 0, 0.5, (10.0, 20.0))
+        worker.mirror(json.loads(json.dumps(supervisor.shared_state())))
+        self.assertEqual(mirrored.prefix_cache_counts, (10.0, 20.0))
+
+    def scenario(self, hits_per_round: float, reported: bool = False) -> dict[str, Any]:
+        pool, backends = fleet(2)
+        policy = CacheAware(secret=SECRET)
+        prompt = tenant_prompt(20)
+        home = policy.choose(backends, chat(prompt, "0"))
+        counters = (0.0, 0.0)
+        pool.set_engine_depth(home, 0, 0, None, counters)
+        for n in range(8):
+            request = chat(prompt, f"{n + 1}")
+            self.assertIs(policy.choose(backends, request), home)
+            if reported:
+                policy.observe(home, outcome(home, request, 820, 800))
+            counters = (counters[0] + hits_per_round, counters[1] + 820)
+            pool.set_engine_depth(home, 0, 0, None, counters)
+        return facts(policy, home)
+
+    def test_hits_the_engine_counted_confirm_the_predictions(self) -> None:
+        described = self.scenario(hits_per_round=800)
+        self.assertEqual(described["counter_checks"], 7)
+        self.assertEqual((described["trust"], described["misses"]), (1.0, 0))
+
+    def test_hits_the_engine_never_counted_correct_the_index(self) -> None:
+        described = self.scenario(hits_per_round=0)
+        self.assertEqual(described["counter_checks"], 7)
+        self.assertLess(described["trust"], 0.3)
+        self.assertGreater(described["misses"], 0)
+        self.assertLess(described["capacity_blocks"], 2048)
+
+    def test_answers_that_report_win_over_the_counters(self) -> None:
+        described = self.scenario(hits_per_round=0, reported=True)
+        self.assertEqual(described["counter_checks"], 0)
+        self.assertEqual(described["trust"], 1.0)
+
+    def test_counters_that_start_again_teach_nothing(self) -> None:
+        pool, backends = fleet(1)
+        policy = CacheAware(secret=SECRET)
+        (home,) = backends
+        prompt = tenant_prompt(21)
+        policy.choose(backends, chat(prompt, "0"))
+        pool.set_engine_depth(home, 0, 0, None, (5000.0, 9000.0))
+        policy.choose(backends, chat(prompt, "1"))
+        pool.set_engine_depth(home, 0, 0, None, (0.0, 100.0))  # the engine restarted
+        policy.choose(backends, chat(prompt, "2"))
+        described = facts(policy, home)
+        self.assertEqual((described["counter_checks"], described["trust"]), (0, 1.0))
+
+
+class ProbedCountersTests(RecognitionTests):
+    """The prober hands the counters it scrapes to the pool (RecognitionTests' harness)."""
+
+    def test_the_prober_reads_the_counters_each_probe(self) -> None:
+        self.build(BackendSpec("127.0.0.1", 8002), queue_depth=True)
+        self.probe(VLLM_METRICS)
+        self.assertEqual(self.backend.prefix_cache_counts, (4500.0, 10000.0))
+        self.clock.advance(2)
+        self.answer(b"/health", "")
+        self.answer(b"/metrics", VLLM_METRICS.replace("4000.0", "6000.0"))
+        self.assertEqual(self.backend.prefix_cache_counts, (6500.0, 10000.0))

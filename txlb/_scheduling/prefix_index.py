@@ -58,7 +58,8 @@ class BackendIndex:
 
     __slots__ = ("entries", "capacity", "trust", "chars_per_token", "reports",
                  "unreported", "misses", "prompt_tokens", "predicted_tokens",
-                 "cached_tokens", "__weakref__")
+                 "cached_tokens", "counters_seen", "predicted_since", "counter_checks",
+                 "__weakref__")
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY_BLOCKS) -> None:
         #: block hash -> None, least recently sent first
@@ -72,6 +73,11 @@ class BackendIndex:
         self.prompt_tokens = 0
         self.predicted_tokens = 0.0
         self.cached_tokens = 0
+        #: the engine's prefix-cache (hits, queries) when last compared, and the cached
+        #: tokens predicted here since: the loop's fallback when answers report nothing
+        self.counters_seen: tuple[float, float] | None = None
+        self.predicted_since = 0.0
+        self.counter_checks = 0
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -152,6 +158,38 @@ class BackendIndex:
         elif predicted > 0 and len(self.entries) >= self.capacity:
             self.capacity = min(max_capacity, self.capacity + 1)
 
+    def predicted(self, blocks: int, block_chars: int) -> None:
+        """A request was sent here predicted to find ``blocks`` cached."""
+        self.predicted_since += blocks * block_chars / self.chars_per_token
+
+    def counted(self, counters: tuple[float, float] | None, block_chars: int) -> None:
+        """
+        The engine's prefix-cache counters (hits, queries in tokens, from its ``/metrics``)
+        as now scraped.  While its answers report no cached tokens, the hits it counted
+        since the last scrape are compared with the cached tokens predicted here since:
+        far fewer -- the engine evicted what the index lists -- shrink the capacity and
+        lower the trust, as a report would.  Answers that report are the finer signal:
+        once one has, the counters are left alone.
+        """
+        if counters is None or self.reports or counters == self.counters_seen:
+            return
+        seen, self.counters_seen = self.counters_seen, counters
+        predicted, self.predicted_since = self.predicted_since, 0.0
+        if seen is None or predicted <= 0:
+            return
+        hits = counters[0] - seen[0]
+        if hits < 0 or counters[1] < seen[1]:
+            return  # the counters started again: the engine restarted
+        self.counter_checks += 1
+        confirmed = min(1.0, hits / predicted)
+        self.trust += LEARNING_RATE * (confirmed - self.trust)
+        if confirmed < 0.75:
+            missing = math.ceil((predicted - hits) * self.chars_per_token / block_chars)
+            self.misses += 1
+            still_there = min(self.capacity, len(self.entries)) - missing
+            self.capacity = max(MIN_CAPACITY_BLOCKS, still_there)
+            self.trim(self.capacity)
+
     def describe(self) -> dict[str, object]:
         """JSON-ready: what ``/status`` shows of this backend's index (its ``prefix_cache``)."""
         def rate(tokens: float) -> float | None:
@@ -167,6 +205,7 @@ class BackendIndex:
             "reports": self.reports,
             "unreported": self.unreported,
             "misses": self.misses,
+            "counter_checks": self.counter_checks,
         }
 
 

@@ -116,6 +116,9 @@ class CacheAware(Policy):
         else:
             chosen, matched = self._by_gain(candidates, matches, len(chain))
         self._predict(request, chosen, matched, chain, chars)
+        index = self.index.of(chosen)
+        index.counted(chosen.prefix_cache_counts, self.hasher.block_chars)
+        index.predicted(matched, self.hasher.block_chars)
         self.index.sent(chosen, chain)
         return chosen
 
