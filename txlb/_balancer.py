@@ -258,7 +258,7 @@ class LoadBalancer:
         #: an embedder's own policy object (it overrides ``config.policy``), or the one
         #: ``--policy`` names
         self.policy: IPolicy = (
-            policy if policy is not None else make_policy(config.policy, reactor, rng))
+            policy if policy is not None else make_policy(config.policy, reactor, rng, config))
         self.router = Router(
             self.pool,
             self.policy,

@@ -486,6 +486,30 @@ def parse_unknown_model(option: str, value: object) -> str:
     return text
 
 
+def parse_cache_block(option: str, value: object) -> int:
+    """Characters per hashed block: a whole number from 16 to 65536."""
+    number = parse_nonnegative_int(option, value)
+    if not 16 <= number <= 65536:
+        raise ConfigError(f"--{option}: {value!r} must be from 16 to 65536 characters")
+    return number
+
+
+def parse_cache_entries(option: str, value: object) -> int:
+    """The index's cap in entries: a whole number, at least 1,000."""
+    number = parse_nonnegative_int(option, value)
+    if number < 1000:
+        raise ConfigError(f"--{option}: {value!r} must be at least 1000")
+    return number
+
+
+def parse_cache_load(option: str, value: object) -> float:
+    """The bounded-load factor: a number from 1 (strict balance) to 100."""
+    factor = _number(option, value)
+    if not 1.0 <= factor <= 100.0:
+        raise ConfigError(f"--{option}: {value!r} must be a number from 1 to 100")
+    return factor
+
+
 def parse_affinity(option: str, value: object) -> str | None:
     """``header:NAME``, ``user`` or ``none``."""
     text = str(value).strip()
@@ -618,6 +642,16 @@ OPTIONS: tuple[OptionSpec, ...] = (
                "A request naming a model no backend lists: '404' (an OpenAI-style error, as "
                "vLLM answers) or 'forward' (to any backend by the policy, as nginx would).",
                "LB_UNKNOWN_MODEL"),
+    OptionSpec("cache-block", 256, parse_cache_block,
+               "--policy cache-aware: characters per hashed prompt block (16 to 65536; "
+               "256 is ~64 tokens).", "LB_CACHE_BLOCK"),
+    OptionSpec("cache-entries", 200_000, parse_cache_entries,
+               "--policy cache-aware: prompt blocks remembered over all backends "
+               "(1,000 or more; ~116 bytes each).", "LB_CACHE_ENTRIES"),
+    OptionSpec("cache-load", 1.25, parse_cache_load,
+               "--policy cache-aware: a backend above this many times its fair share of "
+               "the in-flight requests is passed over for its cache (as --affinity's 1.25).",
+               "LB_CACHE_LOAD"),
     OptionSpec("affinity", None, parse_affinity,
                "Session affinity: 'header:NAME' or 'user' (bounded-load consistent hashing)."),
     OptionSpec("routes", (), parse_routes,
@@ -695,6 +729,9 @@ class Config:
     queue_timeout: float = 30.0
     unknown_model: str = "404"
     affinity: str | None = None
+    cache_block: int = 256
+    cache_entries: int = 200_000
+    cache_load: float = 1.25
     routes: tuple[RouteSpec, ...] = ()
     retries: int = 2
     retry_window: float = 10.0

@@ -42,7 +42,8 @@ from txlb.nginx import upstream_block
 
 from ..helpers import ClientConnection, FakeResponse, FakeUpstream
 
-BUILT_IN_NAMES = ("least-conn", "round-robin", "random", "p2c", "latency", "queue-depth")
+BUILT_IN_NAMES = ("least-conn", "round-robin", "random", "p2c", "latency", "queue-depth",
+                  "cache-aware")
 TXLB = Path(txlb.__file__).parent
 
 
@@ -86,7 +87,7 @@ def summary(backend: str = "127.0.0.1:8002", status: int = 200,
 class RegistryTests(SynchronousTestCase):
     def test_the_built_in_policies_in_help_order(self) -> None:
         self.assertEqual(tuple(f.name for f in BUILT_IN), BUILT_IN_NAMES)
-        self.assertEqual(policy_names()[:6], BUILT_IN_NAMES)
+        self.assertEqual(policy_names()[:len(BUILT_IN_NAMES)], BUILT_IN_NAMES)
         self.assertEqual(DEFAULT_POLICY, "least-conn")
         self.assertEqual(build_config({}, {}).policy, "least-conn")
 
@@ -118,9 +119,9 @@ class RegistryTests(SynchronousTestCase):
             self.assertEqual(policy.name, factory.name)
             self.assertIsInstance(policy.needs_engine_metrics, bool)
 
-    def test_only_queue_depth_needs_engine_metrics(self) -> None:
+    def test_only_queue_depth_and_cache_aware_need_engine_metrics(self) -> None:
         needing = [f.name for f in BUILT_IN if make_policy(f.name, Clock()).needs_engine_metrics]
-        self.assertEqual(needing, ["queue-depth"])
+        self.assertEqual(needing, ["queue-depth", "cache-aware"])
 
     def test_the_given_rng_draws(self) -> None:
         backends = list(Pool(tuple(BackendSpec("127.0.0.1", p) for p in range(1, 9))))
@@ -138,7 +139,7 @@ class RegistryTests(SynchronousTestCase):
             make_policy("fastest", Clock())
         with self.assertRaises(ConfigError) as raised:
             build_config({"policy": "fastest"}, {})
-        self.assertIn("least-conn, round-robin, random, p2c, latency, queue-depth",
+        self.assertIn("least-conn, round-robin, random, p2c, latency, queue-depth, cache-aware",
                       str(raised.exception))
 
     def test_help_lists_the_registry(self) -> None:
@@ -238,7 +239,7 @@ class PluginTests(SynchronousTestCase):
 
     def test_a_plugin_adds_a_valid_policy_value(self) -> None:
         self.assertIn("test-fewest", plugin_factories())
-        self.assertEqual(policy_names()[:6], BUILT_IN_NAMES)
+        self.assertEqual(policy_names()[:len(BUILT_IN_NAMES)], BUILT_IN_NAMES)
         self.assertIn("test-fewest", policy_names()[6:])
         self.assertEqual(build_config({"policy": "TEST-fewest"}, {}).policy, "test-fewest")
         (spec,) = [s for s in OPTIONS if s.name == "policy"]

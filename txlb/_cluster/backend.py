@@ -29,7 +29,10 @@ EWMA_ALPHA = 0.2
 #: read, and the prober or operator changes.
 SHARED_FIELDS = ("healthy", "draining", "removing", "last_probe_error", "learned_models",
                  "model_entries", "engine_depth", "engine_scrapes", "up_since",
-                 "ejected_until", "engine", "kv_cache_usage")
+                 "ejected_until", "engine", "kv_cache_usage", "prefix_cache_counts")
+
+#: shared fields that are tuples here and lists in JSON
+_TUPLES = frozenset({"learned_models", "prefix_cache_counts"})
 
 
 @attrs.define(eq=False)
@@ -70,6 +73,8 @@ class Backend:
     _engine: str | None = None
     #: the engine's KV-cache usage, a fraction (1 = full), when it exports one
     _kv_cache_usage: float | None = None
+    #: the engine's prefix-cache counters at the last scrape: (hits, queries) in tokens
+    _prefix_cache_counts: tuple[float, float] | None = None
     #: scrapes of the engine's queue so far (a worker process restarts its local count
     #: "since the scrape" when this changes)
     _engine_scrapes: int = 0
@@ -230,9 +235,11 @@ class Backend:
         self._engine = engine
         self._kv_cache_usage = kv_cache
 
-    def engine_scraped(self, depth: float, kv_cache: float | None) -> None:
+    def engine_scraped(self, depth: float, kv_cache: float | None,
+                       prefix_cache: tuple[float, float] | None = None) -> None:
         """The engine's own queue: a new scrape restarts the local count since the last."""
         self._kv_cache_usage = kv_cache
+        self._prefix_cache_counts = prefix_cache
         self._engine_depth = depth
         self._engine_scrapes += 1
         self._started_since_scrape = 0
@@ -262,7 +269,7 @@ class Backend:
             self._started_since_scrape = self._finished_since_scrape = 0
         for name in SHARED_FIELDS:
             value = state[name]
-            setattr(self, "_" + name, tuple(value) if name == "learned_models"
+            setattr(self, "_" + name, tuple(value) if name in _TUPLES
                     and value is not None else value)
 
     # -- views ---------------------------------------------------------------------------
@@ -358,6 +365,11 @@ class Backend:
     @property
     def engine_scrapes(self) -> int:
         return self._engine_scrapes
+
+    @property
+    def prefix_cache_counts(self) -> tuple[float, float] | None:
+        """The engine's prefix-cache (hits, queries) in tokens, as last scraped."""
+        return self._prefix_cache_counts
 
     @property
     def started_since_scrape(self) -> int:
@@ -495,6 +507,9 @@ class Backend:
             # the latency policy's estimate (IPolicy.describe fills it in the admin API);
             # kept null for other policies so /status keeps one shape
             "latency_peak_ewma_s": None,
+            # what --policy cache-aware believes this engine's prefix cache holds (filled
+            # the same way; null under other policies)
+            "prefix_cache": None,
             "responses": dict(sorted(self.responses.items())),
             "ejections": self.ejections,
             "probes_ok": self.probes_ok,

@@ -1,6 +1,6 @@
 """
 What txlb knows of each inference engine's ``/metrics``: which engine a backend runs, its
-queue (running + waiting requests) and its KV-cache usage.
+queue (running + waiting requests), its KV-cache usage and its prefix-cache counters.
 
 Engines name the same facts differently (vLLM ``vllm:num_requests_running``, llama.cpp
 ``llamacpp:requests_processing``, ...).  The engine is recognised once, from the prefixes of
@@ -31,15 +31,23 @@ class Engine:
     waiting: str
     #: KV-cache usage as a fraction (1 = full), newest name first
     kv_cache: tuple[str, ...] = ()
+    #: the prefix cache's counters, in prompt tokens: looked up, and found cached
+    prefix_queries: tuple[str, ...] = ()
+    prefix_hits: tuple[str, ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
-        return (self.running, self.waiting, *self.kv_cache)
+        return (self.running, self.waiting, *self.kv_cache, *self.prefix_queries,
+                *self.prefix_hits)
 
 
 ENGINES = (
     Engine("vllm", "vllm:", "vllm:num_requests_running", "vllm:num_requests_waiting",
-           ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")),
+           ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+           ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_queries",
+            "vllm:gpu_prefix_cache_queries_total"),
+           ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits",
+            "vllm:gpu_prefix_cache_hits_total")),
     Engine("sglang", "sglang:", "sglang:num_running_reqs", "sglang:num_queue_reqs",
            ("sglang:token_usage",)),
     Engine("llamacpp", "llamacpp:", "llamacpp:requests_processing",
@@ -51,11 +59,15 @@ BY_NAME = {engine.name: engine for engine in ENGINES}
 
 @attrs.frozen
 class Reading:
-    """What one scrape says: the queue (``None`` when not exported) and KV-cache usage."""
+    """
+    What one scrape says: the queue (``None`` when not exported), KV-cache usage, and the
+    prefix cache's (hits, queries) counters in tokens when the engine exports both.
+    """
 
     running: float | None = None
     waiting: float | None = None
     kv_cache: float | None = None
+    prefix_cache: tuple[float, float] | None = None
 
 
 def _samples(text: str) -> Iterable[tuple[str, str]]:
@@ -146,4 +158,16 @@ def read(text: str, engine: Engine) -> Reading:
         running=None if running is None else max(0.0, running),
         waiting=None if waiting is None else max(0.0, waiting),
         kv_cache=kv_cache,
+        prefix_cache=_counters(sums, engine),
     )
+
+
+def _counters(sums: dict[str, float], engine: Engine) -> tuple[float, float] | None:
+    """(hits, queries) under the first names the engine exports, when both are sane."""
+    hits = next((sums[name] for name in engine.prefix_hits if name in sums), None)
+    queries = next((sums[name] for name in engine.prefix_queries if name in sums), None)
+    if hits is None or queries is None or not math.isfinite(hits + queries):
+        return None
+    if hits < 0 or queries < 0 or hits > queries:
+        return None  # not what counters of a cache can say: ignored
+    return hits, queries

@@ -307,7 +307,7 @@ class HealthChecker(Service):
                                     f"{found.running} or {found.waiting} missing")
                 return
             self.pool.set_engine_depth(backend, reading.running, reading.waiting,
-                                       reading.kv_cache)
+                                       reading.kv_cache, reading.prefix_cache)
 
         def failed(failure: Failure) -> None:
             if self.scrape_engine_queue:

@@ -323,9 +323,13 @@ class Pool:
         self._updated()
 
     def set_engine_depth(self, backend: Backend, running: float, waiting: float,
-                         kv_cache: float | None = None) -> None:
-        """The engine's own queue, scraped from its ``/metrics``; restarts the local count."""
-        backend.engine_scraped(running + waiting, kv_cache)
+                         kv_cache: float | None = None,
+                         prefix_cache: tuple[float, float] | None = None) -> None:
+        """
+        The engine's own queue, scraped from its ``/metrics`` (with its KV-cache usage and
+        prefix-cache counters); restarts the local count.
+        """
+        backend.engine_scraped(running + waiting, kv_cache, prefix_cache)
         self._updated()
 
     def forget_engine_depth(self, backend: Backend) -> None:

@@ -95,6 +95,7 @@ class ProxyResource(Resource):
                 return NOT_DONE_YET
         routing = self._routing_request(request, record)
         record.client = routing.client
+        record.routing = routing
         waiting = self.router.acquire(routing)
         if not waiting.called:
             # queued for a slot: a client that leaves also leaves the queue (once started,

@@ -29,6 +29,7 @@ from txlb._records.observer import IRequestObserver
 from txlb._records.outcome import RequestOutcome
 from txlb._records.summary import KEEP_ALL, Privacy, RequestRecord, Summary, summarize
 from txlb._scheduling.policies import IPolicy
+from txlb._scheduling.request import RoutingRequest
 
 log = Logger()
 
@@ -96,19 +97,21 @@ class SummaryFeed:
             log.failure("could not summarise a finished request")
             return
         self.summarised += 1
-        self.feed(summary, record.status is not None, record.client)
+        self.feed(summary, record.status is not None, record.client, record.routing)
 
-    def feed(self, summary: Summary, answered: bool, client: str | None = None) -> None:
+    def feed(self, summary: Summary, answered: bool, client: str | None = None,
+             routing: RoutingRequest | None = None) -> None:
         """
-        A summary made already (here, or by a worker, whose client keys stay with it): hand
-        it to every consumer, and its outcome to those that read outcomes.
+        A summary made already (here, or by a worker, whose client keys and routing
+        requests stay with it): hand it to every consumer, and its outcome to those that
+        read outcomes.
         """
         outcome: RequestOutcome | None = None
         for consumer in self._consumers:
             try:
                 if isinstance(consumer, OutcomeConsumer):
                     if outcome is None:
-                        outcome = RequestOutcome.of(summary, answered, client)
+                        outcome = RequestOutcome.of(summary, answered, client, routing)
                     consumer.consume(outcome)
                 else:
                     consumer.consume(summary, answered)

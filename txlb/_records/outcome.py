@@ -10,9 +10,14 @@ bookkeeper), so every consumer reads the same numbers.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import attrs
 
 from txlb._records.summary import Summary
+
+if TYPE_CHECKING:
+    from txlb._scheduling.request import RoutingRequest
 
 
 @attrs.frozen
@@ -37,10 +42,14 @@ class RequestOutcome:
     time_per_output_token: float | None = None
     #: the client key of ``--rate-key`` (an address, or a header's value), when known
     client: str | None = None
+    #: what the request was routed by (the same object the policy's ``choose`` saw), so a
+    #: policy can match the outcome to what it predicted; ``None`` when not known (a
+    #: summary from another process)
+    routing: RoutingRequest | None = attrs.field(default=None, eq=False, repr=False)
 
     @classmethod
-    def of(cls, summary: Summary, answered: bool, client: str | None = None
-           ) -> RequestOutcome:
+    def of(cls, summary: Summary, answered: bool, client: str | None = None,
+           routing: RoutingRequest | None = None) -> RequestOutcome:
         """The outcome of the request ``summary`` describes."""
         return cls(
             backend=summary.backend,
@@ -52,6 +61,7 @@ class RequestOutcome:
             cached_prompt_tokens=summary.cached_prompt_tokens,
             time_per_output_token=time_per_output_token(summary, answered),
             client=client,
+            routing=routing,
         )
 
 

@@ -21,6 +21,7 @@ from txlb._records.escape import clip
 
 if TYPE_CHECKING:
     from txlb._config import Config
+    from txlb._scheduling.request import RoutingRequest
 
 #: How much of a response is kept for the summary; the client always gets all of it.
 CAPTURE_LIMIT = 512 * 1024
@@ -134,6 +135,9 @@ class RequestRecord:
     #: who sent it: the ``--rate-key`` client key, for what learns from each request (the
     #: policy's outcome); never written to the result log
     client: str | None = None
+    #: what the request was routed by, for the policy that predicted something of it (a
+    #: cache-aware policy's outcome); never written to the result log
+    routing: RoutingRequest | None = attrs.field(default=None, repr=False)
 
     def answered_by_proxy(self, status: int, body: bytes) -> None:
         """txlb answered this request itself, with ``status`` and the JSON ``body``."""

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import random
 
     from txlb._cluster.backend import Backend
+    from txlb._config import Config
     from txlb._records.outcome import RequestOutcome
 
 
@@ -86,18 +87,23 @@ class PolicyFactory:
     """
     A policy under a name.  ``build`` is called with ``(clock, rng)``; it may be given as
     a dotted name (``"mypackage.policy.Fewest"``), imported only when the policy is made,
-    so that scanning plugins stays cheap -- as Twisted's own ``ServiceMaker`` does.
+    so that scanning plugins stays cheap -- as Twisted's own ``ServiceMaker`` does.  A
+    built-in policy with options of its own in :class:`~txlb.Config` says
+    ``takes_config=True`` and is built with ``(clock, rng, config)`` (``config`` is
+    ``None`` when the policy is made without one: its defaults).
     """
 
     name: str
-    build: Callable[[IReactorTime, random.Random], IPolicy] | str
+    build: Callable[..., IPolicy] | str
     summary: str = ""
     nginx: str | None = None
     rank: int = 100
+    takes_config: bool = False
 
-    def __call__(self, clock: IReactorTime, rng: random.Random) -> IPolicy:
+    def __call__(self, clock: IReactorTime, rng: random.Random,
+                 config: Config | None = None) -> IPolicy:
         build = namedAny(self.build) if isinstance(self.build, str) else self.build
-        policy = build(clock, rng)
+        policy = build(clock, rng, config) if self.takes_config else build(clock, rng)
         if not IPolicy.providedBy(policy):
             raise TypeError(f"policy {self.name!r}: {policy!r} does not provide IPolicy")
         return policy

@@ -18,13 +18,17 @@ import importlib
 import pkgutil
 import random
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.plugin import getPlugins
 
 from txlb._scheduling import policies
-from txlb._scheduling.policies import IPolicy, IPolicyFactory
+from txlb._scheduling.policies import IPolicy, IPolicyFactory, PolicyFactory
+
+if TYPE_CHECKING:
+    from txlb._config import Config
 
 log = Logger()
 
@@ -92,9 +96,15 @@ def find_factory(name: str) -> IPolicyFactory | None:
     return factory
 
 
-def make_policy(name: str, clock: IReactorTime, rng: random.Random | None = None) -> IPolicy:
-    """A new policy called ``name`` (one of :func:`policy_names`)."""
+def make_policy(name: str, clock: IReactorTime, rng: random.Random | None = None,
+                config: Config | None = None) -> IPolicy:
+    """
+    A new policy called ``name`` (one of :func:`policy_names`); one whose factory takes
+    the config (``takes_config``) reads its own options from ``config``.
+    """
     factory = find_factory(name)
     if factory is None:
         raise KeyError(f"no policy called {name!r}; known: {', '.join(policy_names())}")
+    if isinstance(factory, PolicyFactory) and factory.takes_config:
+        return factory(clock, rng or random.Random(), config)
     return factory(clock, rng or random.Random())

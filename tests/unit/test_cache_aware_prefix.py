@@ -1,0 +1,166 @@
+"""
+The cache-aware routing key (txlb._scheduling.prefix): what is rendered, in which order,
+how it is cut and hashed as a keyed chain, and that no body -- however hostile -- raises
+or costs more than the block budget.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from txlb._scheduling.prefix import DEFAULT_BLOCK_CHARS, PrefixHasher, render
+
+SECRET = b"s" * 32
+SYSTEM = "You are a careful assistant for the accounts team. " * 40  # ~2,000 characters
+
+
+def chat(*turns: str, system: str = SYSTEM, **extra: Any) -> dict[str, Any]:
+    messages: list[Any] = [{"role": "system", "content": system}]
+    for n, text in enumerate(turns):
+        messages.append({"role": "user" if n % 2 == 0 else "assistant", "content": text})
+    return {"model": "m", "messages": messages, **extra}
+
+
+def is_prefix(short: list[int], long: list[int]) -> bool:
+    return long[:len(short)] == short
+
+
+class RenderTests(SynchronousTestCase):
+    """What a chat template renders first, in the order it renders it."""
+
+    def text(self, body: dict[str, Any], model: str | None = "m") -> str:
+        return render(body, model, 1 << 20)
+
+    def test_model_then_tools_then_kwargs_then_messages(self) -> None:
+        body = chat("hi", tools=[{"type": "function", "function": {"name": "lookup"}}],
+                    chat_template_kwargs={"enable_thinking": False})
+        text = self.text(body)
+        places = [text.index(piece) for piece in
+                  ("<|model|>m", "lookup", "enable_thinking", "<|system|>", SYSTEM[:20],
+                   "<|user|>hi")]
+        self.assertEqual(places, sorted(places))
+
+    def test_the_model_after_the_routes_rewrite_is_rendered(self) -> None:
+        self.assertIn("<|model|>target", self.text(chat("hi"), model="target"))
+        self.assertNotEqual(self.text(chat("hi"), "a"), self.text(chat("hi"), "b"))
+
+    def test_completions_prompt_string_strings_and_token_ids(self) -> None:
+        self.assertIn("once upon", self.text({"prompt": "once upon"}))
+        self.assertIn("one\ntwo\n", self.text({"prompt": ["one", "two"]}))
+        self.assertIn("17 4 9 ", self.text({"prompt": [17, 4, 9]}))
+
+    def test_responses_instructions_then_input(self) -> None:
+        text = self.text({"instructions": "be brief",
+                          "input": [{"role": "user", "content": "q?"}]})
+        self.assertLess(text.index("be brief"), text.index("q?"))
+        self.assertIn("plain", self.text({"input": "plain"}))
+
+    def test_messages_api_system_then_messages(self) -> None:
+        text = self.text({"system": [{"type": "text", "text": "house rules"}],
+                          "messages": [{"role": "user", "content": "q?"}]})
+        self.assertLess(text.index("house rules"), text.index("q?"))
+
+    def test_text_parts_are_text_and_media_are_named_by_a_hash(self) -> None:
+        image = "data:image/png;base64," + "A" * 1_000_000
+        body = chat([{"type": "text", "text": "look:"},  # type: ignore[arg-type]
+                     {"type": "image_url", "image_url": {"url": image}}])
+        text = self.text(body)
+        self.assertIn("look:", text)
+        self.assertIn("<media:", text)
+        self.assertNotIn("AAAA", text)  # the image's bytes are not the key
+        self.assertLess(len(text), len(SYSTEM) + 200)
+
+    def test_hostile_shapes_never_raise(self) -> None:
+        deep: Any = "x"
+        for _ in range(100_000):
+            deep = [deep]
+        bodies: list[Any] = [
+            {}, {"messages": None}, {"messages": 7}, {"messages": "str"},
+            {"messages": [1, None, "x", [], {"role": 5, "content": 3.5}]},
+            {"messages": [{"content": {"weird": [1, 2]}}]},
+            {"messages": [{"role": "user", "content": [None, 1, {"type": "x"}, "s"]}]},
+            {"messages": [{"role": "user", "content": deep}]},
+            {"tools": deep}, {"prompt": deep}, {"prompt": [True, 1.5, None, {"a": 1}]},
+            {"prompt": list(range(3_000_000))}, {"input": {"a": deep}},
+            {"messages": [{"role": "user", "content": "x"}] * 100_000},
+            {"system": 12, "messages": []}, {"tools": {1: "non-string key"}},
+            {"messages": [{"role": "user", "content": "\ud800 lone surrogate"}]},
+        ]
+        hasher = PrefixHasher(secret=SECRET)
+        for body in bodies:
+            chain, chars = hasher.key(body, "m")
+            self.assertLessEqual(len(chain), hasher.max_blocks)
+            self.assertLessEqual(chars, hasher.max_blocks * hasher.block_chars)
+
+
+class ChainTests(SynchronousTestCase):
+    """A chain of keyed block hashes: whole blocks only, prefix-closed, per-process key."""
+
+    def setUp(self) -> None:
+        self.hasher = PrefixHasher(secret=SECRET)
+
+    def chain(self, body: dict[str, Any]) -> list[int]:
+        return self.hasher.key(body, "m")[0]
+
+    def test_only_whole_blocks_count(self) -> None:
+        self.assertEqual(self.hasher.chain("x" * (DEFAULT_BLOCK_CHARS - 1)), [])
+        self.assertEqual(len(self.hasher.chain("x" * (DEFAULT_BLOCK_CHARS * 3 + 10))), 3)
+
+    def test_a_conversation_that_goes_on_extends_its_chain(self) -> None:
+        first = self.chain(chat("What is the balance?"))
+        later = self.chain(chat("What is the balance?", "It is 4.", "And last month? " * 30))
+        self.assertGreaterEqual(len(first), 7)
+        self.assertTrue(is_prefix(first, later))
+        self.assertGreater(len(later), len(first))
+
+    def test_a_different_system_prompt_shares_nothing(self) -> None:
+        self.assertEqual(set(self.chain(chat("q", system="Other. " * 300)))
+                         & set(self.chain(chat("q"))), set())
+
+    def test_each_block_names_everything_before_it(self) -> None:
+        """The same block text after a different beginning is a different hash."""
+        block = "B" * DEFAULT_BLOCK_CHARS
+        one = self.hasher.chain("A" * DEFAULT_BLOCK_CHARS + block)
+        two = self.hasher.chain("C" * DEFAULT_BLOCK_CHARS + block)
+        self.assertNotEqual(one[1], two[1])
+
+    def test_a_repeated_image_is_a_repeated_prefix(self) -> None:
+        def with_image(url: str) -> dict[str, Any]:
+            return {"model": "m", "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]},
+                {"role": "user", "content": "describe it " * 50}]}
+
+        same = self.chain(with_image("https://x/cat.png"))
+        self.assertEqual(same, self.chain(with_image("https://x/cat.png")))
+        self.assertNotEqual(same[0], self.chain(with_image("https://x/dog.png"))[0])
+
+    def test_keyed_two_secrets_hash_apart_one_secret_alike(self) -> None:
+        body = chat("q")
+        mine, again = PrefixHasher(secret=SECRET), PrefixHasher(secret=SECRET)
+        other = PrefixHasher(secret=b"t" * 32)
+        self.assertEqual(mine.key(body, "m"), again.key(body, "m"))
+        self.assertEqual(set(mine.key(body, "m")[0]) & set(other.key(body, "m")[0]), set())
+        # by default each process (each hasher) draws its own secret
+        self.assertNotEqual(PrefixHasher().key(body, "m"), PrefixHasher().key(body, "m"))
+
+    def test_an_8_mib_body_costs_a_bounded_number_of_blocks(self) -> None:
+        body = json.loads(json.dumps(chat("x" * (8 << 20))))
+        started = time.perf_counter()
+        chain, chars = self.hasher.key(body, "m")
+        took = time.perf_counter() - started
+        self.assertEqual(len(chain), self.hasher.max_blocks)
+        self.assertEqual(chars, self.hasher.max_blocks * self.hasher.block_chars)
+        self.assertLess(took, 0.5)  # ~1 ms here; the point is it is not 8 MiB's worth
+
+    def test_no_json_object_no_key(self) -> None:
+        self.assertEqual(self.hasher.key(None, "m"), ([], 0))
+
+    def test_nonsense_sizes_are_refused(self) -> None:
+        for kwargs in ({"block_chars": 0}, {"max_blocks": 0}, {"secret": b""},
+                       {"secret": b"k" * 65}):
+            with self.assertRaises(ValueError):
+                PrefixHasher(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,207 @@
+"""
+``--policy cache-aware``: send a prompt where its prefix is cached, without piling up.
+
+Each request's prompt becomes a chain of keyed block hashes (:mod:`txlb._scheduling.prefix`);
+each backend has an index of the blocks txlb sent it, no larger than its engine's learned
+capacity (:mod:`txlb._scheduling.prefix_index`).  The choice, among the eligible backends:
+
+1. No backend holds any of the prompt's blocks: **least-conn, exactly** (the same smooth
+   weighted tie-breaking), so traffic without shared prefixes is balanced as by
+   ``--policy least-conn``.
+2. Otherwise, only backends under the bounded-load cap ``ceil(1.25 x fair share)`` of the
+   fleet's in-flight requests (as ``--affinity``) compete, and each scores its *gain*: the
+   blocks it holds (scaled by its trust score; nothing while its engine reports a KV cache
+   above :data:`KV_SATURATED` full, where vLLM starts preempting) less the blocks placing
+   the rest of the prompt there would evict (what does not fit in its room).  The best gain
+   wins, ties by least-conn.  When no gain is positive -- a new prefix, or one whose home is
+   full -- the least-loaded backend with room for it takes it, so tenants spread over the
+   fleet's caches instead of clustering on the engine that happens to share a header.
+
+What the engine reports afterwards closes the loop (:meth:`CacheAware.observe`): each
+outcome is matched to the prediction made for its request, and corrects the backend's
+capacity estimate and trust.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import attrs
+
+from txlb._scheduling.policies import Policy, PolicyFactory
+from txlb._scheduling.policies._ties import WeightedTies
+from txlb._scheduling.policies.least_conn import load
+from txlb._scheduling.prefix import DEFAULT_BLOCK_CHARS, DEFAULT_MAX_BLOCKS, PrefixHasher
+from txlb._scheduling.prefix_index import (
+    DEFAULT_CAPACITY_BLOCKS,
+    DEFAULT_MAX_ENTRIES,
+    BackendIndex,
+    FleetIndex,
+)
+from txlb._scheduling.request import ANY_REQUEST, RoutingRequest
+
+if TYPE_CHECKING:
+    import random
+
+    from twisted.internet.interfaces import IReactorTime
+
+    from txlb._cluster.backend import Backend
+    from txlb._config import Config
+    from txlb._records.outcome import RequestOutcome
+
+#: The engine's KV cache usage (``vllm:kv_cache_usage_perc``) above which its matches stop
+#: attracting requests: near full, vLLM preempts running requests to make room.
+KV_SATURATED = 0.9
+#: Predictions kept for requests in flight (an outcome that never comes -- a request
+#: refused after routing -- is forgotten when its request is, or past this many).
+MAX_PENDING = 65_536
+
+
+def load_bound(backend: Backend, candidates: Sequence[Backend], factor: float) -> int:
+    """
+    The most in-flight requests ``backend`` may hold and still be preferred for its cache:
+    ``ceil(factor x its weight's share of the fleet's in-flight, counting this request)``
+    -- the bound of ``--affinity``'s ring (:class:`txlb._scheduling.affinity.BoundedLoadRing`).
+    """
+    total_weight = sum(b.effective_weight for b in candidates)
+    in_flight = sum(b.active for b in candidates) + 1
+    return math.ceil(factor * in_flight * backend.effective_weight / total_weight)
+
+
+@attrs.define(slots=True)
+class _Prediction:
+    request: weakref.ref[RoutingRequest]
+    backend: str
+    matched: int
+    chain: list[int]
+    chars: int
+
+
+class CacheAware(Policy):
+    """The longest trusted, room-respecting prefix match under a bounded load; else least-conn."""
+
+    name = "cache-aware"
+    #: KV cache usage and queue come from the engines' /metrics (scraped with the probes)
+    needs_engine_metrics = True
+
+    def __init__(self, block_chars: int = DEFAULT_BLOCK_CHARS,
+                 max_blocks: int = DEFAULT_MAX_BLOCKS,
+                 max_entries: int = DEFAULT_MAX_ENTRIES,
+                 capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
+                 load_factor: float = 1.25, secret: bytes | None = None) -> None:
+        if load_factor < 1.0:
+            raise ValueError("the load factor must be at least 1")
+        self.hasher = PrefixHasher(block_chars, max_blocks, secret)
+        self.index = FleetIndex(max_entries, capacity_blocks)
+        self.load_factor = load_factor
+        self._ties = WeightedTies()
+        self._pending: OrderedDict[int, _Prediction] = OrderedDict()
+
+    # -- choosing -------------------------------------------------------------------------
+
+    def choose(self, candidates: Sequence[Backend],
+               request: RoutingRequest = ANY_REQUEST) -> Backend:
+        chain, chars = self.hasher.key(request.json, request.model)
+        if not chain:
+            return self._ties.best(candidates, load)
+        if chars >= self.hasher.block_chars * self.hasher.max_blocks:
+            chars = 0  # rendering stopped short: no measure of characters per token
+        matches = [self.index.match(b, chain) for b in candidates]
+        if not any(matches):
+            chosen, matched = self._ties.best(candidates, load), 0
+        else:
+            chosen, matched = self._by_gain(candidates, matches, len(chain))
+        self._predict(request, chosen, matched, chain, chars)
+        index = self.index.of(chosen)
+        index.counted(chosen.prefix_cache_counts, self.hasher.block_chars)
+        index.predicted(matched, self.hasher.block_chars)
+        self.index.sent(chosen, chain)
+        return chosen
+
+    def _by_gain(self, candidates: Sequence[Backend], matches: Sequence[int],
+                 blocks: int) -> tuple[Backend, int]:
+        under = [(b, m) for b, m in zip(candidates, matches, strict=True)
+                 if b.active < load_bound(b, candidates, self.load_factor)]
+        if not under:  # cannot happen (someone is under ceil(c x share)); be safe
+            under = list(zip(candidates, matches, strict=True))
+        gains: list[tuple[Backend, int, float, int]] = []
+        for backend, matched in under:
+            index = self.index.get(backend)
+            room = index.room if index is not None else self.index.default_capacity
+            trust = index.trust if index is not None else 1.0
+            usage = backend.kv_cache_usage
+            worth = 0.0 if usage is not None and usage >= KV_SATURATED else matched * trust
+            overflow = max(0, blocks - matched - room)
+            gains.append((backend, matched, worth - overflow, overflow))
+        best = max(gain for _, _, gain, _ in gains)
+        if best > 0:
+            pool = [(b, m) for b, m, gain, _ in gains if gain >= best - 1e-9]
+        else:
+            pool = [(b, m) for b, m, _, overflow in gains if overflow == 0] or [
+                (b, m) for b, m, _, _ in gains]
+        chosen = self._ties.best([b for b, _ in pool], load)
+        return chosen, dict((b.key, m) for b, m in pool)[chosen.key]
+
+    def _predict(self, request: RoutingRequest, backend: Backend, matched: int,
+                 chain: list[int], chars: int) -> None:
+        key = id(request)
+        pending = self._pending
+
+        def forget(ref: weakref.ref[RoutingRequest]) -> None:
+            entry = pending.get(key)
+            if entry is not None and entry.request is ref:
+                del pending[key]
+
+        pending[key] = _Prediction(weakref.ref(request, forget), backend.key, matched,
+                                   chain, chars)
+        pending.move_to_end(key)
+        while len(pending) > MAX_PENDING:
+            pending.popitem(last=False)
+
+    # -- learning -------------------------------------------------------------------------
+
+    def observe(self, backend: Backend, outcome: RequestOutcome) -> None:
+        """
+        Match the outcome to the prediction made for its request on this backend, and let
+        that backend's index learn from what the engine reported (nothing when it did not).
+        """
+        request = getattr(outcome, "routing", None)
+        if request is None:
+            return
+        prediction = self._pending.get(id(request))
+        if prediction is None or prediction.request() is not request:
+            return
+        del self._pending[id(request)]
+        if prediction.backend != backend.key:
+            return  # retried elsewhere after the prediction: not this backend's answer
+        self.index.of(backend).learned(
+            self.hasher.block_chars, prediction.chars, prediction.matched,
+            outcome.prompt_tokens, outcome.cached_prompt_tokens, self.index.max_entries)
+
+    def describe(self, backend: Backend) -> Mapping[str, object]:
+        index = self.index.get(backend)
+        if index is None:  # nothing sent there yet: what a fresh index would say
+            index = BackendIndex(self.index.default_capacity)
+        return {"prefix_cache": index.describe()}
+
+
+def build(clock: IReactorTime, rng: random.Random, config: Config | None) -> CacheAware:
+    """The policy with ``--cache-block``, ``--cache-entries`` and ``--cache-load``."""
+    if config is None:
+        return CacheAware()
+    return CacheAware(block_chars=config.cache_block, max_entries=config.cache_entries,
+                      load_factor=config.cache_load)
+
+
+factory = PolicyFactory(
+    CacheAware.name, build,
+    "the backend already holding the longest prefix of the prompt, within 1.25x of a fair "
+    "share of the load and its cache's room; least-conn when none does",
+    nginx="least_conn;  # --policy cache-aware: nginx reads no request bodies, so it cannot "
+          "route by the prompt's prefix; least_conn is what cache-aware does for prompts no "
+          "backend holds",
+    rank=70, takes_config=True)
