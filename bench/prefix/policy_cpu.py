@@ -69,7 +69,7 @@ def measure(policy_name: str, requests: Sequence[PrefixRequest], backends: int =
         prompt = request.prompt_chars() // CHARS_PER_TOKEN
         held.append((pool.acquire(backend), backend, RequestOutcome(
             backend=backend.key, status=200, answered=True, ttfb=0.1, duration=1.0,
-            prompt_tokens=prompt, cached_prompt_tokens=prompt // 4)))
+            prompt_tokens=prompt, cached_prompt_tokens=prompt // 4, routing=routed)))
     while held:
         lease, backend, outcome = held.popleft()
         lease.release()

@@ -244,13 +244,15 @@ def run(scenario: Scenario, policy_name: str,
     def done(job: Job) -> None:
         lease: Lease = job.context[0]
         replica: int = job.context[1]
+        routed: RoutingRequest = job.context[2]
         assert job.first_token is not None and job.done is not None
         prompts.pop(id(job.body), None)
         lease.release()
         policies[replica].observe(lease.backend, RequestOutcome(
             backend=lease.backend.key, status=200, answered=True,
             ttfb=job.first_token - job.arrival, duration=job.done - job.arrival,
-            prompt_tokens=job.prompt_tokens, cached_prompt_tokens=job.cached_tokens))
+            prompt_tokens=job.prompt_tokens, cached_prompt_tokens=job.cached_tokens,
+            routing=routed))
         outstanding[0] -= 1
 
     def first_token(job: Job) -> None:
@@ -259,8 +261,8 @@ def run(scenario: Scenario, policy_name: str,
     for spec in specs:
         engines[spec.key] = CachedEngine(clock, spec.key, scenario.config, first_token, done)
 
-    def leased(lease: Lease, job: Job, replica: int) -> None:
-        job.context = (lease, replica)
+    def leased(lease: Lease, job: Job, replica: int, routed: RoutingRequest) -> None:
+        job.context = (lease, replica, routed)
         engines[lease.backend.key].submit(job)
 
     def refuse(failure: Failure, job: Job) -> None:
@@ -282,7 +284,8 @@ def run(scenario: Scenario, policy_name: str,
         replica = replica_of[index]
         routed = RoutingRequest(model=body.get("model"), json=body)
         d: Deferred[Lease] = routers[replica].acquire(routed)
-        d.addCallbacks(leased, refuse, callbackArgs=(job, replica), errbackArgs=(job,))
+        d.addCallbacks(leased, refuse, callbackArgs=(job, replica, routed),
+                       errbackArgs=(job,))
 
     needs_depth = any(getattr(p, "needs_engine_metrics", False) for p in policies)
 
