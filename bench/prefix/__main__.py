@@ -237,7 +237,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    command = "python -m bench.prefix " + " ".join(argv if argv is not None else sys.argv[1:])
+    given = list(argv if argv is not None else sys.argv[1:])
+    if "--note" in given[:-1]:  # the note is shown on its own
+        at = given.index("--note")
+        del given[at:at + 2]
+    command = "python -m bench.prefix " + " ".join(given)
     if args.quick:
         args.engines, args.requests, args.virtual = [4], 300, True
     if not (args.virtual or args.process or args.real or args.report):

@@ -4,8 +4,10 @@ The real-engine bench: txlb's policies in front of a fleet of llama.cpp ``llama-
 llama-server keeps each slot's last prompt in its KV cache and reuses the longest common
 prefix (``timings.cache_n`` of each answer; ``timings.prompt_n`` is what it evaluated), so
 with ``--parallel 2`` and ``--cache-ram 0`` (no host-memory prompt cache) each engine holds
-two prompts' prefixes: with more tenants than the fleet has slots, prefixes compete, as
-they do for a GPU's KV cache.  The model is the engine kit's "fast" random-weight GGUF
+two prompts' prefixes.  The workloads have as many tenants (or live conversations) as the
+fleet has slots, six: they all fit only if each engine is sent its own two, so prefixes
+compete, as they do for a GPU's KV cache, and a router that spreads every prefix everywhere
+thrashes the slots.  The model is the engine kit's "fast" random-weight GGUF
 (``bench/make_model.py``: 1.8 MB, byte-level tokenizer, about one token per character),
 one CPU thread per engine.
 
@@ -64,8 +66,8 @@ class RealWorkload:
 
 
 REAL_WORKLOADS = (
-    RealWorkload("tenants", Options(requests=240, tenants=8, scale=0.08, model="fast"), 4),
-    RealWorkload("multiturn", Options(requests=240, active=12, scale=0.08, model="fast"), 4),
+    RealWorkload("tenants", Options(requests=240, tenants=6, scale=0.08, model="fast"), 3),
+    RealWorkload("multiturn", Options(requests=240, active=6, scale=0.08, model="fast"), 3),
 )
 
 

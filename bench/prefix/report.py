@@ -159,7 +159,7 @@ def real_section(part: dict[str, Any]) -> list[str]:
     out = ["## A real engine: llama.cpp's llama-server", "",
            f"`{info.get('command', '')}` -- {info.get('engines', '')}. Hit rate from the "
            "answers (`timings.cache_n` / (`cache_n` + `prompt_n`)); TTFT in ms at the "
-           "client.", ""]
+           f"client. {info.get('note', '')}", ""]
     rows = [[r["workload"], r["policy"], _f(r["hit_rate"]), _ms(r["ttft_p50"]),
              _ms(r["ttft_p99"]), _f(r["rps"], 1), str(r["errors"])] for r in results]
     return out + _table(["workload", "policy", "hit rate", "TTFT p50", "TTFT p99", "req/s",
