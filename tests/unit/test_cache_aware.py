@@ -303,6 +303,41 @@ class LoopTests(SynchronousTestCase):
         self.assertEqual(dict(facts(self.policy, other)), untouched)
         self.assertEqual(facts(self.policy, home)["reports"], 0)
 
+    def test_a_retry_takes_its_prediction_along(self) -> None:
+        """
+        The backend a request left (refused, or answered 502/503) never prefilled it: its
+        index keeps none of the blocks that request added, and the prediction is not
+        counted against its engine's counters.  Before, those blocks stayed, the next
+        request of the prefix could go there, and its report of nothing cached shrank a
+        healthy engine's capacity as an eviction.
+        """
+        request = chat(tenant_prompt(13), "0")
+        first = self.sent(request)
+        other = next(b for b in self.backends if b is not first)
+        self.assertIs(self.policy.choose([other], request), other)  # the retry
+        self.policy.observe(other, outcome(other, request, 820, 0))
+        self.assertEqual(facts(self.policy, first)["index_blocks"], 0)
+        first_index = self.policy.index.get(first)
+        assert first_index is not None
+        self.assertEqual(first_index.predicted_since, 0.0)
+        self.assertGreater(facts(self.policy, other)["index_blocks"], 0)
+        for n in range(6):  # the prefix is at home where it was served
+            again = chat(tenant_prompt(13), f"{n + 1}")
+            self.assertIs(self.sent(again), other)
+        self.assertEqual(facts(self.policy, first)["misses"], 0)
+
+    def test_a_retry_keeps_what_the_backend_it_left_already_held(self) -> None:
+        request = chat(tenant_prompt(14), "0")
+        home = self.sent(request)
+        held = facts(self.policy, home)["index_blocks"]
+        again = chat(tenant_prompt(14), "1" * 600)  # the prefix, and more of its own
+        self.assertIs(self.sent(again), home)
+        other = next(b for b in self.backends if b is not home)
+        self.policy.choose([other], again)  # retried elsewhere
+        self.assertEqual(facts(self.policy, home)["index_blocks"], held)
+        self.assertEqual(self.policy.index.match(home, self.policy.hasher.key(
+            request.json, "m")[0]), held)
+
     def test_hostile_reports_are_clamped(self) -> None:
         request = chat(tenant_prompt(11), "0")
         home = self.sent(request)

@@ -158,9 +158,23 @@ class BackendIndex:
         elif predicted > 0 and len(self.entries) >= self.capacity:
             self.capacity = min(max_capacity, self.capacity + 1)
 
-    def predicted(self, blocks: int, block_chars: int) -> None:
-        """A request was sent here predicted to find ``blocks`` cached."""
-        self.predicted_since += blocks * block_chars / self.chars_per_token
+    def predicted(self, blocks: int, block_chars: int) -> float:
+        """A request was sent here predicted to find ``blocks`` cached: those tokens."""
+        tokens = blocks * block_chars / self.chars_per_token
+        self.predicted_since += tokens
+        return tokens
+
+    def withdraw(self, blocks: Iterable[int], tokens: float) -> int:
+        """
+        A request sent here went elsewhere before this engine saw it (a retry): forget the
+        ``blocks`` it added and the ``tokens`` it was predicted to find.  How many went.
+        """
+        entries = self.entries
+        before = len(entries)
+        for block in blocks:
+            entries.pop(block, None)
+        self.predicted_since = max(0.0, self.predicted_since - tokens)
+        return before - len(entries)
 
     def counted(self, counters: tuple[float, float] | None, block_chars: int) -> None:
         """
@@ -242,6 +256,10 @@ class FleetIndex:
 
     def indexes(self) -> Iterable[BackendIndex]:
         return list(self._by_backend.values())
+
+    def withdraw(self, index: BackendIndex, blocks: Iterable[int], tokens: float) -> None:
+        """``index``'s backend never got the request that added ``blocks``: they go."""
+        self._total -= index.withdraw(blocks, tokens)
 
     def sent(self, backend: Backend, chain: Sequence[int]) -> None:
         """``chain`` went to ``backend``; over the fleet's cap, the largest index gives way."""
