@@ -13,7 +13,13 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from txlb._scheduling.prefix import DEFAULT_BLOCK_CHARS, STEPS_PER_CHAR, PrefixHasher, render
+from txlb._scheduling.prefix import (
+    DEFAULT_BLOCK_CHARS,
+    MAX_STEPS,
+    STEPS_PER_CHAR,
+    PrefixHasher,
+    render,
+)
 
 SECRET = b"s" * 32
 SYSTEM = "You are a careful assistant for the accounts team. " * 40  # ~2,000 characters
@@ -156,6 +162,14 @@ class WorkBoundTests(SynchronousTestCase):
         body = {"messages": [{"role": "user", "content": [{"image_url": payload}]}]}
         self.hasher.key(body, "m")
         self.assertLessEqual(Watched.looks, self.budget)
+
+    def test_the_largest_block_option_keeps_the_bound(self) -> None:
+        """--cache-block 65536 renders up to 16 MiB: the looks stay capped all the same."""
+        hasher = PrefixHasher(block_chars=65536, secret=SECRET)
+        body = {"messages": [{"role": "", "content": [Watched(text="")] * 100}] * 4096}
+        hasher.key(body, "m")
+        self.assertLessEqual(Watched.looks, MAX_STEPS)
+        self.assertEqual(MAX_STEPS, DEFAULT_BLOCK_CHARS * 256 * STEPS_PER_CHAR)
 
     def test_a_real_conversation_is_not_cut_by_the_step_budget(self) -> None:
         """Real prompts render characters far faster than the budget counts steps."""

@@ -23,10 +23,10 @@ its blocks.
 The work per request is bounded whatever the body: rendering stops after
 ``max_blocks * block_chars`` characters (the rest of a long prompt cannot change which
 backend holds its beginning) or :data:`STEPS_PER_CHAR` looks per character of that budget
-(so pieces that render nothing still cost), nesting deeper than :data:`MAX_DEPTH` and
-lists longer than :data:`MAX_ITEMS` are cut, and a shape the renderer does not know
-contributes its canonical JSON (within the same budget) or nothing.  Nothing here raises
-on a hostile body.
+(so pieces that render nothing still cost; :data:`MAX_STEPS` at most), nesting deeper
+than :data:`MAX_DEPTH` and lists longer than :data:`MAX_ITEMS` are cut, and a shape the
+renderer does not know contributes its canonical JSON (within the same budget) or
+nothing.  Nothing here raises on a hostile body.
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ MEDIA_BYTES = 1 << 20
 #: media node costs one, whatever it renders): a body of empty pieces -- 4,096 messages of
 #: 4,096 empty parts -- renders nothing and would otherwise cost 16 million looks.
 STEPS_PER_CHAR = 4
+#: The most looks for any budget: what the default one allows.  A larger ``--cache-block``
+#: renders more characters of a long prompt (few, long strings), never more pieces.
+MAX_STEPS = STEPS_PER_CHAR * DEFAULT_BLOCK_CHARS * DEFAULT_MAX_BLOCKS
 
 #: The media part types whose payload names them (OpenAI chat, Responses, Anthropic).
 _MEDIA_KEYS = ("image_url", "input_audio", "input_image", "input_file", "file",
@@ -64,13 +67,13 @@ class _Budget(Exception):
 class _Renderer:
     """
     Collects rendered pieces until ``limit`` characters, or ``limit x STEPS_PER_CHAR``
-    pieces looked at; then stops by raising.
+    pieces looked at (:data:`MAX_STEPS` at most); then stops by raising.
     """
 
     def __init__(self, limit: int, media_key: bytes) -> None:
         self.limit = limit
         self.size = 0
-        self.steps = limit * STEPS_PER_CHAR
+        self.steps = min(limit * STEPS_PER_CHAR, MAX_STEPS)
         self.pieces: list[str] = []
         self._media_key = media_key
 
