@@ -338,6 +338,60 @@ class LoopTests(SynchronousTestCase):
         self.assertEqual(self.policy.index.match(home, self.policy.hasher.key(
             request.json, "m")[0]), held)
 
+    def test_an_engine_back_up_starts_with_an_empty_index_not_a_collapsed_capacity(
+            self) -> None:
+        """
+        A backend that went down and came back (a restart, a deploy, an OOM) has an empty
+        cache: its index starts again, and its first answers -- honestly nothing cached --
+        are no evictions.  Before, each tenant's first miss there shrank the capacity as
+        an eviction and cut the trust: one round of 8 tenants took the engine from 2,048
+        blocks to 24 (its index's size less the misses) and its trust from 1 to 0.64.
+        """
+        pool, backends = fleet(2)
+        policy = CacheAware(secret=SECRET)
+        served: dict[str, int] = {}
+
+        def ask(tenant: int, n: int) -> Backend:
+            request = chat(tenant_prompt(tenant), f"question {n}")
+            chosen = policy.choose(backends, request)
+            pool.acquire(chosen).release()
+            cached = 800 if served.get(chosen.key + str(tenant)) else 0  # an engine's truth
+            served[chosen.key + str(tenant)] = 1
+            policy.observe(chosen, outcome(chosen, request, 820, cached))
+            return chosen
+
+        for n in range(3):
+            for tenant in range(8):
+                ask(tenant, n)
+        restarted = backends[0]
+        before = facts(policy, restarted)
+        self.assertGreater(before["index_blocks"], 0)
+        pool.mark_down(restarted, "restarted")
+        pool.mark_up(restarted)
+        served = {k: v for k, v in served.items() if not k.startswith(restarted.key)}
+        self.assertEqual(facts(policy, restarted)["index_blocks"], before["index_blocks"])
+        for tenant in range(8):
+            ask(tenant, 9)
+        after = facts(policy, restarted)
+        self.assertEqual(after["misses"], before["misses"])
+        self.assertGreaterEqual(after["capacity_blocks"], before["capacity_blocks"])
+        self.assertGreater(after["trust"], 0.9)
+
+    def test_counters_that_start_again_empty_the_index(self) -> None:
+        """An engine that restarted between two probes shows it in its counters only."""
+        pool, backends = fleet(1)
+        policy = CacheAware(secret=SECRET)
+        home = backends[0]
+        pool.set_engine_depth(home, 0, 0, prefix_cache=(5000.0, 9000.0))
+        policy.choose(backends, chat(tenant_prompt(1), "a"))
+        self.assertGreater(facts(policy, home)["index_blocks"], 0)
+        pool.set_engine_depth(home, 0, 0, prefix_cache=(0.0, 100.0))  # started again
+        request = chat(tenant_prompt(2), "b")
+        policy.choose(backends, request)
+        # what is listed now is the one prompt sent since the restart
+        self.assertEqual(policy.index.match(home, policy.hasher.key(
+            chat(tenant_prompt(1), "a").json, "m")[0]), 0)
+
     def test_hostile_reports_are_clamped(self) -> None:
         request = chat(tenant_prompt(11), "0")
         home = self.sent(request)
