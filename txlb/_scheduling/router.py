@@ -26,9 +26,14 @@ from txlb._cluster.backend import Backend, Lease
 from txlb._cluster.pool import Pool
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.policies import IPolicy
+from txlb._scheduling.policies.least_conn import LeastConnections
 from txlb._scheduling.request import ANY_REQUEST, RoutingRequest
 
 log = Logger()
+
+#: Seconds between two logged failures of the policy's ``choose`` (each request it fails
+#: on falls back to least-conn; one traceback a minute says enough of a broken policy)
+POLICY_FAILURE_LOG_INTERVAL = 60.0
 
 
 class RoutingError(Exception):
@@ -86,6 +91,10 @@ class Router:
         self.forward_unknown_models = forward_unknown_models
         self._rng = rng or random.Random()
         self._queue: deque[_Waiter] = deque()
+        #: what a request is routed by when the policy raises: a bug (or a body it chokes
+        #: on) in a policy must cost the balance, never the request or the queue
+        self._fallback = LeastConnections()
+        self._policy_failure_logged: float | None = None
         self.on_queue_wait: Callable[[float], object] = lambda seconds: None
         #: Told the queue's length whenever it changes (a worker process publishes it so
         #: that slots freed in other workers wake this queue; see txlb._workers.supervisor).
@@ -213,8 +222,25 @@ class Router:
         if request.session is not None and self.affinity is not None:
             chosen = self.affinity.choose(request.session, candidates)
         else:
-            chosen = self.policy.choose(candidates, request)
+            chosen = self._policy_choice(candidates, request)
         return self.pool.acquire(chosen)
+
+    def _policy_choice(self, candidates: Sequence[Backend], request: RoutingRequest) -> Backend:
+        """
+        The policy's choice; least-conn's when the policy raises.  Raising here would fail
+        the request (a 500 from twisted.web), or, in :meth:`_dispatch` on a released slot,
+        stop the queue's dispatch and leave every later waiter to time out.
+        """
+        try:
+            return self.policy.choose(candidates, request)
+        except Exception:
+            now = self.clock.seconds()
+            last = self._policy_failure_logged
+            if last is None or now - last >= POLICY_FAILURE_LOG_INTERVAL:
+                self._policy_failure_logged = now
+                log.failure("policy {policy} failed to choose a backend; least-conn chose",
+                            policy=getattr(self.policy, "name", self.policy))
+            return self._fallback.choose(candidates, request)
 
     # -- the queue ----------------------------------------------------------------------
 
