@@ -25,7 +25,7 @@ from twisted.logger import Logger
 from txlb._cluster.backend import Backend, Lease
 from txlb._cluster.pool import Pool
 from txlb._scheduling.affinity import BoundedLoadRing
-from txlb._scheduling.policies import IPolicy
+from txlb._scheduling.policies import IPolicy, IPreparesRequests
 from txlb._scheduling.policies.least_conn import LeastConnections
 from txlb._scheduling.request import ANY_REQUEST, RoutingRequest
 
@@ -95,6 +95,8 @@ class Router:
         #: on) in a policy must cost the balance, never the request or the queue
         self._fallback = LeastConnections()
         self._policy_failure_logged: float | None = None
+        #: the policy hashes (or otherwise reads) each request before the lock is taken
+        self._prepares = IPreparesRequests.providedBy(policy)
         self.on_queue_wait: Callable[[float], object] = lambda seconds: None
         #: Told the queue's length whenever it changes (a worker process publishes it so
         #: that slots freed in other workers wake this queue; see txlb._workers.supervisor).
@@ -167,6 +169,7 @@ class Router:
             served = ", ".join(self.served_models()) or "none"
             return fail(RoutingError(
                 404, f"The model `{model}` does not exist. Served models: {served}"))
+        self._prepare(request)
         lease = self._take(serving, request)
         if lease is not None:
             return succeed(lease)
@@ -225,6 +228,24 @@ class Router:
             chosen = self._policy_choice(candidates, request)
         return self.pool.acquire(chosen)
 
+    def _prepare(self, request: RoutingRequest) -> None:
+        """The policy's per-request work (:class:`IPreparesRequests`), outside the lock."""
+        if not self._prepares or (request.session is not None and self.affinity is not None):
+            return
+        try:
+            IPreparesRequests(self.policy).prepare(request)
+        except Exception:
+            self._policy_failed("policy {policy} failed to prepare a request; it chose "
+                                "without")
+
+    def _policy_failed(self, message: str) -> None:
+        """Log a policy's failure: with its traceback, at most once a minute."""
+        now = self.clock.seconds()
+        last = self._policy_failure_logged
+        if last is None or now - last >= POLICY_FAILURE_LOG_INTERVAL:
+            self._policy_failure_logged = now
+            log.failure(message, policy=getattr(self.policy, "name", self.policy))
+
     def _policy_choice(self, candidates: Sequence[Backend], request: RoutingRequest) -> Backend:
         """
         The policy's choice; least-conn's when the policy raises.  Raising here would fail
@@ -234,12 +255,7 @@ class Router:
         try:
             return self.policy.choose(candidates, request)
         except Exception:
-            now = self.clock.seconds()
-            last = self._policy_failure_logged
-            if last is None or now - last >= POLICY_FAILURE_LOG_INTERVAL:
-                self._policy_failure_logged = now
-                log.failure("policy {policy} failed to choose a backend; least-conn chose",
-                            policy=getattr(self.policy, "name", self.policy))
+            self._policy_failed("policy {policy} failed to choose a backend; least-conn chose")
             return self._fallback.choose(candidates, request)
 
     # -- the queue ----------------------------------------------------------------------

@@ -31,8 +31,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
+from zope.interface import implementer
 
-from txlb._scheduling.policies import Policy, PolicyFactory
+from txlb._scheduling.policies import IPreparesRequests, Policy, PolicyFactory
 from txlb._scheduling.policies._ties import WeightedTies
 from txlb._scheduling.policies.least_conn import load
 from txlb._scheduling.prefix import DEFAULT_BLOCK_CHARS, DEFAULT_MAX_BLOCKS, PrefixHasher
@@ -86,6 +87,7 @@ class _Prediction:
     expected: float
 
 
+@implementer(IPreparesRequests)
 class CacheAware(Policy):
     """The longest trusted, room-respecting prefix match under a bounded load; else least-conn."""
 
@@ -108,9 +110,22 @@ class CacheAware(Policy):
 
     # -- choosing -------------------------------------------------------------------------
 
+    def prepare(self, request: RoutingRequest) -> None:
+        """Hash the prompt before the router takes the (with ``--workers``, shared) lock."""
+        self._key(request)
+
+    def _key(self, request: RoutingRequest) -> tuple[list[int], int]:
+        """The request's chain and rendered length, worked out once per request."""
+        if request.json is None:  # nothing to hash (and ANY_REQUEST is shared by all)
+            return [], 0
+        key = request.memo.get(self.hasher)
+        if key is None:
+            key = request.memo[self.hasher] = self.hasher.key(request.json, request.model)
+        return key  # type: ignore[return-value]
+
     def choose(self, candidates: Sequence[Backend],
                request: RoutingRequest = ANY_REQUEST) -> Backend:
-        chain, chars = self.hasher.key(request.json, request.model)
+        chain, chars = self._key(request)
         if not chain:
             return self._ties.best(candidates, load)
         if chars >= self.hasher.block_chars * self.hasher.max_blocks:
