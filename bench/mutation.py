@@ -69,7 +69,13 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "_cluster/health": _unit("test_health", "test_regressions", "test_scheduling",
                              "test_mutants"),
     "_scheduling/router": _unit("test_scheduling", "test_policies", "test_routing_request",
-                                "test_failover", "test_mutants"),
+                                "test_failover", "test_policy_failure",
+                                "test_policy_prepare", "test_mutants"),
+    "_scheduling/prefix": _unit("test_cache_aware_prefix", "test_cache_aware"),
+    "_scheduling/prefix_index": _unit("test_cache_aware", "test_cache_aware_loop"),
+    "_scheduling/policies/cache_aware": _unit("test_cache_aware", "test_cache_aware_loop",
+                                              "test_cache_aware_prefix",
+                                              "test_policy_prepare", "test_policies"),
     **{f"_scheduling/policies/{name}": _unit("test_policies", "test_scheduling",
                                              "test_policy_registry", "test_mutants")
        for name in ("_ties", "least_conn", "round_robin", "weighted_random", "p2c", "peak_ewma",
@@ -78,10 +84,11 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     + ("tests.integration.test_framing",),
     "_records/resultlog": _unit("test_resultlog", "test_regressions", "test_summary",
                                 "test_mutants"),
-    "_records/summary": _unit("test_summary", "test_properties", "test_regressions",
-                              "test_resultlog", "test_mutants"),
-    "_records/fields": _unit("test_fields", "test_summary", "test_properties",
-                             "test_resultlog", "test_workers", "test_mutants"),
+    "_records/summary": _unit("test_summary", "test_prompt_tokens", "test_properties",
+                              "test_regressions", "test_resultlog", "test_mutants"),
+    "_records/fields": _unit("test_fields", "test_summary", "test_prompt_tokens",
+                             "test_properties", "test_resultlog", "test_workers",
+                             "test_mutants"),
 }
 
 #: cosmic-ray's binary and comparison operators come as every (from, to) pair: ten

@@ -22,7 +22,13 @@ if TYPE_CHECKING:
     from txlb._cluster.pool import Pool
     from txlb._config import BackendSpec, Config, ConfigError, build_config
     from txlb._records.outcome import RequestOutcome
-    from txlb._scheduling.policies import IPolicy, IPolicyFactory, Policy, PolicyFactory
+    from txlb._scheduling.policies import (
+        IPolicy,
+        IPolicyFactory,
+        IPreparesRequests,
+        Policy,
+        PolicyFactory,
+    )
     from txlb._scheduling.policies.least_conn import LeastConnections
     from txlb._scheduling.request import RoutingRequest
 
@@ -37,6 +43,7 @@ _EXPORTS = {
     "build_config": "._config",
     "IPolicy": "._scheduling.policies",
     "IPolicyFactory": "._scheduling.policies",
+    "IPreparesRequests": "._scheduling.policies",
     "Policy": "._scheduling.policies",
     "PolicyFactory": "._scheduling.policies",
     "LeastConnections": "._scheduling.policies.least_conn",
@@ -51,6 +58,7 @@ __all__ = [
     "ConfigError",
     "IPolicy",
     "IPolicyFactory",
+    "IPreparesRequests",
     "Lease",
     "LeastConnections",
     "LoadBalancer",

@@ -324,6 +324,95 @@ class LoopTests(SynchronousTestCase):
         self.assertEqual(dict(facts(self.policy, other)), untouched)
         self.assertEqual(facts(self.policy, home)["reports"], 0)
 
+    def test_a_retry_takes_its_prediction_along(self) -> None:
+        """
+        The backend a request left (refused, or answered 502/503) never prefilled it: its
+        index keeps none of the blocks that request added, and the prediction is not
+        counted against its engine's counters.  Before, those blocks stayed, the next
+        request of the prefix could go there, and its report of nothing cached shrank a
+        healthy engine's capacity as an eviction.
+        """
+        request = chat(tenant_prompt(13), "0")
+        first = self.sent(request)
+        other = next(b for b in self.backends if b is not first)
+        self.assertIs(self.policy.choose([other], request), other)  # the retry
+        self.policy.observe(other, outcome(other, request, 820, 0))
+        self.assertEqual(facts(self.policy, first)["index_blocks"], 0)
+        first_index = self.policy.index.get(first)
+        assert first_index is not None
+        self.assertEqual(first_index.predicted_since, 0.0)
+        self.assertGreater(facts(self.policy, other)["index_blocks"], 0)
+        for n in range(6):  # the prefix is at home where it was served
+            again = chat(tenant_prompt(13), f"{n + 1}")
+            self.assertIs(self.sent(again), other)
+        self.assertEqual(facts(self.policy, first)["misses"], 0)
+
+    def test_a_retry_keeps_what_the_backend_it_left_already_held(self) -> None:
+        request = chat(tenant_prompt(14), "0")
+        home = self.sent(request)
+        held = facts(self.policy, home)["index_blocks"]
+        again = chat(tenant_prompt(14), "1" * 600)  # the prefix, and more of its own
+        self.assertIs(self.sent(again), home)
+        other = next(b for b in self.backends if b is not home)
+        self.policy.choose([other], again)  # retried elsewhere
+        self.assertEqual(facts(self.policy, home)["index_blocks"], held)
+        self.assertEqual(self.policy.index.match(home, self.policy.hasher.key(
+            request.json, "m")[0]), held)
+
+    def test_an_engine_back_up_starts_with_an_empty_index_not_a_collapsed_capacity(
+            self) -> None:
+        """
+        A backend that went down and came back (a restart, a deploy, an OOM) has an empty
+        cache: its index starts again, and its first answers -- honestly nothing cached --
+        are no evictions.  Before, each tenant's first miss there shrank the capacity as
+        an eviction and cut the trust: one round of 8 tenants took the engine from 2,048
+        blocks to 24 (its index's size less the misses) and its trust from 1 to 0.64.
+        """
+        pool, backends = fleet(2)
+        policy = CacheAware(secret=SECRET)
+        served: dict[str, int] = {}
+
+        def ask(tenant: int, n: int) -> Backend:
+            request = chat(tenant_prompt(tenant), f"question {n}")
+            chosen = policy.choose(backends, request)
+            pool.acquire(chosen).release()
+            cached = 800 if served.get(chosen.key + str(tenant)) else 0  # an engine's truth
+            served[chosen.key + str(tenant)] = 1
+            policy.observe(chosen, outcome(chosen, request, 820, cached))
+            return chosen
+
+        for n in range(3):
+            for tenant in range(8):
+                ask(tenant, n)
+        restarted = backends[0]
+        before = facts(policy, restarted)
+        self.assertGreater(before["index_blocks"], 0)
+        pool.mark_down(restarted, "restarted")
+        pool.mark_up(restarted)
+        served = {k: v for k, v in served.items() if not k.startswith(restarted.key)}
+        self.assertEqual(facts(policy, restarted)["index_blocks"], before["index_blocks"])
+        for tenant in range(8):
+            ask(tenant, 9)
+        after = facts(policy, restarted)
+        self.assertEqual(after["misses"], before["misses"])
+        self.assertGreaterEqual(after["capacity_blocks"], before["capacity_blocks"])
+        self.assertGreater(after["trust"], 0.9)
+
+    def test_counters_that_start_again_empty_the_index(self) -> None:
+        """An engine that restarted between two probes shows it in its counters only."""
+        pool, backends = fleet(1)
+        policy = CacheAware(secret=SECRET)
+        home = backends[0]
+        pool.set_engine_depth(home, 0, 0, prefix_cache=(5000.0, 9000.0))
+        policy.choose(backends, chat(tenant_prompt(1), "a"))
+        self.assertGreater(facts(policy, home)["index_blocks"], 0)
+        pool.set_engine_depth(home, 0, 0, prefix_cache=(0.0, 100.0))  # started again
+        request = chat(tenant_prompt(2), "b")
+        policy.choose(backends, request)
+        # what is listed now is the one prompt sent since the restart
+        self.assertEqual(policy.index.match(home, policy.hasher.key(
+            chat(tenant_prompt(1), "a").json, "m")[0]), 0)
+
     def test_hostile_reports_are_clamped(self) -> None:
         request = chat(tenant_prompt(11), "0")
         home = self.sent(request)

@@ -11,6 +11,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from twisted.internet import error as neterror
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -115,3 +116,25 @@ class ThreadingTests(SynchronousTestCase):
                                 routing=RoutingRequest(model="m"))
         self.assertEqual(plain, routed)
         self.assertNotIn("routing", repr(routed))
+
+    def test_a_refused_try_leaves_nothing_on_the_backend_that_refused(self) -> None:
+        """Through the proxy: the retry's choice takes the prediction to where it was served."""
+        upstream, policy = FakeUpstream(), CacheAware()
+        lb = LoadBalancer([A, B], reactor=Clock(), agent=upstream, probe_agent=FakeUpstream(),
+                          log_file="none", policy=policy)
+        client = ClientConnection(lb.site())
+        client.request(b"POST", b"/v1/completions", body=json.dumps(
+            {"model": "m", "prompt": PROMPT}).encode())
+        refused = upstream.last.uri.split(b"/")[2].decode()
+        upstream.last.fail(neterror.ConnectionRefusedError())
+        payload = answer()
+        response = upstream.last.respond(FakeResponse(
+            200, [(b"content-type", b"application/json")], length=len(payload)))
+        response.send(payload)
+        response.end()
+        self.assertEqual(client.response().status, 200)
+        left = next(b for b in lb.pool if b.key == refused)
+        served = next(b for b in lb.pool if b.key != refused)
+        self.assertEqual(facts(policy, left)["index_blocks"], 0)
+        self.assertGreater(facts(policy, served)["index_blocks"], 0)
+        self.assertEqual(facts(policy, served)["unreported"], 1)

@@ -8,11 +8,18 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from txlb._scheduling.prefix import DEFAULT_BLOCK_CHARS, PrefixHasher, render
+from txlb._scheduling.prefix import (
+    DEFAULT_BLOCK_CHARS,
+    MAX_STEPS,
+    STEPS_PER_CHAR,
+    PrefixHasher,
+    render,
+)
 
 SECRET = b"s" * 32
 SYSTEM = "You are a careful assistant for the accounts team. " * 40  # ~2,000 characters
@@ -95,6 +102,83 @@ class RenderTests(SynchronousTestCase):
             chain, chars = hasher.key(body, "m")
             self.assertLessEqual(len(chain), hasher.max_blocks)
             self.assertLessEqual(chars, hasher.max_blocks * hasher.block_chars)
+
+
+class Watched(Mapping[str, Any]):
+    """A JSON object that counts every look into it (the renderer's work, without a clock)."""
+
+    looks = 0
+
+    def __init__(self, **fields: Any) -> None:
+        self._fields = fields
+
+    def __getitem__(self, key: str) -> Any:
+        Watched.looks += 1
+        return self._fields[key]
+
+    def __iter__(self) -> Iterator[str]:
+        Watched.looks += 1
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+
+class WatchedText(str):
+    """A JSON string that counts how often the renderer measures it."""
+
+    __slots__ = ()
+
+    def __len__(self) -> int:
+        Watched.looks += 1
+        return super().__len__()
+
+
+class WorkBoundTests(SynchronousTestCase):
+    """
+    The renderer's work is bounded by its budget, not by the body: pieces that render
+    nothing (empty strings, empty text parts, a media part's nested payload) cost too.
+    Before, 4,000 messages of 4,096 empty parts (a 47 MiB body, under --max-body) took
+    2.1 s of CPU for the key, five times the JSON parse.
+    """
+
+    def setUp(self) -> None:
+        self.hasher = PrefixHasher(block_chars=16, max_blocks=16, secret=SECRET)
+        self.budget = 16 * 16 * STEPS_PER_CHAR
+        Watched.looks = 0
+
+    def test_empty_text_parts_cost_their_look(self) -> None:
+        body = {"messages": [{"role": "", "content": [Watched(text="")] * 4096}] * 4096}
+        self.hasher.key(body, "m")
+        self.assertLessEqual(Watched.looks, self.budget)
+
+    def test_empty_strings_cost_their_look(self) -> None:
+        body = {"messages": [{"role": "", "content": [WatchedText("")] * 4096}] * 4096}
+        self.hasher.key(body, "m")
+        self.assertLessEqual(Watched.looks, self.budget)
+
+    def test_a_media_payload_is_looked_into_within_the_budget(self) -> None:
+        payload = [[Watched(a="")] * 4096] * 64
+        body = {"messages": [{"role": "user", "content": [{"image_url": payload}]}]}
+        self.hasher.key(body, "m")
+        self.assertLessEqual(Watched.looks, self.budget)
+
+    def test_the_largest_block_option_keeps_the_bound(self) -> None:
+        """--cache-block 65536 renders up to 16 MiB: the looks stay capped all the same."""
+        hasher = PrefixHasher(block_chars=65536, secret=SECRET)
+        body = {"messages": [{"role": "", "content": [Watched(text="")] * 100}] * 4096}
+        hasher.key(body, "m")
+        self.assertLessEqual(Watched.looks, MAX_STEPS)
+        self.assertEqual(MAX_STEPS, DEFAULT_BLOCK_CHARS * 256 * STEPS_PER_CHAR)
+
+    def test_a_real_conversation_is_not_cut_by_the_step_budget(self) -> None:
+        """Real prompts render characters far faster than the budget counts steps."""
+        hasher = PrefixHasher(secret=SECRET)
+        turns = [f"turn {n}: what about invoice {n}?" for n in range(3000)]
+        body = chat(*turns, tools=[{"type": "function", "function": {"name": "f"}}] * 50)
+        chain, chars = hasher.key(body, "m")
+        self.assertEqual(chars, hasher.max_blocks * hasher.block_chars)
+        self.assertEqual(len(chain), hasher.max_blocks)
 
 
 class ChainTests(SynchronousTestCase):

@@ -322,6 +322,16 @@ class MetricsTests(SynchronousTestCase):
         self.assertIsNone(sample(self.metrics, "txlb_prompt_tokens_total",
                                  backend="127.0.0.1:8004"))
 
+    def test_a_backend_whose_engine_caches_nothing_has_a_hit_rate_of_0(self) -> None:
+        """
+        The cached counter starts at 0 beside the prompt counter: the documented ratio is
+        then 0 for an engine reporting no hits, where before its series did not exist and
+        the PromQL division returned nothing for that backend, as if it had no traffic.
+        """
+        self.metrics.observe(completion(800, 0))
+        self.assertEqual(sample(self.metrics, "txlb_prompt_tokens_total", backend=A), 800)
+        self.assertEqual(sample(self.metrics, "txlb_cached_prompt_tokens_total", backend=A), 0)
+
     def test_the_help_says_how_to_get_the_hit_rate(self) -> None:
         text = self.metrics.exposition().decode()
         self.assertIn("rate(txlb_cached_prompt_tokens_total) / rate(txlb_prompt_tokens_total)",

@@ -212,9 +212,11 @@ class Metrics:
             self._child(self.tokens, backend).inc(summary.completion_tokens)
         if summary.prompt_tokens:
             self._child(self.prompt_tokens, backend).inc(summary.prompt_tokens)
+            # the series exists from the first prompt counted, so the hit rate (their
+            # ratio) of an engine that caches nothing is 0, not missing
+            cached = self._child(self.cached_prompt_tokens, backend)
             if summary.cached_prompt_tokens:
-                self._child(self.cached_prompt_tokens, backend).inc(
-                    summary.cached_prompt_tokens)
+                cached.inc(summary.cached_prompt_tokens)
         per_token = time_per_output_token(summary, answered)
         if per_token is not None:
             self._child(self.time_per_output_token, backend).observe(per_token)

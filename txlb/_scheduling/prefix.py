@@ -22,9 +22,11 @@ its blocks.
 
 The work per request is bounded whatever the body: rendering stops after
 ``max_blocks * block_chars`` characters (the rest of a long prompt cannot change which
-backend holds its beginning), nesting deeper than :data:`MAX_DEPTH` and lists longer than
-:data:`MAX_ITEMS` are cut, and a shape the renderer does not know contributes its canonical
-JSON (within the same budget) or nothing.  Nothing here raises on a hostile body.
+backend holds its beginning) or :data:`STEPS_PER_CHAR` looks per character of that budget
+(so pieces that render nothing still cost; :data:`MAX_STEPS` at most), nesting deeper
+than :data:`MAX_DEPTH` and lists longer than :data:`MAX_ITEMS` are cut, and a shape the
+renderer does not know contributes its canonical JSON (within the same budget) or
+nothing.  Nothing here raises on a hostile body.
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ MAX_ITEMS = 4096
 #: Bytes of one media part (an image's URL or base64 data) that name it: enough to tell
 #: images apart, never the cost of hashing a whole 8 MiB upload twice.
 MEDIA_BYTES = 1 << 20
+#: Pieces the renderer may look at per character of its budget (every string, part and
+#: media node costs one, whatever it renders): a body of empty pieces -- 4,096 messages of
+#: 4,096 empty parts -- renders nothing and would otherwise cost 16 million looks.
+STEPS_PER_CHAR = 4
+#: The most looks for any budget: what the default one allows.  A larger ``--cache-block``
+#: renders more characters of a long prompt (few, long strings), never more pieces.
+MAX_STEPS = STEPS_PER_CHAR * DEFAULT_BLOCK_CHARS * DEFAULT_MAX_BLOCKS
 
 #: The media part types whose payload names them (OpenAI chat, Responses, Anthropic).
 _MEDIA_KEYS = ("image_url", "input_audio", "input_image", "input_file", "file",
@@ -56,22 +65,30 @@ class _Budget(Exception):
 
 
 class _Renderer:
-    """Collects rendered pieces until ``limit`` characters; then stops by raising."""
+    """
+    Collects rendered pieces until ``limit`` characters, or ``limit x STEPS_PER_CHAR``
+    pieces looked at (:data:`MAX_STEPS` at most); then stops by raising.
+    """
 
     def __init__(self, limit: int, media_key: bytes) -> None:
         self.limit = limit
         self.size = 0
+        self.steps = min(limit * STEPS_PER_CHAR, MAX_STEPS)
         self.pieces: list[str] = []
         self._media_key = media_key
 
     def text(self, piece: str) -> None:
+        self.steps -= 1
+        if self.steps < 0:
+            raise _Budget
         room = self.limit - self.size
-        if len(piece) >= room:
+        size = len(piece)
+        if size >= room:
             self.pieces.append(piece[:room])
             self.size = self.limit
             raise _Budget
         self.pieces.append(piece)
-        self.size += len(piece)
+        self.size += size
 
     def media(self, payload: object) -> None:
         """A media part: named by a keyed hash of its URL or data, never its bytes."""
@@ -80,6 +97,9 @@ class _Renderer:
         self.text(f"<media:{digest.hexdigest()}>")
 
     def _feed(self, digest: hashlib.blake2b, value: object, depth: int) -> None:
+        self.steps -= 1
+        if self.steps < 0:
+            raise _Budget
         if depth > MAX_DEPTH:
             return
         if isinstance(value, str):

@@ -59,9 +59,10 @@ class BackendIndex:
     __slots__ = ("entries", "capacity", "trust", "chars_per_token", "reports",
                  "unreported", "misses", "prompt_tokens", "predicted_tokens",
                  "cached_tokens", "counters_seen", "predicted_since", "counter_checks",
-                 "__weakref__")
+                 "up_since", "restarts", "__weakref__")
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY_BLOCKS) -> None:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY_BLOCKS,
+                 up_since: float | None = None) -> None:
         #: block hash -> None, least recently sent first
         self.entries: OrderedDict[int, None] = OrderedDict()
         self.capacity = capacity
@@ -78,6 +79,10 @@ class BackendIndex:
         self.counters_seen: tuple[float, float] | None = None
         self.predicted_since = 0.0
         self.counter_checks = 0
+        #: when the backend last came back into rotation, as this index last saw it
+        self.up_since = up_since
+        #: times the engine's cache was found started again (back up, counters reset)
+        self.restarts = 0
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -113,6 +118,20 @@ class BackendIndex:
                 entries[block] = None
         self.trim(self.capacity)
         return len(entries) - before
+
+    def started_again(self) -> int:
+        """
+        The engine's cache is empty again (it came back up, or its counters started
+        again): nothing listed is there any more, and its first answers -- honestly
+        nothing cached -- are no evictions to learn from.  The capacity and trust are
+        the engine's and stay.  How many entries went.
+        """
+        gone = len(self.entries)
+        self.entries.clear()
+        self.counters_seen = None
+        self.predicted_since = 0.0
+        self.restarts += 1
+        return gone
 
     def trim(self, size: int) -> int:
         """Evict the oldest entries down to ``size``; how many went."""
@@ -158,9 +177,23 @@ class BackendIndex:
         elif predicted > 0 and len(self.entries) >= self.capacity:
             self.capacity = min(max_capacity, self.capacity + 1)
 
-    def predicted(self, blocks: int, block_chars: int) -> None:
-        """A request was sent here predicted to find ``blocks`` cached."""
-        self.predicted_since += blocks * block_chars / self.chars_per_token
+    def predicted(self, blocks: int, block_chars: int) -> float:
+        """A request was sent here predicted to find ``blocks`` cached: those tokens."""
+        tokens = blocks * block_chars / self.chars_per_token
+        self.predicted_since += tokens
+        return tokens
+
+    def withdraw(self, blocks: Iterable[int], tokens: float) -> int:
+        """
+        A request sent here went elsewhere before this engine saw it (a retry): forget the
+        ``blocks`` it added and the ``tokens`` it was predicted to find.  How many went.
+        """
+        entries = self.entries
+        before = len(entries)
+        for block in blocks:
+            entries.pop(block, None)
+        self.predicted_since = max(0.0, self.predicted_since - tokens)
+        return before - len(entries)
 
     def counted(self, counters: tuple[float, float] | None, block_chars: int) -> None:
         """
@@ -175,11 +208,15 @@ class BackendIndex:
             return
         seen, self.counters_seen = self.counters_seen, counters
         predicted, self.predicted_since = self.predicted_since, 0.0
-        if seen is None or predicted <= 0:
+        if seen is None:
             return
         hits = counters[0] - seen[0]
         if hits < 0 or counters[1] < seen[1]:
-            return  # the counters started again: the engine restarted
+            self.started_again()  # the counters started again: the engine restarted
+            self.counters_seen = counters
+            return
+        if predicted <= 0:
+            return
         self.counter_checks += 1
         confirmed = min(1.0, hits / predicted)
         self.trust += LEARNING_RATE * (confirmed - self.trust)
@@ -206,6 +243,7 @@ class BackendIndex:
             "unreported": self.unreported,
             "misses": self.misses,
             "counter_checks": self.counter_checks,
+            "restarts": self.restarts,
         }
 
 
@@ -229,12 +267,22 @@ class FleetIndex:
     def of(self, backend: Backend) -> BackendIndex:
         index = self._by_backend.get(backend)
         if index is None:
-            index = self._by_backend[backend] = BackendIndex(self.default_capacity)
+            index = self._by_backend[backend] = BackendIndex(self.default_capacity,
+                                                             backend.up_since)
         return index
 
     def match(self, backend: Backend, chain: Sequence[int]) -> int:
+        """
+        How much of ``chain`` ``backend``'s index lists -- nothing of what was sent before
+        the backend last came back into rotation (a restarted engine's cache is empty).
+        """
         index = self._by_backend.get(backend)
-        return 0 if index is None else index.match(chain)
+        if index is None:
+            return 0
+        if index.up_since != backend.up_since:
+            index.up_since = backend.up_since
+            self._total -= index.started_again()
+        return index.match(chain)
 
     @property
     def entries(self) -> int:
@@ -242,6 +290,10 @@ class FleetIndex:
 
     def indexes(self) -> Iterable[BackendIndex]:
         return list(self._by_backend.values())
+
+    def withdraw(self, index: BackendIndex, blocks: Iterable[int], tokens: float) -> None:
+        """``index``'s backend never got the request that added ``blocks``: they go."""
+        self._total -= index.withdraw(blocks, tokens)
 
     def sent(self, backend: Backend, chain: Sequence[int]) -> None:
         """``chain`` went to ``backend``; over the fleet's cap, the largest index gives way."""

@@ -30,6 +30,11 @@ class RoutingRequest:
     body: bytes = attrs.field(default=b"", repr=False)
     #: the body parsed as a JSON object, when it is one (the parse the proxy made anyway)
     json: Mapping[str, object] | None = attrs.field(default=None, repr=False, eq=False)
+    #: what a policy worked out from this request (a cache-aware policy's block chain),
+    #: kept for the request's life -- its queue wait, its retries -- so that it is worked
+    #: out once; keyed by whoever stored it, and never part of the request's identity
+    memo: dict[object, object] = attrs.field(factory=dict, init=False, repr=False,
+                                             eq=False)
 
     def prompt(self) -> str | None:
         """

@@ -25,10 +25,15 @@ from twisted.logger import Logger
 from txlb._cluster.backend import Backend, Lease
 from txlb._cluster.pool import Pool
 from txlb._scheduling.affinity import BoundedLoadRing
-from txlb._scheduling.policies import IPolicy
+from txlb._scheduling.policies import IPolicy, IPreparesRequests
+from txlb._scheduling.policies.least_conn import LeastConnections
 from txlb._scheduling.request import ANY_REQUEST, RoutingRequest
 
 log = Logger()
+
+#: Seconds between two logged failures of the policy's ``choose`` (each request it fails
+#: on falls back to least-conn; one traceback a minute says enough of a broken policy)
+POLICY_FAILURE_LOG_INTERVAL = 60.0
 
 
 class RoutingError(Exception):
@@ -86,6 +91,12 @@ class Router:
         self.forward_unknown_models = forward_unknown_models
         self._rng = rng or random.Random()
         self._queue: deque[_Waiter] = deque()
+        #: what a request is routed by when the policy raises: a bug (or a body it chokes
+        #: on) in a policy must cost the balance, never the request or the queue
+        self._fallback = LeastConnections()
+        self._policy_failure_logged: float | None = None
+        #: the policy hashes (or otherwise reads) each request before the lock is taken
+        self._prepares = IPreparesRequests.providedBy(policy)
         self.on_queue_wait: Callable[[float], object] = lambda seconds: None
         #: Told the queue's length whenever it changes (a worker process publishes it so
         #: that slots freed in other workers wake this queue; see txlb._workers.supervisor).
@@ -158,6 +169,7 @@ class Router:
             served = ", ".join(self.served_models()) or "none"
             return fail(RoutingError(
                 404, f"The model `{model}` does not exist. Served models: {served}"))
+        self._prepare(request)
         lease = self._take(serving, request)
         if lease is not None:
             return succeed(lease)
@@ -213,8 +225,38 @@ class Router:
         if request.session is not None and self.affinity is not None:
             chosen = self.affinity.choose(request.session, candidates)
         else:
-            chosen = self.policy.choose(candidates, request)
+            chosen = self._policy_choice(candidates, request)
         return self.pool.acquire(chosen)
+
+    def _prepare(self, request: RoutingRequest) -> None:
+        """The policy's per-request work (:class:`IPreparesRequests`), outside the lock."""
+        if not self._prepares or (request.session is not None and self.affinity is not None):
+            return
+        try:
+            IPreparesRequests(self.policy).prepare(request)
+        except Exception:
+            self._policy_failed("policy {policy} failed to prepare a request; it chose "
+                                "without")
+
+    def _policy_failed(self, message: str) -> None:
+        """Log a policy's failure: with its traceback, at most once a minute."""
+        now = self.clock.seconds()
+        last = self._policy_failure_logged
+        if last is None or now - last >= POLICY_FAILURE_LOG_INTERVAL:
+            self._policy_failure_logged = now
+            log.failure(message, policy=getattr(self.policy, "name", self.policy))
+
+    def _policy_choice(self, candidates: Sequence[Backend], request: RoutingRequest) -> Backend:
+        """
+        The policy's choice; least-conn's when the policy raises.  Raising here would fail
+        the request (a 500 from twisted.web), or, in :meth:`_dispatch` on a released slot,
+        stop the queue's dispatch and leave every later waiter to time out.
+        """
+        try:
+            return self.policy.choose(candidates, request)
+        except Exception:
+            self._policy_failed("policy {policy} failed to choose a backend; least-conn chose")
+            return self._fallback.choose(candidates, request)
 
     # -- the queue ----------------------------------------------------------------------
 

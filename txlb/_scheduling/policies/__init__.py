@@ -62,6 +62,22 @@ class IPolicy(Interface):
         """
 
 
+class IPreparesRequests(Interface):
+    """
+    A policy that does per-request work the choice can reuse (hashing a prompt) and would
+    rather not do inside the choice: with ``--workers`` the choice runs under the lock all
+    workers share, and everything done there delays every worker's routing.
+    """
+
+    def prepare(request: RoutingRequest) -> None:
+        """
+        Called by the router once each time ``request`` is routed (its first try and each
+        retry), before any lock is taken and before :meth:`IPolicy.choose`; what it works
+        out belongs in ``request.memo``.  ``choose`` must still work for a request that was
+        never prepared.  An exception is logged and the request routed as usual.
+        """
+
+
 class IPolicyFactory(Interface):
     """
     Makes a policy by name: what the registry holds, and what a plugin provides (as a
@@ -130,4 +146,5 @@ class Policy:
         return {}
 
 
-__all__ = ["IPolicy", "IPolicyFactory", "Policy", "PolicyFactory", "RoutingRequest"]
+__all__ = ["IPolicy", "IPolicyFactory", "IPreparesRequests", "Policy", "PolicyFactory",
+           "RoutingRequest"]

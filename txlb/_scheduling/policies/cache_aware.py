@@ -33,8 +33,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
+from zope.interface import implementer
 
-from txlb._scheduling.policies import Policy, PolicyFactory
+from txlb._scheduling.policies import IPreparesRequests, Policy, PolicyFactory
 from txlb._scheduling.policies._ties import WeightedTies
 from txlb._scheduling.policies.least_conn import load
 from txlb._scheduling.prefix import DEFAULT_BLOCK_CHARS, DEFAULT_MAX_BLOCKS, PrefixHasher
@@ -79,10 +80,16 @@ class _Prediction:
     request: weakref.ref[RoutingRequest]
     backend: str
     matched: int
-    chain: list[int]
     chars: int
+    #: the backend's index (weakly: a removed backend's goes with it), the blocks this
+    #: request added to it and the cached tokens it was predicted to find there -- what
+    #: a retry elsewhere takes back (see CacheAware._predict)
+    index: weakref.ref[BackendIndex]
+    added: list[int]
+    expected: float
 
 
+@implementer(IPreparesRequests)
 class CacheAware(Policy):
     """The longest trusted, room-respecting prefix match under a bounded load; else least-conn."""
 
@@ -105,9 +112,22 @@ class CacheAware(Policy):
 
     # -- choosing -------------------------------------------------------------------------
 
+    def prepare(self, request: RoutingRequest) -> None:
+        """Hash the prompt before the router takes the (with ``--workers``, shared) lock."""
+        self._key(request)
+
+    def _key(self, request: RoutingRequest) -> tuple[list[int], int]:
+        """The request's chain and rendered length, worked out once per request."""
+        if request.json is None:  # nothing to hash (and ANY_REQUEST is shared by all)
+            return [], 0
+        key = request.memo.get(self.hasher)
+        if key is None:
+            key = request.memo[self.hasher] = self.hasher.key(request.json, request.model)
+        return key  # type: ignore[return-value]
+
     def choose(self, candidates: Sequence[Backend],
                request: RoutingRequest = ANY_REQUEST) -> Backend:
-        chain, chars = self.hasher.key(request.json, request.model)
+        chain, chars = self._key(request)
         if not chain:
             return self._ties.best(candidates, load)
         if chars >= self.hasher.block_chars * self.hasher.max_blocks:
@@ -117,11 +137,13 @@ class CacheAware(Policy):
             chosen, matched = self._ties.best(candidates, load), 0
         else:
             chosen, matched = self._by_gain(candidates, matches, len(chain))
-        self._predict(request, chosen, matched, chain, chars)
         index = self.index.of(chosen)
         index.counted(chosen.prefix_cache_counts, self.hasher.block_chars)
-        index.predicted(matched, self.hasher.block_chars)
+        expected = index.predicted(matched, self.hasher.block_chars)
         self.index.sent(chosen, chain)
+        self._predict(request, chosen, _Prediction(
+            weakref.ref(request), chosen.key, matched, chars, weakref.ref(index),
+            chain[matched:], expected))
         return chosen
 
     def _by_gain(self, candidates: Sequence[Backend], matches: Sequence[int],
@@ -155,18 +177,31 @@ class CacheAware(Policy):
         chosen = self._ties.best([b for b, _ in pool], load)
         return chosen, dict((b.key, m) for b, m in pool)[chosen.key]
 
-    def _predict(self, request: RoutingRequest, backend: Backend, matched: int,
-                 chain: list[int], chars: int) -> None:
+    def _predict(self, request: RoutingRequest, backend: Backend,
+                 prediction: _Prediction) -> None:
+        """
+        Keep ``prediction`` for ``request`` until its outcome.  A request chosen for again
+        is a retry (the backend it left refused it, or answered 502/503): that backend
+        never prefilled it, so the blocks it added there and the hits predicted there are
+        taken back -- left, they would be matched by the next request of its prefix, and
+        that engine's honest "nothing cached" read as an eviction.
+        """
         key = id(request)
         pending = self._pending
+        earlier = pending.get(key)
+        if (earlier is not None and earlier.request() is request
+                and earlier.backend != backend.key):
+            left = earlier.index()
+            if left is not None:
+                self.index.withdraw(left, earlier.added, earlier.expected)
 
         def forget(ref: weakref.ref[RoutingRequest]) -> None:
             entry = pending.get(key)
             if entry is not None and entry.request is ref:
                 del pending[key]
 
-        pending[key] = _Prediction(weakref.ref(request, forget), backend.key, matched,
-                                   chain, chars)
+        prediction.request = weakref.ref(request, forget)
+        pending[key] = prediction
         pending.move_to_end(key)
         while len(pending) > MAX_PENDING:
             pending.popitem(last=False)
