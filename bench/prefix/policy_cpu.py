@@ -4,7 +4,8 @@ What a txlb policy itself costs per request: ``choose()`` + ``observe()`` on a w
 No network and no reactor: a :class:`~txlb._cluster.pool.Pool` of ``backends`` backends,
 the policy :func:`~txlb._scheduling.policies.registry.make_policy` builds, and for each
 workload request one ``RoutingRequest`` (body bytes and the parsed JSON, as the proxy
-builds it), ``choose``, a slot taken with ``pool.acquire`` (so the policy sees load: at
+builds it), ``prepare`` (for a policy that prepares requests, as the router calls it) and ``choose``
+(timed together as the choice), a slot taken with ``pool.acquire`` (so the policy sees load: at
 most ``in_flight`` requests are held, the oldest released first) and, when the slot is
 released, ``observe`` with the outcome the bookkeeper would give (prompt tokens at 4
 characters a token, a quarter of them cached).  Only the ``choose`` and ``observe`` calls
@@ -28,6 +29,7 @@ from txlb._cluster.backend import Backend, Lease
 from txlb._cluster.pool import Pool
 from txlb._config import BackendSpec
 from txlb._records.outcome import RequestOutcome
+from txlb._scheduling.policies import IPreparesRequests
 from txlb._scheduling.policies.registry import make_policy
 from txlb._scheduling.request import RoutingRequest
 
@@ -52,6 +54,7 @@ def measure(policy_name: str, requests: Sequence[PrefixRequest], backends: int =
                 clock=clock)
     policy = make_policy(policy_name, clock, random.Random(f"policy-cpu-{policy_name}"))
     candidates = list(pool)
+    prepares = IPreparesRequests.providedBy(policy)
     routing = [RoutingRequest(model=r.body.get("model"), body=json.dumps(r.body).encode(),
                               json=r.body) for r in requests]
     held: deque[tuple[Lease, Backend, RequestOutcome]] = deque()
@@ -64,6 +67,8 @@ def measure(policy_name: str, requests: Sequence[PrefixRequest], backends: int =
             policy.observe(backend, outcome)
             observe_ns += time.process_time_ns() - started
         started = time.process_time_ns()
+        if prepares:
+            IPreparesRequests(policy).prepare(routed)
         backend = policy.choose(candidates, routed)
         choose_ns += time.process_time_ns() - started
         prompt = request.prompt_chars() // CHARS_PER_TOKEN
