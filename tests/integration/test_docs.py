@@ -57,6 +57,7 @@ class DocsMatchOptionsTests(SynchronousTestCase):
                  | options_of(python, "-m", "txlb.nginx") | options_of(python, "-m", "txlb.demo")
                  | options_of(python, "-m", "bench") | options_of(python, "-m", "bench.ab")
                  | options_of(python, "-m", "bench.fuzz")
+                 | options_of(python, "-m", "bench.prefix")
                  | {"--index"}  # txlb._workers.main, as it shows in ps
                  | OTHER_PROGRAMS | MISTYPED_ON_PURPOSE)
         unknown = sorted({f"{path.name}: {option}" for path in DOCS

@@ -16,6 +16,8 @@ capacity (:mod:`txlb._scheduling.prefix_index`).  The choice, among the eligible
    wins, ties by least-conn.  When no gain is positive -- a new prefix, or one whose home is
    full -- the least-loaded backend with room for it takes it, so tenants spread over the
    fleet's caches instead of clustering on the engine that happens to share a header.
+   While a backend is idle and another has more than one request in flight, only the idle
+   ones compete: a hot prefix would otherwise keep the one backend that lacks it idle.
 
 What the engine reports afterwards closes the loop (:meth:`CacheAware.observe`): each
 outcome is matched to the prediction made for its request, and corrects the backend's
@@ -150,6 +152,13 @@ class CacheAware(Policy):
                  if b.active < load_bound(b, candidates, self.load_factor)]
         if not under:  # cannot happen (someone is under ceil(c x share)); be safe
             under = list(zip(candidates, matches, strict=True))
+        idle = [(b, m) for b, m in under if b.active == 0]
+        if idle and any(b.active > 1 for b in candidates):
+            # An idle backend beside busy ones takes the request, with or without the prefix:
+            # otherwise a hot prefix held everywhere but there keeps it idle for good (each
+            # holder stays under the bound as the fleet's in-flight grows), and the others
+            # queue what it could be doing.
+            under = idle
         gains: list[tuple[Backend, int, float, int]] = []
         for backend, matched in under:
             index = self.index.get(backend)
