@@ -228,7 +228,9 @@ def _burst_why(ours: dict[str, Any], base: dict[str, Any], shared_machine: bool 
     if shared_machine:
         return why + (f"; p50 {ours['ttft_p50'] * 1000:,.0f} vs "
                       f"{base['ttft_p50'] * 1000:,.0f} ms, one run each on a machine other "
-                      "work shared (the cause was not isolated from that noise)")
+                      "work shared; three alternating rounds put p99 either way (see "
+                      "cache-aware-hotburst-rounds.md), the median a few ms above: the "
+                      "policy hashes a burst's prompts one after another")
     return why + ("; every engine holds the one prefix, so the two differ only in which "
                   "engine takes each request of bursts that overlap (ties)")
 
