@@ -250,6 +250,12 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("_cluster/health", "NumberReplacer", 'rest.split("}", 2)[1]',
      "the same token follows the first '}' either way unless a label value holds '}', "
      "and then neither parses as a number (the line is skipped)"),
+    ("_cluster/backend", "NumberReplacer", "slow_start: float =",
+     "Backend's default: every Backend txlb makes is made by the pool, which passes its "
+     "--slow-start"),
+    ("_cluster/backend", "ReplaceFalseWithTrue", "attrs.field(default=None, repr=True)",
+     "only a Backend's repr shows its clock: nothing txlb writes uses that repr (logs, "
+     "status and metrics name a backend by its key)"),
 )
 
 
