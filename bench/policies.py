@@ -110,6 +110,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, Protocol, TypeVar
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall
@@ -274,21 +275,100 @@ def make_workload(params: Params, replicas: int) -> Workload:
 # -- the engines ------------------------------------------------------------------------------
 
 
-class Engine:
+class Decoding(Protocol):
+    """What a :class:`DecodeBatch` needs of a sequence it decodes."""
+
+    index: int
+    output_tokens: int
+    done: float | None
+    cache_lease: CacheLease | None
+
+
+JobT = TypeVar("JobT", bound=Decoding)
+
+
+class DecodeBatch(Generic[JobT]):
     """
-    One simulated vLLM engine: a batch of at most ``max_num_seqs`` sequences plus a FIFO
-    waiting queue, prefill per sequence (of the prompt tokens its prefix cache, if any, does
-    not hold), and decode at a shared per-sequence speed.
+    The decode half of a simulated engine, shared by this module's :class:`Engine` and the
+    fleet model's (:mod:`bench.prefix.engine_model`), which differ only in how a sequence is
+    admitted and prefilled.
 
     Decode uses a virtual token clock ``_vtokens``: the number of tokens any sequence that
     was decoding all along would have produced.  It advances at the current per-sequence
-    speed; a sequence that starts decoding at virtual time ``v`` with ``n`` tokens to go
-    finishes at virtual time ``v + n``, so one heap and one timer serve the whole batch.
+    speed (:meth:`speed`); a sequence that starts decoding at virtual time ``v`` with ``n``
+    tokens to go finishes at virtual time ``v + n``, so one heap and one timer serve the
+    whole batch.  A subclass sets ``clock``, ``cache`` and ``on_done``, counts ``running``
+    up as it admits, calls :meth:`_start_decoding` after a prefill and defines
+    :meth:`speed` and :meth:`_admit` (called whenever a batch slot frees).
+    """
+
+    clock: Clock
+    cache: PrefixCache | None
+    on_done: Callable[[JobT], None]
+
+    def __init__(self) -> None:
+        self.running = 0  # prefilling + decoding
+        self._vtokens = 0.0
+        self._vtokens_at = 0.0
+        self._finishing: list[tuple[float, int, JobT]] = []
+        self._timer: IDelayedCall | None = None
+
+    def speed(self) -> float:
+        """Tokens/s of each decoding sequence with the batch as it is now."""
+        raise NotImplementedError
+
+    def _admit(self) -> None:
+        raise NotImplementedError
+
+    def _advance(self) -> None:
+        now = self.clock.seconds()
+        self._vtokens += self.speed() * (now - self._vtokens_at)
+        self._vtokens_at = now
+
+    def _start_decoding(self, job: JobT) -> None:
+        """``job``'s first token is out (the prefill made it): it decodes the rest."""
+        heapq.heappush(self._finishing, (self._vtokens + job.output_tokens - 1, job.index, job))
+
+    def _schedule(self) -> None:
+        """(Re)arm the one decode timer for the next sequence to finish."""
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+        if self._finishing:
+            delay = max(0.0, (self._finishing[0][0] - self._vtokens) / self.speed())
+            self._timer = self.clock.callLater(delay, self._decoded)
+
+    def _decoded(self) -> None:
+        self._timer = None
+        self._advance()
+        finished = []
+        while self._finishing and self._finishing[0][0] <= self._vtokens + 1e-6:
+            finished.append(heapq.heappop(self._finishing)[2])
+        now = self.clock.seconds()
+        for job in finished:
+            job.done = now
+            self.running -= 1
+            if job.cache_lease is not None:
+                assert self.cache is not None
+                self.cache.release(job.cache_lease)
+                job.cache_lease = None
+        self._admit()
+        self._schedule()
+        for job in finished:  # may re-enter submit() through the routers' queues
+            self.on_done(job)
+
+
+class Engine(DecodeBatch[Request]):
+    """
+    One simulated vLLM engine: a batch of at most ``max_num_seqs`` sequences plus a FIFO
+    waiting queue, prefill per sequence (of the prompt tokens its prefix cache, if any, does
+    not hold), and decode at a shared per-sequence speed (:class:`DecodeBatch`).
     """
 
     def __init__(self, clock: Clock, key: str, cls: EngineClass, params: Params,
                  on_first_token: Callable[[Request], None],
                  on_done: Callable[[Request], None]) -> None:
+        super().__init__()
         self.clock = clock
         self.key = key
         self.cls = cls
@@ -296,17 +376,12 @@ class Engine:
         self.degradation = params.degradation
         self.on_first_token = on_first_token
         self.on_done = on_done
-        self.running = 0  # prefilling + decoding
         self.waiting: deque[Request] = deque()
         self.peak_waiting = 0
         self.peak_running = 0
         self.cache = (PrefixCache(params.kv_cache_blocks, params.block_tokens)
                       if params.kv_cache_blocks else None)
         self.served = 0
-        self._vtokens = 0.0
-        self._vtokens_at = 0.0
-        self._finishing: list[tuple[float, int, Request]] = []
-        self._timer: IDelayedCall | None = None
 
     def kv_usage(self) -> float:
         """
@@ -319,13 +394,7 @@ class Engine:
         return min(1.0, self.running / self.max_num_seqs)
 
     def speed(self) -> float:
-        """Tokens/s of each decoding sequence with the batch as it is now."""
         return self.cls.decode_rate * (1 - self.degradation * self.running / self.max_num_seqs)
-
-    def _advance(self) -> None:
-        now = self.clock.seconds()
-        self._vtokens += self.speed() * (now - self._vtokens_at)
-        self._vtokens_at = now
 
     def submit(self, request: Request) -> None:
         """A request arrives from the balancer."""
@@ -352,38 +421,9 @@ class Engine:
     def _prefilled(self, request: Request) -> None:
         self._advance()
         request.first_token = self.clock.seconds()
-        heapq.heappush(self._finishing,
-                       (self._vtokens + request.output_tokens - 1, request.index, request))
+        self._start_decoding(request)
         self.on_first_token(request)
         self._schedule()
-
-    def _schedule(self) -> None:
-        """(Re)arm the one decode timer for the next sequence to finish."""
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
-        self._timer = None
-        if self._finishing:
-            delay = max(0.0, (self._finishing[0][0] - self._vtokens) / self.speed())
-            self._timer = self.clock.callLater(delay, self._decoded)
-
-    def _decoded(self) -> None:
-        self._timer = None
-        self._advance()
-        finished = []
-        while self._finishing and self._finishing[0][0] <= self._vtokens + 1e-6:
-            finished.append(heapq.heappop(self._finishing)[2])
-        now = self.clock.seconds()
-        for request in finished:
-            request.done = now
-            self.running -= 1
-            if request.cache_lease is not None:
-                assert self.cache is not None
-                self.cache.release(request.cache_lease)
-                request.cache_lease = None
-        self._admit()
-        self._schedule()
-        for request in finished:  # may re-enter submit() through the routers' queues
-            self.on_done(request)
 
 
 # -- one run ----------------------------------------------------------------------------------

@@ -16,20 +16,19 @@ The virtual-clock engine of the fleet-scale model: a vLLM engine with a prefix c
 * **Batch and decode.**  At most ``max_num_seqs`` requests hold a batch slot (prefilling or
   decoding; the rest wait FIFO); decoding runs at ``decode_rate x (1 - degradation x
   running / max_num_seqs)`` tokens/s per sequence (processor sharing, on a virtual token
-  clock, as :mod:`bench.policies`' engine).
+  clock: :class:`bench.policies.DecodeBatch`, shared with that module's engine).
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.task import Clock
 
+from bench.policies import DecodeBatch
 from txlb.testing import BLOCK_TOKENS, CacheLease, PrefixCache, render_prompt
 from txlb.testing import block_chain as _block_chain
 
@@ -72,28 +71,26 @@ class Job:
     context: Any = None  # the caller's (the lease)
 
 
-class CachedEngine:
+class CachedEngine(DecodeBatch[Job]):
     """One simulated engine (see the module docstring)."""
+
+    cache: PrefixCache  # always one, unlike bench.policies' engine
 
     def __init__(self, clock: Clock, key: str, config: EngineConfig,
                  on_first_token: Callable[[Job], None], on_done: Callable[[Job], None]
                  ) -> None:
+        super().__init__()
         self.clock = clock
         self.key = key
         self.config = config
         self.cache = PrefixCache(config.kv_cache_blocks, BLOCK_TOKENS)
         self.on_first_token = on_first_token
         self.on_done = on_done
-        self.running = 0
         self.waiting: deque[Job] = deque()
         self.prefills: deque[Job] = deque()
         self.prefilling: Job | None = None
         self.peak_in_flight = 0
         self.served = 0
-        self._vtokens = 0.0
-        self._vtokens_at = 0.0
-        self._finishing: list[tuple[float, int, Job]] = []
-        self._timer: IDelayedCall | None = None
 
     @property
     def in_flight(self) -> int:
@@ -102,11 +99,6 @@ class CachedEngine:
     def speed(self) -> float:
         c = self.config
         return c.decode_rate * (1 - c.degradation * self.running / c.max_num_seqs)
-
-    def _advance(self) -> None:
-        now = self.clock.seconds()
-        self._vtokens += self.speed() * (now - self._vtokens_at)
-        self._vtokens_at = now
 
     def submit(self, job: Job) -> None:
         self._advance()
@@ -140,36 +132,10 @@ class CachedEngine:
         self.prefilling = None
         job.chain = ()
         job.first_token = self.clock.seconds()
-        heapq.heappush(self._finishing, (self._vtokens + job.output_tokens - 1, job.index, job))
+        self._start_decoding(job)
         self.on_first_token(job)
         self._next_prefill()
         self._schedule()
-
-    def _schedule(self) -> None:
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
-        self._timer = None
-        if self._finishing:
-            delay = max(0.0, (self._finishing[0][0] - self._vtokens) / self.speed())
-            self._timer = self.clock.callLater(delay, self._decoded)
-
-    def _decoded(self) -> None:
-        self._timer = None
-        self._advance()
-        finished = []
-        while self._finishing and self._finishing[0][0] <= self._vtokens + 1e-6:
-            finished.append(heapq.heappop(self._finishing)[2])
-        now = self.clock.seconds()
-        for job in finished:
-            job.done = now
-            self.running -= 1
-            if job.cache_lease is not None:
-                self.cache.release(job.cache_lease)
-                job.cache_lease = None
-        self._admit()
-        self._schedule()
-        for job in finished:
-            self.on_done(job)
 
     def kv_usage(self) -> float:
         """What ``vllm:kv_cache_usage_perc`` says: the share of blocks running requests pin."""
