@@ -23,6 +23,8 @@ Examples::
     python -m bench.mutation --sample 50 --seed 1  # a fixed sample (what CI runs)
     python -m bench.mutation --changed origin/main # only modules a change touched
     python -m bench.mutation --known               # replay the known bugs (see KNOWN_BUGS)
+    python -m bench.mutation --replay bench/results/mutation-full/_scheduling-router.json
+                                                   # the survivors of a run, on today's code
 """
 
 from __future__ import annotations
@@ -166,8 +168,6 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "pauseProducing's elif: while relaying the read watchdog is always armed (it is "
      "cleared only inside _read_timed_out, which re-arms or ends), and the exchange is the "
      "client's producer only while relaying, so neither form of the branch ever runs"),
-    ("_proxy/context", "NumberReplacer", "send_timeout: float =",
-     "ProxyContext's default: the balancer always passes config.send_timeout"),
     ("_proxy/exchange", "ReplaceComparisonOperator_Gt_GtE", "if watchdog.getTime() >= now + limit:",
      "at equality, reset(limit) moves the watchdog to the time it already has"),
     ("_upstream/client", "NumberReplacer", "self._chunk_state == -1:",
@@ -436,11 +436,6 @@ def is_equivalent(module: str, operator: str, diff: str) -> bool:
                for m, o, snippet, _ in EQUIVALENT)
 
 
-def _identity(item: object) -> tuple[str, int]:
-    spec = item.mutations[0]  # type: ignore[attr-defined]
-    return spec.operator_name.split("/", 1)[-1], spec.occurrence
-
-
 def changed_modules(base: str) -> list[str]:
     """Core modules a change since ``base`` touched (``git diff --name-only``)."""
     names = subprocess.run(["git", "diff", "--name-only", base, "--", "txlb"], cwd=ROOT,
@@ -449,15 +444,12 @@ def changed_modules(base: str) -> list[str]:
 
 
 def run_mutants(modules: Iterable[str], sample: int | None, seed: int, timeout: float,
-                jobs: int, out: Path | None, fail_under: float,
-                only: set[tuple[str, str, int]] | None = None, select: bool = True) -> int:
+                jobs: int, out: Path | None, fail_under: float, select: bool = True) -> int:
     work: list[tuple[str, object]] = []
     for module in modules:
         items = mutants(module)
         if sample is not None:
             items = random.Random(f"{seed}:{module}").sample(items, min(sample, len(items)))
-        if only is not None:
-            items = [i for i in items if (module, *_identity(i)) in only]
         work += [(module, item) for item in items]
     print(f"{len(work)} mutants over {', '.join(modules)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="txlb-mutation-") as scratch:
@@ -563,6 +555,100 @@ def run_known(timeout: float) -> int:
     return 1 if failures else 0
 
 
+class StaleMutant(ValueError):
+    """A recorded mutant whose lines are no longer in the module as it is (the code moved on)."""
+
+
+def apply_diff(source: str, diff: str) -> str:
+    """
+    ``source`` with one recorded mutant's ``diff`` applied: the hunk's context and removed
+    lines, found exactly once, replaced by its context and added lines.
+
+    cosmic-ray names a mutant by its operator and occurrence index, which shift whenever the
+    module changes; the diff names the change itself, so a survivor recorded by an earlier
+    run can be tried again on today's code as long as its lines are still there.
+    """
+    before: list[str] = []
+    after: list[str] = []
+    in_hunk = False
+    for line in diff.splitlines():
+        if line.startswith("@@"):
+            if in_hunk:
+                raise StaleMutant("a recorded mutant has one hunk; this diff has several")
+            in_hunk = True
+            continue
+        if not in_hunk:
+            continue
+        if line.startswith("-"):
+            before.append(line[1:])
+        elif line.startswith("+"):
+            after.append(line[1:])
+        else:
+            text = line[1:] if line.startswith(" ") else line
+            before.append(text)
+            after.append(text)
+    if not in_hunk or before == after:
+        raise StaleMutant("the diff changes nothing")
+    old, new = "\n".join(before) + "\n", "\n".join(after) + "\n"
+    found = source.count(old)
+    if found != 1:
+        raise StaleMutant(f"its lines occur {found} times in the module now, not once")
+    return source.replace(old, new)
+
+
+def replay(recorded: Path, timeout: float, jobs: int, out: Path | None,
+           modules: Sequence[str] | None = None) -> int:
+    """
+    Run the survivors recorded in ``recorded`` (a ``--json`` output) again, each applied
+    by its diff (:func:`apply_diff`) to a copy of today's tree, against every test of its
+    module.  A mutant whose lines have gone is reported ``stale``; one that survives and
+    matches :data:`EQUIVALENT` now is ``equivalent``.
+    """
+    entries = [o for o in json.loads(recorded.read_text())
+               if o["status"] == "survived" and (not modules or o["module"] in modules)]
+    print(f"{len(entries)} recorded survivors from {recorded}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="txlb-replay-") as scratch:
+        free = [copy_tree(Path(scratch) / f"copy{n}") for n in range(jobs)]
+
+        def task(entry: dict[str, object]) -> Outcome:
+            module, diff = str(entry["module"]), str(entry["diff"])
+            outcome = Outcome(module, str(entry["operator"]), int(str(entry["occurrence"])),
+                              int(str(entry["line"])), "stale", diff)
+            copy = free.pop()
+            path = copy / "txlb" / f"{module}.py"
+            original = path.read_text()
+            try:
+                path.write_text(apply_diff(original, diff))
+            except StaleMutant as why:
+                print(f"  stale: {module}:{outcome.line} {outcome.operator}: {why}",
+                      flush=True)
+                free.append(copy)
+                return outcome
+            try:
+                run = subprocess.run(test_command(copy, MODULE_TESTS[module]).split(),
+                                     capture_output=True, timeout=timeout)
+                outcome.status = "killed" if run.returncode else "survived"
+            except subprocess.TimeoutExpired:
+                outcome.status = "timeout"
+            finally:
+                path.write_text(original)
+                free.append(copy)
+            if outcome.status == "survived" and is_equivalent(module, outcome.operator, diff):
+                outcome.status = "equivalent"
+            return outcome
+
+        with ThreadPoolExecutor(jobs) as pool:
+            outcomes = list(pool.map(task, entries))
+    report(outcomes)
+    for outcome in outcomes:
+        if outcome.status == "survived":
+            print(f"survived {outcome.module}:{outcome.line} {outcome.operator}\n"
+                  f"{outcome.diff}")
+    if out is not None:
+        out.write_text(json.dumps([o.__dict__ for o in outcomes], indent=1))
+    return 1 if any(o.status == "survived" for o in outcomes) else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--module", action="append", choices=sorted(MODULE_TESTS),
@@ -582,9 +668,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-select", action="store_true",
                         help="run every test of the module against each mutant (slower; by "
                              "default the tests that reach the mutated lines run first)")
-    parser.add_argument("--rerun", type=Path, metavar="JSON",
-                        help="only the mutants that survived in this --json output")
+    parser.add_argument("--replay", type=Path, metavar="JSON",
+                        help="the survivors in this --json output, applied by their diffs "
+                             "to today's code (exit 1 if any still survives)")
     args = parser.parse_args(argv)
+    if args.replay:
+        return replay(args.replay, args.timeout, max(1, args.jobs), args.json, args.module)
     if args.known:
         return run_known(args.timeout)
     modules = args.module or list(MODULE_TESTS)
@@ -593,13 +682,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not modules:
             print("no core module changed")
             return 0
-    only = None
-    if args.rerun:
-        only = {(o["module"], o["operator"], o["occurrence"])
-                for o in json.loads(args.rerun.read_text()) if o["status"] == "survived"}
-        modules = [m for m in modules if any(m == o[0] for o in only)]
     return run_mutants(modules, args.sample, args.seed, args.timeout, max(1, args.jobs),
-                       args.json, args.fail_under, only, select=not args.no_select)
+                       args.json, args.fail_under, select=not args.no_select)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""bench.mutation's test selection: which tests run first against a mutant."""
+"""bench.mutation's own logic: which tests run first against a mutant, equivalence, replay."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from bench.mutation import MODULE_TESTS, is_equivalent, tests_for
+from bench.mutation import MODULE_TESTS, StaleMutant, apply_diff, is_equivalent, tests_for
 
 
 def item(first: int, last: int) -> object:
@@ -46,3 +46,44 @@ class EquivalenceTests(SynchronousTestCase):
     def test_the_line_the_mutant_removed_does_not_match(self) -> None:
         removed_only = self.diff.replace("+    slow_start: float = 1.0\n", "")
         self.assertFalse(is_equivalent("_cluster/backend", "NumberReplacer", removed_only))
+
+
+class ReplayTests(SynchronousTestCase):
+    """
+    ``--replay`` applies a recorded survivor by its diff: it must apply the very change
+    recorded wherever the lines moved to, and refuse (stale) rather than guess when the
+    lines are gone or ambiguous.
+    """
+
+    diff = ("--- mutation diff ---\n"
+            "--- a//tmp/copy0/txlb/_scheduling/router.py\n"
+            "+++ b//tmp/copy0/txlb/_scheduling/router.py\n"
+            "@@ -186,4 +186,4 @@\n"
+            "             lease = self._take(serving, request)\n"
+            "-            if lease is not None:\n"
+            "+            if lease is None:\n"
+            "                 self._leave(waiter)\n")
+    source = ("def acquire():\n"
+              "            lease = self._take(serving, request)\n"
+              "            if lease is not None:\n"
+              "                self._leave(waiter)\n"
+              "    return waiting\n")
+
+    def test_the_recorded_change_applies_where_its_lines_are_now(self) -> None:
+        moved = "# a line added above\n" * 40 + self.source
+        mutated = apply_diff(moved, self.diff)
+        self.assertIn("            if lease is None:\n", mutated)
+        self.assertNotIn("if lease is not None", mutated)
+        self.assertTrue(mutated.startswith("# a line added above\n"))
+        self.assertTrue(mutated.endswith("    return waiting\n"))
+
+    def test_lines_that_are_gone_make_the_mutant_stale(self) -> None:
+        changed = self.source.replace("if lease is not None:", "if lease:")
+        self.assertRaises(StaleMutant, apply_diff, changed, self.diff)
+
+    def test_lines_found_twice_are_not_guessed_at(self) -> None:
+        self.assertRaises(StaleMutant, apply_diff, self.source * 2, self.diff)
+
+    def test_a_diff_that_changes_nothing_is_refused(self) -> None:
+        header_only = "\n".join(self.diff.splitlines()[:3])
+        self.assertRaises(StaleMutant, apply_diff, self.source, header_only)
