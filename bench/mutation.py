@@ -237,6 +237,12 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "in one process nothing can free a slot between the failed take and this second one"),
     ("_scheduling/router", "NumberReplacer", "retry_after: int =",
      "Router's default: the balancer always passes retry_after"),
+    ("_scheduling/router", "NumberReplacer", "queue_timeout: float =",
+     "Router's default: the balancer always passes --queue-timeout"),
+    ("_scheduling/router", "ReplaceFalseWithTrue", "forward_unknown_models: bool = True",
+     "Router's default: the balancer always passes --unknown-model's choice"),
+    ("_scheduling/router", "NumberReplacer", "weights=weights)[ -1]",
+     "random.choices draws one element (k=1): [0] and [-1] are the same"),
     ("_cluster/health", "ReplaceOrWithAnd", "if running is None and waiting is None:",
      "with one gauge missing, running + waiting raises TypeError, which the same errback "
      "turns into the same fallback (engine_depth None); only the debug message differs"),

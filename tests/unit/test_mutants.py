@@ -6,17 +6,22 @@ behaviour the rest of the suite ran but never checked (bench/results/mutation.md
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from twisted.internet import error as neterror
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.trial.unittest import SynchronousTestCase
+from zope.interface import implementer
 
-from txlb import BackendSpec, Pool, build_config
+from txlb import BackendSpec, IPreparesRequests, Policy, Pool, RoutingRequest, build_config
 from txlb._cluster.backend import Backend
 from txlb._cluster.store import LocalStore, Marks
 from txlb._records.summary import RequestRecord
+from txlb._scheduling.affinity import BoundedLoadRing
+from txlb._scheduling.request import ANY_REQUEST
+from txlb._scheduling.router import ModelRoute, Router
 from txlb._upstream.client import UpstreamClient
 
 from ..helpers import ClientConnection, FakeResponse, ObserverTap
@@ -920,3 +925,103 @@ class CiSampleMutantTests(SynchronousTestCase):
         clock.advance(RETRY_SECONDS)
         log.write(summary)  # unchanged file: kept open, appended to
         self.assertEqual(len(path.read_text().splitlines()), 2)
+
+
+@implementer(IPreparesRequests)
+class _CountsPrepares(Policy):
+    """Counts ``prepare`` calls and picks the first candidate."""
+
+    name = "counts-prepares"
+
+    def __init__(self) -> None:
+        self.prepared = 0
+
+    def prepare(self, request: RoutingRequest) -> None:
+        self.prepared += 1
+
+    def choose(self, candidates: Sequence[Backend],
+               request: RoutingRequest = ANY_REQUEST) -> Backend:
+        return candidates[0]
+
+
+class _FailingChoice(Policy):
+    name = "failing-choice"
+
+    def choose(self, candidates: Sequence[Backend],
+               request: RoutingRequest = ANY_REQUEST) -> Backend:
+        raise RuntimeError("the policy broke")
+
+
+class RouterFullRunTests(SynchronousTestCase):
+    """Mutants of ``_scheduling/router`` that survived its full run (mutation-full/)."""
+
+    def router(self, policy: Policy, *specs: BackendSpec,
+               affinity: bool = False) -> Router:
+        self.clock = Clock()
+        pool = Pool(specs or (BackendSpec("127.0.0.1", 8002),), clock=self.clock)
+        return Router(pool, policy, self.clock,
+                      affinity=BoundedLoadRing() if affinity else None)
+
+    def test_prepare_is_skipped_only_when_affinity_chooses(self) -> None:
+        """
+        Affinity routes a request with a session key by its hash, so the policy's
+        per-request work (hashing a whole prompt, for cache-aware) is wasted on it -- and
+        only on it: every other request must be prepared.
+        """
+        for affinity, session, prepared in ((False, None, 1), (False, "s", 1),
+                                            (True, None, 1), (True, "s", 0)):
+            policy = _CountsPrepares()
+            router = self.router(policy, affinity=affinity)
+            self.successResultOf(router.acquire(RoutingRequest(session=session))).release()
+            self.assertEqual(policy.prepared, prepared, (affinity, session))
+
+    def test_a_failing_policy_is_logged_once_a_minute_from_any_start(self) -> None:
+        router = self.router(_FailingChoice())
+        self.clock.advance(1000)  # a process that has run a while: the stamp is not 0
+
+        def fail_at(seconds: float) -> int:
+            self.clock.advance(seconds - self.clock.seconds())
+            self.successResultOf(router.acquire()).release()
+            return len(self.flushLoggedErrors(RuntimeError))
+
+        self.assertEqual(fail_at(1000), 1)
+        self.assertEqual(fail_at(1001), 0)
+        self.assertEqual(fail_at(1059.5), 0)  # still within the minute
+        self.assertEqual(fail_at(1060), 1)
+
+    def test_models_of_every_healthy_backend_are_listed_past_a_down_one(self) -> None:
+        router = self.router(_CountsPrepares(),
+                             BackendSpec("127.0.0.1", 8002, models=("a",)),
+                             BackendSpec("127.0.0.1", 8003, models=("b",)),
+                             BackendSpec("127.0.0.1", 8004, models=("c",)))
+        down = router.pool.get("127.0.0.1:8002")
+        assert down is not None
+        router.pool.mark_down(down, "refused")
+        listed = router.model_list()
+        self.assertEqual([entry["id"] for entry in listed["data"]], ["b", "c"])  # type: ignore[index]
+
+    def test_listed_models_txlb_describes_itself_have_the_openai_shape(self) -> None:
+        """
+        A model known only from the config, and an alias, are listed as OpenAI's API lists
+        a model: ``created`` 0 (no date is known), owned by txlb.
+        """
+        router = self.router(_CountsPrepares(),
+                             BackendSpec("127.0.0.1", 8002, models=("m",)))
+        router.routes = {"alias": ModelRoute("alias", (("m", 1),))}
+        self.assertEqual(router.model_list(), {"object": "list", "data": [
+            {"id": "alias", "object": "model", "created": 0, "owned_by": "txlb"},
+            {"id": "m", "object": "model", "created": 0, "owned_by": "txlb"}]})
+
+    def test_an_alias_in_a_configured_list_hides_no_model_after_it(self) -> None:
+        """
+        An alias is listed inside its model's entry, not as an entry of its own -- and
+        skipping it must not skip the models the config lists after it.
+        """
+        router = self.router(_CountsPrepares(),
+                             BackendSpec("127.0.0.1", 8002, models=("short", "other")))
+        backend = router.pool.get("127.0.0.1:8002")
+        assert backend is not None
+        router.pool.set_models(backend, [{"id": "long", "object": "model",
+                                          "aliases": ["short"]}])
+        listed = router.model_list()["data"]
+        self.assertEqual([entry["id"] for entry in listed], ["other"])  # type: ignore[attr-defined]
