@@ -199,6 +199,9 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("_scheduling/router", "ReplaceFalseWithTrue", "@attrs.define(eq=True)",
      "_Waiter compared by fields instead of identity: its fields include its own Deferred "
      "and timer, compared by identity, so two waiters are equal only if they are one"),
+    ("_proxy/head", "NumberReplacer", "if uri[: 9].lower().startswith",
+     "the longest scheme looked for, 'https://', is 8 bytes: a 9-byte prefix starts with "
+     "it exactly when the 8-byte one does"),
     ("_proxy/resource", "NumberReplacer", "max_body: int =",
      "ProxyResource's default: the balancer always passes --max-body"),
     ("_upstream/client", "ReplaceFalseWithTrue", 'return "close", None, True',

@@ -1025,3 +1025,14 @@ class RouterFullRunTests(SynchronousTestCase):
                                           "aliases": ["short"]}])
         listed = router.model_list()["data"]
         self.assertEqual([entry["id"] for entry in listed], ["other"])  # type: ignore[attr-defined]
+
+
+class HeadFullRunTests(SynchronousTestCase):
+    """Mutants of ``_proxy/head`` that survived its full run (mutation-full/)."""
+
+    def test_an_absolute_form_target_keeps_a_url_inside_its_query(self) -> None:
+        """Only the first ``://`` is the scheme's: a redirect URL in the query is data."""
+        from txlb._proxy.head import origin_form
+
+        self.assertEqual(origin_form(b"http://h:8000/cb?next=http://x/y"),
+                         b"/cb?next=http://x/y")
