@@ -14,6 +14,16 @@ class LearnTests(SynchronousTestCase):
         self.assertEqual(learned.names, ("a", "b", "x"))
         self.assertEqual(set(learned.entries), {"a", "b"})
         self.assertEqual(learned.dropped, 0)
+        # nothing was dropped, so every entry is kept as the engine listed it: an alias
+        # repeating an id, or another entry's alias, is a name already known, not a drop
+        self.assertEqual(learned.entries, {"a": {"id": "a", "aliases": ["x", "a"]},
+                                           "b": {"id": "b", "aliases": ["x"]}})
+
+    def test_names_of_512_characters_are_learned_and_longer_ones_not(self) -> None:
+        """The documented bound, as a number: 512 characters is the longest name kept."""
+        learned = learn([{"id": "a" * 512, "aliases": ["b" * 513]}, {"id": "c" * 513}])
+        self.assertEqual(learned.names, ("a" * 512,))
+        self.assertEqual(learned.dropped, 2)
 
     def test_too_long_and_too_many_names_are_dropped_and_counted(self) -> None:
         entries: list[dict[str, object]] = [{"id": "x" * (MAX_MODEL_NAME + 1)}]
