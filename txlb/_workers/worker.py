@@ -56,7 +56,7 @@ from zope.interface import implementer
 from txlb._balancer import LoadBalancer, SequentialService
 from txlb._cluster.shared_counts import SharedCounts
 from txlb._compat import adopt_listening_port
-from txlb._records.bookkeeper import policy_learns
+from txlb._records.bookkeeper import budget_reconciles, policy_learns
 from txlb._records.summary import privacy_of
 from txlb._server.quiet import summarise_accept_errors
 from txlb._workers.reports import SupervisorForwarder
@@ -246,6 +246,8 @@ class SupervisorLink(Protocol):
                                                 inflight=shared, observer=forwarder)
         # ... but this worker's policy learns from the requests it served itself.
         forwarder.summaries.add(policy_learns(balancer.pool, balancer.policy))
+        # ... and settles the token budgets of the requests it admitted
+        forwarder.summaries.add(budget_reconciles(balancer.budgets))
         balancer.pool.mirror(hello.state)
         balancer.router.on_queue_length = shared.set_waiters
         services = self.services = SequentialService()
