@@ -137,10 +137,18 @@ class Estimate:
         return self.prompt + self.completion
 
 
+#: Where a hostile count stops growing: far above any budget, far below float trouble.
+MAX_COUNT = 2**62
+
+
 def _whole(value: object) -> int | None:
-    """A JSON integer that is a sane count (a bool, a string, a negative one is none)."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**62:
-        return value
+    """
+    A JSON integer count, as far as :data:`MAX_COUNT` (a larger one is that: a request
+    asking for 10**30 tokens can never fit, it does not get the default); a bool, a
+    string, a float or a negative number is no count at all.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return min(value, MAX_COUNT)
     return None
 
 
