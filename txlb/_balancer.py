@@ -357,10 +357,6 @@ class LoadBalancer:
 
         def status() -> dict[str, object]:
             extra = budgets.status()
-            if self.config.workers > 1:
-                # each worker keeps its own levels: this process admits nothing
-                extra["budget_keys_tracked"] = None
-                extra["budgets_scope"] = "per worker"
             if extra_status is not None:
                 extra.update(extra_status())
             return extra

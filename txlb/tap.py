@@ -251,11 +251,6 @@ def _supervised(config: Config, reactor: Any) -> IService:
             except (CannotListenError, OSError) as error:
                 _cannot_listen("listen", config.listen, error)
 
-    if config.budgets:
-        log.warn("token budgets are kept per worker: with --workers {workers} a client may "
-                 "use up to {workers} times each [[budgets]] limit (each worker admits and "
-                 "charges the requests of the connections it accepted)",
-                 workers=config.workers)
     shared = SharedCounts.create(config.workers)
     balancer = LoadBalancer(config=config, inflight=shared)
     supervisor = _Supervisor(balancer, shared, reactor, config.workers)

@@ -206,7 +206,7 @@ class Reservation:
     """What one admitted request holds: the buckets it reserved in, and how much."""
 
     #: per bucket: (budget name, window seconds, client key)
-    buckets: tuple[tuple[str, float, str], ...]
+    buckets: tuple[Where, ...]
     estimate: Estimate
 
 
@@ -226,6 +226,9 @@ class Admission:
 
 #: A request no budget applies to.
 ADMITTED = Admission()
+
+#: Where a budget's buckets are, by name: (budget name, window seconds, client key).
+Where = tuple[str, float, str]
 
 
 def go_duration(seconds: float) -> str:
@@ -266,6 +269,11 @@ class TokenBudgets:
         #: requests refused, and tokens charged, by budget name (for the metrics)
         self.refused: dict[str, int] = {}
         self.charged: dict[str, int] = {}
+        #: told of every change this process makes to its levels -- ``(buckets, amount
+        #: taken, tokens charged)`` -- and of every refusal (a budget's name): a
+        #: ``--workers`` worker passes them on, so every process keeps the fleet's levels
+        self.on_spent: Callable[[Sequence[Where], float, int], object] | None = None
+        self.on_refused: Callable[[str], object] | None = None
         self.reconfigure(config)
 
     @property
@@ -305,7 +313,7 @@ class TokenBudgets:
         request's reservation rides on ``routing`` to :meth:`reconcile`.
         """
         keys: dict[str, str] = {}
-        applies: list[tuple[str, float, str]] = []
+        applies: list[Where] = []
         for spec in self._specs:
             if spec.priority is not None and spec.priority != priority:
                 continue
@@ -336,9 +344,11 @@ class TokenBudgets:
                 f"token budget {name!r} exceeded for this client: this request may use "
                 f"about {amount} tokens; retry in {retry}s"))
         routing.memo[self] = Reservation(tuple(applies), estimate)
+        if self.on_spent is not None:
+            self.on_spent(applies, amount, 0)
         return Admission(headers=self._headers(ready))
 
-    def _short(self, applies: list[tuple[str, float, str]], buckets: list[Bucket],
+    def _short(self, applies: list[Where], buckets: list[Bucket],
                amount: int) -> str:
         """The budget that keeps a request waiting longest."""
         def wait(bucket: Bucket) -> float:
@@ -350,6 +360,8 @@ class TokenBudgets:
     def _refused(self, name: str, retry: int | None, buckets: Sequence[Bucket],
                  message: str) -> Admission:
         self.refused[name] = self.refused.get(name, 0) + 1
+        if self.on_refused is not None:
+            self.on_refused(name)
         return Admission(True, message, retry, name, self._headers(buckets))
 
     def _headers(self, buckets: Sequence[Bucket]) -> tuple[tuple[bytes, bytes], ...]:
@@ -376,15 +388,33 @@ class TokenBudgets:
         if not isinstance(reservation, Reservation):
             return
         cost = charge(outcome, reservation.estimate)
-        buckets = [self._bucket(*where) for where in reservation.buckets]
-        ready = [bucket for bucket in buckets if bucket is not None]
         back = reservation.estimate.total - cost
-        if back and ready:
-            self.levels.adjust(ready, back)
-        if cost:
-            for name in dict.fromkeys(name for name, _, _ in reservation.buckets):
-                if any(window_of[0] == name for window_of in self._windows):
-                    self.charged[name] = self.charged.get(name, 0) + cost
+        self._apply(reservation.buckets, -back, cost)
+        if self.on_spent is not None and (back or cost):
+            self.on_spent(reservation.buckets, -back, cost)
+
+    def spent_elsewhere(self, buckets: Sequence[Where], amount: float, charged: int) -> None:
+        """
+        Another process's budgets took ``amount`` from these buckets (a negative amount:
+        gave it back), and a request there cost ``charged``: apply it here too, for the
+        budgets that exist here.
+        """
+        self._apply(buckets, amount, charged)
+
+    def _apply(self, buckets: Sequence[Where], amount: float, charged: int) -> None:
+        ready = [bucket for bucket in (self._bucket(*where) for where in buckets)
+                 if bucket is not None]
+        if amount and ready:
+            self.levels.adjust(ready, -amount)
+        if charged:
+            for name in dict.fromkeys(name for name, _, _ in buckets):
+                if any(budget == name for budget, _ in self._windows):
+                    self.charged[name] = self.charged.get(name, 0) + charged
+
+    def count_refused(self, name: str) -> None:
+        """Another process's budget ``name`` refused a request."""
+        if any(budget == name for budget, _ in self._windows):
+            self.refused[name] = self.refused.get(name, 0) + 1
 
     def status(self) -> dict[str, object]:
         """What ``/status`` shows: the budgets (never a client key) and the buckets kept."""
