@@ -28,10 +28,12 @@ def completion_body() -> bytes:
                        "max_tokens": MAX_TOKENS}).encode()
 
 
-class BudgetProcessTests(TestCase):
+class _BudgetProcess(TestCase):
+    """Starts a simulated engine and the balancer, with one budget per client address."""
+
     timeout = 120
 
-    async def start(self) -> TwistdProcess:
+    async def start(self, *args: str) -> TwistdProcess:
         sim = SimProcess(0, "--tokens-per-second", "2000", "--ttft", "0")
         self.addCleanup(sim.cleanup)
         await sim.started()
@@ -40,7 +42,7 @@ class BudgetProcessTests(TestCase):
             f'backends = ["{sim.key}"]\n'
             '[[budgets]]\nname = "per-client"\nkey = "ip"\n'
             f"tokens_per_minute = {TOKENS_PER_MINUTE}\n")
-        lb = TwistdProcess("--config", str(config), "--log-file", "-")
+        lb = TwistdProcess("--config", str(config), "--log-file", "-", *args)
         self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
         await lb.started()
         self.client = Client()
@@ -64,6 +66,9 @@ class BudgetProcessTests(TestCase):
             remaining.append(int(header(response, b"x-ratelimit-remaining-tokens") or -1))
         raise AssertionError(f"60 requests and no 429: {remaining}")
 
+
+
+class BudgetProcessTests(_BudgetProcess):
     @defer.inlineCallbacks
     def test_a_budget_exhausted_mid_minute_gives_429_and_refills(self) -> Any:
         lb = yield defer.ensureDeferred(self.start())
@@ -110,6 +115,40 @@ class BudgetProcessTests(TestCase):
         self.assertEqual(seen[1], 429)
         self.assertGreaterEqual(int(seen[2]), 1)
         self.assertIn("token budget", seen[3])
+
+
+class BudgetWorkersProcessTests(_BudgetProcess):
+    """``--workers 2``: one budget for the fleet, not one per worker."""
+
+    @defer.inlineCallbacks
+    def test_a_client_spread_over_the_workers_gets_one_budget(self) -> Any:
+        lb = yield defer.ensureDeferred(self.start(
+            "--workers", "2", "--admin", "tcp:0:interface=127.0.0.1"))
+        deadline = time.monotonic() + 30
+        while lb.output().count(") serving") < 2:
+            self.assertLess(time.monotonic(), deadline, "both workers never served")
+            yield task.deferLater(reactor, 0.05)
+        started = time.monotonic()
+        admitted = 0
+        for _ in range(30):  # batches of 4 at once, on 4 connections: both workers take some
+            results = yield defer.gatherResults([
+                defer.ensureDeferred(self.post(lb)) for _ in range(4)])
+            codes = [response.code for response, _ in results]
+            self.assertEqual(set(codes) - {200, 429}, set(), codes)
+            admitted += codes.count(200)
+            if 429 in codes:
+                break
+        else:
+            raise AssertionError(f"{admitted} requests and no 429")
+        elapsed = time.monotonic() - started
+        _, status = yield defer.ensureDeferred(self.client.fetch(lb.admin_url + "/status"))
+        workers = json.loads(status.body)["workers"]
+        self.assertTrue(all(row["requests"] > 0 for row in workers), workers)
+        # each answer costs 32 tokens (2 of prompt, 30 generated); a budget per worker would
+        # have let about twice as many through
+        allowed = (TOKENS_PER_MINUTE + elapsed * TOKENS_PER_MINUTE / 60) / 32 + 4
+        self.assertLessEqual(admitted, allowed)
+        self.assertGreater(admitted, TOKENS_PER_MINUTE / 47 - 4)
 
 
 def ask_openai(base: str) -> tuple[str, int, str, str]:
