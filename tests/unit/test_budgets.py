@@ -232,6 +232,12 @@ class EstimateTests(SynchronousTestCase):
             self.assertEqual(self.estimate({field: 7}).completion, 7)
         self.assertEqual(self.estimate({"max_tokens": 5, "n": 3}).completion, 15)
         self.assertEqual(self.estimate({"input": "x"}, b"/v1/embeddings").completion, 0)
+        for api in (b"/v1/chat/completions", b"/v1/responses", b"/v1/messages"):
+            self.assertEqual(self.estimate({"max_tokens": 9}, api).completion, 9)
+
+    def test_a_path_that_generates_nothing_costs_its_body(self) -> None:
+        self.assertEqual(self.estimate(b"", b"/metrics"), Estimate(0, 0))
+        self.assertEqual(self.estimate({"max_tokens": 9}, b"/v1/completions/x").completion, 0)
 
     def test_no_maximum_is_the_default(self) -> None:
         self.assertEqual(self.estimate({"prompt": "x"}).completion, 256)

@@ -37,6 +37,7 @@ from zope.interface import implementer
 from txlb._cluster.store import Bucket, ITokenLevels
 from txlb._config import BudgetSpec, Config
 from txlb._records.outcome import RequestOutcome
+from txlb._records.summary import API_PATHS
 from txlb._scheduling.ratelimit import client_key
 from txlb._scheduling.request import RoutingRequest
 
@@ -159,10 +160,12 @@ def estimate_tokens(body: bytes, parsed: Mapping[str, object] | None, path: byte
     :data:`CHARS_PER_TOKEN` for the prompt (any API's shape, tools and images included,
     without parsing it twice), and for the completion its ``max_tokens`` (or
     ``max_completion_tokens``, or the Responses API's ``max_output_tokens``) -- else
-    ``default_completion`` -- times its ``n``.  An embedding generates nothing.
+    ``default_completion`` -- times its ``n``.  Only the APIs that generate have a
+    completion: an embedding, or a path txlb does not know as an LLM API (``/metrics``, a
+    ``GET``), costs its body alone.
     """
     prompt = math.ceil(len(body) / CHARS_PER_TOKEN)
-    if path.rstrip(b"/").endswith(b"/embeddings"):
+    if API_PATHS.get(path) in (None, "embeddings"):
         return Estimate(prompt, 0)
     most = None
     choices = 1
