@@ -533,6 +533,11 @@ class ReconfigureTests(ProxyTestCase):
         client = self.post(body_of(400, 1000))  # 1100: the minute budget is gone
         self.answer()
         self.assertEqual(self.remaining(client), 10_000 - 20 - 1100)
+        # a client key holding the separator does not confuse which budget a bucket is of
+        self.lb.budgets.levels.reserve([("kept\x1f86400\x1fheader:a\x1fgone\x1f60", 9.0, 1.0)],
+                                       1)
+        self.reload([budget(name="kept", tokens_per_minute=None, tokens_per_day=10_000)])
+        self.assertEqual(len(self.lb.budgets.levels), 2)
         self.reload([])
         self.assertEqual(len(self.lb.budgets.levels), 0)
         client = self.post(body_of(400, 10**6))

@@ -296,7 +296,8 @@ class TokenBudgets:
         self._windows = {(spec.name, window): float(tokens)
                          for spec in config.budgets for window, tokens in spec.windows}
         kept = {f"{name}{_SEP}{window:g}" for name, window in self._windows}
-        self.levels.forget(lambda key: key.rsplit(_SEP, 1)[0] in kept)
+        # split from the left: a client key (a header's value) may hold anything
+        self.levels.forget(lambda key: _SEP.join(key.split(_SEP, 2)[:2]) in kept)
         names = {spec.name for spec in config.budgets}
         for counts in (self.refused, self.charged):
             for name in [name for name in counts if name not in names]:
@@ -347,7 +348,7 @@ class TokenBudgets:
                 f"token budget {name!r} exceeded for this client: this request may use "
                 f"about {amount} tokens; retry in {retry}s"))
         routing.memo[self] = Reservation(tuple(applies), estimate)
-        if self.on_spent is not None:
+        if self.on_spent is not None and amount:
             self.on_spent(applies, amount, 0)
         return Admission(headers=self._headers(ready))
 
