@@ -191,6 +191,8 @@ class LevelTests(SynchronousTestCase):
         self.levels.adjust([self.minute], -700)
         self.assertEqual(self.levels.level(self.minute), -100)
         self.assertEqual(self.levels.reserve([self.minute], 1), 10.1)
+        self.levels.adjust([self.minute], -10**18)  # a debt of at most one window
+        self.assertEqual(self.levels.level(self.minute), -600)
 
     def test_a_lowered_capacity_caps_the_level(self) -> None:
         self.levels.reserve([self.minute], 100)
@@ -403,6 +405,19 @@ class AdmissionTests(ProxyTestCase):
         refused = self.post(body_of(40, 0)).response()  # -200 left: 210 to go at 10/s
         self.assertEqual(refused.status, 429)
         self.assertEqual(refused.header(b"retry-after"), [b"21"])
+
+    def test_hostile_usage_cannot_lock_a_client_out_for_long(self) -> None:
+        self.build([budget(tokens_per_minute=600)])
+        self.post(body_of(40, 10))
+        self.answer({"prompt_tokens": 2**62, "completion_tokens": 2**62})
+        refused = self.post(body_of(40, 0)).response()
+        self.assertEqual(refused.header(b"retry-after"), [b"61"])  # -600 to 10, at 10/s
+        # a usage Summary does not believe (negative, beyond 64 bits) is no usage at all:
+        # the estimate stands
+        self.clock.advance(61)
+        self.post(body_of(40, 10))
+        self.answer({"prompt_tokens": -5, "completion_tokens": 2**70})
+        self.assertEqual(self.lb.budgets.charged["b"], 2**63 + 20)
 
     def test_a_stream_without_usage_is_charged_its_estimate(self) -> None:
         self.build([budget(tokens_per_minute=600)])

@@ -127,7 +127,10 @@ class ITokenLevels(Interface):
         """
 
     def adjust(buckets: Sequence[Bucket], amount: float) -> None:
-        """Give ``amount`` back to every bucket (a negative amount takes more)."""
+        """
+        Give ``amount`` back to every bucket (a negative amount takes more), keeping each
+        between minus its capacity (a debt of at most one window) and its capacity.
+        """
 
     def level(bucket: Bucket) -> float:
         """The tokens in ``bucket`` now (below 0 while it pays a debt)."""

@@ -116,7 +116,11 @@ class TokenLevels:
         now = self._now()
         self._evict(now)
         for bucket in buckets:
-            self._store(bucket, min(bucket[1], self._current(bucket, now) + amount), now)
+            # a debt is at most one window's tokens: a backend's absurd usage (2**62) must
+            # not lock a client out for years
+            capacity = bucket[1]
+            level = self._current(bucket, now) + amount
+            self._store(bucket, max(-capacity, min(capacity, level)), now)
 
     def level(self, bucket: Bucket) -> float:
         return self._current(bucket, self._now())
