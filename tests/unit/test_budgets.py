@@ -414,7 +414,7 @@ class AdmissionTests(ProxyTestCase):
         self.assertEqual(refused.header(b"retry-after"), [b"61"])  # -600 to 10, at 10/s
         # a usage Summary does not believe (negative, beyond 64 bits) is no usage at all:
         # the estimate stands
-        self.clock.advance(61)
+        self.clock.advance(62)  # 20 again
         self.post(body_of(40, 10))
         self.answer({"prompt_tokens": -5, "completion_tokens": 2**70})
         self.assertEqual(self.lb.budgets.charged["b"], 2**63 + 20)
