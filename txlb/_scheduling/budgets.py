@@ -219,7 +219,7 @@ class Reservation:
 
 @attrs.frozen
 class Admission:
-    """Admission's verdict: ``retry_after`` is ``None`` when the request may go."""
+    """Admission's verdict on one request, and the headers its answer carries."""
 
     refused: bool = False
     message: str = ""
