@@ -43,6 +43,7 @@ from txlb._records.bookkeeper import (
     Bookkeeper,
     SummaryConsumer,
     SummaryFeed,
+    budget_reconciles,
     metrics_counts,
     policy_learns,
     pool_results,
@@ -52,6 +53,7 @@ from txlb._records.observer import IRequestObserver
 from txlb._records.resultlog import ResultLog, open_result_log
 from txlb._records.summary import Summary, privacy_of
 from txlb._scheduling.affinity import BoundedLoadRing
+from txlb._scheduling.budgets import TokenBudgets
 from txlb._scheduling.policies import IPolicy
 from txlb._scheduling.policies.registry import make_policy
 from txlb._scheduling.ratelimit import RateLimiter, client_key
@@ -284,10 +286,15 @@ class LoadBalancer:
             fall=config.fall,
             scrape_engine_queue=bool(self.policy.needs_engine_metrics),
         )
+        #: the token budgets (``[[budgets]]``), in the store's levels; ``reconfigure``
+        #: takes a reloaded config's
+        self.budgets = TokenBudgets(config, self.store.token_levels(reactor))
+        self.metrics.watch_budgets(self.budgets)
         #: every finished request is summarised once, for these consumers (in this order)
         self.summaries = SummaryFeed(self.privacy, [
             pool_results(self.pool),
             policy_learns(self.pool, self.policy),
+            budget_reconciles(self.budgets),
             metrics_counts(self.metrics),
             SummaryConsumer("the history", self.history.observe),
         ])
@@ -323,7 +330,8 @@ class LoadBalancer:
                                   config.rate_key)
         self.proxy = ProxyResource(self.router, context, retry_after=retry_after,
                                    affinity=config.affinity, rate_limiter=limiter,
-                                   max_body=config.max_body, lb_status=config.lb_status)
+                                   max_body=config.max_body, lb_status=config.lb_status,
+                                   budgets=self.budgets)
         self.hung = HangDetector(self.pool, context.live, reactor,
                                  self.health.health_status,
                                  stall=config.hung_after)
@@ -345,9 +353,17 @@ class LoadBalancer:
         """
         from txlb._admin.app import Admin  # Klein (and its reactor import) only when it is built
 
+        budgets = self.budgets
+
+        def status() -> dict[str, object]:
+            extra = budgets.status()
+            if extra_status is not None:
+                extra.update(extra_status())
+            return extra
+
         admin = Admin(self.pool, self.metrics, self.config.admin_token,
                       on_added=self.health.probe_soon, clock=self.reactor,
-                      extra_status=extra_status, allowed_hosts=self.config.admin_hosts,
+                      extra_status=status, allowed_hosts=self.config.admin_hosts,
                       history=self.history, describe=self.policy.describe)
         return admin.resource()
 

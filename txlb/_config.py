@@ -12,6 +12,7 @@ and the offending value -- the one line an operator sees when start-up refuses.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import ipaddress
 import os
 import random
@@ -562,6 +563,143 @@ def parse_routes(option: str, value: object) -> tuple[RouteSpec, ...]:
     return tuple(routes)
 
 
+#: The windows a ``[[budgets]]`` entry may limit, by their key in the table, in seconds.
+BUDGET_WINDOWS = {"tokens_per_minute": 60.0, "tokens_per_day": 86400.0}
+_BUDGET_KEYS = ("name", "key", "value", "digest", "class", *BUDGET_WINDOWS)
+#: Tokens a budget may hold at most: far above any fleet's day, far below float trouble.
+MAX_BUDGET_TOKENS = 10**15
+_BUDGET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_DIGEST = re.compile(r"[0-9a-f]{32}")
+
+
+def token_digest(token: str | bytes) -> str:
+    """
+    The digest ``--rate-key token`` keys a bearer token by (the token itself is never
+    kept): the first 32 hex digits of its SHA-256.
+    """
+    raw = token.encode("utf-8") if isinstance(token, str) else token
+    return hashlib.sha256(raw.strip()).hexdigest()[:32]
+
+
+@attrs.frozen
+class BudgetSpec:
+    """
+    A ``[[budgets]]`` entry: whose tokens it limits and how many per window.
+
+    ``kind`` is a ``--rate-key`` kind (``ip``, ``token``, ``header:NAME``); ``key`` the one
+    client key it limits (as :func:`txlb._scheduling.ratelimit.client_key` writes it:
+    ``ip:10.0.0.7``, ``token:<digest>``, ``header:<value>``), or ``None`` for every key of
+    that kind, each with its own levels.  ``priority`` limits only requests of that
+    priority class.  ``windows`` pairs each window's seconds with its tokens.
+    """
+
+    name: str
+    kind: str
+    key: str | None
+    priority: str | None
+    windows: tuple[tuple[float, int], ...]
+
+
+def _budget_tokens(name: str, field: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"budgets.{field}: {value!r} of budget {name!r} is not a whole "
+                          "number of tokens")
+    if not 1 <= value <= MAX_BUDGET_TOKENS:
+        raise ConfigError(f"budgets.{field}: {value!r} of budget {name!r} must be between "
+                          f"1 and {MAX_BUDGET_TOKENS}")
+    return value
+
+
+def _budget_key(name: str, kind: str, item: dict[str, Any]) -> str | None:
+    """The one client key a budget limits (a token only as its digest), or ``None``."""
+    value, digest = item.get("value"), item.get("digest")
+    if value is not None and digest is not None:
+        raise ConfigError(f"budgets: budget {name!r} has both 'value' and 'digest'; "
+                          "give one")
+    if digest is not None:
+        if kind != "token" or not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+            raise ConfigError(f"budgets.digest: budget {name!r}: a digest goes with "
+                              "key = 'token' and is 32 lowercase hex digits")
+        return "token:" + digest
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip() or len(value) > 1024:
+        # the value itself is not echoed: with key = "token" it is a secret
+        raise ConfigError(f"budgets.value: budget {name!r}: the value must be a non-empty "
+                          "string of at most 1024 characters")
+    if kind == "token":
+        return "token:" + token_digest(value)
+    if kind == "ip":
+        try:
+            return "ip:" + str(ipaddress.ip_address(value.strip()))
+        except ValueError:
+            raise ConfigError(f"budgets.value: {value!r} of budget {name!r} is not an IP "
+                              "address") from None
+    return "header:" + value
+
+
+def parse_budgets(option: str, value: object) -> tuple[BudgetSpec, ...]:
+    """
+    The ``[[budgets]]`` tables (config file only): each one a name, whom it limits
+    (``key``, and ``value`` or ``digest`` for one client, ``class`` for one priority
+    class) and ``tokens_per_minute`` and/or ``tokens_per_day``.
+    """
+    if isinstance(value, tuple) and not value:
+        return ()
+    if not isinstance(value, list):
+        raise ConfigError("budgets: not a list of [[budgets]] tables")
+    budgets: list[BudgetSpec] = []
+    names: set[str] = set()
+    selectors: dict[tuple[str, str | None, str | None], str] = {}
+    for item in value:
+        if not isinstance(item, dict):
+            raise ConfigError("budgets: an entry is not a table")
+        unknown = sorted(set(item) - set(_BUDGET_KEYS))
+        if unknown:
+            raise ConfigError(f"budgets: unknown key {unknown[0]!r} in a [[budgets]] table"
+                              f"{did_you_mean(unknown[0], _BUDGET_KEYS)}")
+        name = item.get("name")
+        if not isinstance(name, str) or not _BUDGET_NAME.fullmatch(name):
+            raise ConfigError(f"budgets.name: {name!r} is not a name (letters, digits, "
+                              "'_', '.', '-'; at most 64)")
+        if name in names:
+            raise ConfigError(f"budgets.name: {name!r} is used twice")
+        names.add(name)
+        if "key" not in item:
+            raise ConfigError(f"budgets.key: budget {name!r} has no key ('ip', 'token' "
+                              "or 'header:NAME')")
+        if not isinstance(item["key"], str):
+            raise ConfigError(f"budgets.key: {item['key']!r} of budget {name!r} is not "
+                              "'ip', 'token' or 'header:NAME'")
+        kind = parse_rate_key(f"budgets.key of {name!r}", item["key"])
+        key = _budget_key(name, kind, item)
+        priority = item.get("class")
+        if priority is not None and (not isinstance(priority, str)
+                                     or not _BUDGET_NAME.fullmatch(priority)):
+            raise ConfigError(f"budgets.class: {priority!r} of budget {name!r} is not a "
+                              "class name")
+        windows = tuple((seconds, _budget_tokens(name, field, item[field]))
+                        for field, seconds in BUDGET_WINDOWS.items() if field in item)
+        if not windows:
+            raise ConfigError(f"budgets: budget {name!r} limits nothing: give "
+                              "tokens_per_minute, tokens_per_day or both")
+        selector = (kind, key, priority)
+        if selector in selectors:
+            raise ConfigError(f"budgets: budget {name!r} limits the same clients as "
+                              f"{selectors[selector]!r}; merge them into one")
+        selectors[selector] = name
+        budgets.append(BudgetSpec(name, kind, key, priority, windows))
+    return tuple(budgets)
+
+
+def parse_completion_estimate(option: str, value: object) -> int:
+    """The completion tokens a budget assumes for a request that sets no maximum."""
+    number = parse_count(option, value)
+    if number > MAX_BUDGET_TOKENS:
+        raise ConfigError(f"--{option}: {value!r} must be at most {MAX_BUDGET_TOKENS}")
+    return number
+
+
 @attrs.frozen
 class OptionSpec:
     """One option: its long name, environment variable, default and parser."""
@@ -690,6 +828,12 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("x-backend", "on", parse_exposure,
                "X-Backend and X-Backend-Port on responses: 'on', 'loopback' (to clients on "
                "this host only) or 'off'."),
+    OptionSpec("budgets", (), parse_budgets,
+               "Token budgets per client key or priority class (config file [[budgets]] "
+               "only).", cli=False),
+    OptionSpec("budget-completion-estimate", 256, parse_completion_estimate,
+               "Completion tokens a token budget reserves for a request that sets no "
+               "max_tokens (reconciled from usage at the end)."),
 )
 
 _BY_NAME = {spec.name: spec for spec in OPTIONS}
@@ -747,6 +891,8 @@ class Config:
     workers: int = 1
     lb_status: str = "on"
     x_backend: str = "on"
+    budgets: tuple[BudgetSpec, ...] = ()
+    budget_completion_estimate: int = 256
 
 
 def check_workers(config: Config) -> None:

@@ -205,6 +205,12 @@ def unsupported_notes(config: Config) -> list[str]:
     if config.affinity:
         notes.append("--affinity bounded load: nginx's 'hash ... consistent' has no load bound; "
                      "a hot session can overload one backend.")
+    if config.budgets:
+        names = ", ".join(budget.name for budget in config.budgets)
+        notes.append(f"[[budgets]] token budgets ({names}): nginx's limit_req counts "
+                     "requests, not tokens, and cannot read usage from an answer; nothing "
+                     "below limits tokens. Closest: a limit_req per key at the request rate "
+                     "the budget allows for a typical request.")
     return notes
 
 
@@ -284,6 +290,7 @@ def server_block(config: Config, log_base: str | None = None) -> list[str]:
     if config.rate_limit is not None:
         burst = config.rate_burst or max(1, math.ceil(config.rate_limit))
         lines += [
+            "        # limit_req counts requests, not tokens (txlb's --rate-limit too)",
             f"        limit_req zone=txlb burst={burst} nodelay;",
             "        limit_req_status 429;",
         ]

@@ -91,6 +91,15 @@ class GeneratedConfigTests(SynchronousTestCase):
                       "Admin API", "Queueing at max_conns"):
             self.assertIn(topic, text)
 
+    def test_token_budgets_are_said_not_to_map(self) -> None:
+        """nginx's limit_req counts requests: the generated config says so for budgets."""
+        self.assertNotIn("[[budgets]]", conf())
+        text = conf(budgets=[{"name": "per-ip", "key": "ip", "tokens_per_minute": 1000}],
+                    rate_limit="5/s")
+        self.assertIn("#   - [[budgets]] token budgets (per-ip): nginx's limit_req counts "
+                      "requests, not tokens", text)
+        self.assertIn("# limit_req counts requests, not tokens", text)
+
     def test_listen_forms(self) -> None:
         self.assertEqual(listen_directive("tcp:8000"), "8000")
         self.assertEqual(listen_directive("tcp:8000:interface=127.0.0.1"), "127.0.0.1:8000")

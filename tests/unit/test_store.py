@@ -11,6 +11,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import attrs
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer
@@ -24,10 +25,12 @@ from txlb._cluster.store import (
     IBackendStore,
     IInFlightCounts,
     IRateBuckets,
+    ITokenLevels,
     LocalStore,
     Marks,
     OwnMarks,
 )
+from txlb._scheduling.budgets import TokenLevels
 from txlb._scheduling.policies.least_conn import LeastConnections
 from txlb._scheduling.ratelimit import TokenBuckets
 from txlb._scheduling.router import Router
@@ -129,12 +132,16 @@ class _TableStore:
     def rate_buckets(self, rate: float, burst: int, clock: object) -> IRateBuckets:
         return _Refusing()
 
+    def token_levels(self, clock: IReactorTime) -> ITokenLevels:
+        return TokenLevels(clock)
+
 
 class InterfaceTests(SynchronousTestCase):
     def test_the_local_parts_provide_their_interfaces(self) -> None:
         self.assertTrue(verifyObject(IBackendStore, LocalStore()))
         self.assertTrue(verifyObject(IBackendMarks, OwnMarks()))
         self.assertTrue(verifyObject(IRateBuckets, TokenBuckets(1, 1, Clock())))
+        self.assertTrue(verifyObject(ITokenLevels, TokenLevels(Clock())))
         counts = SharedCounts.create(1, 4)
         self.addCleanup(counts.close)
         self.assertTrue(verifyObject(IInFlightCounts, counts))

@@ -15,7 +15,9 @@ from twisted.trial.unittest import SynchronousTestCase
 from txlb._records.summary import Summary
 from txlb._workers import wire
 from txlb._workers.wire import (
+    MAX_SPENT_BUCKETS,
     Answer,
+    BudgetRefused,
     Down,
     Finished,
     Hello,
@@ -23,6 +25,7 @@ from txlb._workers.wire import (
     Log,
     Ready,
     Retry,
+    Spent,
     State,
     Stop,
     Suspect,
@@ -54,6 +57,9 @@ EVERY_MESSAGE: list[Any] = [
     Wait(3),
     Down("h:1", "hung: no byte from any of 2 requests"),
     Log("warn", "txlb._workers.main", "line one\nline two \ud800"),
+    Spent([["per-ip", 60, "ip:10.0.0.1"], ["per-ip", 86400.0, "ip:10.0.0.1"]], 150, 0),
+    Spent([["acme", 60.0, "token:0f2c"]], -42.5, 107),
+    BudgetRefused("per-ip"),
 ]
 
 
@@ -133,11 +139,24 @@ class RefusalTests(SynchronousTestCase):
             {"t": "state", "state": [1, 2]},
             {"t": "log", "level": "info", "namespace": "-", "text": None},
             {"t": "hello", "workers": 2, "slots": 64, "family": 2, "config": 1, "state": []},
+            {"t": "spent", "buckets": {"a": 1}, "amount": 1, "charged": 0},
+            {"t": "spent", "buckets": [["a", 60]], "amount": 1, "charged": 0},
+            {"t": "spent", "buckets": [["a", "60", "ip:x"]], "amount": 1, "charged": 0},
+            {"t": "spent", "buckets": [[1, 60, "ip:x"]], "amount": 1, "charged": 0},
+            {"t": "spent", "buckets": [["a", 60, None]], "amount": 1, "charged": 0},
+            {"t": "spent", "buckets": [], "amount": "1", "charged": 0},
+            {"t": "spent", "buckets": [], "amount": 1, "charged": -1},
+            {"t": "spent", "buckets": [], "amount": 1, "charged": 1.5},
+            {"t": "spent", "buckets": [["a", 60, "k"]] * (MAX_SPENT_BUCKETS + 1),
+             "amount": 1, "charged": 0},
+            {"t": "refused", "budget": None},
         ):
             self.refused(line(value))
 
     def test_seconds_must_be_finite(self) -> None:
-        for text in (b'{"t":"wait","seconds":NaN}', b'{"t":"wait","seconds":Infinity}'):
+        for text in (b'{"t":"wait","seconds":NaN}', b'{"t":"wait","seconds":Infinity}',
+                     b'{"t":"spent","buckets":[],"amount":Infinity,"charged":0}',
+                     b'{"t":"spent","buckets":[["a",NaN,"k"]],"amount":1,"charged":0}'):
             self.refused(text)
 
     def test_a_finished_request_that_is_none(self) -> None:

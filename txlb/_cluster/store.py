@@ -12,7 +12,9 @@ interface of its own so that each can live elsewhere:
 * **marks** (:class:`IBackendMarks`): whether each backend is healthy, draining or being
   removed, so that an operator's drain or one balancer's verdict reaches the others.
 * **rate buckets** (:class:`IRateBuckets`): each client's ``--rate-limit`` tokens
-  (:class:`txlb._scheduling.ratelimit.TokenBuckets` is the local implementation).
+  (:class:`txlb._scheduling.ratelimit.TokenBuckets` is the local implementation), and the
+  token budgets' levels (:class:`ITokenLevels`; :class:`txlb._scheduling.budgets.TokenLevels`
+  locally).
 
 :class:`IBackendStore` gathers the three; :class:`LocalStore` is the one used today.  The
 :class:`~txlb._cluster.pool.Pool` calls the counts and the marks; the rate limiter calls the
@@ -21,7 +23,7 @@ buckets.  A store shared between machines implements the same interfaces.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 from twisted.internet.interfaces import IReactorTime
@@ -104,8 +106,44 @@ class IRateBuckets(Interface):
         """Take a token for ``key``: 0 if allowed, else the seconds until one will be there."""
 
 
+#: One token bucket of a budget: its key, its capacity (the window's tokens) and its refill
+#: rate (tokens per second: the capacity over the window).
+Bucket = tuple[str, float, float]
+
+
+class ITokenLevels(Interface):
+    """
+    The token budgets' buckets (``[[budgets]]``): one per budget, window and client key,
+    each holding up to its capacity and refilled continuously at its rate.  Every call
+    names the buckets with their current capacity and rate, so a changed budget applies
+    at once and a level above a lowered capacity is capped.  A store shared between
+    balancers does each call atomically over all its buckets.
+    """
+
+    def reserve(buckets: Sequence[Bucket], amount: float) -> float:
+        """
+        Take ``amount`` from every bucket if each holds it: 0, else (taking nothing) the
+        seconds until each would.
+        """
+
+    def adjust(buckets: Sequence[Bucket], amount: float) -> None:
+        """
+        Give ``amount`` back to every bucket (a negative amount takes more), keeping each
+        between minus its capacity (a debt of at most one window) and its capacity.
+        """
+
+    def level(bucket: Bucket) -> float:
+        """The tokens in ``bucket`` now (below 0 while it pays a debt)."""
+
+    def forget(keep: Callable[[str], bool]) -> None:
+        """Drop every bucket whose key ``keep`` refuses (a budget that was removed)."""
+
+    def __len__() -> int:
+        """Buckets held."""
+
+
 class IBackendStore(Interface):
-    """Everything several balancers share: counts, marks and rate buckets."""
+    """Everything several balancers share: counts, marks, rate buckets and token levels."""
 
     counts = Attribute(
         "The :class:`IInFlightCounts` shared with other processes, or ``None``: each "
@@ -114,6 +152,9 @@ class IBackendStore(Interface):
 
     def rate_buckets(rate: float, burst: int, clock: IReactorTime) -> IRateBuckets:
         """The buckets of ``--rate-limit rate --rate-burst burst``."""
+
+    def token_levels(clock: IReactorTime) -> ITokenLevels:
+        """The buckets of the token budgets (``[[budgets]]``)."""
 
 
 @implementer(IBackendMarks)
@@ -146,3 +187,8 @@ class LocalStore:
         from txlb._scheduling.ratelimit import TokenBuckets
 
         return TokenBuckets(rate, burst, clock)
+
+    def token_levels(self, clock: IReactorTime) -> ITokenLevels:
+        from txlb._scheduling.budgets import TokenLevels
+
+        return TokenLevels(clock)

@@ -249,6 +249,9 @@ class Exchange:
         out = request.responseHeaders
         for name, values in head.headers:
             out.setRawHeaders(name, values)
+        if self.record.added_headers:
+            for name, value in self.record.added_headers:
+                out.setRawHeaders(name, [value])
         self.record.content_type = head.content_type
         raw = False
         if response.length is None:

@@ -1,5 +1,6 @@
 """
-The reverse-proxy resource: admit each request (shutdown, body limit, rate limit), find its
+The reverse-proxy resource: admit each request (shutdown, body limit, rate limit, token
+budgets), find its
 model and session, ask the router for a backend, and hand it to an
 :class:`~txlb._proxy.exchange.Exchange`, which forwards it and relays the answer.
 """
@@ -22,6 +23,7 @@ from txlb._proxy.exchange import Exchange
 from txlb._proxy.incoming import local_path, read_body
 from txlb._proxy.local import LocalAnswers
 from txlb._records.summary import RequestRecord, parse_json_object
+from txlb._scheduling.budgets import TokenBudgets
 from txlb._scheduling.ratelimit import RateLimiter
 from txlb._scheduling.request import RoutingRequest
 from txlb._scheduling.router import Router, RoutingError
@@ -41,11 +43,14 @@ class ProxyResource(Resource):
 
     def __init__(self, router: Router, context: ProxyContext, retry_after: float = 1,
                  affinity: str | None = None, rate_limiter: RateLimiter | None = None,
-                 max_body: int = 0, lb_status: str = "on") -> None:
+                 max_body: int = 0, lb_status: str = "on",
+                 budgets: TokenBudgets | None = None) -> None:
         super().__init__()
         #: what txlb answers itself (``/__lb_status``, ``/v1/models``) before admission
         self.local = LocalAnswers(router, lb_status)
         self.rate_limiter = rate_limiter
+        #: the token budgets (``[[budgets]]``), checked when it has any
+        self.budgets = budgets
         self.max_body = max_body
         self.router = router
         self.context = context
@@ -94,6 +99,15 @@ class ProxyResource(Resource):
                                                    f"retry in {wait}s", wait)
                 return NOT_DONE_YET
         routing = self._routing_request(request, record)
+        budgets = self.budgets
+        if budgets is not None and budgets.specs:
+            admission = budgets.admit(request, routing, record.path, priority=None)
+            if admission.refused:
+                for name, value in admission.headers:
+                    request.responseHeaders.setRawHeaders(name, [value])
+                self._refuse(request, record, 429, admission.message, admission.retry_after)
+                return NOT_DONE_YET
+            record.added_headers = admission.headers
         record.client = routing.client
         record.routing = routing
         waiting = self.router.acquire(routing)

@@ -5,7 +5,7 @@ A finished :class:`~txlb._records.summary.RequestRecord` is summarised once
 (:func:`~txlb._records.summary.summarize`) and the :class:`~txlb._records.summary.Summary`
 is handed to a declared list of :class:`SummaryConsumer`\\ s -- the pool's result and
 outlier accounting, the policy's ``observe``, the metrics, the dashboard's history, the
-result log (and, later, budgets).  The consumers are declared rather than called inline so
+result log and the token budgets.  The consumers are declared rather than called inline so
 that what a finished request costs follows from who reads it: with no consumer at all
 nothing is summarised.
 
@@ -28,6 +28,7 @@ from txlb._records.metrics import Metrics
 from txlb._records.observer import IRequestObserver
 from txlb._records.outcome import RequestOutcome
 from txlb._records.summary import KEEP_ALL, Privacy, RequestRecord, Summary, summarize
+from txlb._scheduling.budgets import TokenBudgets
 from txlb._scheduling.policies import IPolicy
 from txlb._scheduling.request import RoutingRequest
 
@@ -150,6 +151,15 @@ def policy_learns(pool: Pool, policy: IPolicy) -> OutcomeConsumer:
         policy.observe(backend, outcome)
 
     return OutcomeConsumer("the policy", consume)
+
+
+def budget_reconciles(budgets: TokenBudgets) -> OutcomeConsumer:
+    """
+    The token budgets' reconciliation: what a request cost replaces what was reserved
+    for it.  Declared where the request was admitted (the reservation rides on its
+    routing request, which does not cross to a ``--workers`` supervisor).
+    """
+    return OutcomeConsumer("the token budgets", budgets.reconcile)
 
 
 def metrics_counts(metrics: Metrics) -> SummaryConsumer:

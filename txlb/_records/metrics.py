@@ -20,9 +20,9 @@ application may want them in its own metrics.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from importlib import metadata
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -139,6 +139,37 @@ class _WithoutCreated(Collector):
             yield metric
 
 
+class BudgetCounts(Protocol):
+    """What the budget metrics read (:class:`txlb._scheduling.budgets.TokenBudgets`)."""
+
+    refused: dict[str, int]
+    charged: dict[str, int]
+
+
+class BudgetCollector(Collector):
+    """
+    The token budgets' counters, by budget name: read from the budgets at scrape time, so
+    admission and reconciliation count with a dict increment and no metrics lock.
+    """
+
+    def __init__(self, budgets: BudgetCounts) -> None:
+        self._budgets = budgets
+
+    def collect(self) -> Iterable[Metric]:
+        refused = CounterMetricFamily(
+            "txlb_budget_refused", "Requests refused with 429 by a token budget, by budget.",
+            labels=["budget"])
+        charged = CounterMetricFamily(
+            "txlb_budget_tokens",
+            "Tokens charged to token budgets (usage, or the estimate when an answer had "
+            "none), by budget.", labels=["budget"])
+        for name, count in sorted(self._budgets.refused.items()):
+            refused.add_metric([name], count)
+        for name, count in sorted(self._budgets.charged.items()):
+            charged.add_metric([name], count)
+        return [refused, charged]
+
+
 class Metrics:
     """The balancer's Prometheus registry and the per-request observations."""
 
@@ -188,6 +219,10 @@ class Metrics:
             buckets=QUEUE_BUCKETS, registry=self.registry)
         self.retries = Counter(
             "txlb_retries", "Requests retried on another backend.", registry=self.registry)
+
+    def watch_budgets(self, budgets: BudgetCounts) -> None:
+        """Export the token budgets' refusals and charged tokens, read at scrape time."""
+        self.registry.register(BudgetCollector(budgets))
 
     def observe(self, summary: Summary, answered: bool = True) -> None:
         """

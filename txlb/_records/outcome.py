@@ -46,6 +46,11 @@ class RequestOutcome:
     #: policy can match the outcome to what it predicted; ``None`` when not known (a
     #: summary from another process)
     routing: RoutingRequest | None = attrs.field(default=None, eq=False, repr=False)
+    #: the completion's tokens, as the backend counted them (``usage``), when it said
+    completion_tokens: int | None = None
+    #: how it ended, as the result log's ``outcome``: ``ok``, ``client_abort``,
+    #: ``timeout``, ``upstream_error`` or ``proxy_error``
+    end: str = "ok"
 
     @classmethod
     def of(cls, summary: Summary, answered: bool, client: str | None = None,
@@ -62,6 +67,8 @@ class RequestOutcome:
             time_per_output_token=time_per_output_token(summary, answered),
             client=client,
             routing=routing,
+            completion_tokens=summary.completion_tokens,
+            end=summary.outcome,
         )
 
 

@@ -138,6 +138,8 @@ class RequestRecord:
     #: what the request was routed by, for the policy that predicted something of it (a
     #: cache-aware policy's outcome); never written to the result log
     routing: RoutingRequest | None = attrs.field(default=None, repr=False)
+    #: headers txlb adds to the backend's answer (a token budget's x-ratelimit-*-tokens)
+    added_headers: tuple[tuple[bytes, bytes], ...] = ()
 
     def answered_by_proxy(self, status: int, body: bytes) -> None:
         """txlb answered this request itself, with ``status`` and the JSON ``body``."""

@@ -12,7 +12,6 @@ least recently used is dropped too (which only ever errs on the lenient side).
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import OrderedDict
 
@@ -21,6 +20,7 @@ from twisted.web.server import Request
 from zope.interface import implementer
 
 from txlb._cluster.store import IRateBuckets
+from txlb._config import token_digest
 
 #: Live buckets kept at most; a bucket costs roughly 100 bytes.
 MAX_KEYS = 100_000
@@ -79,7 +79,7 @@ def client_key(request: Request, kind: str = "ip") -> str:
         credentials = request.getHeader(b"authorization") or b""
         scheme, _, token = credentials.partition(b" ")
         if scheme.lower() == b"bearer" and token.strip():
-            return "token:" + hashlib.sha256(token.strip()).hexdigest()[:32]
+            return "token:" + token_digest(token)
     elif kind.startswith("header:"):
         value = request.getHeader(kind[len("header:"):].encode("ascii"))
         if value:

@@ -22,14 +22,17 @@ from txlb._cluster.pool import Pool
 from txlb._records.bookkeeper import Bookkeeper, SummaryConsumer, SummaryFeed
 from txlb._records.observer import IRequestObserver
 from txlb._records.summary import KEEP_ALL, Privacy, RequestRecord, Summary
+from txlb._scheduling.budgets import TokenBudgets
 from txlb._workers.wire import (
     Answer,
+    BudgetRefused,
     Down,
     Finished,
     FromWorker,
     Message,
     Ready,
     Retry,
+    Spent,
     Suspect,
     Wait,
 )
@@ -80,10 +83,12 @@ class WorkerReports:
     while the message travelled).
     """
 
-    def __init__(self, index: int, pool: Pool, bookkeeper: Bookkeeper) -> None:
+    def __init__(self, index: int, pool: Pool, bookkeeper: Bookkeeper,
+                 budgets: TokenBudgets | None = None) -> None:
         self._index = index
         self._pool = pool
         self._bookkeeper = bookkeeper
+        self._budgets = budgets
 
     def apply(self, message: FromWorker) -> bool:
         """
@@ -94,7 +99,15 @@ class WorkerReports:
         if isinstance(message, Finished):
             books.finished(message.summary, message.answered)
             return message.summary.backend is not None
-        if isinstance(message, Retry):
+        if isinstance(message, Spent | BudgetRefused):
+            if self._budgets is not None:
+                if isinstance(message, Spent):
+                    self._budgets.spent_elsewhere(
+                        [(name, window, client) for name, window, client in message.buckets],
+                        message.amount, message.charged)
+                else:
+                    self._budgets.count_refused(message.budget)
+        elif isinstance(message, Retry):
             books.retried()
         elif isinstance(message, Wait):
             books.waited(float(message.seconds))

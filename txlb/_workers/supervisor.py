@@ -54,6 +54,7 @@ from txlb._workers.wire import (
     Lines,
     Log,
     Ready,
+    Spent,
     State,
     Stop,
     WireError,
@@ -151,7 +152,8 @@ class WorkerProcess(ProcessProtocol):
         self.index = index
         #: what this worker reports, applied to the supervisor's bookkeeper
         self.reports = WorkerReports(index, supervisor.balancer.pool,
-                                     supervisor.balancer.bookkeeper)
+                                     supervisor.balancer.bookkeeper,
+                                     supervisor.balancer.budgets)
         self.started = started
         self.pid: int | None = None
         self.ready = False
@@ -315,12 +317,21 @@ class WorkerSupervisor(Service):
                     worker.ready = True
                     log.info("worker {index} (pid {pid}) serving",
                              index=worker.index, pid=message.pid)
+                elif isinstance(message, Spent):
+                    self._relay(worker, message)
                 freed = worker.reports.apply(message) or freed
             except Exception:
                 log.failure("could not handle a message from worker {index}",
                             index=worker.index)
         if freed:
             self._slots_freed(worker)
+
+    def _relay(self, source: WorkerProcess, message: Spent) -> None:
+        """What one worker's token budgets spent, to every other worker (one encoding)."""
+        line = encode(message)
+        for worker in self.workers.values():
+            if worker is not source:
+                worker.send(line)
 
     def _slots_freed(self, source: WorkerProcess | None) -> None:
         """Requests ended (or a worker died): wake the queues of the other workers."""

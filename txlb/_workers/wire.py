@@ -5,11 +5,12 @@ one JSON line each, encoded and decoded here and nowhere else.
 Supervisor to worker (the worker's standard input): :class:`Hello` (its row, the config,
 the backends), :class:`State` (the backends again, whenever the supervisor's pool changed),
 :class:`Kick` (a slot was freed in another worker: look at your max_conns queue again),
-:class:`Stop`.
+:class:`Stop`, and :class:`Spent` (tokens another worker's budgets took or gave back).
 
 Worker to supervisor (the worker's file descriptor 3): what its proxy observed
 (:class:`Finished`, :class:`Answer`, :class:`Suspect`, :class:`Retry`, :class:`Wait`,
-:class:`Down`; see :class:`txlb._records.observer.IRequestObserver`) and :class:`Ready`.
+:class:`Down`; see :class:`txlb._records.observer.IRequestObserver`), :class:`Ready`,
+and its token budgets' :class:`Spent` and :class:`BudgetRefused`.
 On its standard output: :class:`Log`, one per log event.
 
 Every message is a JSON object whose ``t`` names its type, with one key per field --
@@ -69,6 +70,21 @@ def _is_client(value: object) -> bool:
     return value is None or isinstance(value, str)
 
 
+#: Buckets one ``spent`` message may name (budgets x windows of one request)
+MAX_SPENT_BUCKETS = 256
+
+
+def _is_spent_buckets(value: object) -> bool:
+    return (isinstance(value, list) and len(value) <= MAX_SPENT_BUCKETS
+            and all(isinstance(entry, list) and len(entry) == 3
+                    and isinstance(entry[0], str) and _is_seconds(entry[1])
+                    and isinstance(entry[2], str) for entry in value))
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
 def _is_states(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(entry, dict) for entry in value)
 
@@ -117,6 +133,22 @@ class Stop:
     """Drain and end."""
 
     kind: ClassVar[str] = "stop"
+
+
+@attrs.frozen
+class Spent:
+    """
+    Tokens one worker's budgets took (a positive ``amount``: a reservation) or gave back
+    (negative: a reconciliation) in these buckets, each ``[budget, window, client key]``;
+    ``charged`` is what a finished request cost (0 for a reservation).  Both ways: a
+    worker tells the supervisor, which applies it and passes it to every other worker, so
+    that every process's levels are the fleet's.
+    """
+
+    kind: ClassVar[str] = "spent"
+    buckets: list[list[Any]] = _checked(_is_spent_buckets)
+    amount: float = _checked(_is_seconds)
+    charged: int = _checked(_is_count)
 
 
 # -- worker to supervisor ---------------------------------------------------------------
@@ -183,6 +215,14 @@ class Down:
 
 
 @attrs.frozen
+class BudgetRefused:
+    """A token budget refused a request (the supervisor's metrics count it)."""
+
+    kind: ClassVar[str] = "refused"
+    budget: str = _checked(_is_str)
+
+
+@attrs.frozen
 class Log:
     """One of the worker's log events, to be logged by the supervisor as its own."""
 
@@ -192,14 +232,15 @@ class Log:
     text: str = _checked(_is_str)
 
 
-ToWorker: TypeAlias = Hello | State | Kick | Stop
-FromWorker: TypeAlias = Ready | Finished | Answer | Suspect | Retry | Wait | Down | Log
+ToWorker: TypeAlias = Hello | State | Kick | Stop | Spent
+FromWorker: TypeAlias = (Ready | Finished | Answer | Suspect | Retry | Wait | Down | Log
+                         | Spent | BudgetRefused)
 Message: TypeAlias = ToWorker | FromWorker
 
 #: Every message type but :class:`Finished` (a list on the wire), by its ``t``.
 _TYPES: dict[str, type[Any]] = {
-    cls.kind: cls for cls in (Hello, State, Kick, Stop, Ready, Answer, Suspect, Retry, Wait,
-                              Down, Log)
+    cls.kind: cls for cls in (Hello, State, Kick, Stop, Spent, Ready, Answer, Suspect, Retry,
+                              Wait, Down, BudgetRefused, Log)
 }
 
 

@@ -56,17 +56,19 @@ from zope.interface import implementer
 from txlb._balancer import LoadBalancer, SequentialService
 from txlb._cluster.shared_counts import SharedCounts
 from txlb._compat import adopt_listening_port
-from txlb._records.bookkeeper import policy_learns
+from txlb._records.bookkeeper import budget_reconciles, policy_learns
 from txlb._records.summary import privacy_of
 from txlb._server.quiet import summarise_accept_errors
 from txlb._workers.reports import SupervisorForwarder
 from txlb._workers.wire import (
+    BudgetRefused,
     Hello,
     Kick,
     Lines,
     Log,
     Message,
     Ready,
+    Spent,
     State,
     Stop,
     WireError,
@@ -231,6 +233,10 @@ class SupervisorLink(Protocol):
                 self.balancer.pool.mirror(message.state)
             elif isinstance(message, Kick) and self.balancer is not None:
                 self.balancer.pool.capacity_changed()
+            elif isinstance(message, Spent) and self.balancer is not None:
+                self.balancer.budgets.spent_elsewhere(
+                    [(name, window, client) for name, window, client in message.buckets],
+                    message.amount, message.charged)
             elif isinstance(message, Stop):
                 self.stop("the supervisor asked")
 
@@ -246,6 +252,12 @@ class SupervisorLink(Protocol):
                                                 inflight=shared, observer=forwarder)
         # ... but this worker's policy learns from the requests it served itself.
         forwarder.summaries.add(policy_learns(balancer.pool, balancer.policy))
+        # ... and settles the token budgets of the requests it admitted, telling the
+        # supervisor (and through it the other workers) what it took and gave back
+        forwarder.summaries.add(budget_reconciles(balancer.budgets))
+        balancer.budgets.on_spent = lambda buckets, amount, charged: self.report(
+            Spent([list(where) for where in buckets], amount, charged))
+        balancer.budgets.on_refused = lambda name: self.report(BudgetRefused(name))
         balancer.pool.mirror(hello.state)
         balancer.router.on_queue_length = shared.set_waiters
         services = self.services = SequentialService()

@@ -1,0 +1,437 @@
+"""
+Token budgets (``[[budgets]]``): prompt + completion tokens per client key, per minute and
+per day.
+
+A request rate says nothing about a 100k-token prompt; a token budget does.  Each budget
+keeps, per client key it limits and per window, a **token bucket** whose capacity is the
+window's tokens and which refills continuously at capacity / window: a rolling window in
+O(1) time and memory per key (a key that used its whole minute gets a sixtieth of it back
+every second, rather than all of it at the top of the minute, so there is no burst at a
+window's edge for clients to race for).
+
+Admission cannot know what a request will cost, so it **reserves an estimate** made from
+the body (its bytes / 4 for the prompt, plus ``max_tokens`` -- or the configured default --
+times ``n`` for the completion) in every bucket that applies, and refuses the request with
+429 when any of them does not hold it.  When the request ends, the reservation is
+**reconciled** from the ``usage`` the answer carried (:meth:`TokenBudgets.reconcile`, a
+consumer of finished requests): the difference goes back (an over-estimate) or is taken
+as a debt the bucket pays off as it refills (an under-estimate).  Without ``usage`` the
+estimate stands; see :func:`charge` for every case.
+
+The levels live behind :class:`~txlb._cluster.store.ITokenLevels`
+(:class:`TokenLevels` here, in this process's memory) so that a store shared between
+balancers can hold them instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+
+import attrs
+from twisted.internet.interfaces import IReactorTime
+from twisted.web.server import Request
+from zope.interface import implementer
+
+from txlb._cluster.store import Bucket, ITokenLevels
+from txlb._config import BudgetSpec, Config
+from txlb._records.outcome import RequestOutcome
+from txlb._records.summary import API_PATHS
+from txlb._scheduling.ratelimit import client_key
+from txlb._scheduling.request import RoutingRequest
+
+#: Buckets kept at most (one per budget, window and client key; ~200 bytes each).
+MAX_KEYS = 100_000
+
+#: Characters of request body per prompt token, for the estimate: OpenAI's rule of thumb
+#: for English text.  JSON's own syntax makes it err high, which reconciliation gives back.
+CHARS_PER_TOKEN = 4
+
+#: Choices (``n``) counted at most: the engines refuse far fewer, and a hostile ``n`` then
+#: makes a request that can never fit rather than an overflowing estimate.
+MAX_CHOICES = 1024
+
+#: Separates a bucket key's parts: budget name, window, client key (names cannot hold it).
+_SEP = "\x1f"
+
+_WINDOW_NAMES = {60.0: "minute", 86400.0: "day"}
+
+
+@implementer(ITokenLevels)
+class TokenLevels:
+    """
+    Every token bucket of this process, on an injected clock.
+
+    Memory stays bounded: a bucket that has refilled to its capacity is indistinguishable
+    from a new one and is dropped (checked from the least recently used end, O(1) per
+    call), and beyond ``max_keys`` buckets the least recently used is dropped too -- which
+    only ever errs on the lenient side (a dropped bucket comes back full).
+    """
+
+    def __init__(self, clock: IReactorTime, max_keys: int = MAX_KEYS) -> None:
+        self._now = clock.seconds
+        self.max_keys = max_keys
+        # key -> (level, time of that level, time it is full again), least recently used first
+        self._levels: OrderedDict[str, tuple[float, float, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._levels)
+
+    def _current(self, bucket: Bucket, now: float) -> float:
+        key, capacity, rate = bucket
+        entry = self._levels.get(key)
+        if entry is None:
+            return capacity
+        level, stamp, _ = entry
+        return min(capacity, level + max(0.0, now - stamp) * rate)
+
+    def _store(self, bucket: Bucket, level: float, now: float) -> None:
+        key, capacity, rate = bucket
+        self._levels.pop(key, None)
+        self._levels[key] = (level, now, now + (capacity - level) / rate)
+
+    def _evict(self, now: float) -> None:
+        levels = self._levels
+        while levels:
+            key, (_, _, full_at) = next(iter(levels.items()))
+            if now < full_at and len(levels) < self.max_keys:
+                break
+            del levels[key]
+
+    def reserve(self, buckets: Sequence[Bucket], amount: float) -> float:
+        now = self._now()
+        self._evict(now)
+        levels = [self._current(bucket, now) for bucket in buckets]
+        wait = max(((amount - level) / bucket[2]
+                    for bucket, level in zip(buckets, levels, strict=True) if level < amount),
+                   default=0.0)
+        if wait > 0:
+            return wait
+        for bucket, level in zip(buckets, levels, strict=True):
+            self._store(bucket, level - amount, now)
+        return 0.0
+
+    def adjust(self, buckets: Sequence[Bucket], amount: float) -> None:
+        now = self._now()
+        self._evict(now)
+        for bucket in buckets:
+            # a debt is at most one window's tokens: a backend's absurd usage (2**62) must
+            # not lock a client out for years
+            capacity = bucket[1]
+            level = self._current(bucket, now) + amount
+            self._store(bucket, max(-capacity, min(capacity, level)), now)
+
+    def level(self, bucket: Bucket) -> float:
+        return self._current(bucket, self._now())
+
+    def forget(self, keep: Callable[[str], bool]) -> None:
+        for key in [key for key in self._levels if not keep(key)]:
+            del self._levels[key]
+
+
+@attrs.frozen
+class Estimate:
+    """What admission reserves for a request: its prompt and its most completion tokens."""
+
+    prompt: int
+    completion: int
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.completion
+
+
+#: Where a hostile count stops growing: far above any budget, far below float trouble.
+MAX_COUNT = 2**62
+
+
+def _whole(value: object) -> int | None:
+    """
+    A JSON integer count, as far as :data:`MAX_COUNT` (a larger one is that: a request
+    asking for 10**30 tokens can never fit, it does not get the default); a bool, a
+    string, a float or a negative number is no count at all.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return min(value, MAX_COUNT)
+    return None
+
+
+def estimate_tokens(body: bytes, parsed: Mapping[str, object] | None, path: bytes,
+                    default_completion: int) -> Estimate:
+    """
+    The tokens a request may cost, from what it says before it runs: its body's bytes over
+    :data:`CHARS_PER_TOKEN` for the prompt (any API's shape, tools and images included,
+    without parsing it twice), and for the completion its ``max_tokens`` (or
+    ``max_completion_tokens``, or the Responses API's ``max_output_tokens``) -- else
+    ``default_completion`` -- times its ``n``.  Only the APIs that generate have a
+    completion: an embedding, or a path txlb does not know as an LLM API (``/metrics``, a
+    ``GET``), costs its body alone.
+    """
+    prompt = math.ceil(len(body) / CHARS_PER_TOKEN)
+    if API_PATHS.get(path) in (None, "embeddings"):
+        return Estimate(prompt, 0)
+    most = None
+    choices = 1
+    if parsed is not None:
+        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+            most = _whole(parsed.get(field))
+            if most is not None:
+                break
+        choices = min(MAX_CHOICES, max(1, _whole(parsed.get("n")) or 1))
+    return Estimate(prompt, (default_completion if most is None else most) * choices)
+
+
+def charge(outcome: RequestOutcome, estimate: Estimate) -> int:
+    """
+    The tokens a finished request costs, from what it reported (its ``usage``) or else
+    what it was estimated to cost:
+
+    * answered with a success: ``usage``'s prompt and completion tokens; a part ``usage``
+      did not give (a stream without ``include_usage``, a client that left mid-answer) is
+      charged its estimate -- the whole ``max_tokens``, as txlb cannot count what it did
+      not see counted;
+    * answered with an error (4xx, 5xx): nothing, the engine generated nothing;
+    * never answered: the prompt's estimate when the client left, or the backend fell
+      silent, after the request was sent (the engine may have read the prompt: leaving
+      early must not make a huge prompt free); nothing when it was never sent (no backend,
+      the queue timed out, every try was refused).
+    """
+    if not outcome.answered:
+        sent = outcome.backend not in ("", "-")
+        return estimate.prompt if sent and outcome.end in ("client_abort", "timeout") else 0
+    if not 200 <= outcome.status < 300:
+        return 0
+    prompt = estimate.prompt if outcome.prompt_tokens is None else outcome.prompt_tokens
+    completion = (estimate.completion if outcome.completion_tokens is None
+                  else outcome.completion_tokens)
+    return prompt + completion
+
+
+@attrs.frozen
+class Reservation:
+    """What one admitted request holds: the buckets it reserved in, and how much."""
+
+    #: per bucket: (budget name, window seconds, client key)
+    buckets: tuple[Where, ...]
+    estimate: Estimate
+
+
+@attrs.frozen
+class Admission:
+    """Admission's verdict on one request, and the headers its answer carries."""
+
+    refused: bool = False
+    message: str = ""
+    #: whole seconds for ``Retry-After`` (``None``: never, or not refused)
+    retry_after: int | None = None
+    #: the budget that refused it
+    budget: str | None = None
+    #: the x-ratelimit-*-tokens headers for the tightest budget that applies
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+#: A request no budget applies to.
+ADMITTED = Admission()
+
+#: Where a budget's buckets are, by name: (budget name, window seconds, client key).
+Where = tuple[str, float, str]
+
+
+def go_duration(seconds: float) -> str:
+    """
+    A wait as OpenAI's ``x-ratelimit-reset-tokens`` writes it (Go's duration format):
+    ``"6ms"``, ``"1s"``, ``"6m0s"``, ``"1h0m0s"``; rounded up, so it is never early.
+    """
+    if seconds <= 0:
+        return "0s"
+    if seconds < 1:
+        return f"{math.ceil(seconds * 1000)}ms"
+    whole = math.ceil(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    if minutes:
+        return f"{minutes}m{secs}s"
+    return f"{secs}s"
+
+
+def _bucket_key(name: str, window: float, client: str) -> str:
+    return f"{name}{_SEP}{window:g}{_SEP}{client}"
+
+
+class TokenBudgets:
+    """
+    The configured budgets: admission (:meth:`admit`, from the proxy), reconciliation
+    (:meth:`reconcile`, from the books of each finished request), live changes
+    (:meth:`reconfigure`) and what ``/status`` and the metrics show.
+    """
+
+    def __init__(self, config: Config, levels: ITokenLevels) -> None:
+        self.levels = levels
+        self._specs: tuple[BudgetSpec, ...] = ()
+        self._windows: dict[tuple[str, float], float] = {}
+        self.default_completion = config.budget_completion_estimate
+        #: requests refused, and tokens charged, by budget name (for the metrics)
+        self.refused: dict[str, int] = {}
+        self.charged: dict[str, int] = {}
+        #: told of every change this process makes to its levels -- ``(buckets, amount
+        #: taken, tokens charged)`` -- and of every refusal (a budget's name): a
+        #: ``--workers`` worker passes them on, so every process keeps the fleet's levels
+        self.on_spent: Callable[[Sequence[Where], float, int], object] | None = None
+        self.on_refused: Callable[[str], object] | None = None
+        self.reconfigure(config)
+
+    @property
+    def specs(self) -> tuple[BudgetSpec, ...]:
+        return self._specs
+
+    def reconfigure(self, config: Config) -> None:
+        """
+        Apply a new config's budgets in place.  A budget keeps its levels by name (and
+        window): raising its limit gives no one a fresh bucket, lowering it caps the
+        levels above it on their next use; a removed budget (or window) stops applying
+        and its levels are dropped.  Requests admitted before are reconciled against the
+        budgets that still exist.
+        """
+        self._specs = config.budgets
+        self.default_completion = config.budget_completion_estimate
+        self._windows = {(spec.name, window): float(tokens)
+                         for spec in config.budgets for window, tokens in spec.windows}
+        kept = {f"{name}{_SEP}{window:g}" for name, window in self._windows}
+        # split from the left: a client key (a header's value) may hold anything
+        self.levels.forget(lambda key: _SEP.join(key.split(_SEP, 2)[:2]) in kept)
+        names = {spec.name for spec in config.budgets}
+        for counts in (self.refused, self.charged):
+            for name in [name for name in counts if name not in names]:
+                del counts[name]
+
+    def _bucket(self, name: str, window: float, client: str) -> Bucket | None:
+        capacity = self._windows.get((name, window))
+        if capacity is None:
+            return None
+        return (_bucket_key(name, window, client), capacity, capacity / window)
+
+    def admit(self, request: Request, routing: RoutingRequest, path: bytes,
+              priority: str | None) -> Admission:
+        """
+        Reserve the request's estimated tokens in every budget that applies to it (by its
+        client keys and its priority class ``priority``), or refuse it.  An admitted
+        request's reservation rides on ``routing`` to :meth:`reconcile`.
+        """
+        keys: dict[str, str] = {}
+        applies: list[Where] = []
+        for spec in self._specs:
+            if spec.priority is not None and spec.priority != priority:
+                continue
+            client = keys.get(spec.kind)
+            if client is None:
+                client = keys[spec.kind] = client_key(request, spec.kind)
+            if spec.key is not None and client != spec.key:
+                continue
+            applies.extend((spec.name, window, client) for window, _ in spec.windows)
+        if not applies:
+            return ADMITTED
+        estimate = estimate_tokens(routing.body, routing.json, path, self.default_completion)
+        amount = estimate.total
+        buckets = [self._bucket(*where) for where in applies]
+        ready = [bucket for bucket in buckets if bucket is not None]
+        for (name, window, _), (_, capacity, _) in zip(applies, ready, strict=True):
+            if amount > capacity:
+                return self._refused(name, None, ready, (
+                    f"token budget {name!r} exceeded: this request may use about {amount} "
+                    f"tokens (its body, plus {estimate.completion} to generate), more than "
+                    f"the {int(capacity)} the budget allows per {_WINDOW_NAMES[window]}; "
+                    "it can never fit: lower max_tokens or shorten the prompt"))
+        wait = self.levels.reserve(ready, amount)
+        if wait > 0:
+            retry = max(1, math.ceil(wait))
+            name = self._short(applies, ready, amount)
+            return self._refused(name, retry, ready, (
+                f"token budget {name!r} exceeded for this client: this request may use "
+                f"about {amount} tokens; retry in {retry}s"))
+        routing.memo[self] = Reservation(tuple(applies), estimate)
+        if self.on_spent is not None and amount:
+            self.on_spent(applies, amount, 0)
+        return Admission(headers=self._headers(ready))
+
+    def _short(self, applies: list[Where], buckets: list[Bucket],
+               amount: int) -> str:
+        """The budget that keeps a request waiting longest."""
+        def wait(bucket: Bucket) -> float:
+            return (amount - self.levels.level(bucket)) / bucket[2]
+
+        waits = [wait(bucket) for bucket in buckets]
+        return applies[waits.index(max(waits))][0]
+
+    def _refused(self, name: str, retry: int | None, buckets: Sequence[Bucket],
+                 message: str) -> Admission:
+        self.refused[name] = self.refused.get(name, 0) + 1
+        if self.on_refused is not None:
+            self.on_refused(name)
+        return Admission(True, message, retry, name, self._headers(buckets))
+
+    def _headers(self, buckets: Sequence[Bucket]) -> tuple[tuple[bytes, bytes], ...]:
+        """OpenAI's token headers, for the bucket with the fewest tokens left."""
+        levels = [self.levels.level(bucket) for bucket in buckets]
+        level = min(levels)
+        _, capacity, rate = buckets[levels.index(level)]
+        return (
+            (b"x-ratelimit-limit-tokens", b"%d" % capacity),
+            (b"x-ratelimit-remaining-tokens", b"%d" % max(0, math.floor(level))),
+            (b"x-ratelimit-reset-tokens", go_duration((capacity - level) / rate).encode()),
+        )
+
+    def reconcile(self, outcome: RequestOutcome) -> None:
+        """
+        A request ended: replace its reservation by what it cost (:func:`charge`), in the
+        buckets of the budgets that still exist.  Once per request (the reservation is
+        taken off the request), whoever reports it.
+        """
+        routing = outcome.routing
+        if routing is None:
+            return  # a request of another process, or one no budget applied to
+        reservation = routing.memo.pop(self, None)
+        if not isinstance(reservation, Reservation):
+            return
+        cost = charge(outcome, reservation.estimate)
+        back = reservation.estimate.total - cost
+        self._apply(reservation.buckets, -back, cost)
+        if self.on_spent is not None and (back or cost):
+            self.on_spent(reservation.buckets, -back, cost)
+
+    def spent_elsewhere(self, buckets: Sequence[Where], amount: float, charged: int) -> None:
+        """
+        Another process's budgets took ``amount`` from these buckets (a negative amount:
+        gave it back), and a request there cost ``charged``: apply it here too, for the
+        budgets that exist here.
+        """
+        self._apply(buckets, amount, charged)
+
+    def _apply(self, buckets: Sequence[Where], amount: float, charged: int) -> None:
+        ready = [bucket for bucket in (self._bucket(*where) for where in buckets)
+                 if bucket is not None]
+        if amount and ready:
+            self.levels.adjust(ready, -amount)
+        if charged:
+            for name in dict.fromkeys(name for name, _, _ in buckets):
+                if any(budget == name for budget, _ in self._windows):
+                    self.charged[name] = self.charged.get(name, 0) + charged
+
+    def count_refused(self, name: str) -> None:
+        """Another process's budget ``name`` refused a request."""
+        if any(budget == name for budget, _ in self._windows):
+            self.refused[name] = self.refused.get(name, 0) + 1
+
+    def status(self) -> dict[str, object]:
+        """What ``/status`` shows: the budgets (never a client key) and the buckets kept."""
+        budgets = []
+        for spec in self._specs:
+            entry: dict[str, object] = {"name": spec.name, "key": spec.kind,
+                                        "one_client": spec.key is not None,
+                                        "class": spec.priority}
+            for window, tokens in spec.windows:
+                entry[f"tokens_per_{_WINDOW_NAMES[window]}"] = tokens
+            budgets.append(entry)
+        return {"budgets": budgets, "budget_keys_tracked": len(self.levels)}
