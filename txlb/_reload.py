@@ -335,11 +335,10 @@ class Reloader:
     """
 
     def __init__(self, lb: LoadBalancer, source: ConfigSource | None,
-                 clock: IReactorTime, membership: bool = True) -> None:
+                 clock: IReactorTime) -> None:
         self._lb = lb
         self.source = source
         self._clock = clock
-        self._membership = membership
         self.generation = ConfigGeneration(clock.seconds(),
                                            source.path if source is not None else None)
         self._applying = False
@@ -368,15 +367,18 @@ class Reloader:
                 from None
         return self.apply(config)
 
-    def apply(self, config: Config) -> int:
-        """Apply an already validated ``config``; the new generation (see the class)."""
+    def apply(self, config: Config, membership: bool = True) -> int:
+        """
+        Apply an already validated ``config``; the new generation (see the class).
+        ``membership=False`` leaves the backends to the supervisor (a worker).
+        """
         if self._applying:
             self._again = True
             return self.generation.generation
         self._applying = True
         try:
             try:
-                plan = plan_reload(self._lb, config, self._membership)
+                plan = plan_reload(self._lb, config, membership)
             except ReloadRefused as refused:
                 raise self._refuse(ReloadRefused(
                     f"reload refused, still running generation "

@@ -22,6 +22,7 @@ from txlb._workers.wire import (
     Kick,
     Log,
     Ready,
+    Reload,
     Retry,
     State,
     Stop,
@@ -41,6 +42,7 @@ STATE = [{"spec": {"host": "127.0.0.1", "port": 9}, "slot": 0, "healthy": True}]
 EVERY_MESSAGE: list[Any] = [
     Hello(workers=2, slots=64, family=2, config="Y29uZmln", state=STATE),
     State(STATE),
+    Reload(config="Y29uZmln"),
     Kick(),
     Stop(),
     Ready(4242),
@@ -133,6 +135,8 @@ class RefusalTests(SynchronousTestCase):
             {"t": "state", "state": [1, 2]},
             {"t": "log", "level": "info", "namespace": "-", "text": None},
             {"t": "hello", "workers": 2, "slots": 64, "family": 2, "config": 1, "state": []},
+            {"t": "reload", "config": None},
+            {"t": "reload", "config": ["a"]},
         ):
             self.refused(line(value))
 
