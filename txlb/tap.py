@@ -173,6 +173,9 @@ class _ReloadOnHangup(Service):
 
     def _install(self) -> None:
         signal.signal(signal.SIGHUP, self._hangup)
+        source = self._balancer.reloader.source
+        if source is not None and source.path is not None:
+            log.info("kill -HUP {pid} re-reads {path}", pid=os.getpid(), path=source.path)
 
     def _hangup(self, number: int, frame: object) -> None:
         self._reactor.callFromThread(self._requested)
