@@ -35,7 +35,7 @@ from twisted.logger import Logger
 
 from txlb._cluster.backend import Backend
 from txlb._cluster.outlier import OutlierRule
-from txlb._config import BackendSpec, Config, ConfigError, build_config
+from txlb._config import BackendSpec, Config, ConfigError, build_config, read_toml
 from txlb._records.bookkeeper import policy_learns
 from txlb._records.summary import privacy_of
 from txlb._scheduling.affinity import BoundedLoadRing
@@ -91,6 +91,17 @@ class ConfigSource:
     def read(self) -> Config:
         """The config a start would build now; raises :class:`ConfigError`."""
         return build_config(self.command_line, self.environ)
+
+    def gives_user_key(self) -> bool:
+        """
+        Whether ``log-user-key`` is set (environment or file), rather than drawn at random
+        for ``--log-user hash``: a reload keeps the running random key, or every reload
+        would give the same user another digest.
+        """
+        if "LB_LOG_USER_KEY" in self.environ:
+            return True
+        path = self.path
+        return path is not None and "log-user-key" in read_toml(path)
 
 
 @attrs.define
@@ -361,6 +372,10 @@ class Reloader:
             return self.generation.generation
         try:
             config = source.read()
+            running = self._lb.config
+            if (config.log_user == running.log_user == "hash"
+                    and not source.gives_user_key()):
+                config = attrs.evolve(config, log_user_key=running.log_user_key)
         except ConfigError as error:
             raise self._refuse(ReloadRefused(f"reload refused, still running generation "
                                              f"{self.generation.generation}: {error}")) \

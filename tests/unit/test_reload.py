@@ -314,6 +314,17 @@ class SettingsTests(ReloadTestCase):
         self.reload()
         self.assertEqual((self.lb.privacy.content, self.lb.privacy.user), (0, "drop"))
 
+    def test_a_random_user_digest_key_stays_across_reloads(self) -> None:
+        self.rewrite('log-user = "hash"\n' + self.first)
+        self.reload()
+        key = self.lb.config.log_user_key
+        self.assertIsNotNone(key)
+        self.reload()
+        self.assertEqual(self.lb.config.log_user_key, key)
+        self.rewrite(f'log-user = "hash"\nlog-user-key = "{"k" * 20}"\n' + self.first)
+        self.reload()
+        self.assertEqual(self.lb.config.log_user_key, "k" * 20)
+
     def test_the_admin_token_can_be_rotated(self) -> None:
         admin = StubTreq(self.lb.admin_resource())
         self.rewrite('admin-token = "s3cret"\n' + self.first)
