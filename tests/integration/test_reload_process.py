@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from ..processes import (
 from .test_faults import SimProcess
 
 STREAMS = 32
-TOKENS = 30  # at 10 tokens/s: a stream lasts 3 s, long enough to reload under it
+TOKENS = 60  # at 10 tokens/s: a stream lasts 6 s, long enough to open 32 and reload under them
 JSON = {b"content-type": [b"application/json"]}
 
 
@@ -109,13 +110,16 @@ class ReloadProcessTests(TestCase):
         self.write(kept.key, new.key, extra='policy = "round-robin"\n')
         os.kill(lb.pid, signal.SIGHUP)
         await wait_until(lambda: "generation 2 applied" in lb.output(), what="the reload")
-        self.assertTrue(any(not chunks.done.called for _, chunks in streams),
-                        "the streams ended before the reload: make them slower")
+        reloaded = time.monotonic()
 
         served = await self.backend_of_new_requests(lb, 6)
         self.assertEqual(served, {kept.key, new.key})
 
         bodies = [await chunks.done for _, chunks in streams]
+        for _, chunks in streams:
+            self.assertTrue(chunks.clean)  # ended as HTTP says, not cut
+            # each was still streaming when the reload was applied: it went through it
+            self.assertGreater(chunks.chunks[-1][0], reloaded)
         for body in bodies:
             events = [line[6:] for line in body.decode().split("\n\n")
                       if line.startswith("data: ")]
@@ -158,6 +162,56 @@ class ReloadProcessTests(TestCase):
         self.assertEqual((code, answer["generation"]), (200, 2))
         self.assertEqual(await self.backend_of_new_requests(lb, 4), {first.key, second.key})
         self.assertIsNone(lb.process.poll())
+
+    @defer.inlineCallbacks
+    def test_with_workers_every_worker_and_a_respawned_one_take_the_reload(self) -> Any:
+        yield defer.ensureDeferred(self._workers())
+
+    async def model_requests(self, lb: TwistdProcess, model: str, count: int,
+                             ) -> list[tuple[int, str | None]]:
+        answers = []
+        for _ in range(count):
+            response, _ = await self.client.fetch(
+                lb.url + "/v1/chat/completions", b"POST",
+                json.dumps({"model": model, "max_tokens": 1,
+                            "messages": [{"role": "user", "content": "hi"}]}).encode(), JSON)
+            answers.append((response.code, header(response, b"x-backend")))
+        return answers
+
+    async def _workers(self) -> None:
+        first, second = await self.sims(2)
+        self.config = Path(self.mktemp()).resolve()
+        self.config.parent.mkdir(parents=True, exist_ok=True)
+        self.write(first.key)
+        lb = TwistdProcess("--config", str(self.config), "--admin",
+                           "tcp:0:interface=127.0.0.1", "--workers", "2")
+        self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
+        await lb.started()
+        await wait_until(lambda: lb.output().count(") serving") >= 2, timeout=30,
+                         what="both workers")
+        await wait_until(lambda: "re-reads" in lb.output(), what="the SIGHUP handler")
+        self.client = Client()
+        self.addCleanup(self.client.pool.closeCachedConnections)
+        self.assertEqual({code for code, _ in await self.model_requests(lb, "chat", 4)},
+                         {404})
+
+        # routes are the workers' (their routers), backends the supervisor's (mirrored)
+        self.write(first.key, second.key,
+                   extra='[[routes]]\nmodel = "chat"\nto = { "sim-model" = 1 }\n\n')
+        os.kill(lb.pid, signal.SIGHUP)
+        await wait_until(lambda: "generation 2 applied" in lb.output(), what="the reload")
+        answers = await self.model_requests(lb, "chat", 20)  # fresh connections: both workers
+        self.assertEqual({code for code, _ in answers}, {200})
+        self.assertEqual({backend for _, backend in answers}, {first.key, second.key})
+
+        # a worker started after the reload starts with the new config
+        _, body = await self.client.fetch(lb.admin_url + "/status")
+        workers = json.loads(body.body)["workers"]
+        os.kill(workers[0]["pid"], signal.SIGKILL)
+        await wait_until(lambda: lb.output().count(") serving") >= 3, timeout=30,
+                         what="the replacement worker")
+        answers = await self.model_requests(lb, "chat", 20)
+        self.assertEqual({code for code, _ in answers}, {200})
 
     def test_check_exits_0_or_2_without_starting(self) -> None:
         good = Path(self.mktemp()).resolve()
