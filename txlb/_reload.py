@@ -353,7 +353,9 @@ class Reloader:
         self.generation = ConfigGeneration(clock.seconds(),
                                            source.path if source is not None else None)
         self._applying = False
+        #: asked for while one was being applied: re-read the file / apply this config after
         self._again = False
+        self._next: tuple[Config, bool] | None = None
         #: told of every applied config (the supervisor sends it to its workers)
         self.on_applied: list[Callable[[Config], object]] = []
 
@@ -388,7 +390,7 @@ class Reloader:
         ``membership=False`` leaves the backends to the supervisor (a worker).
         """
         if self._applying:
-            self._again = True
+            self._next = (config, membership)
             return self.generation.generation
         self._applying = True
         try:
@@ -415,12 +417,15 @@ class Reloader:
                     log.failure("telling of the new config failed")
         finally:
             self._applying = False
-        if self._again:
-            self._again = False
-            try:
+        pending, self._next = self._next, None
+        again, self._again = self._again, False
+        try:
+            if again:
                 return self.reload_from_source()
-            except ReloadRefused:
-                pass
+            if pending is not None:
+                return self.apply(*pending)
+        except ReloadRefused:
+            pass  # logged; the one just applied runs
         return self.generation.generation
 
     def _refuse(self, refused: ReloadRefused) -> ReloadRefused:

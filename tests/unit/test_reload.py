@@ -325,6 +325,37 @@ class SettingsTests(ReloadTestCase):
         self.reload()
         self.assertEqual(self.lb.config.log_user_key, "k" * 20)
 
+    def test_the_main_ports_own_answers_and_headers_follow(self) -> None:
+        self.rewrite('lb-status = "off"\nx-backend = "off"\nmax-body = 10\n' + self.first)
+        self.reload()
+        self.proxy(b"/__lb_status")  # now a path like any other: to a backend
+        self.assertEqual(self.upstream.calls[-1].uri.split(b"/", 3)[3], b"__lb_status")
+        self.finish(0)
+        self.assertNotIn(b"x-backend", self.proxy(b"/").transport.value().lower())
+        self.assertEqual((self.lb.sites[0].max_body, self.lb.proxy.max_body), (10, 10))
+
+    def test_a_new_connect_timeout_reaches_new_connections(self) -> None:
+        from twisted.internet.testing import MemoryReactorClock
+
+        reactor = MemoryReactorClock()
+        lb = LoadBalancer(config=self.source.read(), source=self.source, reactor=reactor,
+                          probe_agent=self.probes)
+        self.rewrite("connect-timeout = 1.5\n" + self.first)
+        lb.reload_from_source()
+        client = ClientConnection(lb.site())
+        client.request(b"GET", b"/")
+        self.assertEqual(reactor.tcpClients[-1][3], 1.5)
+
+    def test_turning_the_hang_detector_on_or_off_needs_a_restart(self) -> None:
+        self.rewrite("hung-after = 0\nretry-window = 4\n" + self.first)
+        self.reload()
+        (warning,) = self.lines("warn")
+        self.assertIn("--hung-after", warning)
+        self.assertEqual((self.lb.config.hung_after, self.lb.config.retry_window), (1.25, 4))
+        self.rewrite("hung-after = 3\n" + self.first)
+        self.reload()
+        self.assertEqual((self.lb.config.hung_after, self.lb.hung.stall), (3, 3))
+
     def test_the_admin_token_can_be_rotated(self) -> None:
         admin = StubTreq(self.lb.admin_resource())
         self.rewrite('admin-token = "s3cret"\n' + self.first)
@@ -493,6 +524,20 @@ class OverlapTests(ReloadTestCase):
         self.assertEqual(self.reload(), 3)
         self.assertEqual(len(calls), 2)
         self.assertEqual(lb.router.queue_timeout, 6)
+
+
+    def test_a_config_given_while_one_applies_is_applied_after_it(self) -> None:
+        lb = self.lb
+        later = build_config({"backends": A, "log-file": "none", "queue-timeout": "9"}, {})
+
+        class GivesAnother:
+            def reconfigure(self, config: Config) -> None:
+                if config.queue_timeout != 9:
+                    lb.reload(later)
+
+        lb.reconfigurable.append(GivesAnother())
+        self.assertEqual(lb.reload(build_config({"backends": B, "log-file": "none"}, {})), 3)
+        self.assertEqual((lb.router.queue_timeout, [b.key for b in lb.pool]), (9, [A]))
 
 
 class AdminReloadTests(ReloadTestCase):
