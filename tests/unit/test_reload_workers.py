@@ -83,3 +83,26 @@ class WorkerAppliesItTests(SynchronousTestCase):
         link.dataReceived(encode(Reload("bm90IGEgcGlja2xl")))
         self.assertIs(link.balancer.config, config)
         self.assertTrue(self.flushLoggedErrors())
+
+
+class MirroredRespecificationTests(SynchronousTestCase):
+    def test_a_worker_keeps_its_backend_object_and_requests_when_the_spec_changes(
+            self) -> None:
+        """The supervisor's State after a reload changed a weight: the same backend, in place."""
+        from txlb._cluster.pool import Pool
+        from txlb._config import BackendSpec
+
+        supervisor_pool = Pool((BackendSpec("127.0.0.1", 9, weight=1, max_conns=2),))
+        worker_pool = Pool()
+        worker_pool.mirror(supervisor_pool.shared_state())
+        backend = worker_pool.get("127.0.0.1:9")
+        assert backend is not None
+        lease = worker_pool.acquire(backend)
+        source = supervisor_pool.get("127.0.0.1:9")
+        assert source is not None
+        supervisor_pool.respecify(source, BackendSpec("127.0.0.1", 9, weight=4, max_conns=1))
+        worker_pool.mirror(supervisor_pool.shared_state())
+        self.assertIs(worker_pool.get("127.0.0.1:9"), backend)
+        self.assertEqual((backend.weight, backend.spec.max_conns, backend.active), (4, 1, 1))
+        lease.release()
+        self.assertEqual(backend.active, 0)
