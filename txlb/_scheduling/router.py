@@ -329,12 +329,16 @@ class Router:
         self.affinity = affinity
         if queue_timeout != self.queue_timeout:
             self.queue_timeout = queue_timeout
-            now = self.clock.seconds()
-            for waiter in self._queue:
-                if waiter.timer is not None and waiter.timer.active():
-                    waiter.timer.cancel()
-                left = max(0.0, waiter.since + queue_timeout - now)
-                waiter.timer = self.clock.callLater(left, self._expire, waiter)
+            self._reschedule_deadlines()
+
+    def _reschedule_deadlines(self) -> None:
+        """Each queued request's deadline: its arrival plus the queue timeout now."""
+        now = self.clock.seconds()
+        for waiter in self._queue:
+            if waiter.timer is not None and waiter.timer.active():
+                waiter.timer.cancel()
+            left = max(0.0, waiter.since + self.queue_timeout - now)
+            waiter.timer = self.clock.callLater(left, self._expire, waiter)
 
     def abandon_queue(self, message: str) -> None:
         """Refuse every queued request with 503 (the balancer is shutting down)."""
