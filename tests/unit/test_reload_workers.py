@@ -106,3 +106,28 @@ class MirroredRespecificationTests(SynchronousTestCase):
         self.assertEqual((backend.weight, backend.spec.max_conns, backend.active), (4, 1, 1))
         lease.release()
         self.assertEqual(backend.active, 0)
+
+
+class SharedTableTests(SynchronousTestCase):
+    def test_more_new_backends_than_the_shared_table_holds_is_refused_whole(self) -> None:
+        import os
+
+        from txlb._cluster.shared_counts import SharedCounts
+
+        shared = SharedCounts.create(1, slots=3)
+        self.addCleanup(lambda: os.close(shared.fd))
+        self.addCleanup(shared.close)
+        config = build_config({"backends": "127.0.0.1:9", "log-file": "none"}, {})
+        lb = LoadBalancer(config=config, reactor=Clock(), agent=FakeUpstream(),
+                          probe_agent=FakeUpstream(), inflight=shared)
+        too_many = build_config({"backends": ",".join(f"127.0.0.1:{p}" for p in range(9, 13)),
+                                 "log-file": "none", "queue-timeout": "4"}, {})
+        with self.assertRaises(ReloadRefused) as caught:
+            lb.reload(too_many)
+        self.assertIn("shared table", str(caught.exception))
+        self.assertEqual(([b.key for b in lb.pool], lb.router.queue_timeout),
+                         (["127.0.0.1:9"], 30))
+        fits = build_config({"backends": "127.0.0.1:9,127.0.0.1:10,127.0.0.1:11",
+                             "log-file": "none"}, {})
+        self.assertEqual(lb.reload(fits), 2)
+        self.assertEqual(len(lb.pool), 3)
