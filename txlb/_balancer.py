@@ -352,9 +352,12 @@ class LoadBalancer:
         """
         return self.reloader.apply(new_config)
 
-    def reload_from_source(self) -> int:
-        """Re-read the config file (and the command line, environment as started): SIGHUP."""
-        return self.reloader.reload_from_source()
+    def reload_from_source(self, trigger: str | None = None) -> int:
+        """
+        Re-read the config file (with the command line and environment as started), as
+        SIGHUP does; ``trigger`` names who asked in the log line.
+        """
+        return self.reloader.reload_from_source(trigger)
 
     def _current_backends(self) -> list[Backend]:
         """The pool's backends with their in-flight counts as of now (shared ones read)."""
@@ -379,7 +382,7 @@ class LoadBalancer:
                       history=self.history,
                       # the policy of the moment: a reload may replace it
                       describe=lambda backend: self.policy.describe(backend),
-                      reload=self.reload_from_source,
+                      reload=lambda: self.reload_from_source("POST /reload"),
                       config_status=self.reloader.generation.status)
         self.admins.append(admin)
         return admin.resource()

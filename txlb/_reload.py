@@ -335,6 +335,11 @@ def apply_reload(lb: LoadBalancer, plan: _Plan) -> None:
             log.failure("could not start the first probe of {backend}", backend=backend.key)
 
 
+def _reload(trigger: str | None) -> str:
+    """How the one line of a reload starts: ``reload``, or ``reload (SIGHUP)``."""
+    return "reload" if trigger is None else f"reload ({trigger})"
+
+
 class Reloader:
     """
     One balancer's reloads: reads its :class:`ConfigSource`, refuses a bad config with
@@ -359,16 +364,17 @@ class Reloader:
         #: told of every applied config (the supervisor sends it to its workers)
         self.on_applied: list[Callable[[Config], object]] = []
 
-    def reload_from_source(self) -> int:
+    def reload_from_source(self, trigger: str | None = None) -> int:
         """
         Re-read the config and apply it; the new generation.  Raises
-        :class:`ReloadRefused` (already logged) when it is not applied.
+        :class:`ReloadRefused` (already logged) when it is not applied.  ``trigger`` says
+        what asked (``SIGHUP``, ``POST /reload``) in the one line logged.
         """
         source = self.source
         if source is None or source.path is None:
             raise self._refuse(ReloadRefused(
-                "reload refused: txlb was started without --config, so there is no file "
-                "to re-read", status=409))
+                f"{_reload(trigger)} refused: txlb was started without --config, so there "
+                "is no file to re-read", status=409))
         if self._applying:
             self._again = True
             return self.generation.generation
@@ -379,12 +385,12 @@ class Reloader:
                     and not source.gives_user_key()):
                 config = attrs.evolve(config, log_user_key=running.log_user_key)
         except ConfigError as error:
-            raise self._refuse(ReloadRefused(f"reload refused, still running generation "
-                                             f"{self.generation.generation}: {error}")) \
+            raise self._refuse(ReloadRefused(self._still_running(trigger, str(error)))) \
                 from None
-        return self.apply(config)
+        return self.apply(config, trigger=trigger)
 
-    def apply(self, config: Config, membership: bool = True) -> int:
+    def apply(self, config: Config, membership: bool = True,
+              trigger: str | None = None) -> int:
         """
         Apply an already validated ``config``; the new generation (see the class).
         ``membership=False`` leaves the backends to the supervisor (a worker).
@@ -398,17 +404,26 @@ class Reloader:
                 plan = plan_reload(self._lb, config, membership)
             except ReloadRefused as refused:
                 raise self._refuse(ReloadRefused(
-                    f"reload refused, still running generation "
-                    f"{self.generation.generation}: {refused.message}")) from None
+                    self._still_running(trigger, refused.message))) from None
             if plan.restart_only:
-                log.warn("reload: {names} cannot change without a restart and keep "
+                log.warn("{reload}: {names} cannot change without a restart and keep "
                          "their running values; the rest is applied",
-                         names=", ".join(plan.restart_only))
-            apply_reload(self._lb, plan)
+                         reload=_reload(trigger), names=", ".join(plan.restart_only))
+            try:
+                apply_reload(self._lb, plan)
+            except Exception:
+                # txlb's bug, not the file's: say so, whole, and that it is half applied
+                log.failure("{reload}: applying generation {generation} failed part-way",
+                            reload=_reload(trigger),
+                            generation=self.generation.generation + 1)
+                raise self._refuse(ReloadRefused(
+                    f"{_reload(trigger)} failed part-way (see txlb's log)", status=500)) \
+                    from None
             self.generation.applied(self._clock.seconds())
             self._lb.metrics.reloaded(True, self.generation.generation)
-            log.info("reload: generation {generation} applied ({count} backends, policy "
-                     "{policy})", generation=self.generation.generation,
+            log.info("{reload}: generation {generation} applied ({count} backends, policy "
+                     "{policy})", reload=_reload(trigger),
+                     generation=self.generation.generation,
                      count=len(plan.config.backends), policy=plan.config.policy)
             for listener in list(self.on_applied):
                 try:
@@ -421,12 +436,16 @@ class Reloader:
         again, self._again = self._again, False
         try:
             if again:
-                return self.reload_from_source()
+                return self.reload_from_source(trigger)
             if pending is not None:
-                return self.apply(*pending)
+                return self.apply(*pending, trigger=trigger)
         except ReloadRefused:
             pass  # logged; the one just applied runs
         return self.generation.generation
+
+    def _still_running(self, trigger: str | None, why: str) -> str:
+        return (f"{_reload(trigger)} refused, still running generation "
+                f"{self.generation.generation}: {why}")
 
     def _refuse(self, refused: ReloadRefused) -> ReloadRefused:
         log.error("{refusal}", refusal=refused.message)

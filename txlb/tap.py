@@ -188,9 +188,8 @@ class _ReloadOnHangup(Service):
 
     def _reload(self) -> None:
         self._pending = False
-        log.info("received SIGHUP: reloading the configuration")
         with contextlib.suppress(ReloadRefused):  # logged as its one line already
-            self._balancer.reload_from_source()
+            self._balancer.reload_from_source("SIGHUP")
 
 
 class _AdminSite(Site):

@@ -146,8 +146,8 @@ class ReloadProcessTests(TestCase):
         lb = await self.start(first.key)
         self.config.write_text("backends = [\n")
         os.kill(lb.pid, signal.SIGHUP)
-        await wait_until(lambda: "reload refused" in lb.output(), what="the refusal")
-        refusals = [line for line in lb.output().splitlines() if "reload refused" in line]
+        await wait_until(lambda: "reload (SIGHUP) refused" in lb.output(), what="the refusal")
+        refusals = [line for line in lb.output().splitlines() if "reload (SIGHUP) refused" in line]
         self.assertEqual(len(refusals), 1, refusals)
         self.assertIn("not valid TOML", refusals[0])
         self.assertEqual(await self.backend_of_new_requests(lb, 3), {first.key})

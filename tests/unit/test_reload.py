@@ -447,6 +447,18 @@ class RefusalTests(ReloadTestCase):
         self.assertEqual((self.lb.router.queue_timeout, [b.key for b in self.lb.pool]),
                          (30, [A, B]))
 
+    def test_a_bug_part_way_is_a_500_that_says_so(self) -> None:
+        from unittest.mock import patch
+
+        self.rewrite("queue-timeout = 3\n" + self.first)
+        with patch.object(self.lb.router, "retune", side_effect=RuntimeError("bug")), \
+                self.assertRaises(ReloadRefused) as caught:
+            self.lb.reload_from_source("POST /reload")
+        self.assertEqual(caught.exception.status, 500)
+        self.assertIn("failed part-way", caught.exception.message)
+        self.assertEqual(self.lb.reloader.generation.generation, 1)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+
     def test_a_refusal_is_counted_and_a_later_reload_applies(self) -> None:
         self.path.write_text("nonsense = [")
         self.assertRaises(ReloadRefused, self.reload)

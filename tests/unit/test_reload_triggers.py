@@ -12,6 +12,7 @@ from typing import Any
 from unittest.mock import patch
 
 from twisted.internet.testing import MemoryReactorClock
+from twisted.logger import formatEvent, globalLogPublisher
 from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -88,12 +89,19 @@ class HangupTests(SynchronousTestCase):
         self.reactor.advance(0)
         self.assertEqual(self.lb.reloader.generation.generation, 3)
 
-    def test_a_broken_file_keeps_the_process_serving(self) -> None:
+    def test_a_broken_file_keeps_the_process_serving_and_says_so_in_one_line(self) -> None:
         handler = self.installed()
         self.path.write_text("backends = [\n")
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
         handler(signal.SIGHUP, None)
         self.reactor.run_thread_calls()
         self.reactor.advance(0)  # the refusal is logged, not raised out of the reactor
+        lines = [formatEvent(event) for event in events]
+        self.assertEqual(len(lines), 1, lines)
+        self.assertTrue(lines[0].startswith("reload (SIGHUP) refused, still running "
+                                            "generation 1: --config:"), lines)
         self.assertEqual((len(self.lb.pool), self.lb.reloader.generation.generation), (1, 1))
         self.assertIn("not valid TOML", self.lb.reloader.generation.last_error or "")
 

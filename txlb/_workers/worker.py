@@ -269,7 +269,7 @@ class SupervisorLink(Protocol):
         assert self.balancer is not None
         try:
             config = self._own_config(message.config)
-            self.balancer.reloader.apply(config, membership=False)
+            self.balancer.reloader.apply(config, membership=False, trigger="the supervisor")
         except Exception:
             # refused (logged already) or a bad blob: this worker keeps the config it runs
             log.failure("could not apply the supervisor's new config")
