@@ -224,6 +224,7 @@ def plan_reload(lb: LoadBalancer, new: Config, membership: bool = True) -> _Plan
     kept: list[Backend] = []
     removed: list[Backend] = []
     if membership:
+        lb.pool.refresh()  # with --workers: removals that went idle in a worker are gone
         wanted = {spec.key: spec for spec in config.backends}
         for backend in lb.pool:
             spec = wanted.get(backend.key)
