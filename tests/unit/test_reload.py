@@ -314,6 +314,19 @@ class SettingsTests(ReloadTestCase):
         self.reload()
         self.assertEqual((self.lb.privacy.content, self.lb.privacy.user), (0, "drop"))
 
+    def test_new_admin_hosts_are_answered(self) -> None:
+        admin = StubTreq(self.lb.admin_resource())
+
+        def status() -> int:
+            response = self.successResultOf(admin.get(
+                "http://127.0.0.1/status", headers={"Host": "lb-admin.internal"}))
+            return int(response.code)
+
+        self.assertEqual(status(), 403)
+        self.rewrite('admin-hosts = ["lb-admin.internal"]\n' + self.first)
+        self.reload()
+        self.assertEqual(status(), 200)
+
     def test_a_random_user_digest_key_stays_across_reloads(self) -> None:
         self.rewrite('log-user = "hash"\n' + self.first)
         self.reload()
