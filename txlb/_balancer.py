@@ -52,6 +52,7 @@ from txlb._records.metrics import Metrics
 from txlb._records.observer import IRequestObserver
 from txlb._records.resultlog import ResultLog, open_result_log
 from txlb._records.summary import Summary, privacy_of
+from txlb._reload import ConfigSource, Reconfigurable, Reloader
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.budgets import TokenBudgets
 from txlb._scheduling.policies import IPolicy
@@ -201,6 +202,7 @@ class LoadBalancer:
         observer: IRequestObserver | None = None,
         store: IBackendStore | None = None,
         policy: IPolicy | str | None = None,
+        source: ConfigSource | None = None,
         **options: object,
     ) -> None:
         if isinstance(policy, str):  # the --policy option, by name
@@ -229,6 +231,7 @@ class LoadBalancer:
             reactor = default_reactor
         self.config = config
         self.reactor = reactor
+        self.rng = rng
         # txlb's own upstream client (passes chunked bodies through untouched); an
         # embedder's Agent, when given, is used through an adapter instead.
         self.upstream: Upstream = (
@@ -257,6 +260,9 @@ class LoadBalancer:
             slow_start=config.slow_start, store=self.store)
         self.metrics = Metrics(self.pool)
         retry_after = max(1, math.ceil(config.health_interval))
+        #: whether the policy is the one ``--policy`` names (a reload may replace it),
+        #: not an embedder's own object (which a reload keeps)
+        self.owns_policy = policy is None
         #: an embedder's own policy object (it overrides ``config.policy``), or the one
         #: ``--policy`` names
         self.policy: IPolicy = (
@@ -335,6 +341,31 @@ class LoadBalancer:
         self.hung = HangDetector(self.pool, context.live, reactor,
                                  self.health.health_status,
                                  stall=config.hung_after)
+        #: the sites and admin APIs built so far: a reload retunes them too
+        self.sites: list[ProxySite] = []
+        self.admins: list[Any] = []
+        #: other runtime parts that take a reloaded config themselves, each
+        #: ``reconfigure(config)`` after the balancer's own parts have taken it
+        self.reconfigurable: list[Reconfigurable] = [self.budgets]
+        #: reloads (``kill -HUP``, ``POST /reload``): ``source`` is where the config is
+        #: read again (the command line and environment as started, the file as it is now)
+        self.reloader = Reloader(self, source, reactor)
+
+    def reload(self, new_config: Config) -> int:
+        """
+        Apply ``new_config`` (validated, whole) to the running balancer without dropping a
+        connection or a stream (see :mod:`txlb._reload`): the new generation.  Raises
+        :class:`~txlb._reload.ReloadRefused`, already logged, when it cannot be applied;
+        the running config then stays whole.
+        """
+        return self.reloader.apply(new_config)
+
+    def reload_from_source(self, trigger: str | None = None) -> int:
+        """
+        Re-read the config file (with the command line and environment as started), as
+        SIGHUP does; ``trigger`` names who asked in the log line.
+        """
+        return self.reloader.reload_from_source(trigger)
 
     def _current_backends(self) -> list[Backend]:
         """The pool's backends with their in-flight counts as of now (shared ones read)."""
@@ -364,15 +395,22 @@ class LoadBalancer:
         admin = Admin(self.pool, self.metrics, self.config.admin_token,
                       on_added=self.health.probe_soon, clock=self.reactor,
                       extra_status=status, allowed_hosts=self.config.admin_hosts,
-                      history=self.history, describe=self.policy.describe)
+                      history=self.history,
+                      # the policy of the moment: a reload may replace it
+                      describe=lambda backend: self.policy.describe(backend),
+                      reload=lambda: self.reload_from_source("POST /reload"),
+                      config_status=self.reloader.generation.status)
+        self.admins.append(admin)
         return admin.resource()
 
     def site(self) -> Site:
         """A ``Site`` serving only the proxy (what ``twistd llmlb`` listens with)."""
-        return ProxySite(self.proxy, max_body=self.config.max_body,
+        site = ProxySite(self.proxy, max_body=self.config.max_body,
                          header_timeout=self.config.header_timeout,
                          on_refused=self.proxy.log_refused, reactor=self.reactor,
                          repeats=self.repeats)
+        self.sites.append(site)
+        return site
 
     def service(self, health_checks: bool = True) -> IService:
         """

@@ -326,6 +326,9 @@ def http_level(config: Config, log_base: str | None = None) -> list[str]:
     for note in unsupported_notes(config):
         lines.append("#   - " + note)
     lines += [
+        "# Reloading: 'python -m txlb.check lb.toml && kill -HUP <pid>' (or POST /reload on",
+        "# txlb's admin port) is 'nginx -t && nginx -s reload': the file read again, checked",
+        "# whole, and applied without dropping a connection; a bad file keeps the old one.",
         "",
         "# X-Backend names the server that answered: the last of $upstream_addr after retries",
         "map $upstream_addr $txlb_backend {",

@@ -8,7 +8,9 @@ on the command line" from "not given" and apply the precedence rule
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
 import re
 import signal
 import sys
@@ -29,10 +31,10 @@ from txlb._config import (
     OPTIONS,
     Config,
     ConfigError,
-    build_config,
     closest_name,
     is_loopback_endpoint,
 )
+from txlb._reload import ConfigSource, ReloadRefused
 from txlb._server.quiet import QuietAcceptErrors
 from txlb._server.site import LimitedRequest, ProxyChannel
 
@@ -59,8 +61,15 @@ class Options(usage.Options):
         ["config", "c", None, "TOML config file. [env LB_CONFIG]"],
         *[[spec.name, None, None, _describe(spec.name)] for spec in OPTIONS if spec.cli],
     ]
+    optFlags = [
+        ["check", None, "Validate the configuration (file, command line, environment) as "
+                        "a start would, print 'OK: <file>' and exit 0, or the error and "
+                        "exit 2; start nothing (like nginx -t)."],
+    ]
 
     config: Config
+    #: where a reload reads the config again: this command line, the environment as now
+    source: ConfigSource
 
     def parseOptions(self, options: Sequence[str] | None = None) -> None:
         """
@@ -95,10 +104,17 @@ class Options(usage.Options):
         return f"{message}; 'twistd llmlb --help' lists the options"
 
     def postOptions(self) -> None:
+        given = {k: v for k, v in self.items() if k != "check"}
+        self.source = ConfigSource.snapshot(given, os.environ)
         try:
-            self.config = build_config({k: v for k, v in self.items()})
+            self.config = self.source.read()
         except ConfigError as error:
             raise _BadValue(str(error)) from None
+        if self["check"]:
+            from txlb.check import verdict
+
+            sys.stdout.write(verdict(self.config, self.source.path) + "\n")
+            raise SystemExit(0)
 
 
 class _BadValue(usage.UsageError):
@@ -134,6 +150,46 @@ class _CleanExitOnSignals(Service):
     def _stop_once(self) -> None:
         if self._reactor.running:
             self._reactor.stop()
+
+
+class _ReloadOnHangup(Service):
+    """
+    ``kill -HUP``: re-read the config file and apply it (see :mod:`txlb._reload`).
+
+    The handler is installed once the reactor runs and does only
+    ``reactor.callFromThread``: a signal arrives between any two bytecodes, the reload must
+    run in the reactor's turn like everything else.  Several HUPs before that turn are one
+    reload.
+    """
+
+    def __init__(self, reactor: Any, balancer: LoadBalancer) -> None:
+        self._reactor = reactor
+        self._balancer = balancer
+        self._pending = False
+
+    def startService(self) -> None:
+        super().startService()
+        self._reactor.callWhenRunning(self._install)
+
+    def _install(self) -> None:
+        signal.signal(signal.SIGHUP, self._hangup)
+        source = self._balancer.reloader.source
+        if source is not None and source.path is not None:
+            log.info("kill -HUP {pid} re-reads {path}", pid=os.getpid(), path=source.path)
+
+    def _hangup(self, number: int, frame: object) -> None:
+        self._reactor.callFromThread(self._requested)
+
+    def _requested(self) -> None:
+        if self._pending:
+            return
+        self._pending = True
+        self._reactor.callLater(0, self._reload)
+
+    def _reload(self) -> None:
+        self._pending = False
+        with contextlib.suppress(ReloadRefused):  # logged as its one line already
+            self._balancer.reload_from_source("SIGHUP")
 
 
 class _AdminSite(Site):
@@ -209,9 +265,10 @@ def makeService(options: Options) -> IService:
     from twisted.internet import reactor
 
     config = options.config
+    source = getattr(options, "source", None)
     if config.workers > 1:
-        return _supervised(config, reactor)
-    balancer = LoadBalancer(config=config)
+        return _supervised(config, reactor, source)
+    balancer = LoadBalancer(config=config, source=source)
     # Stopped in reverse: the main port first (no new connections), then the balancer
     # (drain in-flight requests, health checks still running), and the admin port last,
     # so operators can watch and drain during the graceful period.
@@ -222,6 +279,7 @@ def makeService(options: Options) -> IService:
         _ListeningService("admin", config.admin, admin_site, reactor).setServiceParent(top)
     balancer.service().setServiceParent(top)
     _CleanExitOnSignals(reactor).setServiceParent(top)
+    _ReloadOnHangup(reactor, balancer).setServiceParent(top)
     _ListeningService("listen", config.listen, balancer.site(), reactor).setServiceParent(top)
     return top
 
@@ -233,7 +291,7 @@ def _warn_open_admin(config: Config) -> None:
                  endpoint=config.admin)
 
 
-def _supervised(config: Config, reactor: Any) -> IService:
+def _supervised(config: Config, reactor: Any, source: ConfigSource | None) -> IService:
     """
     ``--workers N``: this process supervises N workers that serve the main port (see
     txlb._workers.supervisor), and keeps what must exist once: probes, admin, metrics, result log.
@@ -252,7 +310,7 @@ def _supervised(config: Config, reactor: Any) -> IService:
                 _cannot_listen("listen", config.listen, error)
 
     shared = SharedCounts.create(config.workers)
-    balancer = LoadBalancer(config=config, inflight=shared)
+    balancer = LoadBalancer(config=config, inflight=shared, source=source)
     supervisor = _Supervisor(balancer, shared, reactor, config.workers)
     top = SequentialService()
     if config.admin != "none":
@@ -261,5 +319,6 @@ def _supervised(config: Config, reactor: Any) -> IService:
         _ListeningService("admin", config.admin, admin_site, reactor).setServiceParent(top)
     balancer.service().setServiceParent(top)
     _CleanExitOnSignals(reactor).setServiceParent(top)
+    _ReloadOnHangup(reactor, balancer).setServiceParent(top)
     supervisor.setServiceParent(top)
     return top

@@ -37,8 +37,9 @@ ALLOWED: dict[tuple[str, str], str] = {
         "conn is self, typed Any to reach tcp.Connection's attributes",
 }
 
-#: Public fields Backend and Lease may keep: those set at construction and never changed
-#: (a policy's own state lives in the policy, keyed by backend).
+#: Public fields Backend and Lease may keep: those set at construction and changed, if at
+#: all, only by their own methods for a reload (``respecified``, ``ramps_over``); a
+#: policy's own state lives in the policy, keyed by backend.
 PUBLIC_FIELDS = {
     Backend: {"spec", "clock", "slow_start"},
     Lease: {"backend"},

@@ -24,6 +24,7 @@ from txlb._workers.wire import (
     Kick,
     Log,
     Ready,
+    Reload,
     Retry,
     Spent,
     State,
@@ -44,6 +45,7 @@ STATE = [{"spec": {"host": "127.0.0.1", "port": 9}, "slot": 0, "healthy": True}]
 EVERY_MESSAGE: list[Any] = [
     Hello(workers=2, slots=64, family=2, config="Y29uZmln", state=STATE),
     State(STATE),
+    Reload(config="Y29uZmln"),
     Kick(),
     Stop(),
     Ready(4242),
@@ -150,6 +152,8 @@ class RefusalTests(SynchronousTestCase):
             {"t": "spent", "buckets": [["a", 60, "k"]] * (MAX_SPENT_BUCKETS + 1),
              "amount": 1, "charged": 0},
             {"t": "refused", "budget": None},
+            {"t": "reload", "config": None},
+            {"t": "reload", "config": ["a"]},
         ):
             self.refused(line(value))
 

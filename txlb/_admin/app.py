@@ -162,6 +162,10 @@ class _Guard(Resource):
         self._app = app
         self._allowed = frozenset(allowed_hosts)
 
+    def allow(self, hosts: Iterable[str]) -> None:
+        """A reload's ``--admin-hosts``, from the next request on."""
+        self._allowed = frozenset(hosts)
+
     def render(self, request: Request) -> Any:
         # No page may frame the dashboard either: a click on its drain button would be the
         # operator's own, Origin and all.
@@ -281,6 +285,8 @@ class Admin:
                  allowed_hosts: Iterable[str] = (),
                  history: History | None = None,
                  describe: Callable[[Backend], Mapping[str, object]] = lambda backend: {},
+                 reload: Callable[[], int] | None = None,
+                 config_status: Callable[[], dict[str, object]] | None = None,
                  ) -> None:
         self.pool = pool
         self._allowed_hosts = tuple(allowed_hosts)
@@ -297,6 +303,21 @@ class Admin:
         self._history = history
         #: what the policy knows of a backend (IPolicy.describe), added to its entry
         self._describe = describe
+        #: ``POST /reload``: re-read the config; the new generation, or ReloadRefused
+        self._reload = reload
+        #: ``/status``'s ``config``: the generation running, when loaded, the last refusal
+        self._config_status = config_status
+        self._guards: list[_Guard] = []
+
+    def retune(self, token: str | None, allowed_hosts: Iterable[str]) -> None:
+        """
+        A reload's ``--admin-token`` and ``--admin-hosts``, from the next request on: a
+        token can be rotated without a restart.
+        """
+        self._token = token.encode("utf-8") if token else None
+        self._allowed_hosts = tuple(allowed_hosts)
+        for guard in self._guards:
+            guard.allow(self._allowed_hosts)
 
     def _backend_status(self, backend: Backend) -> dict[str, object]:
         """A backend's entry in ``/status`` and the answers about one backend."""
@@ -304,7 +325,9 @@ class Admin:
 
     def resource(self) -> IResource:
         """The admin API as a resource: the Klein app behind the request checks."""
-        return _Guard(self.app.resource(), self._allowed_hosts)
+        guard = _Guard(self.app.resource(), self._allowed_hosts)
+        self._guards.append(guard)
+        return guard
 
     # -- guards -------------------------------------------------------------------------
 
@@ -375,6 +398,8 @@ class Admin:
         summary["requests"] = sum(b.requests for b in backends)
         summary["draining"] = sum(1 for b in backends if b.draining)
         summary["uptime_s"] = round(self._clock.seconds() - self._started, 3)
+        if self._config_status is not None:
+            summary["config"] = self._config_status()
         if self._extra_status is not None:
             summary.update(self._extra_status())
         return _json(request, 200, summary)
@@ -405,6 +430,23 @@ class Admin:
         self._authorize(request)
         request.setHeader(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")
         return self._metrics.exposition()
+
+    @app.route("/reload", methods=["POST"])
+    def reload(self, request: Request) -> bytes:
+        """
+        Re-read the config file and apply it, as SIGHUP does: the new generation, or the
+        refusal's one line (400: the new config is invalid; 409: there is no file).
+        """
+        self._authorize(request)
+        if self._reload is None:
+            raise AdminError(409, "this balancer cannot reload its configuration")
+        try:
+            generation = self._reload()
+        except ConfigError as refused:  # txlb._reload.ReloadRefused, logged already
+            raise AdminError(getattr(refused, "status", 400), str(refused)) from None
+        config = self._config_status() if self._config_status is not None else {}
+        return _json(request, 200, {"reloaded": True, "generation": generation,
+                                    "config": config})
 
     @app.route("/backends/<string:key>/drain", methods=["POST"])
     def drain(self, request: Request, key: str) -> bytes:

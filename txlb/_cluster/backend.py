@@ -224,6 +224,32 @@ class Backend:
         """Being removed: drained, and forgotten once idle."""
         self._draining = self._removing = True
 
+    def stays(self) -> bool:
+        """
+        Its removal is called off (a reloaded config lists it again): back in rotation
+        unless its health says otherwise; ``True`` if it was being removed.
+        """
+        if not self._removing:
+            return False
+        self._draining = self._removing = False
+        return True
+
+    # -- configuration (a reload) --------------------------------------------------------
+
+    def respecified(self, spec: BackendSpec) -> None:
+        """
+        A reloaded config gives it another weight, ``max_conns`` or model list (same
+        address).  Its in-flight requests keep their slots: a lowered ``max_conns`` only
+        stops new ones until enough have finished.
+        """
+        if spec.key != self.spec.key:
+            raise ValueError(f"backend {self.spec.key} cannot become {spec.key}")
+        self.spec = spec
+
+    def ramps_over(self, slow_start: float) -> None:
+        """A reloaded ``--slow-start``: a ramp under way continues at the new length."""
+        self.slow_start = slow_start
+
     # -- what the prober learns ----------------------------------------------------------
 
     def learned(self, entries: dict[str, dict[str, object]], ids: tuple[str, ...]) -> None:

@@ -141,6 +141,9 @@ class HealthChecker(Service):
 
     def startService(self) -> None:
         super().startService()
+        self._start_loop()
+
+    def _start_loop(self) -> None:
         loop = self._loop = LoopingCall(self.probe_all)
         loop.clock = self.clock
         # Probe at once: backends start eligible, and a dead one should leave rotation
@@ -155,6 +158,25 @@ class HealthChecker(Service):
             self._loop.stop()
         for pending in list(self._probing.values()):
             pending.cancel()
+
+    def retune(self, *, interval: float, timeout: float, path: str, rise: int, fall: int,
+               scrape_engine_queue: bool) -> None:
+        """
+        A reloaded config's health checks.  Probes under way finish under the old
+        timeout; a new interval restarts the loop at once (a probe round now, then every
+        ``interval``), so a shortened one does not wait out the old one first.
+        """
+        self.timeout = timeout
+        self.path = path.encode("ascii")
+        self.rise = rise
+        self.fall = fall
+        self.scrape_engine_queue = scrape_engine_queue
+        if interval == self.interval:
+            return
+        self.interval = interval
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+            self._start_loop()
 
     def probe_all(self) -> None:
         """

@@ -76,13 +76,19 @@ class Pool:
 
     # -- membership ---------------------------------------------------------------------
 
-    def add(self, spec: BackendSpec) -> Backend:
+    def add(self, spec: BackendSpec, ramp: bool = False) -> Backend:
+        """
+        A new backend, in rotation at once; ``ramp``: its share starts at the bottom of
+        ``--slow-start``'s ramp, as a recovered backend's does (a reload adds it so).
+        """
         if spec.key in self._backends:
             raise ValueError(f"backend {spec.key} already exists")
         if self.shared is not None:
             self.shared.register(spec.key)  # raises ValueError when no slot is left
+        up_since = self._now() if ramp and self.slow_start else None
         backend = self._backends[spec.key] = Backend(spec, clock=self.clock,
-                                                     slow_start=self.slow_start)
+                                                     slow_start=self.slow_start,
+                                                     up_since=up_since)
         self._marked(backend)
         self._changed()
         return backend
@@ -157,6 +163,43 @@ class Pool:
             log.info("backend {backend} is now {marks} (from the shared store)",
                      backend=backend.key, marks=stored)
         return changed
+
+    # -- configuration (a reload) ---------------------------------------------------------
+
+    def respecify(self, backend: Backend, spec: BackendSpec) -> None:
+        """
+        Another weight, ``max_conns`` or model list for ``backend``, in place: its counts,
+        health, drain mark and in-flight requests stay.  Waiting requests look again (a
+        raised ``max_conns`` has room for them now).
+        """
+        if spec == backend.spec:
+            return
+        backend.respecified(spec)
+        log.info("backend {backend} is now weight {weight}, max_conns {max_conns}, models "
+                 "{models}", backend=backend.key, weight=spec.weight,
+                 max_conns=spec.max_conns,
+                 models=escape(", ".join(spec.models), "text") or "learned")
+        self._changed()
+
+    def keep(self, backend: Backend) -> None:
+        """Call off the removal of ``backend`` (a reloaded config lists it again)."""
+        if backend.stays():
+            log.info("backend {backend} stays: the new config lists it",
+                     backend=backend.key)
+            self._marked(backend)
+            self._changed()
+
+    def retune(self, outliers: OutlierRule, slow_start: float) -> None:
+        """
+        New outlier rules and slow-start length: streaks and ejections under way are
+        kept and judged by the new rule from the next answer on.
+        """
+        self.outliers = outliers
+        if slow_start != self.slow_start:
+            self.slow_start = slow_start
+            for backend in self._backends.values():
+                backend.ramps_over(slow_start)
+            self._changed()
 
     # -- operator state -----------------------------------------------------------------
 
@@ -430,9 +473,13 @@ class Pool:
             if self.shared is not None and state.get("slot") is not None:
                 self.shared.assign(spec.key, state["slot"])
             backend = self._backends.get(spec.key)
-            if backend is None or backend.spec != spec:
+            if backend is None:
                 backend = Backend(spec, clock=self.clock, slow_start=self.slow_start)
                 self._backends[spec.key] = backend
+            elif backend.spec != spec:
+                # reconfigured in the supervisor: in place, so the requests this worker
+                # has in flight there release the same backend they took
+                backend.respecified(spec)
             backend.mirror(state)
             self._marked(backend)
             order.append(spec.key)

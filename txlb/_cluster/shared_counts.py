@@ -34,7 +34,7 @@ import fcntl
 import mmap
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from zope.interface import implementer
 
@@ -112,6 +112,11 @@ class SharedCounts:
             slot = self._slots[key] = len(self._slots)
             self._used = max(self._used, slot + 1)
         return slot
+
+    def fits(self, keys: Iterable[str]) -> bool:
+        """Whether :meth:`register` has a slot for every one of ``keys`` (a reload asks)."""
+        new = {key for key in keys if key not in self._slots}
+        return len(self._slots) + len(new) <= self.slots_max
 
     def assign(self, key: str, slot: int) -> None:
         """Use the supervisor's slot number for ``key``."""

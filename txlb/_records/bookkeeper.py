@@ -88,6 +88,21 @@ class SummaryFeed:
         """Declare one more reader of summaries (after those declared already)."""
         self._consumers.append(consumer)
 
+    def replace(self, consumer: Consumer) -> None:
+        """
+        Put ``consumer`` in the place of the one of the same name (a reload's new policy
+        learns where the old one did); added last if there was none.
+        """
+        for index, existing in enumerate(self._consumers):
+            if existing.name == consumer.name:
+                self._consumers[index] = consumer
+                return
+        self._consumers.append(consumer)
+
+    def keep_private(self, privacy: Privacy) -> None:
+        """A reload's ``--log-content``, ``--log-user`` and ``--log-error-body``."""
+        self._privacy = privacy
+
     def ended(self, record: RequestRecord) -> None:
         """A request finished here: summarise it, if anyone reads summaries, and feed them."""
         if not self._consumers:

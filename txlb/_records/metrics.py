@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from importlib import metadata
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -219,6 +219,22 @@ class Metrics:
             buckets=QUEUE_BUCKETS, registry=self.registry)
         self.retries = Counter(
             "txlb_retries", "Requests retried on another backend.", registry=self.registry)
+        self.config_generation = Gauge(
+            "txlb_config_generation",
+            "The running configuration's generation: 1 at start, one more per applied "
+            "reload.", registry=self.registry)
+        self.config_generation.set(1)
+        self.config_reloads = Counter(
+            "txlb_config_reload",
+            "Reloads of the configuration (SIGHUP, POST /reload), applied (ok) or refused.",
+            ["result"], registry=self.registry)
+        for result in ("ok", "refused"):
+            self.config_reloads.labels(result)  # both series exist from the start
+
+    def reloaded(self, applied: bool, generation: int) -> None:
+        """One reload of the configuration, applied (now ``generation``) or refused."""
+        self.config_reloads.labels("ok" if applied else "refused").inc()
+        self.config_generation.set(generation)
 
     def watch_budgets(self, budgets: BudgetCounts) -> None:
         """Export the token budgets' refusals and charged tokens, read at scrape time."""

@@ -81,6 +81,19 @@ class ResultLog:
         self._identity: tuple[int, int] | None = None
         self._open()
 
+    def retune(self, fmt: str, max_bytes: int, backups: int) -> None:
+        """
+        A reload's ``--log-format``, ``--log-max-bytes`` and ``--log-backups``, without
+        reopening the file (``--log-file`` itself needs a restart).
+        """
+        self.format = FORMATS[fmt]
+        self.max_bytes = max_bytes
+        self.backups = backups
+        sink = self._sink
+        if isinstance(sink, LogFile):
+            sink.rotateLength = max_bytes
+            sink.maxRotatedFiles = backups
+
     def write(self, summary: Summary) -> None:
         """Write one summarised request.  Never raises."""
         try:

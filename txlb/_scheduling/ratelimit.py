@@ -43,6 +43,19 @@ class TokenBuckets:
     def __len__(self) -> int:
         return len(self._buckets)
 
+    def retune(self, rate: float, burst: int) -> None:
+        """
+        A reload's ``--rate-limit`` and ``--rate-burst``: every client keeps the tokens it
+        has (at most the new burst), refilled at the new rate from now on.
+        """
+        now = self._now()
+        for key, (tokens, stamp) in list(self._buckets.items()):
+            tokens = min(float(self.burst), tokens + max(0.0, now - stamp) * self.rate)
+            self._buckets[key] = (min(float(burst), tokens), now)
+        self.rate = rate
+        self.burst = burst
+        self._refill_time = burst / rate
+
     def take(self, key: str) -> float:
         """
         Take a token for ``key``.  Returns 0 if allowed, else the seconds until a token

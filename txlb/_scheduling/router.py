@@ -313,6 +313,33 @@ class Router:
             assert waiter.deferred is not None
             waiter.deferred.callback(lease)
 
+    def retune(self, *, policy: IPolicy, routes: Mapping[str, ModelRoute],
+               queue_timeout: float, retry_after: int, forward_unknown_models: bool,
+               affinity: BoundedLoadRing | None) -> None:
+        """
+        A reloaded config's routing.  Requests already queued keep their place; each one's
+        deadline becomes its arrival plus the new ``queue_timeout`` (one past it is
+        answered 503 on the next reactor turn, not left waiting for the old deadline).
+        """
+        self.policy = policy
+        self._prepares = IPreparesRequests.providedBy(policy)
+        self.routes = dict(routes)
+        self.retry_after = retry_after
+        self.forward_unknown_models = forward_unknown_models
+        self.affinity = affinity
+        if queue_timeout != self.queue_timeout:
+            self.queue_timeout = queue_timeout
+            self._reschedule_deadlines()
+
+    def _reschedule_deadlines(self) -> None:
+        """Each queued request's deadline: its arrival plus the queue timeout now."""
+        now = self.clock.seconds()
+        for waiter in self._queue:
+            if waiter.timer is not None and waiter.timer.active():
+                waiter.timer.cancel()
+            left = max(0.0, waiter.since + self.queue_timeout - now)
+            waiter.timer = self.clock.callLater(left, self._expire, waiter)
+
     def abandon_queue(self, message: str) -> None:
         """Refuse every queued request with 503 (the balancer is shutting down)."""
         for waiter in list(self._queue):

@@ -632,6 +632,10 @@ class UpstreamClient:
         self._idle: dict[tuple[str, int], list[UpstreamConnection]] = {}
         self._host_headers: dict[tuple[str, int], bytes] = {}
 
+    def retune(self, connect_timeout: float) -> None:
+        """A reload's ``--connect-timeout``, for the connections opened from now on."""
+        self._connect_timeout = connect_timeout
+
     def send(self, host: str, port: int, method: bytes, target: bytes,
              headers: RawHeaders, body: bytes | None) -> Deferred[UpstreamResponse]:
         key = (host, port)

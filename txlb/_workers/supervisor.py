@@ -45,7 +45,7 @@ from twisted.python.failure import Failure
 from txlb._balancer import LoadBalancer
 from txlb._cluster.shared_counts import SharedCounts
 from txlb._compat import tcp_endpoint_address
-from txlb._config import ConfigError
+from txlb._config import Config, ConfigError
 from txlb._workers.reports import WorkerReports
 from txlb._workers.wire import (
     FromWorker,
@@ -54,6 +54,7 @@ from txlb._workers.wire import (
     Lines,
     Log,
     Ready,
+    Reload,
     Spent,
     State,
     Stop,
@@ -188,7 +189,7 @@ class WorkerProcess(ProcessProtocol):
                 log.warn("worker {index} sent a malformed message, ignored: {error}",
                          index=self.index, error=str(error))
                 continue
-            if isinstance(message, Hello | State | Kick | Stop):
+            if isinstance(message, Hello | State | Reload | Kick | Stop):
                 log.warn("worker {index} sent a message only a supervisor sends, ignored: "
                          "{kind}", index=self.index, kind=message.kind)
                 continue
@@ -221,6 +222,8 @@ class WorkerSupervisor(Service):
         self._all_ended: Deferred[None] | None = None
         self._config_blob = config_blob(balancer.config)
         balancer.pool.on_update.append(self._schedule_push)
+        # a reload (SIGHUP, POST /reload) reaches this process: pass it on to the workers
+        balancer.reloader.on_applied.append(self.reconfigure)
         # the queues are the workers', not this process's router's (always empty)
         balancer.history.queued = self.queued
         balancer.metrics.state.queue_length = self.queued
@@ -287,6 +290,16 @@ class WorkerSupervisor(Service):
             config=self._config_blob, state=self.balancer.pool.shared_state())))
 
     # -- state to the workers -------------------------------------------------------------
+
+    def reconfigure(self, config: Config) -> None:
+        """
+        A reloaded config the supervisor's balancer applied: every worker applies it too,
+        and a worker started later (a respawn) starts with it.
+        """
+        self._config_blob = config_blob(config)
+        line = encode(Reload(self._config_blob))
+        for worker in self.workers.values():
+            worker.send(line)
 
     def _schedule_push(self) -> None:
         if self._push_call is None:

@@ -122,6 +122,18 @@ class State:
 
 
 @attrs.frozen
+class Reload:
+    """
+    The supervisor applied a reloaded config: apply it too (the workers' settings follow;
+    their backends follow the supervisor's pool through :class:`State` as always).
+    """
+
+    kind: ClassVar[str] = "reload"
+    #: the validated config (:func:`config_blob`)
+    config: str = _checked(_is_str)
+
+
+@attrs.frozen
 class Kick:
     """A slot was freed in another worker: look at the max_conns queue again."""
 
@@ -232,15 +244,15 @@ class Log:
     text: str = _checked(_is_str)
 
 
-ToWorker: TypeAlias = Hello | State | Kick | Stop | Spent
+ToWorker: TypeAlias = Hello | State | Reload | Kick | Stop | Spent
 FromWorker: TypeAlias = (Ready | Finished | Answer | Suspect | Retry | Wait | Down | Log
                          | Spent | BudgetRefused)
 Message: TypeAlias = ToWorker | FromWorker
 
 #: Every message type but :class:`Finished` (a list on the wire), by its ``t``.
 _TYPES: dict[str, type[Any]] = {
-    cls.kind: cls for cls in (Hello, State, Kick, Stop, Spent, Ready, Answer, Suspect, Retry,
-                              Wait, Down, BudgetRefused, Log)
+    cls.kind: cls for cls in (Hello, State, Reload, Kick, Stop, Spent, Ready, Answer,
+                              Suspect, Retry, Wait, Down, BudgetRefused, Log)
 }
 
 

@@ -56,6 +56,7 @@ from zope.interface import implementer
 from txlb._balancer import LoadBalancer, SequentialService
 from txlb._cluster.shared_counts import SharedCounts
 from txlb._compat import adopt_listening_port
+from txlb._config import Config
 from txlb._records.bookkeeper import budget_reconciles, policy_learns
 from txlb._records.summary import privacy_of
 from txlb._server.quiet import summarise_accept_errors
@@ -68,6 +69,7 @@ from txlb._workers.wire import (
     Log,
     Message,
     Ready,
+    Reload,
     Spent,
     State,
     Stop,
@@ -154,6 +156,23 @@ class AdoptedPort(Service):
         return stopped
 
 
+class _ForwardedBooks:
+    """
+    What a worker's forwarder keeps follows a reload (one of ``lb.reconfigurable``): its
+    policy's lessons go to the policy the reload left, its summaries keep what the new
+    ``--log-*`` options say.
+    """
+
+    def __init__(self, balancer: LoadBalancer, forwarder: SupervisorForwarder) -> None:
+        self._balancer = balancer
+        self._forwarder = forwarder
+
+    def reconfigure(self, config: Config) -> None:
+        feed = self._forwarder.summaries
+        feed.replace(policy_learns(self._balancer.pool, self._balancer.policy))
+        feed.keep_private(privacy_of(config))
+
+
 @implementer(IHalfCloseableProtocol, IPushProducer)
 class SupervisorLink(Protocol):
     """The worker's side of the pipes to its supervisor, and the worker's life cycle."""
@@ -231,6 +250,8 @@ class SupervisorLink(Protocol):
                 self._start(message)
             elif isinstance(message, State) and self.balancer is not None:
                 self.balancer.pool.mirror(message.state)
+            elif isinstance(message, Reload) and self.balancer is not None:
+                self._reload(message)
             elif isinstance(message, Kick) and self.balancer is not None:
                 self.balancer.pool.capacity_changed()
             elif isinstance(message, Spent) and self.balancer is not None:
@@ -240,9 +261,27 @@ class SupervisorLink(Protocol):
             elif isinstance(message, Stop):
                 self.stop("the supervisor asked")
 
+    @staticmethod
+    def _own_config(blob: str) -> Config:
+        """
+        The supervisor's config as a worker runs it: no backends of its own (it mirrors
+        the supervisor's), no result log or admin port (the supervisor keeps them).
+        """
+        return attrs.evolve(config_from(blob), backends=(), log_file="none", admin="none",
+                            workers=1)
+
+    def _reload(self, message: Reload) -> None:
+        """The supervisor applied a reloaded config: the same reload here, but membership."""
+        assert self.balancer is not None
+        try:
+            config = self._own_config(message.config)
+            self.balancer.reloader.apply(config, membership=False, trigger="the supervisor")
+        except Exception:
+            # refused (logged already) or a bad blob: this worker keeps the config it runs
+            log.failure("could not apply the supervisor's new config")
+
     def _start(self, hello: Hello) -> None:
-        config = attrs.evolve(config_from(hello.config), backends=(), log_file="none",
-                              admin="none", workers=1)
+        config = self._own_config(hello.config)
         shared = SharedCounts(SHARED_FD, hello.workers, hello.slots, row=self.index)
         shared.set_pid(os.getpid())
         # What the supervisor does for every worker (result log, metrics, outlier
@@ -258,6 +297,7 @@ class SupervisorLink(Protocol):
         balancer.budgets.on_spent = lambda buckets, amount, charged: self.report(
             Spent([list(where) for where in buckets], amount, charged))
         balancer.budgets.on_refused = lambda name: self.report(BudgetRefused(name))
+        balancer.reconfigurable.append(_ForwardedBooks(balancer, forwarder))
         balancer.pool.mirror(hello.state)
         balancer.router.on_queue_length = shared.set_waiters
         services = self.services = SequentialService()
@@ -444,6 +484,9 @@ def main(args: list[str]) -> int:
         [ForwardingObserver(lambda line: output.write(line.encode("utf-8")))],
         redirectStandardIO=False)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a reload is the supervisor's to receive and pass on (a Reload message); a HUP sent
+    # to the whole process group must not end a worker (its default action)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     link = SupervisorLink(reactor, index)
     signal.signal(signal.SIGTERM,
                   lambda number, frame: reactor.callFromThread(link.stop, "SIGTERM"))

@@ -1,0 +1,455 @@
+"""
+Live reconfiguration: apply a new, validated :class:`~txlb.Config` to a running balancer
+without dropping a connection or a stream (``kill -HUP``, ``POST /reload``).
+
+A reload happens in two steps, the way ``nginx -t`` then ``nginx -s reload`` does:
+
+1. **plan** (:func:`plan_reload`): everything that can fail is done first -- the new
+   policy built, the backend changes worked out, the rate buckets chosen -- on the new
+   config, touching nothing that runs;
+2. **apply** (:func:`apply_reload`): only assignments and the pool's own methods, which do
+   not fail, so a refused reload leaves the running config whole and an accepted one is
+   never half applied.
+
+Which wins between the file and the admin API: the file says which backends exist and
+with what weight, ``max_conns`` and models -- a backend added at runtime through the admin
+API and absent from the file is drained and removed by the reload, as nginx forgets its
+API changes on reload; one being removed that the file lists again stays.  Whether a
+backend is drained is the operator's, not the file's: a backend the admin drained stays
+drained across any number of reloads.
+
+What cannot change without a restart (:data:`RESTART_ONLY`) is named in one log line and
+left as it runs; the rest is applied.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+from txlb._cluster.backend import Backend
+from txlb._cluster.outlier import OutlierRule
+from txlb._config import BackendSpec, Config, ConfigError, build_config, read_toml
+from txlb._records.bookkeeper import policy_learns
+from txlb._records.summary import privacy_of
+from txlb._scheduling.affinity import BoundedLoadRing
+from txlb._scheduling.policies import IPolicy, PolicyFactory
+from txlb._scheduling.policies.registry import find_factory, make_policy
+from txlb._scheduling.ratelimit import RateLimiter, TokenBuckets, client_key
+from txlb._scheduling.router import ModelRoute
+from txlb._upstream.client import UpstreamClient
+
+if TYPE_CHECKING:
+    from txlb._balancer import LoadBalancer
+
+log = Logger()
+
+#: Options a running process cannot change (its ports, processes and result-log file are
+#: open already), by ``Config`` attribute: a reload that changes one says so and keeps it.
+RESTART_ONLY: tuple[str, ...] = ("listen", "admin", "workers", "log_file")
+
+#: What a ``takes_config`` policy (``cache-aware``) reads from the config: a change of any
+#: of them builds a new policy even under the same name.
+_POLICY_OPTIONS = ("cache_block", "cache_entries", "cache_load")
+
+
+class Reconfigurable(Protocol):
+    """A runtime part that takes a reloaded config itself (priority classes, budgets)."""
+
+    def reconfigure(self, config: Config) -> None:
+        """Take ``config`` (whole, validated) in place, keeping the live state."""
+
+
+@attrs.frozen
+class ConfigSource:
+    """
+    Where a reload reads its config: the command line and the environment as the process
+    was started (they still win over the file), and the ``--config`` file, read again.
+    """
+
+    command_line: Mapping[str, object | None]
+    environ: Mapping[str, str]
+
+    @classmethod
+    def snapshot(cls, command_line: Mapping[str, object | None],
+                 environ: Mapping[str, str]) -> ConfigSource:
+        """Copies of both, so later changes to ``os.environ`` do not leak into a reload."""
+        return cls(dict(command_line), dict(environ))
+
+    @property
+    def path(self) -> str | None:
+        """The ``--config`` file, or ``None``: nothing to re-read."""
+        given = self.command_line.get("config") or self.environ.get("LB_CONFIG")
+        return str(given) if given else None
+
+    def read(self) -> Config:
+        """The config a start would build now; raises :class:`ConfigError`."""
+        return build_config(self.command_line, self.environ)
+
+    def gives_user_key(self) -> bool:
+        """
+        Whether ``log-user-key`` is set (environment or file), rather than drawn at random
+        for ``--log-user hash``: a reload keeps the running random key, or every reload
+        would give the same user another digest.
+        """
+        if "LB_LOG_USER_KEY" in self.environ:
+            return True
+        path = self.path
+        return path is not None and "log-user-key" in read_toml(path)
+
+
+@attrs.define
+class ConfigGeneration:
+    """Which config runs: its generation, when it was loaded, and the last refusal."""
+
+    loaded_at: float
+    path: str | None = None
+    generation: int = 1
+    last_error: str | None = None
+
+    def applied(self, at: float) -> None:
+        self.generation += 1
+        self.loaded_at = at
+        self.last_error = None
+
+    def refused(self, error: str) -> None:
+        self.last_error = error
+
+    def status(self) -> dict[str, object]:
+        """``/status``'s ``config``."""
+        iso = datetime.datetime.fromtimestamp(self.loaded_at, datetime.timezone.utc)
+        return {"generation": self.generation, "loaded_at": round(self.loaded_at, 3),
+                "loaded_at_iso": iso.isoformat(timespec="seconds").replace("+00:00", "Z"),
+                "path": self.path, "last_error": self.last_error}
+
+
+class ReloadRefused(ConfigError):
+    """A reload not applied: its one line is the message; the running config stays."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = str(self)
+        #: what ``POST /reload`` answers: 400 for a bad config, 409 for none to read
+        self.status = status
+
+
+@attrs.frozen
+class _Plan:
+    """Everything a reload will do, worked out before anything changes."""
+
+    config: Config
+    policy: IPolicy
+    added: tuple[BackendSpec, ...]
+    respecified: tuple[tuple[Backend, BackendSpec], ...]
+    kept: tuple[Backend, ...]
+    removed: tuple[Backend, ...]
+    limiter: RateLimiter | None
+    retune_buckets: bool
+    restart_only: tuple[str, ...]
+
+
+def restart_only_changes(old: Config, new: Config) -> tuple[str, ...]:
+    """The options, as ``--name``, that differ but need a restart to change."""
+    names = [f"--{name.replace('_', '-')}" for name in RESTART_ONLY
+             if getattr(old, name) != getattr(new, name)]
+    if bool(old.hung_after) != bool(new.hung_after):
+        names.append("--hung-after (turned on or off)")
+    return tuple(names)
+
+
+def _keep_restart_only(old: Config, new: Config) -> Config:
+    """``new`` with the values that cannot change now kept as they run."""
+    kept: dict[str, Any] = {name: getattr(old, name) for name in RESTART_ONLY}
+    if bool(old.hung_after) != bool(new.hung_after):
+        kept["hung_after"] = old.hung_after
+    return attrs.evolve(new, **kept)
+
+
+def _policy(lb: LoadBalancer, config: Config) -> IPolicy:
+    """
+    The policy after the reload: the running one (and all it has learned) when the name
+    and what it is built from stay the same, or when an embedder gave its own object.
+    """
+    old = lb.config
+    if not lb.owns_policy:
+        return lb.policy
+    factory = find_factory(config.policy)
+    takes_config = isinstance(factory, PolicyFactory) and factory.takes_config
+    same_inputs = not takes_config or all(
+        getattr(old, name) == getattr(config, name) for name in _POLICY_OPTIONS)
+    if config.policy == old.policy and same_inputs:
+        return lb.policy
+    try:
+        return make_policy(config.policy, lb.reactor, lb.rng, config)
+    except Exception as error:  # a plugin's factory may raise anything
+        raise ReloadRefused(f"--policy: {config.policy!r} could not be built: "
+                            f"{error}") from None
+
+
+def _limiter(lb: LoadBalancer, config: Config) -> tuple[RateLimiter | None, bool]:
+    """The rate limiter after the reload, and whether its buckets take new parameters."""
+    if config.rate_limit is None:
+        return None, False
+    burst = config.rate_burst or max(1, math.ceil(config.rate_limit))
+    running = lb.proxy.rate_limiter
+    if running is None:
+        return RateLimiter(lb.store.rate_buckets(config.rate_limit, burst, lb.reactor),
+                           config.rate_key), False
+    buckets = running.buckets
+    old = lb.config
+    old_burst = old.rate_burst or max(1, math.ceil(old.rate_limit or 1))
+    retune = (config.rate_limit, burst) != (old.rate_limit, old_burst)
+    if retune and not isinstance(buckets, TokenBuckets):
+        # a shared store's buckets: new ones of the new parameters
+        buckets, retune = lb.store.rate_buckets(config.rate_limit, burst, lb.reactor), False
+    return RateLimiter(buckets, config.rate_key), retune
+
+
+def plan_reload(lb: LoadBalancer, new: Config, membership: bool = True) -> _Plan:
+    """
+    Work out a reload of ``lb`` to ``new`` without changing anything; raises
+    :class:`ReloadRefused`.  ``membership=False`` leaves the backends alone (a
+    ``--workers`` worker: its supervisor's pool is the truth, mirrored to it).
+    """
+    restart = restart_only_changes(lb.config, new)
+    config = _keep_restart_only(lb.config, new)
+    added: list[BackendSpec] = []
+    respecified: list[tuple[Backend, BackendSpec]] = []
+    kept: list[Backend] = []
+    removed: list[Backend] = []
+    if membership:
+        lb.pool.refresh()  # with --workers: removals that went idle in a worker are gone
+        wanted = {spec.key: spec for spec in config.backends}
+        for backend in lb.pool:
+            spec = wanted.get(backend.key)
+            if spec is None:
+                if not backend.removing:
+                    removed.append(backend)
+                continue
+            if backend.removing:
+                kept.append(backend)
+            if spec != backend.spec:
+                respecified.append((backend, spec))
+        added = [spec for key, spec in wanted.items() if lb.pool.get(key) is None]
+        fits = getattr(lb.pool.shared, "fits", None)
+        if added and callable(fits) and not fits(spec.key for spec in added):
+            raise ReloadRefused(f"--backends: the {len(added)} new backends do not fit in "
+                                "--workers' shared table of in-flight counts (restart "
+                                "txlb to reset it)")
+    policy = _policy(lb, config)
+    limiter, retune = _limiter(lb, config)
+    return _Plan(config, policy, tuple(added), tuple(respecified), tuple(kept),
+                 tuple(removed), limiter, retune, restart)
+
+
+def apply_reload(lb: LoadBalancer, plan: _Plan) -> None:
+    """Make ``plan`` so: nothing here refuses (see the module docstring)."""
+    config = plan.config
+    pool = lb.pool
+    pool.retune(OutlierRule(consecutive_5xx=config.outlier_5xx,
+                            base_cooldown=config.outlier_cooldown), config.slow_start)
+    for backend in plan.kept:
+        pool.keep(backend)
+    for backend, spec in plan.respecified:
+        pool.respecify(backend, spec)
+    for backend in plan.removed:
+        log.info("backend {backend} is not in the new config: draining it, removed once "
+                 "idle", backend=backend.key)
+        pool.remove(backend)
+    new_backends = []
+    for spec in plan.added:
+        new_backends.append(pool.add(spec, ramp=True))
+        log.info("backend {backend} added by the new config (weight {weight}, max_conns "
+                 "{max_conns})", backend=spec.key, weight=spec.weight,
+                 max_conns=spec.max_conns)
+
+    if plan.policy is not lb.policy:
+        log.info("policy {old} replaced by {new}", old=lb.config.policy, new=config.policy)
+        lb.policy = plan.policy
+        lb.summaries.replace(policy_learns(pool, plan.policy))
+    retry_after = max(1, math.ceil(config.health_interval))
+    router = lb.router
+    affinity = None
+    if config.affinity:
+        affinity = router.affinity if router.affinity is not None else BoundedLoadRing()
+    router.retune(policy=plan.policy,
+                  routes={r.model: ModelRoute(r.model, r.targets) for r in config.routes},
+                  queue_timeout=config.queue_timeout, retry_after=retry_after,
+                  forward_unknown_models=config.unknown_model == "forward",
+                  affinity=affinity)
+    lb.health.retune(interval=config.health_interval, timeout=config.health_timeout,
+                     path=config.health_path, rise=config.rise, fall=config.fall,
+                     scrape_engine_queue=bool(plan.policy.needs_engine_metrics))
+    if config.hung_after:
+        lb.hung.stall = config.hung_after
+
+    context = lb.proxy.context
+    context.read_timeout = config.read_timeout
+    context.send_timeout = config.send_timeout
+    context.retries = config.retries
+    context.retry_window = config.retry_window
+    context.x_backend = config.x_backend
+    rate_key = config.rate_key
+    context.client_key = lambda request: client_key(request, rate_key)
+    if isinstance(lb.upstream, UpstreamClient):
+        lb.upstream.retune(config.connect_timeout)
+
+    proxy = lb.proxy
+    if plan.retune_buckets and plan.limiter is not None:
+        burst = config.rate_burst or max(1, math.ceil(config.rate_limit or 1))
+        buckets = plan.limiter.buckets
+        assert isinstance(buckets, TokenBuckets)
+        buckets.retune(config.rate_limit or 1.0, burst)
+    proxy.rate_limiter = plan.limiter
+    proxy.max_body = config.max_body
+    proxy.retry_after = retry_after
+    proxy.affinity = config.affinity
+    proxy.local.lb_status = config.lb_status
+    for site in lb.sites:
+        site.max_body = config.max_body
+        site.header_timeout = config.header_timeout
+
+    lb.privacy = privacy_of(config)
+    lb.summaries.keep_private(lb.privacy)
+    if lb.result_log is not None:
+        lb.result_log.retune(config.log_format, config.log_max_bytes, config.log_backups)
+    for admin in lb.admins:
+        admin.retune(config.admin_token, config.admin_hosts)
+
+    lb.config = config
+    for part in list(lb.reconfigurable):
+        try:
+            part.reconfigure(config)
+        except Exception:
+            # its own settings stay as they were; everything else is applied
+            log.failure("{part} could not take the new config", part=part)
+    for backend in new_backends:
+        try:
+            lb.health.probe_soon(backend)
+        except Exception:
+            log.failure("could not start the first probe of {backend}", backend=backend.key)
+
+
+def _reload(trigger: str | None) -> str:
+    """How the one line of a reload starts: ``reload``, or ``reload (SIGHUP)``."""
+    return "reload" if trigger is None else f"reload ({trigger})"
+
+
+class Reloader:
+    """
+    One balancer's reloads: reads its :class:`ConfigSource`, refuses a bad config with
+    one log line, applies a good one, and counts generations.
+
+    Reloads never overlap: one asked for while another is being applied (a reconfigured
+    part that asks for one, a second SIGHUP handled in between) runs once after it, with
+    the file as it is then; several asked for meanwhile are one.
+    """
+
+    def __init__(self, lb: LoadBalancer, source: ConfigSource | None,
+                 clock: IReactorTime) -> None:
+        self._lb = lb
+        self.source = source
+        self._clock = clock
+        self.generation = ConfigGeneration(clock.seconds(),
+                                           source.path if source is not None else None)
+        self._applying = False
+        #: asked for while one was being applied: re-read the file / apply this config after
+        self._again = False
+        self._next: tuple[Config, bool] | None = None
+        #: told of every applied config (the supervisor sends it to its workers)
+        self.on_applied: list[Callable[[Config], object]] = []
+
+    def reload_from_source(self, trigger: str | None = None) -> int:
+        """
+        Re-read the config and apply it; the new generation.  Raises
+        :class:`ReloadRefused` (already logged) when it is not applied.  ``trigger`` says
+        what asked (``SIGHUP``, ``POST /reload``) in the one line logged.
+        """
+        source = self.source
+        if source is None or source.path is None:
+            raise self._refuse(ReloadRefused(
+                f"{_reload(trigger)} refused: txlb was started without --config, so there "
+                "is no file to re-read", status=409))
+        if self._applying:
+            self._again = True
+            return self.generation.generation
+        try:
+            config = source.read()
+            running = self._lb.config
+            if (config.log_user == running.log_user == "hash"
+                    and not source.gives_user_key()):
+                config = attrs.evolve(config, log_user_key=running.log_user_key)
+        except ConfigError as error:
+            raise self._refuse(ReloadRefused(self._still_running(trigger, str(error)))) \
+                from None
+        return self.apply(config, trigger=trigger)
+
+    def apply(self, config: Config, membership: bool = True,
+              trigger: str | None = None) -> int:
+        """
+        Apply an already validated ``config``; the new generation (see the class).
+        ``membership=False`` leaves the backends to the supervisor (a worker).
+        """
+        if self._applying:
+            self._next = (config, membership)
+            return self.generation.generation
+        self._applying = True
+        try:
+            try:
+                plan = plan_reload(self._lb, config, membership)
+            except ReloadRefused as refused:
+                raise self._refuse(ReloadRefused(
+                    self._still_running(trigger, refused.message))) from None
+            if plan.restart_only:
+                log.warn("{reload}: {names} cannot change without a restart and keep "
+                         "their running values; the rest is applied",
+                         reload=_reload(trigger), names=", ".join(plan.restart_only))
+            try:
+                apply_reload(self._lb, plan)
+            except Exception:
+                # txlb's bug, not the file's: say so, whole, and that it is half applied
+                log.failure("{reload}: applying generation {generation} failed part-way",
+                            reload=_reload(trigger),
+                            generation=self.generation.generation + 1)
+                raise self._refuse(ReloadRefused(
+                    f"{_reload(trigger)} failed part-way (see txlb's log)", status=500)) \
+                    from None
+            self.generation.applied(self._clock.seconds())
+            self._lb.metrics.reloaded(True, self.generation.generation)
+            log.info("{reload}: generation {generation} applied ({count} backends, policy "
+                     "{policy})", reload=_reload(trigger),
+                     generation=self.generation.generation,
+                     count=len(plan.config.backends), policy=plan.config.policy)
+            for listener in list(self.on_applied):
+                try:
+                    listener(plan.config)
+                except Exception:
+                    log.failure("telling of the new config failed")
+        finally:
+            self._applying = False
+        pending, self._next = self._next, None
+        again, self._again = self._again, False
+        try:
+            if again:
+                return self.reload_from_source(trigger)
+            if pending is not None:
+                return self.apply(*pending, trigger=trigger)
+        except ReloadRefused:
+            pass  # logged; the one just applied runs
+        return self.generation.generation
+
+    def _still_running(self, trigger: str | None, why: str) -> str:
+        return (f"{_reload(trigger)} refused, still running generation "
+                f"{self.generation.generation}: {why}")
+
+    def _refuse(self, refused: ReloadRefused) -> ReloadRefused:
+        log.error("{refusal}", refusal=refused.message)
+        self.generation.refused(refused.message)
+        self._lb.metrics.reloaded(False, self.generation.generation)
+        return refused
