@@ -52,6 +52,7 @@ from txlb._records.observer import IRequestObserver
 from txlb._records.resultlog import ResultLog, open_result_log
 from txlb._records.summary import Summary, privacy_of
 from txlb._scheduling.affinity import BoundedLoadRing
+from txlb._scheduling.classes import PriorityClasses
 from txlb._scheduling.policies import IPolicy
 from txlb._scheduling.policies.registry import make_policy
 from txlb._scheduling.ratelimit import RateLimiter, client_key
@@ -259,6 +260,9 @@ class LoadBalancer:
         #: ``--policy`` names
         self.policy: IPolicy = (
             policy if policy is not None else make_policy(config.policy, reactor, rng, config))
+        #: the priority classes: how a request's class is found and how each class waits;
+        #: ``reconfigure(config)`` changes them in place, the queue keeps its waiters
+        self.classes = PriorityClasses(config)
         self.router = Router(
             self.pool,
             self.policy,
@@ -269,6 +273,7 @@ class LoadBalancer:
             routes={r.model: ModelRoute(r.model, r.targets) for r in config.routes},
             affinity=BoundedLoadRing() if config.affinity else None,
             rng=rng,
+            classes=self.classes,
         )
         self.history = History(reactor, self._current_backends,
                                lambda: self.router.queue_length)

@@ -26,6 +26,14 @@ from urllib.parse import urlsplit
 import attrs
 from twisted.internet.task import Clock
 
+from txlb._config_classes import (
+    DEFAULT_CLASS,
+    ClassSpec,
+    check_classes,
+    parse_class_name,
+    parse_classes,
+    parse_priority_header,
+)
 from txlb._scheduling.policies.registry import (
     BUILT_IN,
     DEFAULT_POLICY,
@@ -690,6 +698,15 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("x-backend", "on", parse_exposure,
                "X-Backend and X-Backend-Port on responses: 'on', 'loopback' (to clients on "
                "this host only) or 'off'."),
+    OptionSpec("classes", (), parse_classes,
+               "Priority classes, highest first (config file [[classes]] only; default: "
+               "interactive, default, batch).", cli=False),
+    OptionSpec("priority-header", "X-Priority", parse_priority_header,
+               "Request header naming a priority class ('none': ignore it).",
+               "LB_PRIORITY_HEADER"),
+    OptionSpec("default-class", DEFAULT_CLASS, parse_class_name,
+               "Priority class of a request that names none and matches no class.",
+               "LB_DEFAULT_CLASS"),
 )
 
 _BY_NAME = {spec.name: spec for spec in OPTIONS}
@@ -747,6 +764,9 @@ class Config:
     workers: int = 1
     lb_status: str = "on"
     x_backend: str = "on"
+    classes: tuple[ClassSpec, ...] = ()
+    priority_header: str | None = "X-Priority"
+    default_class: str = DEFAULT_CLASS
 
 
 def check_workers(config: Config) -> None:
@@ -829,6 +849,7 @@ def build_config(
         values[spec.attribute] = None if given is None else spec.parse(label, given)
     config = Config(**values)
     check_workers(config)
+    check_classes(config)
     if config.log_user == "hash" and config.log_user_key is None:
         # chosen once, here, so that every --workers worker digests with the same key
         config = attrs.evolve(config, log_user_key=secrets.token_hex(32))

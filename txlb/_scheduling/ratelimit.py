@@ -67,6 +67,20 @@ class TokenBuckets:
             del buckets[key]
 
 
+def bearer_digest(request: Request) -> str | None:
+    """
+    The sha256 of the request's bearer token, in hex, or ``None`` without one.  What
+    txlb keeps of an API key (``--rate-key token``, ``[[classes]]`` ``keys``): the token
+    itself is never stored or logged, and an operator can compute the same digest with
+    ``printf %s "$KEY" | sha256sum``.
+    """
+    credentials = request.getHeader(b"authorization") or b""
+    scheme, _, token = credentials.partition(b" ")
+    if scheme.lower() == b"bearer" and token.strip():
+        return hashlib.sha256(token.strip()).hexdigest()
+    return None
+
+
 def client_key(request: Request, kind: str = "ip") -> str:
     """
     Who sent ``request``, by ``--rate-key`` ``kind``.  ``ip``: the client's address;
@@ -76,10 +90,9 @@ def client_key(request: Request, kind: str = "ip") -> str:
     clients) both use it.
     """
     if kind == "token":
-        credentials = request.getHeader(b"authorization") or b""
-        scheme, _, token = credentials.partition(b" ")
-        if scheme.lower() == b"bearer" and token.strip():
-            return "token:" + hashlib.sha256(token.strip()).hexdigest()[:32]
+        digest = bearer_digest(request)
+        if digest is not None:
+            return "token:" + digest[:32]
     elif kind.startswith("header:"):
         value = request.getHeader(kind[len("header:"):].encode("ascii"))
         if value:
