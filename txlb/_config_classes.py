@@ -176,15 +176,15 @@ def built_in(queue_timeout: float) -> tuple[ClassSpec, ...]:
 def check_classes(config: Config) -> None:
     """What needs the whole config: the default class exists, starvation ages are short."""
     specs = class_specs(config)
-    names = [spec.name for spec in specs]
-    if config.default_class not in names:
-        from txlb._config import did_you_mean
-
-        raise _error(f"--default-class: {config.default_class!r} is not one of the classes "
-                     f"({', '.join(names)}){did_you_mean(config.default_class, names)}")
     for spec in specs:
         timeout = spec.queue_timeout or config.queue_timeout
         if spec.starvation_age is not None and spec.starvation_age >= timeout:
             raise _error(f"classes.starvation_age: {spec.starvation_age:g}s of class "
                          f"{spec.name!r} is not shorter than its queue timeout ({timeout:g}s):"
                          " its requests would time out before the guard serves them")
+    names = [spec.name for spec in specs]
+    if config.default_class not in names:
+        from txlb._config import did_you_mean
+
+        raise _error(f"--default-class: {config.default_class!r} is not one of the classes "
+                     f"({', '.join(names)}){did_you_mean(config.default_class, names)}")
