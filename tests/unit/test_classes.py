@@ -326,9 +326,14 @@ class PriorityQueueTests(QueueCase):
         self.finish(1)
         self.assertEqual(self.served()[-1], "b1")  # waited 6 s: ahead of i2
         self.finish(2)
-        self.assertEqual(self.served()[-1], "b2")  # starving too, and older than i2
-        self.finish(3)
+        # b2 starves too, but the last slot went to a starving request: this one goes by
+        # precedence, so that starving batch requests cannot take every slot
         self.assertEqual(self.served()[-1], "i2")
+        self.send("i3", "interactive")
+        self.finish(3)
+        self.assertEqual(self.served()[-1], "b2")  # and the next to the starving again
+        self.finish(4)
+        self.assertEqual(self.served()[-1], "i3")
 
     def test_each_class_times_out_after_its_own_queue_timeout(self) -> None:
         self.send("busy")

@@ -9,8 +9,9 @@ When every backend that could serve a request is at its ``max_conns``, the reque
 in the queue of its priority class (:mod:`txlb._scheduling.classes`): one FIFO deque per
 class.  Nothing polls: the pool tells the router whenever capacity appears (a slot
 released, a backend up, undrained or added) and the queues are served in order -- first
-the waiters past their class's starvation age, then the classes by precedence, FIFO within
-each -- every waiter the moment a backend it may use has room.  A waiter whose backends are
+the waiters past their class's starvation age (every second slot at most), then the
+classes by precedence, FIFO within each -- every waiter the moment a backend it may use
+has room.  A waiter whose backends are
 all full is passed over, so it never holds up one (of any class) whose backends have room.
 """
 
@@ -107,6 +108,10 @@ class Router:
         #: one FIFO queue per class, highest class first
         self._queues: dict[str, deque[_Waiter]] = {}
         self._length = 0
+        #: the last slot went to a starving waiter: the next goes by precedence, so that
+        #: under a sustained overload the guard shares the fleet instead of inverting the
+        #: classes (every batch request starving would otherwise take every slot)
+        self._starved_last = False
         self._regroup()
         self.classes.on_change.append(self._regroup)
         #: what a request is routed by when the policy raises: a bug (or a body it chokes
@@ -314,29 +319,29 @@ class Router:
         waiter.deferred.errback(RoutingError(
             503, f"every backend stayed at its max_conns for {waited:g}s", self.retry_after))
 
-    def _in_order(self) -> Iterator[_Waiter]:
+    def _in_order(self) -> Iterator[tuple[_Waiter, bool]]:
         """
-        The waiters in the order slots go to them: first, class by class, those past their
-        class's starvation age (the head of each FIFO queue), then every class by
-        precedence, FIFO.  A snapshot, walked lazily: a dispatch that fills the last free
-        slot early looks at no more waiters than it must try.
+        The waiters in the order slots go to them, each with whether it comes as a starving
+        one: first, class by class, those past their class's starvation age (the head of
+        each FIFO queue) -- unless the last slot went to a starving waiter -- then every
+        class by precedence, FIFO.  A snapshot, walked lazily: a dispatch that fills the
+        last free slot early looks at no more waiters than it must try.
         """
         now = self.clock.seconds()
         snapshots = [(queue[0].klass, list(queue)) for queue in self._queues.values()
                      if queue]
-        skip = []
-        for klass, waiters in snapshots:
-            starved = 0
-            if klass.starvation_age is not None:
-                for waiter in waiters:
-                    if now - waiter.since < klass.starvation_age:
-                        break
-                    starved += 1
-                    yield waiter
-            skip.append(starved)
+        skip = [0] * len(snapshots)
+        for number, (klass, waiters) in enumerate(snapshots):
+            if klass.starvation_age is None:
+                continue
+            for waiter in waiters:
+                if self._starved_last or now - waiter.since < klass.starvation_age:
+                    break
+                skip[number] += 1
+                yield waiter, True
         for (_, waiters), starved in zip(snapshots, skip, strict=True):
             for index in range(starved, len(waiters)):
-                yield waiters[index]
+                yield waiters[index], False
 
     def _dispatch(self) -> None:
         """
@@ -346,13 +351,26 @@ class Router:
         """
         if not self._length:
             return
-        for waiter in self._in_order():
+        #: what failed to take a slot in this dispatch, by (model, exclude): a later waiter
+        #: with the same ones would fail too (slots only get fewer while we serve), so it is
+        #: passed over -- or answered, when nothing can serve it -- without a second look
+        #: at the pool: a release behind a long queue costs a dict lookup per waiter
+        failed: dict[tuple[str | None, frozenset[str]], bool] = {}
+        for waiter, starving in self._in_order():
             if not waiter.queued:
                 continue  # served by a nested dispatch (a release while we were serving)
-            serving = self._serving(waiter.model, waiter.exclude)
-            lease = self._take(serving, waiter.request)
+            key = (waiter.model, waiter.exclude)
+            worthy = failed.get(key)
+            if worthy is True:
+                continue
+            lease = None
+            if worthy is None:
+                serving = self._serving(waiter.model, waiter.exclude)
+                lease = self._take(serving, waiter.request)
+                if lease is None:
+                    worthy = failed[key] = self._queue_worthy(serving)
             if lease is None:
-                if not self._queue_worthy(serving):
+                if not worthy:
                     self._leave(waiter)
                     assert waiter.deferred is not None
                     what = (f"model `{waiter.model}`" if waiter.model is not None
@@ -361,6 +379,7 @@ class Router:
                         503, f"no backend is available for {what}", self.retry_after))
                 continue
             self._leave(waiter)
+            self._starved_last = starving
             waited = self.clock.seconds() - waiter.since
             lease.queued_for(waited)
             self.on_queue_wait(waited)
