@@ -346,9 +346,15 @@ class LoadBalancer:
                        ) -> IResource:
         """
         The admin API (Klein): status, drain, membership, metrics and the dashboard.
-        ``extra_status`` adds keys to ``/status`` (a supervisor's view of its workers).
+        ``extra_status`` adds keys to ``/status`` (a supervisor's view of its workers);
+        without it, ``/status`` has this process's ``queue``, per priority class, as
+        ``/__lb_status`` has.
         """
         from txlb._admin.app import Admin  # Klein (and its reactor import) only when it is built
+
+        if extra_status is None:
+            def extra_status() -> dict[str, object]:
+                return {"queue": self.router.queue_status()}
 
         admin = Admin(self.pool, self.metrics, self.config.admin_token,
                       on_added=self.health.probe_soon, clock=self.reactor,

@@ -146,6 +146,16 @@ shed_at = 50
                      f'[[classes]]\nname = "b"\nkeys = ["{digest(BATCH_KEY)}"]\n',
                      "classes.keys", "'a'", "'b'")
 
+    def test_the_docs_example_is_a_valid_config(self) -> None:
+        from pathlib import Path
+
+        docs = (Path(__file__).parents[2] / "docs" / "scheduling.md").read_text()
+        example = docs[docs.index("### An example"):]
+        example = example[example.index("```toml") + 7:]
+        config = self.build(example[:example.index("```")])
+        self.assertEqual([c.name for c in config.classes], ["interactive", "standard", "batch"])
+        self.assertEqual(config.classes[0].keys, (digest("test"),))
+
     def test_classes_are_config_file_only(self) -> None:
         from txlb._config import OPTIONS
 
