@@ -278,6 +278,7 @@ class LoadBalancer:
         self.history = History(reactor, self._current_backends,
                                lambda: self.router.queue_length)
         self.metrics.state.queue_length = lambda: self.router.queue_length
+        self.metrics.state.queue_classes = self.router.queue_lengths
         self.health = HealthChecker(
             self.pool,
             probe_agent,

@@ -92,13 +92,14 @@ def _class_item(item: object, seen: set[str]) -> ClassSpec:
     if name.lower() in seen:
         raise _error(f"classes.name: {name!r} is listed twice")
     seen.add(name.lower())
-    keys = []
+    keys: list[str] = []
     for key in _strings("keys", name, item.get("keys", [])):
         match = _DIGEST.fullmatch(key.strip().lower())
         if match is None:
-            raise _error(f"classes.keys: {key[:12]!r}... of class {name!r} is not the sha256 "
-                         "of an API key in hex (printf %s \"$KEY\" | sha256sum); the key "
-                         "itself is never written in the config")
+            # the value is not shown: a key pasted here by mistake must not reach a log
+            raise _error(f"classes.keys: entry {len(keys) + 1} of class {name!r} is not the "
+                         "sha256 of an API key in hex (printf %s \"$KEY\" | sha256sum); "
+                         "the key itself is never written in the config")
         keys.append(match.group(1))
     paths = _strings("paths", name, item.get("paths", []))
     for path in paths:
