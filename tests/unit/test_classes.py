@@ -156,6 +156,23 @@ shed_at = 50
         self.assertEqual([c.name for c in config.classes], ["interactive", "standard", "batch"])
         self.assertEqual(config.classes[0].keys, (digest("test"),))
 
+    def test_the_classes_reach_workers(self) -> None:
+        """--workers hands each worker the validated config, classes included."""
+        from txlb._workers.wire import config_blob, config_from
+
+        config = self.build(f'[[classes]]\nname = "default"\nkeys = ["{digest(BATCH_KEY)}"]\n'
+                            'shed_at = 3\n', **{"priority-header": "X-Tier"})
+        self.assertEqual(config_from(config_blob(config)), config)
+
+    def test_a_summary_keeps_its_class_over_the_workers_wire(self) -> None:
+        from txlb._records.summary import Summary
+        from txlb._workers import wire
+
+        summary = Summary(time=1.0, orid="o", backend="b:1", method="POST", path="/v1/x",
+                          status=200, kind="other", outcome="ok", dur=0.5, priority="batch")
+        message = json.loads(wire.summary_message(summary, True))
+        self.assertEqual(wire.summary_from(message[2]).priority, "batch")
+
     def test_classes_are_config_file_only(self) -> None:
         from txlb._config import OPTIONS
 
