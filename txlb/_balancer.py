@@ -55,6 +55,7 @@ from txlb._records.summary import Summary, privacy_of
 from txlb._reload import ConfigSource, Reconfigurable, Reloader
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.budgets import TokenBudgets
+from txlb._scheduling.classes import PriorityClasses
 from txlb._scheduling.policies import IPolicy
 from txlb._scheduling.policies.registry import make_policy
 from txlb._scheduling.ratelimit import RateLimiter, client_key
@@ -267,6 +268,9 @@ class LoadBalancer:
         #: ``--policy`` names
         self.policy: IPolicy = (
             policy if policy is not None else make_policy(config.policy, reactor, rng, config))
+        #: the priority classes: how a request's class is found and how each class waits;
+        #: ``reconfigure(config)`` changes them in place, the queue keeps its waiters
+        self.classes = PriorityClasses(config)
         self.router = Router(
             self.pool,
             self.policy,
@@ -277,10 +281,12 @@ class LoadBalancer:
             routes={r.model: ModelRoute(r.model, r.targets) for r in config.routes},
             affinity=BoundedLoadRing() if config.affinity else None,
             rng=rng,
+            classes=self.classes,
         )
         self.history = History(reactor, self._current_backends,
                                lambda: self.router.queue_length)
         self.metrics.state.queue_length = lambda: self.router.queue_length
+        self.metrics.state.queue_classes = self.router.queue_lengths
         self.health = HealthChecker(
             self.pool,
             probe_agent,
@@ -346,7 +352,7 @@ class LoadBalancer:
         self.admins: list[Any] = []
         #: other runtime parts that take a reloaded config themselves, each
         #: ``reconfigure(config)`` after the balancer's own parts have taken it
-        self.reconfigurable: list[Reconfigurable] = [self.budgets]
+        self.reconfigurable: list[Reconfigurable] = [self.classes, self.budgets]
         #: reloads (``kill -HUP``, ``POST /reload``): ``source`` is where the config is
         #: read again (the command line and environment as started, the file as it is now)
         self.reloader = Reloader(self, source, reactor)
@@ -380,15 +386,22 @@ class LoadBalancer:
                        ) -> IResource:
         """
         The admin API (Klein): status, drain, membership, metrics and the dashboard.
-        ``extra_status`` adds keys to ``/status`` (a supervisor's view of its workers).
+        ``extra_status`` adds keys to ``/status`` (a supervisor's view of its workers);
+        without it, ``/status`` has this process's ``queue``, per priority class, as
+        ``/__lb_status`` has.
         """
         from txlb._admin.app import Admin  # Klein (and its reactor import) only when it is built
 
         budgets = self.budgets
+        router = self.router
 
         def status() -> dict[str, object]:
             extra = budgets.status()
-            if extra_status is not None:
+            if extra_status is None:
+                # one process: its router holds the queue (a --workers supervisor's is
+                # always empty; its workers hold theirs)
+                extra["queue"] = router.queue_status()
+            else:
                 extra.update(extra_status())
             return extra
 

@@ -27,6 +27,14 @@ from urllib.parse import urlsplit
 import attrs
 from twisted.internet.task import Clock
 
+from txlb._config_classes import (
+    DEFAULT_CLASS,
+    ClassSpec,
+    check_classes,
+    parse_class_name,
+    parse_classes,
+    parse_priority_header,
+)
 from txlb._scheduling.policies.registry import (
     BUILT_IN,
     DEFAULT_POLICY,
@@ -569,7 +577,10 @@ _BUDGET_KEYS = ("name", "key", "value", "digest", "class", *BUDGET_WINDOWS)
 #: Tokens a budget may hold at most: far above any fleet's day, far below float trouble.
 MAX_BUDGET_TOKENS = 10**15
 _BUDGET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_DIGEST = re.compile(r"[0-9a-f]{32}")
+#: a bearer token's digest as a budget's ``digest`` takes it: the sha256 in hex, as
+#: ``printf %s "$KEY" | sha256sum`` prints it and ``[[classes]]`` ``keys`` take it (with an
+#: optional ``sha256:`` in front), or its first 32 digits (what txlb keys clients by)
+_DIGEST = re.compile(r"(?:sha256:)?([0-9a-f]{64}|[0-9a-f]{32})")
 
 
 def token_digest(token: str | bytes) -> str:
@@ -617,10 +628,12 @@ def _budget_key(name: str, kind: str, item: dict[str, Any]) -> str | None:
         raise ConfigError(f"budgets: budget {name!r} has both 'value' and 'digest'; "
                           "give one")
     if digest is not None:
-        if kind != "token" or not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+        match = _DIGEST.fullmatch(digest) if isinstance(digest, str) else None
+        if kind != "token" or match is None:
             raise ConfigError(f"budgets.digest: budget {name!r}: a digest goes with "
-                              "key = 'token' and is 32 lowercase hex digits")
-        return "token:" + digest
+                              "key = 'token' and is the key's sha256 in lowercase hex "
+                              "(printf %s \"$KEY\" | sha256sum)")
+        return "token:" + match.group(1)[:32]
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip() or len(value) > 1024:
@@ -834,6 +847,15 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("budget-completion-estimate", 256, parse_completion_estimate,
                "Completion tokens a token budget reserves for a request that sets no "
                "max_tokens (reconciled from usage at the end)."),
+    OptionSpec("classes", (), parse_classes,
+               "Priority classes, highest first (config file [[classes]] only; default: "
+               "interactive, default, batch).", cli=False),
+    OptionSpec("priority-header", "X-Priority", parse_priority_header,
+               "Request header naming a priority class ('none': ignore it).",
+               "LB_PRIORITY_HEADER"),
+    OptionSpec("default-class", DEFAULT_CLASS, parse_class_name,
+               "Priority class of a request that names none and matches no class.",
+               "LB_DEFAULT_CLASS"),
 )
 
 _BY_NAME = {spec.name: spec for spec in OPTIONS}
@@ -893,6 +915,9 @@ class Config:
     x_backend: str = "on"
     budgets: tuple[BudgetSpec, ...] = ()
     budget_completion_estimate: int = 256
+    classes: tuple[ClassSpec, ...] = ()
+    priority_header: str | None = "X-Priority"
+    default_class: str = DEFAULT_CLASS
 
 
 def check_workers(config: Config) -> None:
@@ -975,6 +1000,7 @@ def build_config(
         values[spec.attribute] = None if given is None else spec.parse(label, given)
     config = Config(**values)
     check_workers(config)
+    check_classes(config)
     if config.log_user == "hash" and config.log_user_key is None:
         # chosen once, here, so that every --workers worker digests with the same key
         config = attrs.evolve(config, log_user_key=secrets.token_hex(32))

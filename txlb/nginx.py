@@ -195,6 +195,12 @@ def unsupported_notes(config: Config) -> list[str]:
         "to drain it) and 'nginx -s reload'; metrics via stub_status or an exporter.",
         "Queueing at max_conns (--queue-timeout): nginx OSS answers 502 at once when every "
         "server is at max_conns; nginx Plus has 'queue N timeout=T'.",
+        "Priority classes ([[classes]], --priority-header): nginx has no priority queue; "
+        "every upstream serves requests in arrival order (nginx Plus's 'queue' is one FIFO "
+        "per worker), so no class is served ahead of another and none has a starvation "
+        "guard. The closest: cap a class's rate with a limit_req zone of its own whose key "
+        "is empty for the other classes (nginx does not count a request with an empty key),"
+        " e.g. map $http_x_priority $batch_key { batch $binary_remote_addr; default \"\"; }.",
         "--slow-start: nginx Plus only ('slow_start=' on a server).",
         "--outlier-5xx: closest is 'proxy_next_upstream http_500' with max_fails, which "
         "also retries.",

@@ -69,6 +69,8 @@ class ExpositionTests(BalancerTestCase):
         self.traffic()
         self.assertEqual(self.value("txlb_backends"), 2)
         self.assertEqual(self.value("txlb_queue_length"), 2)
+        self.assertEqual(self.value("txlb_queue_class_length", **{"class": "default"}), 2)
+        self.assertEqual(self.value("txlb_queue_class_length", **{"class": "batch"}), 0)
         from txlb._records.metrics import _version
         self.assertEqual(self.value("txlb_build_info", version=_version()), 1)
         self.assertEqual(self.value("txlb_backend_outlier_ejected", backend=A), 0)

@@ -88,7 +88,8 @@ class GeneratedConfigTests(SynchronousTestCase):
     def test_what_nginx_cannot_do_is_listed(self) -> None:
         text = conf()
         for topic in ("Active health checks", "Model-aware routing", "result log",
-                      "Admin API", "Queueing at max_conns"):
+                      "Admin API", "Queueing at max_conns", "Priority classes",
+                      "no priority queue"):
             self.assertIn(topic, text)
 
     def test_token_budgets_are_said_not_to_map(self) -> None:

@@ -64,7 +64,7 @@ class ResultLogLineTests(TestCase):
         self.assertRegex(line, r"^\d\d-\d\d \d\d:\d\d:\d\d orid=ORD-1 " + backend +
                          r" status=200 finish=length ctok=9/6 thinking=True think=True "
                          r"empty=False clen=\d+ ttft=\d+\.\d{3} dur=\d+\.\d{3} "
-                         r"ptok=\d+ cached=(\d+|-) \| tok0 tok1 ")
+                         r"ptok=\d+ cached=(\d+|-) class=default \| tok0 tok1 ")
 
     @defer.inlineCallbacks
     def test_non_streaming_without_thinking(self) -> Any:
@@ -100,7 +100,7 @@ class ResultLogLineTests(TestCase):
         response.deliverBody(HangUp())
         yield defer.ensureDeferred(wait_until(lambda: len(self.lines()) == 1, what="log line"))
         self.assertIn(" status=200 finish=- ", self.lines()[0])
-        self.assertIn(" end=client_abort | ", self.lines()[0])
+        self.assertIn(" end=client_abort class=default | ", self.lines()[0])
 
     @defer.inlineCallbacks
     def test_other_path_and_proxy_error(self) -> Any:
@@ -111,7 +111,7 @@ class ResultLogLineTests(TestCase):
         first, second = self.lines()
         self.assertRegex(first, r" orid=- 127\.0\.0\.1:\d+ GET /metrics status=200 dur=")
         self.assertIn(" orid=- - status=503 req_keys=- method=GET path=/metrics ", second)
-        self.assertIn(" end=proxy_error ERR_BODY | {\"error\": ", second)
+        self.assertIn(" end=proxy_error class=default ERR_BODY | {\"error\": ", second)
 
     @defer.inlineCallbacks
     def test_json_format(self) -> Any:

@@ -70,6 +70,13 @@ class DrainTests(AdminTestCase):
                     "ttft_ewma_s", "probes_ok", "probes_failed"):
             self.assertIn(key, entry)
 
+    def test_status_has_the_queue_per_class(self) -> None:
+        _, status = self.call("GET", "/status")
+        self.assertEqual(status["queue"]["length"], 0)
+        self.assertEqual(list(status["queue"]["classes"]), ["interactive", "default", "batch"])
+        self.assertEqual(status["queue"]["classes"]["batch"],
+                         {"length": 0, "oldest_wait_s": 0.0, "timeout_s": 30.0})
+
     def test_drain_sends_no_new_requests_there(self) -> None:
         in_flight = self.proxy()  # one in flight on A (first in rotation)
         code, state = self.call("POST", f"/backends/{A}/drain")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -602,3 +603,38 @@ class ObservabilityTests(ProxyTestCase):
             self.post(b"{}", peer=f"10.0.{n // 250}.{n % 250}")
         self.assertLessEqual(len(self.lb.budgets.levels), 50)
         self.assertEqual(len(self.upstream.calls), 200)
+
+
+class ClassesAndBudgetsTests(ProxyTestCase):
+    """A budget for a priority class meets the class the proxy gave the request."""
+
+    def test_a_class_budget_applies_to_the_requests_of_that_class(self) -> None:
+        self.build([budget(name="batch", tokens_per_minute=100, **{"class": "batch"})])
+        batch = [(b"X-Priority", b"batch")]
+        first = self.post(body_of(40, 50), headers=batch)
+        self.answer({"prompt_tokens": 10, "completion_tokens": 50, "total_tokens": 60})
+        self.assertEqual(first.response().status, 200)
+        # the next batch request no longer fits; an interactive one is not counted
+        self.assertEqual(self.post(body_of(40, 50), headers=batch).response().status, 429)
+        interactive = self.post(body_of(40, 50), headers=[(b"X-Priority", b"interactive")])
+        self.answer({"prompt_tokens": 10, "completion_tokens": 50, "total_tokens": 60})
+        self.assertEqual(interactive.response().status, 200)
+        self.assertEqual(len(self.upstream.calls), 2)
+
+    def test_a_budget_for_a_class_that_does_not_exist_is_refused(self) -> None:
+        error = self.assertRaises(ConfigError, build_config, {"backends": ONE, "budgets": [
+            budget(name="bulk", **{"class": "Batch"})]}, environ={})
+        self.assertIn("budgets.class", str(error))
+        self.assertIn("did you mean 'batch'", str(error))
+
+    def test_a_digest_as_sha256sum_prints_it_limits_that_key(self) -> None:
+        full = hashlib.sha256(b"sk-acme").hexdigest()  # printf %s sk-acme | sha256sum
+        for digest in (full, "sha256:" + full, full[:32]):
+            (spec,) = parse_budgets("budgets", [budget(key="token", digest=digest)])
+            self.assertEqual(spec.key, "token:" + token_digest("sk-acme"), digest)
+        self.assertIn("budgets.digest", self.refused_digest(full.upper()))
+        self.assertIn("budgets.digest", self.refused_digest(full[:40]))
+
+    def refused_digest(self, digest: str) -> str:
+        return str(self.assertRaises(ConfigError, parse_budgets, "budgets",
+                                     [budget(key="token", digest=digest)]))

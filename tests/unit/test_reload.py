@@ -662,3 +662,34 @@ class ReloadBudgetsTests(ReloadTestCase):
         refused = self.proxy(b"/v1/chat/completions", body)
         self.assertEqual(refused.response().status, 429)
         self.assertEqual(len(self.upstream.calls), 1)  # never forwarded
+
+
+class ReloadClassesTests(ReloadTestCase):
+    """The priority classes are one of the parts a reload reconfigures."""
+
+    classes = ('[[classes]]\nname = "{first}"\nqueue_timeout = {timeout}\n'
+               '[[classes]]\nname = "{second}"\n')
+    first = backend_tables((A, 1, 1, [])) + classes.format(
+        first="interactive", second="default", timeout=20)
+
+    def test_a_reload_reorders_the_classes_and_moves_a_queued_request(self) -> None:
+        """
+        A queued request of a class the reload removed joins the default class, with that
+        class's deadline (arrival + --queue-timeout's 30 s), not its old class's 20 s.
+        """
+        self.proxy(b"/v1/completions", b'{"prompt": "a"}')  # takes the one slot
+        client = ClientConnection(self.site)
+        client.request(b"POST", b"/v1/completions",
+                       headers=[(b"content-type", b"application/json"),
+                                (b"x-priority", b"interactive")], body=b'{"prompt": "b"}')
+        self.assertEqual(self.lb.router.queue_status()["classes"]["interactive"]["length"], 1)
+        self.rewrite(backend_tables((A, 1, 1, [])) + self.classes.format(
+            first="urgent", second="default", timeout=5))
+        self.reload()
+        self.assertEqual([c.name for c in self.lb.classes.order], ["urgent", "default"])
+        self.assertEqual(self.lb.router.queue_status()["classes"]["default"]["length"], 1)
+        self.clock.advance(21)  # past the removed class's 20 s: still waiting
+        self.assertEqual(self.lb.router.queue_length, 1)
+        self.clock.advance(10)  # past the default class's 30 s
+        self.assertEqual(client.response().status, 503)
+        self.assertEqual(len(self.upstream.calls), 1)

@@ -157,9 +157,9 @@ class ResultLogTests(SynchronousTestCase):
 #: Characters that end a line for some line-based tool, or act on a terminal.
 RAW_UNSAFE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029]")
 COMPLETION_FIELDS = {"orid", "status", "finish", "ctok", "thinking", "think", "empty", "clen",
-                     "ttft", "dur", "ptok", "cached"}
-ERROR_FIELDS = {"orid", "status", "req_keys", "method", "path", "dur"}
-OTHER_FIELDS = {"orid", "status", "dur"}
+                     "ttft", "dur", "ptok", "cached", "class"}
+ERROR_FIELDS = {"orid", "status", "req_keys", "method", "path", "dur", "class"}
+OTHER_FIELDS = {"orid", "status", "dur", "class"}
 
 
 def answer(content: str = "ok", finish: str = "stop") -> bytes:

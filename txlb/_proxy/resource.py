@@ -101,7 +101,7 @@ class ProxyResource(Resource):
         routing = self._routing_request(request, record)
         budgets = self.budgets
         if budgets is not None and budgets.specs:
-            admission = budgets.admit(request, routing, record.path, priority=None)
+            admission = budgets.admit(request, routing, record.path, routing.priority)
             if admission.refused:
                 for name, value in admission.headers:
                     request.responseHeaders.setRawHeaders(name, [value])
@@ -132,13 +132,16 @@ class ProxyResource(Resource):
         is forwarded untouched and routes like a request without a model.
         """
         body = parse_json_object(record.request_body)
-        model = None
+        model = named = None
         if body is not None and isinstance(body.get("model"), str):
-            model = body["model"]
+            model = named = body["model"]
             target = self.router.resolve(model)
             if target != model:
                 body["model"] = model = target
                 record.request_body = json.dumps(body).encode("utf-8")
+        # a class's models match the name the client sent or, for an alias, its target
+        models = [m for m in (named, model) if m is not None]
+        priority = self.router.classes.resolve(request, record.path, models)
         session = None
         if self.affinity == "user":
             if body is not None and isinstance(body.get("user"), str | int):
@@ -148,7 +151,7 @@ class ProxyResource(Resource):
             session = value.decode("utf-8", "replace") if value else None
         return RoutingRequest(model=model, session=session,
                               client=self.context.client_key(request),
-                              body=record.request_body, json=body)
+                              priority=priority, body=record.request_body, json=body)
 
     def _forward(self, request: Request, record: RequestRecord, lease: Lease,
                  routing: RoutingRequest) -> None:

@@ -245,6 +245,8 @@ FIELDS: tuple[Field, ...] = (
     Field("trunc", BOOL, attr="truncated", json_omit=_no,
           text=(Text(320, " trunc=", flag, omit=_no),)),
     Field("tries", INT, json_omit=_once, text=(Text(310, " tries=", omit=_once),)),
+    Field("class", STR.optional(), attr="priority", json_omit=_unknown,
+          text=(Text(330, " class=", escape, omit=_unknown),)),
 )
 
 

@@ -20,7 +20,7 @@ application may want them in its own metrics.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from importlib import metadata
 from typing import Any, Protocol
 
@@ -57,6 +57,9 @@ class PoolCollector:
     def __init__(self, pool: Pool, queue_length: Callable[[], int] | None = None) -> None:
         self._pool = pool
         self.queue_length = queue_length
+        #: the queue per priority class (one process's; ``None`` where it is not known, in
+        #: a ``--workers`` supervisor, whose workers hold the queues)
+        self.queue_classes: Callable[[], Mapping[str, int]] | None = None
         self._version = _version()
 
     def describe(self) -> list[Metric]:
@@ -120,6 +123,14 @@ class PoolCollector:
                 "txlb_queue_length",
                 "Requests waiting now for a backend slot (every eligible one at max_conns).",
                 value=self.queue_length())
+        if self.queue_classes is not None:
+            per_class = GaugeMetricFamily(
+                "txlb_queue_class_length",
+                "Requests waiting now for a backend slot, per priority class.",
+                labels=["class"])
+            for name, length in self.queue_classes().items():
+                per_class.add_metric([name], length)
+            yield per_class
         build = GaugeMetricFamily("txlb_build_info", "The running txlb (always 1).",
                                   labels=["version"])
         build.add_metric([self._version], 1)

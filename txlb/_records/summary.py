@@ -200,6 +200,9 @@ class Summary:
     #: a completion came as a stream (SSE): only then does the time from its first byte to
     #: its end measure the generation (a plain JSON answer arrives whole, at the end)
     stream: bool = False
+    #: the priority class it was queued in; ``None`` for a request refused before its
+    #: class was known (a rate limit, a bad target)
+    priority: str | None = None
 
 
 def parse_json_object(body: bytes) -> dict[str, Any] | None:
@@ -593,6 +596,7 @@ def summarize(record: RequestRecord, privacy: Privacy = KEEP_ALL) -> Summary:
         "ttft": None if record.first_byte is None else record.first_byte - record.started,
         "truncated": record.truncated,
         "tries": record.tries,
+        "priority": None if record.routing is None else record.routing.priority,
     }
     if status != 200:
         keys = request_keys(request) if request is not None else None

@@ -12,6 +12,7 @@ least recently used is dropped too (which only ever errs on the lenient side).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import OrderedDict
 
@@ -20,7 +21,6 @@ from twisted.web.server import Request
 from zope.interface import implementer
 
 from txlb._cluster.store import IRateBuckets
-from txlb._config import token_digest
 
 #: Live buckets kept at most; a bucket costs roughly 100 bytes.
 MAX_KEYS = 100_000
@@ -80,6 +80,20 @@ class TokenBuckets:
             del buckets[key]
 
 
+def bearer_digest(request: Request) -> str | None:
+    """
+    The sha256 of the request's bearer token, in hex, or ``None`` without one.  What
+    txlb keeps of an API key (``--rate-key token``, ``[[classes]]`` ``keys``): the token
+    itself is never stored or logged, and an operator can compute the same digest with
+    ``printf %s "$KEY" | sha256sum``.
+    """
+    credentials = request.getHeader(b"authorization") or b""
+    scheme, _, token = credentials.partition(b" ")
+    if scheme.lower() == b"bearer" and token.strip():
+        return hashlib.sha256(token.strip()).hexdigest()
+    return None
+
+
 def client_key(request: Request, kind: str = "ip") -> str:
     """
     Who sent ``request``, by ``--rate-key`` ``kind``.  ``ip``: the client's address;
@@ -89,10 +103,9 @@ def client_key(request: Request, kind: str = "ip") -> str:
     clients) both use it.
     """
     if kind == "token":
-        credentials = request.getHeader(b"authorization") or b""
-        scheme, _, token = credentials.partition(b" ")
-        if scheme.lower() == b"bearer" and token.strip():
-            return "token:" + token_digest(token)
+        digest = bearer_digest(request)
+        if digest is not None:
+            return "token:" + digest[:32]
     elif kind.startswith("header:"):
         value = request.getHeader(kind[len("header:"):].encode("ascii"))
         if value:

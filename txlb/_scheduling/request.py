@@ -15,6 +15,8 @@ from collections.abc import Mapping
 
 import attrs
 
+from txlb._config_classes import DEFAULT_CLASS
+
 
 @attrs.frozen
 class RoutingRequest:
@@ -26,6 +28,9 @@ class RoutingRequest:
     session: str | None = None
     #: the ``--rate-key`` client key (an address, or a header's value)
     client: str | None = None
+    #: the priority class's name (:mod:`txlb._scheduling.classes`): where it waits in the
+    #: ``max_conns`` queue; a name no class has waits in the default class
+    priority: str = DEFAULT_CLASS
     #: the request body as it will be forwarded (bytes twisted.web has already read)
     body: bytes = attrs.field(default=b"", repr=False)
     #: the body parsed as a JSON object, when it is one (the parse the proxy made anyway)

@@ -6,16 +6,20 @@ other request can run between "this backend has the fewest in flight" and "it no
 more" -- the property that keeps a burst of N requests on B backends at ceil(N/B) each.
 
 When every backend that could serve a request is at its ``max_conns``, the request waits
-in a FIFO queue.  Nothing polls: the pool tells the router whenever capacity appears (a
-slot released, a backend up, undrained or added) and the queue is served in order, each
-waiter the moment a backend it may use has room.
+in the queue of its priority class (:mod:`txlb._scheduling.classes`): one FIFO deque per
+class.  Nothing polls: the pool tells the router whenever capacity appears (a slot
+released, a backend up, undrained or added) and the queues are served in order -- first
+the waiters past their class's starvation age (every second slot at most), then the
+classes by precedence, FIFO within each -- every waiter the moment a backend it may use
+has room.  A waiter whose backends are
+all full is passed over, so it never holds up one (of any class) whose backends have room.
 """
 
 from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import attrs
 from twisted.internet.defer import Deferred, fail, succeed
@@ -24,7 +28,9 @@ from twisted.logger import Logger
 
 from txlb._cluster.backend import Backend, Lease
 from txlb._cluster.pool import Pool
+from txlb._config import Config
 from txlb._scheduling.affinity import BoundedLoadRing
+from txlb._scheduling.classes import PriorityClasses, QueueClass
 from txlb._scheduling.policies import IPolicy, IPreparesRequests
 from txlb._scheduling.policies.least_conn import LeastConnections
 from txlb._scheduling.request import ANY_REQUEST, RoutingRequest
@@ -61,8 +67,12 @@ class _Waiter:
     request: RoutingRequest
     exclude: frozenset[str]
     since: float
+    #: the class it waits in: the request's, or the default class when a reload removed it
+    klass: QueueClass
     deferred: Deferred[Lease] | None = None
     timer: IDelayedCall | None = None
+    #: in a queue now (an O(1) answer to "was it served by a nested dispatch?")
+    queued: bool = False
 
 
 class Router:
@@ -79,6 +89,7 @@ class Router:
         affinity: BoundedLoadRing | None = None,
         rng: random.Random | None = None,
         forward_unknown_models: bool = False,
+        classes: PriorityClasses | None = None,
     ) -> None:
         self.pool = pool
         self.policy = policy
@@ -90,7 +101,19 @@ class Router:
         #: ``--unknown-model forward``: a model no backend lists goes to any backend
         self.forward_unknown_models = forward_unknown_models
         self._rng = rng or random.Random()
-        self._queue: deque[_Waiter] = deque()
+        #: the priority classes (their order, timeouts, guards); without any given, the
+        #: built-in three with ``queue_timeout``
+        self.classes = classes if classes is not None else PriorityClasses(
+            Config(backends=(), queue_timeout=queue_timeout))
+        #: one FIFO queue per class, highest class first
+        self._queues: dict[str, deque[_Waiter]] = {}
+        self._length = 0
+        #: the last slot went to a starving waiter: the next goes by precedence, so that
+        #: under a sustained overload the guard shares the fleet instead of inverting the
+        #: classes (every batch request starving would otherwise take every slot)
+        self._starved_last = False
+        self._regroup()
+        self.classes.on_change.append(self._regroup)
         #: what a request is routed by when the policy raises: a bug (or a body it chokes
         #: on) in a policy must cost the balance, never the request or the queue
         self._fallback = LeastConnections()
@@ -177,7 +200,13 @@ class Router:
             what = f"model `{model}`" if model is not None else "this request"
             return fail(RoutingError(503, f"no backend is available for {what}",
                                      self.retry_after))
-        waiter = _Waiter(model, request, exclude, self.clock.seconds())
+        klass = self.classes.get(request.priority)
+        if klass.shed_at is not None and self._length >= klass.shed_at:
+            # shed first: this class does not queue behind this many waiters
+            return fail(RoutingError(
+                503, f"every backend is at its max_conns and {self._length} requests wait: "
+                     f"class `{klass.name}` is not queued", self.retry_after))
+        waiter = _Waiter(model, request, exclude, self.clock.seconds(), klass)
         waiting = self._enqueue(waiter)
         if self.pool.shared is not None:
             # With --workers, a slot freed in another worker wakes this queue only if the
@@ -265,15 +294,19 @@ class Router:
             self._leave(waiter)
 
         waiter.deferred = Deferred(cancel)
-        waiter.timer = self.clock.callLater(self.queue_timeout, self._expire, waiter)
-        self._queue.append(waiter)
-        self.on_queue_length(len(self._queue))
+        waiter.timer = self.clock.callLater(waiter.klass.queue_timeout, self._expire, waiter)
+        self._queues[waiter.klass.name].append(waiter)
+        waiter.queued = True
+        self._length += 1
+        self.on_queue_length(self._length)
         return waiter.deferred
 
     def _leave(self, waiter: _Waiter) -> None:
-        if waiter in self._queue:
-            self._queue.remove(waiter)
-            self.on_queue_length(len(self._queue))
+        if waiter.queued:
+            waiter.queued = False
+            self._queues[waiter.klass.name].remove(waiter)
+            self._length -= 1
+            self.on_queue_length(self._length)
         if waiter.timer is not None and waiter.timer.active():
             waiter.timer.cancel()
 
@@ -286,19 +319,58 @@ class Router:
         waiter.deferred.errback(RoutingError(
             503, f"every backend stayed at its max_conns for {waited:g}s", self.retry_after))
 
+    def _in_order(self) -> Iterator[tuple[_Waiter, bool]]:
+        """
+        The waiters in the order slots go to them, each with whether it comes as a starving
+        one: first, class by class, those past their class's starvation age (the head of
+        each FIFO queue) -- unless the last slot went to a starving waiter -- then every
+        class by precedence, FIFO.  A snapshot, walked lazily: a dispatch that fills the
+        last free slot early looks at no more waiters than it must try.
+        """
+        now = self.clock.seconds()
+        snapshots = [(queue[0].klass, list(queue)) for queue in self._queues.values()
+                     if queue]
+        skip = [0] * len(snapshots)
+        for number, (klass, waiters) in enumerate(snapshots):
+            if klass.starvation_age is None:
+                continue
+            for waiter in waiters:
+                if self._starved_last or now - waiter.since < klass.starvation_age:
+                    break
+                skip[number] += 1
+                yield waiter, True
+        for (_, waiters), starved in zip(snapshots, skip, strict=True):
+            for index in range(starved, len(waiters)):
+                yield waiters[index], False
+
     def _dispatch(self) -> None:
         """
-        The pool changed: serve waiters in arrival order, each as soon as it fits, and
-        answer at once those that nothing can serve any more (their backends went down,
-        were drained or removed) instead of leaving them to time out.
+        The pool changed: serve waiters in their order (:meth:`_in_order`), each as soon as
+        it fits, and answer at once those that nothing can serve any more (their backends
+        went down, were drained or removed) instead of leaving them to time out.
         """
-        for waiter in list(self._queue):
-            if waiter not in self._queue:
+        if not self._length:
+            return
+        #: what failed to take a slot in this dispatch, by (model, exclude): a later waiter
+        #: with the same ones would fail too (slots only get fewer while we serve), so it is
+        #: passed over -- or answered, when nothing can serve it -- without a second look
+        #: at the pool: a release behind a long queue costs a dict lookup per waiter
+        failed: dict[tuple[str | None, frozenset[str]], bool] = {}
+        for waiter, starving in self._in_order():
+            if not waiter.queued:
                 continue  # served by a nested dispatch (a release while we were serving)
-            serving = self._serving(waiter.model, waiter.exclude)
-            lease = self._take(serving, waiter.request)
+            key = (waiter.model, waiter.exclude)
+            worthy = failed.get(key)
+            if worthy is True:
+                continue
+            lease = None
+            if worthy is None:
+                serving = self._serving(waiter.model, waiter.exclude)
+                lease = self._take(serving, waiter.request)
+                if lease is None:
+                    worthy = failed[key] = self._queue_worthy(serving)
             if lease is None:
-                if not self._queue_worthy(serving):
+                if not worthy:
                     self._leave(waiter)
                     assert waiter.deferred is not None
                     what = (f"model `{waiter.model}`" if waiter.model is not None
@@ -307,6 +379,7 @@ class Router:
                         503, f"no backend is available for {what}", self.retry_after))
                 continue
             self._leave(waiter)
+            self._starved_last = starving
             waited = self.clock.seconds() - waiter.since
             lease.queued_for(waited)
             self.on_queue_wait(waited)
@@ -317,9 +390,8 @@ class Router:
                queue_timeout: float, retry_after: int, forward_unknown_models: bool,
                affinity: BoundedLoadRing | None) -> None:
         """
-        A reloaded config's routing.  Requests already queued keep their place; each one's
-        deadline becomes its arrival plus the new ``queue_timeout`` (one past it is
-        answered 503 on the next reactor turn, not left waiting for the old deadline).
+        A reloaded config's routing.  Requests already queued keep their place; their
+        deadlines are the priority classes' to recompute (:meth:`_regroup`).
         """
         self.policy = policy
         self._prepares = IPreparesRequests.providedBy(policy)
@@ -327,22 +399,32 @@ class Router:
         self.retry_after = retry_after
         self.forward_unknown_models = forward_unknown_models
         self.affinity = affinity
-        if queue_timeout != self.queue_timeout:
-            self.queue_timeout = queue_timeout
-            self._reschedule_deadlines()
+        # the queued requests' deadlines follow when the priority classes take the same
+        # config (PriorityClasses.reconfigure, one of lb.reconfigurable): each class's
+        # timeout falls back to --queue-timeout, and the classes' change regroups the queue
+        self.queue_timeout = queue_timeout
 
-    def _reschedule_deadlines(self) -> None:
-        """Each queued request's deadline: its arrival plus the queue timeout now."""
+    def _regroup(self) -> None:
+        """
+        The classes changed (a reload): one queue per class in the new order.  Waiters keep
+        their place in their class (a waiter whose class is gone joins the default class in
+        arrival order) and their arrival time; their deadlines are their arrival plus their
+        class's queue timeout now (one already past expires at once, on the next turn).
+        """
+        waiting = [waiter for queue in self._queues.values() for waiter in queue]
+        self._queues = {klass.name: deque() for klass in self.classes.order}
         now = self.clock.seconds()
-        for waiter in self._queue:
+        for waiter in sorted(waiting, key=lambda w: w.since):  # a reload's cost only
+            waiter.klass = self.classes.get(waiter.klass.name)
+            self._queues[waiter.klass.name].append(waiter)
             if waiter.timer is not None and waiter.timer.active():
                 waiter.timer.cancel()
-            left = max(0.0, waiter.since + self.queue_timeout - now)
+            left = max(0.0, waiter.since + waiter.klass.queue_timeout - now)
             waiter.timer = self.clock.callLater(left, self._expire, waiter)
 
     def abandon_queue(self, message: str) -> None:
         """Refuse every queued request with 503 (the balancer is shutting down)."""
-        for waiter in list(self._queue):
+        for waiter in [w for queue in self._queues.values() for w in queue]:
             self._leave(waiter)
             if waiter.deferred is not None and not waiter.deferred.called:
                 waiter.deferred.errback(RoutingError(503, message, self.retry_after))
@@ -350,12 +432,26 @@ class Router:
     @property
     def queue_length(self) -> int:
         """Requests waiting for a slot now."""
-        return len(self._queue)
+        return self._length
+
+    def queue_lengths(self) -> dict[str, int]:
+        """Requests waiting for a slot now, per class (highest first)."""
+        return {name: len(queue) for name, queue in self._queues.items()}
 
     def queue_status(self) -> dict[str, object]:
+        """``/__lb_status``'s ``queue``: in all, and per class."""
         now = self.clock.seconds()
+        classes: dict[str, object] = {}
+        oldest = 0.0
+        for klass in self.classes.order:
+            queue = self._queues[klass.name]
+            wait = round(now - queue[0].since, 3) if queue else 0.0
+            oldest = max(oldest, wait)
+            classes[klass.name] = {"length": len(queue), "oldest_wait_s": wait,
+                                   "timeout_s": klass.queue_timeout}
         return {
-            "length": len(self._queue),
-            "oldest_wait_s": round(now - self._queue[0].since, 3) if self._queue else 0.0,
-            "timeout_s": self.queue_timeout,
+            "length": self._length,
+            "oldest_wait_s": oldest,
+            "timeout_s": self.classes.queue_timeout,
+            "classes": classes,
         }

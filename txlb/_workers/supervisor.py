@@ -227,6 +227,7 @@ class WorkerSupervisor(Service):
         # the queues are the workers', not this process's router's (always empty)
         balancer.history.queued = self.queued
         balancer.metrics.state.queue_length = self.queued
+        balancer.metrics.state.queue_classes = None  # each worker's own; not published
 
     # -- start ----------------------------------------------------------------------------
 
