@@ -633,3 +633,46 @@ class WorkerTests(SynchronousTestCase):
         service.startService()
         self.addCleanup(service.stopService)
         self.assertEqual(resolver.asked, [])
+
+
+class NginxTests(SynchronousTestCase):
+    """``python -m txlb.nginx`` writes names as nginx's ``resolve`` servers."""
+
+    def test_names_become_resolve_servers_with_a_zone_and_a_resolver(self) -> None:
+        from txlb.nginx import render
+
+        text = render(build_config({
+            "backends": "dns:vllm.example:8000,srv:_http._tcp.gpu.example,10.0.0.1:8002",
+            "resolver": "127.0.0.1:5353"}, NONE))
+        self.assertIn("    server vllm.example:8000 resolve max_fails=1", text)
+        self.assertIn("    server gpu.example service=_http._tcp resolve max_fails=1", text)
+        self.assertIn("    zone txlb_backends 1m;", text)
+        self.assertIn("resolver 127.0.0.1:5353 valid=300s;", text)
+        self.assertIn("    server 10.0.0.1:8002 max_fails=1", text)
+
+    def test_no_names_no_zone_or_resolver(self) -> None:
+        from txlb.nginx import render
+
+        text = render(build_config({"backends": "10.0.0.1:8002"}, NONE))
+        self.assertNotIn("resolve", text.replace("resolv.conf", ""))
+        self.assertNotIn("zone txlb_backends", text)
+
+    def test_the_system_s_nameservers_by_default(self) -> None:
+        from txlb.nginx import _system_nameservers
+
+        path = Path(self.mktemp())
+        path.write_text("# comment\nnameserver 10.0.0.53\nnameserver fe80::1%eth0\n"
+                        "search example\n")
+        self.assertEqual(_system_nameservers(str(path)), ["10.0.0.53", "[fe80::1]"])
+        self.assertEqual(_system_nameservers(str(path) + ".missing"), [])
+
+
+class CheckTests(SynchronousTestCase):
+    """``--check`` counts the names beside the addresses."""
+
+    def test_the_verdict_counts_names(self) -> None:
+        from txlb.check import verdict
+
+        config = build_config({"backends": "dns:vllm.example:8000,10.0.0.1:8002"}, NONE)
+        self.assertEqual(verdict(config, "lb.toml"),
+                         "OK: lb.toml (1 backend and 1 DNS name, policy least-conn)")
