@@ -170,6 +170,10 @@ class DnsMembershipProcessTests(TestCase):
         await _sleep(3)
         per_second = (self.zone.asked[NAME] - before) / (time.monotonic() - started)
         self.assertLess(per_second, 6, self.zone.asked)
+        # ... and the service log says nothing of the queries: one socket, kept
+        output = lb.output()
+        self.assertEqual(output.count("DNSDatagramProtocol starting on"), 1, output)
+        self.assertNotIn("UDP Port", output)
 
     async def test_a_hostile_zone_is_bounded(self) -> None:
         # thousands of addresses (a TCP-sized answer), odd addresses, a huge TTL

@@ -676,3 +676,83 @@ class CheckTests(SynchronousTestCase):
         config = build_config({"backends": "dns:vllm.example:8000,10.0.0.1:8002"}, NONE)
         self.assertEqual(verdict(config, "lb.toml"),
                          "OK: lb.toml (1 backend and 1 DNS name, policy least-conn)")
+
+
+class _FakeUDP:
+    """The transport of a UDP port in memory: what was sent, and to whom."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, tuple[str, int]]] = []
+        self.stopped = False
+
+    def write(self, data: bytes, address: tuple[str, int]) -> None:
+        self.sent.append((data, address))
+
+    def stopListening(self) -> None:
+        self.stopped = True
+
+
+class _UDPReactor(Clock):
+    """A Clock that also opens UDP ports in memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ports: list[tuple[Any, _FakeUDP]] = []
+
+    def listenUDP(self, port: int, protocol: Any, interface: str = "",
+                  maxPacketSize: int = 8192) -> _FakeUDP:
+        transport = _FakeUDP()
+        protocol.makeConnection(transport)
+        self.ports.append((protocol, transport))
+        return transport
+
+
+class QuietResolverTests(SynchronousTestCase):
+    """One kept socket; each try on the next server; only the server asked is believed."""
+
+    def setUp(self) -> None:
+        from txlb._discovery.resolver import QuietResolver
+
+        self.reactor = _UDPReactor()
+        self.resolver = QuietResolver(self.reactor, servers=[("10.0.0.53", 53),
+                                                             ("10.0.0.54", 53)],
+                                      timeout=(1, 3))
+
+    def answer(self, query: bytes, source: tuple[str, int], address: str) -> None:
+        asked = dns.Message()
+        asked.fromStr(query)
+        reply = dns.Message(id=asked.id, answer=True)
+        reply.queries = asked.queries
+        reply.answers = [a("vllm.example", address)]
+        protocol, _ = self.reactor.ports[0]
+        protocol.datagramReceived(reply.toStr(), source)
+
+    def test_a_try_that_times_out_goes_to_the_next_server_on_the_same_socket(self) -> None:
+        found = self.resolver.lookupAddress("vllm.example", timeout=(1, 3))
+        protocol, transport = self.reactor.ports[0]
+        self.assertEqual([to for _, to in transport.sent], [("10.0.0.53", 53)])
+        self.reactor.advance(1)
+        self.assertEqual([to for _, to in transport.sent],
+                         [("10.0.0.53", 53), ("10.0.0.54", 53)])
+        self.assertEqual(len(self.reactor.ports), 1)
+        # an answer from anyone but the server asked is dropped
+        self.answer(transport.sent[-1][0], ("10.6.6.6", 53), "10.6.6.6")
+        self.assertNoResult(found)
+        self.answer(transport.sent[-1][0], ("10.0.0.54", 53), "10.0.0.7")
+        answers, _, _ = self.successResultOf(found)
+        self.assertEqual([r.payload.dottedQuad() for r in answers], ["10.0.0.7"])
+        # the next lookup reuses the socket
+        self.resolver.lookupAddress("other.example", timeout=(1, 3))
+        self.assertEqual(len(self.reactor.ports), 1)
+        self.assertFalse(transport.stopped)
+        self.resolver.close_sockets()
+        self.assertTrue(transport.stopped)
+
+    def test_every_try_timing_out_is_a_timeout(self) -> None:
+        from txlb._discovery.resolver import describe_failure
+
+        found = self.resolver.lookupAddress("vllm.example", timeout=(1, 3))
+        self.reactor.advance(1)
+        self.reactor.advance(3)
+        failure = self.failureResultOf(found)
+        self.assertEqual(describe_failure(failure), "no answer (timed out)")

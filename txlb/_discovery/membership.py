@@ -163,6 +163,9 @@ class DnsMembership(Service):
         for watch in self._watches.values():
             self._stop(watch)
         self._stop_tier_checks()
+        close = getattr(self._resolver, "close_sockets", None)
+        if callable(close):
+            close()
 
     def _take(self, config: Config) -> None:
         self._static = frozenset(spec.key for spec in config.backends)

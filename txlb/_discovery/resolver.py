@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.defer import Deferred, DeferredList, fail
 from twisted.internet.defer import TimeoutError as DeferredTimeout
 from twisted.internet.error import TimeoutError as LookupTimeout
 from twisted.names import client, dns, hosts, resolve
@@ -23,17 +23,82 @@ from txlb._discovery.answers import Member, Resolved, address_records, capped, s
 QUERY_TIMEOUT = (1, 3)
 
 
+class QuietResolver(client.Resolver):
+    """
+    Twisted's DNS client, asking over UDP through one socket per address family that it
+    keeps (as nginx's resolver does), instead of a new socket per query: Twisted's UDP
+    port logs two lines as it opens and closes, so a socket per query would put four
+    lines a second in the service log for a name with a short TTL.  Each query still has
+    a random id, and an answer from any address but the server asked is dropped
+    (``DNSDatagramProtocol`` checks both); a truncated answer is asked again over TCP.
+    Each server is tried in turn, one try per entry of ``timeout``.
+    """
+
+    def __init__(self, reactor: Any, **options: Any) -> None:
+        super().__init__(reactor=reactor, **options)
+        self._socket_reactor = reactor
+        self._sockets: dict[int, dns.DNSDatagramProtocol] = {}
+
+    def queryUDP(self, queries: list[dns.Query], timeout: Any = None) -> Deferred[Any]:
+        servers = [*self.servers, *self.dynServers]
+        if not servers:
+            return fail(OSError("no DNS server to ask"))
+        return self._ask(queries, servers, list(timeout if timeout else QUERY_TIMEOUT), 0)
+
+    def _ask(self, queries: list[dns.Query], servers: list[tuple[str, int]],
+             timeouts: list[float], attempt: int) -> Deferred[Any]:
+        address = servers[attempt % len(servers)]
+        try:
+            protocol = self._socket_for(address[0])
+        except Exception:
+            return fail()
+        asked: Deferred[Any] = protocol.query(address, queries, timeouts[attempt])
+
+        def again(failure: Failure) -> Any:
+            failure.trap(DeferredTimeout)
+            if attempt + 1 >= len(timeouts):
+                return failure
+            return self._ask(queries, servers, timeouts, attempt + 1)
+
+        return asked.addErrback(again)
+
+    def _socket_for(self, host: str) -> dns.DNSDatagramProtocol:
+        family = 6 if ":" in host else 4
+        protocol = self._sockets.get(family)
+        if protocol is None or protocol.transport is None:
+            protocol = dns.DNSDatagramProtocol(self, reactor=self._socket_reactor)
+            protocol.noisy = False
+            self._socket_reactor.listenUDP(0, protocol, interface="::" if family == 6 else "")
+            self._sockets[family] = protocol
+        return protocol
+
+    def close_sockets(self) -> None:
+        """Close the kept sockets (a stopping balancer); a later query opens new ones."""
+        sockets, self._sockets = self._sockets, {}
+        for protocol in sockets.values():
+            if protocol.transport is not None:
+                protocol.transport.stopListening()
+
+
+class SystemResolver(resolve.ResolverChain):
+    """``/etc/hosts``, then the servers of ``/etc/resolv.conf``, as the system asks."""
+
+    def __init__(self, reactor: Any) -> None:
+        self.dns = QuietResolver(reactor, resolv="/etc/resolv.conf", timeout=QUERY_TIMEOUT)
+        super().__init__([hosts.Resolver(), self.dns])
+
+    def close_sockets(self) -> None:
+        self.dns.close_sockets()
+
+
 def system_resolver(servers: tuple[tuple[str, int], ...], reactor: Any) -> ResolverBase:
     """
     ``--resolver``'s servers, or (none given) ``/etc/hosts`` then the servers of
     ``/etc/resolv.conf``, as the system resolves a name.
     """
     if servers:
-        return client.Resolver(servers=list(servers), reactor=reactor, timeout=QUERY_TIMEOUT)
-    return resolve.ResolverChain([
-        hosts.Resolver(),
-        client.Resolver(resolv="/etc/resolv.conf", reactor=reactor, timeout=QUERY_TIMEOUT),
-    ])
+        return QuietResolver(reactor, servers=list(servers), timeout=QUERY_TIMEOUT)
+    return SystemResolver(reactor)
 
 
 def describe_failure(failure: Failure) -> str:
