@@ -353,11 +353,11 @@ class LoadBalancer:
                                  self.health.health_status,
                                  stall=config.hung_after)
         #: the backends ``dns:``/``srv:`` names yield (resolved only where membership is
-        #: owned: see :meth:`service`); the resolver is made when a name needs one
-        if resolver is None and config.dns_backends:
-            resolver = system_resolver(config.resolver, reactor)
+        #: owned: see :meth:`service`); the resolver is made when a name first needs one
+        servers = config.resolver  # --resolver needs a restart: the servers at start
         self.dns = DnsMembership(self.pool, config, resolver, reactor,
-                                 on_added=self.health.probe_soon)
+                                 on_added=self.health.probe_soon,
+                                 make_resolver=lambda: system_resolver(servers, reactor))
         #: the sites and admin APIs built so far: a reload retunes them too
         self.sites: list[ProxySite] = []
         self.admins: list[Any] = []

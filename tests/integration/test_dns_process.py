@@ -201,6 +201,27 @@ class DnsMembershipProcessTests(TestCase):
             await _sleep(0.1)
         self.assertEqual(await self.served_by(lb), set(self.keys("127.0.0.2")))
 
+    async def test_srv_priorities_fail_over_to_the_next_tier(self) -> None:
+        service = f"_http._tcp.{ZONE}"
+        self.zone.set(service,
+                      dns.Record_SRV(10, 5, self.port, f"a.{ZONE}", ttl=1),
+                      dns.Record_SRV(20, 1, self.port, f"c.{ZONE}", ttl=1))
+        self.serve("127.0.0.2", name=f"a.{ZONE}")
+        self.serve("127.0.0.4", name=f"c.{ZONE}")
+        lb = await self.start(names=f"srv:{service}")
+        await self.until_backends(lb, self.keys("127.0.0.2"))
+        status = await self.status(lb)
+        self.assertEqual(status["backends"][0]["weight"], 5)
+        self.assertEqual(status["dns"][0]["tiers"], [10, 20])
+        self.assertEqual(await self.served_by(lb), set(self.keys("127.0.0.2")))
+
+        self.engines[0].kill()  # the whole first tier is gone: the second takes over
+        deadline = time.monotonic() + 15
+        while await self.healthy_backends(lb) != self.keys("127.0.0.4"):
+            self.assertLess(time.monotonic(), deadline, lb.output())
+            await _sleep(0.1)
+        self.assertEqual(await self.served_by(lb), set(self.keys("127.0.0.4")))
+
     async def test_under_workers_only_the_supervisor_resolves(self) -> None:
         self.serve("127.0.0.2")
         lb = await self.start("--workers", "2")

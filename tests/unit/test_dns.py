@@ -756,3 +756,25 @@ class QuietResolverTests(SynchronousTestCase):
         self.reactor.advance(3)
         failure = self.failureResultOf(found)
         self.assertEqual(describe_failure(failure), "no answer (timed out)")
+
+
+class LazyResolverTests(SynchronousTestCase):
+    """A balancer started without names makes its resolver when a reload adds one."""
+
+    def test_a_reload_that_adds_the_first_name_makes_the_resolver(self) -> None:
+        from txlb._cluster.pool import Pool
+        from txlb._discovery.membership import DnsMembership
+
+        resolver = FakeResolver()
+        resolver.serve("vllm.example", "10.0.0.1")
+        made: list[FakeResolver] = []
+        pool = Pool(clock=Clock())
+        membership = DnsMembership(pool, build_config({"backends": "10.0.9.9:80"}, NONE),
+                                   None, Clock(), on_added=lambda backend: None,
+                                   make_resolver=lambda: made.append(resolver) or resolver)
+        membership.startService()
+        self.addCleanup(membership.stopService)
+        self.assertEqual(made, [])
+        membership.reconfigure(build_config({"backends": "dns:vllm.example:80"}, NONE))
+        self.assertEqual(made, [resolver])
+        self.assertEqual([b.key for b in pool], ["10.0.0.1:80"])

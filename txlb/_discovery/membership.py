@@ -98,9 +98,13 @@ class DnsMembership(Service):
     """
 
     def __init__(self, pool: Pool, config: Config, resolver: Any, clock: IReactorTime,
-                 on_added: Callable[[Backend], object]) -> None:
+                 on_added: Callable[[Backend], object],
+                 make_resolver: Callable[[], Any] | None = None) -> None:
         self._pool = pool
+        #: the resolver, or ``None`` until a name needs one (``make_resolver`` makes it:
+        #: a reload may add the first name)
         self._resolver = resolver
+        self._make_resolver = make_resolver
         self._clock = clock
         self._on_added = on_added
         self._watches: dict[str, NameWatch] = {}
@@ -199,6 +203,8 @@ class DnsMembership(Service):
         watch.call = None
         watch.next_at = None
         try:
+            if self._resolver is None and self._make_resolver is not None:
+                self._resolver = self._make_resolver()
             asked = lookup(self._resolver, watch.entry)
         except Exception:
             asked = Deferred()
