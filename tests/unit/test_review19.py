@@ -1,0 +1,129 @@
+"""
+REVIEW (issue 19): reproductions of defects found in review.  Every test here FAILS on
+main at 6d81217 and should pass once the defect is fixed; see each docstring.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from txlb._config import ConfigError, build_config
+from txlb._records.summary import CAPTURE_LIMIT
+from txlb._scheduling.budgets import estimate_tokens
+
+from ..helpers import FakeResponse
+from .test_budgets import ProxyTestCase, body_of, budget
+from .test_classes import QueueCase
+
+SECRET = "sk-live-0123456789abcdef"
+BATCH_KEY = "sk-batch-tenant-0001"
+
+
+def sha(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class DuplicateAuthorizationTests(ProxyTestCase):
+    """
+    Two Authorization headers: txlb keys the request by the LAST one (Request.getHeader)
+    and forwards both; vLLM (Starlette's Headers.get) authenticates by the FIRST one.
+    """
+
+    def test_a_token_budget_cannot_be_dodged_with_a_second_authorization(self) -> None:
+        self.build([budget(key="token", value="sk-acme", tokens_per_minute=600)])
+        for n in range(3):  # 600 tokens each: the budget holds one
+            self.post(body_of(400, 500), headers=[
+                (b"Authorization", b"Bearer sk-acme"),
+                (b"Authorization", b"Bearer junk-%d" % n)])
+        forwarded = [call.headers.getRawHeaders(b"authorization") for call in
+                     self.upstream.calls]
+        # at most one request can carry sk-acme to the backend in this minute
+        self.assertLessEqual(sum(1 for values in forwarded if b"Bearer sk-acme" in values),
+                             1, forwarded)
+
+
+class DuplicateAuthorizationClassTests(QueueCase):
+    CLASSES = ('[[classes]]\nname = "interactive"\n'
+               '[[classes]]\nname = "default"\n'
+               f'[[classes]]\nname = "batch"\nkeys = ["{sha(BATCH_KEY)}"]\n')
+
+    def test_a_batch_key_cannot_climb_with_a_second_authorization(self) -> None:
+        self.send("busy")
+        # the backend authenticates the batch key (the first); txlb classifies the second
+        self.post({"model": "a", "n": "b1"}, headers=[
+            (b"Authorization", f"Bearer {BATCH_KEY}".encode()),
+            (b"Authorization", b"Bearer nobody")])
+        self.send("d1")
+        self.release_all()
+        self.assertEqual(self.served(), ["busy", "d1", "b1"])
+
+
+class SecretsInErrorsTests(SynchronousTestCase):
+    """
+    classes.keys refuses an entry that is not a digest without echoing it (a pasted key),
+    but the type checks before it echo the whole value -- into the log line of a refused
+    reload and /status's config.last_error.
+    """
+
+    def test_a_pasted_key_is_never_echoed(self) -> None:
+        for keys in (SECRET, [SECRET, ""], [SECRET, 5]):
+            with self.assertRaises(ConfigError) as caught:
+                build_config({"backends": "127.0.0.1:1",
+                              "classes": [{"name": "vip", "keys": keys}]}, {})
+            self.assertNotIn(SECRET, str(caught.exception))
+
+
+class EstimateTests(SynchronousTestCase):
+    """
+    A maximum the engines accept (vLLM's pydantic takes 5000.0 and "5000" for an int;
+    chat prefers max_completion_tokens over max_tokens) is estimated as the default 256
+    or as the smaller field: with a stream without usage that is all that is charged.
+    """
+
+    def test_the_estimate_covers_what_the_engine_may_generate(self) -> None:
+        for fields in ({"max_tokens": 100000.0}, {"max_tokens": "100000"},
+                       {"max_tokens": 1, "max_completion_tokens": 100000}):
+            body = {"messages": [], **fields}
+            estimate = estimate_tokens(json.dumps(body).encode(), body,
+                                       b"/v1/chat/completions", 256)
+            self.assertGreaterEqual(estimate.completion, 100000, fields)
+
+
+class LongStreamTests(ProxyTestCase):
+    """
+    The summary reads only the first CAPTURE_LIMIT (512 KiB) of an answer: a stream longer
+    than that (~2,500 vLLM tokens) loses its final usage event, and is charged the
+    estimate -- prompt + 256 without max_tokens -- whatever it generated.
+    """
+
+    def test_a_long_stream_is_charged_its_usage(self) -> None:
+        self.build([budget(tokens_per_minute=100000)])
+        self.post(json.dumps({"prompt": "x", "stream": True,
+                              "stream_options": {"include_usage": True}}).encode())
+        response = self.upstream.last.respond(FakeResponse(
+            200, [(b"Content-Type", b"text/event-stream")]))
+        chunk = b'data: {"choices": [{"text": "tok", "index": 0}]}\n\n'
+        tokens = CAPTURE_LIMIT // len(chunk) + 10
+        for _ in range(tokens):
+            response.send(chunk)
+        response.send(b'data: {"choices": [], "usage": {"prompt_tokens": 5, '
+                      b'"completion_tokens": %d}}\n\ndata: [DONE]\n\n' % tokens)
+        response.end()
+        self.assertEqual(self.lb.budgets.charged, {"b": 5 + tokens})
+
+
+class HugeHeaderKeyTests(ProxyTestCase):
+    """
+    key = "header:NAME" keeps the header's whole value in every bucket key (and every
+    --workers spent message): MAX_KEYS (100,000) buckets of ~16 KB values is ~1.6 GB.
+    """
+
+    def test_a_bucket_key_is_bounded(self) -> None:
+        self.build([budget(key="header:X-Team")])
+        self.post(body_of(40, 1), headers=[(b"X-Team", b"t" * 10000)])
+        keys = list(self.lb.budgets.levels._levels)  # type: ignore[attr-defined]
+        self.assertEqual(len(keys), 1)
+        self.assertLess(len(keys[0]), 200)
