@@ -127,3 +127,22 @@ class HugeHeaderKeyTests(ProxyTestCase):
         keys = list(self.lb.budgets.levels._levels)  # type: ignore[attr-defined]
         self.assertEqual(len(keys), 1)
         self.assertLess(len(keys[0]), 200)
+
+
+class AbortedStreamTests(ProxyTestCase):
+    """
+    A stream's usage comes in its last event: a client that sets no max_tokens and leaves
+    just before the end is charged its estimate -- prompt + 256 -- however many tokens it
+    was relayed (the same as a stream without include_usage).  txlb saw every delta.
+    """
+
+    def test_what_was_relayed_is_charged_at_least(self) -> None:
+        self.build([budget(tokens_per_minute=100000)])
+        client = self.post(json.dumps({"prompt": "x", "stream": True,
+                                       "stream_options": {"include_usage": True}}).encode())
+        response = self.upstream.last.respond(FakeResponse(
+            200, [(b"Content-Type", b"text/event-stream")]))
+        for _ in range(2000):
+            response.send(b'data: {"choices": [{"text": "tok", "index": 0}]}\n\n')
+        client.disconnect()
+        self.assertGreaterEqual(self.lb.budgets.charged.get("b", 0), 2000)
