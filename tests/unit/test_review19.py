@@ -10,7 +10,6 @@ import json
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from txlb._config import ConfigError, build_config
 from txlb._records.summary import CAPTURE_LIMIT
 from txlb._scheduling.budgets import estimate_tokens
 
@@ -18,7 +17,6 @@ from ..helpers import FakeResponse
 from .test_budgets import ProxyTestCase, body_of, budget
 from .test_classes import QueueCase
 
-SECRET = "sk-live-0123456789abcdef"
 BATCH_KEY = "sk-batch-tenant-0001"
 
 
@@ -38,11 +36,11 @@ class DuplicateAuthorizationTests(ProxyTestCase):
             self.post(body_of(400, 500), headers=[
                 (b"Authorization", b"Bearer sk-acme"),
                 (b"Authorization", b"Bearer junk-%d" % n)])
-        forwarded = [call.headers.getRawHeaders(b"authorization") for call in
-                     self.upstream.calls]
+        forwarded = [list(call.headers.getRawHeaders(b"authorization") or [])
+                     for call in self.upstream.calls]
         # at most one request can carry sk-acme to the backend in this minute
-        self.assertLessEqual(sum(1 for values in forwarded if b"Bearer sk-acme" in values),
-                             1, forwarded)
+        self.assertLessEqual(len([v for v in forwarded if b"Bearer sk-acme" in v]), 1,
+                             forwarded)
 
 
 class DuplicateAuthorizationClassTests(QueueCase):
