@@ -18,6 +18,7 @@ from ..helpers import ClientConnection, keep_records
 from .test_scheduling import BalancerTestCase
 
 BATCH_KEY = "sk-batch-tenant-0001"
+SECRET = "sk-live-0123456789abcdef"
 FAST_KEY = "sk-interactive-tenant-0002"
 
 
@@ -506,3 +507,19 @@ class ReconfigureTests(QueueCase):
         self.post({"model": "a", "n": "i1"}, headers=[(b"X-Tier", b"interactive")])
         self.release_all()
         self.assertEqual(self.served(), ["busy", "i1", "d1"])
+
+
+class SecretsInErrorsTests(SynchronousTestCase):
+    """
+    classes.keys refuses an entry that is not a digest without echoing it (a pasted key),
+    but the type checks before it echo the whole value -- into the log line of a refused
+    reload and /status's config.last_error.
+    """
+
+    def test_a_pasted_key_is_never_echoed(self) -> None:
+        for classes in ([{"name": "vip", "keys": SECRET}],
+                        [{"name": "vip", "keys": [SECRET, ""]}],
+                        [{"name": "vip", "keys": [SECRET, 5]}], [SECRET]):
+            with self.assertRaises(ConfigError) as caught:
+                build_config({"backends": "127.0.0.1:1", "classes": classes}, {})
+            self.assertNotIn(SECRET, str(caught.exception))

@@ -1,0 +1,190 @@
+"""
+REVIEW (issue 19): reproductions of defects found in review.  Every test here FAILS on
+main at 6d81217 and should pass once the defect is fixed; see each docstring.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from txlb._records.summary import CAPTURE_LIMIT
+from txlb._scheduling.budgets import estimate_tokens
+
+from ..helpers import FakeResponse
+from .test_budgets import ProxyTestCase, body_of, budget
+from .test_classes import QueueCase
+
+BATCH_KEY = "sk-batch-tenant-0001"
+
+
+def sha(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class DuplicateAuthorizationTests(ProxyTestCase):
+    """
+    Two Authorization headers: txlb keys the request by the LAST one (Request.getHeader)
+    and forwards both; vLLM (Starlette's Headers.get) authenticates by the FIRST one.
+    """
+
+    def test_a_token_budget_cannot_be_dodged_with_a_second_authorization(self) -> None:
+        self.build([budget(key="token", value="sk-acme", tokens_per_minute=600)])
+        for n in range(3):  # 600 tokens each: the budget holds one
+            self.post(body_of(400, 500), headers=[
+                (b"Authorization", b"Bearer sk-acme"),
+                (b"Authorization", b"Bearer junk-%d" % n)])
+        forwarded = [list(call.headers.getRawHeaders(b"authorization") or [])
+                     for call in self.upstream.calls]
+        # at most one request can carry sk-acme to the backend in this minute
+        self.assertLessEqual(len([v for v in forwarded if b"Bearer sk-acme" in v]), 1,
+                             forwarded)
+
+
+class DuplicateAuthorizationClassTests(QueueCase):
+    CLASSES = ('[[classes]]\nname = "interactive"\n'
+               '[[classes]]\nname = "default"\n'
+               f'[[classes]]\nname = "batch"\nkeys = ["{sha(BATCH_KEY)}"]\n')
+
+    def test_a_batch_key_cannot_climb_with_a_second_authorization(self) -> None:
+        self.send("busy")
+        # the backend authenticates the batch key (the first); txlb classifies the second
+        self.post({"model": "a", "n": "b1"}, headers=[
+            (b"Authorization", f"Bearer {BATCH_KEY}".encode()),
+            (b"Authorization", b"Bearer nobody")])
+        self.send("d1")
+        self.release_all()
+        self.assertEqual(self.served(), ["busy", "d1", "b1"])
+
+
+class EstimateTests(SynchronousTestCase):
+    """
+    A maximum the engines accept (vLLM's pydantic takes 5000.0 and "5000" for an int;
+    chat prefers max_completion_tokens over max_tokens) is estimated as the default 256
+    or as the smaller field: with a stream without usage that is all that is charged.
+    """
+
+    def test_the_estimate_covers_what_the_engine_may_generate(self) -> None:
+        for fields in ({"max_tokens": 100000.0}, {"max_tokens": "100000"},
+                       {"max_tokens": 1, "max_completion_tokens": 100000}):
+            body = {"messages": [], **fields}
+            estimate = estimate_tokens(json.dumps(body).encode(), body,
+                                       b"/v1/chat/completions", 256)
+            self.assertGreaterEqual(estimate.completion, 100000, fields)
+
+
+class LongStreamTests(ProxyTestCase):
+    """
+    The summary reads only the first CAPTURE_LIMIT (512 KiB) of an answer: a stream longer
+    than that (~2,500 vLLM tokens) loses its final usage event, and is charged the
+    estimate -- prompt + 256 without max_tokens -- whatever it generated.
+    """
+
+    def test_a_long_stream_is_charged_its_usage(self) -> None:
+        self.build([budget(tokens_per_minute=100000)])
+        self.post(json.dumps({"prompt": "x", "stream": True,
+                              "stream_options": {"include_usage": True}}).encode())
+        response = self.upstream.last.respond(FakeResponse(
+            200, [(b"Content-Type", b"text/event-stream")]))
+        chunk = b'data: {"choices": [{"text": "tok", "index": 0}]}\n\n'
+        tokens = CAPTURE_LIMIT // len(chunk) + 10
+        for _ in range(tokens):
+            response.send(chunk)
+        response.send(b'data: {"choices": [], "usage": {"prompt_tokens": 5, '
+                      b'"completion_tokens": %d}}\n\ndata: [DONE]\n\n' % tokens)
+        response.end()
+        self.assertEqual(self.lb.budgets.charged, {"b": 5 + tokens})
+
+
+class HugeHeaderKeyTests(ProxyTestCase):
+    """
+    key = "header:NAME" keeps the header's whole value in every bucket key (and every
+    --workers spent message): MAX_KEYS (100,000) buckets of ~16 KB values is ~1.6 GB.
+    """
+
+    def test_a_bucket_key_is_bounded(self) -> None:
+        self.build([budget(key="header:X-Team")])
+        self.post(body_of(40, 1), headers=[(b"X-Team", b"t" * 10000)])
+        keys = list(self.lb.budgets.levels._levels)  # type: ignore[attr-defined]
+        self.assertEqual(len(keys), 1)
+        self.assertLess(len(keys[0]), 200)
+
+
+class AbortedStreamTests(ProxyTestCase):
+    """
+    A stream's usage comes in its last event: a client that sets no max_tokens and leaves
+    just before the end is charged its estimate -- prompt + 256 -- however many tokens it
+    was relayed (the same as a stream without include_usage).  txlb saw every delta.
+    """
+
+    def test_what_was_relayed_is_charged_at_least(self) -> None:
+        self.build([budget(tokens_per_minute=100000)])
+        client = self.post(json.dumps({"prompt": "x", "stream": True,
+                                       "stream_options": {"include_usage": True}}).encode())
+        response = self.upstream.last.respond(FakeResponse(
+            200, [(b"Content-Type", b"text/event-stream")]))
+        for _ in range(2000):
+            response.send(b'data: {"choices": [{"text": "tok", "index": 0}]}\n\n')
+        client.disconnect()
+        self.assertGreaterEqual(self.lb.budgets.charged.get("b", 0), 2000)
+
+
+class EncodedPathTests(ProxyTestCase):
+    """
+    ``/v1/%63ompletions`` is ``/v1/completions`` to an ASGI engine (uvicorn decodes the
+    path before FastAPI routes it) but not to txlb, which compares the raw bytes with
+    API_PATHS: the estimate has no completion and the answer's usage is never read (a
+    summary of kind "other"), so a 600-token request costs its body's 100.
+    """
+
+    def test_an_encoded_api_path_is_charged_its_usage(self) -> None:
+        self.build([budget(tokens_per_minute=600)])
+        self.post(body_of(400, 500), path=b"/v1/%63ompletions")
+        self.answer({"prompt_tokens": 100, "completion_tokens": 500})
+        self.assertEqual(self.lb.budgets.charged, {"b": 600})
+
+
+class KeyChurnTests(ProxyTestCase):
+    """
+    Past MAX_KEYS buckets the least recently used one is dropped even when it is not full:
+    a client that spent its day with its real key sends MAX_KEYS requests with made-up
+    keys (each answered 401 by the backend, so each costs nothing and leaves a bucket
+    behind) and its spent bucket is forgotten -- a whole new day.  (Shown with max_keys
+    lowered to 10 instead of 100,000.)
+    """
+
+    def test_made_up_keys_do_not_refill_a_spent_budget(self) -> None:
+        self.build([budget(key="token", tokens_per_minute=None, tokens_per_day=600)])
+        self.lb.budgets.levels.max_keys = 10  # type: ignore[attr-defined]
+        real = [(b"Authorization", b"Bearer sk-real")]
+        self.post(body_of(400, 500), headers=real)
+        self.answer({"prompt_tokens": 100, "completion_tokens": 500})
+        self.assertEqual(self.post(body_of(40, 5), headers=real).response().status, 429)
+        for n in range(10):
+            self.post(body_of(40, 5), headers=[(b"Authorization", b"Bearer junk-%d" % n)])
+            self.answer(status=401)
+        forwarded = len(self.upstream.calls)
+        self.post(body_of(40, 5), headers=real)
+        self.assertEqual(len(self.upstream.calls), forwarded,
+                         "forwarded: the spent day's bucket was forgotten")
+
+
+class DebtCapTests(ProxyTestCase):
+    """
+    A debt is capped at one window's tokens (TokenLevels.adjust): a client whose requests
+    really cost ten windows each (no max_tokens, so admitted on the 256 estimate; or a
+    prompt of image URLs, tiny in bytes) pays one window for each and is back after two
+    -- five times its budget, with every answer's usage counted.
+    """
+
+    def test_what_a_request_really_cost_is_paid_in_full(self) -> None:
+        self.build([budget(tokens_per_minute=600)])
+        self.post(json.dumps({"prompt": "x"}).encode())  # no max_tokens: 256 + 4
+        self.answer({"prompt_tokens": 10, "completion_tokens": 5990})  # 6000: ten minutes
+        self.clock.advance(121)
+        forwarded = len(self.upstream.calls)
+        self.post(json.dumps({"prompt": "x"}).encode())
+        self.assertEqual(len(self.upstream.calls), forwarded,
+                         "admitted after 2 minutes though it used 10 minutes' tokens")
