@@ -514,6 +514,31 @@ class AdmissionTests(ProxyTestCase):
                                        "interactive").refused)
 
 
+class DuplicateAuthorizationTests(ProxyTestCase):
+    """
+    Two Authorization headers: txlb would key the request by one value (Request.getHeader
+    gives the last) and vLLM (Starlette's Headers.get) authenticate by the first, so a
+    second header would dodge a key's budget.  RFC 9110 allows one: 400, never forwarded.
+    """
+
+    def test_a_token_budget_cannot_be_dodged_with_a_second_authorization(self) -> None:
+        self.build([budget(key="token", value="sk-acme", tokens_per_minute=600)])
+        for n in range(3):
+            client = self.post(body_of(400, 500), headers=[
+                (b"Authorization", b"Bearer sk-acme"),
+                (b"Authorization", b"Bearer junk-%d" % n)])
+            response = client.response()
+            self.assertEqual(response.status, 400)
+            error = json.loads(response.body)["error"]
+            self.assertEqual(error["type"], "invalid_request_error")
+            self.assertIn("more than one Authorization", error["message"])
+        self.assertEqual(self.upstream.calls, [])
+        self.assertEqual([record.status for record in self.records], [400, 400, 400])
+        # one header is admitted as before
+        self.post(body_of(400, 500), headers=[(b"Authorization", b"Bearer sk-acme")])
+        self.assertEqual(len(self.upstream.calls), 1)
+
+
 class ReconfigureTests(ProxyTestCase):
     """A reload's budgets: levels kept by name, lowered limits capped, removed ones gone."""
 

@@ -445,6 +445,27 @@ class PriorityQueueTests(QueueCase):
         self.assertEqual(json.loads(format_json(summary))["class"], "interactive")
 
 
+class DuplicateAuthorizationClassTests(QueueCase):
+    """A second Authorization header cannot lift a key bound to a low class: 400."""
+
+    BATCH_KEY = "sk-batch-tenant-0001"
+    CLASSES = ('[[classes]]\nname = "interactive"\n'
+               '[[classes]]\nname = "default"\n'
+               '[[classes]]\nname = "batch"\nkeys = '
+               f'["{hashlib.sha256(BATCH_KEY.encode()).hexdigest()}"]\n')
+
+    def test_a_batch_key_cannot_climb_with_a_second_authorization(self) -> None:
+        self.send("busy")
+        # the backend would authenticate the batch key (the first)
+        climber = self.post({"model": "a", "n": "b1"}, headers=[
+            (b"Authorization", f"Bearer {self.BATCH_KEY}".encode()),
+            (b"Authorization", b"Bearer nobody")])
+        self.assertEqual(climber.response().status, 400)
+        self.send("d1")
+        self.release_all()
+        self.assertEqual(self.served(), ["busy", "d1"])
+
+
 class ReconfigureTests(QueueCase):
     """reconfigure(config): the queue keeps its waiters, in their places."""
 

@@ -15,48 +15,10 @@ from txlb._scheduling.budgets import estimate_tokens
 
 from ..helpers import FakeResponse
 from .test_budgets import ProxyTestCase, body_of, budget
-from .test_classes import QueueCase
-
-BATCH_KEY = "sk-batch-tenant-0001"
 
 
 def sha(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
-
-
-class DuplicateAuthorizationTests(ProxyTestCase):
-    """
-    Two Authorization headers: txlb keys the request by the LAST one (Request.getHeader)
-    and forwards both; vLLM (Starlette's Headers.get) authenticates by the FIRST one.
-    """
-
-    def test_a_token_budget_cannot_be_dodged_with_a_second_authorization(self) -> None:
-        self.build([budget(key="token", value="sk-acme", tokens_per_minute=600)])
-        for n in range(3):  # 600 tokens each: the budget holds one
-            self.post(body_of(400, 500), headers=[
-                (b"Authorization", b"Bearer sk-acme"),
-                (b"Authorization", b"Bearer junk-%d" % n)])
-        forwarded = [list(call.headers.getRawHeaders(b"authorization") or [])
-                     for call in self.upstream.calls]
-        # at most one request can carry sk-acme to the backend in this minute
-        self.assertLessEqual(len([v for v in forwarded if b"Bearer sk-acme" in v]), 1,
-                             forwarded)
-
-
-class DuplicateAuthorizationClassTests(QueueCase):
-    CLASSES = ('[[classes]]\nname = "interactive"\n'
-               '[[classes]]\nname = "default"\n'
-               f'[[classes]]\nname = "batch"\nkeys = ["{sha(BATCH_KEY)}"]\n')
-
-    def test_a_batch_key_cannot_climb_with_a_second_authorization(self) -> None:
-        self.send("busy")
-        # the backend authenticates the batch key (the first); txlb classifies the second
-        self.post({"model": "a", "n": "b1"}, headers=[
-            (b"Authorization", f"Bearer {BATCH_KEY}".encode()),
-            (b"Authorization", b"Bearer nobody")])
-        self.send("d1")
-        self.release_all()
-        self.assertEqual(self.served(), ["busy", "d1", "b1"])
 
 
 class EstimateTests(SynchronousTestCase):
