@@ -249,13 +249,32 @@ class EstimateTests(SynchronousTestCase):
         self.assertEqual(self.estimate(b"not json at all").completion, 256)
 
     def test_hostile_numbers(self) -> None:
-        for bad in (-1, "100", 1.5, True, None, [5], {"a": 1}):
+        for bad in (-1, "-5", "1e", 1.5, "1.5", float("nan"), True, None, [5], {"a": 1}):
             self.assertEqual(self.estimate({"max_tokens": bad}).completion, 256, bad)
             self.assertEqual(self.estimate({"max_tokens": 2, "n": bad}).completion, 2, bad)
         self.assertEqual(self.estimate({"max_tokens": 10**30}).completion, MAX_COUNT)
         self.assertEqual(self.estimate({"max_tokens": 1, "n": 10**9}).completion,
                          MAX_CHOICES)
         self.assertEqual(self.estimate({"max_tokens": 1, "n": 0}).completion, 1)
+
+    def test_the_estimate_covers_what_the_engine_may_generate(self) -> None:
+        """
+        A maximum the engines accept (vLLM's pydantic takes 5000.0 and "5000" for an
+        int; chat prefers max_completion_tokens over max_tokens) counts at its value, and
+        of several the largest counts: with a stream without usage that is what is charged.
+        """
+        for fields in ({"max_tokens": 100000.0}, {"max_tokens": "100000"},
+                       {"max_tokens": " 100000 "}, {"max_tokens": "100000.0"},
+                       {"max_tokens": 1, "max_completion_tokens": 100000},
+                       {"max_completion_tokens": 5, "max_output_tokens": 100000}):
+            body = {"messages": [], **fields}
+            estimate = estimate_tokens(json.dumps(body).encode(), body,
+                                       b"/v1/chat/completions", 256)
+            self.assertEqual(estimate.completion, 100000, fields)
+        self.assertEqual(self.estimate({"max_tokens": "9" * 40}).completion, MAX_COUNT)
+        self.assertEqual(self.estimate({"max_tokens": float("inf")}).completion, MAX_COUNT)
+        self.assertEqual(self.estimate({"max_tokens": 1e300}).completion, MAX_COUNT)
+        self.assertEqual(self.estimate({"max_tokens": 2, "n": "3"}).completion, 6)
 
 
 def outcome(status: int = 200, answered: bool = True, prompt: int | None = None,

@@ -146,15 +146,44 @@ class Estimate:
 MAX_COUNT = 2**62
 
 
+#: Digits of a numeric string read at most: a longer one is past :data:`MAX_COUNT` anyway.
+_MAX_DIGITS = 24
+
+
 def _whole(value: object) -> int | None:
     """
-    A JSON integer count, as far as :data:`MAX_COUNT` (a larger one is that: a request
-    asking for 10**30 tokens can never fit, it does not get the default); a bool, a
-    string, a float or a negative number is no count at all.
+    A count as the engines' pydantic models accept one for an ``int`` field: a JSON
+    integer, a float with no fraction (``5000.0``) or a string of one (``"5000"``), as far
+    as :data:`MAX_COUNT` (a larger one is that: a request asking for 10**30 tokens can
+    never fit, it does not get the default).  A bool, a fraction, a negative number or
+    anything else is no count at all (the engine refuses such a request).
     """
+    if isinstance(value, str):
+        text = value.strip()
+        if len(text) > _MAX_DIGITS:
+            return MAX_COUNT if text.isdigit() else None
+        try:
+            value = int(text)
+        except ValueError:
+            try:
+                value = float(text)
+            except ValueError:
+                return None
+    if isinstance(value, float):
+        if math.isnan(value) or value < 0:
+            return None
+        if math.isinf(value) or value >= MAX_COUNT:
+            return MAX_COUNT
+        if not value.is_integer():
+            return None
+        value = int(value)
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return min(value, MAX_COUNT)
     return None
+
+
+#: The fields that bound a completion, in the APIs txlb knows.
+_MAXIMA = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 def estimate_tokens(body: bytes, parsed: Mapping[str, object] | None, path: bytes,
@@ -162,8 +191,8 @@ def estimate_tokens(body: bytes, parsed: Mapping[str, object] | None, path: byte
     """
     The tokens a request may cost, from what it says before it runs: its body's bytes over
     :data:`CHARS_PER_TOKEN` for the prompt (any API's shape, tools and images included,
-    without parsing it twice), and for the completion its ``max_tokens`` (or
-    ``max_completion_tokens``, or the Responses API's ``max_output_tokens``) -- else
+    without parsing it twice), and for the completion the largest of its ``max_tokens``,
+    ``max_completion_tokens`` and (the Responses API's) ``max_output_tokens`` -- else
     ``default_completion`` -- times its ``n``.  Only the APIs that generate have a
     completion: an embedding, or a path txlb does not know as an LLM API (``/metrics``, a
     ``GET``), costs its body alone.
@@ -174,10 +203,11 @@ def estimate_tokens(body: bytes, parsed: Mapping[str, object] | None, path: byte
     most = None
     choices = 1
     if parsed is not None:
-        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-            most = _whole(parsed.get(field))
-            if most is not None:
-                break
+        # the largest: which one an engine obeys when a request gives several differs
+        # (vLLM's chat takes max_completion_tokens first)
+        counts = [count for count in (_whole(parsed.get(field)) for field in _MAXIMA)
+                  if count is not None]
+        most = max(counts, default=None)
         choices = min(MAX_CHOICES, max(1, _whole(parsed.get("n")) or 1))
     return Estimate(prompt, (default_completion if most is None else most) * choices)
 
