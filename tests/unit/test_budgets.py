@@ -20,6 +20,7 @@ from txlb._cluster.store import ITokenLevels
 from txlb._config import MAX_BUDGET_TOKENS, ConfigError, parse_budgets, token_digest
 from txlb._records.outcome import RequestOutcome
 from txlb._scheduling.budgets import (
+    DEBT_WINDOWS,
     MAX_CHOICES,
     MAX_COUNT,
     Estimate,
@@ -193,8 +194,8 @@ class LevelTests(SynchronousTestCase):
         self.levels.adjust([self.minute], -700)
         self.assertEqual(self.levels.level(self.minute), -100)
         self.assertEqual(self.levels.reserve([self.minute], 1), 10.1)
-        self.levels.adjust([self.minute], -10**18)  # a debt of at most one window
-        self.assertEqual(self.levels.level(self.minute), -600)
+        self.levels.adjust([self.minute], -10**18)  # a debt of at most 60 windows
+        self.assertEqual(self.levels.level(self.minute), -600 * DEBT_WINDOWS)
 
     def test_a_lowered_capacity_caps_the_level(self) -> None:
         self.levels.reserve([self.minute], 100)
@@ -432,13 +433,31 @@ class AdmissionTests(ProxyTestCase):
         self.post(body_of(40, 10))
         self.answer({"prompt_tokens": 2**62, "completion_tokens": 2**62})
         refused = self.post(body_of(40, 0)).response()
-        self.assertEqual(refused.header(b"retry-after"), [b"61"])  # -600 to 10, at 10/s
+        # -36,000 (60 windows) to 10, at 10/s: an hour, not years
+        self.assertEqual(refused.header(b"retry-after"), [b"3601"])
         # a usage Summary does not believe (negative, beyond 64 bits) is no usage at all:
         # the estimate stands
-        self.clock.advance(62)  # 20 again
+        self.clock.advance(3602)  # 20 again
         self.post(body_of(40, 10))
         self.answer({"prompt_tokens": -5, "completion_tokens": 2**70})
         self.assertEqual(self.lb.budgets.charged["b"], 2**63 + 20)
+
+    def test_what_a_request_really_cost_is_paid_in_full(self) -> None:
+        """
+        A request that really cost ten windows (no max_tokens: admitted on the 256
+        estimate) is paid in full: the client is back after ten minutes, not two.
+        """
+        self.build([budget(tokens_per_minute=600)])
+        self.post(json.dumps({"prompt": "x"}).encode())  # no max_tokens: 256 + 4
+        self.answer({"prompt_tokens": 10, "completion_tokens": 5990})  # 6000: ten minutes
+        self.clock.advance(121)
+        forwarded = len(self.upstream.calls)
+        self.post(json.dumps({"prompt": "x"}).encode())
+        self.assertEqual(len(self.upstream.calls), forwarded,
+                         "admitted after 2 minutes though it used 10 minutes' tokens")
+        self.clock.advance(567 - 121)  # -5400 after the answer, +10/s, to the 260 it needs
+        self.post(json.dumps({"prompt": "x"}).encode())
+        self.assertEqual(len(self.upstream.calls), forwarded + 1)
 
     def test_a_stream_without_usage_is_charged_its_estimate(self) -> None:
         self.build([budget(tokens_per_minute=600)])

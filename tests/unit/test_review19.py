@@ -112,22 +112,3 @@ class KeyChurnTests(ProxyTestCase):
         self.post(body_of(40, 5), headers=real)
         self.assertEqual(len(self.upstream.calls), forwarded,
                          "forwarded: the spent day's bucket was forgotten")
-
-
-class DebtCapTests(ProxyTestCase):
-    """
-    A debt is capped at one window's tokens (TokenLevels.adjust): a client whose requests
-    really cost ten windows each (no max_tokens, so admitted on the 256 estimate; or a
-    prompt of image URLs, tiny in bytes) pays one window for each and is back after two
-    -- five times its budget, with every answer's usage counted.
-    """
-
-    def test_what_a_request_really_cost_is_paid_in_full(self) -> None:
-        self.build([budget(tokens_per_minute=600)])
-        self.post(json.dumps({"prompt": "x"}).encode())  # no max_tokens: 256 + 4
-        self.answer({"prompt_tokens": 10, "completion_tokens": 5990})  # 6000: ten minutes
-        self.clock.advance(121)
-        forwarded = len(self.upstream.calls)
-        self.post(json.dumps({"prompt": "x"}).encode())
-        self.assertEqual(len(self.upstream.calls), forwarded,
-                         "admitted after 2 minutes though it used 10 minutes' tokens")

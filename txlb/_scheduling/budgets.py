@@ -44,6 +44,11 @@ from txlb._scheduling.request import RoutingRequest
 #: Buckets kept at most (one per budget, window and client key; ~200 bytes each).
 MAX_KEYS = 100_000
 
+#: A bucket's debt is at most this many windows' tokens (an hour for a minute's budget,
+#: 60 days for a day's): what a request cost is paid, but a backend's absurd ``usage``
+#: does not lock a client out for years.
+DEBT_WINDOWS = 60
+
 #: Characters of request body per prompt token, for the estimate: OpenAI's rule of thumb
 #: for English text.  JSON's own syntax makes it err high, which reconciliation gives back.
 CHARS_PER_TOKEN = 4
@@ -116,11 +121,13 @@ class TokenLevels:
         now = self._now()
         self._evict(now)
         for bucket in buckets:
-            # a debt is at most one window's tokens: a backend's absurd usage (2**62) must
-            # not lock a client out for years
+            # a debt is at most DEBT_WINDOWS windows' tokens: what a request really cost
+            # is paid in full (a one-window cap let a client whose requests each cost ten
+            # windows spend five times its budget), while a backend's absurd usage (2**62)
+            # does not lock a client out for years
             capacity = bucket[1]
             level = self._current(bucket, now) + amount
-            self._store(bucket, max(-capacity, min(capacity, level)), now)
+            self._store(bucket, max(-DEBT_WINDOWS * capacity, min(capacity, level)), now)
 
     def level(self, bucket: Bucket) -> float:
         return self._current(bucket, self._now())
