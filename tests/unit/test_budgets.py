@@ -241,8 +241,18 @@ class EstimateTests(SynchronousTestCase):
             self.assertEqual(self.estimate({"max_tokens": 9}, api).completion, 9)
 
     def test_a_path_that_generates_nothing_costs_its_body(self) -> None:
-        self.assertEqual(self.estimate(b"", b"/metrics"), Estimate(0, 0))
-        self.assertEqual(self.estimate({"max_tokens": 9}, b"/v1/completions/x").completion, 0)
+        def get(body: bytes, path: bytes) -> Estimate:
+            return estimate_tokens(body, None, path, 256, b"GET")
+
+        self.assertEqual(get(b"", b"/metrics"), Estimate(0, 0))
+        self.assertEqual(get(b"xxxx", b"/v1/completions/x"), Estimate(1, 0))
+        self.assertEqual(self.estimate({"prompt": "x"}, b"/tokenize").completion, 0)
+
+    def test_an_unknown_post_is_estimated_like_a_completion(self) -> None:
+        # an engine's own generate endpoints (/generate, /completion) generate too
+        for path in (b"/generate", b"/completion", b"/v1/completions/x"):
+            self.assertEqual(self.estimate({"max_tokens": 9}, path).completion, 9, path)
+            self.assertEqual(self.estimate({"text": "x"}, path).completion, 256, path)
 
     def test_no_maximum_is_the_default(self) -> None:
         self.assertEqual(self.estimate({"prompt": "x"}).completion, 256)
@@ -575,6 +585,30 @@ class DuplicateAuthorizationTests(ProxyTestCase):
         # one header is admitted as before
         self.post(body_of(400, 500), headers=[(b"Authorization", b"Bearer sk-acme")])
         self.assertEqual(len(self.upstream.calls), 1)
+
+
+class EncodedPathTests(ProxyTestCase):
+    """
+    ``/v1/%63ompletions`` is ``/v1/completions`` to an ASGI engine (uvicorn decodes the
+    path before FastAPI routes it): txlb classifies it by the decoded path too -- its
+    estimate has a completion and its answer's usage is read -- and forwards it as sent.
+    """
+
+    def test_an_encoded_api_path_is_charged_its_usage(self) -> None:
+        self.build([budget(tokens_per_minute=600)])
+        self.post(body_of(400, 500), path=b"/v1/%63ompletions?x=%41")
+        self.assertEqual(self.upstream.last.uri, b"http://127.0.0.1:8002/v1/%63ompletions?x=%41")
+        self.answer({"prompt_tokens": 100, "completion_tokens": 500})
+        self.assertEqual(self.lb.budgets.charged, {"b": 600})
+        (record,) = self.records
+        self.assertEqual(record.path, b"/v1/completions")
+
+    def test_an_unknown_post_reserves_a_completion(self) -> None:
+        self.build([budget(tokens_per_minute=600)])
+        client = self.post(body_of(40, None), path=b"/generate")
+        self.answer()
+        self.assertEqual(self.remaining(client), 600 - 10 - 256)
+        self.assertEqual(self.lb.budgets.charged, {"b": 10 + 256})  # usage is not read there
 
 
 class ReconfigureTests(ProxyTestCase):

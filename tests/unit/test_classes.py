@@ -445,6 +445,24 @@ class PriorityQueueTests(QueueCase):
         self.assertEqual(json.loads(format_json(summary))["class"], "interactive")
 
 
+class EncodedPathClassTests(QueueCase):
+    """A class's paths match the percent-decoded path, as the engine routes it."""
+
+    CLASSES = ('[[classes]]\nname = "interactive"\n'
+               '[[classes]]\nname = "default"\n'
+               '[[classes]]\nname = "batch"\npaths = ["/v1/completions"]\n')
+
+    def test_an_encoded_path_is_in_its_class(self) -> None:
+        records = keep_records(self.lb)
+        self.send("busy")
+        self.post({"model": "a", "n": "b1"}, path=b"/v1/%63ompletions")
+        self.send("d1")
+        self.release_all()
+        self.assertEqual(self.served(), ["busy", "d1", "b1"])
+        self.assertEqual([record.routing.priority for record in records],
+                         ["default", "default", "batch"])
+
+
 class DuplicateAuthorizationClassTests(QueueCase):
     """A second Authorization header cannot lift a key bound to a low class: 400."""
 

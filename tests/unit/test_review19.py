@@ -74,21 +74,6 @@ class AbortedStreamTests(ProxyTestCase):
         self.assertGreaterEqual(self.lb.budgets.charged.get("b", 0), 2000)
 
 
-class EncodedPathTests(ProxyTestCase):
-    """
-    ``/v1/%63ompletions`` is ``/v1/completions`` to an ASGI engine (uvicorn decodes the
-    path before FastAPI routes it) but not to txlb, which compares the raw bytes with
-    API_PATHS: the estimate has no completion and the answer's usage is never read (a
-    summary of kind "other"), so a 600-token request costs its body's 100.
-    """
-
-    def test_an_encoded_api_path_is_charged_its_usage(self) -> None:
-        self.build([budget(tokens_per_minute=600)])
-        self.post(body_of(400, 500), path=b"/v1/%63ompletions")
-        self.answer({"prompt_tokens": 100, "completion_tokens": 500})
-        self.assertEqual(self.lb.budgets.charged, {"b": 600})
-
-
 class KeyChurnTests(ProxyTestCase):
     """
     Past MAX_KEYS buckets the least recently used one is dropped even when it is not full:

@@ -193,19 +193,28 @@ def _whole(value: object) -> int | None:
 _MAXIMA = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
+#: Paths of the engines' own that generate nothing (vLLM, SGLang): their body alone.
+_NOT_GENERATING = frozenset({b"/tokenize", b"/detokenize", b"/v1/tokenize",
+                             b"/v1/detokenize"})
+
+
 def estimate_tokens(body: bytes, parsed: Mapping[str, object] | None, path: bytes,
-                    default_completion: int) -> Estimate:
+                    default_completion: int, method: bytes = b"POST") -> Estimate:
     """
     The tokens a request may cost, from what it says before it runs: its body's bytes over
     :data:`CHARS_PER_TOKEN` for the prompt (any API's shape, tools and images included,
     without parsing it twice), and for the completion the largest of its ``max_tokens``,
     ``max_completion_tokens`` and (the Responses API's) ``max_output_tokens`` -- else
-    ``default_completion`` -- times its ``n``.  Only the APIs that generate have a
-    completion: an embedding, or a path txlb does not know as an LLM API (``/metrics``, a
-    ``GET``), costs its body alone.
+    ``default_completion`` -- times its ``n``.  Only what may generate has a completion:
+    an embedding, a ``GET`` (``/metrics``), or a ``/tokenize`` costs its body alone, while
+    a ``POST`` to a path txlb does not know as an LLM API is estimated like a completion
+    (an engine's own generate endpoints: SGLang's and TGI's ``/generate``, llama.cpp's
+    ``/completion``).
     """
     prompt = math.ceil(len(body) / CHARS_PER_TOKEN)
-    if API_PATHS.get(path) in (None, "embeddings"):
+    api = API_PATHS.get(path)
+    if api == "embeddings" or (api is None and (method != b"POST"
+                                                or path in _NOT_GENERATING)):
         return Estimate(prompt, 0)
     most = None
     choices = 1
@@ -370,7 +379,8 @@ class TokenBudgets:
             applies.extend((spec.name, window, client) for window, _ in spec.windows)
         if not applies:
             return ADMITTED
-        estimate = estimate_tokens(routing.body, routing.json, path, self.default_completion)
+        estimate = estimate_tokens(routing.body, routing.json, path, self.default_completion,
+                                   request.method)
         amount = estimate.total
         buckets = [self._bucket(*where) for where in applies]
         ready = [bucket for bucket in buckets if bucket is not None]
