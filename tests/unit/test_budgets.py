@@ -19,6 +19,7 @@ from txlb import LoadBalancer, build_config
 from txlb._cluster.store import ITokenLevels
 from txlb._config import MAX_BUDGET_TOKENS, ConfigError, parse_budgets, token_digest
 from txlb._records.outcome import RequestOutcome
+from txlb._records.summary import CAPTURE_LIMIT
 from txlb._scheduling.budgets import (
     DEBT_WINDOWS,
     MAX_CHOICES,
@@ -609,6 +610,60 @@ class EncodedPathTests(ProxyTestCase):
         self.answer()
         self.assertEqual(self.remaining(client), 600 - 10 - 256)
         self.assertEqual(self.lb.budgets.charged, {"b": 10 + 256})  # usage is not read there
+
+
+class LongStreamTests(ProxyTestCase):
+    """
+    The summary reads the first CAPTURE_LIMIT (512 KiB) of an answer and its last
+    TAIL_LIMIT: a stream longer than the capture (~2,500 vLLM tokens) is still charged the
+    usage of its final event, not its estimate.
+    """
+
+    def test_a_long_stream_is_charged_its_usage(self) -> None:
+        self.build([budget(tokens_per_minute=100000)])
+        self.post(json.dumps({"prompt": "x", "stream": True,
+                              "stream_options": {"include_usage": True}}).encode())
+        response = self.upstream.last.respond(FakeResponse(
+            200, [(b"Content-Type", b"text/event-stream")]))
+        chunk = b'data: {"choices": [{"text": "tok", "index": 0}]}\n\n'
+        tokens = CAPTURE_LIMIT // len(chunk) + 10
+        for _ in range(tokens):
+            response.send(chunk)
+        response.send(b'data: {"choices": [], "usage": {"prompt_tokens": 5, '
+                      b'"completion_tokens": %d}}\n\ndata: [DONE]\n\n' % tokens)
+        response.end()
+        self.assertEqual(self.lb.budgets.charged, {"b": 5 + tokens})
+
+
+class AbortedStreamTests(ProxyTestCase):
+    """
+    A stream's usage comes in its last event: a client that sets no max_tokens and leaves
+    just before the end (or a stream without include_usage) is charged at least a token
+    for each event it was relayed, not only its estimate (prompt + 256).
+    """
+
+    def test_what_was_relayed_is_charged_at_least(self) -> None:
+        self.build([budget(tokens_per_minute=100000)])
+        client = self.post(json.dumps({"prompt": "x", "stream": True,
+                                       "stream_options": {"include_usage": True}}).encode())
+        response = self.upstream.last.respond(FakeResponse(
+            200, [(b"Content-Type", b"text/event-stream")]))
+        for _ in range(2000):
+            response.send(b'data: {"choices": [{"text": "tok", "index": 0}]}\n\n')
+        client.disconnect()
+        self.assertGreaterEqual(self.lb.budgets.charged.get("b", 0), 2000)
+
+    def test_a_stream_without_usage_is_charged_its_events(self) -> None:
+        self.build([budget(tokens_per_minute=100000)])
+        body = json.dumps({"prompt": "x", "stream": True}).encode()
+        self.post(body)
+        response = self.upstream.last.respond(FakeResponse(
+            200, [(b"Content-Type", b"text/event-stream")]))
+        for _ in range(999):
+            response.send(b'data: {"choices": [{"text": "tok", "index": 0}]}\n\n')
+        response.send(b"data: [DONE]\n\n")
+        response.end()
+        self.assertEqual(self.lb.budgets.charged, {"b": math.ceil(len(body) / 4) + 1000})
 
 
 class ReconfigureTests(ProxyTestCase):

@@ -6,39 +6,12 @@ main at 6d81217 and should pass once the defect is fixed; see each docstring.
 from __future__ import annotations
 
 import hashlib
-import json
 
-from txlb._records.summary import CAPTURE_LIMIT
-
-from ..helpers import FakeResponse
 from .test_budgets import ProxyTestCase, body_of, budget
 
 
 def sha(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
-
-
-class LongStreamTests(ProxyTestCase):
-    """
-    The summary reads only the first CAPTURE_LIMIT (512 KiB) of an answer: a stream longer
-    than that (~2,500 vLLM tokens) loses its final usage event, and is charged the
-    estimate -- prompt + 256 without max_tokens -- whatever it generated.
-    """
-
-    def test_a_long_stream_is_charged_its_usage(self) -> None:
-        self.build([budget(tokens_per_minute=100000)])
-        self.post(json.dumps({"prompt": "x", "stream": True,
-                              "stream_options": {"include_usage": True}}).encode())
-        response = self.upstream.last.respond(FakeResponse(
-            200, [(b"Content-Type", b"text/event-stream")]))
-        chunk = b'data: {"choices": [{"text": "tok", "index": 0}]}\n\n'
-        tokens = CAPTURE_LIMIT // len(chunk) + 10
-        for _ in range(tokens):
-            response.send(chunk)
-        response.send(b'data: {"choices": [], "usage": {"prompt_tokens": 5, '
-                      b'"completion_tokens": %d}}\n\ndata: [DONE]\n\n' % tokens)
-        response.end()
-        self.assertEqual(self.lb.budgets.charged, {"b": 5 + tokens})
 
 
 class HugeHeaderKeyTests(ProxyTestCase):
@@ -53,25 +26,6 @@ class HugeHeaderKeyTests(ProxyTestCase):
         keys = list(self.lb.budgets.levels._levels)  # type: ignore[attr-defined]
         self.assertEqual(len(keys), 1)
         self.assertLess(len(keys[0]), 200)
-
-
-class AbortedStreamTests(ProxyTestCase):
-    """
-    A stream's usage comes in its last event: a client that sets no max_tokens and leaves
-    just before the end is charged its estimate -- prompt + 256 -- however many tokens it
-    was relayed (the same as a stream without include_usage).  txlb saw every delta.
-    """
-
-    def test_what_was_relayed_is_charged_at_least(self) -> None:
-        self.build([budget(tokens_per_minute=100000)])
-        client = self.post(json.dumps({"prompt": "x", "stream": True,
-                                       "stream_options": {"include_usage": True}}).encode())
-        response = self.upstream.last.respond(FakeResponse(
-            200, [(b"Content-Type", b"text/event-stream")]))
-        for _ in range(2000):
-            response.send(b'data: {"choices": [{"text": "tok", "index": 0}]}\n\n')
-        client.disconnect()
-        self.assertGreaterEqual(self.lb.budgets.charged.get("b", 0), 2000)
 
 
 class KeyChurnTests(ProxyTestCase):

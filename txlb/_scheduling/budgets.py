@@ -235,8 +235,10 @@ def charge(outcome: RequestOutcome, estimate: Estimate) -> int:
 
     * answered with a success: ``usage``'s prompt and completion tokens; a part ``usage``
       did not give (a stream without ``include_usage``, a client that left mid-answer) is
-      charged its estimate -- the whole ``max_tokens``, as txlb cannot count what it did
-      not see counted;
+      charged its estimate -- the whole ``max_tokens`` -- or, for the completion, the
+      events the stream relayed if there were more (a token at least each: a request
+      without ``max_tokens`` estimated at the default cannot generate 2,000 tokens for
+      256);
     * answered with an error (4xx, 5xx): nothing, the engine generated nothing;
     * never answered: the prompt's estimate when the client left, or the backend fell
       silent, after the request was sent (the engine may have read the prompt: leaving
@@ -249,8 +251,9 @@ def charge(outcome: RequestOutcome, estimate: Estimate) -> int:
     if not 200 <= outcome.status < 300:
         return 0
     prompt = estimate.prompt if outcome.prompt_tokens is None else outcome.prompt_tokens
-    completion = (estimate.completion if outcome.completion_tokens is None
-                  else outcome.completion_tokens)
+    completion = outcome.completion_tokens
+    if completion is None:
+        completion = max(estimate.completion, outcome.relayed_events or 0)
     return prompt + completion
 
 
