@@ -666,6 +666,45 @@ class AbortedStreamTests(ProxyTestCase):
         self.assertEqual(self.lb.budgets.charged, {"b": math.ceil(len(body) / 4) + 1000})
 
 
+class KeyChurnTests(ProxyTestCase):
+    """
+    A client that spent its day with its real key sends MAX_KEYS requests with made-up
+    keys (each answered 401 by the backend, so each costs nothing and leaves a bucket
+    behind): past MAX_KEYS buckets the one full again soonest goes, never its spent one.
+    (Shown with max_keys lowered to 10 instead of 100,000.)
+    """
+
+    def test_made_up_keys_do_not_refill_a_spent_budget(self) -> None:
+        self.build([budget(key="token", tokens_per_minute=None, tokens_per_day=600)])
+        self.lb.budgets.levels.max_keys = 10  # type: ignore[attr-defined]
+        real = [(b"Authorization", b"Bearer sk-real")]
+        self.post(body_of(400, 500), headers=real)
+        self.answer({"prompt_tokens": 100, "completion_tokens": 500})
+        self.assertEqual(self.post(body_of(40, 5), headers=real).response().status, 429)
+        for n in range(10):
+            self.post(body_of(40, 5), headers=[(b"Authorization", b"Bearer junk-%d" % n)])
+            self.answer(status=401)
+        forwarded = len(self.upstream.calls)
+        self.post(body_of(40, 5), headers=real)
+        self.assertEqual(len(self.upstream.calls), forwarded,
+                         "forwarded: the spent day's bucket was forgotten")
+
+    def test_past_the_limit_the_bucket_full_soonest_goes(self) -> None:
+        levels = TokenLevels(Clock(), max_keys=3)
+        levels.reserve([("spent", 600.0, 1.0)], 600)  # full in 600 s
+        levels.reserve([("half", 600.0, 1.0)], 300)  # 300 s
+        levels.reserve([("little", 600.0, 1.0)], 10)  # 10 s
+        levels.reserve([("new", 600.0, 1.0)], 100)  # 100 s: "little" goes
+        self.assertEqual(levels.level(("little", 600.0, 1.0)), 600)
+        self.assertEqual(levels.level(("spent", 600.0, 1.0)), 0)
+        self.assertEqual(len(levels), 3)
+        for n in range(1000):  # churn: the heap of stale entries stays bounded too
+            levels.reserve([(f"junk-{n}", 600.0, 1.0)], 1)
+            levels.adjust([(f"junk-{n}", 600.0, 1.0)], 1)
+        self.assertEqual(levels.level(("spent", 600.0, 1.0)), 0)
+        self.assertLess(len(levels._full_at), 200)
+
+
 class ReconfigureTests(ProxyTestCase):
     """A reload's budgets: levels kept by name, lowered limits capped, removed ones gone."""
 

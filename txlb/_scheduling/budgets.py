@@ -25,8 +25,8 @@ balancers can hold them instead.
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
@@ -69,16 +69,22 @@ class TokenLevels:
     Every token bucket of this process, on an injected clock.
 
     Memory stays bounded: a bucket that has refilled to its capacity is indistinguishable
-    from a new one and is dropped (checked from the least recently used end, O(1) per
-    call), and beyond ``max_keys`` buckets the least recently used is dropped too -- which
-    only ever errs on the lenient side (a dropped bucket comes back full).
+    from a new one and is dropped, and beyond ``max_keys`` buckets the one that will be full
+    again **soonest** is dropped -- never a spent one before those that are nearly full, so
+    a client cannot have its spent day forgotten by sending requests under many made-up
+    keys (each of those buckets is full again as soon as its request is settled; pushing a
+    spent bucket out would take ``max_keys`` keys that each spent more).  A min-heap of the
+    times buckets are full again finds both in O(log n) per change.
     """
 
     def __init__(self, clock: IReactorTime, max_keys: int = MAX_KEYS) -> None:
         self._now = clock.seconds
         self.max_keys = max_keys
-        # key -> (level, time of that level, time it is full again), least recently used first
-        self._levels: OrderedDict[str, tuple[float, float, float]] = OrderedDict()
+        # key -> (level, time of that level, time it is full again)
+        self._levels: dict[str, tuple[float, float, float]] = {}
+        # (time it is full again, key): one entry per store; an entry whose time is not
+        # its key's current one is stale, skipped when met and swept when they pile up
+        self._full_at: list[tuple[float, str]] = []
 
     def __len__(self) -> int:
         return len(self._levels)
@@ -93,16 +99,26 @@ class TokenLevels:
 
     def _store(self, bucket: Bucket, level: float, now: float) -> None:
         key, capacity, rate = bucket
-        self._levels.pop(key, None)
-        self._levels[key] = (level, now, now + (capacity - level) / rate)
+        full_at = now + (capacity - level) / rate
+        self._levels[key] = (level, now, full_at)
+        heap = self._full_at
+        heapq.heappush(heap, (full_at, key))
+        if len(heap) > 2 * len(self._levels) + 64:
+            self._full_at = [(entry[2], name) for name, entry in self._levels.items()]
+            heapq.heapify(self._full_at)
 
     def _evict(self, now: float) -> None:
-        levels = self._levels
-        while levels:
-            key, (_, _, full_at) = next(iter(levels.items()))
-            if now < full_at and len(levels) < self.max_keys:
+        levels, heap = self._levels, self._full_at
+        while heap:
+            full_at, key = heap[0]
+            entry = levels.get(key)
+            if entry is None or entry[2] != full_at:
+                heapq.heappop(heap)  # stale
+            elif full_at <= now or len(levels) >= self.max_keys:
+                heapq.heappop(heap)
+                del levels[key]
+            else:
                 break
-            del levels[key]
 
     def reserve(self, buckets: Sequence[Bucket], amount: float) -> float:
         now = self._now()
@@ -134,7 +150,7 @@ class TokenLevels:
 
     def forget(self, keep: Callable[[str], bool]) -> None:
         for key in [key for key in self._levels if not keep(key)]:
-            del self._levels[key]
+            del self._levels[key]  # its heap entries are stale now
 
 
 @attrs.frozen
