@@ -599,8 +599,8 @@ class BudgetSpec:
 
     ``kind`` is a ``--rate-key`` kind (``ip``, ``token``, ``header:NAME``); ``key`` the one
     client key it limits (as :func:`txlb._scheduling.ratelimit.client_key` writes it:
-    ``ip:10.0.0.7``, ``token:<digest>``, ``header:<value>``), or ``None`` for every key of
-    that kind, each with its own levels.  ``priority`` limits only requests of that
+    ``ip:10.0.0.7``, ``token:<digest>``, ``header:<digest of the value>``), or ``None``
+    for every key of that kind, each with its own levels.  ``priority`` limits only requests of that
     priority class.  ``windows`` pairs each window's seconds with its tokens.
     """
 
@@ -648,7 +648,8 @@ def _budget_key(name: str, kind: str, item: dict[str, Any]) -> str | None:
         except ValueError:
             raise ConfigError(f"budgets.value: {value!r} of budget {name!r} is not an IP "
                               "address") from None
-    return "header:" + value
+    # as txlb.ratelimit.header_digest keys a request's header (bounded, whatever its size)
+    return "header:" + hashlib.sha256(value.encode("utf-8")).hexdigest()[:32]
 
 
 def parse_budgets(option: str, value: object) -> tuple[BudgetSpec, ...]:

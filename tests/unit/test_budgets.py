@@ -30,6 +30,7 @@ from txlb._scheduling.budgets import (
     estimate_tokens,
     go_duration,
 )
+from txlb._scheduling.ratelimit import client_key
 from txlb._scheduling.request import RoutingRequest
 
 from ..helpers import ClientConnection, FakeResponse, FakeUpstream, keep_records
@@ -703,6 +704,35 @@ class KeyChurnTests(ProxyTestCase):
             levels.adjust([(f"junk-{n}", 600.0, 1.0)], 1)
         self.assertEqual(levels.level(("spent", 600.0, 1.0)), 0)
         self.assertLess(len(levels._full_at), 200)
+
+
+class HugeHeaderKeyTests(ProxyTestCase):
+    """
+    key = "header:NAME" keys a bucket by a digest of the header's value, not the value:
+    MAX_KEYS (100,000) buckets of ~16 KB values would be ~1.6 GB (and every --workers
+    spent message would carry the value).
+    """
+
+    def test_a_bucket_key_is_bounded(self) -> None:
+        self.build([budget(key="header:X-Team")])
+        self.post(body_of(40, 1), headers=[(b"X-Team", b"t" * 10000)])
+        keys = list(self.lb.budgets.levels._levels)  # type: ignore[attr-defined]
+        self.assertEqual(len(keys), 1)
+        self.assertLess(len(keys[0]), 200)
+
+    def test_a_header_value_budget_meets_its_header(self) -> None:
+        self.build([budget(key="header:X-Team", value="acme", tokens_per_minute=600)])
+        acme = [(b"X-Team", b"acme")]
+        self.post(body_of(400, 500), headers=acme)
+        self.assertEqual(self.post(body_of(400, 500), headers=acme).response().status, 429)
+        self.post(body_of(400, 500), headers=[(b"X-Team", b"other")])
+        self.assertEqual(len(self.upstream.calls), 2)
+
+    def test_the_rate_limit_keys_by_the_digest_too(self) -> None:
+        request = DummyRequest([b""])
+        request.requestHeaders.setRawHeaders(b"X-Team", [b"t" * 10000])
+        key = client_key(request, "header:X-Team")
+        self.assertEqual(key, "header:" + hashlib.sha256(b"t" * 10000).hexdigest()[:32])
 
 
 class ReconfigureTests(ProxyTestCase):

@@ -94,13 +94,22 @@ def bearer_digest(request: Request) -> str | None:
     return None
 
 
+def header_digest(value: bytes) -> str:
+    """
+    What a ``header:NAME`` client key keeps of the header's value: the first 32 hex digits
+    of its SHA-256 -- a bounded size per bucket (and per ``--workers`` message) however
+    long the value a client sends.
+    """
+    return hashlib.sha256(value).hexdigest()[:32]
+
+
 def client_key(request: Request, kind: str = "ip") -> str:
     """
     Who sent ``request``, by ``--rate-key`` ``kind``.  ``ip``: the client's address;
     ``token``: a digest of the bearer token (the token itself is never kept);
-    ``header:NAME``: that header's value.  A request without the header or token is keyed
-    by its address.  Rate limiting and outlier ejection (a 5xx streak must span two
-    clients) both use it.
+    ``header:NAME``: a digest of that header's value (:func:`header_digest`).  A request
+    without the header or token is keyed by its address.  Rate limiting and outlier
+    ejection (a 5xx streak must span two clients) both use it.
     """
     if kind == "token":
         digest = bearer_digest(request)
@@ -109,7 +118,7 @@ def client_key(request: Request, kind: str = "ip") -> str:
     elif kind.startswith("header:"):
         value = request.getHeader(kind[len("header:"):].encode("ascii"))
         if value:
-            return "header:" + value.decode("utf-8", "replace")
+            return "header:" + header_digest(value)
     address = request.getClientAddress()
     return "ip:" + str(getattr(address, "host", address))
 
