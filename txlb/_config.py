@@ -644,7 +644,10 @@ def _budget_key(name: str, kind: str, item: dict[str, Any]) -> str | None:
         return "token:" + token_digest(value)
     if kind == "ip":
         try:
-            return "ip:" + str(ipaddress.ip_address(value.strip()))
+            address = ipaddress.ip_address(value.strip())
+            if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+                address = address.ipv4_mapped  # as a dual-stack listener's IPv4 client
+            return "ip:" + str(address)
         except ValueError:
             raise ConfigError(f"budgets.value: {value!r} of budget {name!r} is not an IP "
                               "address") from None

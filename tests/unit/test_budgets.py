@@ -735,6 +735,25 @@ class HugeHeaderKeyTests(ProxyTestCase):
         self.assertEqual(key, "header:" + hashlib.sha256(b"t" * 10000).hexdigest()[:32])
 
 
+class DualStackTests(ProxyTestCase):
+    """An IPv4 client of a dual-stack listener (::ffff:10.0.0.7) is its IPv4 address."""
+
+    def test_a_one_client_budget_meets_a_mapped_address(self) -> None:
+        for configured in ("10.0.0.7", "::ffff:10.0.0.7"):
+            self.build([budget(value=configured, tokens_per_minute=600)])
+            self.post(body_of(400, 500), peer="::ffff:10.0.0.7")
+            refused = self.post(body_of(400, 500), peer="10.0.0.7").response()
+            self.assertEqual(refused.status, 429, configured)
+            self.assertEqual(len(self.upstream.calls), 1, configured)
+
+    def test_the_client_key(self) -> None:
+        request = DummyRequest([b""])
+        for host, key in (("::ffff:10.0.0.7", "ip:10.0.0.7"), ("::1", "ip:::1"),
+                          ("2001:db8::1", "ip:2001:db8::1"), ("10.0.0.7", "ip:10.0.0.7")):
+            request.client = IPv4Address("TCP", host, 5000)
+            self.assertEqual(client_key(request), key)
+
+
 class ReconfigureTests(ProxyTestCase):
     """A reload's budgets: levels kept by name, lowered limits capped, removed ones gone."""
 

@@ -13,6 +13,7 @@ least recently used is dropped too (which only ever errs on the lenient side).
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import math
 from collections import OrderedDict
 
@@ -120,7 +121,23 @@ def client_key(request: Request, kind: str = "ip") -> str:
         if value:
             return "header:" + header_digest(value)
     address = request.getClientAddress()
-    return "ip:" + str(getattr(address, "host", address))
+    return "ip:" + normal_host(str(getattr(address, "host", address)))
+
+
+def normal_host(host: str) -> str:
+    """
+    An address as a client key writes it: an IPv4 client of a dual-stack listener
+    (``::ffff:10.0.0.7``) is its IPv4 address, so one budget (or rate limit) meets it
+    however the listener took it; anything else as it is.
+    """
+    if host.startswith("::ffff:") or host.startswith("::FFFF:"):
+        try:
+            mapped = ipaddress.IPv6Address(host).ipv4_mapped
+        except ValueError:
+            return host
+        if mapped is not None:
+            return str(mapped)
+    return host
 
 
 class RateLimiter:
