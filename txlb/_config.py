@@ -628,10 +628,12 @@ def _budget_key(name: str, kind: str, item: dict[str, Any]) -> str | None:
         raise ConfigError(f"budgets: budget {name!r} has both 'value' and 'digest'; "
                           "give one")
     if digest is not None:
-        match = _DIGEST.fullmatch(digest) if isinstance(digest, str) else None
+        # as [[classes]] keys take it: any case, surrounding spaces ignored
+        match = (_DIGEST.fullmatch(digest.strip().lower()) if isinstance(digest, str)
+                 else None)
         if kind != "token" or match is None:
             raise ConfigError(f"budgets.digest: budget {name!r}: a digest goes with "
-                              "key = 'token' and is the key's sha256 in lowercase hex "
+                              "key = 'token' and is the key's sha256 in hex "
                               "(printf %s \"$KEY\" | sha256sum)")
         return "token:" + match.group(1)[:32]
     if value is None:

@@ -869,11 +869,13 @@ class ClassesAndBudgetsTests(ProxyTestCase):
 
     def test_a_digest_as_sha256sum_prints_it_limits_that_key(self) -> None:
         full = hashlib.sha256(b"sk-acme").hexdigest()  # printf %s sk-acme | sha256sum
-        for digest in (full, "sha256:" + full, full[:32]):
+        # as [[classes]] keys take it: uppercase and surrounding spaces are the same key
+        for digest in (full, "sha256:" + full, full[:32], full.upper(), f"  {full}\n",
+                       "SHA256:" + full.upper()):
             (spec,) = parse_budgets("budgets", [budget(key="token", digest=digest)])
             self.assertEqual(spec.key, "token:" + token_digest("sk-acme"), digest)
-        self.assertIn("budgets.digest", self.refused_digest(full.upper()))
         self.assertIn("budgets.digest", self.refused_digest(full[:40]))
+        self.assertIn("budgets.digest", self.refused_digest(full[:63] + "g"))
 
     def refused_digest(self, digest: str) -> str:
         return str(self.assertRaises(ConfigError, parse_budgets, "budgets",
