@@ -148,6 +148,10 @@ class TokenLevels:
     def level(self, bucket: Bucket) -> float:
         return self._current(bucket, self._now())
 
+    def held(self) -> list[str]:
+        """The keys of the buckets held (each below its capacity when last stored)."""
+        return list(self._levels)
+
     def forget(self, keep: Callable[[str], bool]) -> None:
         for key in [key for key in self._levels if not keep(key)]:
             del self._levels[key]  # its heap entries are stale now
@@ -484,6 +488,28 @@ class TokenBudgets:
             for name in dict.fromkeys(name for name, _, _ in buckets):
                 if any(budget == name for budget, _ in self._windows):
                     self.charged[name] = self.charged.get(name, 0) + charged
+
+    def deficits(self) -> list[tuple[Where, float]]:
+        """
+        Every bucket of this process's own levels that is below its capacity, and by how
+        much: what a ``--workers`` worker that starts (a respawn) is sent after its Hello,
+        as :meth:`spent_elsewhere`, so that it starts with the fleet's levels and not full.
+        Empty when the levels are a shared store's (every process reads them there).
+        """
+        levels = self.levels
+        if not isinstance(levels, TokenLevels):
+            return []
+        found: list[tuple[Where, float]] = []
+        for key in levels.held():
+            name, window, client = key.split(_SEP, 2)
+            where = (name, float(window), client)
+            bucket = self._bucket(*where)
+            if bucket is None:
+                continue
+            short = bucket[1] - levels.level(bucket)
+            if short > 0:
+                found.append((where, short))
+        return found
 
     def count_refused(self, name: str) -> None:
         """Another process's budget ``name`` refused a request."""
