@@ -731,8 +731,8 @@ class BudgetSpec:
 
     ``kind`` is a ``--rate-key`` kind (``ip``, ``token``, ``header:NAME``); ``key`` the one
     client key it limits (as :func:`txlb._scheduling.ratelimit.client_key` writes it:
-    ``ip:10.0.0.7``, ``token:<digest>``, ``header:<value>``), or ``None`` for every key of
-    that kind, each with its own levels.  ``priority`` limits only requests of that
+    ``ip:10.0.0.7``, ``token:<digest>``, ``header:<digest of the value>``), or ``None``
+    for every key of that kind, each with its own levels.  ``priority`` limits only requests of that
     priority class.  ``windows`` pairs each window's seconds with its tokens.
     """
 
@@ -760,10 +760,12 @@ def _budget_key(name: str, kind: str, item: dict[str, Any]) -> str | None:
         raise ConfigError(f"budgets: budget {name!r} has both 'value' and 'digest'; "
                           "give one")
     if digest is not None:
-        match = _DIGEST.fullmatch(digest) if isinstance(digest, str) else None
+        # as [[classes]] keys take it: any case, surrounding spaces ignored
+        match = (_DIGEST.fullmatch(digest.strip().lower()) if isinstance(digest, str)
+                 else None)
         if kind != "token" or match is None:
             raise ConfigError(f"budgets.digest: budget {name!r}: a digest goes with "
-                              "key = 'token' and is the key's sha256 in lowercase hex "
+                              "key = 'token' and is the key's sha256 in hex "
                               "(printf %s \"$KEY\" | sha256sum)")
         return "token:" + match.group(1)[:32]
     if value is None:
@@ -776,11 +778,15 @@ def _budget_key(name: str, kind: str, item: dict[str, Any]) -> str | None:
         return "token:" + token_digest(value)
     if kind == "ip":
         try:
-            return "ip:" + str(ipaddress.ip_address(value.strip()))
+            address = ipaddress.ip_address(value.strip())
+            if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+                address = address.ipv4_mapped  # as a dual-stack listener's IPv4 client
+            return "ip:" + str(address)
         except ValueError:
             raise ConfigError(f"budgets.value: {value!r} of budget {name!r} is not an IP "
                               "address") from None
-    return "header:" + value
+    # as txlb.ratelimit.header_digest keys a request's header (bounded, whatever its size)
+    return "header:" + hashlib.sha256(value.encode("utf-8")).hexdigest()[:32]
 
 
 def parse_budgets(option: str, value: object) -> tuple[BudgetSpec, ...]:

@@ -69,7 +69,9 @@ def _seconds(key: str, name: str, value: object) -> float:
 
 def _strings(key: str, name: str, value: object) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise _error(f"classes.{key}: {value!r} of class {name!r} is not a list of "
+        # keys are not echoed: a key pasted there by mistake must not reach a log
+        shown = "its value" if key == "keys" else repr(value)
+        raise _error(f"classes.{key}: {shown} of class {name!r} is not a list of "
                      "non-empty strings")
     return tuple(value)
 
@@ -78,7 +80,7 @@ def _class_item(item: object, seen: set[str]) -> ClassSpec:
     from txlb._config import did_you_mean
 
     if not isinstance(item, dict):
-        raise _error(f"classes: {item!r} is not a table")
+        raise _error(f"classes: an entry ({type(item).__name__}) is not a table")
     name = item.get("name")
     unknown = sorted(set(item) - set(_KEYS), key=str)
     if unknown:

@@ -156,10 +156,11 @@ class _ReloadOnHangup(Service):
     """
     ``kill -HUP``: re-read the config file and apply it (see :mod:`txlb._reload`).
 
-    The handler is installed once the reactor runs and does only
+    The handler is installed when the service starts, before the reactor runs (a HUP during
+    start-up must not kill the process: SIGHUP's default action), and does only
     ``reactor.callFromThread``: a signal arrives between any two bytecodes, the reload must
-    run in the reactor's turn like everything else.  Several HUPs before that turn are one
-    reload.
+    run in the reactor's turn like everything else -- one that came during start-up runs
+    in its first turn.  Several HUPs before that turn are one reload.
     """
 
     def __init__(self, reactor: Any, balancer: LoadBalancer) -> None:
@@ -169,7 +170,7 @@ class _ReloadOnHangup(Service):
 
     def startService(self) -> None:
         super().startService()
-        self._reactor.callWhenRunning(self._install)
+        self._install()
 
     def _install(self) -> None:
         signal.signal(signal.SIGHUP, self._hangup)

@@ -19,7 +19,9 @@ from txlb import LoadBalancer, build_config
 from txlb._cluster.store import ITokenLevels
 from txlb._config import MAX_BUDGET_TOKENS, ConfigError, parse_budgets, token_digest
 from txlb._records.outcome import RequestOutcome
+from txlb._records.summary import CAPTURE_LIMIT
 from txlb._scheduling.budgets import (
+    DEBT_WINDOWS,
     MAX_CHOICES,
     MAX_COUNT,
     Estimate,
@@ -28,6 +30,7 @@ from txlb._scheduling.budgets import (
     estimate_tokens,
     go_duration,
 )
+from txlb._scheduling.ratelimit import client_key
 from txlb._scheduling.request import RoutingRequest
 
 from ..helpers import ClientConnection, FakeResponse, FakeUpstream, keep_records
@@ -193,8 +196,8 @@ class LevelTests(SynchronousTestCase):
         self.levels.adjust([self.minute], -700)
         self.assertEqual(self.levels.level(self.minute), -100)
         self.assertEqual(self.levels.reserve([self.minute], 1), 10.1)
-        self.levels.adjust([self.minute], -10**18)  # a debt of at most one window
-        self.assertEqual(self.levels.level(self.minute), -600)
+        self.levels.adjust([self.minute], -10**18)  # a debt of at most 60 windows
+        self.assertEqual(self.levels.level(self.minute), -600 * DEBT_WINDOWS)
 
     def test_a_lowered_capacity_caps_the_level(self) -> None:
         self.levels.reserve([self.minute], 100)
@@ -240,8 +243,18 @@ class EstimateTests(SynchronousTestCase):
             self.assertEqual(self.estimate({"max_tokens": 9}, api).completion, 9)
 
     def test_a_path_that_generates_nothing_costs_its_body(self) -> None:
-        self.assertEqual(self.estimate(b"", b"/metrics"), Estimate(0, 0))
-        self.assertEqual(self.estimate({"max_tokens": 9}, b"/v1/completions/x").completion, 0)
+        def get(body: bytes, path: bytes) -> Estimate:
+            return estimate_tokens(body, None, path, 256, b"GET")
+
+        self.assertEqual(get(b"", b"/metrics"), Estimate(0, 0))
+        self.assertEqual(get(b"xxxx", b"/v1/completions/x"), Estimate(1, 0))
+        self.assertEqual(self.estimate({"prompt": "x"}, b"/tokenize").completion, 0)
+
+    def test_an_unknown_post_is_estimated_like_a_completion(self) -> None:
+        # an engine's own generate endpoints (/generate, /completion) generate too
+        for path in (b"/generate", b"/completion", b"/v1/completions/x"):
+            self.assertEqual(self.estimate({"max_tokens": 9}, path).completion, 9, path)
+            self.assertEqual(self.estimate({"text": "x"}, path).completion, 256, path)
 
     def test_no_maximum_is_the_default(self) -> None:
         self.assertEqual(self.estimate({"prompt": "x"}).completion, 256)
@@ -249,13 +262,32 @@ class EstimateTests(SynchronousTestCase):
         self.assertEqual(self.estimate(b"not json at all").completion, 256)
 
     def test_hostile_numbers(self) -> None:
-        for bad in (-1, "100", 1.5, True, None, [5], {"a": 1}):
+        for bad in (-1, "-5", "1e", 1.5, "1.5", float("nan"), True, None, [5], {"a": 1}):
             self.assertEqual(self.estimate({"max_tokens": bad}).completion, 256, bad)
             self.assertEqual(self.estimate({"max_tokens": 2, "n": bad}).completion, 2, bad)
         self.assertEqual(self.estimate({"max_tokens": 10**30}).completion, MAX_COUNT)
         self.assertEqual(self.estimate({"max_tokens": 1, "n": 10**9}).completion,
                          MAX_CHOICES)
         self.assertEqual(self.estimate({"max_tokens": 1, "n": 0}).completion, 1)
+
+    def test_the_estimate_covers_what_the_engine_may_generate(self) -> None:
+        """
+        A maximum the engines accept (vLLM's pydantic takes 5000.0 and "5000" for an
+        int; chat prefers max_completion_tokens over max_tokens) counts at its value, and
+        of several the largest counts: with a stream without usage that is what is charged.
+        """
+        for fields in ({"max_tokens": 100000.0}, {"max_tokens": "100000"},
+                       {"max_tokens": " 100000 "}, {"max_tokens": "100000.0"},
+                       {"max_tokens": 1, "max_completion_tokens": 100000},
+                       {"max_completion_tokens": 5, "max_output_tokens": 100000}):
+            body = {"messages": [], **fields}
+            estimate = estimate_tokens(json.dumps(body).encode(), body,
+                                       b"/v1/chat/completions", 256)
+            self.assertEqual(estimate.completion, 100000, fields)
+        self.assertEqual(self.estimate({"max_tokens": "9" * 40}).completion, MAX_COUNT)
+        self.assertEqual(self.estimate({"max_tokens": float("inf")}).completion, MAX_COUNT)
+        self.assertEqual(self.estimate({"max_tokens": 1e300}).completion, MAX_COUNT)
+        self.assertEqual(self.estimate({"max_tokens": 2, "n": "3"}).completion, 6)
 
 
 def outcome(status: int = 200, answered: bool = True, prompt: int | None = None,
@@ -413,13 +445,31 @@ class AdmissionTests(ProxyTestCase):
         self.post(body_of(40, 10))
         self.answer({"prompt_tokens": 2**62, "completion_tokens": 2**62})
         refused = self.post(body_of(40, 0)).response()
-        self.assertEqual(refused.header(b"retry-after"), [b"61"])  # -600 to 10, at 10/s
+        # -36,000 (60 windows) to 10, at 10/s: an hour, not years
+        self.assertEqual(refused.header(b"retry-after"), [b"3601"])
         # a usage Summary does not believe (negative, beyond 64 bits) is no usage at all:
         # the estimate stands
-        self.clock.advance(62)  # 20 again
+        self.clock.advance(3602)  # 20 again
         self.post(body_of(40, 10))
         self.answer({"prompt_tokens": -5, "completion_tokens": 2**70})
         self.assertEqual(self.lb.budgets.charged["b"], 2**63 + 20)
+
+    def test_what_a_request_really_cost_is_paid_in_full(self) -> None:
+        """
+        A request that really cost ten windows (no max_tokens: admitted on the 256
+        estimate) is paid in full: the client is back after ten minutes, not two.
+        """
+        self.build([budget(tokens_per_minute=600)])
+        self.post(json.dumps({"prompt": "x"}).encode())  # no max_tokens: 256 + 4
+        self.answer({"prompt_tokens": 10, "completion_tokens": 5990})  # 6000: ten minutes
+        self.clock.advance(121)
+        forwarded = len(self.upstream.calls)
+        self.post(json.dumps({"prompt": "x"}).encode())
+        self.assertEqual(len(self.upstream.calls), forwarded,
+                         "admitted after 2 minutes though it used 10 minutes' tokens")
+        self.clock.advance(567 - 121)  # -5400 after the answer, +10/s, to the 260 it needs
+        self.post(json.dumps({"prompt": "x"}).encode())
+        self.assertEqual(len(self.upstream.calls), forwarded + 1)
 
     def test_a_stream_without_usage_is_charged_its_estimate(self) -> None:
         self.build([budget(tokens_per_minute=600)])
@@ -512,6 +562,196 @@ class AdmissionTests(ProxyTestCase):
         self.assertTrue(budgets.admit(request, small, b"/v1/completions", "batch").refused)
         self.assertFalse(budgets.admit(request, small, b"/v1/completions",
                                        "interactive").refused)
+
+
+class DuplicateAuthorizationTests(ProxyTestCase):
+    """
+    Two Authorization headers: txlb would key the request by one value (Request.getHeader
+    gives the last) and vLLM (Starlette's Headers.get) authenticate by the first, so a
+    second header would dodge a key's budget.  RFC 9110 allows one: 400, never forwarded.
+    """
+
+    def test_a_token_budget_cannot_be_dodged_with_a_second_authorization(self) -> None:
+        self.build([budget(key="token", value="sk-acme", tokens_per_minute=600)])
+        for n in range(3):
+            client = self.post(body_of(400, 500), headers=[
+                (b"Authorization", b"Bearer sk-acme"),
+                (b"Authorization", b"Bearer junk-%d" % n)])
+            response = client.response()
+            self.assertEqual(response.status, 400)
+            error = json.loads(response.body)["error"]
+            self.assertEqual(error["type"], "invalid_request_error")
+            self.assertIn("more than one Authorization", error["message"])
+        self.assertEqual(self.upstream.calls, [])
+        self.assertEqual([record.status for record in self.records], [400, 400, 400])
+        # one header is admitted as before
+        self.post(body_of(400, 500), headers=[(b"Authorization", b"Bearer sk-acme")])
+        self.assertEqual(len(self.upstream.calls), 1)
+
+
+class EncodedPathTests(ProxyTestCase):
+    """
+    ``/v1/%63ompletions`` is ``/v1/completions`` to an ASGI engine (uvicorn decodes the
+    path before FastAPI routes it): txlb classifies it by the decoded path too -- its
+    estimate has a completion and its answer's usage is read -- and forwards it as sent.
+    """
+
+    def test_an_encoded_api_path_is_charged_its_usage(self) -> None:
+        self.build([budget(tokens_per_minute=600)])
+        self.post(body_of(400, 500), path=b"/v1/%63ompletions?x=%41")
+        self.assertEqual(self.upstream.last.uri, b"http://127.0.0.1:8002/v1/%63ompletions?x=%41")
+        self.answer({"prompt_tokens": 100, "completion_tokens": 500})
+        self.assertEqual(self.lb.budgets.charged, {"b": 600})
+        (record,) = self.records
+        self.assertEqual(record.path, b"/v1/completions")
+
+    def test_an_unknown_post_reserves_a_completion(self) -> None:
+        self.build([budget(tokens_per_minute=600)])
+        client = self.post(body_of(40, None), path=b"/generate")
+        self.answer()
+        self.assertEqual(self.remaining(client), 600 - 10 - 256)
+        self.assertEqual(self.lb.budgets.charged, {"b": 10 + 256})  # usage is not read there
+
+
+class LongStreamTests(ProxyTestCase):
+    """
+    The summary reads the first CAPTURE_LIMIT (512 KiB) of an answer and its last
+    TAIL_LIMIT: a stream longer than the capture (~2,500 vLLM tokens) is still charged the
+    usage of its final event, not its estimate.
+    """
+
+    def test_a_long_stream_is_charged_its_usage(self) -> None:
+        self.build([budget(tokens_per_minute=100000)])
+        self.post(json.dumps({"prompt": "x", "stream": True,
+                              "stream_options": {"include_usage": True}}).encode())
+        response = self.upstream.last.respond(FakeResponse(
+            200, [(b"Content-Type", b"text/event-stream")]))
+        chunk = b'data: {"choices": [{"text": "tok", "index": 0}]}\n\n'
+        tokens = CAPTURE_LIMIT // len(chunk) + 10
+        for _ in range(tokens):
+            response.send(chunk)
+        response.send(b'data: {"choices": [], "usage": {"prompt_tokens": 5, '
+                      b'"completion_tokens": %d}}\n\ndata: [DONE]\n\n' % tokens)
+        response.end()
+        self.assertEqual(self.lb.budgets.charged, {"b": 5 + tokens})
+
+
+class AbortedStreamTests(ProxyTestCase):
+    """
+    A stream's usage comes in its last event: a client that sets no max_tokens and leaves
+    just before the end (or a stream without include_usage) is charged at least a token
+    for each event it was relayed, not only its estimate (prompt + 256).
+    """
+
+    def test_what_was_relayed_is_charged_at_least(self) -> None:
+        self.build([budget(tokens_per_minute=100000)])
+        client = self.post(json.dumps({"prompt": "x", "stream": True,
+                                       "stream_options": {"include_usage": True}}).encode())
+        response = self.upstream.last.respond(FakeResponse(
+            200, [(b"Content-Type", b"text/event-stream")]))
+        for _ in range(2000):
+            response.send(b'data: {"choices": [{"text": "tok", "index": 0}]}\n\n')
+        client.disconnect()
+        self.assertGreaterEqual(self.lb.budgets.charged.get("b", 0), 2000)
+
+    def test_a_stream_without_usage_is_charged_its_events(self) -> None:
+        self.build([budget(tokens_per_minute=100000)])
+        body = json.dumps({"prompt": "x", "stream": True}).encode()
+        self.post(body)
+        response = self.upstream.last.respond(FakeResponse(
+            200, [(b"Content-Type", b"text/event-stream")]))
+        for _ in range(999):
+            response.send(b'data: {"choices": [{"text": "tok", "index": 0}]}\n\n')
+        response.send(b"data: [DONE]\n\n")
+        response.end()
+        self.assertEqual(self.lb.budgets.charged, {"b": math.ceil(len(body) / 4) + 1000})
+
+
+class KeyChurnTests(ProxyTestCase):
+    """
+    A client that spent its day with its real key sends MAX_KEYS requests with made-up
+    keys (each answered 401 by the backend, so each costs nothing and leaves a bucket
+    behind): past MAX_KEYS buckets the one full again soonest goes, never its spent one.
+    (Shown with max_keys lowered to 10 instead of 100,000.)
+    """
+
+    def test_made_up_keys_do_not_refill_a_spent_budget(self) -> None:
+        self.build([budget(key="token", tokens_per_minute=None, tokens_per_day=600)])
+        self.lb.budgets.levels.max_keys = 10  # type: ignore[attr-defined]
+        real = [(b"Authorization", b"Bearer sk-real")]
+        self.post(body_of(400, 500), headers=real)
+        self.answer({"prompt_tokens": 100, "completion_tokens": 500})
+        self.assertEqual(self.post(body_of(40, 5), headers=real).response().status, 429)
+        for n in range(10):
+            self.post(body_of(40, 5), headers=[(b"Authorization", b"Bearer junk-%d" % n)])
+            self.answer(status=401)
+        forwarded = len(self.upstream.calls)
+        self.post(body_of(40, 5), headers=real)
+        self.assertEqual(len(self.upstream.calls), forwarded,
+                         "forwarded: the spent day's bucket was forgotten")
+
+    def test_past_the_limit_the_bucket_full_soonest_goes(self) -> None:
+        levels = TokenLevels(Clock(), max_keys=3)
+        levels.reserve([("spent", 600.0, 1.0)], 600)  # full in 600 s
+        levels.reserve([("half", 600.0, 1.0)], 300)  # 300 s
+        levels.reserve([("little", 600.0, 1.0)], 10)  # 10 s
+        levels.reserve([("new", 600.0, 1.0)], 100)  # 100 s: "little" goes
+        self.assertEqual(levels.level(("little", 600.0, 1.0)), 600)
+        self.assertEqual(levels.level(("spent", 600.0, 1.0)), 0)
+        self.assertEqual(len(levels), 3)
+        for n in range(1000):  # churn: the heap of stale entries stays bounded too
+            levels.reserve([(f"junk-{n}", 600.0, 1.0)], 1)
+            levels.adjust([(f"junk-{n}", 600.0, 1.0)], 1)
+        self.assertEqual(levels.level(("spent", 600.0, 1.0)), 0)
+        self.assertLess(len(levels._full_at), 200)
+
+
+class HugeHeaderKeyTests(ProxyTestCase):
+    """
+    key = "header:NAME" keys a bucket by a digest of the header's value, not the value:
+    MAX_KEYS (100,000) buckets of ~16 KB values would be ~1.6 GB (and every --workers
+    spent message would carry the value).
+    """
+
+    def test_a_bucket_key_is_bounded(self) -> None:
+        self.build([budget(key="header:X-Team")])
+        self.post(body_of(40, 1), headers=[(b"X-Team", b"t" * 10000)])
+        keys = list(self.lb.budgets.levels._levels)  # type: ignore[attr-defined]
+        self.assertEqual(len(keys), 1)
+        self.assertLess(len(keys[0]), 200)
+
+    def test_a_header_value_budget_meets_its_header(self) -> None:
+        self.build([budget(key="header:X-Team", value="acme", tokens_per_minute=600)])
+        acme = [(b"X-Team", b"acme")]
+        self.post(body_of(400, 500), headers=acme)
+        self.assertEqual(self.post(body_of(400, 500), headers=acme).response().status, 429)
+        self.post(body_of(400, 500), headers=[(b"X-Team", b"other")])
+        self.assertEqual(len(self.upstream.calls), 2)
+
+    def test_the_rate_limit_keys_by_the_digest_too(self) -> None:
+        request = DummyRequest([b""])
+        request.requestHeaders.setRawHeaders(b"X-Team", [b"t" * 10000])
+        key = client_key(request, "header:X-Team")
+        self.assertEqual(key, "header:" + hashlib.sha256(b"t" * 10000).hexdigest()[:32])
+
+
+class DualStackTests(ProxyTestCase):
+    """An IPv4 client of a dual-stack listener (::ffff:10.0.0.7) is its IPv4 address."""
+
+    def test_a_one_client_budget_meets_a_mapped_address(self) -> None:
+        for configured in ("10.0.0.7", "::ffff:10.0.0.7"):
+            self.build([budget(value=configured, tokens_per_minute=600)])
+            self.post(body_of(400, 500), peer="::ffff:10.0.0.7")
+            refused = self.post(body_of(400, 500), peer="10.0.0.7").response()
+            self.assertEqual(refused.status, 429, configured)
+            self.assertEqual(len(self.upstream.calls), 1, configured)
+
+    def test_the_client_key(self) -> None:
+        request = DummyRequest([b""])
+        for host, key in (("::ffff:10.0.0.7", "ip:10.0.0.7"), ("::1", "ip:::1"),
+                          ("2001:db8::1", "ip:2001:db8::1"), ("10.0.0.7", "ip:10.0.0.7")):
+            request.client = IPv4Address("TCP", host, 5000)
+            self.assertEqual(client_key(request), key)
 
 
 class ReconfigureTests(ProxyTestCase):
@@ -629,11 +869,13 @@ class ClassesAndBudgetsTests(ProxyTestCase):
 
     def test_a_digest_as_sha256sum_prints_it_limits_that_key(self) -> None:
         full = hashlib.sha256(b"sk-acme").hexdigest()  # printf %s sk-acme | sha256sum
-        for digest in (full, "sha256:" + full, full[:32]):
+        # as [[classes]] keys take it: uppercase and surrounding spaces are the same key
+        for digest in (full, "sha256:" + full, full[:32], full.upper(), f"  {full}\n",
+                       "SHA256:" + full.upper()):
             (spec,) = parse_budgets("budgets", [budget(key="token", digest=digest)])
             self.assertEqual(spec.key, "token:" + token_digest("sk-acme"), digest)
-        self.assertIn("budgets.digest", self.refused_digest(full.upper()))
         self.assertIn("budgets.digest", self.refused_digest(full[:40]))
+        self.assertIn("budgets.digest", self.refused_digest(full[:63] + "g"))
 
     def refused_digest(self, digest: str) -> str:
         return str(self.assertRaises(ConfigError, parse_budgets, "budgets",

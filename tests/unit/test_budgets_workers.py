@@ -78,6 +78,31 @@ class SupervisorRelayTests(SynchronousTestCase):
         self.assertEqual(sample("txlb_budget_refused_total", {"budget": "per-ip"}), 1)
         self.assertIsNone(sample("txlb_budget_refused_total", {"budget": "not-a-budget"}))
 
+    def test_a_respawned_worker_starts_with_the_fleets_levels(self) -> None:
+        self.sup.received(self.sup.workers[0], [Spent([WHERE], 450.0, 0)])
+        other = ["per-ip", 60.0, "ip:10.9.9.9"]
+        self.sup.received(self.sup.workers[1], [Spent([other], 30.0, 0),
+                                                Spent([other], -30.0, 0)])  # full again
+        self.reactor.spawned.clear()
+        spawn = self.reactor.spawnProcess
+
+        def connected(protocol: Any, *args: Any, **kwargs: Any) -> Any:
+            protocol.transport = StringTransport()  # as spawnProcess connects it
+            return spawn(protocol, *args, **kwargs)
+
+        self.reactor.spawnProcess = connected  # type: ignore[method-assign]
+        self.sup._spawn(2)  # as after worker 2 died
+        (worker, _), = self.reactor.spawned
+        lines = [decode(line) for line in worker.transport.value().splitlines()]
+        self.assertEqual(lines[0].kind, "hello")
+        self.assertEqual(lines[1:], [Spent([WHERE], 450.0, 0)])
+        # what the worker does with it: its levels are the supervisor's
+        link = SupervisorLink(Clock(), 2)
+        link.balancer = LoadBalancer(config=config(), reactor=Clock(), agent=FakeUpstream(),
+                                     probe_agent=FakeUpstream())
+        link.dataReceived(b"".join(encode(message) for message in lines[1:]))
+        self.assertEqual(link.balancer.budgets.levels.level(BUCKET), 150)
+
     def test_buckets_of_budgets_it_does_not_have_are_ignored(self) -> None:
         self.sup.received(self.sup.workers[0], [Spent([["gone", 60, "ip:x"]], 5.0, 5)])
         self.assertEqual(len(self.balancer.budgets.levels), 0)

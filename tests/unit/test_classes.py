@@ -18,6 +18,7 @@ from ..helpers import ClientConnection, keep_records
 from .test_scheduling import BalancerTestCase
 
 BATCH_KEY = "sk-batch-tenant-0001"
+SECRET = "sk-live-0123456789abcdef"
 FAST_KEY = "sk-interactive-tenant-0002"
 
 
@@ -444,6 +445,45 @@ class PriorityQueueTests(QueueCase):
         self.assertEqual(json.loads(format_json(summary))["class"], "interactive")
 
 
+class EncodedPathClassTests(QueueCase):
+    """A class's paths match the percent-decoded path, as the engine routes it."""
+
+    CLASSES = ('[[classes]]\nname = "interactive"\n'
+               '[[classes]]\nname = "default"\n'
+               '[[classes]]\nname = "batch"\npaths = ["/v1/completions"]\n')
+
+    def test_an_encoded_path_is_in_its_class(self) -> None:
+        records = keep_records(self.lb)
+        self.send("busy")
+        self.post({"model": "a", "n": "b1"}, path=b"/v1/%63ompletions")
+        self.send("d1")
+        self.release_all()
+        self.assertEqual(self.served(), ["busy", "d1", "b1"])
+        self.assertEqual([record.routing.priority for record in records],
+                         ["default", "default", "batch"])
+
+
+class DuplicateAuthorizationClassTests(QueueCase):
+    """A second Authorization header cannot lift a key bound to a low class: 400."""
+
+    BATCH_KEY = "sk-batch-tenant-0001"
+    CLASSES = ('[[classes]]\nname = "interactive"\n'
+               '[[classes]]\nname = "default"\n'
+               '[[classes]]\nname = "batch"\nkeys = '
+               f'["{hashlib.sha256(BATCH_KEY.encode()).hexdigest()}"]\n')
+
+    def test_a_batch_key_cannot_climb_with_a_second_authorization(self) -> None:
+        self.send("busy")
+        # the backend would authenticate the batch key (the first)
+        climber = self.post({"model": "a", "n": "b1"}, headers=[
+            (b"Authorization", f"Bearer {self.BATCH_KEY}".encode()),
+            (b"Authorization", b"Bearer nobody")])
+        self.assertEqual(climber.response().status, 400)
+        self.send("d1")
+        self.release_all()
+        self.assertEqual(self.served(), ["busy", "d1"])
+
+
 class ReconfigureTests(QueueCase):
     """reconfigure(config): the queue keeps its waiters, in their places."""
 
@@ -506,3 +546,19 @@ class ReconfigureTests(QueueCase):
         self.post({"model": "a", "n": "i1"}, headers=[(b"X-Tier", b"interactive")])
         self.release_all()
         self.assertEqual(self.served(), ["busy", "i1", "d1"])
+
+
+class SecretsInErrorsTests(SynchronousTestCase):
+    """
+    classes.keys refuses an entry that is not a digest without echoing it (a pasted key),
+    but the type checks before it echo the whole value -- into the log line of a refused
+    reload and /status's config.last_error.
+    """
+
+    def test_a_pasted_key_is_never_echoed(self) -> None:
+        for classes in ([{"name": "vip", "keys": SECRET}],
+                        [{"name": "vip", "keys": [SECRET, ""]}],
+                        [{"name": "vip", "keys": [SECRET, 5]}], [SECRET]):
+            with self.assertRaises(ConfigError) as caught:
+                build_config({"backends": "127.0.0.1:1", "classes": classes}, {})
+            self.assertNotIn(SECRET, str(caught.exception))

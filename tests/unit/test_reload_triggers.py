@@ -57,15 +57,23 @@ class HangupTests(SynchronousTestCase):
 
     def installed(self) -> Any:
         self.service.startService()
-        self.reactor.run()  # callWhenRunning: the handler goes in now
+        self.reactor.run()
         return signal.getsignal(signal.SIGHUP)
 
-    def test_the_handler_is_installed_once_the_reactor_runs(self) -> None:
-        before = signal.getsignal(signal.SIGHUP)
+    def test_the_handler_is_installed_when_the_service_starts(self) -> None:
+        # before the reactor runs: a HUP during start-up must not kill the process
         self.service.startService()
-        self.assertEqual(signal.getsignal(signal.SIGHUP), before)
-        self.reactor.run()
         self.assertEqual(signal.getsignal(signal.SIGHUP), self.service._hangup)
+
+    def test_a_hangup_during_start_up_reloads_once_the_reactor_runs(self) -> None:
+        self.service.startService()
+        self.path.write_text(f'log-file = "none"\nbackends = ["{A}", "{B}"]\n')
+        signal.getsignal(signal.SIGHUP)(signal.SIGHUP, None)  # type: ignore[operator]
+        self.assertEqual(self.lb.reloader.generation.generation, 1)
+        self.reactor.run()
+        self.reactor.run_thread_calls()  # the reactor's first turn
+        self.reactor.advance(0)
+        self.assertEqual((len(self.lb.pool), self.lb.reloader.generation.generation), (2, 2))
 
     def test_the_handler_only_hands_over_to_the_reactor(self) -> None:
         handler = self.installed()

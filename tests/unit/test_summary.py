@@ -22,6 +22,7 @@ from txlb._records.summary import (
     MAX_LINE,
     MAX_ORID,
     MAX_PATH,
+    TAIL_LIMIT,
     Privacy,
     RequestRecord,
     Summary,
@@ -622,3 +623,38 @@ class TimeTests(SynchronousTestCase):
 
     def test_text_time_unchanged(self) -> None:
         self.assertTrue(format_text(summarize(record())).startswith(STAMP + " "))
+
+
+class LongStreamTests(SynchronousTestCase):
+    """A stream longer than the capture: its last events (usage, finish) are still read."""
+
+    CHUNK = sse(delta("tok"))[:-len(b"data: [DONE]\n\n")]
+    END = sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+               "usage": {"prompt_tokens": 5, "completion_tokens": 12345}})
+
+    def events(self) -> list[bytes]:
+        return [self.CHUNK] * (CAPTURE_LIMIT // len(self.CHUNK) + 3000) + [self.END]
+
+    def check(self, long: RequestRecord) -> None:
+        self.assertTrue(long.truncated)
+        self.assertLess(sum(map(len, long.tail)), TAIL_LIMIT + 2 * len(self.END))
+        self.assertEqual(long.events, len(self.events()) + 1)  # and the [DONE]
+        summary = summarize(long)
+        self.assertEqual((summary.prompt_tokens, summary.completion_tokens, summary.finish),
+                         (5, 12345, "length"))
+        self.assertTrue(summary.preview.startswith("toktok"))
+
+    def test_plain(self) -> None:
+        self.check(record(chunks=self.events(), content_type=b"text/event-stream"))
+
+    def test_in_chunked_framing(self) -> None:
+        long = record(content_type=b"text/event-stream")
+        long.chunked = True
+        for event in self.events():
+            long.capture(b"%x\r\n%s\r\n" % (len(event), event))
+        long.capture(b"0\r\n\r\n")
+        self.check(long)
+
+    def test_one_huge_chunk(self) -> None:
+        self.check(record(chunks=[b"".join(self.events())],
+                          content_type=b"text/event-stream"))

@@ -129,7 +129,8 @@ class ITokenLevels(Interface):
     def adjust(buckets: Sequence[Bucket], amount: float) -> None:
         """
         Give ``amount`` back to every bucket (a negative amount takes more), keeping each
-        between minus its capacity (a debt of at most one window) and its capacity.
+        between minus :data:`~txlb._scheduling.budgets.DEBT_WINDOWS` times its capacity
+        (a debt of at most that many windows) and its capacity.
         """
 
     def level(bucket: Bucket) -> float:

@@ -10,6 +10,7 @@ has to import the other for them.
 from __future__ import annotations
 
 import ipaddress
+from urllib.parse import unquote_to_bytes
 
 from twisted.internet.address import UNIXAddress
 from twisted.web.server import Request
@@ -23,8 +24,14 @@ def forwarded_uri(request: Request) -> bytes:
 
 
 def local_path(request: Request) -> bytes:
-    """The request path relative to where the proxy is mounted, without the query."""
-    return forwarded_uri(request).partition(b"?")[0]
+    """
+    The request path relative to where the proxy is mounted, without the query, and
+    percent-decoded once -- as the engines' ASGI servers decode it before routing, so that
+    ``/v1/%63ompletions`` is known as the completions API it is to the engine (its
+    budget's estimate, its usage, its class).  What is forwarded is the raw target
+    (:func:`forwarded_uri`), unchanged.
+    """
+    return unquote_to_bytes(forwarded_uri(request).partition(b"?")[0])
 
 
 def read_body(request: Request) -> bytes:

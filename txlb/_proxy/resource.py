@@ -78,6 +78,12 @@ class ProxyResource(Resource):
         if not record.path.startswith(b"/"):
             self._refuse(request, record, 400, "request target must be a path")
             return NOT_DONE_YET
+        if len(request.requestHeaders.getRawHeaders(b"authorization", ())) > 1:
+            # RFC 9110 11.6.2 allows one: txlb would key budgets, rate limits and classes
+            # by one value and the engine authenticate by another
+            self._refuse(request, record, 400, "the request has more than one "
+                                               "Authorization header")
+            return NOT_DONE_YET
         if self.shutting_down:
             # a new request on a kept-alive connection while draining: refuse it and close
             # (the channel is taken first: a finished request no longer has one)

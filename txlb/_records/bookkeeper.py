@@ -113,10 +113,12 @@ class SummaryFeed:
             log.failure("could not summarise a finished request")
             return
         self.summarised += 1
-        self.feed(summary, record.status is not None, record.client, record.routing)
+        self.feed(summary, record.status is not None, record.client, record.routing,
+                  record.events)
 
     def feed(self, summary: Summary, answered: bool, client: str | None = None,
-             routing: RoutingRequest | None = None) -> None:
+             routing: RoutingRequest | None = None,
+             relayed_events: int | None = None) -> None:
         """
         A summary made already (here, or by a worker, whose client keys and routing
         requests stay with it): hand it to every consumer, and its outcome to those that
@@ -127,7 +129,8 @@ class SummaryFeed:
             try:
                 if isinstance(consumer, OutcomeConsumer):
                     if outcome is None:
-                        outcome = RequestOutcome.of(summary, answered, client, routing)
+                        outcome = RequestOutcome.of(summary, answered, client, routing,
+                                                    relayed_events)
                     consumer.consume(outcome)
                 else:
                     consumer.consume(summary, answered)

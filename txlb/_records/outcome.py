@@ -51,10 +51,15 @@ class RequestOutcome:
     #: how it ended, as the result log's ``outcome``: ``ok``, ``client_abort``,
     #: ``timeout``, ``upstream_error`` or ``proxy_error``
     end: str = "ok"
+    #: a stream's events relayed to the client (SSE ``data:`` lines): the completion
+    #: tokens it is known to have generated at least when its ``usage`` did not say;
+    #: ``None`` when not known (not a stream, a summary from another process)
+    relayed_events: int | None = None
 
     @classmethod
     def of(cls, summary: Summary, answered: bool, client: str | None = None,
-           routing: RoutingRequest | None = None) -> RequestOutcome:
+           routing: RoutingRequest | None = None,
+           relayed_events: int | None = None) -> RequestOutcome:
         """The outcome of the request ``summary`` describes."""
         return cls(
             backend=summary.backend,
@@ -69,6 +74,7 @@ class RequestOutcome:
             routing=routing,
             completion_tokens=summary.completion_tokens,
             end=summary.outcome,
+            relayed_events=relayed_events if summary.stream else None,
         )
 
 

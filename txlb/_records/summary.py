@@ -2,9 +2,11 @@
 What one finished request amounts to: the fields of its result-log line.
 
 Pure functions over bytes, kept apart from the writer so they can be tested (and fuzzed) on
-their own, and so nothing here runs per chunk: the proxy only collects the first
-:data:`CAPTURE_LIMIT` bytes of the response, and :func:`summarize` reads them once, when
-the request has ended.
+their own, and so that little runs per chunk: the proxy collects the first
+:data:`CAPTURE_LIMIT` bytes of the response and the last :data:`TAIL_LIMIT` beyond them
+(where a long stream's final ``usage`` is), counts the stream's events (one
+``bytes.count`` per chunk), and :func:`summarize` reads them once, when the request has
+ended.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import hashlib
 import hmac
 import json
 import re
+from collections import deque
 from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
@@ -25,6 +28,9 @@ if TYPE_CHECKING:
 
 #: How much of a response is kept for the summary; the client always gets all of it.
 CAPTURE_LIMIT = 512 * 1024
+#: How much of a response's end is kept beyond :data:`CAPTURE_LIMIT`: a stream's last
+#: events, which carry its ``usage`` and finish reason.
+TAIL_LIMIT = 64 * 1024
 #: Characters of content shown after ``|`` by default (``--log-content``), and the most
 #: that can be asked for: 1,000 characters take at most 12,000 bytes escaped, which keeps a
 #: completion line under :data:`MAX_LINE`.
@@ -140,6 +146,13 @@ class RequestRecord:
     routing: RoutingRequest | None = attrs.field(default=None, repr=False)
     #: headers txlb adds to the backend's answer (a token budget's x-ratelimit-*-tokens)
     added_headers: tuple[tuple[bytes, bytes], ...] = ()
+    #: the response's last bytes past :data:`CAPTURE_LIMIT` (at most about
+    #: :data:`TAIL_LIMIT`), oldest first
+    tail: deque[bytes] = attrs.field(factory=deque, repr=False)
+    tail_size: int = 0
+    #: SSE ``data:`` lines relayed (captured or not): what a stream without ``usage``
+    #: is known to have generated at least
+    events: int = 0
 
     def answered_by_proxy(self, status: int, body: bytes) -> None:
         """txlb answered this request itself, with ``status`` and the JSON ``body``."""
@@ -148,14 +161,26 @@ class RequestRecord:
         self.capture(body)
 
     def capture(self, data: bytes) -> None:
-        """Keep ``data`` for the summary while under the limit (called per chunk: cheap)."""
+        """
+        Keep ``data`` for the summary while under the limit, and the last
+        :data:`TAIL_LIMIT` bytes past it; count its events (called per chunk: cheap).
+        """
+        self.events += data.count(b"data:")
         room = CAPTURE_LIMIT - self.captured
-        if room <= 0:
-            self.truncated = True
-            return
         if len(data) > room:
-            data = data[:room]
             self.truncated = True
+            if room > 0:
+                self.response.append(data[:room])
+                self.captured += room
+                data = data[room:]
+            if len(data) > TAIL_LIMIT:
+                data = data[-TAIL_LIMIT:]
+            tail = self.tail
+            tail.append(data)
+            self.tail_size += len(data)
+            while len(tail) > 1 and self.tail_size - len(tail[0]) >= TAIL_LIMIT:
+                self.tail_size -= len(tail.popleft())
+            return
         self.response.append(data)
         self.captured += len(data)
 
@@ -583,6 +608,12 @@ def summarize(record: RequestRecord, privacy: Privacy = KEEP_ALL) -> Summary:
     body = b"".join(record.response)
     if record.chunked:
         body = dechunk(body)
+    if record.tail and _is_stream(body, record.content_type):
+        # a stream longer than the capture: its last whole events too, where its usage is
+        # (each part cut at a line's end, so every event parsed is whole)
+        tail = b"".join(record.tail)
+        body = (body[:body.rfind(b"\n") + 1] + b"\n"
+                + tail[tail.find(b"\n") + 1:tail.rfind(b"\n") + 1])
     status = record.status if record.status is not None else 499
     common: dict[str, Any] = {
         "time": record.ended,

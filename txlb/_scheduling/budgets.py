@@ -25,8 +25,8 @@ balancers can hold them instead.
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
@@ -43,6 +43,11 @@ from txlb._scheduling.request import RoutingRequest
 
 #: Buckets kept at most (one per budget, window and client key; ~200 bytes each).
 MAX_KEYS = 100_000
+
+#: A bucket's debt is at most this many windows' tokens (an hour for a minute's budget,
+#: 60 days for a day's): what a request cost is paid, but a backend's absurd ``usage``
+#: does not lock a client out for years.
+DEBT_WINDOWS = 60
 
 #: Characters of request body per prompt token, for the estimate: OpenAI's rule of thumb
 #: for English text.  JSON's own syntax makes it err high, which reconciliation gives back.
@@ -64,16 +69,22 @@ class TokenLevels:
     Every token bucket of this process, on an injected clock.
 
     Memory stays bounded: a bucket that has refilled to its capacity is indistinguishable
-    from a new one and is dropped (checked from the least recently used end, O(1) per
-    call), and beyond ``max_keys`` buckets the least recently used is dropped too -- which
-    only ever errs on the lenient side (a dropped bucket comes back full).
+    from a new one and is dropped, and beyond ``max_keys`` buckets the one that will be full
+    again **soonest** is dropped -- never a spent one before those that are nearly full, so
+    a client cannot have its spent day forgotten by sending requests under many made-up
+    keys (each of those buckets is full again as soon as its request is settled; pushing a
+    spent bucket out would take ``max_keys`` keys that each spent more).  A min-heap of the
+    times buckets are full again finds both in O(log n) per change.
     """
 
     def __init__(self, clock: IReactorTime, max_keys: int = MAX_KEYS) -> None:
         self._now = clock.seconds
         self.max_keys = max_keys
-        # key -> (level, time of that level, time it is full again), least recently used first
-        self._levels: OrderedDict[str, tuple[float, float, float]] = OrderedDict()
+        # key -> (level, time of that level, time it is full again)
+        self._levels: dict[str, tuple[float, float, float]] = {}
+        # (time it is full again, key): one entry per store; an entry whose time is not
+        # its key's current one is stale, skipped when met and swept when they pile up
+        self._full_at: list[tuple[float, str]] = []
 
     def __len__(self) -> int:
         return len(self._levels)
@@ -88,16 +99,26 @@ class TokenLevels:
 
     def _store(self, bucket: Bucket, level: float, now: float) -> None:
         key, capacity, rate = bucket
-        self._levels.pop(key, None)
-        self._levels[key] = (level, now, now + (capacity - level) / rate)
+        full_at = now + (capacity - level) / rate
+        self._levels[key] = (level, now, full_at)
+        heap = self._full_at
+        heapq.heappush(heap, (full_at, key))
+        if len(heap) > 2 * len(self._levels) + 64:
+            self._full_at = [(entry[2], name) for name, entry in self._levels.items()]
+            heapq.heapify(self._full_at)
 
     def _evict(self, now: float) -> None:
-        levels = self._levels
-        while levels:
-            key, (_, _, full_at) = next(iter(levels.items()))
-            if now < full_at and len(levels) < self.max_keys:
+        levels, heap = self._levels, self._full_at
+        while heap:
+            full_at, key = heap[0]
+            entry = levels.get(key)
+            if entry is None or entry[2] != full_at:
+                heapq.heappop(heap)  # stale
+            elif full_at <= now or len(levels) >= self.max_keys:
+                heapq.heappop(heap)
+                del levels[key]
+            else:
                 break
-            del levels[key]
 
     def reserve(self, buckets: Sequence[Bucket], amount: float) -> float:
         now = self._now()
@@ -116,18 +137,24 @@ class TokenLevels:
         now = self._now()
         self._evict(now)
         for bucket in buckets:
-            # a debt is at most one window's tokens: a backend's absurd usage (2**62) must
-            # not lock a client out for years
+            # a debt is at most DEBT_WINDOWS windows' tokens: what a request really cost
+            # is paid in full (a one-window cap let a client whose requests each cost ten
+            # windows spend five times its budget), while a backend's absurd usage (2**62)
+            # does not lock a client out for years
             capacity = bucket[1]
             level = self._current(bucket, now) + amount
-            self._store(bucket, max(-capacity, min(capacity, level)), now)
+            self._store(bucket, max(-DEBT_WINDOWS * capacity, min(capacity, level)), now)
 
     def level(self, bucket: Bucket) -> float:
         return self._current(bucket, self._now())
 
+    def held(self) -> list[str]:
+        """The keys of the buckets held (each below its capacity when last stored)."""
+        return list(self._levels)
+
     def forget(self, keep: Callable[[str], bool]) -> None:
         for key in [key for key in self._levels if not keep(key)]:
-            del self._levels[key]
+            del self._levels[key]  # its heap entries are stale now
 
 
 @attrs.frozen
@@ -146,38 +173,77 @@ class Estimate:
 MAX_COUNT = 2**62
 
 
+#: Digits of a numeric string read at most: a longer one is past :data:`MAX_COUNT` anyway.
+_MAX_DIGITS = 24
+
+
 def _whole(value: object) -> int | None:
     """
-    A JSON integer count, as far as :data:`MAX_COUNT` (a larger one is that: a request
-    asking for 10**30 tokens can never fit, it does not get the default); a bool, a
-    string, a float or a negative number is no count at all.
+    A count as the engines' pydantic models accept one for an ``int`` field: a JSON
+    integer, a float with no fraction (``5000.0``) or a string of one (``"5000"``), as far
+    as :data:`MAX_COUNT` (a larger one is that: a request asking for 10**30 tokens can
+    never fit, it does not get the default).  A bool, a fraction, a negative number or
+    anything else is no count at all (the engine refuses such a request).
     """
+    if isinstance(value, str):
+        text = value.strip()
+        if len(text) > _MAX_DIGITS:
+            return MAX_COUNT if text.isdigit() else None
+        try:
+            value = int(text)
+        except ValueError:
+            try:
+                value = float(text)
+            except ValueError:
+                return None
+    if isinstance(value, float):
+        if math.isnan(value) or value < 0:
+            return None
+        if math.isinf(value) or value >= MAX_COUNT:
+            return MAX_COUNT
+        if not value.is_integer():
+            return None
+        value = int(value)
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return min(value, MAX_COUNT)
     return None
 
 
+#: The fields that bound a completion, in the APIs txlb knows.
+_MAXIMA = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+#: Paths of the engines' own that generate nothing (vLLM, SGLang): their body alone.
+_NOT_GENERATING = frozenset({b"/tokenize", b"/detokenize", b"/v1/tokenize",
+                             b"/v1/detokenize"})
+
+
 def estimate_tokens(body: bytes, parsed: Mapping[str, object] | None, path: bytes,
-                    default_completion: int) -> Estimate:
+                    default_completion: int, method: bytes = b"POST") -> Estimate:
     """
     The tokens a request may cost, from what it says before it runs: its body's bytes over
     :data:`CHARS_PER_TOKEN` for the prompt (any API's shape, tools and images included,
-    without parsing it twice), and for the completion its ``max_tokens`` (or
-    ``max_completion_tokens``, or the Responses API's ``max_output_tokens``) -- else
-    ``default_completion`` -- times its ``n``.  Only the APIs that generate have a
-    completion: an embedding, or a path txlb does not know as an LLM API (``/metrics``, a
-    ``GET``), costs its body alone.
+    without parsing it twice), and for the completion the largest of its ``max_tokens``,
+    ``max_completion_tokens`` and (the Responses API's) ``max_output_tokens`` -- else
+    ``default_completion`` -- times its ``n``.  Only what may generate has a completion:
+    an embedding, a ``GET`` (``/metrics``), or a ``/tokenize`` costs its body alone, while
+    a ``POST`` to a path txlb does not know as an LLM API is estimated like a completion
+    (an engine's own generate endpoints: SGLang's and TGI's ``/generate``, llama.cpp's
+    ``/completion``).
     """
     prompt = math.ceil(len(body) / CHARS_PER_TOKEN)
-    if API_PATHS.get(path) in (None, "embeddings"):
+    api = API_PATHS.get(path)
+    if api == "embeddings" or (api is None and (method != b"POST"
+                                                or path in _NOT_GENERATING)):
         return Estimate(prompt, 0)
     most = None
     choices = 1
     if parsed is not None:
-        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-            most = _whole(parsed.get(field))
-            if most is not None:
-                break
+        # the largest: which one an engine obeys when a request gives several differs
+        # (vLLM's chat takes max_completion_tokens first)
+        counts = [count for count in (_whole(parsed.get(field)) for field in _MAXIMA)
+                  if count is not None]
+        most = max(counts, default=None)
         choices = min(MAX_CHOICES, max(1, _whole(parsed.get("n")) or 1))
     return Estimate(prompt, (default_completion if most is None else most) * choices)
 
@@ -189,8 +255,10 @@ def charge(outcome: RequestOutcome, estimate: Estimate) -> int:
 
     * answered with a success: ``usage``'s prompt and completion tokens; a part ``usage``
       did not give (a stream without ``include_usage``, a client that left mid-answer) is
-      charged its estimate -- the whole ``max_tokens``, as txlb cannot count what it did
-      not see counted;
+      charged its estimate -- the whole ``max_tokens`` -- or, for the completion, the
+      events the stream relayed if there were more (a token at least each: a request
+      without ``max_tokens`` estimated at the default cannot generate 2,000 tokens for
+      256);
     * answered with an error (4xx, 5xx): nothing, the engine generated nothing;
     * never answered: the prompt's estimate when the client left, or the backend fell
       silent, after the request was sent (the engine may have read the prompt: leaving
@@ -203,8 +271,9 @@ def charge(outcome: RequestOutcome, estimate: Estimate) -> int:
     if not 200 <= outcome.status < 300:
         return 0
     prompt = estimate.prompt if outcome.prompt_tokens is None else outcome.prompt_tokens
-    completion = (estimate.completion if outcome.completion_tokens is None
-                  else outcome.completion_tokens)
+    completion = outcome.completion_tokens
+    if completion is None:
+        completion = max(estimate.completion, outcome.relayed_events or 0)
     return prompt + completion
 
 
@@ -333,7 +402,8 @@ class TokenBudgets:
             applies.extend((spec.name, window, client) for window, _ in spec.windows)
         if not applies:
             return ADMITTED
-        estimate = estimate_tokens(routing.body, routing.json, path, self.default_completion)
+        estimate = estimate_tokens(routing.body, routing.json, path, self.default_completion,
+                                   request.method)
         amount = estimate.total
         buckets = [self._bucket(*where) for where in applies]
         ready = [bucket for bucket in buckets if bucket is not None]
@@ -418,6 +488,28 @@ class TokenBudgets:
             for name in dict.fromkeys(name for name, _, _ in buckets):
                 if any(budget == name for budget, _ in self._windows):
                     self.charged[name] = self.charged.get(name, 0) + charged
+
+    def deficits(self) -> list[tuple[Where, float]]:
+        """
+        Every bucket of this process's own levels that is below its capacity, and by how
+        much: what a ``--workers`` worker that starts (a respawn) is sent after its Hello,
+        as :meth:`spent_elsewhere`, so that it starts with the fleet's levels and not full.
+        Empty when the levels are a shared store's (every process reads them there).
+        """
+        levels = self.levels
+        if not isinstance(levels, TokenLevels):
+            return []
+        found: list[tuple[Where, float]] = []
+        for key in levels.held():
+            name, window, client = key.split(_SEP, 2)
+            where = (name, float(window), client)
+            bucket = self._bucket(*where)
+            if bucket is None:
+                continue
+            short = bucket[1] - levels.level(bucket)
+            if short > 0:
+                found.append((where, short))
+        return found
 
     def count_refused(self, name: str) -> None:
         """Another process's budget ``name`` refused a request."""

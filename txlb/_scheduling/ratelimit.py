@@ -13,6 +13,7 @@ least recently used is dropped too (which only ever errs on the lenient side).
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import math
 from collections import OrderedDict
 
@@ -94,13 +95,22 @@ def bearer_digest(request: Request) -> str | None:
     return None
 
 
+def header_digest(value: bytes) -> str:
+    """
+    What a ``header:NAME`` client key keeps of the header's value: the first 32 hex digits
+    of its SHA-256 -- a bounded size per bucket (and per ``--workers`` message) however
+    long the value a client sends.
+    """
+    return hashlib.sha256(value).hexdigest()[:32]
+
+
 def client_key(request: Request, kind: str = "ip") -> str:
     """
     Who sent ``request``, by ``--rate-key`` ``kind``.  ``ip``: the client's address;
     ``token``: a digest of the bearer token (the token itself is never kept);
-    ``header:NAME``: that header's value.  A request without the header or token is keyed
-    by its address.  Rate limiting and outlier ejection (a 5xx streak must span two
-    clients) both use it.
+    ``header:NAME``: a digest of that header's value (:func:`header_digest`).  A request
+    without the header or token is keyed by its address.  Rate limiting and outlier
+    ejection (a 5xx streak must span two clients) both use it.
     """
     if kind == "token":
         digest = bearer_digest(request)
@@ -109,9 +119,25 @@ def client_key(request: Request, kind: str = "ip") -> str:
     elif kind.startswith("header:"):
         value = request.getHeader(kind[len("header:"):].encode("ascii"))
         if value:
-            return "header:" + value.decode("utf-8", "replace")
+            return "header:" + header_digest(value)
     address = request.getClientAddress()
-    return "ip:" + str(getattr(address, "host", address))
+    return "ip:" + normal_host(str(getattr(address, "host", address)))
+
+
+def normal_host(host: str) -> str:
+    """
+    An address as a client key writes it: an IPv4 client of a dual-stack listener
+    (``::ffff:10.0.0.7``) is its IPv4 address, so one budget (or rate limit) meets it
+    however the listener took it; anything else as it is.
+    """
+    if host.startswith("::ffff:") or host.startswith("::FFFF:"):
+        try:
+            mapped = ipaddress.IPv6Address(host).ipv4_mapped
+        except ValueError:
+            return host
+        if mapped is not None:
+            return str(mapped)
+    return host
 
 
 class RateLimiter:

@@ -289,6 +289,10 @@ class WorkerSupervisor(Service):
         worker.send(encode(Hello(
             workers=self.count, slots=self.shared.slots_max, family=int(self.socket.family),
             config=self._config_blob, state=self.balancer.pool.shared_state())))
+        # the fleet's token levels: a worker that restarts must not start with every
+        # budget full (what the others spent is taken here as if it had spent it there)
+        for where, short in self.balancer.budgets.deficits():
+            worker.send(encode(Spent([list(where)], short, 0)))
 
     # -- state to the workers -------------------------------------------------------------
 
