@@ -163,3 +163,40 @@ class SectionsTests(SynchronousTestCase):
         self.assertEqual(section(page, "two"), "second")
         self.assertTrue(page.read_text().startswith("# Title\n"))
         self.assertIsNone(section(page, "three"))
+
+
+class FourStreamsTests(SynchronousTestCase):
+    """Replica A holds 4 long streams, then replica B takes 4: where do B's go?"""
+
+    def engines_taken(self, delay: float | None) -> tuple[set[str], set[str]]:
+        import random
+
+        from txlb import BackendSpec, Pool
+        from txlb._scheduling.policies.registry import make_policy
+        from txlb._scheduling.router import Router
+
+        clock = Clock()
+        fleet = FleetCounts(2)
+        specs = tuple(BackendSpec("10.0.0.1", 8000 + n) for n in range(8))
+        routers = []
+        for replica in range(2):
+            pool = Pool(specs, clock=clock, shared=ReplicaCounts(fleet, replica, clock, delay))
+            routers.append(Router(pool, make_policy("least-conn", clock, random.Random(1)),
+                                  clock))
+        taken: list[set[str]] = []
+        for router in routers:
+            keys = set()
+            for _ in range(4):
+                leases: list[object] = []
+                router.acquire().addCallback(leases.append)
+                keys.add(leases[0].backend.key)  # type: ignore[attr-defined]
+            taken.append(keys)
+        return taken[0], taken[1]
+
+    def test_with_shared_counts_the_eight_land_on_eight_engines(self) -> None:
+        a, b = self.engines_taken(0.0)
+        self.assertEqual(len(a | b), 8)
+
+    def test_independent_replicas_reuse_the_same_four(self) -> None:
+        a, b = self.engines_taken(None)
+        self.assertEqual(a, b)

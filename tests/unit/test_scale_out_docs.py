@@ -119,3 +119,24 @@ class FiguresTests(SynchronousTestCase):
         self.assertGreater(len(figures), 20)
         missing = sorted(f for f in figures if f not in results)
         self.assertEqual(missing, [], "figures of docs/scale-out.md not in the results")
+
+
+class SessionPinsTests(SynchronousTestCase):
+    """The page's claim: session affinity needs no shared state between replicas."""
+
+    def test_replicas_with_the_same_backends_pin_a_session_alike(self) -> None:
+        from txlb import BackendSpec, Pool
+        from txlb._scheduling.affinity import BoundedLoadRing
+
+        specs = tuple(BackendSpec("10.0.0.1", 8000 + n) for n in range(8))
+        one, other = Pool(specs), Pool(tuple(reversed(specs)))  # listed in another order
+        ring_one, ring_other = BoundedLoadRing(), BoundedLoadRing()
+        sessions = [f"user-{n}" for n in range(2000)]
+        pins = [ring_one.choose(s, list(one)).key for s in sessions]
+        self.assertEqual(pins, [ring_other.choose(s, list(other)).key for s in sessions])
+        self.assertEqual(len(set(pins)), 8)  # and the sessions do spread over the fleet
+        # a replica whose own counts put that engine over its bound passes the session on
+        home = one.get(pins[0])
+        assert home is not None
+        home.counted(50)
+        self.assertNotEqual(ring_one.choose(sessions[0], list(one)).key, pins[0])
