@@ -3,14 +3,15 @@
 fleet, at 2, 4 and 8 replicas -- and what sharing it through a store would cost.
 
 An index shared live through a store costs a round trip per lookup, which txlb's shared
-state does not allow on a request's path; the cheap form is a stale copy in every replica,
-refreshed from the others' sends every ``R`` (:mod:`bench.prefix.synced_index`).  Variants,
+state does not allow on a request's path; the cheap form is one index every replica writes
+to at once and looks up in its own copy, refreshed every ``R``
+(:mod:`bench.prefix.synced_index`).  Variants,
 each with ``cache-aware`` over the virtual fleet of :mod:`bench.prefix.virtual`:
 
 * *independent*: own in-flight counts, own index (separate processes, nothing shared);
 * *shared counts, own index*: fleet-wide in-flight counts, each replica its own index;
-* *shared counts, index every R*: the same, and each replica takes the others' sends
-  every ``R`` seconds;
+* *shared counts, index every R*: the same, with the fleet's one index looked up in a copy
+  each replica refreshes every ``R`` seconds;
 * *shared counts, one index*: one index, exact (the upper bound; live through a store it
   would cost the round trip per lookup);
 * ``least-conn`` with shared counts: no index at all, the floor.
@@ -82,9 +83,10 @@ def markdown(results: Sequence[virtual.VirtualResult], command: str, wall: float
         f"{engines} engines with prefix caches, {requests} requests per run, load {load:g}, "
         f"seed {seed}; each arrival to a random replica; policy `cache-aware` unless "
         "named",
-        "- *index every R*: each replica keeps its own copy and applies the other "
-        "replicas' sends every R (phases staggered); *one index*: a single exact index "
-        "(what a store lookup per request would give, at a round trip per request)",
+        "- *index every R*: one index for the fleet, every replica's sends written to it "
+        "at once, each replica looking it up in its own copy refreshed every R (phases "
+        "staggered); *one index*: every lookup on the fleet's index itself (what a store "
+        "lookup per request would give, at a round trip per request)",
         "- hit rate = cached prompt tokens / prompt tokens, as the engines counted them; "
         "TTFT in ms",
         "",
