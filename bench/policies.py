@@ -86,6 +86,9 @@ Run from the repository root::
 
     python -m bench.policies              # 152 runs of 20000 requests: ~75 s on 2 cores
     python -m bench.policies --seeds 1 --loads ''   # main tables only: ~15 s
+    python -m bench.policies --replicas 2,4,8 --publish-delay 0,0.01,0.1,1
+        # instead: N replicas over one fleet, independent or sharing their in-flight
+        # counts (bench.fleet_balance), to bench/results/scale-out.md: ~3 min on 2 cores
     python -m bench.policies --help
 
 Tables go to standard output and ``bench/results/policies.md``, the plot to
