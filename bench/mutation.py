@@ -55,7 +55,7 @@ def _unit(*names: str) -> tuple[str, ...]:
 #: would make each mutant cost minutes).
 MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "_proxy/resource": _unit("test_proxy", "test_failover", "test_regressions",
-                             "test_mutants"),
+                             "test_budgets", "test_classes", "test_mutants"),
     "_proxy/exchange": _unit("test_proxy", "test_failover", "test_regressions",
                              "test_upstream", "test_mutants"),
     "_proxy/failures": _unit("test_failures", "test_proxy", "test_failover",
@@ -65,14 +65,16 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "_cluster/backend": _unit("test_scheduling", "test_failover", "test_regressions",
                               "test_admin", "test_health", "test_mutants"),
     "_cluster/pool": _unit("test_scheduling", "test_failover", "test_regressions",
-                           "test_admin", "test_health", "test_mutants"),
+                           "test_admin", "test_health", "test_reload", "test_reload_workers",
+                           "test_mutants"),
     "_cluster/outlier": _unit("test_failover", "test_regressions", "test_mutants"),
     "_cluster/models": _unit("test_models", "test_scheduling", "test_health", "test_mutants"),
     "_cluster/health": _unit("test_health", "test_regressions", "test_scheduling",
                              "test_mutants"),
     "_scheduling/router": _unit("test_scheduling", "test_policies", "test_routing_request",
                                 "test_failover", "test_policy_failure",
-                                "test_policy_prepare", "test_mutants"),
+                                "test_policy_prepare", "test_classes", "test_reload",
+                                "test_mutants"),
     "_scheduling/prefix": _unit("test_cache_aware_prefix", "test_cache_aware"),
     "_scheduling/prefix_index": _unit("test_cache_aware", "test_cache_aware_loop"),
     "_scheduling/policies/cache_aware": _unit("test_cache_aware", "test_cache_aware_loop",
@@ -90,7 +92,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
                               "test_regressions", "test_resultlog", "test_mutants"),
     "_records/fields": _unit("test_fields", "test_summary", "test_prompt_tokens",
                              "test_properties", "test_resultlog", "test_workers",
-                             "test_mutants"),
+                             "test_classes", "test_mutants"),
 }
 
 #: cosmic-ray's binary and comparison operators come as every (from, to) pair: ten

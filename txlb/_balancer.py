@@ -37,6 +37,8 @@ from txlb._cluster.outlier import OutlierRule
 from txlb._cluster.pool import Pool
 from txlb._cluster.store import IBackendStore, IInFlightCounts, LocalStore
 from txlb._config import OPTIONS, Config, build_config
+from txlb._discovery.membership import DnsMembership
+from txlb._discovery.resolver import system_resolver
 from txlb._proxy.context import ProxyContext
 from txlb._proxy.resource import ProxyResource
 from txlb._records.bookkeeper import (
@@ -188,6 +190,8 @@ class LoadBalancer:
     process's books; ``observer`` (an
     :class:`~txlb._records.observer.IRequestObserver`) is told instead when the books are
     kept elsewhere -- a ``--workers`` worker passes the forwarder to its supervisor.
+    ``resolver`` (a ``twisted.names`` ``IResolver``) resolves ``dns:``/``srv:`` backends
+    instead of ``--resolver``'s servers or the system's.
     """
 
     def __init__(
@@ -204,6 +208,7 @@ class LoadBalancer:
         store: IBackendStore | None = None,
         policy: IPolicy | str | None = None,
         source: ConfigSource | None = None,
+        resolver: Any = None,
         **options: object,
     ) -> None:
         if isinstance(policy, str):  # the --policy option, by name
@@ -347,12 +352,18 @@ class LoadBalancer:
         self.hung = HangDetector(self.pool, context.live, reactor,
                                  self.health.health_status,
                                  stall=config.hung_after)
+        #: the backends ``dns:``/``srv:`` names yield (resolved only where membership is
+        #: owned: see :meth:`service`); the resolver is made when a name first needs one
+        servers = config.resolver  # --resolver needs a restart: the servers at start
+        self.dns = DnsMembership(self.pool, config, resolver, reactor,
+                                 on_added=self.health.probe_soon,
+                                 make_resolver=lambda: system_resolver(servers, reactor))
         #: the sites and admin APIs built so far: a reload retunes them too
         self.sites: list[ProxySite] = []
         self.admins: list[Any] = []
         #: other runtime parts that take a reloaded config themselves, each
         #: ``reconfigure(config)`` after the balancer's own parts have taken it
-        self.reconfigurable: list[Reconfigurable] = [self.classes, self.budgets]
+        self.reconfigurable: list[Reconfigurable] = [self.classes, self.budgets, self.dns]
         #: reloads (``kill -HUP``, ``POST /reload``): ``source`` is where the config is
         #: read again (the command line and environment as started, the file as it is now)
         self.reloader = Reloader(self, source, reactor)
@@ -395,8 +406,11 @@ class LoadBalancer:
         budgets = self.budgets
         router = self.router
 
+        dns = self.dns
+
         def status() -> dict[str, object]:
             extra = budgets.status()
+            extra.update(dns.status())
             if extra_status is None:
                 # one process: its router holds the queue (a --workers supervisor's is
                 # always empty; its workers hold theirs)
@@ -429,12 +443,14 @@ class LoadBalancer:
         """
         The balancer's background work (health checks, upstream connection pool) as one
         service; attach it to an application so it starts and stops with it.
-        ``health_checks=False`` leaves probing to someone else (a ``--workers`` worker's
-        supervisor probes once for all of them).
+        ``health_checks=False`` leaves probing and DNS resolution to someone else (a
+        ``--workers`` worker's supervisor probes and resolves once for all of them).
         """
         services = SequentialService()
         if health_checks:
             self.health.setServiceParent(services)  # stops last: probing goes on while draining
+            # where membership is owned (not in a --workers worker, which mirrors it)
+            self.dns.setServiceParent(services)
             # the dashboard's history is kept where every request is counted once
             HistoryService(self.history).setServiceParent(services)
         if self.config.hung_after:

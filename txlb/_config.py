@@ -244,10 +244,11 @@ def is_host_name(host: str) -> bool:
     return len(host) <= 253 and all(_LABEL.fullmatch(label) for label in host.split("."))
 
 
-def parse_backends(option: str, value: object) -> tuple[BackendSpec, ...]:
+def parse_backends(option: str, value: object) -> tuple[BackendSpec | DnsBackendSpec, ...]:
     """
     Comma-separated addresses (command line, environment), or the TOML ``[[backends]]``
-    tables / a TOML list of address strings.
+    tables / a TOML list of address strings; ``dns:NAME:PORT`` and ``srv:NAME`` entries
+    among them are names resolved at run time (:func:`split_backends` separates them).
     """
     items: Sequence[object]
     if isinstance(value, str):
@@ -256,7 +257,7 @@ def parse_backends(option: str, value: object) -> tuple[BackendSpec, ...]:
         items = value
     else:
         raise ConfigError(f"--{option}: {value!r} is not a list of backends")
-    specs = tuple(_backend_item(option, item) for item in items)
+    specs = tuple(_member_item(option, item) for item in items)
     if not specs:
         raise ConfigError(f"--{option}: {value!r} names no backend")
     seen: set[str] = set()
@@ -268,6 +269,132 @@ def parse_backends(option: str, value: object) -> tuple[BackendSpec, ...]:
 
 
 _BACKEND_TABLE_KEYS = {"url", "weight", "max_conns", "models"}
+
+#: The most addresses one ``dns:``/``srv:`` name brings into the pool: a hostile or broken
+#: DNS answer of thousands of records is cut here (the lowest addresses are kept, so the
+#: same answer always gives the same members).
+MAX_ADDRESSES_PER_NAME = 128
+
+
+@attrs.frozen
+class DnsBackendSpec:
+    """
+    A ``--backends`` entry resolved at run time: ``dns:NAME:PORT`` (every A/AAAA address
+    of NAME is a backend on PORT) or ``srv:_service._proto.NAME`` (every SRV target, on its
+    own port and with its record's weight).  ``weight``, ``max_conns`` and ``models`` apply
+    to every address the name yields (an ``srv:`` entry's weight comes from its records).
+    """
+
+    kind: str  # "dns" or "srv"
+    name: str
+    port: int = 0  # dns: only; an srv: record carries each target's port
+    weight: int = 1
+    max_conns: int = 0
+    models: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> str:
+        """How the entry is written and shown: ``dns:NAME:PORT`` or ``srv:NAME``."""
+        return f"dns:{self.name}:{self.port}" if self.kind == "dns" else f"srv:{self.name}"
+
+    def backend(self, host: str, port: int, weight: int | None = None) -> BackendSpec:
+        """The backend one resolved address is."""
+        return BackendSpec(host=host, port=port,
+                           weight=self.weight if weight is None else weight,
+                           max_conns=self.max_conns, models=self.models)
+
+
+#: an SRV owner name: ``_service._proto.`` then a host name (RFC 2782)
+_SRV_NAME = re.compile(r"_[a-z0-9-]{1,62}\._(tcp|udp)\.(.+)", re.IGNORECASE)
+
+
+def parse_dns_entry(option: str, value: str) -> DnsBackendSpec:
+    """``dns:NAME:PORT`` or ``srv:_service._proto.NAME``, checked as a name DNS can hold."""
+    text = value.strip()
+    shown = text if len(text) <= 80 else text[:77] + "..."
+    kind, _, rest = text.partition(":")
+    kind = kind.lower()
+    if kind == "dns":
+        name, sep, port_text = rest.rpartition(":")
+        name = name.rstrip(".").lower()
+        if not sep or not re.fullmatch(r"\d{1,5}", port_text) \
+                or not 0 < int(port_text) <= 65535:
+            raise ConfigError(f"--{option}: {shown!r} is not dns:NAME:PORT (a port from 1 "
+                              "to 65535)")
+        if not name or ":" in name or not is_host_name(name) or _is_address(name):
+            raise ConfigError(f"--{option}: {shown!r}: NAME is not a DNS name (labels of "
+                              "1-63 letters, digits and '-', 253 in all)")
+        return DnsBackendSpec("dns", name, int(port_text))
+    name = rest.rstrip(".").lower()
+    match = _SRV_NAME.fullmatch(name)
+    if match is None or len(name) > 253 or not is_host_name(match.group(2)) \
+            or _is_address(match.group(2)):
+        raise ConfigError(f"--{option}: {shown!r} is not srv:_service._proto.NAME (e.g. "
+                          "srv:_http._tcp.vllm.example.com)")
+    return DnsBackendSpec("srv", name)
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_dns_entry(text: str) -> bool:
+    return text.strip().lower().startswith(("dns:", "srv:"))
+
+
+def _member_item(option: str, item: object) -> BackendSpec | DnsBackendSpec:
+    """One ``--backends`` entry: an address, or a name resolved at run time."""
+    if isinstance(item, str) and _is_dns_entry(item):
+        return parse_dns_entry(option, item)
+    if isinstance(item, dict) and isinstance(item.get("url"), str) \
+            and _is_dns_entry(item["url"]):
+        unknown = sorted(set(item) - _BACKEND_TABLE_KEYS, key=str)
+        if unknown:
+            return _backend_item(option, item)  # the same refusal as any table's
+        entry = parse_dns_entry("backends.url", item["url"])
+        if entry.kind == "srv" and "weight" in item:
+            raise ConfigError(f"backends.weight: {entry.key} takes each target's weight "
+                              "from its SRV record; remove 'weight'")
+        return attrs.evolve(entry, **_table_settings(item))
+    return _backend_item(option, item)
+
+
+def split_backends(
+    entries: Sequence[BackendSpec | DnsBackendSpec],
+) -> tuple[tuple[BackendSpec, ...], tuple[DnsBackendSpec, ...]]:
+    """The fixed addresses and the names resolved at run time, each in the order given."""
+    return (tuple(e for e in entries if isinstance(e, BackendSpec)),
+            tuple(e for e in entries if isinstance(e, DnsBackendSpec)))
+
+
+def parse_resolver(option: str, value: object) -> tuple[tuple[str, int], ...]:
+    """
+    ``--resolver``: comma-separated DNS servers, ``HOST`` or ``HOST:PORT`` (IPv6 as
+    ``[::1]:53``), asked in turn; empty means the system's ``/etc/resolv.conf``.
+    """
+    if isinstance(value, list | tuple):
+        items = [str(item) for item in value]
+    else:
+        items = [part for part in str(value).split(",") if part.strip()]
+    servers = []
+    for item in items:
+        text = item.strip()
+        match = re.fullmatch(r"\[([0-9a-fA-F:.]+)\](?::(\d{1,5}))?|([0-9.]+)(?::(\d{1,5}))?",
+                             text)
+        host = port = None
+        if match is not None:
+            host = match.group(1) or match.group(3)
+            port = int(match.group(2) or match.group(4) or 53)
+        if host is None or port is None or not 0 < port <= 65535 or not _is_address(host):
+            shown = text if len(text) <= 80 else text[:77] + "..."
+            raise ConfigError(f"--{option}: {shown!r} is not a DNS server's IP address "
+                              "(HOST or HOST:PORT; IPv6 as [::1]:53)")
+        servers.append((ipaddress.ip_address(host).compressed, port))
+    return tuple(servers)
 
 
 def _backend_item(option: str, item: object) -> BackendSpec:
@@ -288,12 +415,17 @@ def _backend_item(option: str, item: object) -> BackendSpec:
     if not isinstance(item["url"], str):
         raise ConfigError(f"backends.url: {item['url']!r} is not a string")
     spec = parse_backend_address("backends.url", item["url"])
+    return attrs.evolve(spec, **_table_settings(item))
+
+
+def _table_settings(item: dict[str, Any]) -> dict[str, Any]:
+    """A backend table's ``weight``, ``max_conns`` and ``models``, checked."""
     weight = parse_count("backends.weight", item.get("weight", 1))
     max_conns = parse_nonnegative_int("backends.max_conns", item.get("max_conns", 0))
     models = item.get("models", [])
     if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
         raise ConfigError(f"backends.models: {models!r} is not a list of model names")
-    return attrs.evolve(spec, weight=weight, max_conns=max_conns, models=tuple(models))
+    return {"weight": weight, "max_conns": max_conns, "models": tuple(models)}
 
 
 def parse_log_file(option: str, value: object) -> str:
@@ -740,7 +872,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("listen", "tcp:8000", parse_listen,
                "Port number or Twisted endpoint string to serve clients on.", "LB_PORT"),
     OptionSpec("backends", DEFAULT_BACKENDS, parse_backends,
-               "Comma-separated host:port or http://host:port backends.", "LB_BACKENDS"),
+               "Comma-separated host:port or http://host:port backends; dns:NAME:PORT "
+               "(every A/AAAA address of NAME) and srv:_service._proto.NAME (SRV records) "
+               "are re-resolved on their TTL.", "LB_BACKENDS"),
     OptionSpec("health-interval", 10.0, parse_duration,
                "Seconds between active probes of each backend.", "LB_HC_INTERVAL"),
     OptionSpec("health-path", "/health", parse_path, "Path probed on each backend."),
@@ -856,6 +990,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("default-class", DEFAULT_CLASS, parse_class_name,
                "Priority class of a request that names none and matches no class.",
                "LB_DEFAULT_CLASS"),
+    OptionSpec("resolver", (), parse_resolver,
+               "DNS servers for dns:/srv: backends, HOST[:PORT] comma-separated (default: "
+               "the system's /etc/resolv.conf).", "LB_RESOLVER"),
 )
 
 _BY_NAME = {spec.name: spec for spec in OPTIONS}
@@ -918,6 +1055,9 @@ class Config:
     classes: tuple[ClassSpec, ...] = ()
     priority_header: str | None = "X-Priority"
     default_class: str = DEFAULT_CLASS
+    resolver: tuple[tuple[str, int], ...] = ()
+    #: the ``dns:``/``srv:`` entries of ``--backends`` (``backends`` holds the addresses)
+    dns_backends: tuple[DnsBackendSpec, ...] = ()
 
 
 def check_workers(config: Config) -> None:
@@ -998,6 +1138,7 @@ def build_config(
         if given is None:
             given = spec.default
         values[spec.attribute] = None if given is None else spec.parse(label, given)
+    values["backends"], values["dns_backends"] = split_backends(values["backends"])
     config = Config(**values)
     check_workers(config)
     check_classes(config)

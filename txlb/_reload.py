@@ -16,7 +16,9 @@ with what weight, ``max_conns`` and models -- a backend added at runtime through
 API and absent from the file is drained and removed by the reload, as nginx forgets its
 API changes on reload; one being removed that the file lists again stays.  Whether a
 backend is drained is the operator's, not the file's: a backend the admin drained stays
-drained across any number of reloads.
+drained across any number of reloads.  The addresses a ``dns:``/``srv:`` name yields are
+that name's (txlb._discovery.membership): a reload leaves them to it, and its
+``reconfigure`` starts and stops the names.
 
 What cannot change without a restart (:data:`RESTART_ONLY`) is named in one log line and
 left as it runs; the rest is applied.
@@ -52,7 +54,7 @@ log = Logger()
 
 #: Options a running process cannot change (its ports, processes and result-log file are
 #: open already), by ``Config`` attribute: a reload that changes one says so and keeps it.
-RESTART_ONLY: tuple[str, ...] = ("listen", "admin", "workers", "log_file")
+RESTART_ONLY: tuple[str, ...] = ("listen", "admin", "workers", "log_file", "resolver")
 
 #: What a ``takes_config`` policy (``cache-aware``) reads from the config: a change of any
 #: of them builds a new policy even under the same name.
@@ -229,6 +231,8 @@ def plan_reload(lb: LoadBalancer, new: Config, membership: bool = True) -> _Plan
         for backend in lb.pool:
             spec = wanted.get(backend.key)
             if spec is None:
+                if lb.dns.owns(backend.key):
+                    continue  # a dns:/srv: name's: its reconfigure decides
                 if not backend.removing:
                     removed.append(backend)
                 continue

@@ -23,7 +23,9 @@ def verdict(config: Config, path: str | None) -> str:
     """The line a successful check prints."""
     where = path if path is not None else "(no --config file: command line and environment)"
     count = len(config.backends)
-    return (f"OK: {where} ({count} backend{'s' if count != 1 else ''}, policy "
+    names = len(config.dns_backends)
+    resolved = f" and {names} DNS name{'s' if names != 1 else ''}" if names else ""
+    return (f"OK: {where} ({count} backend{'s' if count != 1 else ''}{resolved}, policy "
             f"{config.policy})")
 
 

@@ -170,12 +170,66 @@ def upstream_block(config: Config) -> list[str]:
             extra += f" max_conns={backend.max_conns}"
         # one failed connect takes it out until the next "probe", as txlb's passive ejection
         lines.append(f"    server {backend.key}{extra} max_fails=1 fail_timeout={fail_timeout};")
+    lines += _resolved_servers(config, fail_timeout)
     lines += [
         "    keepalive 64;",
         "    keepalive_timeout 4s;  # below vLLM's 5 s idle keep-alive",
         "}",
     ]
     return lines
+
+
+def _resolved_servers(config: Config, fail_timeout: str) -> list[str]:
+    """
+    ``dns:``/``srv:`` backends as nginx's ``server NAME resolve`` (open source since
+    1.27.3; it needs the upstream's shared memory ``zone``): nginx re-resolves on the TTL
+    and, for SRV, makes the lowest priority the primaries and the rest backups, as txlb.
+    """
+    if not config.dns_backends:
+        return []
+    lines = ["    zone txlb_backends 1m;  # 'resolve' needs the upstream in shared memory "
+             "(nginx >= 1.27.3)"]
+    for entry in config.dns_backends:
+        extra = f" max_conns={entry.max_conns}" if entry.max_conns else ""
+        if entry.kind == "dns":
+            if entry.weight != 1:
+                extra = f" weight={entry.weight}{extra}"
+            lines.append(f"    server {entry.name}:{entry.port}{extra} resolve max_fails=1 "
+                         f"fail_timeout={fail_timeout};")
+        else:
+            service, proto, host = entry.name.split(".", 2)
+            lines.append(f"    server {host} service={service}.{proto}{extra} resolve "
+                         f"max_fails=1 fail_timeout={fail_timeout};")
+    return lines
+
+
+def resolver_directive(config: Config) -> list[str]:
+    """The ``resolver`` nginx's ``resolve`` servers ask: ``--resolver``, else resolv.conf's."""
+    if not config.dns_backends:
+        return []
+    servers = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+               for host, port in config.resolver] or _system_nameservers()
+    if not servers:
+        return ["# no --resolver and no nameserver in /etc/resolv.conf: set 'resolver' "
+                "for the resolve servers below"]
+    # nginx caches answers for their TTL; txlb re-resolves within 1 s..300 s of it
+    return [f"resolver {' '.join(servers)} valid=300s;", "resolver_timeout 5s;"]
+
+
+def _system_nameservers(path: str = "/etc/resolv.conf") -> list[str]:
+    """The ``nameserver`` lines of ``path`` (nginx has no default resolver)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            lines = handle.read(65536).splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] == "nameserver":
+            host = parts[1].split("%", 1)[0]
+            found.append(f"[{host}]" if ":" in host else host)
+    return found
 
 
 def unsupported_notes(config: Config) -> list[str]:
@@ -205,6 +259,11 @@ def unsupported_notes(config: Config) -> list[str]:
         "--outlier-5xx: closest is 'proxy_next_upstream http_500' with max_fails, which "
         "also retries.",
     ]
+    if config.dns_backends:
+        notes.append("dns:/srv: backends: nginx re-resolves them on the TTL ('resolve' "
+                     "below, open source since 1.27.3, with 'valid=' as its upper bound); "
+                     "it has no slow start for new addresses and no admin drain that "
+                     "survives a re-resolution.")
     if config.routes:
         notes.append("[[routes]] model aliases: nginx cannot rewrite the body's model. Closest: "
                      "split_clients on a request id to separate upstreams per target.")
@@ -376,6 +435,7 @@ def http_level(config: Config, log_base: str | None = None) -> list[str]:
         rate = (f"{int(config.rate_limit)}r/s" if config.rate_limit >= 1
                 else f"{max(1, round(per_minute))}r/m")
         lines.append(f"limit_req_zone {key} zone=txlb:10m rate={rate};")
+    lines += resolver_directive(config)
     lines.append("")
     return lines + upstream_block(config) + [""] + server_block(config, log_base)
 

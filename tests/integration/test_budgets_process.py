@@ -33,7 +33,8 @@ class _BudgetProcess(TestCase):
 
     timeout = 120
 
-    async def start(self, *args: str) -> TwistdProcess:
+    async def start(self, *args: str,
+                    window: str = f"tokens_per_minute = {TOKENS_PER_MINUTE}") -> TwistdProcess:
         sim = SimProcess(0, "--tokens-per-second", "2000", "--ttft", "0")
         self.addCleanup(sim.cleanup)
         await sim.started()
@@ -41,7 +42,7 @@ class _BudgetProcess(TestCase):
         config.write_text(
             f'backends = ["{sim.key}"]\n'
             '[[budgets]]\nname = "per-client"\nkey = "ip"\n'
-            f"tokens_per_minute = {TOKENS_PER_MINUTE}\n")
+            f"{window}\n")
         lb = TwistdProcess("--config", str(config), "--log-file", "-", *args)
         self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
         await lb.started()
@@ -108,7 +109,10 @@ class BudgetProcessTests(_BudgetProcess):
             import openai  # noqa: F401
         except ImportError:
             missing("openai", "the openai package is not installed")
-        lb = yield defer.ensureDeferred(self.start())
+        # a day's budget: it comes back at 1/86,400 of itself a second, so however slowly
+        # the client starts on a loaded machine, the budget is still spent when it asks
+        lb = yield defer.ensureDeferred(self.start(
+            window=f"tokens_per_day = {TOKENS_PER_MINUTE}"))
         yield defer.ensureDeferred(self.exhaust(lb))
         seen = yield threads.deferToThread(ask_openai, lb.url)
         self.assertEqual(seen[0], "RateLimitError")

@@ -50,6 +50,14 @@ class ClassOrderTests(FaultTestCase):
             {**JSON, b"x-orid": [orid.encode()], b"x-sim-tokens": [str(tokens).encode()],
              **extra}))
 
+    async def holding(self, lb: TwistdProcess) -> None:
+        """Until the first request holds the one slot: later ones must queue behind it."""
+        deadline = time.monotonic() + 10
+        while sum(b["active"] for b in (await self.status(lb))["backends"]) != 1:
+            if time.monotonic() > deadline:
+                raise AssertionError("the first request never took the slot")
+            await task.deferLater(reactor, 0.02)
+
     async def queued(self, lb: TwistdProcess, length: int) -> dict[str, Any]:
         deadline = time.monotonic() + 10
         while True:
@@ -72,7 +80,7 @@ class ClassOrderTests(FaultTestCase):
         lb, log = yield defer.ensureDeferred(self.start())
         # the one slot: 40 tokens at 20/s hold it for about 2 s
         answers = [self.send(lb, "busy", 40)]
-        yield defer.ensureDeferred(self.queued(lb, 0))
+        yield defer.ensureDeferred(self.holding(lb))
         for n in range(3):
             answers.append(self.send(lb, f"b{n}", 1, x_priority="batch"))
             yield defer.ensureDeferred(self.queued(lb, n + 1))
@@ -96,7 +104,7 @@ class ClassOrderTests(FaultTestCase):
             '[[classes]]\nname = "interactive"\n[[classes]]\nname = "default"\n'
             f'[[classes]]\nname = "batch"\nkeys = ["{digest}"]\n'))
         answers = [self.send(lb, "busy", 40)]
-        yield defer.ensureDeferred(self.queued(lb, 0))
+        yield defer.ensureDeferred(self.holding(lb))
         answers.append(self.send(lb, "claims", 1, x_priority="interactive",
                                  authorization=f"Bearer {BATCH_KEY}"))
         queue = yield defer.ensureDeferred(self.queued(lb, 1))

@@ -181,11 +181,10 @@ class Pool:
                  models=escape(", ".join(spec.models), "text") or "learned")
         self._changed()
 
-    def keep(self, backend: Backend) -> None:
+    def keep(self, backend: Backend, why: str = "the new config lists it") -> None:
         """Call off the removal of ``backend`` (a reloaded config lists it again)."""
         if backend.stays():
-            log.info("backend {backend} stays: the new config lists it",
-                     backend=backend.key)
+            log.info("backend {backend} stays: {why}", backend=backend.key, why=why)
             self._marked(backend)
             self._changed()
 

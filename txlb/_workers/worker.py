@@ -265,10 +265,11 @@ class SupervisorLink(Protocol):
     def _own_config(blob: str) -> Config:
         """
         The supervisor's config as a worker runs it: no backends of its own (it mirrors
-        the supervisor's), no result log or admin port (the supervisor keeps them).
+        the supervisor's, DNS-sourced ones too: only the supervisor resolves), no result
+        log or admin port (the supervisor keeps them).
         """
-        return attrs.evolve(config_from(blob), backends=(), log_file="none", admin="none",
-                            workers=1)
+        return attrs.evolve(config_from(blob), backends=(), dns_backends=(),
+                            log_file="none", admin="none", workers=1)
 
     def _reload(self, message: Reload) -> None:
         """The supervisor applied a reloaded config: the same reload here, but membership."""

@@ -1,0 +1,203 @@
+"""
+How a name is asked: Twisted's own DNS client (``twisted.names``), never ``getaddrinfo``,
+so a slow or dead DNS server costs a timeout in the reactor, not a thread or the reactor
+itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet.defer import Deferred, DeferredList, fail
+from twisted.internet.defer import TimeoutError as DeferredTimeout
+from twisted.internet.error import TimeoutError as LookupTimeout
+from twisted.names import client, dns, hosts, resolve
+from twisted.names.common import ResolverBase
+from twisted.names.error import DNSNameError, DNSQueryRefusedError, DNSServerError, DomainError
+from twisted.python.failure import Failure
+
+from txlb._config import DnsBackendSpec
+from txlb._discovery.answers import Member, Resolved, address_records, capped, srv_targets
+
+#: seconds each query waits before it is sent again, then given up: 4 s at most per name
+QUERY_TIMEOUT = (1, 3)
+
+
+class QuietResolver(client.Resolver):
+    """
+    Twisted's DNS client, asking over UDP through one socket per address family that it
+    keeps (as nginx's resolver does), instead of a new socket per query: Twisted's UDP
+    port logs two lines as it opens and closes, so a socket per query would put four
+    lines a second in the service log for a name with a short TTL.  Each query still has
+    a random id, and an answer from any address but the server asked is dropped
+    (``DNSDatagramProtocol`` checks both); a truncated answer is asked again over TCP.
+    Each server is tried in turn, one try per entry of ``timeout``.
+    """
+
+    def __init__(self, reactor: Any, **options: Any) -> None:
+        super().__init__(reactor=reactor, **options)
+        self._socket_reactor = reactor
+        self._sockets: dict[int, dns.DNSDatagramProtocol] = {}
+
+    def queryUDP(self, queries: list[dns.Query], timeout: Any = None) -> Deferred[Any]:
+        servers = [*self.servers, *self.dynServers]
+        if not servers:
+            return fail(OSError("no DNS server to ask"))
+        return self._ask(queries, servers, list(timeout if timeout else QUERY_TIMEOUT), 0)
+
+    def _ask(self, queries: list[dns.Query], servers: list[tuple[str, int]],
+             timeouts: list[float], attempt: int) -> Deferred[Any]:
+        address = servers[attempt % len(servers)]
+        try:
+            protocol = self._socket_for(address[0])
+        except Exception:
+            return fail()
+        asked: Deferred[Any] = protocol.query(address, queries, timeouts[attempt])
+
+        def again(failure: Failure) -> Any:
+            failure.trap(DeferredTimeout)
+            if attempt + 1 >= len(timeouts):
+                return failure
+            return self._ask(queries, servers, timeouts, attempt + 1)
+
+        return asked.addErrback(again)
+
+    def _socket_for(self, host: str) -> dns.DNSDatagramProtocol:
+        family = 6 if ":" in host else 4
+        protocol = self._sockets.get(family)
+        if protocol is None or protocol.transport is None:
+            protocol = dns.DNSDatagramProtocol(self, reactor=self._socket_reactor)
+            protocol.noisy = False
+            self._socket_reactor.listenUDP(0, protocol, interface="::" if family == 6 else "")
+            self._sockets[family] = protocol
+        return protocol
+
+    def close_sockets(self) -> None:
+        """Close the kept sockets (a stopping balancer); a later query opens new ones."""
+        sockets, self._sockets = self._sockets, {}
+        for protocol in sockets.values():
+            if protocol.transport is not None:
+                protocol.transport.stopListening()
+
+
+class SystemResolver(resolve.ResolverChain):
+    """``/etc/hosts``, then the servers of ``/etc/resolv.conf``, as the system asks."""
+
+    def __init__(self, reactor: Any) -> None:
+        self.dns = QuietResolver(reactor, resolv="/etc/resolv.conf", timeout=QUERY_TIMEOUT)
+        super().__init__([hosts.Resolver(), self.dns])
+
+    def close_sockets(self) -> None:
+        self.dns.close_sockets()
+
+
+def system_resolver(servers: tuple[tuple[str, int], ...], reactor: Any) -> ResolverBase:
+    """
+    ``--resolver``'s servers, or (none given) ``/etc/hosts`` then the servers of
+    ``/etc/resolv.conf``, as the system resolves a name.
+    """
+    if servers:
+        return QuietResolver(reactor, servers=list(servers), timeout=QUERY_TIMEOUT)
+    return SystemResolver(reactor)
+
+
+def describe_failure(failure: Failure) -> str:
+    """A resolution's failure in a few words, for the log and ``/status``."""
+    error = failure.value
+    if isinstance(error, DNSNameError):
+        return "no such name (NXDOMAIN)"
+    if isinstance(error, DNSQueryRefusedError):
+        return "the DNS server refused the query"
+    if isinstance(error, DNSServerError):
+        return "the DNS server failed (SERVFAIL)"
+    if isinstance(error, LookupTimeout | DeferredTimeout):
+        return "no answer (timed out)"
+    if isinstance(error, DomainError):
+        return "no such name"
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+class NoAddresses(Exception):
+    """The name resolved, but to no address a backend can have."""
+
+    def __str__(self) -> str:
+        return "the answer holds no usable address"
+
+
+def lookup(resolver: Any, entry: DnsBackendSpec) -> Deferred[Resolved]:
+    """Resolve ``entry`` once: its members, or a failure (the caller keeps the last set)."""
+    if entry.kind == "srv":
+        return _lookup_srv(resolver, entry)
+    return _addresses(resolver, entry.name).addCallback(
+        lambda found: _as_resolved([Member(0, host, entry.port) for host in found[0]],
+                                   found[1], found[2]))
+
+
+def _as_resolved(members: list[Member], skipped: int, ttls: list[float]) -> Resolved:
+    if not members:
+        raise NoAddresses()
+    return capped(members, skipped, ttls)
+
+
+def _addresses(resolver: Any, name: str) -> Deferred[tuple[list[str], int, list[float]]]:
+    """A and AAAA of ``name`` asked together; a failure only when both fail."""
+    asked = DeferredList([resolver.lookupAddress(name, timeout=QUERY_TIMEOUT),
+                          resolver.lookupIPV6Address(name, timeout=QUERY_TIMEOUT)],
+                         consumeErrors=True)
+
+    def combine(results: list[tuple[bool, Any]]) -> tuple[list[str], int, list[float]]:
+        addresses: list[str] = []
+        skipped, ttls = 0, []
+        failure = None
+        for ok, result in results:
+            if not ok:
+                failure = failure or result
+                continue
+            found, bad, times = address_records(result[0])
+            addresses += found
+            skipped += bad
+            ttls += times
+        if failure is not None and not any(ok for ok, _ in results):
+            failure.raiseException()
+        return addresses, skipped, ttls
+
+    return asked.addCallback(combine)
+
+
+def _lookup_srv(resolver: Any, entry: DnsBackendSpec) -> Deferred[Resolved]:
+    def targets(result: tuple[list[dns.RRHeader], list[dns.RRHeader], list[dns.RRHeader]],
+                ) -> Deferred[Resolved]:
+        answers, _, additional = result
+        found, skipped = srv_targets(answers)
+        # the addresses the server sent along (the additional section)
+        known: dict[str, tuple[list[str], list[float]]] = {}
+        for record in additional:
+            addresses, _, times = address_records([record])
+            if addresses:
+                name = record.name.name.decode("ascii", "replace").rstrip(".").lower()
+                known.setdefault(name, ([], []))
+                known[name][0].extend(addresses)
+                known[name][1].extend(times)
+        names = sorted({target.name for target in found if target.name not in known})
+        asked = DeferredList([_addresses(resolver, name) for name in names],
+                             consumeErrors=True)
+
+        def members(results: list[tuple[bool, Any]]) -> Resolved:
+            resolved = dict(known)
+            bad = skipped
+            for name, (ok, result) in zip(names, results, strict=True):
+                if ok:
+                    resolved[name] = (result[0], result[2])
+                    bad += result[1]
+            every, ttls = [], [t.ttl for t in found]
+            for target in found:
+                addresses, times = resolved.get(target.name, ([], []))
+                ttls += times
+                every += [Member(target.priority, host, target.port, target.weight)
+                          for host in addresses]
+            return _as_resolved(every, bad, ttls)
+
+        return asked.addCallback(members)
+
+    return resolver.lookupService(entry.name, timeout=QUERY_TIMEOUT).addCallback(targets)
