@@ -86,6 +86,9 @@ Run from the repository root::
 
     python -m bench.policies              # 152 runs of 20000 requests: ~75 s on 2 cores
     python -m bench.policies --seeds 1 --loads ''   # main tables only: ~15 s
+    python -m bench.policies --replicas 2,4,8 --publish-delay 0,0.01,0.1,1
+        # instead: N replicas over one fleet, independent or sharing their in-flight
+        # counts (bench.fleet_balance), to bench/results/scale-out.md: ~3 min on 2 cores
     python -m bench.policies --help
 
 Tables go to standard output and ``bench/results/policies.md``, the plot to
@@ -1197,14 +1200,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--load", type=float, default=Params.load,
                         help="arrival rate as a fraction of full-batch capacity "
                              "(default %(default)s)")
-    parser.add_argument("--loads", default="0.7,0.8,0.9,0.95",
+    parser.add_argument("--loads", default=None,
                         help="comma-separated loads of the load table, '' to leave it out "
-                             "(default %(default)s)")
+                             "(default 0.7,0.8,0.9,0.95; with --replicas: the loads of the "
+                             "fleet tables, default 0.8,0.9)")
+    parser.add_argument("--replicas", default="",
+                        help="instead of the policy experiments, the fleet-balance runs "
+                             "(bench.fleet_balance) at these comma-separated replica counts, "
+                             "e.g. 2,4,8; to bench/results/scale-out.md")
+    parser.add_argument("--publish-delay", default="0,0.01,0.1,1",
+                        help="with --replicas: comma-separated seconds between two reads of "
+                             "the other replicas' counts (default %(default)s)")
+    parser.add_argument("--traffic", default="skewed,bursts",
+                        help="with --replicas: traffic patterns (default %(default)s)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="worker processes; results do not depend on it")
     parser.add_argument("--out", type=Path, default=RESULTS,
                         help="directory for policies.md and policies.png")
     args = parser.parse_args(argv)
+    command = "python -m bench.policies" + "".join(
+        f" {arg}" for arg in (argv if argv is not None else sys.argv[1:]))
+    if args.replicas.strip():
+        return fleet_main(args, parser, command)
+    if args.loads is None:
+        args.loads = "0.7,0.8,0.9,0.95"
     params = Params(seed=args.seed, requests=args.requests, load=args.load)
     seeds = [args.seed + k for k in range(max(1, args.seeds))]
     loads = sorted({float(x) for x in args.loads.split(",") if x.strip()} | {args.load}) \
@@ -1221,8 +1240,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     wall = time.perf_counter() - started
 
     workload = make_workload(params, 1)
-    command = "python -m bench.policies" + "".join(
-        f" {arg}" for arg in (argv if argv is not None else sys.argv[1:]))
     report = markdown(results, params, seeds, loads, workload, wall, command)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "policies.md").write_text(report)
@@ -1230,6 +1247,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(report)
     print(f"\nwrote {args.out / 'policies.md'} and {args.out / 'policies.png'} "
           f"({wall:.0f} s; slowest run {max(r.wall_seconds for r in results):.1f} s)")
+    return 0
+
+
+def _numbers(parser: argparse.ArgumentParser, option: str, text: str,
+             kind: type[float] | type[int]) -> list:  # type: ignore[type-arg]
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"{option}: {text!r} is not a comma-separated list of numbers")
+    if not values or any(v < 0 or not math.isfinite(v) for v in values):
+        parser.error(f"{option}: {text!r}: give one or more numbers, none negative")
+    return values
+
+
+def fleet_main(args: argparse.Namespace, parser: argparse.ArgumentParser,
+               command: str) -> int:
+    """``--replicas``: the fleet-balance runs of :mod:`bench.fleet_balance`."""
+    from bench import fleet_balance
+
+    replicas = _numbers(parser, "--replicas", args.replicas, int)
+    if any(n < 2 or n > 64 for n in replicas):
+        parser.error(f"--replicas: {args.replicas!r}: each count from 2 to 64")
+    delays = _numbers(parser, "--publish-delay", args.publish_delay, float)
+    loads = _numbers(parser, "--loads", args.loads if args.loads is not None else "0.8,0.9",
+                     float)
+    if any(not 0 < x <= 2 for x in loads):
+        parser.error(f"--loads: {args.loads!r}: each load above 0 and at most 2")
+    traffics = [t.strip() for t in args.traffic.split(",") if t.strip()]
+    unknown = [t for t in traffics if t not in fleet_balance.TRAFFIC]
+    if unknown or not traffics:
+        parser.error(f"--traffic: {args.traffic!r}: choose from "
+                     f"{', '.join(fleet_balance.TRAFFIC)}")
+    params = fleet_balance.FleetParams(seed=args.seed, requests=args.requests)
+    text = fleet_balance.report(params, replicas, delays, loads, traffics, args.jobs,
+                                args.out, command)
+    print(text)
+    print(f"\nwrote {args.out / 'scale-out.md'}")
     return 0
 
 

@@ -22,6 +22,12 @@ Parts (any combination; each saves ``bench/results/cache-aware-PART.json``, and 
     A seconds-long smoke of the virtual model (4 engines, 300 requests, no replicas), to
     ``--out``.
 
+``--scale-out``
+    One index per replica against one for the fleet (:mod:`bench.prefix.scale_out`): at
+    ``--replicas`` (2,4,8), each replica's own index, a copy refreshed from the others every
+    ``--index-refresh`` seconds, and one exact index; to the ``prefix`` section of
+    ``bench/results/scale-out.md``.
+
 ``--report`` alone re-renders the page from the saved parts.
 """
 
@@ -232,7 +238,28 @@ def parser() -> argparse.ArgumentParser:
                    help="process-bench requests in flight (default %(default)s)")
     p.add_argument("--note", default="", help="a note on the machine, for the page")
     p.add_argument("--out", type=Path, default=RESULTS, help="results directory")
+    p.add_argument("--scale-out", action="store_true",
+                   help="one index per replica against one for the fleet")
+    p.add_argument("--replicas", type=_counts, default=[2, 4, 8],
+                   help="--scale-out replica counts (default 2,4,8)")
+    p.add_argument("--index-refresh", type=_delays, default=[0.01, 0.1, 1.0],
+                   help="--scale-out: seconds between two refreshes of a replica's copy of "
+                        "the others' sends (default 0.01,0.1,1)")
     return p
+
+
+def _counts(text: str) -> list[int]:
+    values = _numbers(int, text)
+    if not values or any(not 2 <= n <= 64 for n in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: replica counts from 2 to 64")
+    return values
+
+
+def _delays(text: str) -> list[float]:
+    values = _numbers(float, text)
+    if not values or any(not 0 < x <= 3600 for x in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds above 0, at most 3600")
+    return values
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -244,6 +271,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m bench.prefix " + " ".join(given)
     if args.quick:
         args.engines, args.requests, args.virtual = [4], 300, True
+    if args.scale_out:
+        from bench.prefix import scale_out
+
+        print(scale_out.main(args, command, args.out))
+        if not (args.virtual or args.process or args.real or args.report):
+            return 0
     if not (args.virtual or args.process or args.real or args.report):
         parser().print_help()
         return 2

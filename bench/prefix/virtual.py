@@ -48,6 +48,7 @@ from bench.prefix.engine_model import (
     block_chain,
     render,
 )
+from bench.prefix.synced_index import SharedIndex, StaleView
 from bench.prefix.workloads import CHARS_PER_TOKEN, Options, PrefixRequest, generate
 from txlb._cluster.backend import Backend, Lease
 from txlb._cluster.pool import Pool
@@ -55,6 +56,7 @@ from txlb._config import BackendSpec
 from txlb._records.outcome import RequestOutcome
 from txlb._scheduling.policies import IPolicy, Policy
 from txlb._scheduling.policies._ties import WeightedTies
+from txlb._scheduling.policies.cache_aware import CacheAware
 from txlb._scheduling.policies.least_conn import load as least_conn_load
 from txlb._scheduling.policies.registry import make_policy
 from txlb._scheduling.request import ANY_REQUEST, RoutingRequest
@@ -142,6 +144,9 @@ class Scenario:
     replicas: int = 1
     shared_index: bool = False  # one policy object for every replica's router
     shared_counts: bool = False  # one pool (exact fleet-wide in-flight, as --workers has)
+    #: > 0: one index, each replica looking it up in a copy refreshed every this many
+    #: seconds (bench.prefix.synced_index); 0: as shared_index says
+    index_refresh: float = 0.0
     load: float = 0.8
     seed: int = 1
     config: EngineConfig = EngineConfig()
@@ -172,6 +177,7 @@ class VirtualResult:
     max_in_flight: int  # the most requests one engine held (running + waiting)
     sim_seconds: float
     wall_seconds: float
+    index_refresh: float = 0.0
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -204,6 +210,34 @@ def _make_policy(name: str, clock: Clock, engines: dict[str, CachedEngine],
     if name == "prefix-hash":
         return PrefixHash()
     return make_policy(name, clock, random.Random(seed))
+
+
+def _stale_views(scenario: Scenario, clock: Clock,
+                 policies: Sequence[IPolicy]) -> list[StaleView]:
+    """
+    With ``index_refresh``: one shared index, each replica's cache-aware policy looking
+    it up through a copy refreshed every ``index_refresh`` (bench.prefix.synced_index).
+    """
+    if not scenario.index_refresh or scenario.replicas < 2:
+        return []
+    if scenario.shared_index:
+        raise ValueError("index_refresh shares the index its own way: not with shared_index")
+    views = []
+    shared: SharedIndex | None = None
+    for replica, policy in enumerate(policies):
+        if not isinstance(policy, CacheAware):
+            raise ValueError("index_refresh needs the cache-aware policy")
+        if shared is None:
+            shared = SharedIndex(clock, policy.index.max_entries,
+                                 policy.index.default_capacity)
+            hasher = policy.hasher
+        # one index needs one key: each process draws its own hashing secret, so replicas
+        # sharing an index must share the secret too, or no block of one matches another's
+        policy.hasher = hasher
+        view = StaleView(shared, replica)
+        policy.index = view  # type: ignore[assignment]
+        views.append(view)
+    return views
 
 
 def run(scenario: Scenario, policy_name: str,
@@ -240,6 +274,16 @@ def run(scenario: Scenario, policy_name: str,
         policies.append(policy)
         routers.append(Router(pool, policy, clock, queue_timeout=60.0, retry_after=1,
                               rng=random.Random(f"router-{scenario.seed}")))
+
+    views = _stale_views(scenario, clock, policies)
+
+    def refresh(view: StaleView) -> None:
+        view.refresh()
+        if outstanding[0] > 0:
+            clock.callLater(scenario.index_refresh, refresh, view)
+
+    for replica, view in enumerate(views):
+        clock.callLater(scenario.index_refresh * replica / len(views), refresh, view)
 
     def done(job: Job) -> None:
         lease: Lease = job.context[0]
@@ -325,7 +369,7 @@ def summarise(scenario: Scenario, policy_name: str, jobs: Sequence[Job],
     return VirtualResult(
         workload=scenario.workload, policy=policy_name, engines=scenario.engines,
         replicas=scenario.replicas, shared_index=scenario.shared_index,
-        shared_counts=scenario.shared_counts,
+        shared_counts=scenario.shared_counts, index_refresh=scenario.index_refresh,
         requests=len(jobs), refused=refused, hit_rate=hits / queries if queries else 0.0,
         ttft_p50=quantile(ttft, 0.5), ttft_p99=quantile(ttft, 0.99),
         ttft_mean=sum(ttft) / len(ttft), rps=len(ok) / span if span else 0.0,

@@ -25,7 +25,11 @@ OTHER_PROGRAMS = {
     "--enable-prompt-tokens-details", "--enable-force-include-usage",  # vllm serve
     "--enable-cache-report",  # SGLang's launch_server
     "--alias", "--metrics",  # llama.cpp's llama-server
+    "--save", "--appendonly",  # redis-server
 }
+#: Options docs/scale-out.md documents that the shared-state part of the scale-out work adds
+#: to twistd llmlb (known from its --help once that part is in).
+SCALE_OUT_OPTIONS = {"--shared-state"}
 #: Written wrong on purpose: the docs show what txlb answers to a mistyped option.
 MISTYPED_ON_PURPOSE = {"--helth-interval"}
 
@@ -58,8 +62,9 @@ class DocsMatchOptionsTests(SynchronousTestCase):
                  | options_of(python, "-m", "bench") | options_of(python, "-m", "bench.ab")
                  | options_of(python, "-m", "bench.fuzz")
                  | options_of(python, "-m", "bench.prefix")
+                 | options_of(python, "-m", "bench.policies")
                  | {"--index"}  # txlb._workers.main, as it shows in ps
-                 | OTHER_PROGRAMS | MISTYPED_ON_PURPOSE)
+                 | OTHER_PROGRAMS | MISTYPED_ON_PURPOSE | SCALE_OUT_OPTIONS)
         unknown = sorted({f"{path.name}: {option}" for path in DOCS
                           for option in OPTION.findall(path.read_text())
                           if option not in known})
