@@ -155,7 +155,7 @@ def table(samples: dict[str, list[float]], args: argparse.Namespace) -> str:
         "",
         "`shared`: the slot's take and give-back are each written to Redis within the "
         "reactor turn (pipelined `HSET` + `PEXPIRE`), off the request's path; the poll "
-        "(every 0.25 s) is not per request.  `shared+rl`: one `EVALSHA` per admitted "
+        "(every 0.1 s) is not per request.  `shared+rl`: one `EVALSHA` per admitted "
         "request as well, also not awaited (admission reads the local copy of the "
         "bucket).  What the added time is: the extra writes' CPU in the same process, "
         "not a round trip.",

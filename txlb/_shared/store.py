@@ -42,7 +42,7 @@ from txlb._shared.rate import SharedRateBuckets
 log = Logger()
 
 #: Seconds between polls: how old another replica's count or mark can be.
-POLL_INTERVAL = 0.25
+POLL_INTERVAL = 0.1
 #: Milliseconds a replica's row and lease live without a poll renewing them.
 LEASE = 3000
 
