@@ -9,6 +9,7 @@ SIGKILL leaves no count behind, and Redis killed mid-run costs no request.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from typing import Any
@@ -35,8 +36,9 @@ class SharedStateProcessTests(TestCase):
 
     async def replica(self, *args: str, shared: bool = True) -> TwistdProcess:
         state = ["--shared-state", self.redis.url] if shared else []
-        process = TwistdProcess("--backends", ",".join(self.fleet.keys),
-                                "--admin", "tcp:0:interface=127.0.0.1",
+        if "--config" not in args:
+            state += ["--backends", ",".join(self.fleet.keys)]
+        process = TwistdProcess("--admin", "tcp:0:interface=127.0.0.1",
                                 "--health-interval", "0.5", "--shutdown-timeout", "2",
                                 *state, *args)
         self.addCleanup(lambda: defer.ensureDeferred(process.stop()))
@@ -230,6 +232,46 @@ class SharedStateProcessTests(TestCase):
             return bool((await self.status(a))["shared_state"]["connected"])
 
         await _until(back, "A to reconnect", timeout=10)
+
+
+    async def max_conns_peaks(self, gap: float) -> list[int]:
+        """12 long streams over three replicas in turn, ``gap`` apart, on 2 x max_conns 2."""
+        from twisted.internet import reactor, task
+
+        self.fleet = Fleet(self, 2, tokens_per_second=20)
+        config = os.path.abspath(self.mktemp())
+        with open(config, "w") as handle:
+            handle.write("backends = [" + ", ".join(
+                f'{{url = "http://{key}", max_conns = 2}}' for key in self.fleet.keys) + "]\n")
+        replicas = await self.replicas(3, "--config", config, "--queue-timeout", "60")
+        pending = []
+        for sent in range(12):
+            pending.append(defer.ensureDeferred(self.client.request(
+                replicas[sent % 3].url + "/v1/chat/completions", b"POST", chat_body(),
+                {**JSON, b"x-sim-tokens": [b"60"]})))
+            if gap:
+                await task.deferLater(reactor, gap, lambda: None)
+        await wait_until(lambda: sum(sim.started for sim in self.fleet.sims) >= 4,
+                         timeout=10, what="the first streams")
+        await task.deferLater(reactor, 0.5, lambda: None)
+        for response in await defer.gatherResults(pending):
+            response.deliverBody(Chunks())
+        return [sim.peak_running for sim in self.fleet.sims]
+
+    async def test_max_conns_overshoot_with_arrivals_apart(self) -> None:
+        # arrivals 0.2 s apart (more than the 0.1 s read): every replica sees the others'
+        # streams before it admits; what is left is a freed slot that wakes the queued
+        # requests of several replicas at once (at most one each of the others)
+        peaks = await self.max_conns_peaks(0.2)
+        print(f"max_conns 2, 12 streams 0.2 s apart over 3 replicas: peaks {peaks}")
+        self.assertTrue(all(2 <= peak <= 2 + 2 for peak in peaks), peaks)
+
+    async def test_max_conns_overshoot_with_a_simultaneous_burst(self) -> None:
+        # all at once: each replica may admit up to max_conns on the counts it has read;
+        # the bound is the replicas' number times max_conns, and the figure is in the docs
+        peaks = await self.max_conns_peaks(0)
+        print(f"max_conns 2, 12 streams at once over 3 replicas: peaks {peaks}")
+        self.assertTrue(all(2 <= peak <= 6 for peak in peaks), peaks)
 
 
 async def _until(condition: Any, what: str, *args: Any, timeout: float = 5.0) -> None:
