@@ -158,6 +158,30 @@ class SharedStateProcessTests(TestCase):
                         f"{allowed} of {len(codes)} let through in {elapsed:.1f}s, "
                         f"expected ~{expected:.0f}")
 
+    async def test_a_token_budget_is_the_fleets(self) -> None:
+        self.fleet = Fleet(self, 1)
+        config = os.path.abspath(self.mktemp())
+        with open(config, "w") as handle:
+            handle.write(f'backends = ["{self.fleet.keys[0]}"]\n[[budgets]]\n'
+                         'name = "per-client"\nkey = "ip"\ntokens_per_minute = 600\n')
+        a, b = await self.replicas(2, "--config", config)
+        body = json.dumps({"model": "sim-model", "prompt": "hello there",
+                           "max_tokens": 30}).encode()
+
+        async def post(process: TwistdProcess) -> int:
+            response, _ = await self.client.fetch(process.url + "/v1/completions", b"POST",
+                                                  body, JSON)
+            return int(response.code)
+
+        for _ in range(60):  # a budget of 600 holds ~15 of them: bounded
+            if await post(a) == 429:
+                break
+        else:
+            self.fail("A never refused")
+        # B's copy learns the fleet's level from its first reservation's answer at most
+        codes = [await post(b) for _ in range(3)]
+        self.assertIn(429, codes[:2], codes)
+
     async def test_a_replica_killed_leaves_no_count_behind(self) -> None:
         self.fleet = Fleet(self, 2, tokens_per_second=20)
         a, b = await self.replicas(2)

@@ -395,3 +395,41 @@ class StoreTests(SynchronousTestCase):
         self.clock.advance(0.25)
         self.assertEqual(self.store.marks.unsent, {})
         self.assertTrue(any(c[0] == "HSET" and c[1] == "txlb:marks" for c in self.redis.sent))
+
+
+class LevelsTests(SynchronousTestCase):
+    BUCKET = ("budget:minute:ip:1", 600.0, 10.0)
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.redis = FakeRedis()
+        self.link = RedisLink(SPEC, self.clock, self.redis)
+        self.link.call("PING", probe=True)
+        from txlb._shared.levels import SharedTokenLevels
+
+        self.levels = SharedTokenLevels(self.link, "txlb", self.clock, lambda: 2)
+
+    def test_a_reservation_moves_the_shared_bucket_and_takes_its_level(self) -> None:
+        self.redis.replies["EVALSHA"] = ["100.0"]  # the other replica spent the rest
+        self.assertEqual(self.levels.reserve([self.BUCKET], 50), 0.0)
+        sent = self.redis.sent[-1]
+        self.assertEqual((sent[0], sent[2], sent[4]), ("EVALSHA", 1, "-50.0"))
+        self.assertNotIn("ip:1", " ".join(map(str, sent)))
+        self.assertEqual(self.levels.level(self.BUCKET), 100.0)
+        self.assertGreater(self.levels.reserve([self.BUCKET], 150), 0)  # does not fit
+
+    def test_reconciling_gives_back_to_the_shared_bucket(self) -> None:
+        self.redis.replies["EVALSHA"] = ["580.0"]
+        self.levels.adjust([self.BUCKET], 30)
+        self.assertEqual(self.redis.sent[-1][4], "30.0")
+        self.assertEqual(self.levels.level(self.BUCKET), 580.0)
+
+    def test_redis_gone_the_copy_decides_alone(self) -> None:
+        self.redis.broken = True
+        self.link.call("PING", probe=True).addErrback(lambda f: None)
+        sent = len(self.redis.sent)
+        self.assertEqual(self.levels.reserve([self.BUCKET], 500), 0.0)
+        self.assertEqual(len(self.redis.sent), sent)
+        # refilled at its share: 10/s over 2 replicas
+        self.clock.advance(10)
+        self.assertEqual(self.levels.level(self.BUCKET), 150.0)

@@ -125,6 +125,14 @@ class TokenLevels:
     def level(self, bucket: Bucket) -> float:
         return self._current(bucket, self._now())
 
+    def set_level(self, bucket: Bucket, level: float) -> None:
+        """
+        ``bucket`` holds ``level`` now (kept between minus its capacity and its capacity):
+        a shared store's answer replacing this copy's level.
+        """
+        capacity = bucket[1]
+        self._store(bucket, max(-capacity, min(capacity, level)), self._now())
+
     def forget(self, keep: Callable[[str], bool]) -> None:
         for key in [key for key in self._levels if not keep(key)]:
             del self._levels[key]

@@ -33,6 +33,7 @@ class SharedStateCollector:
             "Live replicas sharing the state, this one included, as last polled.",
             value=store.replicas)
         yield CounterMetricFamily(
-            "txlb_shared_state_rate_unshared",
-            "Rate-limit takes the shared bucket did not count (Redis slow or gone).",
-            value=store.rate_unshared())
+            "txlb_shared_state_unshared",
+            "Rate-limit takes and token-budget moves the shared buckets did not count "
+            "(Redis slow or gone).",
+            value=store.unshared())

@@ -35,6 +35,7 @@ from zope.interface import implementer
 from txlb._cluster.store import IBackendStore, IRateBuckets, ITokenLevels
 from txlb._config_shared import SharedStateSpec
 from txlb._shared.counts import FleetCounts
+from txlb._shared.levels import SharedTokenLevels
 from txlb._shared.link import Commands, RedisLink, Script
 from txlb._shared.marks import SharedMarks
 from txlb._shared.rate import SharedRateBuckets
@@ -100,7 +101,7 @@ def _pairs(items: Sequence[Any]) -> list[tuple[str, str]]:
 
 @implementer(IBackendStore)
 class RedisStore:
-    """Counts, marks and rate buckets shared through one Redis; token levels stay local."""
+    """Counts, marks, rate buckets and token budgets' levels shared through one Redis."""
 
     def __init__(self, spec: SharedStateSpec, clock: IReactorTime,
                  client: Commands | None = None, replica: str | None = None,
@@ -120,6 +121,7 @@ class RedisStore:
         self._flush_due = False
         self._loop: LoopingCall | None = None
         self._buckets: list[SharedRateBuckets] = []
+        self._levels: list[SharedTokenLevels] = []
         #: told when other replicas' marks arrived (the pool takes them: ``pool.refresh``)
         self.on_marks: Callable[[], object] = lambda: None
         #: told when another replica freed a slot (``pool.capacity_changed``)
@@ -142,14 +144,15 @@ class RedisStore:
         del self._buckets[:-2]  # a reload's new buckets replace the old ones
         return buckets
 
-    def rate_unshared(self) -> int:
-        """Rate-limit takes the shared bucket missed (Redis slow or gone)."""
-        return sum(buckets.unshared for buckets in self._buckets)
+    def unshared(self) -> int:
+        """Rate-limit takes and token-budget moves the shared buckets missed."""
+        return (sum(buckets.unshared for buckets in self._buckets)
+                + sum(levels.unshared for levels in self._levels))
 
     def token_levels(self, clock: IReactorTime) -> ITokenLevels:
-        from txlb._scheduling.budgets import TokenLevels
-
-        return TokenLevels(clock)
+        levels = SharedTokenLevels(self.link, self.prefix, clock, lambda: self.replicas)
+        self._levels.append(levels)
+        return levels
 
     # -- wiring -------------------------------------------------------------------------
 
