@@ -182,6 +182,34 @@ class SharedStateProcessTests(TestCase):
         codes = [await post(b) for _ in range(3)]
         self.assertIn(429, codes[:2], codes)
 
+    async def test_a_password_is_used_and_never_shown(self) -> None:
+        self.redis.stop()
+        self.redis = RedisServer(password="s3cret-redis-pass")
+        self.addCleanup(self.redis.stop)
+        self.fleet = Fleet(self, 1)
+        secret = os.path.abspath(self.mktemp())
+        with open(secret, "w") as handle:
+            handle.write("s3cret-redis-pass\n")
+        url = f"redis://127.0.0.1:{self.redis.port}/0?password_file={secret}"
+        a = await self.replica("--shared-state", url, shared=False)
+        await wait_until(lambda: "shared state: connected" in a.output(), timeout=10)
+        status = await self.status(a)
+        self.assertEqual(status["shared_state"]["url"],
+                         f"redis://:***@127.0.0.1:{self.redis.port}/0")
+        _, metrics = await self.client.fetch(a.admin_url + "/metrics")
+        self.assertIn(b"txlb_shared_state_up 1.0", metrics.body)
+        # a wrong password in the URL itself: refused by Redis, said without the password
+        b = await self.replica("--shared-state",
+                               f"redis://:wrong-pass-42@127.0.0.1:{self.redis.port}/0",
+                               shared=False)
+        await wait_until(lambda: "uses its local view" in b.output(), timeout=10)
+        code, _ = await self.small_request(b)
+        self.assertEqual(code, 200)
+        for process in (a, b):
+            shown = process.output() + json.dumps(await self.status(process))
+            self.assertNotIn("s3cret-redis-pass", shown)
+            self.assertNotIn("wrong-pass-42", shown)
+
     async def test_a_replica_killed_leaves_no_count_behind(self) -> None:
         self.fleet = Fleet(self, 2, tokens_per_second=20)
         a, b = await self.replicas(2)
