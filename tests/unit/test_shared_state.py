@@ -24,7 +24,7 @@ from txlb._shared.counts import FleetCounts
 from txlb._shared.link import RedisLink
 from txlb._shared.marks import Entry, SharedMarks
 from txlb._shared.rate import SharedRateBuckets
-from txlb._shared.store import RedisStore
+from txlb._shared.store import FLUSH_DELAY, RedisStore
 
 SPEC = SharedStateSpec("127.0.0.1", 6379, password="hunter2-secret")
 
@@ -374,21 +374,26 @@ class StoreTests(SynchronousTestCase):
         self.assertEqual(self.store.counts.total("a:1"), 0)  # the local view
         self.assertEqual(freed, [1])
 
-    def test_a_count_change_is_written_within_the_turn(self) -> None:
+    def test_count_changes_are_written_together_within_the_flush_delay(self) -> None:
         self.store.counts.register("a:1")
+        self.store.counts.register("b:1")
         self.redis.replies["EVALSHA"] = ["1", "0"]
         self.store.start()
         self.store.counts.take("a:1")
-        self.assertNotIn(("HSET", "txlb:inflight:r1", "a:1", 1), self.redis.sent)
-        self.clock.advance(0)
-        self.assertIn(("HSET", "txlb:inflight:r1", "a:1", 1), self.redis.sent)
+        self.store.counts.take("b:1")
+        self.store.counts.take("a:1")
+        self.clock.advance(FLUSH_DELAY - 0.001)
+        self.assertFalse([c for c in self.redis.sent if c[0] == "HSET"])
+        self.clock.advance(0.001)
+        self.assertEqual([c for c in self.redis.sent if c[0] == "HSET"],
+                         [("HSET", "txlb:inflight:r1", "a:1", 2, "b:1", 1)])
 
     def test_marks_wait_for_redis_and_go_when_it_is_back(self) -> None:
         self.redis.broken = True
         self.store.start()
         self.store.marks.started = True
         self.store.marks.save(BackendSpec("h", 1), Marks(draining=True))
-        self.clock.advance(0)
+        self.clock.advance(FLUSH_DELAY)
         self.assertEqual(list(self.store.marks.unsent), ["h:1"])
         self.redis.broken = False
         self.redis.replies["EVALSHA"] = ["1", "0"]

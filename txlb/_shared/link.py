@@ -57,7 +57,7 @@ class Script:
 
 def _utc(seconds: float) -> str:
     return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat(
-        timespec="seconds").replace("+00:00", "Z")
+        timespec="milliseconds").replace("+00:00", "Z")
 
 
 class RedisLink:

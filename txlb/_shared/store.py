@@ -7,7 +7,7 @@ replica's lease expire after :data:`LEASE` unless renewed, so a replica killed w
 leaves nothing behind), drops expired replicas, and returns the live replicas' count, the
 marks' version and the other replicas' rows.  When the version moved, the marks' hash is
 read too.  Between polls, a change of this replica's counts is written at once (coalesced
-within one reactor turn), and marks saved by the pool are written with the version bump.
+over :data:`FLUSH_DELAY`), and marks saved by the pool are written with the version bump.
 
 No request waits for any of it: the pool, the router and the rate limiter read local copies.
 When a poll fails or does not answer within the link's timeout, the replica falls back to
@@ -44,6 +44,9 @@ log = Logger()
 
 #: Seconds between polls: how old another replica's count or mark can be.
 POLL_INTERVAL = 0.1
+#: Seconds a change of this replica's counts or marks waits to be written with the others
+#: made meanwhile: one write for a burst of requests, each still published within this.
+FLUSH_DELAY = 0.005
 #: Milliseconds a replica's row and lease live without a poll renewing them.
 LEASE = 3000
 
@@ -226,10 +229,10 @@ class RedisStore:
     # -- this replica's writes ------------------------------------------------------------
 
     def _row_changed(self) -> None:
-        """A count changed: write it within this reactor turn, with any others changed."""
+        """A count changed: write it within :data:`FLUSH_DELAY`, with the others changed."""
         if not self._flush_due:
             self._flush_due = True
-            self.clock.callLater(0, self._flush)
+            self.clock.callLater(FLUSH_DELAY, self._flush)
 
     def _flush(self) -> None:
         self._flush_due = False
@@ -246,10 +249,10 @@ class RedisStore:
         self._write_marks()
 
     def marks_saved(self) -> None:
-        """The pool saved marks: write them (within this reactor turn)."""
+        """The pool saved marks: write them within :data:`FLUSH_DELAY`."""
         if not self._flush_due:
             self._flush_due = True
-            self.clock.callLater(0, self._flush)
+            self.clock.callLater(FLUSH_DELAY, self._flush)
 
     def _write_marks(self) -> None:
         unsent, self.marks.unsent = self.marks.unsent, {}
