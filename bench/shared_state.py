@@ -153,8 +153,9 @@ def table(samples: dict[str, list[float]], args: argparse.Namespace) -> str:
                      f"{(p50 - local50) * 1e3:+.3f} | {(p99 - local99) * 1e3:+.3f} |")
     lines += [
         "",
-        "`shared`: the slot's take and give-back are each written to Redis within the "
-        "reactor turn (pipelined `HSET` + `PEXPIRE`), off the request's path; the poll "
+        "`shared`: the slot's take and give-back are each written to Redis within 5 ms "
+        "with the other changes meanwhile (pipelined `HSET` + `PEXPIRE`), off the "
+        "request's path; the poll "
         "(every 0.1 s) is not per request.  `shared+rl`: one `EVALSHA` per admitted "
         "request as well, also not awaited (admission reads the local copy of the "
         "bucket).  What the added time is: the extra writes' CPU in the same process, "
