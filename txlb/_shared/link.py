@@ -96,6 +96,13 @@ class RedisLink:
             return
         import txredisapi  # type: ignore[import-untyped]  # the global reactor is installed by now (see the module's doc)
 
+        from txlb._compat import quiet_client_service
+
+        if not getattr(txredisapi.ClientService, "quiet", False):
+            # one line per reconnection attempt is not ours to print: the link logs once
+            txredisapi.ClientService = quiet_client_service(txredisapi.ClientService)
+            txredisapi.ClientService.quiet = True
+
         tls: Any = False
         if self.spec.tls:
             from twisted.internet.ssl import optionsForClientTLS
