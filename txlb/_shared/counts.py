@@ -34,8 +34,9 @@ class FleetCounts:
         self._mine: dict[str, int] = {}
         self._started: dict[str, int] = {}
         self._others: dict[str, int] = {}
-        #: backends whose own count changed since :meth:`changed_row` last took them
-        self._dirty: set[str] = set()
+        #: backends whose own count changed since :meth:`changed_row` last took them, in
+        #: the order they changed (a dict as an ordered set: the writes are reproducible)
+        self._dirty: dict[str, None] = {}
         #: told once per change of this replica's counts (the store publishes the row)
         self.on_change: Callable[[], object] = lambda: None
 
@@ -73,7 +74,7 @@ class FleetCounts:
 
     def _touched(self, key: str) -> None:
         first = not self._dirty
-        self._dirty.add(key)
+        self._dirty[key] = None
         if first:
             self.on_change()
 
@@ -90,7 +91,7 @@ class FleetCounts:
 
     def changed_row(self) -> dict[str, int]:
         """The counts changed since the last call, zero included (a delta to publish)."""
-        dirty, self._dirty = self._dirty, set()
+        dirty, self._dirty = self._dirty, {}
         return {key: self._mine.get(key, 0) for key in dirty}
 
     # -- the fleet ----------------------------------------------------------------------
