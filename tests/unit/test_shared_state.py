@@ -177,6 +177,24 @@ class LinkTests(SynchronousTestCase):
         self.assertNotIn("hunter2", str(self.link.last_error))
 
 
+    def test_only_a_missing_script_is_an_answer(self) -> None:
+        class ResponseError(Exception):
+            pass
+
+        link = RedisLink(SPEC, self.clock, self.redis, answer_errors=(ResponseError,))
+        answers = iter([fail(ResponseError("NOSCRIPT No matching script")), succeed("1")])
+        self.redis.execute_command = lambda *a, **k: next(answers)  # type: ignore[method-assign]
+        replies: list[object] = []
+        from txlb._shared.link import Script
+
+        link.run(Script("return 1"), [], [], probe=True).addCallback(replies.append)
+        self.assertEqual((replies, link.connected), (["1"], True))
+        self.redis.execute_command = lambda *a, **k: fail(  # type: ignore[method-assign]
+            ResponseError("NOAUTH Authentication required"))
+        link.call("PING", probe=True).addErrback(lambda f: None)
+        self.assertFalse(link.connected)
+
+
 class CountsTests(SynchronousTestCase):
     def test_fleet_total_is_mine_plus_the_others(self) -> None:
         counts = FleetCounts()

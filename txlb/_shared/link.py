@@ -70,7 +70,7 @@ class RedisLink:
                  client: Commands | None = None, timeout: float = COMMAND_TIMEOUT,
                  answer_errors: tuple[type[BaseException], ...] = ()) -> None:
         self.spec = spec
-        #: errors that are Redis's answer (a script it lacks, a wrong type): the link is up
+        #: the client's class of an error Redis answered (a ``NOSCRIPT`` one is not a failure)
         self.answer_errors = answer_errors
         self.clock = clock
         self.timeout = timeout
@@ -139,7 +139,7 @@ class RedisLink:
         def settled(value: object) -> object:
             if timer.active():
                 timer.cancel()
-            if isinstance(value, Failure) and not value.check(*self.answer_errors):
+            if isinstance(value, Failure) and not self._script_missing(value):
                 self._failed(value)
                 return value
             self._answered()
@@ -159,6 +159,14 @@ class RedisLink:
             return self.call("EVAL", script.source, len(keys), *keys, *args, probe=probe)
 
         return result.addErrback(unknown)
+
+    def _script_missing(self, failure: Failure) -> bool:
+        """
+        Redis answered that it lacks a script (:meth:`run` sends it whole next): the link
+        is up.  Any other error answer (``NOAUTH``, ``OOM``, ``READONLY``) means nothing
+        can be shared through this server, and counts as down.
+        """
+        return bool(failure.check(*self.answer_errors)) and "NOSCRIPT" in str(failure.value)
 
     # -- state --------------------------------------------------------------------------
 
