@@ -64,6 +64,8 @@ from txlb._scheduling.ratelimit import RateLimiter, client_key
 from txlb._scheduling.router import ModelRoute, Router
 from txlb._server.quiet import QuietConnectionPool, RepeatSummary
 from txlb._server.site import ProxySite
+from txlb._shared.metrics import SharedStateCollector
+from txlb._shared.store import RedisStore
 from txlb._upstream.agent import AgentUpstream
 from txlb._upstream.client import Upstream, UpstreamClient
 
@@ -260,11 +262,17 @@ class LoadBalancer:
         )
         #: where counts, marks and rate buckets live (txlb._cluster.store): this process,
         #: or a store several balancers share
+        if store is None and config.shared_state is not None:
+            store = RedisStore(config.shared_state, reactor)
         self.store = store if store is not None else LocalStore(counts=inflight)
         self.pool = Pool(config.backends, clock=reactor, outliers=OutlierRule(
             consecutive_5xx=config.outlier_5xx, base_cooldown=config.outlier_cooldown),
             slow_start=config.slow_start, store=self.store)
         self.metrics = Metrics(self.pool)
+        if isinstance(self.store, RedisStore):
+            # marks other replicas saved reach the pool; a slot they freed wakes the queue
+            self.store.attach(self.pool.refresh, self.pool.capacity_changed)
+            self.metrics.registry.register(SharedStateCollector(self.store))
         retry_after = max(1, math.ceil(config.health_interval))
         #: whether the policy is the one ``--policy`` names (a reload may replace it),
         #: not an embedder's own object (which a reload keeps)
@@ -411,6 +419,8 @@ class LoadBalancer:
         def status() -> dict[str, object]:
             extra = budgets.status()
             extra.update(dns.status())
+            if isinstance(self.store, RedisStore):
+                extra["shared_state"] = self.store.status()
             if extra_status is None:
                 # one process: its router holds the queue (a --workers supervisor's is
                 # always empty; its workers hold theirs)
@@ -447,6 +457,9 @@ class LoadBalancer:
         ``--workers`` worker's supervisor probes and resolves once for all of them).
         """
         services = SequentialService()
+        if isinstance(self.store, RedisStore):
+            # first, so it stops last: the row shows the drain's requests until they end
+            self.store.service().setServiceParent(services)
         if health_checks:
             self.health.setServiceParent(services)  # stops last: probing goes on while draining
             # where membership is owned (not in a --workers worker, which mirrors it)

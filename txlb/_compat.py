@@ -156,3 +156,24 @@ def adopt_listening_port(port_class: Any, reactor: object, fd: int, family: int,
     is what it calls.
     """
     return port_class._fromListeningDescriptor(reactor, fd, family, factory)
+
+
+def quiet_client_service(base: Any) -> Any:
+    """
+    A subclass of ``twisted.application.internet.ClientService`` (``base``) that logs
+    nothing: its private ``_log`` is the logger it hands its connection machine when built,
+    and ClientService logs a line per reconnection attempt ("Scheduling retry N to
+    connect ..."), every two seconds of an outage.  The shared state's link says once that
+    Redis is unreachable and once that it is back instead.
+    """
+    from twisted.logger import ILogObserver, Logger
+    from zope.interface import provider
+
+    @provider(ILogObserver)
+    def nothing(event: dict[str, Any]) -> None:
+        pass
+
+    class QuietClientService(base):
+        _log = Logger(observer=nothing)
+
+    return QuietClientService

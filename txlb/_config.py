@@ -35,6 +35,7 @@ from txlb._config_classes import (
     parse_classes,
     parse_priority_header,
 )
+from txlb._config_shared import SharedStateSpec, parse_shared_state
 from txlb._scheduling.policies.registry import (
     BUILT_IN,
     DEFAULT_POLICY,
@@ -999,6 +1000,10 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("resolver", (), parse_resolver,
                "DNS servers for dns:/srv: backends, HOST[:PORT] comma-separated (default: "
                "the system's /etc/resolv.conf).", "LB_RESOLVER"),
+    OptionSpec("shared-state", None, parse_shared_state,
+               "Redis URL the replicas of a fleet share in-flight counts, drains, "
+               "membership and rate buckets through: redis://[:PASSWORD@]HOST:PORT/DB, "
+               "rediss:// for TLS, ?password_file=PATH (never logged).", "LB_SHARED_STATE"),
 )
 
 _BY_NAME = {spec.name: spec for spec in OPTIONS}
@@ -1064,6 +1069,7 @@ class Config:
     resolver: tuple[tuple[str, int], ...] = ()
     #: the ``dns:``/``srv:`` entries of ``--backends`` (``backends`` holds the addresses)
     dns_backends: tuple[DnsBackendSpec, ...] = ()
+    shared_state: SharedStateSpec | None = None
 
 
 def check_workers(config: Config) -> None:
@@ -1075,6 +1081,10 @@ def check_workers(config: Config) -> None:
     if config.workers > 1 and config.listen.split(":", 1)[0].lower() not in ("tcp", "tcp6"):
         raise ConfigError(f"--workers: {config.workers} worker processes need a tcp: "
                           f"--listen endpoint, not {config.listen!r}")
+    if config.workers > 1 and config.shared_state is not None:
+        raise ConfigError(f"--workers: {config.workers} worker processes and --shared-state "
+                          "do not combine; run one replica process per --shared-state "
+                          "member (several on one host listen on their own ports)")
 
 
 def closest_name(word: str, known: Iterable[str]) -> str | None:

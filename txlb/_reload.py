@@ -54,7 +54,8 @@ log = Logger()
 
 #: Options a running process cannot change (its ports, processes and result-log file are
 #: open already), by ``Config`` attribute: a reload that changes one says so and keeps it.
-RESTART_ONLY: tuple[str, ...] = ("listen", "admin", "workers", "log_file", "resolver")
+RESTART_ONLY: tuple[str, ...] = ("listen", "admin", "workers", "log_file", "resolver",
+                                "shared_state")
 
 #: What a ``takes_config`` policy (``cache-aware``) reads from the config: a change of any
 #: of them builds a new policy even under the same name.

@@ -27,9 +27,6 @@ OTHER_PROGRAMS = {
     "--alias", "--metrics",  # llama.cpp's llama-server
     "--save", "--appendonly",  # redis-server
 }
-#: Options docs/scale-out.md documents that the shared-state part of the scale-out work adds
-#: to twistd llmlb (known from its --help once that part is in).
-SCALE_OUT_OPTIONS = {"--shared-state"}
 #: Written wrong on purpose: the docs show what txlb answers to a mistyped option.
 MISTYPED_ON_PURPOSE = {"--helth-interval"}
 
@@ -64,7 +61,7 @@ class DocsMatchOptionsTests(SynchronousTestCase):
                  | options_of(python, "-m", "bench.prefix")
                  | options_of(python, "-m", "bench.policies")
                  | {"--index"}  # txlb._workers.main, as it shows in ps
-                 | OTHER_PROGRAMS | MISTYPED_ON_PURPOSE | SCALE_OUT_OPTIONS)
+                 | OTHER_PROGRAMS | MISTYPED_ON_PURPOSE)
         unknown = sorted({f"{path.name}: {option}" for path in DOCS
                           for option in OPTION.findall(path.read_text())
                           if option not in known})

@@ -293,3 +293,29 @@ class ListeningPortTests(TestCase):
         self.assertTrue(served)
         for protocol in accepted:
             self.addCleanup(protocol.transport.abortConnection)  # type: ignore[union-attr]
+
+
+class QuietClientServiceTests(TestCase):
+    def test_a_retry_is_not_logged(self) -> None:
+        from twisted.application.internet import ClientService
+        from twisted.internet.endpoints import TCP4ClientEndpoint
+        from twisted.internet.task import Clock
+        from twisted.internet.testing import MemoryReactorClock
+        from twisted.logger import globalLogPublisher
+
+        from txlb._compat import quiet_client_service
+
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        for service_class, logged in ((ClientService, True),
+                                      (quiet_client_service(ClientService), False)):
+            del events[:]
+            memory, clock = MemoryReactorClock(), Clock()
+            endpoint = TCP4ClientEndpoint(memory, "127.0.0.1", 1)
+            service = service_class(endpoint, Factory.forProtocol(Protocol), clock=clock)
+            service.startService()
+            memory.tcpClients[0][2].clientConnectionFailed(None, Failure(Exception("no")))
+            retries = [e for e in events if "Scheduling retry" in e.get("log_format", "")]
+            self.assertEqual(bool(retries), logged)
+            service.stopService()

@@ -256,7 +256,7 @@ class _SavedMarks:
     def __init__(self) -> None:
         self.saved: list[tuple[str, Marks]] = []
 
-    def save(self, spec: BackendSpec, marks: Marks) -> None:
+    def save(self, spec: BackendSpec, marks: Marks, reason: str = "") -> None:
         self.saved.append((spec.key, marks))
 
     def members(self) -> list[tuple[BackendSpec, Marks]]:

@@ -102,7 +102,7 @@ class _TableCounts:
 class _TableMarks:
     table: _Table
 
-    def save(self, spec: BackendSpec, marks: Marks) -> None:
+    def save(self, spec: BackendSpec, marks: Marks, reason: str = "") -> None:
         self.table.marks[spec.key] = (spec, marks)
 
     def members(self) -> Sequence[tuple[BackendSpec, Marks]]:

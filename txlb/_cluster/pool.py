@@ -124,9 +124,9 @@ class Pool:
             del self._backends[backend.key]
             log.info("backend {backend} removed", backend=backend.key)
 
-    def _marked(self, backend: Backend) -> None:
+    def _marked(self, backend: Backend, reason: str = "") -> None:
         """Added here or its marks changed here: the store keeps them for other balancers."""
-        self.store.marks.save(backend.spec, backend.marks)
+        self.store.marks.save(backend.spec, backend.marks, reason)
 
     def _take_marks(self) -> bool:
         """
@@ -156,9 +156,9 @@ class Pool:
                 backend.drain()
             elif not backend.removing:
                 backend.undrain()
-            if stored.healthy and not backend.healthy:
+            if stored.healthy is True and not backend.healthy:
                 backend.came_up(self._now())
-            elif backend.healthy and not stored.healthy:
+            elif backend.healthy and stored.healthy is False:
                 backend.went_down()
             log.info("backend {backend} is now {marks} (from the shared store)",
                      backend=backend.key, marks=stored)
@@ -390,7 +390,7 @@ class Pool:
         if backend.went_down():
             log.warn("backend {backend} marked down: {reason}", backend=backend.key,
                      reason=reason)
-            self._marked(backend)
+            self._marked(backend, reason)
             for listener in list(self.on_down):
                 listener(backend, reason)
             self._changed()

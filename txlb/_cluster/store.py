@@ -76,9 +76,13 @@ class IInFlightCounts(Interface):
 
 @attrs.frozen
 class Marks:
-    """What an operator or a health verdict says of one backend, as the store keeps it."""
+    """
+    What an operator or a health verdict says of one backend, as the store keeps it.
+    ``healthy`` is ``None`` in what a store hands back when it has no health verdict to
+    pass on (a shared store passes on connection refusals only, and their clearing).
+    """
 
-    healthy: bool = True
+    healthy: bool | None = True
     draining: bool = False
     removing: bool = False
 
@@ -92,8 +96,11 @@ class IBackendMarks(Interface):
     the store marked ``removing`` (every balancer lets its own requests finish first).
     """
 
-    def save(spec: BackendSpec, marks: Marks) -> None:
-        """This balancer added the backend of ``spec`` or changed its marks."""
+    def save(spec: BackendSpec, marks: Marks, reason: str = "") -> None:
+        """
+        This balancer added the backend of ``spec`` or changed its marks; ``reason`` is
+        why it was marked down, when it was.
+        """
 
     def members() -> Sequence[tuple[BackendSpec, Marks]]:
         """Every backend some balancer saved, in the order first saved, with its marks."""
@@ -165,7 +172,7 @@ class OwnMarks:
     keep and nothing another balancer could have changed.
     """
 
-    def save(self, spec: BackendSpec, marks: Marks) -> None:
+    def save(self, spec: BackendSpec, marks: Marks, reason: str = "") -> None:
         pass
 
     def members(self) -> Sequence[tuple[BackendSpec, Marks]]:

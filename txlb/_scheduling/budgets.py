@@ -152,6 +152,15 @@ class TokenLevels:
         """The keys of the buckets held (each below its capacity when last stored)."""
         return list(self._levels)
 
+    def set_level(self, bucket: Bucket, level: float) -> None:
+        """
+        ``bucket`` holds ``level`` now (kept between minus :data:`DEBT_WINDOWS` capacities
+        and its capacity): a shared store's answer replacing this copy's level.
+        """
+        capacity = bucket[1]
+        self._store(bucket, max(-DEBT_WINDOWS * capacity, min(capacity, level)),
+                    self._now())
+
     def forget(self, keep: Callable[[str], bool]) -> None:
         for key in [key for key in self._levels if not keep(key)]:
             del self._levels[key]  # its heap entries are stale now

@@ -1,0 +1,343 @@
+"""
+``--shared-state`` for real: a real ``redis-server`` on a free loopback port and three real
+``twistd -n llmlb`` replicas over the same simulated engines.  With shared state the replicas
+act as one balancer: least-connections counts the others' streams, a drain on one stops the
+others' traffic within a second, ``--rate-limit`` is the fleet's, a replica killed with
+SIGKILL leaves no count behind, and Redis killed mid-run costs no request.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import time
+from typing import Any
+
+from twisted.internet import defer
+from twisted.trial.unittest import TestCase
+
+from ..processes import Chunks, Client, TwistdProcess, chat_body, header, wait_until
+from ..redis import RedisServer
+from .test_integration import JSON, Fleet
+
+#: Bound on every request loop here.
+MAX_REQUESTS = 400
+
+
+class SharedStateProcessTests(TestCase):
+    timeout = 120
+
+    def setUp(self) -> None:
+        self.redis = RedisServer()
+        self.addCleanup(self.redis.stop)
+        self.client = Client()
+        self.addCleanup(self.client.pool.closeCachedConnections)
+
+    async def replica(self, *args: str, shared: bool = True) -> TwistdProcess:
+        state = ["--shared-state", self.redis.url] if shared else []
+        if "--config" not in args:
+            state += ["--backends", ",".join(self.fleet.keys)]
+        process = TwistdProcess("--admin", "tcp:0:interface=127.0.0.1",
+                                "--health-interval", "0.5", "--shutdown-timeout", "2",
+                                *state, *args)
+        self.addCleanup(lambda: defer.ensureDeferred(process.stop()))
+        await process.started()
+        return process
+
+    async def replicas(self, count: int, *args: str, shared: bool = True,
+                       ) -> list[TwistdProcess]:
+        started = [await self.replica(*args, shared=shared) for _ in range(count)]
+        if shared:
+            for process in started:
+                await wait_until(lambda p=process: "shared state: connected" in p.output(),
+                                 timeout=10, what="the replica to reach Redis")
+            await wait_until(lambda: all(
+                "shared state: connected" in p.output() for p in started), timeout=10)
+        return started
+
+    async def status(self, process: TwistdProcess) -> dict[str, Any]:
+        _, body = await self.client.fetch(process.admin_url + "/status")
+        result: dict[str, Any] = json.loads(body.body)
+        return result
+
+    async def in_flight(self, process: TwistdProcess) -> dict[str, int]:
+        status = await self.status(process)
+        return {b["backend"]: b["active"] for b in status["backends"]}
+
+    async def open_stream(self, process: TwistdProcess, tokens: int = 200,
+                          ) -> tuple[str | None, Chunks]:
+        response = await self.client.request(
+            process.url + "/v1/chat/completions", b"POST", chat_body(),
+            {**JSON, b"x-sim-tokens": [str(tokens).encode()]})
+        self.assertEqual(response.code, 200)
+        stream = Chunks()
+        response.deliverBody(stream)
+        await wait_until(lambda: len(stream.chunks) > 1, what="tokens")
+        return header(response, b"x-backend"), stream
+
+    async def small_request(self, process: TwistdProcess) -> tuple[int, str | None]:
+        response, _ = await self.client.fetch(
+            process.url + "/v1/chat/completions", b"POST", chat_body(stream=False),
+            {**JSON, b"x-sim-tokens": [b"1"]})
+        return response.code, header(response, b"x-backend")
+
+    async def spread(self, shared: bool) -> set[str | None]:
+        """A sends 4 long streams, then B sends 4: the engines the 8 landed on."""
+        self.fleet = Fleet(self, 8, tokens_per_second=20)
+        a, b = await self.replicas(2, "--policy", "least-conn", shared=shared)
+        landed = [(await self.open_stream(a))[0] for _ in range(4)]
+        if shared:
+            # B has read A's row once its view shows A's four streams
+            async def counted() -> bool:
+                return sum((await self.in_flight(b)).values()) == 4
+            await _until(counted, "B to see A's streams")
+        landed += [(await self.open_stream(b))[0] for _ in range(4)]
+        return set(landed)
+
+    async def test_streams_of_two_replicas_land_on_eight_engines(self) -> None:
+        self.assertEqual(len(await self.spread(shared=True)), 8)
+
+    async def test_without_shared_state_b_reuses_as_engines(self) -> None:
+        # the other way round: the test above is only worth something if this one holds
+        self.assertEqual(len(await self.spread(shared=False)), 4)
+
+    async def test_drain_on_one_replica_stops_the_others_within_a_second(self) -> None:
+        self.fleet = Fleet(self, 2)
+        a, b, c = await self.replicas(3)
+        drained = self.fleet.keys[0]
+        response, _ = await self.client.fetch(
+            a.admin_url + f"/backends/{drained}/drain", b"POST")
+        self.assertEqual(response.code, 200)
+        began = time.monotonic()
+
+        async def drained_everywhere() -> bool:
+            for process in (b, c):
+                status = await self.status(process)
+                if not any(x["backend"] == drained and x["draining"]
+                           for x in status["backends"]):
+                    return False
+            return True
+
+        await _until(drained_everywhere, "the drain to reach B and C", timeout=5)
+        self.assertLess(time.monotonic() - began, 1.0)
+        for _ in range(10):
+            code, backend = await self.small_request(b)
+            self.assertEqual((code, backend), (200, self.fleet.keys[1]))
+        # kept across a restart: a new replica starts with the drain
+        d = await self.replica()
+        await wait_until(lambda: "shared state: connected" in d.output(), timeout=10)
+
+        async def d_drained() -> bool:
+            status = await self.status(d)
+            return any(x["backend"] == drained and x["draining"] for x in status["backends"])
+
+        await _until(d_drained, "the new replica to take the stored drain")
+
+    async def test_rate_limit_is_the_fleets(self) -> None:
+        self.fleet = Fleet(self, 2)
+        replicas = await self.replicas(3, "--rate-limit", "10/s")
+        seconds, began = 4.0, time.monotonic()
+        codes: list[int] = []
+
+        async def client(process: TwistdProcess) -> None:
+            # one client per replica, each as fast as its replica answers
+            for _ in range(MAX_REQUESTS):
+                if time.monotonic() - began >= seconds:
+                    return
+                codes.append((await self.small_request(process))[0])
+
+        await defer.gatherResults([defer.ensureDeferred(client(p)) for p in replicas])
+        elapsed = time.monotonic() - began
+        allowed = codes.count(200)
+        self.assertEqual(codes.count(200) + codes.count(429), len(codes))
+        expected = 10 + 10 * elapsed  # the burst (one second's worth), then the rate
+        # enough sent that replicas limiting each on its own would let through 1.3x more
+        self.assertGreater(len(codes), 1.5 * expected, "too few sent to test the limit")
+        self.assertTrue(0.7 * expected <= allowed <= 1.3 * expected,
+                        f"{allowed} of {len(codes)} let through in {elapsed:.1f}s, "
+                        f"expected ~{expected:.0f}")
+
+    async def test_a_token_budget_is_the_fleets(self) -> None:
+        self.fleet = Fleet(self, 1)
+        config = os.path.abspath(self.mktemp())
+        with open(config, "w") as handle:
+            handle.write(f'backends = ["{self.fleet.keys[0]}"]\n[[budgets]]\n'
+                         'name = "per-client"\nkey = "ip"\ntokens_per_minute = 600\n')
+        a, b = await self.replicas(2, "--config", config)
+        body = json.dumps({"model": "sim-model", "prompt": "hello there",
+                           "max_tokens": 30}).encode()
+
+        async def post(process: TwistdProcess) -> int:
+            response, _ = await self.client.fetch(process.url + "/v1/completions", b"POST",
+                                                  body, JSON)
+            return int(response.code)
+
+        for _ in range(60):  # a budget of 600 holds ~15 of them: bounded
+            if await post(a) == 429:
+                break
+        else:
+            self.fail("A never refused")
+        # B's copy learns the fleet's level from its first reservation's answer at most
+        codes = [await post(b) for _ in range(3)]
+        self.assertIn(429, codes[:2], codes)
+
+    async def test_a_password_is_used_and_never_shown(self) -> None:
+        self.redis.stop()
+        self.redis = RedisServer(password="s3cret-redis-pass")
+        self.addCleanup(self.redis.stop)
+        self.fleet = Fleet(self, 1)
+        secret = os.path.abspath(self.mktemp())
+        with open(secret, "w") as handle:
+            handle.write("s3cret-redis-pass\n")
+        url = f"redis://127.0.0.1:{self.redis.port}/0?password_file={secret}"
+        a = await self.replica("--shared-state", url, shared=False)
+        await wait_until(lambda: "shared state: connected" in a.output(), timeout=10)
+        status = await self.status(a)
+        self.assertEqual(status["shared_state"]["url"],
+                         f"redis://:***@127.0.0.1:{self.redis.port}/0")
+        _, metrics = await self.client.fetch(a.admin_url + "/metrics")
+        self.assertIn(b"txlb_shared_state_up 1.0", metrics.body)
+        # a wrong password in the URL itself: refused by Redis, said without the password
+        b = await self.replica("--shared-state",
+                               f"redis://:wrong-pass-42@127.0.0.1:{self.redis.port}/0",
+                               shared=False)
+        await wait_until(lambda: "uses its local view" in b.output(), timeout=10)
+        code, _ = await self.small_request(b)
+        self.assertEqual(code, 200)
+        for process in (a, b):
+            shown = process.output() + json.dumps(await self.status(process))
+            self.assertNotIn("s3cret-redis-pass", shown)
+            self.assertNotIn("wrong-pass-42", shown)
+
+    async def test_a_replica_killed_leaves_no_count_behind(self) -> None:
+        self.fleet = Fleet(self, 2, tokens_per_second=20)
+        a, b = await self.replicas(2)
+        for _ in range(2):
+            await self.open_stream(a, tokens=5000)
+
+        async def b_sees(count: int) -> bool:
+            return sum((await self.in_flight(b)).values()) == count
+
+        await _until(b_sees, "B to count A's streams", 2)
+        a.process.send_signal(signal.SIGKILL)
+        await a.stop(signal_it=False)
+        await _until(b_sees, "A's counts to expire", 0, timeout=10)
+
+    async def test_redis_killed_costs_no_request_and_they_resync(self) -> None:
+        self.fleet = Fleet(self, 2)
+        a, b = await self.replicas(2)
+        self.redis.kill()
+        down = time.monotonic()
+
+        async def fell_back() -> bool:
+            return not (await self.status(a))["shared_state"]["connected"]
+
+        for sent in range(MAX_REQUESTS):
+            code, _ = await self.small_request((a, b)[sent % 2])
+            self.assertEqual(code, 200)
+            if sent >= 20 and not await fell_back():
+                continue
+            if sent >= 20:
+                break
+        self.assertLess(time.monotonic() - down, 5)
+        state = (await self.status(a))["shared_state"]
+        self.assertFalse(state["connected"])
+        self.assertTrue(state["last_error"])
+        self.assertEqual(a.output().count("uses its local view"), 1, a.output())
+        self.redis.start()
+
+        async def back() -> bool:
+            return all([(await self.status(p))["shared_state"]["connected"] for p in (a, b)])
+
+        await _until(back, "both replicas to reconnect", timeout=15)
+        # resynchronised: a drain on B after the outage reaches A
+        drained = self.fleet.keys[1]
+        await self.client.fetch(b.admin_url + f"/backends/{drained}/drain", b"POST")
+
+        async def on_a() -> bool:
+            return any(x["backend"] == drained and x["draining"]
+                       for x in (await self.status(a))["backends"])
+
+        await _until(on_a, "B's drain to reach A")
+
+
+    async def test_a_stalled_redis_is_left_within_a_second(self) -> None:
+        self.fleet = Fleet(self, 2)
+        a, b = await self.replicas(2, "--rate-limit", "1000/s")
+        self.redis.pause()  # SIGSTOP: connections stay open, nothing answers
+        stalled = time.time()
+
+        async def fell_back() -> bool:
+            return not (await self.status(a))["shared_state"]["connected"]
+
+        await _until(fell_back, "A to fall back", timeout=5)
+        # when A itself noticed (its own clock, to the millisecond), however slow the
+        # test's own status requests are on a loaded machine
+        since = (await self.status(a))["shared_state"]["since"]
+        noticed = datetime.datetime.fromisoformat(since.replace("Z", "+00:00")).timestamp()
+        self.assertLess(noticed - stalled, 1.0)
+        for sent in range(20):  # served meanwhile, rate limit and all, without waiting
+            began = time.monotonic()
+            code, _ = await self.small_request((a, b)[sent % 2])
+            self.assertEqual(code, 200)
+            # never the 0.5 s a Redis call may take: nothing waits for one
+            self.assertLess(time.monotonic() - began, 0.5)
+        self.redis.resume()
+
+        async def back() -> bool:
+            return bool((await self.status(a))["shared_state"]["connected"])
+
+        await _until(back, "A to reconnect", timeout=10)
+
+
+    async def max_conns_peaks(self, gap: float) -> list[int]:
+        """12 long streams over three replicas in turn, ``gap`` apart, on 2 x max_conns 2."""
+        from twisted.internet import reactor, task
+
+        self.fleet = Fleet(self, 2, tokens_per_second=20)
+        config = os.path.abspath(self.mktemp())
+        with open(config, "w") as handle:
+            handle.write("backends = [" + ", ".join(
+                f'{{url = "http://{key}", max_conns = 2}}' for key in self.fleet.keys) + "]\n")
+        replicas = await self.replicas(3, "--config", config, "--queue-timeout", "60")
+        pending = []
+        for sent in range(12):
+            pending.append(defer.ensureDeferred(self.client.request(
+                replicas[sent % 3].url + "/v1/chat/completions", b"POST", chat_body(),
+                {**JSON, b"x-sim-tokens": [b"60"]})))
+            if gap:
+                await task.deferLater(reactor, gap, lambda: None)
+        await wait_until(lambda: sum(sim.started for sim in self.fleet.sims) >= 4,
+                         timeout=10, what="the first streams")
+        await task.deferLater(reactor, 0.5, lambda: None)
+        for response in await defer.gatherResults(pending):
+            response.deliverBody(Chunks())
+        return [sim.peak_running for sim in self.fleet.sims]
+
+    async def test_max_conns_overshoot_with_arrivals_apart(self) -> None:
+        # arrivals 0.2 s apart (more than the 0.1 s read): every replica sees the others'
+        # streams before it admits; what is left is a freed slot that wakes the queued
+        # requests of several replicas at once (at most one each of the others)
+        peaks = await self.max_conns_peaks(0.2)
+        print(f"max_conns 2, 12 streams 0.2 s apart over 3 replicas: peaks {peaks}")
+        self.assertTrue(all(2 <= peak <= 2 + 2 for peak in peaks), peaks)
+
+    async def test_max_conns_overshoot_with_a_simultaneous_burst(self) -> None:
+        # all at once: each replica may admit up to max_conns on the counts it has read;
+        # the bound is the replicas' number times max_conns, and the figure is in the docs
+        peaks = await self.max_conns_peaks(0)
+        print(f"max_conns 2, 12 streams at once over 3 replicas: peaks {peaks}")
+        self.assertTrue(all(2 <= peak <= 6 for peak in peaks), peaks)
+
+
+async def _until(condition: Any, what: str, *args: Any, timeout: float = 5.0) -> None:
+    """Ask an async ``condition`` until it holds, bounded in time."""
+    from twisted.internet import reactor, task
+
+    deadline = time.monotonic() + timeout
+    while not await condition(*args):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await task.deferLater(reactor, 0.05, lambda: None)

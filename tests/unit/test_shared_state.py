@@ -1,0 +1,472 @@
+"""
+``--shared-state``'s parts without a Redis: the URL and its masking, the link's fallback on
+a :class:`~twisted.internet.task.Clock`, the fleet's counts, the shared marks' rules and the
+rate buckets' local copies.  The scripts themselves run against a real Redis in
+``tests/integration/test_shared_state_process.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.task import Clock
+from twisted.logger import globalLogPublisher
+from twisted.trial.unittest import SynchronousTestCase
+
+from txlb import LoadBalancer
+from txlb._cluster.pool import Pool
+from txlb._cluster.store import Marks
+from txlb._config import BackendSpec, ConfigError, build_config
+from txlb._config_shared import SharedStateSpec, parse_shared_state
+from txlb._shared.counts import FleetCounts
+from txlb._shared.link import RedisLink
+from txlb._shared.marks import Entry, SharedMarks
+from txlb._shared.rate import SharedRateBuckets
+from txlb._shared.store import FLUSH_DELAY, RedisStore
+
+SPEC = SharedStateSpec("127.0.0.1", 6379, password="hunter2-secret")
+
+
+class FakeRedis:
+    """Answers each command with what ``answer`` says; ``stalled``: never answers."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[Any, ...]] = []
+        self.stalled = False
+        self.broken = False
+        self.replies: dict[str, Any] = {}
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Deferred[Any]:
+        self.sent.append(args)
+        if self.stalled:
+            return Deferred()
+        if self.broken:
+            return fail(ConnectionError("Connection refused"))
+        return succeed(self.replies.get(args[0], "OK"))
+
+
+class Captured:
+    def __init__(self, test: SynchronousTestCase) -> None:
+        self.events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(self.events.append)
+        test.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+
+    def texts(self) -> list[str]:
+        from twisted.logger import formatEvent
+
+        return [formatEvent(event) for event in self.events]
+
+
+class URLTests(SynchronousTestCase):
+    def test_parts(self) -> None:
+        spec = parse_shared_state("shared-state", "rediss://user:p%40ss@redis.example:6380/3")
+        assert spec is not None
+        self.assertEqual((spec.host, spec.port, spec.db, spec.tls, spec.username,
+                          spec.password), ("redis.example", 6380, 3, True, "user", "p@ss"))
+        self.assertEqual(spec.masked, "rediss://user:***@redis.example:6380/3")
+
+    def test_defaults(self) -> None:
+        spec = parse_shared_state("shared-state", "redis://10.0.0.5")
+        assert spec is not None
+        self.assertEqual((spec.port, spec.db, spec.password, spec.prefix), (6379, 0, None, "txlb"))
+        self.assertIsNone(parse_shared_state("shared-state", "none"))
+
+    def test_password_never_shown(self) -> None:
+        spec = parse_shared_state("shared-state", "redis://:hunter2-secret@h:1/0")
+        assert spec is not None
+        for shown in (repr(spec), str(spec), spec.masked,
+                      repr(build_config({"shared-state": "redis://:hunter2-secret@h:1/0",
+                                         "backends": "127.0.0.1:9"}, environ={}))):
+            self.assertNotIn("hunter2", shown)
+
+    def test_refusals_name_the_option_and_hide_the_password(self) -> None:
+        for bad in ("http://:hunter2-secret@h:1/0", "redis://:hunter2-secret@h:99999/0",
+                    "redis://:hunter2-secret@h:1/99", "redis://:hunter2-secret@h:1/x",
+                    "redis://:hunter2-secret@/0", "redis://:hunter2-secret@h:1/0?evil=1",
+                    "redis://:hunter2-secret@h:1/0?prefix=a%20b",
+                    "redis://:hunter2-secret@h:1/0?password_file=/etc/passwd"):
+            with self.assertRaises(ConfigError) as caught:
+                parse_shared_state("shared-state", bad)
+            message = str(caught.exception)
+            self.assertTrue(message.startswith("--shared-state: "), message)
+            self.assertNotIn("hunter2", message)
+            self.assertNotIn("\n", message)
+
+    def test_password_file(self) -> None:
+        path = self.mktemp()
+        with open(path, "w") as handle:
+            handle.write("from-a-file\nignored\n")
+        spec = parse_shared_state("shared-state", f"redis://h:1/0?password_file={path}")
+        assert spec is not None
+        self.assertEqual(spec.password, "from-a-file")
+        with self.assertRaises(ConfigError) as caught:
+            parse_shared_state("shared-state", "redis://h:1/0?password_file=/nonexistent")
+        self.assertIn("cannot be read", str(caught.exception))
+        empty = self.mktemp()
+        open(empty, "w").close()
+        with self.assertRaises(ConfigError):
+            parse_shared_state("shared-state", f"redis://h:1/0?password_file={empty}")
+
+    def test_environment_and_workers(self) -> None:
+        config = build_config({"backends": "127.0.0.1:9"},
+                              environ={"LB_SHARED_STATE": "redis://h:1/2"})
+        assert config.shared_state is not None
+        self.assertEqual(config.shared_state.db, 2)
+        with self.assertRaises(ConfigError) as caught:
+            build_config({"backends": "127.0.0.1:9", "workers": "2",
+                          "shared-state": "redis://h:1/0"}, environ={})
+        self.assertIn("--workers", str(caught.exception))
+
+
+class LinkTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.redis = FakeRedis()
+        self.link = RedisLink(SPEC, self.clock, self.redis)
+        self.log = Captured(self)
+
+    def test_down_within_a_second_of_a_stall_and_logged_once(self) -> None:
+        self.link.call("PING", probe=True)
+        self.assertTrue(self.link.connected)
+        self.redis.stalled = True
+        stalled: list[object] = []
+        self.link.call("PING").addErrback(stalled.append)
+        self.clock.advance(0.49)
+        self.assertTrue(self.link.connected)
+        self.clock.advance(0.02)
+        self.assertFalse(self.link.connected)
+        self.assertEqual(len(stalled), 1)
+        for _ in range(5):
+            self.link.call("PING", probe=True).addErrback(lambda f: None)
+            self.clock.advance(1)
+        warnings = [t for t in self.log.texts() if "local view" in t]
+        self.assertEqual(len(warnings), 1)
+        self.assertEqual(self.link.fallbacks, 1)
+        self.assertNotIn("hunter2", " ".join(self.log.texts()))
+
+    def test_while_down_only_probes_are_sent(self) -> None:
+        self.redis.broken = True
+        self.link.call("PING", probe=True).addErrback(lambda f: None)
+        sent = len(self.redis.sent)
+        failed: list[object] = []
+        self.link.call("HSET", "k", "f", "v").addErrback(failed.append)
+        self.assertEqual(len(self.redis.sent), sent)
+        self.assertEqual(len(failed), 1)
+
+    def test_back_up_tells_listeners_and_status(self) -> None:
+        ups: list[int] = []
+        self.link.on_up.append(lambda: ups.append(1))
+        self.redis.broken = True
+        self.link.call("PING", probe=True).addErrback(lambda f: None)
+        status = self.link.status()
+        self.assertEqual((status["connected"], status["url"]),
+                         (False, "redis://:***@127.0.0.1:6379/0"))
+        self.assertIn("Connection refused", str(status["last_error"]))
+        self.redis.broken = False
+        self.link.call("PING", probe=True)
+        self.assertEqual(ups, [1])
+        self.assertTrue(self.link.status()["connected"])
+
+    def test_an_error_naming_the_password_is_masked(self) -> None:
+        self.redis.broken = True
+        self.redis.execute_command = lambda *a, **k: fail(  # type: ignore[method-assign]
+            ValueError("bad auth hunter2-secret"))
+        self.link.call("PING", probe=True).addErrback(lambda f: None)
+        self.assertNotIn("hunter2", str(self.link.last_error))
+
+
+    def test_only_a_missing_script_is_an_answer(self) -> None:
+        class ResponseError(Exception):
+            pass
+
+        link = RedisLink(SPEC, self.clock, self.redis, answer_errors=(ResponseError,))
+        answers = iter([fail(ResponseError("NOSCRIPT No matching script")), succeed("1")])
+        self.redis.execute_command = lambda *a, **k: next(answers)  # type: ignore[method-assign]
+        replies: list[object] = []
+        from txlb._shared.link import Script
+
+        link.run(Script("return 1"), [], [], probe=True).addCallback(replies.append)
+        self.assertEqual((replies, link.connected), (["1"], True))
+        self.redis.execute_command = lambda *a, **k: fail(  # type: ignore[method-assign]
+            ResponseError("NOAUTH Authentication required"))
+        link.call("PING", probe=True).addErrback(lambda f: None)
+        self.assertFalse(link.connected)
+
+
+class CountsTests(SynchronousTestCase):
+    def test_fleet_total_is_mine_plus_the_others(self) -> None:
+        counts = FleetCounts()
+        a, b = counts.register("a:1"), counts.register("b:1")
+        counts.take("a:1")
+        counts.read_others([("a:1", "2"), ("b:1", "3"), ("b:1", "1")])
+        self.assertEqual(counts.totals()[a], 3)
+        self.assertEqual(counts.totals()[b], 4)
+        self.assertEqual(counts.mine("a:1"), 1)
+        self.assertTrue(counts.read_others([("a:1", "2")]))  # b's fell: a slot freed
+        self.assertTrue(counts.forget_others())
+        self.assertEqual(counts.totals(), [1, 0])
+
+    def test_hostile_rows_are_ignored(self) -> None:
+        counts = FleetCounts()
+        counts.register("a:1")
+        counts.read_others([("a:1", "-5"), ("a:1", "1e9"), ("a:1", "99999999"),
+                            ("zz:1", "4"), ("a:1", "x")])
+        self.assertEqual(counts.total("a:1"), 0)
+
+    def test_a_change_is_announced_once_per_batch(self) -> None:
+        counts = FleetCounts()
+        counts.register("a:1")
+        told: list[int] = []
+        counts.on_change = lambda: told.append(1)
+        counts.take("a:1")
+        counts.take("a:1")
+        counts.give_back("a:1")
+        self.assertEqual(told, [1])
+        self.assertEqual(counts.changed_row(), {"a:1": 1})
+        counts.give_back("a:1")
+        self.assertEqual(counts.changed_row(), {"a:1": 0})
+
+
+def entry(key: str, by: str, **marks: bool) -> tuple[str, str]:
+    host, port = key.split(":")
+    values = {"draining": False, "removing": False, "healthy": True, **marks}
+    return key, Entry(BackendSpec(host, int(port)), by=by, **values).encode()
+
+
+class MarksTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.marks = SharedMarks("me")
+        self.pool = Pool((BackendSpec("h", 1), BackendSpec("h", 2)),
+                         store=_Store(self.marks))
+        self.marks.started = True
+
+    def test_another_replicas_drain_reaches_the_pool(self) -> None:
+        self.assertTrue(self.marks.read([entry("h:1", "other", draining=True)]))
+        self.pool.refresh()
+        backend = self.pool.get("h:1")
+        assert backend is not None
+        self.assertTrue(backend.draining)
+
+    def test_our_own_echo_is_not_applied_again(self) -> None:
+        backend = self.pool.get("h:1")
+        assert backend is not None
+        self.pool.drain(backend)
+        self.pool.undrain(backend)
+        self.assertFalse(self.marks.read([entry("h:1", "me", draining=True)]))
+
+    def test_only_a_refusal_is_shared_as_health(self) -> None:
+        backend = self.pool.get("h:1")
+        assert backend is not None
+        self.pool.mark_down(backend, "outlier: 5 consecutive 5xx")
+        self.assertTrue(self.marks.unsent["h:1"].healthy)
+        self.pool.mark_up(backend)
+        self.pool.mark_down(backend, "proxy: connection refused (nothing listens)")
+        self.assertFalse(self.marks.unsent["h:1"].healthy)
+        self.pool.mark_up(backend)  # the next successful probe clears it for everyone
+        self.assertTrue(self.marks.unsent["h:1"].healthy)
+
+    def test_a_drain_elsewhere_does_not_bring_back_a_local_ejection(self) -> None:
+        backend = self.pool.get("h:1")
+        assert backend is not None
+        self.pool.mark_down(backend, "outlier: 5 consecutive 5xx")
+        self.marks.read([entry("h:1", "other", draining=True)])
+        self.pool.refresh()
+        self.assertFalse(backend.healthy)
+        self.assertTrue(backend.draining)
+
+    def test_a_refusal_elsewhere_takes_it_out_here(self) -> None:
+        self.marks.read([entry("h:2", "other")], whole=True)
+        self.pool.refresh()
+        self.marks.read([entry("h:2", "other", healthy=False)])
+        self.pool.refresh()
+        backend = self.pool.get("h:2")
+        assert backend is not None
+        self.assertFalse(backend.healthy)
+
+    def test_added_and_removed_elsewhere(self) -> None:
+        self.marks.read([entry("h:3", "other")])
+        self.pool.refresh()
+        self.assertIsNotNone(self.pool.get("h:3"))
+        self.marks.read([entry("h:3", "other", removing=True)])
+        self.pool.refresh()
+        self.assertIsNone(self.pool.get("h:3"))
+
+    def test_saves_before_redis_answered_are_claims(self) -> None:
+        marks = SharedMarks("me")
+        Pool((BackendSpec("h", 1),), store=_Store(marks))
+        self.assertEqual(list(marks.claims), ["h:1"])
+        self.assertEqual(marks.unsent, {})
+
+    def test_garbage_in_the_hash_is_ignored(self) -> None:
+        self.assertFalse(self.marks.read([
+            ("h:1", "not json"), ("h:1", json.dumps({"spec": 5})),
+            ("h:9", entry("h:1", "other", draining=True)[1]),  # key and spec disagree
+            ("h:1", "x" * 20000)]))
+
+
+class _Store:
+    counts = None
+
+    def __init__(self, marks: SharedMarks) -> None:
+        self.marks = marks
+
+
+class RateTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.redis = FakeRedis()
+        self.link = RedisLink(SPEC, self.clock, self.redis)
+        self.link.call("PING", probe=True)
+        self.replicas = 3
+
+    def buckets(self) -> SharedRateBuckets:
+        return SharedRateBuckets(self.link, "txlb", 30.0, 30, self.clock,
+                                 lambda: self.replicas)
+
+    def test_admits_at_once_and_takes_from_the_shared_bucket(self) -> None:
+        buckets = self.buckets()
+        self.redis.replies["EVALSHA"] = "25.0"
+        self.assertEqual(buckets.take("ip:1"), 0.0)
+        sent = self.redis.sent[-1]
+        self.assertEqual(sent[0], "EVALSHA")
+        self.assertTrue(sent[3].startswith("txlb:rate:"))
+        self.assertNotIn("ip:1", " ".join(map(str, sent)))  # the key is digested
+
+    def test_the_shared_level_sets_the_copy(self) -> None:
+        buckets = self.buckets()
+        self.redis.replies["EVALSHA"] = "-30"  # the fleet spent everything
+        self.assertEqual(buckets.take("ip:1"), 0.0)
+        self.assertGreater(buckets.take("ip:1"), 0)
+
+    def test_between_answers_a_copy_refills_at_its_share(self) -> None:
+        buckets = self.buckets()
+        self.redis.replies["EVALSHA"] = "0"
+        buckets.take("ip:1")
+        self.clock.advance(1 / 10 - 0.001)  # 30/s over 3 replicas: one token per 0.1 s
+        self.assertGreater(buckets.take("ip:1"), 0)
+        self.clock.advance(0.002)
+        self.assertEqual(buckets.take("ip:1"), 0.0)
+
+    def test_redis_gone_the_copy_decides_alone(self) -> None:
+        buckets = self.buckets()
+        self.redis.broken = True
+        self.link.call("PING", probe=True).addErrback(lambda f: None)
+        sent = len(self.redis.sent)
+        allowed = sum(buckets.take("ip:1") == 0 for _ in range(50))
+        self.assertEqual(allowed, 10)  # a new key's copy: its share of the burst
+        self.assertEqual(len(self.redis.sent), sent)
+
+
+class StoreTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.redis = FakeRedis()
+        self.store = RedisStore(SPEC, self.clock, self.redis, replica="r1")
+
+    def test_balancer_uses_the_store_and_reports_it(self) -> None:
+        config = build_config({"backends": "127.0.0.1:9",
+                               "shared-state": "redis://:hunter2-secret@h:1/0"}, environ={})
+        lb = LoadBalancer(config=config, reactor=self.clock)
+        self.assertIsInstance(lb.store, RedisStore)
+        from prometheus_client import generate_latest
+
+        text = generate_latest(lb.metrics.registry).decode()
+        self.assertIn("txlb_shared_state_up 0.0", text)
+        self.assertIn("txlb_shared_state_fallbacks_total 0.0", text)
+
+    def test_poll_reads_the_others_and_falls_back(self) -> None:
+        self.store.counts.register("a:1")
+        self.redis.replies["EVALSHA"] = ["3", "0", "a:1", "4"]
+        self.redis.replies["HGETALL"] = []
+        self.store.start()
+        self.assertTrue(self.store.link.connected)
+        self.assertEqual((self.store.replicas, self.store.counts.total("a:1")), (3, 4))
+        freed: list[int] = []
+        self.store.on_freed = lambda: freed.append(1)
+        self.redis.stalled = True
+        self.clock.advance(0.25)
+        self.clock.advance(0.5)
+        self.assertFalse(self.store.link.connected)
+        self.assertEqual(self.store.counts.total("a:1"), 0)  # the local view
+        self.assertEqual(freed, [1])
+
+    def test_count_changes_are_written_together_within_the_flush_delay(self) -> None:
+        self.store.counts.register("a:1")
+        self.store.counts.register("b:1")
+        self.redis.replies["EVALSHA"] = ["1", "0"]
+        self.store.start()
+        self.store.counts.take("a:1")
+        self.store.counts.take("b:1")
+        self.store.counts.take("a:1")
+        self.clock.advance(FLUSH_DELAY - 0.001)
+        self.assertFalse([c for c in self.redis.sent if c[0] == "HSET"])
+        self.clock.advance(0.001)
+        self.assertEqual([c for c in self.redis.sent if c[0] == "HSET"],
+                         [("HSET", "txlb:inflight:r1", "a:1", 2, "b:1", 1)])
+
+    def test_marks_wait_for_redis_and_go_when_it_is_back(self) -> None:
+        self.redis.broken = True
+        self.store.start()
+        self.store.marks.started = True
+        self.store.marks.save(BackendSpec("h", 1), Marks(draining=True))
+        self.clock.advance(FLUSH_DELAY)
+        self.assertEqual(list(self.store.marks.unsent), ["h:1"])
+        self.redis.broken = False
+        self.redis.replies["EVALSHA"] = ["1", "0"]
+        self.clock.advance(0.25)
+        self.assertEqual(self.store.marks.unsent, {})
+        self.assertTrue(any(c[0] == "HSET" and c[1] == "txlb:marks" for c in self.redis.sent))
+
+
+class LevelsTests(SynchronousTestCase):
+    BUCKET = ("budget:minute:ip:1", 600.0, 10.0)
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.redis = FakeRedis()
+        self.link = RedisLink(SPEC, self.clock, self.redis)
+        self.link.call("PING", probe=True)
+        from txlb._shared.levels import SharedTokenLevels
+
+        self.levels = SharedTokenLevels(self.link, "txlb", self.clock, lambda: 2)
+
+    def test_a_reservation_moves_the_shared_bucket_and_takes_its_level(self) -> None:
+        self.redis.replies["EVALSHA"] = ["100.0"]  # the other replica spent the rest
+        self.assertEqual(self.levels.reserve([self.BUCKET], 50), 0.0)
+        sent = self.redis.sent[-1]
+        self.assertEqual((sent[0], sent[2], sent[4]), ("EVALSHA", 1, "-50.0"))
+        self.assertNotIn("ip:1", " ".join(map(str, sent)))
+        self.assertEqual(self.levels.level(self.BUCKET), 100.0)
+        self.assertGreater(self.levels.reserve([self.BUCKET], 150), 0)  # does not fit
+
+    def test_reconciling_gives_back_to_the_shared_bucket(self) -> None:
+        self.redis.replies["EVALSHA"] = ["580.0"]
+        self.levels.adjust([self.BUCKET], 30)
+        self.assertEqual(self.redis.sent[-1][4], "30.0")
+        self.assertEqual(self.levels.level(self.BUCKET), 580.0)
+
+    def test_redis_gone_the_copy_decides_alone(self) -> None:
+        self.redis.broken = True
+        self.link.call("PING", probe=True).addErrback(lambda f: None)
+        sent = len(self.redis.sent)
+        self.assertEqual(self.levels.reserve([self.BUCKET], 500), 0.0)
+        self.assertEqual(len(self.redis.sent), sent)
+        # refilled at its share: 10/s over 2 replicas
+        self.clock.advance(10)
+        self.assertEqual(self.levels.level(self.BUCKET), 150.0)
+
+
+class SharedDebtTests(SynchronousTestCase):
+    def test_a_shared_bucket_takes_the_same_debt_as_a_local_one(self) -> None:
+        """
+        A request that cost more than it reserved is paid in full across the fleet as in
+        one process: the shared script's floor is the local buckets' (DEBT_WINDOWS).
+        """
+        from txlb._scheduling.budgets import DEBT_WINDOWS
+        from txlb._shared import levels
+
+        self.assertEqual(levels.DEBT, DEBT_WINDOWS)
+        self.assertIn(f"math.max(-cap * {DEBT_WINDOWS}, math.min(cap, level))",
+                      levels.MOVE.source)

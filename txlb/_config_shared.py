@@ -1,0 +1,127 @@
+"""
+``--shared-state``: the Redis URL several replicas share their state through, parsed.
+
+Kept beside :mod:`txlb._config` so the URL's rules live in one small module.  The password
+is the one secret here: it never reaches a log line, ``/status`` or an error message --
+:attr:`SharedStateSpec.masked` is the only form of the URL anything shows, and every
+:class:`~txlb._config.ConfigError` below is worded without the value's password.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import attrs
+
+#: Longest password file read (a password is a line; a mistaken path to a big file is
+#: refused rather than read whole).
+MAX_PASSWORD_FILE = 4096
+#: Redis's default number of databases (``databases 16``); a higher one is refused here.
+MAX_DB = 15
+_HOST = re.compile(r"[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
+
+
+@attrs.frozen
+class SharedStateSpec:
+    """Where the shared state lives: a Redis server, its database and its credentials."""
+
+    host: str
+    port: int
+    db: int = 0
+    tls: bool = False
+    username: str | None = None
+    #: never shown: :attr:`masked` is what logs, ``/status`` and errors print
+    password: str | None = attrs.field(default=None, repr=False)
+    #: the key prefix, so several fleets can share one Redis database
+    prefix: str = "txlb"
+
+    @property
+    def masked(self) -> str:
+        """The URL as txlb shows it: the password, if any, as ``***``."""
+        scheme = "rediss" if self.tls else "redis"
+        user = self.username or ""
+        credentials = f"{user}:***@" if self.password is not None else (
+            f"{user}@" if user else "")
+        return f"{scheme}://{credentials}{self.host}:{self.port}/{self.db}"
+
+    def __str__(self) -> str:
+        return self.masked
+
+
+def _refuse(option: str, masked: str, why: str) -> ValueError:
+    from txlb._config import ConfigError
+
+    return ConfigError(f"--{option}: {masked!r} {why}")
+
+
+
+
+
+def _masked_text(text: str) -> str:
+    """``text`` with whatever sits between ``://`` and ``@`` hidden (a URL not parsed yet)."""
+    return re.sub(r"(?<=://)[^@/]*@", "***@", text, count=1)
+
+
+def parse_shared_state(option: str, value: object) -> SharedStateSpec | None:
+    """
+    ``redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?password_file=PATH&prefix=NAME]`` (or
+    ``rediss://`` for TLS), or ``none``.  A password in a file (``password_file``, its
+    first line) keeps it out of the process list and the unit file.
+    """
+    if value is None:
+        return None
+    text = str(value).strip()
+    if text.lower() in ("", "none"):
+        return None
+    masked = _masked_text(text)
+    if len(text) > 2048:
+        raise _refuse(option, masked[:60] + "...", "is longer than 2048 characters")
+    try:
+        parts = urlsplit(text)
+        port = parts.port or 6379
+    except ValueError:
+        raise _refuse(option, masked, "is not a redis:// URL with a valid port") from None
+    if parts.scheme not in ("redis", "rediss"):
+        raise _refuse(option, masked, "must start with redis:// or rediss://")
+    host = parts.hostname or ""
+    if not _HOST.fullmatch(host if ":" not in host else f"[{host}]"):
+        raise _refuse(option, masked, "names no valid host")
+    path = parts.path.strip("/") or "0"
+    if not path.isdigit() or int(path) > MAX_DB:
+        raise _refuse(option, masked, f"must end with a database number 0..{MAX_DB}")
+    password = unquote(parts.password) if parts.password is not None else None
+    username = unquote(parts.username) if parts.username else None
+    query = parse_qs(parts.query, keep_blank_values=True)
+    unknown = sorted(set(query) - {"password_file", "prefix"})
+    if unknown:
+        raise _refuse(option, masked, f"has an unknown parameter {unknown[0][:40]!r} "
+                      "(known: password_file, prefix)")
+    prefix = query.get("prefix", ["txlb"])[-1]
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", prefix):
+        raise _refuse(option, masked, "has a prefix that is not 1-64 of A-Z a-z 0-9 _ . -")
+    files = query.get("password_file")
+    if files:
+        if password is not None:
+            raise _refuse(option, masked, "has both a password and a password_file")
+        password = _read_password(option, masked, files[-1])
+    return SharedStateSpec(host=host, port=port, db=int(path), tls=parts.scheme == "rediss",
+                           username=username, password=password, prefix=prefix)
+
+
+def _read_password(option: str, masked: str, path: str) -> str:
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_PASSWORD_FILE + 1)
+    except OSError as error:
+        raise _refuse(option, masked, f"password_file cannot be read: {error.strerror}") \
+            from None
+    if len(data) > MAX_PASSWORD_FILE:
+        raise _refuse(option, masked, f"password_file is over {MAX_PASSWORD_FILE} bytes")
+    try:
+        line = data.decode("utf-8").splitlines()[0].strip() if data.strip() else ""
+    except UnicodeDecodeError:
+        raise _refuse(option, masked, "password_file is not UTF-8 text") from None
+    if not line:
+        raise _refuse(option, masked, "password_file is empty")
+    return line

@@ -1,0 +1,220 @@
+"""
+The connection to the shared Redis, and what happens when it fails.
+
+Every call here is bounded: a command that has not answered within :attr:`RedisLink.timeout`
+is cancelled and counts as a failure, and while the link is down nothing but the store's
+periodic poll is sent (so nothing piles up behind a dead server).  The first failure after
+a success is logged once -- the replicas fall back to their local view -- and the first
+success after it once more; ``/status`` and the metrics show the state in between.
+
+The client is ``txredisapi`` (the maintained Twisted Redis client: replies in order on one
+connection, so commands written back to back are pipelined; scripts; reconnection with
+backoff through ``ClientService``; TLS through the ``IOpenSSLClientConnectionCreator`` it
+accepts).  It reads the global reactor when imported, so it is imported only when the link
+starts -- after ``twistd`` installed its reactor -- and never by parsing a config.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from twisted.internet.defer import Deferred, fail
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from txlb._config_shared import SharedStateSpec
+
+log = Logger()
+
+#: Seconds a command may take before the link counts as down (the poll runs every
+#: :data:`txlb._shared.store.POLL_INTERVAL`, so a stalled Redis is noticed within their sum).
+COMMAND_TIMEOUT = 0.5
+#: Longest error text kept for ``/status`` (a server's message is not ours to trust).
+MAX_ERROR = 200
+
+
+class Commands(Protocol):
+    """What the link needs of a Redis client: one command, its reply in a Deferred."""
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Deferred[Any]: ...
+
+
+class LinkDown(Exception):
+    """The shared store is unreachable: the caller keeps to its local view."""
+
+
+class Script:
+    """A Lua script run by its SHA1 (``EVALSHA``), sent whole only when the server lacks it."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode("utf-8")).hexdigest()
+
+
+def _utc(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat(
+        timespec="milliseconds").replace("+00:00", "Z")
+
+
+class RedisLink:
+    """
+    One Redis connection as the store uses it: bounded calls, an up/down state with its
+    transitions logged once, and listeners told of each transition.
+    """
+
+    def __init__(self, spec: SharedStateSpec, clock: IReactorTime,
+                 client: Commands | None = None, timeout: float = COMMAND_TIMEOUT,
+                 answer_errors: tuple[type[BaseException], ...] = ()) -> None:
+        self.spec = spec
+        #: the client's class of an error Redis answered (a ``NOSCRIPT`` one is not a failure)
+        self.answer_errors = answer_errors
+        self.clock = clock
+        self.timeout = timeout
+        self._client = client
+        #: whether the last call answered
+        self.connected = False
+        #: when :attr:`connected` last changed (or the link was made)
+        self.since = clock.seconds()
+        self.last_error: str | None = None
+        #: times the replica fell back to its local view (up -> down transitions)
+        self.fallbacks = 0
+        #: whether it was ever up (the first failure at start is logged too)
+        self._ever_up = False
+        self._down_logged = False
+        self.on_up: list[Callable[[], object]] = []
+        self.on_down: list[Callable[[], object]] = []
+
+    # -- life cycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Connect (in the background; the first poll finds out whether it worked)."""
+        if self._client is not None:
+            return
+        import txredisapi  # type: ignore[import-untyped]  # the global reactor is installed by now (see the module's doc)
+
+        from txlb._compat import quiet_client_service
+
+        if not getattr(txredisapi.ClientService, "quiet", False):
+            # one line per reconnection attempt is not ours to print: the link logs once
+            txredisapi.ClientService = quiet_client_service(txredisapi.ClientService)
+            txredisapi.ClientService.quiet = True
+
+        tls: Any = False
+        if self.spec.tls:
+            from twisted.internet.ssl import optionsForClientTLS
+
+            tls = optionsForClientTLS(self.spec.host)
+        client = txredisapi.lazyConnection(
+            host=self.spec.host, port=self.spec.port, dbid=self.spec.db, reconnect=True,
+            password=self.spec.password, username=self.spec.username,
+            ssl_context_factory=tls, connectTimeout=1.0, replyTimeout=None,
+            convertNumbers=False)
+        # back to a returning Redis within a couple of seconds, not the default ten
+        factory = client._factory
+        factory.initialDelay, factory.maxDelay = 0.25, 2.0
+        self._client = client
+        self.answer_errors = (txredisapi.ResponseError,)
+
+    def stop(self) -> Deferred[Any] | None:
+        client, self._client = self._client, None
+        disconnect = getattr(client, "disconnect", None)
+        return disconnect() if disconnect is not None else None
+
+    # -- calls --------------------------------------------------------------------------
+
+    def call(self, *args: Any, probe: bool = False) -> Deferred[Any]:
+        """
+        Send one command.  While the link is down only a ``probe`` is sent (the poll that
+        finds out it is back); anything else fails at once with :class:`LinkDown`.
+        """
+        if self._client is None or not (self.connected or probe):
+            return fail(LinkDown("shared state unreachable"))
+        result = self._client.execute_command(*args)
+        timer = self.clock.callLater(self.timeout, result.cancel)
+
+        def settled(value: object) -> object:
+            if timer.active():
+                timer.cancel()
+            if isinstance(value, Failure) and not self._script_missing(value):
+                self._failed(value)
+                return value
+            self._answered()
+            return value
+
+        result.addBoth(settled)
+        return result
+
+    def run(self, script: Script, keys: Sequence[str], args: Sequence[Any],
+            probe: bool = False) -> Deferred[Any]:
+        """Run ``script`` by its SHA1, sending its source only if Redis has not got it."""
+        result = self.call("EVALSHA", script.sha, len(keys), *keys, *args, probe=probe)
+
+        def unknown(failure: Failure) -> object:
+            if "NOSCRIPT" not in str(failure.value):
+                return failure
+            return self.call("EVAL", script.source, len(keys), *keys, *args, probe=probe)
+
+        return result.addErrback(unknown)
+
+    def _script_missing(self, failure: Failure) -> bool:
+        """
+        Redis answered that it lacks a script (:meth:`run` sends it whole next): the link
+        is up.  Any other error answer (``NOAUTH``, ``OOM``, ``READONLY``) means nothing
+        can be shared through this server, and counts as down.
+        """
+        return bool(failure.check(*self.answer_errors)) and "NOSCRIPT" in str(failure.value)
+
+    # -- state --------------------------------------------------------------------------
+
+    def _answered(self) -> None:
+        if self.connected:
+            return
+        self.connected, self.since, self._ever_up = True, self.clock.seconds(), True
+        self._down_logged = False
+        log.info("shared state: connected to {url}; sharing counts, marks and rate "
+                 "buckets with the other replicas", url=self.spec.masked)
+        self._tell(self.on_up)
+
+    def _failed(self, failure: Failure) -> None:
+        self.last_error = self._words(failure)
+        if self.connected:
+            self.connected, self.since = False, self.clock.seconds()
+            self.fallbacks += 1
+            self._tell(self.on_down)
+        if not self._down_logged:
+            self._down_logged = True
+            log.warn("shared state: {url} unreachable ({error}); this replica uses its "
+                     "local view until it answers again", url=self.spec.masked,
+                     error=self.last_error)
+
+    def _words(self, failure: Failure) -> str:
+        from twisted.internet.defer import CancelledError
+
+        if failure.check(CancelledError):
+            text = f"no answer within {self.timeout:g}s"
+        else:
+            text = f"{type(failure.value).__name__}: {failure.getErrorMessage()}"
+        if self.spec.password:
+            text = text.replace(self.spec.password, "***")
+        return "".join(c if c.isprintable() else "?" for c in text)[:MAX_ERROR]
+
+    def _tell(self, listeners: list[Callable[[], object]]) -> None:
+        for listener in list(listeners):
+            try:
+                listener()
+            except Exception:
+                log.failure("a shared-state listener failed")
+
+    def status(self) -> dict[str, object]:
+        """The ``shared_state`` of ``/status`` (the URL masked)."""
+        return {
+            "url": self.spec.masked,
+            "connected": self.connected,
+            "since": _utc(self.since),
+            "last_error": self.last_error,
+            "fallbacks": self.fallbacks,
+        }

@@ -1,0 +1,308 @@
+"""
+:class:`RedisStore`: the :class:`~txlb._cluster.store.IBackendStore` of ``--shared-state``.
+
+One poll every :data:`POLL_INTERVAL` does the fleet's bookkeeping in one script
+(:data:`POLL`): it writes this replica's in-flight row (the heartbeat: the row and the
+replica's lease expire after :data:`LEASE` unless renewed, so a replica killed with SIGKILL
+leaves nothing behind), drops expired replicas, and returns the live replicas' count, the
+marks' version and the other replicas' rows.  When the version moved, the marks' hash is
+read too.  Between polls, a change of this replica's counts is written at once (coalesced
+over :data:`FLUSH_DELAY`), and marks saved by the pool are written with the version bump.
+
+No request waits for any of it: the pool, the router and the rate limiter read local copies.
+When a poll fails or does not answer within the link's timeout, the replica falls back to
+its local view (the other replicas' counts forgotten) -- within ``POLL_INTERVAL`` plus the
+timeout of Redis stalling -- and when a poll answers again it republishes its row and
+unsent marks and rereads the whole hash.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from txlb._cluster.store import IBackendStore, IRateBuckets, ITokenLevels
+from txlb._config_shared import SharedStateSpec
+from txlb._shared.counts import FleetCounts
+from txlb._shared.levels import SharedTokenLevels
+from txlb._shared.link import Commands, RedisLink, Script
+from txlb._shared.marks import SharedMarks
+from txlb._shared.rate import SharedRateBuckets
+
+log = Logger()
+
+#: Seconds between polls: how old another replica's count or mark can be.
+POLL_INTERVAL = 0.1
+#: Seconds a change of this replica's counts or marks waits to be written with the others
+#: made meanwhile: one write for a burst of requests, each still published within this.
+FLUSH_DELAY = 0.005
+#: Milliseconds a replica's row and lease live without a poll renewing them.
+LEASE = 3000
+
+#: ARGV: prefix, replica id, lease (ms), then this replica's row as key, count pairs.
+#: Returns: live replicas, the marks' version, then the others' rows as key, count pairs.
+POLL = Script("""
+local p = ARGV[1]
+local me = ARGV[2]
+local lease = tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local row = p .. ':inflight:' .. me
+redis.call('DEL', row)
+if #ARGV > 3 then
+  redis.call('HSET', row, unpack(ARGV, 4))
+  redis.call('PEXPIRE', row, lease)
+end
+local replicas = p .. ':replicas'
+redis.call('ZADD', replicas, now + lease, me)
+redis.call('ZREMRANGEBYSCORE', replicas, '-inf', now)
+redis.call('PEXPIRE', replicas, lease * 10)
+local ids = redis.call('ZRANGE', replicas, 0, -1)
+local out = {tostring(#ids), redis.call('GET', p .. ':marks:version') or '0'}
+for _, id in ipairs(ids) do
+  if id ~= me then
+    local h = redis.call('HGETALL', p .. ':inflight:' .. id)
+    for i = 1, #h do out[#out + 1] = h[i] end
+  end
+end
+return out
+""")
+
+#: Add the backends a replica starts with where the hash has no entry (KEYS: the hash,
+#: the version; ARGV: field, value pairs): a drain or removal stored earlier stays.
+CLAIM = Script("""
+local added = 0
+for i = 1, #ARGV, 2 do
+  added = added + redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+if added > 0 then redis.call('INCR', KEYS[2]) end
+return added
+""")
+
+
+def replica_id() -> str:
+    """This replica's name in Redis: host, pid and a random part (a restart is a new one)."""
+    host = "".join(c for c in socket.gethostname() if c.isalnum() or c in "-.")[:40]
+    return f"{host or 'host'}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def _pairs(items: Sequence[Any]) -> list[tuple[str, str]]:
+    texts = [str(item) for item in items]
+    return list(zip(texts[0::2], texts[1::2], strict=False))
+
+
+@implementer(IBackendStore)
+class RedisStore:
+    """Counts, marks, rate buckets and token budgets' levels shared through one Redis."""
+
+    def __init__(self, spec: SharedStateSpec, clock: IReactorTime,
+                 client: Commands | None = None, replica: str | None = None,
+                 interval: float = POLL_INTERVAL, lease: int = LEASE) -> None:
+        self.spec = spec
+        self.clock = clock
+        self.replica = replica or replica_id()
+        self.interval = interval
+        self.lease = lease
+        self.link = RedisLink(spec, clock, client)
+        self.counts = FleetCounts()
+        self.marks = SharedMarks(self.replica)
+        #: live replicas as last polled (1, this one, while Redis has not answered)
+        self.replicas = 1
+        self._version: str | None = None
+        self._polling = False
+        self._flush_due = False
+        self._loop: LoopingCall | None = None
+        self._buckets: list[SharedRateBuckets] = []
+        self._levels: list[SharedTokenLevels] = []
+        #: told when other replicas' marks arrived (the pool takes them: ``pool.refresh``)
+        self.on_marks: Callable[[], object] = lambda: None
+        #: told when another replica freed a slot (``pool.capacity_changed``)
+        self.on_freed: Callable[[], object] = lambda: None
+        self.counts.on_change = self._row_changed
+        self.marks.on_saved = self.marks_saved
+        self.link.on_up.append(self._resync)
+        self.link.on_down.append(self._fell_back)
+
+    @property
+    def prefix(self) -> str:
+        return self.spec.prefix
+
+    # -- IBackendStore ------------------------------------------------------------------
+
+    def rate_buckets(self, rate: float, burst: int, clock: IReactorTime) -> IRateBuckets:
+        buckets = SharedRateBuckets(self.link, self.prefix, rate, burst, clock,
+                                    lambda: self.replicas)
+        self._buckets.append(buckets)
+        del self._buckets[:-2]  # a reload's new buckets replace the old ones
+        return buckets
+
+    def unshared(self) -> int:
+        """Rate-limit takes and token-budget moves the shared buckets missed."""
+        return (sum(buckets.unshared for buckets in self._buckets)
+                + sum(levels.unshared for levels in self._levels))
+
+    def token_levels(self, clock: IReactorTime) -> ITokenLevels:
+        levels = SharedTokenLevels(self.link, self.prefix, clock, lambda: self.replicas)
+        self._levels.append(levels)
+        return levels
+
+    # -- wiring -------------------------------------------------------------------------
+
+    def attach(self, refresh: Callable[[], object], freed: Callable[[], object]) -> None:
+        """The pool this store serves: ``refresh`` takes marks, ``freed`` wakes the queue."""
+        self.on_marks, self.on_freed = refresh, freed
+
+    def service(self) -> Service:
+        return _PollService(self)
+
+    def start(self) -> None:
+        self.link.start()
+        self._loop = LoopingCall(self.poll)
+        self._loop.clock = self.clock
+        self._loop.start(self.interval, now=True)
+
+    def stop(self) -> Deferred[Any]:
+        """Stop polling and take this replica's row out now (not after its lease)."""
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        if not self.link.connected:
+            self.link.stop()
+            return succeed(None)
+        done = DeferredList([
+            self.link.call("DEL", f"{self.prefix}:inflight:{self.replica}"),
+            self.link.call("ZREM", f"{self.prefix}:replicas", self.replica),
+        ], consumeErrors=True)
+        return done.addBoth(lambda _: self.link.stop())
+
+    # -- the poll -----------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """One heartbeat and read (skipped while the previous one has not answered)."""
+        if self._polling:
+            return
+        self._polling = True
+        row = [item for key, count in self.counts.row().items() for item in (key, count)]
+        self.counts.changed_row()  # the whole row goes now
+        result = self.link.run(POLL, [], [self.prefix, self.replica, self.lease, *row],
+                               probe=True)
+        result.addCallbacks(self._polled, self._poll_failed)
+
+    def _polled(self, reply: object) -> None:
+        self._polling = False
+        if not isinstance(reply, list) or len(reply) < 2:
+            return
+        try:
+            self.replicas = max(1, min(100_000, int(reply[0])))
+        except ValueError:
+            self.replicas = 1
+        if self.counts.read_others(_pairs(reply[2:])):
+            self.on_freed()
+        version = str(reply[1])
+        if version != self._version:
+            self._read_marks(version, whole=self._version is None)
+
+    def _poll_failed(self, failure: Failure) -> None:
+        self._polling = False
+
+    def _read_marks(self, version: str, whole: bool) -> None:
+        def read(reply: object) -> None:
+            if not isinstance(reply, list):
+                return
+            self._version = version
+            if self.marks.read(_pairs(reply), whole=whole):
+                self.on_marks()
+
+        self.link.call("HGETALL", f"{self.prefix}:marks").addCallbacks(
+            read, lambda failure: None)
+
+    # -- this replica's writes ------------------------------------------------------------
+
+    def _row_changed(self) -> None:
+        """A count changed: write it within :data:`FLUSH_DELAY`, with the others changed."""
+        if not self._flush_due:
+            self._flush_due = True
+            self.clock.callLater(FLUSH_DELAY, self._flush)
+
+    def _flush(self) -> None:
+        self._flush_due = False
+        if not self.link.connected:
+            self.counts.changed_row()  # the next poll republishes the whole row
+            return
+        row = f"{self.prefix}:inflight:{self.replica}"
+        changed = self.counts.changed_row()
+        if changed:
+            # written back to back on one connection: pipelined, one round trip
+            self.link.call("HSET", row, *[x for kv in changed.items() for x in kv]) \
+                .addErrback(lambda failure: None)
+            self.link.call("PEXPIRE", row, self.lease).addErrback(lambda failure: None)
+        self._write_marks()
+
+    def marks_saved(self) -> None:
+        """The pool saved marks: write them within :data:`FLUSH_DELAY`."""
+        if not self._flush_due:
+            self._flush_due = True
+            self.clock.callLater(FLUSH_DELAY, self._flush)
+
+    def _write_marks(self) -> None:
+        unsent, self.marks.unsent = self.marks.unsent, {}
+        if not unsent:
+            return
+        if not self.link.connected:
+            self.marks.unsent = {**unsent, **self.marks.unsent}
+            return
+        fields = [x for kv in self.marks.entries(unsent) for x in kv]
+        written = self.link.call("HSET", f"{self.prefix}:marks", *fields)
+        written.addCallback(lambda _: self.link.call("INCR", f"{self.prefix}:marks:version"))
+
+        def lost(failure: Failure) -> None:
+            self.marks.unsent = {**unsent, **self.marks.unsent}
+
+        written.addErrback(lost)
+
+    # -- fallback and resync ------------------------------------------------------------
+
+    def _fell_back(self) -> None:
+        if self.counts.forget_others():
+            self.on_freed()
+
+    def _resync(self) -> None:
+        """Redis answers (again): our claims, our unsent marks, then the whole hash."""
+        self.marks.started = True
+        claims, self.marks.claims = self.marks.claims, {}
+        if claims:
+            fields = [x for kv in self.marks.entries(claims) for x in kv]
+            self.link.run(CLAIM, [f"{self.prefix}:marks", f"{self.prefix}:marks:version"],
+                          fields).addErrback(lambda failure: None)
+        self._write_marks()
+        self._version = None  # the next poll reads the whole hash
+
+    def status(self) -> dict[str, object]:
+        """``/status``'s ``shared_state``: the link, this replica and what it shares."""
+        return {**self.link.status(), "replica": self.replica, "replicas": self.replicas,
+                **self.marks.status()}
+
+
+class _PollService(Service):
+    """The store's polling as a service of the balancer (started and stopped with it)."""
+
+    def __init__(self, store: RedisStore) -> None:
+        self.store = store
+
+    def startService(self) -> None:
+        super().startService()
+        self.store.start()
+
+    def stopService(self) -> Deferred[Any]:
+        super().stopService()
+        return self.store.stop()
