@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
 from types import SimpleNamespace
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from bench.mutation import MODULE_TESTS, StaleMutant, apply_diff, is_equivalent, tests_for
+from bench.mutation import (
+    MODULE_TESTS,
+    StaleMutant,
+    apply_diff,
+    is_equivalent,
+    tests_for,
+    who_tests_what,
+)
 
 
 def item(first: int, last: int) -> object:
@@ -29,6 +38,23 @@ class SelectionTests(SynchronousTestCase):
         coverage = {10: frozenset({"tests.unit.test_a.A.test_one"})}
         self.assertEqual(tests_for(item(30, 30), self.module, coverage),
                          MODULE_TESTS[self.module])
+
+
+class SlowMapTests(SynchronousTestCase):
+    def test_tests_too_slow_to_map_leave_no_map_and_the_run_goes_on(self) -> None:
+        """
+        _server/site's full run died here: its tests (an integration module among them)
+        ran past ten timeouts under coverage, and the ``TimeoutExpired`` ended the whole
+        run before its first mutant.  Without a map, each mutant runs every test.
+        """
+        def slow(command: list[str], **kwargs: object) -> None:
+            raise subprocess.TimeoutExpired(command, 600.0)
+
+        self.patch(subprocess, "run", slow)
+        copy = Path(self.mktemp())
+        copy.mkdir()
+        self.assertEqual(who_tests_what("_server/site", copy, 60.0), {})
+        self.assertEqual(tests_for(item(10, 10), "_server/site", {}), MODULE_TESTS["_server/site"])
 
 
 class EquivalenceTests(SynchronousTestCase):
