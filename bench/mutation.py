@@ -327,10 +327,16 @@ class Tally:
         return self.counts.get(status, 0)
 
 
+#: What a copy holds: the package, the plugin, the tests (with their fixtures) and the docs,
+#: which some tests hold the code to (test_failures reads docs/reliability.md's failure
+#: table, test_resultlog and test_fields docs/result-log.md).
+COPIED = ("txlb", "tests", "twisted", "docs")
+
+
 def copy_tree(into: Path) -> Path:
-    """A copy of what the tests need (package, plugin, tests), so mutants touch no tree
-    anyone works in."""
-    for name in ("txlb", "tests", "twisted"):
+    """A copy of what the tests need (:data:`COPIED`), so mutants touch no tree anyone
+    works in."""
+    for name in COPIED:
         shutil.copytree(ROOT / name, into / name,
                         ignore=shutil.ignore_patterns("__pycache__", "_trial_temp*"))
     return into
@@ -340,6 +346,27 @@ def test_command(copy: Path, tests: Sequence[str]) -> str:
     """Trial on ``tests``, run in ``copy`` (``env -C``) so the copy's txlb is imported."""
     return (f"env -C {copy} PYTHONPATH={copy} {sys.executable} -m twisted.trial "
             f"--temp-directory={copy}/_trial_temp " + " ".join(tests))
+
+
+def baseline(copy: Path, modules: Iterable[str], timeout: float) -> bool:
+    """
+    Whether the modules' tests pass in ``copy`` with no mutant in it.  A test that fails
+    there anyway (one reading a file the copy lacks) fails against every mutant too, and
+    every mutant would be counted killed: no kill rate means anything until this passes.
+    """
+    tests = sorted({test for module in modules for test in MODULE_TESTS[module]})
+    try:
+        run = subprocess.run(test_command(copy, tests).split(), capture_output=True,
+                             timeout=timeout * 10)
+    except subprocess.TimeoutExpired:
+        print(f"the tests, with no mutant, ran past {timeout * 10:g}s", flush=True)
+        return False
+    if run.returncode:
+        tail = run.stdout.decode("utf-8", "replace").splitlines()[-40:]
+        print("the tests fail with no mutant (so every mutant would count as killed):\n"
+              + "\n".join(tail), flush=True)
+        return False
+    return True
 
 
 def annotation_spans(module: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
@@ -501,6 +528,8 @@ def run_mutants(modules: Iterable[str], sample: int | None, seed: int, timeout: 
     print(f"{len(work)} mutants over {', '.join(modules)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="txlb-mutation-") as scratch:
         copies = [copy_tree(Path(scratch) / f"copy{n}") for n in range(jobs)]
+        if not baseline(copies[0], sorted({module for module, _ in work}), timeout):
+            return 1
         free = list(copies)
         coverage: dict[str, Coverage] = {}
         if select:
@@ -656,6 +685,9 @@ def replay(recorded: Path, timeout: float, jobs: int, out: Path | None,
     print(f"{len(entries)} recorded survivors from {recorded}", flush=True)
     with tempfile.TemporaryDirectory(prefix="txlb-replay-") as scratch:
         free = [copy_tree(Path(scratch) / f"copy{n}") for n in range(jobs)]
+        if entries and not baseline(free[0], sorted({str(e["module"]) for e in entries}),
+                                    timeout):
+            return 1
 
         def task(entry: dict[str, object]) -> Outcome:
             module, diff = str(entry["module"]), str(entry["diff"])
