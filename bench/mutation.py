@@ -88,7 +88,8 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "_records/resultlog": _unit("test_resultlog", "test_regressions", "test_summary",
                                 "test_mutants"),
     "_records/summary": _unit("test_summary", "test_prompt_tokens", "test_properties",
-                              "test_regressions", "test_resultlog", "test_mutants"),
+                              "test_regressions", "test_resultlog", "test_mutants",
+                              "test_mutants_summary"),
     "_records/fields": _unit("test_fields", "test_summary", "test_prompt_tokens",
                              "test_properties", "test_resultlog", "test_workers",
                              "test_mutants"),
@@ -267,6 +268,33 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "at position == size find() returns -1: the same break"),
     ("_records/summary", "NumberReplacer", "tries: int =",
      "summarize always passes tries"),
+    ("_records/summary", "ReplaceComparisonOperator_Lt_LtE", "if end <= 0:",
+     "end is 0 only at position 0 with an empty size line, which int() refuses: the same "
+     "break"),
+    ("_records/summary", "NumberReplacer", "if length <= -1:",
+     "after the zero-size chunk only trailer lines follow (and the capture never holds that "
+     "chunk: the client's side writes it), and a 'name: value' line never parses as a size"),
+    ("_records/summary", "NumberReplacer", "position = start + length + 1",
+     "the byte skipped is the CR closing a chunk's data (the upstream client refuses any "
+     "other framing, so the capture holds none): the next size line then starts with LF, "
+     "which int() skips as whitespace"),
+    ("_records/summary", "AddNot", "if not TYPE_CHECKING:",
+     "the two imports serve annotations only (from __future__ import annotations): made at "
+     "run time they change nothing (no import cycle: the module still imports)"),
+    ("_records/summary", "ReplaceTrueWithFalse", "empty: bool = False",
+     "empty is written only for completions, for which summarize passes it"),
+    ("_records/summary", "ReplaceFalseWithTrue", "stream: bool = True",
+     "stream is written only for completions, for which summarize passes it, and read by "
+     "time_per_output_token only beside completion_tokens, None for every other kind"),
+    ("_records/summary", "ReplaceFalseWithTrue", "attrs.field(default=None, repr=True)",
+     "only a RequestRecord's repr shows its routing request: nothing txlb writes uses that "
+     "repr (and the request body it was made from is in it either way)"),
+    ("_records/summary", "NumberReplacer", "MAX_LINE = ",
+     "the bound the other limits are chosen to keep: no code reads it, the tests check "
+     "lines against it"),
+    ("_records/summary", "NumberReplacer", "ended: float =",
+     "RequestRecord's default: every record is ended (by the exchange's _end, or by the "
+     "resource for what it answers itself) before it is summarized"),
     ("_records/summary", "NumberReplacer", "clen: int =",
      "clen is shown only for completions, for which summarize passes it"),
     ("_records/fields", "NumberReplacer", "Text(",
