@@ -8,10 +8,13 @@ from types import SimpleNamespace
 
 from twisted.trial.unittest import SynchronousTestCase
 
+import bench.mutation
 from bench.mutation import (
     MODULE_TESTS,
     StaleMutant,
     apply_diff,
+    baseline,
+    copy_tree,
     is_equivalent,
     tests_for,
     who_tests_what,
@@ -113,3 +116,24 @@ class ReplayTests(SynchronousTestCase):
     def test_a_diff_that_changes_nothing_is_refused(self) -> None:
         header_only = "\n".join(self.diff.splitlines()[:3])
         self.assertRaises(StaleMutant, apply_diff, self.source, header_only)
+
+
+class CopyTests(SynchronousTestCase):
+    """
+    A mutant is killed when its module's tests fail in a copy of the tree: a test that
+    fails in the copy anyway makes every mutant "killed".  (The copy once lacked docs/,
+    which test_failures, test_resultlog and test_fields read: the full runs of
+    _proxy/failures and _records/summary counted every mutant killed.)
+    """
+
+    def test_the_copy_has_the_docs_the_tests_read(self) -> None:
+        copy = copy_tree(Path(self.mktemp()))
+        for name in ("reliability.md", "result-log.md"):
+            self.assertTrue((copy / "docs" / name).is_file(), name)
+
+    def test_tests_failing_with_no_mutant_stop_the_run(self) -> None:
+        """A copy whose tests cannot even be found fails its baseline."""
+        empty = Path(self.mktemp())
+        empty.mkdir()
+        self.patch(bench.mutation, "MODULE_TESTS", {"m": ("tests.unit.test_nothing_here",)})
+        self.assertFalse(baseline(empty, ["m"], timeout=30))
