@@ -363,18 +363,20 @@ class Tally:
         return self.counts.get(status, 0)
 
 
-#: What a copy holds: the package, the plugin, the tests (with their fixtures) and the docs,
+#: What a copy holds: the package, the plugin, the tests (with their fixtures), the docs,
 #: which some tests hold the code to (test_failures reads docs/reliability.md's failure
-#: table, test_resultlog and test_fields docs/result-log.md).
-COPIED = ("txlb", "tests", "twisted", "docs")
+#: table, test_resultlog and test_fields docs/result-log.md), and the benchmarks, which some
+#: tests import (test_fields takes its varied summaries from bench.formats).
+COPIED = ("txlb", "tests", "twisted", "docs", "bench")
 
 
 def copy_tree(into: Path) -> Path:
     """A copy of what the tests need (:data:`COPIED`), so mutants touch no tree anyone
     works in."""
     for name in COPIED:
+        # (not the benchmarks' own environments: bench/.venv-routers holds the Rust routers)
         shutil.copytree(ROOT / name, into / name,
-                        ignore=shutil.ignore_patterns("__pycache__", "_trial_temp*"))
+                        ignore=shutil.ignore_patterns("__pycache__", "_trial_temp*", ".venv*"))
     return into
 
 

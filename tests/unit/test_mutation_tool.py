@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,6 +12,7 @@ from twisted.trial.unittest import SynchronousTestCase
 import bench.mutation
 from bench.mutation import (
     MODULE_TESTS,
+    ROOT,
     StaleMutant,
     apply_diff,
     baseline,
@@ -130,6 +132,20 @@ class CopyTests(SynchronousTestCase):
         copy = copy_tree(Path(self.mktemp()))
         for name in ("reliability.md", "result-log.md"):
             self.assertTrue((copy / "docs" / name).is_file(), name)
+
+    def test_the_copy_has_every_bench_module_a_test_imports(self) -> None:
+        """test_fields imports bench.formats: without bench/ it failed in every copy."""
+        copy = copy_tree(Path(self.mktemp()))
+        imported = set()
+        for test in (ROOT / "tests").rglob("*.py"):
+            imported |= set(re.findall(r"^\s*(?:from|import) (bench(?:\.\w+)*)",
+                                       test.read_text(), re.M))
+        self.assertIn("bench.formats", imported)
+        for module in imported:
+            path = copy.joinpath(*module.split("."))
+            self.assertTrue(path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(),
+                            module)
+        self.assertFalse(any(copy.glob("bench/.venv*")))  # not the routers' environment
 
     def test_tests_failing_with_no_mutant_stop_the_run(self) -> None:
         """A copy whose tests cannot even be found fails its baseline."""
