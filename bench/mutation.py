@@ -59,7 +59,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "_proxy/exchange": _unit("test_proxy", "test_failover", "test_regressions",
                              "test_upstream", "test_mutants"),
     "_proxy/failures": _unit("test_failures", "test_proxy", "test_failover",
-                             "test_regressions", "test_mutants"),
+                             "test_regressions", "test_mutants", "test_mutants_failures"),
     "_proxy/head": _unit("test_head", "test_proxy", "test_properties", "test_mutants"),
     "_upstream/client": _unit("test_upstream", "test_regressions", "test_mutants",
                               "test_mutants_upstream"),
@@ -88,7 +88,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "_server/site": _unit("test_failover", "test_regressions", "test_proxy", "test_mutants")
     + ("tests.integration.test_framing",),
     "_records/resultlog": _unit("test_resultlog", "test_regressions", "test_summary",
-                                "test_mutants"),
+                                "test_mutants", "test_mutants_resultlog"),
     "_records/summary": _unit("test_summary", "test_prompt_tokens", "test_properties",
                               "test_regressions", "test_resultlog", "test_mutants",
                               "test_mutants_summary"),
@@ -206,6 +206,9 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("_scheduling/router", "ReplaceFalseWithTrue", "@attrs.define(eq=True)",
      "_Waiter compared by fields instead of identity: its fields include its own Deferred "
      "and timer, compared by identity, so two waiters are equal only if they are one"),
+    ("_proxy/failures", "ReplaceOrWithAnd", "if not body and body.lstrip()[:1]",
+     "the check is a shortcut: json.loads refuses every body it would have refused (an empty "
+     "one, one not starting with '{'), or parses it to a value that is not a dict"),
     ("_proxy/head", "NumberReplacer", "if uri[: 9].lower().startswith",
      "the longest scheme looked for, 'https://', is 8 bytes: a 9-byte prefix starts with "
      "it exactly when the 8-byte one does"),
