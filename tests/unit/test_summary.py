@@ -34,12 +34,12 @@ from txlb._records.summary import (
 def record(path: bytes = b"/v1/chat/completions", request: object = None,
            chunks: list[bytes] = (), status: int | None = 200, outcome: str = "ok",
            content_type: bytes | None = b"application/json", orid: bytes | None = None,
-           method: bytes = b"POST") -> RequestRecord:
+           method: bytes = b"POST", count_events: bool = False) -> RequestRecord:
     body = request if isinstance(request, bytes) else json.dumps(request or {}).encode()
     result = RequestRecord(started=100.0, method=method, path=path, orid_header=orid,
                            request_body=body, backend="127.0.0.1:8003", status=status,
                            outcome=outcome, ended=106.9135, first_byte=100.2121,
-                           content_type=content_type)
+                           content_type=content_type, count_events=count_events)
     for chunk in chunks:
         result.capture(chunk)
     return result
@@ -645,10 +645,11 @@ class LongStreamTests(SynchronousTestCase):
         self.assertTrue(summary.preview.startswith("toktok"))
 
     def test_plain(self) -> None:
-        self.check(record(chunks=self.events(), content_type=b"text/event-stream"))
+        self.check(record(chunks=self.events(), content_type=b"text/event-stream",
+                          count_events=True))
 
     def test_in_chunked_framing(self) -> None:
-        long = record(content_type=b"text/event-stream")
+        long = record(content_type=b"text/event-stream", count_events=True)
         long.chunked = True
         for event in self.events():
             long.capture(b"%x\r\n%s\r\n" % (len(event), event))
@@ -657,4 +658,11 @@ class LongStreamTests(SynchronousTestCase):
 
     def test_one_huge_chunk(self) -> None:
         self.check(record(chunks=[b"".join(self.events())],
-                          content_type=b"text/event-stream"))
+                          content_type=b"text/event-stream", count_events=True))
+
+    def test_events_are_counted_only_for_a_budget_that_will_read_them(self) -> None:
+        """No token budget charges the request: its chunks are not searched for events."""
+        long = record(chunks=self.events(), content_type=b"text/event-stream")
+        self.assertEqual(long.events, 0)
+        summary = summarize(long)  # the summary itself does not need them
+        self.assertEqual((summary.prompt_tokens, summary.completion_tokens), (5, 12345))

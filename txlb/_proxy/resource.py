@@ -114,6 +114,7 @@ class ProxyResource(Resource):
                 self._refuse(request, record, 429, admission.message, admission.retry_after)
                 return NOT_DONE_YET
             record.added_headers = admission.headers
+            record.count_events = admission.reserved
         record.client = routing.client
         record.routing = routing
         waiting = self.router.acquire(routing)

@@ -4,9 +4,9 @@ What one finished request amounts to: the fields of its result-log line.
 Pure functions over bytes, kept apart from the writer so they can be tested (and fuzzed) on
 their own, and so that little runs per chunk: the proxy collects the first
 :data:`CAPTURE_LIMIT` bytes of the response and the last :data:`TAIL_LIMIT` beyond them
-(where a long stream's final ``usage`` is), counts the stream's events (one
-``bytes.count`` per chunk), and :func:`summarize` reads them once, when the request has
-ended.
+(where a long stream's final ``usage`` is), counts the stream's events when a token
+budget will charge them (one ``bytes.count`` per chunk), and :func:`summarize` reads them
+once, when the request has ended.
 """
 
 from __future__ import annotations
@@ -151,8 +151,10 @@ class RequestRecord:
     tail: deque[bytes] = attrs.field(factory=deque, repr=False)
     tail_size: int = 0
     #: SSE ``data:`` lines relayed (captured or not): what a stream without ``usage``
-    #: is known to have generated at least
+    #: is known to have generated at least -- counted only when ``count_events`` (a token
+    #: budget reserved for the request and will charge it), the one reader
     events: int = 0
+    count_events: bool = False
 
     def answered_by_proxy(self, status: int, body: bytes) -> None:
         """txlb answered this request itself, with ``status`` and the JSON ``body``."""
@@ -163,9 +165,10 @@ class RequestRecord:
     def capture(self, data: bytes) -> None:
         """
         Keep ``data`` for the summary while under the limit, and the last
-        :data:`TAIL_LIMIT` bytes past it; count its events (called per chunk: cheap).
+        :data:`TAIL_LIMIT` bytes past it; count its events if asked to (called per chunk: cheap).
         """
-        self.events += data.count(b"data:")
+        if self.count_events:
+            self.events += data.count(b"data:")
         room = CAPTURE_LIMIT - self.captured
         if len(data) > room:
             self.truncated = True

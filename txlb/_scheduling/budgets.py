@@ -307,6 +307,9 @@ class Admission:
     budget: str | None = None
     #: the x-ratelimit-*-tokens headers for the tightest budget that applies
     headers: tuple[tuple[bytes, bytes], ...] = ()
+    #: tokens were reserved: the request is charged at its end (and its answer's events
+    #: are counted, for an answer that brings no usage)
+    reserved: bool = False
 
 
 #: A request no budget applies to.
@@ -433,7 +436,7 @@ class TokenBudgets:
         routing.memo[self] = Reservation(tuple(applies), estimate)
         if self.on_spent is not None and amount:
             self.on_spent(applies, amount, 0)
-        return Admission(headers=self._headers(ready))
+        return Admission(headers=self._headers(ready), reserved=True)
 
     def _short(self, applies: list[Where], buckets: list[Bucket],
                amount: int) -> str:
