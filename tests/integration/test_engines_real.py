@@ -129,13 +129,15 @@ class LlamaServers(TestCase):
         self.assertEqual(response.code, 200)
 
         # the Responses and Messages APIs, streamed and not, get their own fields (ignore_eos:
-        # the random model may end an answer early, and these lines count every token)
+        # the random model may end an answer early, and these lines count every token;
+        # temperature 0: sampled text can hit a stop word, and the model is fixed by its seed,
+        # so greedy decoding gives the same answers every run)
         for path, body in [
                 ("/v1/responses", {"input": "Hi", "max_output_tokens": 6, "stream": True}),
                 ("/v1/responses", {"input": "Hi", "max_output_tokens": 6}),
                 ("/v1/messages", {**chat, "max_tokens": 5, "stream": True}),
                 ("/chat/completions", {**chat, "max_tokens": 3})]:
-            asked = {"model": "tiny", **body, "ignore_eos": True}
+            asked = {"model": "tiny", **body, "ignore_eos": True, "temperature": 0}
             response, _ = await client.fetch(lb.url + path, b"POST",
                                              json.dumps(asked).encode(), JSON)
             self.assertEqual(response.code, 200, path)
