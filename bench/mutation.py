@@ -55,7 +55,8 @@ def _unit(*names: str) -> tuple[str, ...]:
 #: would make each mutant cost minutes).
 MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "_proxy/resource": _unit("test_proxy", "test_failover", "test_regressions",
-                             "test_budgets", "test_classes", "test_mutants"),
+                             "test_budgets", "test_classes", "test_scheduling",
+                             "test_routing_request", "test_mutants", "test_mutants_resource"),
     "_proxy/exchange": _unit("test_proxy", "test_failover", "test_regressions",
                              "test_upstream", "test_mutants"),
     "_proxy/failures": _unit("test_failures", "test_proxy", "test_failover",
@@ -177,6 +178,16 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "client's producer only while relaying, so neither form of the branch ever runs"),
     ("_proxy/exchange", "ReplaceComparisonOperator_Gt_GtE", "if watchdog.getTime() >= now + limit:",
      "at equality, reset(limit) moves the watchdog to the time it already has"),
+    ("_proxy/resource", "ReplaceAndWithOr", "if budgets is not None or budgets.specs:",
+     "the balancer always passes its TokenBudgets; with no [[budgets]] its admit returns "
+     "ADMITTED at once, whose headers and reservation are the record's defaults"),
+    ("_proxy/resource", "NumberReplacer", "context: ProxyContext, retry_after: float =",
+     "ProxyResource's default: the balancer always passes max(1, ceil(--health-interval))"),
+    ("_proxy/resource", "NumberReplacer", "self.retry_after = max( 0, math.ceil(retry_after))",
+     "the balancer's retry_after is already at least 1 (max(1, ceil(--health-interval)))"),
+    ("_proxy/resource", "NumberReplacer", 'self.affinity.split(":", 2)',
+     "--affinity's header name is an HTTP token (parse_affinity), which has no colon: one "
+     "split or two give the same name"),
     ("_upstream/client", "NumberReplacer", "self._chunk_state == -1:",
      "with the one-chunk fast path off, the general walk hands on the same bytes: only "
      "speed differs"),
