@@ -57,8 +57,11 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "_proxy/resource": _unit("test_proxy", "test_failover", "test_regressions",
                              "test_budgets", "test_classes", "test_scheduling",
                              "test_routing_request", "test_mutants", "test_mutants_resource"),
-    "_proxy/exchange": _unit("test_proxy", "test_failover", "test_regressions",
-                             "test_upstream", "test_mutants"),
+    "_proxy/exchange": _unit("test_proxy", "test_proxy_wire", "test_failover",
+                             "test_regressions", "test_upstream", "test_failures",
+                             "test_budgets", "test_hung", "test_repeats", "test_outcome",
+                             "test_classes", "test_scheduling", "test_kvcache",
+                             "test_prompt_tokens", "test_mutants", "test_mutants_exchange"),
     "_proxy/failures": _unit("test_failures", "test_proxy", "test_failover",
                              "test_regressions", "test_mutants", "test_mutants_failures"),
     "_proxy/head": _unit("test_head", "test_proxy", "test_properties", "test_mutants"),
@@ -401,8 +404,12 @@ def copy_tree(into: Path) -> Path:
 
 
 def test_command(copy: Path, tests: Sequence[str]) -> str:
-    """Trial on ``tests``, run in ``copy`` (``env -C``) so the copy's txlb is imported."""
-    return (f"env -C {copy} PYTHONPATH={copy} {sys.executable} -m twisted.trial "
+    """
+    Trial on ``tests``, run in ``copy`` (``env -C``) so the copy's txlb is imported.  It
+    stops at the first failure (``--exitfirst``): one failing test kills a mutant, and the
+    tests after it would only cost time.
+    """
+    return (f"env -C {copy} PYTHONPATH={copy} {sys.executable} -m twisted.trial --exitfirst "
             f"--temp-directory={copy}/_trial_temp " + " ".join(tests))
 
 
