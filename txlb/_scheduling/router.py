@@ -221,17 +221,15 @@ class Router:
                      f"class `{klass.name}` is not queued", self.retry_after))
         waiter = _Waiter(model, request, exclude, self.clock.seconds(), klass)
         waiting = self._enqueue(waiter)
-        if self.pool.shared is not None:
+        if self.pool.shared is not None and self.pool.gate is None:
             # With --workers, a slot freed in another worker wakes this queue only if the
             # supervisor sees it non-empty (published by _enqueue).  A slot freed between
             # the failed take above and that publication would wake nobody: so try once
             # more now that the waiter is visible; a slot freed after this try is
-            # announced to us.
+            # announced to us.  (With --shared-state's gate, the poll and the freed
+            # channel wake the queue whatever its length: no second try, no second script.)
             lease = self._take(serving, request)
             if lease is not None:
-                if self._unconfirmed(lease):
-                    self._hand_over(waiter, lease, starving=False)
-                    return waiting
                 self._leave(waiter)
                 return succeed(lease)
         return waiting
