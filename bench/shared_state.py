@@ -1,7 +1,7 @@
 """
 What ``--shared-state`` adds to a request's time to first byte (``python -m bench.shared_state``).
 
-Three balancers run at once from this source tree in front of the same :mod:`bench.backend`
+Four balancers run at once from this source tree in front of the same :mod:`bench.backend`
 (4 ports) and one ``redis-server`` on a free loopback port (nothing saved), and are measured
 in alternation, round after round, so slow drifts of a shared machine hit all alike:
 
@@ -17,6 +17,11 @@ in alternation, round after round, so slow drifts of a shared machine hit all al
 Each round sends ``--requests`` sequential ``GET /json`` on one keep-alive connection per
 balancer and times each from the request's last byte written to the answer's first byte
 read.  Writes ``bench/results/shared-state.md`` with ``--save``.
+
+``--confirm N`` measures instead the slot script alone, in this process: N confirmations of
+a ``max_conns`` slot (:meth:`txlb._shared.slots.SharedSlots.confirm`) against its own
+``redis-server``, one after the other -- the round trip a ``max_conns`` pick waits for,
+without the other processes' scheduling that the TTFB runs share.
 """
 
 from __future__ import annotations
@@ -113,12 +118,69 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
 
 
+def confirm_times(redis: int, count: int) -> list[float]:
+    """Seconds each of ``count`` slot confirmations took, against Redis on ``redis``."""
+    from twisted.internet import reactor, task
+    from twisted.internet.defer import ensureDeferred
+
+    from txlb._cluster.pool import Pool
+    from txlb._config import BackendSpec
+    from txlb._config_shared import SharedStateSpec
+    from txlb._shared.slots import SharedSlots
+    from txlb._shared.store import RedisStore
+
+    times: list[float] = []
+
+    async def run() -> None:
+        store = RedisStore(SharedStateSpec(HOST, redis), reactor, replica="bench")
+        pool = Pool((BackendSpec("gpu", 1, max_conns=UNREACHED_MAX_CONNS),), clock=reactor,
+                    store=store)
+        slots = pool.gate = SharedSlots(store, lambda: None)
+        store.start()
+        for _ in range(200):
+            if store.link.connected:
+                break
+            await task.deferLater(reactor, 0.05, lambda: None)
+        backend = pool.get("gpu:1")
+        assert backend is not None and store.link.connected
+        for _ in range(count):
+            lease = pool.acquire(backend)
+            began = time.perf_counter()
+            admitted = await slots.confirm(backend)
+            times.append(time.perf_counter() - began)
+            assert admitted
+            lease.release()
+            await task.deferLater(reactor, 0.0005, lambda: None)  # the flush runs too
+        await store.stop()
+
+    def done(_: object) -> None:
+        reactor.stop()  # type: ignore[attr-defined]
+
+    reactor.callWhenRunning(lambda: ensureDeferred(run()).addBoth(done))  # type: ignore[attr-defined]
+    reactor.run()  # type: ignore[attr-defined]
+    return times
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--requests", type=int, default=500)
     parser.add_argument("--save", action="store_true")
+    parser.add_argument("--confirm", type=int, default=0, metavar="N",
+                        help="time N slot confirmations in this process instead")
     args = parser.parse_args(argv)
+    if args.confirm:
+        with tempfile.TemporaryDirectory(prefix="txlb-bench-shared-") as workdir:
+            children = Children(Path(workdir))
+            try:
+                times = confirm_times(start_redis(children), args.confirm)
+            finally:
+                children.stop_all()
+        print(f"slot script, {len(times)} confirmations: p50 "
+              f"{statistics.median(times) * 1e3:.3f} ms, p90 "
+              f"{percentile(times, 0.9) * 1e3:.3f} ms, p99 "
+              f"{percentile(times, 0.99) * 1e3:.3f} ms")
+        return
     with tempfile.TemporaryDirectory(prefix="txlb-bench-shared-") as workdir:
         children = Children(Path(workdir))
         try:
@@ -152,7 +214,7 @@ def table(samples: dict[str, list[float]], args: argparse.Namespace) -> str:
         f"`python -m bench.shared_state --rounds {args.rounds} --requests {args.requests}` "
         f"on {datetime.date.today().isoformat()}, {platform.machine()}, Python "
         f"{platform.python_version()}, one machine (2 shared cores) running the backend, "
-        "Redis, the three balancers and the client: sequential `GET /json` on one "
+        "Redis, the four balancers and the client: sequential `GET /json` on one "
         "keep-alive connection per balancer, the variants alternated round by round.",
         "",
         "| variant | requests | TTFB p50 (ms) | TTFB p99 (ms) | added p50 (ms) | "
