@@ -201,6 +201,9 @@ class SharedStateProcessTests(TestCase):
                          f"redis://:***@127.0.0.1:{self.redis.port}/0")
         _, metrics = await self.client.fetch(a.admin_url + "/metrics")
         self.assertIn(b"txlb_shared_state_up 1.0", metrics.body)
+        # the freed-slot subscription, on its own connection, authenticated too
+        await wait_until(lambda: self.redis.command("PUBSUB", "NUMSUB", "txlb:freed")
+                         .endswith(b":1\r\n"), timeout=10, what="A to subscribe")
         # a wrong password in the URL itself: refused by Redis, said without the password
         b = await self.replica("--shared-state",
                                f"redis://:wrong-pass-42@127.0.0.1:{self.redis.port}/0",
