@@ -266,6 +266,9 @@ class SharedStateProcessTests(TestCase):
                        for x in (await self.status(a))["backends"])
 
         await _until(on_a, "B's drain to reach A")
+        # and both subscribed again to the freed slots' channel
+        await wait_until(lambda: self.redis.command("PUBSUB", "NUMSUB", "txlb:freed")
+                         .endswith(b":2\r\n"), timeout=10, what="both to resubscribe")
 
 
     async def test_a_stalled_redis_is_left_within_a_second(self) -> None:
