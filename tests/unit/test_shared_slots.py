@@ -148,6 +148,14 @@ class SlotTests(SynchronousTestCase):
         self.assertEqual(self.counts.mine(lease.backend.key), 1)
         self.assertEqual(self.slots.status()["unconfirmed"], 1)
 
+    def test_an_answer_that_is_not_the_scripts_admits_on_the_local_view(self) -> None:
+        for reply in ("OK", [2, 0], [1, -1], ["x", "y"], [1], None, b"10"):
+            result = self.router.acquire()
+            self.redis.scripts.pop(0).callback(reply)
+            self.lease(result).release()
+        self.assertEqual(self.slots.status(), {"admitted": 0, "refused": 0,
+                                               "unconfirmed": 7, "wakes_heard": 0})
+
     def test_link_down_picks_at_once_on_the_local_view(self) -> None:
         self.build(max_conns=1, started=False)
         self.assertFalse(self.store.link.connected)
