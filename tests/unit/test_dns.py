@@ -404,6 +404,55 @@ class FailureTests(MembershipTestCase):
         self.clock.advance(30)
         self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000"])
 
+    def test_a_failed_a_query_beside_an_aaaa_answer_keeps_the_last_set(self) -> None:
+        self.resolver.zone[("AAAA", "vllm.example")] = [aaaa("vllm.example", "fd00::1")]
+        self.start()
+        every = ["10.0.0.1:8000", "10.0.0.2:8000", "[fd00::1]:8000"]
+        self.assertEqual(self.live(), every)
+        self.resolver.errors[("A", "vllm.example")] = DNSServerError("vllm.example")
+        self.resolver.zone[("AAAA", "vllm.example")] = [aaaa("vllm.example", "fd00::2")]
+        self.clock.advance(30)
+        for _ in range(5):
+            self.clock.advance(MAX_RETRY)
+        self.assertEqual(self.live(), every)  # neither half replaces the set alone
+        entry = self.status()["dns"][0]
+        self.assertEqual(entry["error"],
+                         "part of the answer failed: the DNS server failed (SERVFAIL)")
+        self.assertEqual(len([line for line in self.lines("warn")
+                              if "keeping its last 3 addresses" in line]), 1)
+        del self.resolver.errors[("A", "vllm.example")]
+        self.clock.advance(MAX_RETRY)
+        self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000", "[fd00::2]:8000"])
+        self.assertIsNone(self.status()["dns"][0]["error"])
+
+    def test_no_such_name_for_one_family_is_an_empty_half_not_a_failure(self) -> None:
+        self.start()
+        del self.resolver.zone[("AAAA", "vllm.example")]  # NXDOMAIN for AAAA
+        self.resolver.serve("vllm.example", "10.0.0.1")
+        del self.resolver.zone[("AAAA", "vllm.example")]
+        self.clock.advance(30)
+        self.assertEqual(self.live(), ["10.0.0.1:8000"])
+        self.assertIsNone(self.status()["dns"][0]["error"])
+
+    def test_a_first_answer_with_a_part_missing_starts_the_name(self) -> None:
+        self.resolver.errors[("AAAA", "vllm.example")] = DNSServerError("vllm.example")
+        self.start()
+        self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000"])
+        self.assertIn("part of the answer failed", self.status()["dns"][0]["error"])
+        self.assertEqual(self.status()["dns"][0]["next_at"], 1.0)  # asked again soon
+        del self.resolver.errors[("AAAA", "vllm.example")]
+        self.resolver.zone[("AAAA", "vllm.example")] = [aaaa("vllm.example", "fd00::1")]
+        self.clock.advance(1)
+        self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000", "[fd00::1]:8000"])
+
+    def test_both_halves_failing_with_no_good_set_yet_is_a_failure(self) -> None:
+        self.resolver.errors[("A", "vllm.example")] = DNSServerError("vllm.example")
+        del self.resolver.zone[("AAAA", "vllm.example")]
+        self.start()
+        self.assertEqual(self.keys(), [])
+        self.assertEqual(self.status()["dns"][0]["error"],
+                         "the DNS server failed (SERVFAIL)")
+
     def test_a_name_that_never_resolved_starts_empty_and_keeps_trying(self) -> None:
         self.resolver.zone.clear()
         self.start()
@@ -523,6 +572,41 @@ class SrvTests(MembershipTestCase):
         self.start()
         self.assertEqual(self.keys(), ["10.0.1.1:8001"])
         self.assertEqual(self.status()["dns"][0]["skipped"], 2)
+
+
+class SrvFailureTests(MembershipTestCase):
+    """An SRV answer is whole only when every target was asked: one failing keeps the set."""
+
+    backends = "srv:_http._tcp.gpu.example"
+
+    def zone(self) -> None:
+        name = "_http._tcp.gpu.example"
+        self.resolver.zone[("SRV", name)] = [srv(name, "e1.example", 8000),
+                                             srv(name, "e2.example", 8001)]
+        self.resolver.serve("e1.example", "10.0.1.1")
+        self.resolver.serve("e2.example", "10.0.1.2")
+
+    def test_one_target_failing_to_resolve_keeps_the_last_set(self) -> None:
+        self.start()
+        every = self.live()
+        self.assertEqual(every, ["10.0.1.1:8000", "10.0.1.2:8001"])
+        for kind in ("A", "AAAA"):
+            self.resolver.errors[(kind, "e2.example")] = DNSServerError("e2.example")
+        self.resolver.serve("e1.example", "10.0.1.1", "10.0.1.9")
+        self.clock.advance(30)
+        self.assertEqual(self.live(), every)
+        self.assertIn("part of the answer failed", self.status()["dns"][0]["error"])
+        for kind in ("A", "AAAA"):
+            del self.resolver.errors[(kind, "e2.example")]
+        self.clock.advance(MAX_RETRY)
+        self.assertEqual(self.live(), ["10.0.1.1:8000", "10.0.1.2:8001", "10.0.1.9:8000"])
+
+    def test_a_target_with_no_such_name_has_no_addresses(self) -> None:
+        self.start()
+        del self.resolver.zone[("A", "e2.example")]
+        del self.resolver.zone[("AAAA", "e2.example")]
+        self.clock.advance(30)
+        self.assertEqual(self.live(), ["10.0.1.1:8000"])
 
 
 class WritersTests(MembershipTestCase):

@@ -5,7 +5,9 @@ Each name is resolved at start, then again when its records' TTL runs out (withi
 :data:`~txlb._discovery.answers.MIN_TTL` and ``MAX_TTL``).  A new address joins through
 ``Pool.add`` (slow start applies, probed at once); a vanished one leaves through
 ``Pool.remove`` (drained, forgotten once idle), as the admin API's ``DELETE`` does.  A
-failed or empty resolution keeps the last good set.
+failed or empty resolution keeps the last good set, and so does one that failed in part
+(a SERVFAIL on A while AAAA answered, one SRV target not resolving): a missing part is not
+an empty one.
 
 Who wins (docs/scale-out.md, "Membership from DNS"):
 
@@ -220,6 +222,11 @@ class DnsMembership(Service):
         if watch.pending is None or self._watches.get(watch.key) is not watch:
             return  # stopped meanwhile
         watch.pending = None
+        if resolved.partial is not None and watch.resolved_at is not None:
+            # part of the answer is missing: not the whole set, so not a reason to
+            # remove what that part held; the last good set stays
+            self._gave_up(f"part of the answer failed: {resolved.partial}", watch)
+            return
         now = self._clock.seconds()
         if watch.failures:
             log.info("{name} resolves again after {count} failed tries",
@@ -240,15 +247,28 @@ class DnsMembership(Service):
         watch.failures = 0
         watch.skipped = resolved.skipped
         watch.cut = resolved.cut
-        self._schedule(watch, resolved.ttl)
+        if resolved.partial is not None:
+            # a first answer with a part missing: better than no backends, asked again
+            # soon (a missing part after this keeps this set)
+            watch.error = f"part of the answer failed: {resolved.partial}"
+            log.warn("{name}: part of the answer failed ({error}); starting with the "
+                     "{count} addresses that did resolve", name=watch.key,
+                     error=resolved.partial, count=len(resolved.members))
+            self._schedule(watch, retry_delay(1))
+        else:
+            self._schedule(watch, resolved.ttl)
         self._reconcile()
 
     def _failed(self, failure: Failure, watch: NameWatch) -> None:
         if watch.pending is None or self._watches.get(watch.key) is not watch:
             return
         watch.pending = None
+        self._gave_up(describe_failure(failure), watch)
+
+    def _gave_up(self, error: str, watch: NameWatch) -> None:
+        """A resolution that does not count: the last good set stays; try again later."""
         watch.failures += 1
-        watch.error = describe_failure(failure)
+        watch.error = error
         watch.failed_at = self._clock.seconds()
         delay = retry_delay(watch.failures)
         if watch.failures == 1:  # once per streak, not per try

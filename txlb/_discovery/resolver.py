@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 from twisted.internet.defer import Deferred, DeferredList, fail
 from twisted.internet.defer import TimeoutError as DeferredTimeout
 from twisted.internet.error import TimeoutError as LookupTimeout
@@ -126,41 +127,76 @@ class NoAddresses(Exception):
 
 
 def lookup(resolver: Any, entry: DnsBackendSpec) -> Deferred[Resolved]:
-    """Resolve ``entry`` once: its members, or a failure (the caller keeps the last set)."""
+    """
+    Resolve ``entry`` once: its members, or a failure (the caller keeps the last set).
+    A part that failed (a SERVFAIL or timeout on A while AAAA answered, one SRV target's
+    lookup) marks the result ``partial``: only "no such name" and "no records" mean a
+    part is truly empty.
+    """
     if entry.kind == "srv":
         return _lookup_srv(resolver, entry)
     return _addresses(resolver, entry.name).addCallback(
-        lambda found: _as_resolved([Member(0, host, entry.port) for host in found[0]],
-                                   found[1], found[2]))
+        lambda found: _as_resolved([Member(0, host, entry.port) for host in found.hosts],
+                                   found.skipped, found.ttls, found.failed))
 
 
-def _as_resolved(members: list[Member], skipped: int, ttls: list[float]) -> Resolved:
+@attrs.frozen
+class Addresses:
+    """A name's A and AAAA answers together, and the failure of a part if one failed."""
+
+    hosts: list[str]
+    skipped: int
+    ttls: list[float]
+    #: a part that failed other than "no such name"/"no records": the rest is not whole
+    failed: Failure | None = None
+
+
+def _empty(failure: Failure) -> bool:
+    """
+    Whether a lookup's failure means "nothing there" (NXDOMAIN, or a plain
+    ``DomainError``: no resolver of the chain knows the name) rather than "could not ask"
+    (SERVFAIL, refused, a timeout, a malformed answer: its subclasses and the rest).
+    """
+    return failure.check(DNSNameError) is not None or type(failure.value) is DomainError
+
+
+def _as_resolved(members: list[Member], skipped: int, ttls: list[float],
+                 failed: Failure | None = None) -> Resolved:
     if not members:
+        if failed is not None:
+            failed.raiseException()
         raise NoAddresses()
-    return capped(members, skipped, ttls)
+    return capped(members, skipped, ttls,
+                  None if failed is None else describe_failure(failed))
 
 
-def _addresses(resolver: Any, name: str) -> Deferred[tuple[list[str], int, list[float]]]:
-    """A and AAAA of ``name`` asked together; a failure only when both fail."""
+def _addresses(resolver: Any, name: str) -> Deferred[Addresses]:
+    """
+    A and AAAA of ``name`` asked together; a failure only when neither answers.  One
+    that fails for another reason than "no such name" leaves the result ``failed``.
+    """
     asked = DeferredList([resolver.lookupAddress(name, timeout=QUERY_TIMEOUT),
                           resolver.lookupIPV6Address(name, timeout=QUERY_TIMEOUT)],
                          consumeErrors=True)
 
-    def combine(results: list[tuple[bool, Any]]) -> tuple[list[str], int, list[float]]:
+    def combine(results: list[tuple[bool, Any]]) -> Addresses:
         addresses: list[str] = []
         skipped, ttls = 0, []
-        failure = None
+        failed: Failure | None = None  # could not ask
+        missing: Failure | None = None  # no such name
         for ok, result in results:
-            if not ok:
-                failure = failure or result
-                continue
-            found, bad, times = address_records(result[0])
-            addresses += found
-            skipped += bad
-            ttls += times
-        if failure is not None and not any(ok for ok, _ in results):
-            failure.raiseException()
-        return addresses, skipped, ttls
+            if ok:
+                found, bad, times = address_records(result[0])
+                addresses += found
+                skipped += bad
+                ttls += times
+            elif _empty(result):
+                missing = missing or result
+            else:
+                failed = failed or result
+        if not any(ok for ok, _ in results):
+            (failed or missing or Failure(NoAddresses())).raiseException()
+        return Addresses(addresses, skipped, ttls, failed)
 
     return asked.addCallback(combine)
 
@@ -186,17 +222,21 @@ def _lookup_srv(resolver: Any, entry: DnsBackendSpec) -> Deferred[Resolved]:
         def members(results: list[tuple[bool, Any]]) -> Resolved:
             resolved = dict(known)
             bad = skipped
+            failed: Failure | None = None  # a target that could not be asked
             for name, (ok, result) in zip(names, results, strict=True):
                 if ok:
-                    resolved[name] = (result[0], result[2])
-                    bad += result[1]
+                    resolved[name] = (result.hosts, result.ttls)
+                    bad += result.skipped
+                    failed = failed or result.failed
+                elif not _empty(result):
+                    failed = failed or result
             every, ttls = [], [t.ttl for t in found]
             for target in found:
                 addresses, times = resolved.get(target.name, ([], []))
                 ttls += times
                 every += [Member(target.priority, host, target.port, target.weight)
                           for host in addresses]
-            return _as_resolved(every, bad, ttls)
+            return _as_resolved(every, bad, ttls, failed)
 
         return asked.addCallback(members)
 
