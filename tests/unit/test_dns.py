@@ -862,3 +862,123 @@ class LazyResolverTests(SynchronousTestCase):
         membership.reconfigure(build_config({"backends": "dns:vllm.example:80"}, NONE))
         self.assertEqual(made, [resolver])
         self.assertEqual([b.key for b in pool], ["10.0.0.1:80"])
+
+
+class _OperatorMarks:
+    """:class:`SharedMarks` whose entries say who made them (``origin``), as a store may."""
+
+    def __init__(self, replica: str) -> None:
+        from txlb._shared.marks import SharedMarks
+
+        self.marks = SharedMarks(replica)
+        self.origins: dict[str, str] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.marks, name)
+
+    def origin(self, key: str) -> str | None:
+        return self.origins.get(key)
+
+
+class SharedStoreTests(SynchronousTestCase):
+    """
+    DNS membership beside the shared store: a replica owns what its own names yield,
+    even when another replica's DNS put it in the store first, and another replica's DNS
+    letting an address go is not an operator's removal.
+    """
+
+    def setUp(self) -> None:
+        from txlb._cluster.pool import Pool
+        from txlb._discovery.membership import DnsMembership
+
+        self.clock = Clock()
+        self.resolver = FakeResolver()
+        self.resolver.serve("vllm.example", "10.0.0.1", "10.0.0.2")
+        self.shared = _OperatorMarks("B")
+        self.marks = self.shared.marks
+        self.marks.started = True
+        store = type("Store", (), {"counts": None, "marks": self.shared})()
+        self.pool = Pool(clock=self.clock, store=store)
+        self.events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(self.events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+        self.dns = DnsMembership(self.pool,
+                                 build_config({"backends": "dns:vllm.example:8000"}, NONE),
+                                 self.resolver, self.clock, on_added=lambda backend: None)
+
+    def start(self) -> None:
+        self.dns.startService()
+        self.addCleanup(self.dns.stopService)
+
+    def from_a(self, key: str, **marks: bool) -> None:
+        """Replica A wrote ``key``'s entry; B's next poll hands it to the pool."""
+        host, port = key.split(":")
+        from txlb._shared.marks import Entry
+
+        values = {"draining": False, "removing": False, "healthy": True, **marks}
+        text = Entry(BackendSpec(host, int(port)), by="A", **values).encode()
+        self.marks.read([(key, text)])
+        self.pool.refresh()
+
+    def live(self) -> list[str]:
+        return sorted(b.key for b in self.pool if not b.removing)
+
+    def in_pool(self) -> list[str]:
+        return self.dns.status()["dns"][0]["in_pool"]  # type: ignore[index]
+
+    def test_members_learned_from_the_store_first_are_adopted_and_leave_with_dns(
+            self) -> None:
+        self.resolver.hold = True  # B's DNS server is slower than Redis
+        self.start()
+        self.from_a("10.0.0.1:8000")
+        self.from_a("10.0.0.2:8000")
+        self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000"])
+        self.resolver.hold = False
+        for waiting in self.resolver.held:
+            waiting.cancel()
+        self.clock.advance(1)  # the retry answers
+        self.assertEqual(self.in_pool(), ["10.0.0.1:8000", "10.0.0.2:8000"])
+        # A is gone; .2 leaves the name: B's own DNS removes it
+        self.resolver.serve("vllm.example", "10.0.0.1")
+        self.clock.advance(30)
+        self.assertEqual(self.live(), ["10.0.0.1:8000"])
+        self.assertTrue(self.marks.unsent["10.0.0.2:8000"].removing)
+
+    def test_a_removal_by_another_replica_s_dns_does_not_take_ours_out(self) -> None:
+        self.start()
+        self.from_a("10.0.0.2:8000", removing=True)  # A's answer lacked .2 for a moment
+        self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000"])
+        self.assertFalse(self.marks.unsent["10.0.0.2:8000"].removing)  # and says so
+        self.clock.advance(30)
+        self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000"])
+        self.assertEqual(self.in_pool(), ["10.0.0.1:8000", "10.0.0.2:8000"])
+        lines = [formatEvent(e) for e in self.events]
+        self.assertFalse([line for line in lines if "by an operator" in line], lines)
+        # still ours: it leaves when our name stops yielding it
+        self.resolver.serve("vllm.example", "10.0.0.1")
+        self.clock.advance(30)
+        self.assertEqual(self.live(), ["10.0.0.1:8000"])
+
+    def test_a_removal_elsewhere_of_what_our_dns_does_not_yield_applies(self) -> None:
+        self.start()
+        self.from_a("10.0.0.7:8000")
+        self.from_a("10.0.0.7:8000", removing=True)
+        self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000"])
+
+    def test_an_operator_s_removal_elsewhere_holds_while_dns_yields_it(self) -> None:
+        self.start()
+        self.shared.origins["10.0.0.2:8000"] = "admin"
+        self.from_a("10.0.0.2:8000", removing=True)
+        self.assertEqual(self.live(), ["10.0.0.1:8000"])
+        self.clock.advance(30)
+        self.clock.advance(30)
+        self.assertEqual(self.live(), ["10.0.0.1:8000"])
+        self.assertEqual(self.in_pool(), ["10.0.0.1:8000"])
+
+    def test_a_backend_added_by_the_store_that_our_dns_does_not_yield_is_not_ours(
+            self) -> None:
+        self.start()
+        self.from_a("10.0.0.7:8000")
+        self.clock.advance(30)
+        self.assertEqual(self.in_pool(), ["10.0.0.1:8000", "10.0.0.2:8000"])
+        self.assertIn("10.0.0.7:8000", self.live())
