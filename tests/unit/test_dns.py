@@ -982,3 +982,88 @@ class SharedStoreTests(SynchronousTestCase):
         self.clock.advance(30)
         self.assertEqual(self.in_pool(), ["10.0.0.1:8000", "10.0.0.2:8000"])
         self.assertIn("10.0.0.7:8000", self.live())
+
+
+class SearchListTests(SynchronousTestCase):
+    """A short name is asked with resolv.conf's search domains, as the system asks it."""
+
+    def test_fewer_dots_than_ndots_tries_the_search_domains_first(self) -> None:
+        from txlb._discovery.resolver import search_names
+
+        search = ["default.svc.cluster.local", "svc.cluster.local", "cluster.local"]
+        self.assertEqual(search_names("vllm", search, 5), [
+            "vllm.default.svc.cluster.local", "vllm.svc.cluster.local",
+            "vllm.cluster.local", "vllm"])
+        self.assertEqual(search_names("vllm.example", ["corp.example"], 1),
+                         ["vllm.example", "vllm.example.corp.example"])
+        self.assertEqual(search_names("vllm", [], 1), ["vllm"])
+        self.assertEqual(search_names("vllm.example.", ["corp.example"], 5),
+                         ["vllm.example"])
+        self.assertEqual(search_names("v", ["x" * 252], 1), ["v"])  # too long: left out
+
+    def test_resolv_conf_s_search_and_ndots_are_read(self) -> None:
+        from txlb._discovery.resolver import QuietResolver
+
+        path = Path(self.mktemp())
+        path.write_text("nameserver 10.96.0.10\nsearch default.svc.cluster.local "
+                        "svc.cluster.local\noptions ndots:5 timeout:1\n")
+        clock = Clock()
+        resolver = QuietResolver(clock, resolv=str(path), timeout=(1, 3))
+        self.addCleanup(lambda: [call.cancel() for call in clock.getDelayedCalls()])
+        self.assertEqual(resolver.names("vllm"), ["vllm.default.svc.cluster.local",
+                                                  "vllm.svc.cluster.local", "vllm"])
+        self.assertEqual(resolver.names("a.b.c.d.e"), ["a.b.c.d.e.default.svc.cluster.local",
+                                                       "a.b.c.d.e.svc.cluster.local",
+                                                       "a.b.c.d.e"])
+        path.write_text("nameserver 10.96.0.10\ndomain corp.example\noptions ndots:x\n")
+        resolver.parseConfig(path.open("rb"))
+        self.assertEqual(resolver.names("vllm"), ["vllm.corp.example", "vllm"])
+        self.assertEqual(resolver.names("vllm.example"),
+                         ["vllm.example", "vllm.example.corp.example"])
+        resolver.parseConfig([b"nameserver 10.96.0.10\n"])
+        self.assertEqual(resolver.names("vllm"), ["vllm"])
+
+
+class _SearchingResolver(FakeResolver):
+    """A :class:`FakeResolver` with a Kubernetes pod's search list."""
+
+    def names(self, name: str) -> list[str]:
+        from txlb._discovery.resolver import search_names
+
+        return search_names(name, ["default.svc.cluster.local", "svc.cluster.local"], 5)
+
+
+class SearchingMembershipTests(MembershipTestCase):
+    """``dns:vllm:8000`` in a pod resolves as the pod's resolver would resolve ``vllm``."""
+
+    backends = "dns:vllm:8000"
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.resolver = _SearchingResolver()
+        self.resolver.serve("vllm.svc.cluster.local", "10.0.0.1", "10.0.0.2")
+
+    def test_a_short_name_resolves_through_the_search_list(self) -> None:
+        self.start()
+        self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000"])
+        self.assertEqual(self.resolver.asked[:4], [
+            ("A", "vllm.default.svc.cluster.local"), ("AAAA", "vllm.default.svc.cluster.local"),
+            ("A", "vllm.svc.cluster.local"), ("AAAA", "vllm.svc.cluster.local")])
+        self.assertNotIn(("A", "vllm"), self.resolver.asked)  # found before the bare name
+
+    def test_a_server_failure_on_a_search_name_keeps_the_last_set(self) -> None:
+        self.start()
+        for kind in ("A", "AAAA"):  # the first candidate cannot be asked: not "not there"
+            self.resolver.errors[(kind, "vllm.default.svc.cluster.local")] = \
+                DNSServerError("vllm.default.svc.cluster.local")
+        self.resolver.serve("vllm.svc.cluster.local", "10.0.0.1")
+        self.clock.advance(30)
+        self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000"])
+        self.assertEqual(self.status()["dns"][0]["error"], "the DNS server failed (SERVFAIL)")
+
+    def test_no_name_of_the_list_is_no_such_name(self) -> None:
+        self.resolver.zone.clear()
+        self.start()
+        self.assertEqual(self.keys(), [])
+        self.assertEqual(self.status()["dns"][0]["error"], "no such name (NXDOMAIN)")
+        self.assertIn(("A", "vllm"), self.resolver.asked)

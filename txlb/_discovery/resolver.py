@@ -6,6 +6,7 @@ itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -35,10 +36,36 @@ class QuietResolver(client.Resolver):
     Each server is tried in turn, one try per entry of ``timeout``.
     """
 
+    #: resolv.conf's ``options ndots:N`` (1 when it says nothing, as the system's)
+    ndots = 1
+    #: resolv.conf's ``search`` domains (or its ``domain``), as Twisted parses them
+    search: list[bytes] | None = None
+    domain: bytes | None = None
+
     def __init__(self, reactor: Any, **options: Any) -> None:
-        super().__init__(reactor=reactor, **options)
         self._socket_reactor = reactor
         self._sockets: dict[int, dns.DNSDatagramProtocol] = {}
+        super().__init__(reactor=reactor, **options)
+
+    def parseConfig(self, resolvConf: Any) -> None:
+        """resolv.conf as Twisted reads it, and its ``ndots`` option, which Twisted skips."""
+        lines = list(resolvConf)
+        self.search = self.domain = None  # a file that no longer names them: none
+        self.ndots = 1
+        super().parseConfig(lines)
+        for line in lines:
+            words = line.split()
+            if words[:1] != [b"options"]:
+                continue
+            for option in words[1:]:
+                if option.startswith(b"ndots:") and option[6:].isdigit():
+                    self.ndots = min(MAX_NDOTS, int(option[6:]))
+
+    def names(self, name: str) -> list[str]:
+        """The names to ask for ``name``, in turn (resolv.conf's search list applied)."""
+        domains = self.search if self.search is not None else [self.domain or b""]
+        return search_names(name, [d.decode("ascii", "replace") for d in domains],
+                            self.ndots)
 
     def queryUDP(self, queries: list[dns.Query], timeout: Any = None) -> Deferred[Any]:
         servers = [*self.servers, *self.dynServers]
@@ -82,11 +109,18 @@ class QuietResolver(client.Resolver):
 
 
 class SystemResolver(resolve.ResolverChain):
-    """``/etc/hosts``, then the servers of ``/etc/resolv.conf``, as the system asks."""
+    """
+    ``/etc/hosts``, then the servers of ``/etc/resolv.conf``, as the system asks, with
+    its search list: ``dns:vllm:8000`` in a Kubernetes pod is
+    ``vllm.<namespace>.svc.cluster.local``.
+    """
 
     def __init__(self, reactor: Any) -> None:
         self.dns = QuietResolver(reactor, resolv="/etc/resolv.conf", timeout=QUERY_TIMEOUT)
         super().__init__([hosts.Resolver(), self.dns])
+
+    def names(self, name: str) -> list[str]:
+        return self.dns.names(name)
 
     def close_sockets(self) -> None:
         self.dns.close_sockets()
@@ -119,6 +153,27 @@ def describe_failure(failure: Failure) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+#: resolv.conf(5)'s bound on ``ndots``; and at most this many search domains are used
+MAX_NDOTS = 15
+MAX_SEARCH = 6
+
+
+def search_names(name: str, search: Sequence[str], ndots: int) -> list[str]:
+    """
+    The names to ask for ``name``, in turn, as the system's resolver does (resolv.conf(5)):
+    a name with at least ``ndots`` dots as it is first, then with each search domain; one
+    with fewer, with each search domain first, then as it is.  A name ending in ``.`` is
+    only itself.  Names longer than DNS allows are left out.
+    """
+    if name.endswith("."):
+        return [name.rstrip(".")]
+    suffixed = [f"{name}.{domain.strip('.')}" for domain in search[:MAX_SEARCH]
+                if domain.strip(".")]
+    ordered = [name, *suffixed] if name.count(".") >= ndots else [*suffixed, name]
+    return [candidate for index, candidate in enumerate(ordered)
+            if len(candidate) <= 253 and candidate not in ordered[:index]]
+
+
 class NoAddresses(Exception):
     """The name resolved, but to no address a backend can have."""
 
@@ -133,11 +188,35 @@ def lookup(resolver: Any, entry: DnsBackendSpec) -> Deferred[Resolved]:
     lookup) marks the result ``partial``: only "no such name" and "no records" mean a
     part is truly empty.
     """
-    if entry.kind == "srv":
-        return _lookup_srv(resolver, entry)
-    return _addresses(resolver, entry.name).addCallback(
-        lambda found: _as_resolved([Member(0, host, entry.port) for host in found.hosts],
-                                   found.skipped, found.ttls, found.failed))
+    names = getattr(resolver, "names", None)
+    candidates = names(entry.name) if callable(names) else [entry.name]
+
+    def ask(name: str) -> Deferred[Resolved]:
+        if entry.kind == "srv":
+            return _lookup_srv(resolver, name)
+        return _addresses(resolver, name).addCallback(
+            lambda found: _as_resolved([Member(0, host, entry.port) for host in found.hosts],
+                                       found.skipped, found.ttls, found.failed))
+
+    return _first(candidates, ask)
+
+
+def _first(names: list[str], ask: Callable[[str], Deferred[Resolved]]) -> Deferred[Resolved]:
+    """
+    The first of ``names`` that resolves: the next is asked only when one is not there
+    (no such name, or nothing usable); any other failure ends the resolution, as a
+    failed part does.
+    """
+    asked = ask(names[0])
+    if len(names) == 1:
+        return asked
+
+    def next_one(failure: Failure) -> Deferred[Resolved]:
+        if not (_empty(failure) or failure.check(NoAddresses)):
+            return failure  # type: ignore[return-value]
+        return _first(names[1:], ask)
+
+    return asked.addErrback(next_one)
 
 
 @attrs.frozen
@@ -201,7 +280,7 @@ def _addresses(resolver: Any, name: str) -> Deferred[Addresses]:
     return asked.addCallback(combine)
 
 
-def _lookup_srv(resolver: Any, entry: DnsBackendSpec) -> Deferred[Resolved]:
+def _lookup_srv(resolver: Any, service: str) -> Deferred[Resolved]:
     def targets(result: tuple[list[dns.RRHeader], list[dns.RRHeader], list[dns.RRHeader]],
                 ) -> Deferred[Resolved]:
         answers, _, additional = result
@@ -240,4 +319,4 @@ def _lookup_srv(resolver: Any, entry: DnsBackendSpec) -> Deferred[Resolved]:
 
         return asked.addCallback(members)
 
-    return resolver.lookupService(entry.name, timeout=QUERY_TIMEOUT).addCallback(targets)
+    return resolver.lookupService(service, timeout=QUERY_TIMEOUT).addCallback(targets)
