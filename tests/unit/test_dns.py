@@ -832,6 +832,54 @@ class QuietResolverTests(SynchronousTestCase):
         self.resolver.close_sockets()
         self.assertTrue(transport.stopped)
 
+    def test_a_fresh_socket_takes_over_after_a_number_of_queries(self) -> None:
+        from txlb._discovery.resolver import QUERIES_PER_SOCKET
+
+        first = [self.resolver.lookupAddress(f"n{i}.example", timeout=(1, 3))
+                 for i in range(QUERIES_PER_SOCKET)]
+        self.assertEqual(len(self.reactor.ports), 1)
+        old_protocol, old = self.reactor.ports[0]
+        later = self.resolver.lookupAddress("next.example", timeout=(1, 3))
+        self.assertEqual(len(self.reactor.ports), 2)  # a new socket: a new source port
+        new_protocol, new = self.reactor.ports[1]
+        self.assertEqual(len(old.sent), QUERIES_PER_SOCKET)
+        self.assertEqual(len(new.sent), 1)
+        # the old socket stays open for the answers still owed to it ...
+        for query, _ in old.sent[:-1]:
+            self.reply(old_protocol, query)
+        self.assertFalse(old.stopped)
+        self.reply(old_protocol, old.sent[-1][0])
+        self.assertTrue(old.stopped)  # ... and closes with the last one
+        for found in first:
+            self.successResultOf(found)
+        self.reply(new_protocol, new.sent[0][0])
+        self.successResultOf(later)
+        self.assertFalse(new.stopped)
+        self.resolver.close_sockets()
+        self.assertTrue(new.stopped)
+
+    def test_a_retired_socket_whose_queries_time_out_closes_too(self) -> None:
+        from txlb._discovery.resolver import QUERIES_PER_SOCKET
+
+        owed = [self.resolver.lookupAddress(f"n{i}.example", timeout=(1,))
+                for i in range(QUERIES_PER_SOCKET)]
+        _, old = self.reactor.ports[0]
+        self.reactor.advance(0.5)
+        self.resolver.lookupAddress("next.example", timeout=(1,))
+        self.assertFalse(old.stopped)
+        self.reactor.advance(0.5)  # the old socket's queries give up: nothing left owed
+        for found in owed:
+            self.failureResultOf(found)
+        self.assertTrue(old.stopped)
+
+    def reply(self, protocol: Any, query: bytes) -> None:
+        asked = dns.Message()
+        asked.fromStr(query)
+        reply = dns.Message(id=asked.id, answer=True)
+        reply.queries = asked.queries
+        reply.answers = [a("n.example", "10.0.0.7")]
+        protocol.datagramReceived(reply.toStr(), ("10.0.0.53", 53))
+
     def test_every_try_timing_out_is_a_timeout(self) -> None:
         from txlb._discovery.resolver import describe_failure
 

@@ -25,13 +25,20 @@ from txlb._discovery.answers import Member, Resolved, address_records, capped, s
 QUERY_TIMEOUT = (1, 3)
 
 
+#: queries one UDP socket sends before a fresh one, on a new random source port, takes over
+QUERIES_PER_SOCKET = 16
+
+
 class QuietResolver(client.Resolver):
     """
-    Twisted's DNS client, asking over UDP through one socket per address family that it
-    keeps (as nginx's resolver does), instead of a new socket per query: Twisted's UDP
-    port logs two lines as it opens and closes, so a socket per query would put four
-    lines a second in the service log for a name with a short TTL.  Each query still has
-    a random id, and an answer from any address but the server asked is dropped
+    Twisted's DNS client, asking over UDP through one socket per address family that
+    serves :data:`QUERIES_PER_SOCKET` queries, then gives way to a fresh one (the kernel
+    picks its port at random) and closes once its last query has ended.  Not a socket per
+    query: Twisted's UDP port logs two lines as it opens and closes, so that would put
+    four lines a second in the service log for a name with a short TTL; not one socket
+    for the process's life either: a fixed source port leaves a spoofer only the 16-bit
+    query id to guess (RFC 5452 asks for both to be random).  Each query has a random id,
+    and an answer from any address but the server asked is dropped
     (``DNSDatagramProtocol`` checks both); a truncated answer is asked again over TCP.
     Each server is tried in turn, one try per entry of ``timeout``.
     """
@@ -44,7 +51,11 @@ class QuietResolver(client.Resolver):
 
     def __init__(self, reactor: Any, **options: Any) -> None:
         self._socket_reactor = reactor
+        #: per address family: the socket queries go out on, and how many it has sent
         self._sockets: dict[int, dns.DNSDatagramProtocol] = {}
+        self._sent: dict[int, int] = {}
+        #: sockets given way to, still waiting for an answer to one of their queries
+        self._retired: list[dns.DNSDatagramProtocol] = []
         super().__init__(reactor=reactor, **options)
 
     def parseConfig(self, resolvConf: Any) -> None:
@@ -81,6 +92,7 @@ class QuietResolver(client.Resolver):
         except Exception:
             return fail()
         asked: Deferred[Any] = protocol.query(address, queries, timeouts[attempt])
+        asked.addBoth(self._ended)
 
         def again(failure: Failure) -> Any:
             failure.trap(DeferredTimeout)
@@ -93,17 +105,42 @@ class QuietResolver(client.Resolver):
     def _socket_for(self, host: str) -> dns.DNSDatagramProtocol:
         family = 6 if ":" in host else 4
         protocol = self._sockets.get(family)
+        if protocol is not None and self._sent.get(family, 0) >= QUERIES_PER_SOCKET:
+            self._retired.append(protocol)  # closed once its queries have ended
+            protocol = None
         if protocol is None or protocol.transport is None:
             protocol = dns.DNSDatagramProtocol(self, reactor=self._socket_reactor)
             protocol.noisy = False
+            # port 0: the kernel's pick, random on Linux (net.ipv4.ip_local_port_range)
             self._socket_reactor.listenUDP(0, protocol, interface="::" if family == 6 else "")
             self._sockets[family] = protocol
+            self._sent[family] = 0
+        self._sent[family] += 1
+        self._close_retired()
         return protocol
 
+    def _ended(self, result: object) -> object:
+        """A query ended (answered, timed out, failed): a retired socket may close now."""
+        self._close_retired()
+        return result
+
+    def _close_retired(self) -> None:
+        waiting = []
+        for protocol in self._retired:
+            if protocol.transport is None:
+                continue
+            if protocol.liveMessages:
+                waiting.append(protocol)
+            else:
+                protocol.transport.stopListening()
+        self._retired = waiting
+
     def close_sockets(self) -> None:
-        """Close the kept sockets (a stopping balancer); a later query opens new ones."""
-        sockets, self._sockets = self._sockets, {}
-        for protocol in sockets.values():
+        """Close every socket (a stopping balancer); a later query opens new ones."""
+        sockets, self._sockets = [*self._sockets.values(), *self._retired], {}
+        self._retired = []
+        self._sent = {}
+        for protocol in sockets:
             if protocol.transport is not None:
                 protocol.transport.stopListening()
 
