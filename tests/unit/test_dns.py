@@ -994,8 +994,13 @@ class SharedStoreTests(SynchronousTestCase):
 
     def test_a_removal_by_another_replica_s_dns_does_not_take_ours_out(self) -> None:
         self.start()
-        self.from_a("10.0.0.2:8000", removing=True)  # A's answer lacked .2 for a moment
+        self.from_a("10.0.0.2:8000", removing=True,  # A's answer lacked .2 for a moment
+                    draining=True)  # (a removal drains)
         self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000"])
+        backend = self.pool.get("10.0.0.2:8000")
+        assert backend is not None
+        self.assertFalse(backend.draining)  # still in rotation
+        self.assertFalse(self.marks.unsent["10.0.0.2:8000"].draining)
         self.assertFalse(self.marks.unsent["10.0.0.2:8000"].removing)  # and says so
         self.clock.advance(30)
         self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000"])

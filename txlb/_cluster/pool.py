@@ -162,8 +162,10 @@ class Pool:
             if stored.removing and not backend.removing:
                 if self._operators(spec.key):
                     self.learned.discard(spec.key)  # an operator's: not DNS's to adopt
-                elif self.keeps(backend):  # not removed here; its other marks apply
-                    stored, kept = attrs.evolve(stored, removing=False), True
+                elif self.keeps(backend):  # not removed here (nor drained, as removing
+                    # implies): its own drain and the entry's health apply
+                    stored = attrs.evolve(stored, removing=False, draining=backend.draining)
+                    kept = True
             if stored == backend.marks:
                 if kept:
                     self._marked(backend)  # and it stays in the store too
