@@ -39,6 +39,8 @@ class ZoneAuthority(authority.FileAuthority):
 
     def __init__(self) -> None:
         self.asked: Counter[str] = Counter()
+        #: names whose every query the server fails (SERVFAIL), as a broken server does
+        self.failing: set[str] = set()
         super().__init__(ZONE)
 
     def loadFile(self, filename: str) -> None:
@@ -53,6 +55,8 @@ class ZoneAuthority(authority.FileAuthority):
 
     def _lookup(self, name: bytes, cls: int, type: int, timeout: Any = None) -> Any:
         self.asked[name.decode("ascii", "replace").lower()] += 1
+        if name.decode("ascii", "replace").lower() in self.failing:
+            return defer.fail(RuntimeError("broken"))  # not a DomainError: SERVFAIL
         return super()._lookup(name, cls, type, timeout)
 
 
@@ -273,6 +277,27 @@ class DnsMembershipProcessTests(TestCase):
         self.serve("127.0.0.2", zone=other)
         await self.until_backends(a, self.keys("127.0.0.2"))
         await self.until_backends(b, self.keys("127.0.0.2"))
+
+    async def test_one_srv_target_failing_keeps_its_backends(self) -> None:
+        service = f"_http._tcp.{ZONE}"
+        self.zone.set(service, dns.Record_SRV(0, 1, self.port, f"a.{ZONE}", ttl=0),
+                      dns.Record_SRV(0, 1, self.port, f"b.{ZONE}", ttl=0))
+        self.serve("127.0.0.2", name=f"a.{ZONE}")
+        self.serve("127.0.0.3", name=f"b.{ZONE}")
+        lb = await self.start(names=f"srv:{service}")
+        both = self.keys("127.0.0.2", "127.0.0.3")
+        await self.until_backends(lb, both)
+        self.zone.failing.add(f"b.{ZONE}")  # the server fails b's lookups; a's answer
+        self.zone._cache = {}
+        asked = self.zone.asked[f"b.{ZONE}"]
+        # two resolutions at least (A + AAAA each) with b failing
+        await wait_until(lambda: self.zone.asked[f"b.{ZONE}"] >= asked + 4, timeout=10,
+                         what="two resolutions")
+        await _sleep(0.2)  # (the last answer reaches txlb)
+        self.assertEqual(await self.healthy_backends(lb), both)  # nothing drained
+        self.assertEqual(await self.served_by(lb), set(both))
+        self.assertIn("part of the answer failed", lb.output())
+        self.flushLoggedErrors(RuntimeError)  # the DNS server logs each failure it sends
 
     async def test_under_workers_only_the_supervisor_resolves(self) -> None:
         self.serve("127.0.0.2")
