@@ -15,12 +15,15 @@ from collections import Counter
 from typing import Any
 
 from twisted.internet import defer, reactor
+from twisted.internet.error import CannotListenError
 from twisted.names import authority, dns, server
 from twisted.trial.unittest import TestCase
 
 from txlb._config import MAX_ADDRESSES_PER_NAME
+from txlb._discovery.resolver import QUERIES_PER_SOCKET
 
 from ..processes import Client, TwistdProcess, chat_body, header, wait_until
+from ..redis import RedisServer
 from .test_faults import SimProcess
 
 ZONE = "fleet.test"
@@ -36,6 +39,8 @@ class ZoneAuthority(authority.FileAuthority):
 
     def __init__(self) -> None:
         self.asked: Counter[str] = Counter()
+        #: names whose every query the server fails (SERVFAIL), as a broken server does
+        self.failing: set[str] = set()
         super().__init__(ZONE)
 
     def loadFile(self, filename: str) -> None:
@@ -50,6 +55,8 @@ class ZoneAuthority(authority.FileAuthority):
 
     def _lookup(self, name: bytes, cls: int, type: int, timeout: Any = None) -> Any:
         self.asked[name.decode("ascii", "replace").lower()] += 1
+        if name.decode("ascii", "replace").lower() in self.failing:
+            return defer.fail(RuntimeError("broken"))  # not a DomainError: SERVFAIL
         return super()._lookup(name, cls, type, timeout)
 
 
@@ -74,15 +81,7 @@ class DnsMembershipProcessTests(TestCase):
     timeout = 120
 
     async def setUp(self) -> None:  # type: ignore[override]
-        self.zone = ZoneAuthority()
-        factory = server.DNSServerFactory(authorities=[self.zone])
-        factory.noisy = False
-        udp = reactor.listenUDP(0, dns.DNSDatagramProtocol(factory), interface="127.0.0.1")
-        self.addCleanup(udp.stopListening)
-        self.dns_port = udp.getHost().port
-        # answers too big for a datagram are truncated; txlb's resolver asks again on TCP
-        tcp = reactor.listenTCP(self.dns_port, factory, interface="127.0.0.1")
-        self.addCleanup(tcp.stopListening)
+        self.zone, self.dns_port = self.zone_server()
         self.port = free_port_on(*ENGINES)
         self.engines = [SimProcess(0, "--port", f"tcp:{self.port}:interface={host}",
                                    "--ttft", "0", "--tokens-per-second", "1000")
@@ -93,12 +92,34 @@ class DnsMembershipProcessTests(TestCase):
         self.client = Client()
         self.addCleanup(self.client.pool.closeCachedConnections)
 
-    def serve(self, *addresses: str, ttl: int = 0, name: str = NAME) -> None:
-        self.zone.set(name, *[dns.Record_A(address, ttl) for address in addresses])
+    def zone_server(self) -> tuple[ZoneAuthority, int]:
+        """A DNS server for :data:`ZONE` on a free loopback port (UDP and TCP)."""
+        zone = ZoneAuthority()
+        factory = server.DNSServerFactory(authorities=[zone])
+        factory.noisy = False
+        for _ in range(20):  # the UDP port's number may be taken on TCP: another one
+            udp = reactor.listenUDP(0, dns.DNSDatagramProtocol(factory),
+                                    interface="127.0.0.1")
+            port = udp.getHost().port
+            # answers too big for a datagram are truncated; txlb asks again on TCP
+            try:
+                tcp = reactor.listenTCP(port, factory, interface="127.0.0.1")
+            except CannotListenError:
+                udp.stopListening()
+                continue
+            self.addCleanup(udp.stopListening)
+            self.addCleanup(tcp.stopListening)
+            return zone, port
+        raise AssertionError("no loopback port free on both UDP and TCP")
 
-    async def start(self, *extra: str, names: str | None = None) -> TwistdProcess:
+    def serve(self, *addresses: str, ttl: int = 0, name: str = NAME,
+              zone: ZoneAuthority | None = None) -> None:
+        (zone or self.zone).set(name, *[dns.Record_A(address, ttl) for address in addresses])
+
+    async def start(self, *extra: str, names: str | None = None,
+                    dns_port: int | None = None) -> TwistdProcess:
         lb = TwistdProcess("--backends", names or f"dns:{NAME}:{self.port}",
-                           "--resolver", f"127.0.0.1:{self.dns_port}",
+                           "--resolver", f"127.0.0.1:{dns_port or self.dns_port}",
                            "--admin", "tcp:0:interface=127.0.0.1",
                            "--health-interval", "1", *extra)
         self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
@@ -170,10 +191,14 @@ class DnsMembershipProcessTests(TestCase):
         await _sleep(3)
         per_second = (self.zone.asked[NAME] - before) / (time.monotonic() - started)
         self.assertLess(per_second, 6, self.zone.asked)
-        # ... and the service log says nothing of the queries: one socket, kept
+        # ... and the service log says little of them: a socket (two lines) per 16
+        # queries, each socket on its own source port
         output = lb.output()
-        self.assertEqual(output.count("DNSDatagramProtocol starting on"), 1, output)
-        self.assertNotIn("UDP Port", output)
+        queries = sum(self.zone.asked.values())
+        sockets = output.count("DNSDatagramProtocol starting on")
+        self.assertGreaterEqual(sockets, 1, output)
+        self.assertLessEqual(sockets, 1 + queries // QUERIES_PER_SOCKET, output)
+        self.assertLessEqual(output.count("UDP Port"), sockets)
 
     async def test_a_hostile_zone_is_bounded(self) -> None:
         # thousands of addresses (a TCP-sized answer), odd addresses, a huge TTL
@@ -221,6 +246,58 @@ class DnsMembershipProcessTests(TestCase):
             self.assertLess(time.monotonic(), deadline, lb.output())
             await _sleep(0.1)
         self.assertEqual(await self.served_by(lb), set(self.keys("127.0.0.4")))
+
+    async def test_with_shared_state_one_replica_s_blip_removes_nothing(self) -> None:
+        # two replicas sharing Redis, each asking its own DNS server for the same name
+        redis = RedisServer()
+        self.addCleanup(redis.stop)
+        other, other_port = self.zone_server()
+        self.serve("127.0.0.2", "127.0.0.3")
+        self.serve("127.0.0.2", "127.0.0.3", zone=other)
+        shared = ("--shared-state", redis.url)
+        a = await self.start(*shared)
+        b = await self.start(*shared, dns_port=other_port)
+        both = self.keys("127.0.0.2", "127.0.0.3")
+        await self.until_backends(a, both)
+        await self.until_backends(b, both)
+        await wait_until(lambda: "shared state: connected" in b.output(), timeout=10)
+
+        # A's answer lacks .3 for a moment: A lets it go; B's own DNS still yields it
+        self.serve("127.0.0.2")
+        await wait_until(lambda: "was removed on another replica" in b.output(), timeout=10,
+                         what=f"B to keep .3\n{b.output()}")
+        self.serve("127.0.0.2", "127.0.0.3")
+        self.assertEqual(await self.healthy_backends(b), both)
+        self.assertEqual((await self.status(b))["dns"][0]["in_pool"], both)
+        await self.until_backends(a, both)  # back on A too
+        self.assertNotIn("by an operator", b.output())
+
+        # gone from every replica's answer: gone from every replica
+        self.serve("127.0.0.2")
+        self.serve("127.0.0.2", zone=other)
+        await self.until_backends(a, self.keys("127.0.0.2"))
+        await self.until_backends(b, self.keys("127.0.0.2"))
+
+    async def test_one_srv_target_failing_keeps_its_backends(self) -> None:
+        service = f"_http._tcp.{ZONE}"
+        self.zone.set(service, dns.Record_SRV(0, 1, self.port, f"a.{ZONE}", ttl=0),
+                      dns.Record_SRV(0, 1, self.port, f"b.{ZONE}", ttl=0))
+        self.serve("127.0.0.2", name=f"a.{ZONE}")
+        self.serve("127.0.0.3", name=f"b.{ZONE}")
+        lb = await self.start(names=f"srv:{service}")
+        both = self.keys("127.0.0.2", "127.0.0.3")
+        await self.until_backends(lb, both)
+        self.zone.failing.add(f"b.{ZONE}")  # the server fails b's lookups; a's answer
+        self.zone._cache = {}
+        asked = self.zone.asked[f"b.{ZONE}"]
+        # two resolutions at least (A + AAAA each) with b failing
+        await wait_until(lambda: self.zone.asked[f"b.{ZONE}"] >= asked + 4, timeout=10,
+                         what="two resolutions")
+        await _sleep(0.2)  # (the last answer reaches txlb)
+        self.assertEqual(await self.healthy_backends(lb), both)  # nothing drained
+        self.assertEqual(await self.served_by(lb), set(both))
+        self.assertIn("part of the answer failed", lb.output())
+        self.flushLoggedErrors(RuntimeError)  # the DNS server logs each failure it sends
 
     async def test_under_workers_only_the_supervisor_resolves(self) -> None:
         self.serve("127.0.0.2")

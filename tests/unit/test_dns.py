@@ -404,6 +404,55 @@ class FailureTests(MembershipTestCase):
         self.clock.advance(30)
         self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000"])
 
+    def test_a_failed_a_query_beside_an_aaaa_answer_keeps_the_last_set(self) -> None:
+        self.resolver.zone[("AAAA", "vllm.example")] = [aaaa("vllm.example", "fd00::1")]
+        self.start()
+        every = ["10.0.0.1:8000", "10.0.0.2:8000", "[fd00::1]:8000"]
+        self.assertEqual(self.live(), every)
+        self.resolver.errors[("A", "vllm.example")] = DNSServerError("vllm.example")
+        self.resolver.zone[("AAAA", "vllm.example")] = [aaaa("vllm.example", "fd00::2")]
+        self.clock.advance(30)
+        for _ in range(5):
+            self.clock.advance(MAX_RETRY)
+        self.assertEqual(self.live(), every)  # neither half replaces the set alone
+        entry = self.status()["dns"][0]
+        self.assertEqual(entry["error"],
+                         "part of the answer failed: the DNS server failed (SERVFAIL)")
+        self.assertEqual(len([line for line in self.lines("warn")
+                              if "keeping its last 3 addresses" in line]), 1)
+        del self.resolver.errors[("A", "vllm.example")]
+        self.clock.advance(MAX_RETRY)
+        self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000", "[fd00::2]:8000"])
+        self.assertIsNone(self.status()["dns"][0]["error"])
+
+    def test_no_such_name_for_one_family_is_an_empty_half_not_a_failure(self) -> None:
+        self.start()
+        del self.resolver.zone[("AAAA", "vllm.example")]  # NXDOMAIN for AAAA
+        self.resolver.serve("vllm.example", "10.0.0.1")
+        del self.resolver.zone[("AAAA", "vllm.example")]
+        self.clock.advance(30)
+        self.assertEqual(self.live(), ["10.0.0.1:8000"])
+        self.assertIsNone(self.status()["dns"][0]["error"])
+
+    def test_a_first_answer_with_a_part_missing_starts_the_name(self) -> None:
+        self.resolver.errors[("AAAA", "vllm.example")] = DNSServerError("vllm.example")
+        self.start()
+        self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000"])
+        self.assertIn("part of the answer failed", self.status()["dns"][0]["error"])
+        self.assertEqual(self.status()["dns"][0]["next_at"], 1.0)  # asked again soon
+        del self.resolver.errors[("AAAA", "vllm.example")]
+        self.resolver.zone[("AAAA", "vllm.example")] = [aaaa("vllm.example", "fd00::1")]
+        self.clock.advance(1)
+        self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000", "[fd00::1]:8000"])
+
+    def test_both_halves_failing_with_no_good_set_yet_is_a_failure(self) -> None:
+        self.resolver.errors[("A", "vllm.example")] = DNSServerError("vllm.example")
+        del self.resolver.zone[("AAAA", "vllm.example")]
+        self.start()
+        self.assertEqual(self.keys(), [])
+        self.assertEqual(self.status()["dns"][0]["error"],
+                         "the DNS server failed (SERVFAIL)")
+
     def test_a_name_that_never_resolved_starts_empty_and_keeps_trying(self) -> None:
         self.resolver.zone.clear()
         self.start()
@@ -523,6 +572,41 @@ class SrvTests(MembershipTestCase):
         self.start()
         self.assertEqual(self.keys(), ["10.0.1.1:8001"])
         self.assertEqual(self.status()["dns"][0]["skipped"], 2)
+
+
+class SrvFailureTests(MembershipTestCase):
+    """An SRV answer is whole only when every target was asked: one failing keeps the set."""
+
+    backends = "srv:_http._tcp.gpu.example"
+
+    def zone(self) -> None:
+        name = "_http._tcp.gpu.example"
+        self.resolver.zone[("SRV", name)] = [srv(name, "e1.example", 8000),
+                                             srv(name, "e2.example", 8001)]
+        self.resolver.serve("e1.example", "10.0.1.1")
+        self.resolver.serve("e2.example", "10.0.1.2")
+
+    def test_one_target_failing_to_resolve_keeps_the_last_set(self) -> None:
+        self.start()
+        every = self.live()
+        self.assertEqual(every, ["10.0.1.1:8000", "10.0.1.2:8001"])
+        for kind in ("A", "AAAA"):
+            self.resolver.errors[(kind, "e2.example")] = DNSServerError("e2.example")
+        self.resolver.serve("e1.example", "10.0.1.1", "10.0.1.9")
+        self.clock.advance(30)
+        self.assertEqual(self.live(), every)
+        self.assertIn("part of the answer failed", self.status()["dns"][0]["error"])
+        for kind in ("A", "AAAA"):
+            del self.resolver.errors[(kind, "e2.example")]
+        self.clock.advance(MAX_RETRY)
+        self.assertEqual(self.live(), ["10.0.1.1:8000", "10.0.1.2:8001", "10.0.1.9:8000"])
+
+    def test_a_target_with_no_such_name_has_no_addresses(self) -> None:
+        self.start()
+        del self.resolver.zone[("A", "e2.example")]
+        del self.resolver.zone[("AAAA", "e2.example")]
+        self.clock.advance(30)
+        self.assertEqual(self.live(), ["10.0.1.1:8000"])
 
 
 class WritersTests(MembershipTestCase):
@@ -748,6 +832,54 @@ class QuietResolverTests(SynchronousTestCase):
         self.resolver.close_sockets()
         self.assertTrue(transport.stopped)
 
+    def test_a_fresh_socket_takes_over_after_a_number_of_queries(self) -> None:
+        from txlb._discovery.resolver import QUERIES_PER_SOCKET
+
+        first = [self.resolver.lookupAddress(f"n{i}.example", timeout=(1, 3))
+                 for i in range(QUERIES_PER_SOCKET)]
+        self.assertEqual(len(self.reactor.ports), 1)
+        old_protocol, old = self.reactor.ports[0]
+        later = self.resolver.lookupAddress("next.example", timeout=(1, 3))
+        self.assertEqual(len(self.reactor.ports), 2)  # a new socket: a new source port
+        new_protocol, new = self.reactor.ports[1]
+        self.assertEqual(len(old.sent), QUERIES_PER_SOCKET)
+        self.assertEqual(len(new.sent), 1)
+        # the old socket stays open for the answers still owed to it ...
+        for query, _ in old.sent[:-1]:
+            self.reply(old_protocol, query)
+        self.assertFalse(old.stopped)
+        self.reply(old_protocol, old.sent[-1][0])
+        self.assertTrue(old.stopped)  # ... and closes with the last one
+        for found in first:
+            self.successResultOf(found)
+        self.reply(new_protocol, new.sent[0][0])
+        self.successResultOf(later)
+        self.assertFalse(new.stopped)
+        self.resolver.close_sockets()
+        self.assertTrue(new.stopped)
+
+    def test_a_retired_socket_whose_queries_time_out_closes_too(self) -> None:
+        from txlb._discovery.resolver import QUERIES_PER_SOCKET
+
+        owed = [self.resolver.lookupAddress(f"n{i}.example", timeout=(1,))
+                for i in range(QUERIES_PER_SOCKET)]
+        _, old = self.reactor.ports[0]
+        self.reactor.advance(0.5)
+        self.resolver.lookupAddress("next.example", timeout=(1,))
+        self.assertFalse(old.stopped)
+        self.reactor.advance(0.5)  # the old socket's queries give up: nothing left owed
+        for found in owed:
+            self.failureResultOf(found)
+        self.assertTrue(old.stopped)
+
+    def reply(self, protocol: Any, query: bytes) -> None:
+        asked = dns.Message()
+        asked.fromStr(query)
+        reply = dns.Message(id=asked.id, answer=True)
+        reply.queries = asked.queries
+        reply.answers = [a("n.example", "10.0.0.7")]
+        protocol.datagramReceived(reply.toStr(), ("10.0.0.53", 53))
+
     def test_every_try_timing_out_is_a_timeout(self) -> None:
         from txlb._discovery.resolver import describe_failure
 
@@ -778,3 +910,213 @@ class LazyResolverTests(SynchronousTestCase):
         membership.reconfigure(build_config({"backends": "dns:vllm.example:80"}, NONE))
         self.assertEqual(made, [resolver])
         self.assertEqual([b.key for b in pool], ["10.0.0.1:80"])
+
+
+class _OperatorMarks:
+    """:class:`SharedMarks` whose entries say who made them (``origin``), as a store may."""
+
+    def __init__(self, replica: str) -> None:
+        from txlb._shared.marks import SharedMarks
+
+        self.marks = SharedMarks(replica)
+        self.origins: dict[str, str] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.marks, name)
+
+    def origin(self, key: str) -> str | None:
+        return self.origins.get(key)
+
+
+class SharedStoreTests(SynchronousTestCase):
+    """
+    DNS membership beside the shared store: a replica owns what its own names yield,
+    even when another replica's DNS put it in the store first, and another replica's DNS
+    letting an address go is not an operator's removal.
+    """
+
+    def setUp(self) -> None:
+        from txlb._cluster.pool import Pool
+        from txlb._discovery.membership import DnsMembership
+
+        self.clock = Clock()
+        self.resolver = FakeResolver()
+        self.resolver.serve("vllm.example", "10.0.0.1", "10.0.0.2")
+        self.shared = _OperatorMarks("B")
+        self.marks = self.shared.marks
+        self.marks.started = True
+        store = type("Store", (), {"counts": None, "marks": self.shared})()
+        self.pool = Pool(clock=self.clock, store=store)
+        self.events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(self.events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+        self.dns = DnsMembership(self.pool,
+                                 build_config({"backends": "dns:vllm.example:8000"}, NONE),
+                                 self.resolver, self.clock, on_added=lambda backend: None)
+
+    def start(self) -> None:
+        self.dns.startService()
+        self.addCleanup(self.dns.stopService)
+
+    def from_a(self, key: str, **marks: bool) -> None:
+        """Replica A wrote ``key``'s entry; B's next poll hands it to the pool."""
+        host, port = key.split(":")
+        from txlb._shared.marks import Entry
+
+        values = {"draining": False, "removing": False, "healthy": True, **marks}
+        text = Entry(BackendSpec(host, int(port)), by="A", **values).encode()
+        self.marks.read([(key, text)])
+        self.pool.refresh()
+
+    def live(self) -> list[str]:
+        return sorted(b.key for b in self.pool if not b.removing)
+
+    def in_pool(self) -> list[str]:
+        return self.dns.status()["dns"][0]["in_pool"]  # type: ignore[index]
+
+    def test_members_learned_from_the_store_first_are_adopted_and_leave_with_dns(
+            self) -> None:
+        self.resolver.hold = True  # B's DNS server is slower than Redis
+        self.start()
+        self.from_a("10.0.0.1:8000")
+        self.from_a("10.0.0.2:8000")
+        self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000"])
+        self.resolver.hold = False
+        for waiting in self.resolver.held:
+            waiting.cancel()
+        self.clock.advance(1)  # the retry answers
+        self.assertEqual(self.in_pool(), ["10.0.0.1:8000", "10.0.0.2:8000"])
+        # A is gone; .2 leaves the name: B's own DNS removes it
+        self.resolver.serve("vllm.example", "10.0.0.1")
+        self.clock.advance(30)
+        self.assertEqual(self.live(), ["10.0.0.1:8000"])
+        self.assertTrue(self.marks.unsent["10.0.0.2:8000"].removing)
+
+    def test_a_removal_by_another_replica_s_dns_does_not_take_ours_out(self) -> None:
+        self.start()
+        self.from_a("10.0.0.2:8000", removing=True,  # A's answer lacked .2 for a moment
+                    draining=True)  # (a removal drains)
+        self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000"])
+        backend = self.pool.get("10.0.0.2:8000")
+        assert backend is not None
+        self.assertFalse(backend.draining)  # still in rotation
+        self.assertFalse(self.marks.unsent["10.0.0.2:8000"].draining)
+        self.assertFalse(self.marks.unsent["10.0.0.2:8000"].removing)  # and says so
+        self.clock.advance(30)
+        self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000"])
+        self.assertEqual(self.in_pool(), ["10.0.0.1:8000", "10.0.0.2:8000"])
+        lines = [formatEvent(e) for e in self.events]
+        self.assertFalse([line for line in lines if "by an operator" in line], lines)
+        # still ours: it leaves when our name stops yielding it
+        self.resolver.serve("vllm.example", "10.0.0.1")
+        self.clock.advance(30)
+        self.assertEqual(self.live(), ["10.0.0.1:8000"])
+
+    def test_a_removal_elsewhere_of_what_our_dns_does_not_yield_applies(self) -> None:
+        self.start()
+        self.from_a("10.0.0.7:8000")
+        self.from_a("10.0.0.7:8000", removing=True)
+        self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000"])
+
+    def test_an_operator_s_removal_elsewhere_holds_while_dns_yields_it(self) -> None:
+        self.start()
+        self.shared.origins["10.0.0.2:8000"] = "admin"
+        self.from_a("10.0.0.2:8000", removing=True)
+        self.assertEqual(self.live(), ["10.0.0.1:8000"])
+        self.clock.advance(30)
+        self.clock.advance(30)
+        self.assertEqual(self.live(), ["10.0.0.1:8000"])
+        self.assertEqual(self.in_pool(), ["10.0.0.1:8000"])
+
+    def test_a_backend_added_by_the_store_that_our_dns_does_not_yield_is_not_ours(
+            self) -> None:
+        self.start()
+        self.from_a("10.0.0.7:8000")
+        self.clock.advance(30)
+        self.assertEqual(self.in_pool(), ["10.0.0.1:8000", "10.0.0.2:8000"])
+        self.assertIn("10.0.0.7:8000", self.live())
+
+
+class SearchListTests(SynchronousTestCase):
+    """A short name is asked with resolv.conf's search domains, as the system asks it."""
+
+    def test_fewer_dots_than_ndots_tries_the_search_domains_first(self) -> None:
+        from txlb._discovery.resolver import search_names
+
+        search = ["default.svc.cluster.local", "svc.cluster.local", "cluster.local"]
+        self.assertEqual(search_names("vllm", search, 5), [
+            "vllm.default.svc.cluster.local", "vllm.svc.cluster.local",
+            "vllm.cluster.local", "vllm"])
+        self.assertEqual(search_names("vllm.example", ["corp.example"], 1),
+                         ["vllm.example", "vllm.example.corp.example"])
+        self.assertEqual(search_names("vllm", [], 1), ["vllm"])
+        self.assertEqual(search_names("vllm.example.", ["corp.example"], 5),
+                         ["vllm.example"])
+        self.assertEqual(search_names("v", ["x" * 252], 1), ["v"])  # too long: left out
+
+    def test_resolv_conf_s_search_and_ndots_are_read(self) -> None:
+        from txlb._discovery.resolver import QuietResolver
+
+        path = Path(self.mktemp())
+        path.write_text("nameserver 10.96.0.10\nsearch default.svc.cluster.local "
+                        "svc.cluster.local\noptions ndots:5 timeout:1\n")
+        clock = Clock()
+        resolver = QuietResolver(clock, resolv=str(path), timeout=(1, 3))
+        self.addCleanup(lambda: [call.cancel() for call in clock.getDelayedCalls()])
+        self.assertEqual(resolver.names("vllm"), ["vllm.default.svc.cluster.local",
+                                                  "vllm.svc.cluster.local", "vllm"])
+        self.assertEqual(resolver.names("a.b.c.d.e"), ["a.b.c.d.e.default.svc.cluster.local",
+                                                       "a.b.c.d.e.svc.cluster.local",
+                                                       "a.b.c.d.e"])
+        path.write_text("nameserver 10.96.0.10\ndomain corp.example\noptions ndots:x\n")
+        resolver.parseConfig(path.open("rb"))
+        self.assertEqual(resolver.names("vllm"), ["vllm.corp.example", "vllm"])
+        self.assertEqual(resolver.names("vllm.example"),
+                         ["vllm.example", "vllm.example.corp.example"])
+        resolver.parseConfig([b"nameserver 10.96.0.10\n"])
+        self.assertEqual(resolver.names("vllm"), ["vllm"])
+
+
+class _SearchingResolver(FakeResolver):
+    """A :class:`FakeResolver` with a Kubernetes pod's search list."""
+
+    def names(self, name: str) -> list[str]:
+        from txlb._discovery.resolver import search_names
+
+        return search_names(name, ["default.svc.cluster.local", "svc.cluster.local"], 5)
+
+
+class SearchingMembershipTests(MembershipTestCase):
+    """``dns:vllm:8000`` in a pod resolves as the pod's resolver would resolve ``vllm``."""
+
+    backends = "dns:vllm:8000"
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.resolver = _SearchingResolver()
+        self.resolver.serve("vllm.svc.cluster.local", "10.0.0.1", "10.0.0.2")
+
+    def test_a_short_name_resolves_through_the_search_list(self) -> None:
+        self.start()
+        self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000"])
+        self.assertEqual(self.resolver.asked[:4], [
+            ("A", "vllm.default.svc.cluster.local"), ("AAAA", "vllm.default.svc.cluster.local"),
+            ("A", "vllm.svc.cluster.local"), ("AAAA", "vllm.svc.cluster.local")])
+        self.assertNotIn(("A", "vllm"), self.resolver.asked)  # found before the bare name
+
+    def test_a_server_failure_on_a_search_name_keeps_the_last_set(self) -> None:
+        self.start()
+        for kind in ("A", "AAAA"):  # the first candidate cannot be asked: not "not there"
+            self.resolver.errors[(kind, "vllm.default.svc.cluster.local")] = \
+                DNSServerError("vllm.default.svc.cluster.local")
+        self.resolver.serve("vllm.svc.cluster.local", "10.0.0.1")
+        self.clock.advance(30)
+        self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000"])
+        self.assertEqual(self.status()["dns"][0]["error"], "the DNS server failed (SERVFAIL)")
+
+    def test_no_name_of_the_list_is_no_such_name(self) -> None:
+        self.resolver.zone.clear()
+        self.start()
+        self.assertEqual(self.keys(), [])
+        self.assertEqual(self.status()["dns"][0]["error"], "no such name (NXDOMAIN)")
+        self.assertIn(("A", "vllm"), self.resolver.asked)

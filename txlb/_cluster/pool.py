@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
+import attrs
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import Clock
@@ -85,6 +86,13 @@ class Pool:
         self.on_update: list[Callable[[], object]] = []
         #: Called with (backend, reason) when this process marks a backend down itself.
         self.on_down: list[Callable[[Backend, str], object]] = []
+        #: the backends the shared store added here (another replica's): DNS membership
+        #: adopts one that its own names yield, so its own DNS removes it later
+        self.learned: set[str] = set()
+        #: asked when the shared store removes a backend and the removal is not marked as
+        #: an operator's: ``True`` keeps it here and says so in the store (this replica's
+        #: own DNS still yields it; another replica's DNS letting it go is no reason)
+        self.keeps: Callable[[Backend], bool] = lambda backend: False
         for spec in specs:
             self.add(spec)
 
@@ -106,6 +114,7 @@ class Pool:
         """
         if spec.key in self._backends:
             raise ValueError(f"backend {spec.key} already exists")
+        self.learned.discard(spec.key)
         if self.shared is not None:
             self.shared.register(spec.key)  # raises ValueError when no slot is left
         up_since = self._now() if ramp and self.slow_start else None
@@ -145,6 +154,7 @@ class Pool:
     def _forget_if_idle(self, backend: Backend) -> None:
         if backend.removing and self._held(backend) == 0 and self.get(backend.key) is backend:
             del self._backends[backend.key]
+            self.learned.discard(backend.key)
             log.info("backend {backend} removed", backend=backend.key)
 
     def _marked(self, backend: Backend, reason: str = "") -> None:
@@ -169,8 +179,19 @@ class Pool:
                                                              slow_start=self.slow_start)
                 log.info("backend {backend} added (from the shared store)",
                          backend=spec.key)
+                self.learned.add(spec.key)
                 changed = True
+            kept = False
+            if stored.removing and not backend.removing:
+                if self._operators(spec.key):
+                    self.learned.discard(spec.key)  # an operator's: not DNS's to adopt
+                elif self.keeps(backend):  # not removed here (nor drained, as removing
+                    # implies): its own drain and the entry's health apply
+                    stored = attrs.evolve(stored, removing=False, draining=backend.draining)
+                    kept = True
             if stored == backend.marks:
+                if kept:
+                    self._marked(backend)  # and it stays in the store too
                 continue
             changed = True
             if stored.removing and not backend.removing:
@@ -185,7 +206,14 @@ class Pool:
                 backend.went_down()
             log.info("backend {backend} is now {marks} (from the shared store)",
                      backend=backend.key, marks=stored)
+            if kept:
+                self._marked(backend)
         return changed
+
+    def _operators(self, key: str) -> bool:
+        """Whether the store's last entry for ``key`` was an operator's (the admin API's)."""
+        origin = getattr(self.store.marks, "origin", None)
+        return callable(origin) and origin(key) == "admin"
 
     # -- configuration (a reload) ---------------------------------------------------------
 

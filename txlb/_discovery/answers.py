@@ -53,6 +53,10 @@ class Resolved:
     skipped: int = 0
     #: usable addresses beyond :data:`MAX_ADDRESSES_PER_NAME`
     cut: int = 0
+    #: why part of the answer is missing (the A query failed while AAAA answered, one SRV
+    #: target did not resolve), or ``None``: such an answer is not the whole set, so it
+    #: never replaces a good one (it only starts a name that has none yet)
+    partial: str | None = None
 
 
 def usable_address(address: str) -> str | None:
@@ -84,7 +88,8 @@ def retry_delay(failures: int) -> float:
     return min(MAX_RETRY, MIN_TTL * 2 ** max(0, min(failures - 1, 16)))
 
 
-def capped(members: Iterable[Member], skipped: int, ttls: Sequence[float]) -> Resolved:
+def capped(members: Iterable[Member], skipped: int, ttls: Sequence[float],
+           partial: str | None = None) -> Resolved:
     """The members sorted and de-duplicated, the lowest :data:`MAX_ADDRESSES_PER_NAME` kept."""
     unique = sorted(set(members))
     seen: set[str] = set()
@@ -95,7 +100,7 @@ def capped(members: Iterable[Member], skipped: int, ttls: Sequence[float]) -> Re
             kept.append(member)
     cut = max(0, len(kept) - MAX_ADDRESSES_PER_NAME)
     ttl = bounded_ttl(min(ttls)) if ttls else MIN_TTL
-    return Resolved(tuple(kept[:MAX_ADDRESSES_PER_NAME]), ttl, skipped, cut)
+    return Resolved(tuple(kept[:MAX_ADDRESSES_PER_NAME]), ttl, skipped, cut, partial)
 
 
 def address_records(answers: Iterable[dns.RRHeader]) -> tuple[list[str], int, list[float]]:

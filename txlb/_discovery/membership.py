@@ -5,7 +5,9 @@ Each name is resolved at start, then again when its records' TTL runs out (withi
 :data:`~txlb._discovery.answers.MIN_TTL` and ``MAX_TTL``).  A new address joins through
 ``Pool.add`` (slow start applies, probed at once); a vanished one leaves through
 ``Pool.remove`` (drained, forgotten once idle), as the admin API's ``DELETE`` does.  A
-failed or empty resolution keeps the last good set.
+failed or empty resolution keeps the last good set, and so does one that failed in part
+(a SERVFAIL on A while AAAA answered, one SRV target not resolving): a missing part is not
+an empty one.
 
 Who wins (docs/scale-out.md, "Membership from DNS"):
 
@@ -15,7 +17,11 @@ Who wins (docs/scale-out.md, "Membership from DNS"):
   still configured (it does not remove what the file does not list);
 * an operator's drain of a DNS address holds (DNS never drains or undrains);
 * an operator's removal (admin ``DELETE``) holds until the address leaves the answer; if
-  it comes back later, it joins again.
+  it comes back later, it joins again;
+* with shared state, an address another replica's DNS put in the store is adopted by this
+  replica's name that yields it too (so this replica removes it when the name drops it),
+  and another replica's removal of it is refused while a name here still yields it
+  (``Pool.keeps``) -- unless the store marks that removal as an operator's.
 """
 
 from __future__ import annotations
@@ -117,6 +123,10 @@ class DnsMembership(Service):
         self._suppressed: set[str] = set()
         #: the next look at SRV tiers' health, while a name has several tiers
         self._tier_check: IDelayedCall | None = None
+        #: address -> name, for the addresses the names' last good answers put in rotation
+        #: here (a removal another replica's DNS made does not take them out)
+        self._yielded: dict[str, str] = {}
+        pool.keeps = self._keeps
         self._take(config)
 
     # -- what the rest of the balancer asks ----------------------------------------------
@@ -220,6 +230,11 @@ class DnsMembership(Service):
         if watch.pending is None or self._watches.get(watch.key) is not watch:
             return  # stopped meanwhile
         watch.pending = None
+        if resolved.partial is not None and watch.resolved_at is not None:
+            # part of the answer is missing: not the whole set, so not a reason to
+            # remove what that part held; the last good set stays
+            self._gave_up(f"part of the answer failed: {resolved.partial}", watch)
+            return
         now = self._clock.seconds()
         if watch.failures:
             log.info("{name} resolves again after {count} failed tries",
@@ -240,15 +255,28 @@ class DnsMembership(Service):
         watch.failures = 0
         watch.skipped = resolved.skipped
         watch.cut = resolved.cut
-        self._schedule(watch, resolved.ttl)
+        if resolved.partial is not None:
+            # a first answer with a part missing: better than no backends, asked again
+            # soon (a missing part after this keeps this set)
+            watch.error = f"part of the answer failed: {resolved.partial}"
+            log.warn("{name}: part of the answer failed ({error}); starting with the "
+                     "{count} addresses that did resolve", name=watch.key,
+                     error=resolved.partial, count=len(resolved.members))
+            self._schedule(watch, retry_delay(1))
+        else:
+            self._schedule(watch, resolved.ttl)
         self._reconcile()
 
     def _failed(self, failure: Failure, watch: NameWatch) -> None:
         if watch.pending is None or self._watches.get(watch.key) is not watch:
             return
         watch.pending = None
+        self._gave_up(describe_failure(failure), watch)
+
+    def _gave_up(self, error: str, watch: NameWatch) -> None:
+        """A resolution that does not count: the last good set stays; try again later."""
         watch.failures += 1
-        watch.error = describe_failure(failure)
+        watch.error = error
         watch.failed_at = self._clock.seconds()
         delay = retry_delay(watch.failures)
         if watch.failures == 1:  # once per streak, not per try
@@ -298,10 +326,28 @@ class DnsMembership(Service):
         if call is not None and call.active():
             call.cancel()
 
+    def _keeps(self, backend: Backend) -> bool:
+        """
+        The shared store removes ``backend`` (not an operator's removal): another
+        replica's DNS let it go (a brief answer without it, or its own view of the name).
+        While a name of ours still yields it, it stays, and is ours.
+        """
+        key = backend.key
+        name = self._yielded.get(key)
+        if name is None or key in self._static or key in self._suppressed \
+                or key not in self._owned and key not in self._pool.learned:
+            return False
+        self._owned[key] = name
+        self._leaving.discard(key)
+        log.info("backend {backend} was removed on another replica; {name} still yields "
+                 "it here, so it stays", backend=key, name=name)
+        return True
+
     def _reconcile(self) -> None:
         """Make the pool's DNS members what the names' last good answers say."""
         pool = self._pool
         desired = self._desired()
+        self._yielded = {key: name for key, (name, _) in desired.items()}
         self._suppressed &= set(desired)  # left the answer: may join again when back
         self._leaving = {key for key in self._leaving
                          if (b := pool.get(key)) is not None and b.removing}
@@ -322,7 +368,14 @@ class DnsMembership(Service):
                              name=name)
                     continue
             elif backend is not None:
-                continue  # the admin API's (or the shared store's): not DNS's to change
+                if key not in pool.learned:
+                    continue  # the admin API's: not DNS's to change
+                # another replica's DNS put it in the shared store; ours yields it too,
+                # so ours owns it here (and removes it when the name stops yielding it)
+                log.info("backend {backend} (from the shared store) is {name}'s here too",
+                         backend=key, name=name)
+                if backend.removing:
+                    pool.keep(backend, why=f"{name} yields it here")
             else:
                 if not self._add(spec, name):
                     continue
