@@ -23,9 +23,12 @@ from txlb._workers.wire import (
     Hello,
     Kick,
     Log,
+    Ran,
     Ready,
     Reload,
     Retry,
+    Run,
+    Shared,
     Spent,
     State,
     Stop,
@@ -62,6 +65,11 @@ EVERY_MESSAGE: list[Any] = [
     Spent([["per-ip", 60, "ip:10.0.0.1"], ["per-ip", 86400.0, "ip:10.0.0.1"]], 150, 0),
     Spent([["acme", 60.0, "token:0f2c"]], -42.5, 107),
     BudgetRefused("per-ip"),
+    Shared(True, 3),
+    Ran(7, "4.5"),
+    Ran(8, ["1.0", "2.0"]),
+    Ran(9, None),
+    Run(7, "a" * 40, ["txlb:rate:0f2c"], ["10.0", "10"]),
 ]
 
 
