@@ -8,6 +8,8 @@ within a second, and ``--rate-limit`` is the fleet's, B's two workers included.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 from twisted.internet import defer
@@ -16,7 +18,7 @@ from twisted.trial.unittest import TestCase
 from ..processes import TwistdProcess, wait_until
 from ..redis import RedisServer
 from . import test_shared_state_process as single
-from .test_integration import Fleet
+from .test_integration import JSON, Fleet
 from .test_shared_state_process import MAX_REQUESTS, _until
 
 
@@ -100,3 +102,28 @@ class WorkersSharedStateTests(TestCase):
         self.assertTrue(0.7 * expected <= allowed <= 1.3 * expected,
                         f"{allowed} of {len(codes)} let through in {elapsed:.1f}s, "
                         f"expected ~{expected:.0f}")
+
+    async def test_a_token_budget_spent_through_a_is_refused_by_bs_workers(self) -> None:
+        self.fleet = Fleet(self, 1, tokens_per_second=2000)  # each answer in milliseconds
+        config = os.path.abspath(self.mktemp())
+        with open(config, "w") as handle:
+            handle.write(f'backends = ["{self.fleet.keys[0]}"]\n[[budgets]]\n'
+                         'name = "per-client"\nkey = "ip"\ntokens_per_minute = 600\n')
+        a, b = await self.pair("--config", config)
+        body = json.dumps({"model": "sim-model", "prompt": "hello there",
+                           "max_tokens": 30}).encode()
+
+        async def post(process: TwistdProcess) -> int:
+            response, _ = await self.client.fetch(process.url + "/v1/completions", b"POST",
+                                                  body, JSON)
+            return int(response.code)
+
+        for _ in range(60):  # a budget of 600 holds ~15 of them: bounded
+            if await post(a) == 429:
+                break
+        else:
+            self.fail("A never refused")
+        # B's first reservation's answer brings the fleet's level to both its workers
+        codes = [await post(b) for _ in range(4)]
+        self.assertIn(429, codes[:2], codes)
+        self.assertEqual(codes[2:], [429, 429], codes)

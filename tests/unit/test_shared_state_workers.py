@@ -21,9 +21,25 @@ from txlb._cluster.shared_counts import SharedCounts
 from txlb._shared.host import SCAN_INTERVAL, HostCounts, HostScan
 from txlb._shared.rate import TAKE
 from txlb._shared.store import FLUSH_DELAY, RedisStore
-from txlb._workers.relay import RELAY_TIMEOUT, ScriptRelay, WorkerRelay, WorkerStore
+from txlb._workers.relay import (
+    RELAY_TIMEOUT,
+    ScriptRelay,
+    WorkerRelay,
+    WorkerStore,
+    take_levels,
+)
 from txlb._workers.supervisor import WorkerSupervisor
-from txlb._workers.wire import Message, Ran, Run, Shared, WireError, decode, encode
+from txlb._workers.wire import (
+    Levels,
+    Message,
+    Ran,
+    Run,
+    Shared,
+    Spent,
+    WireError,
+    decode,
+    encode,
+)
 from txlb._workers.worker import SupervisorLink
 
 from .test_shared_state import SPEC, FakeRedis
@@ -257,12 +273,14 @@ class WireTests(SynchronousTestCase):
                 decode(json.dumps(line).encode())
 
 
-def shared_supervisor(test: SynchronousTestCase, redis: FakeRedis,
+def shared_supervisor(test: SynchronousTestCase, redis: FakeRedis, config_file: str | None = None,
                       ) -> tuple[WorkerSupervisor, SpawningReactor]:
     """A ``--workers 2 --shared-state`` supervisor as tap builds it, on a fake Redis."""
-    config = build_config({"workers": "2", "backends": A, "log_file": "none",
-                           "listen": "tcp:0:interface=127.0.0.1", "admin": "none",
-                           "shared-state": "redis://127.0.0.1:1/0"}, {})
+    options = {"workers": "2", "log_file": "none",
+               "listen": "tcp:0:interface=127.0.0.1", "admin": "none",
+               "shared-state": "redis://127.0.0.1:1/0"}
+    options.update({"config": config_file} if config_file else {"backends": A})
+    config = build_config(options, {})
     shared = table(test)
     reactor = SpawningReactor()
     assert config.shared_state is not None
@@ -313,6 +331,47 @@ class SupervisorTests(SynchronousTestCase):
         reactor.advance(0.1)
         self.assertNotIn(b"kick", sup.workers[0].transport.value())  # type: ignore[union-attr]
         self.assertIn(b"kick", sup.workers[1].transport.value())  # type: ignore[union-attr]
+
+
+BUDGET = 'backends = ["10.0.0.1:8000"]\n[[budgets]]\nname = "per-ip"\nkey = "ip"\n' \
+    'tokens_per_minute = 600\n'
+
+
+class BudgetLevelsTests(SynchronousTestCase):
+    def test_the_fleets_levels_reach_every_worker(self) -> None:
+        path = self.mktemp()
+        with open(path, "w") as handle:
+            handle.write(BUDGET)
+        redis = FakeRedis()
+        redis.replies["EVALSHA"] = ["2", "0"]
+        redis.replies["HGETALL"] = []
+        sup, reactor = shared_supervisor(self, redis, path)
+        sup.balancer.store.start()  # type: ignore[attr-defined]
+        first, second = sup.workers[0], sup.workers[1]
+        # worker 0 reserved 150; the fleet's bucket (other hosts spent too) is at -20 after
+        redis.replies["EVALSHA"] = ["-20.0"]
+        sup.received(first, [Spent([["per-ip", 60.0, "ip:10.0.0.9"]], 150, 0)])
+        self.assertTrue(any(c[0] == "EVALSHA" and "-150.0" in c for c in redis.sent))
+        reactor.advance(0)
+        key = "per-ip\x1f60\x1fip:10.0.0.9"
+        for worker in (first, second):
+            self.assertIn({"t": "levels", "levels": [[key, 600.0, 10.0, -20.0]]},
+                          lines(worker.transport))
+
+    def test_a_worker_takes_the_levels_and_ignores_what_is_no_bucket(self) -> None:
+        from txlb._scheduling.budgets import TokenLevels
+
+        clock = Clock()
+        levels = TokenLevels(clock)
+        bucket = ("b", 600.0, 10.0)
+        taken = take_levels(levels, Levels([
+            ["b", 600.0, 10.0, -20.0],
+            ["c", 0, 10.0, 5.0],  # no capacity
+            ["d", 600.0, -1, 5.0],  # no rate
+            ["e", 600.0, 10.0, 601.0],  # above its capacity
+            ["f", 600.0, 10.0, -600.0 * 61],  # past the debt bound
+        ]))
+        self.assertEqual((taken, levels.level(bucket), len(levels)), (1, -20.0, 1))
 
 
 class WorkerConfigTests(SynchronousTestCase):

@@ -22,6 +22,7 @@ from txlb._workers.wire import (
     Finished,
     Hello,
     Kick,
+    Levels,
     Log,
     Ran,
     Ready,
@@ -69,6 +70,7 @@ EVERY_MESSAGE: list[Any] = [
     Ran(7, "4.5"),
     Ran(8, ["1.0", "2.0"]),
     Ran(9, None),
+    Levels([["per-ip\x1f60\x1fip:10.0.0.1", 600.0, 10.0, -25.5]]),
     Run(7, "a" * 40, ["txlb:rate:0f2c"], ["10.0", "10"]),
 ]
 

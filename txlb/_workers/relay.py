@@ -11,6 +11,11 @@ runs it on its link (:class:`ScriptRelay`) and sends Redis's answer back as
 :class:`~txlb._workers.wire.Ran`, which sets the worker's copy to the fleet's level.
 Nothing on a request's path waits for either message.
 
+Token budgets (``[[budgets]]``) go as without shared state: a worker reserves and
+reconciles on its own levels and tells the supervisor (:class:`~txlb._workers.wire.Spent`),
+whose shared levels move the fleet's buckets by each; each answer's levels (the fleet's)
+come back to every worker as :class:`~txlb._workers.wire.Levels` (:func:`take_levels`).
+
 While the supervisor says Redis is unreachable (:class:`~txlb._workers.wire.Shared`), the
 worker sends nothing and its copies go on alone at their share of the rate: the host's view.
 
@@ -41,7 +46,7 @@ from txlb._cluster.store import (
 )
 from txlb._shared.link import LinkDown, RedisLink, Script
 from txlb._shared.rate import TAKE, SharedRateBuckets
-from txlb._workers.wire import MAX_RUN_TEXT, Message, Ran, Run
+from txlb._workers.wire import MAX_RUN_TEXT, Levels, Message, Ran, Run
 
 log = Logger()
 
@@ -171,14 +176,32 @@ def _reply(reply: object) -> str | list[str] | None:
     return text if len(text) <= MAX_RUN_TEXT else None
 
 
+def take_levels(levels: ITokenLevels, message: Levels) -> int:
+    """
+    The fleet's levels the supervisor passed on, into a worker's own token levels; entries
+    that are no bucket (a capacity or rate not above 0, a level outside minus the debt
+    bound and the capacity) are ignored.  How many were taken.
+    """
+    from txlb._scheduling.budgets import DEBT_WINDOWS, TokenLevels
+
+    if not isinstance(levels, TokenLevels):
+        return 0
+    taken = 0
+    for key, capacity, rate, level in message.levels:
+        if capacity > 0 and rate > 0 and -DEBT_WINDOWS * capacity <= level <= capacity:
+            levels.set_level((key, float(capacity), float(rate)), float(level))
+            taken += 1
+    return taken
+
+
 @implementer(IBackendStore)
 @attrs.define
 class WorkerStore:
     """
     A ``--workers`` worker's store under ``--shared-state``: its counts are the host's
     table (the other replicas' in its remote row), its marks the supervisor's (mirrored),
-    its rate buckets shared through :class:`WorkerRelay`; token budgets stay as without
-    shared state (the supervisor's levels are shared: see docs/scale-out.md).
+    its rate buckets shared through :class:`WorkerRelay`; its token levels its own, kept
+    in step by the supervisor (:func:`take_levels`).
     """
 
     counts: IInFlightCounts

@@ -52,16 +52,20 @@ from twisted.python.failure import Failure
 
 from txlb._balancer import LoadBalancer
 from txlb._cluster.shared_counts import SharedCounts
+from txlb._cluster.store import Bucket
 from txlb._compat import tcp_endpoint_address
 from txlb._config import Config, ConfigError
 from txlb._shared.host import HostCounts, HostScan
+from txlb._shared.levels import SharedTokenLevels
 from txlb._shared.store import RedisStore
 from txlb._workers.relay import ScriptRelay
 from txlb._workers.reports import WorkerReports
 from txlb._workers.wire import (
+    MAX_SPENT_BUCKETS,
     FromWorker,
     Hello,
     Kick,
+    Levels,
     Lines,
     Log,
     Ran,
@@ -203,7 +207,7 @@ class WorkerProcess(ProcessProtocol):
                 log.warn("worker {index} sent a malformed message, ignored: {error}",
                          index=self.index, error=str(error))
                 continue
-            if isinstance(message, Hello | State | Reload | Kick | Stop | Shared | Ran):
+            if isinstance(message, Hello | State | Reload | Kick | Stop | Shared | Ran | Levels):
                 log.warn("worker {index} sent a message only a supervisor sends, ignored: "
                          "{kind}", index=self.index, kind=message.kind)
                 continue
@@ -256,6 +260,11 @@ class WorkerSupervisor(Service):
             store.on_polled.append(self._push_shared)
             if isinstance(store.counts, HostCounts):
                 self._scan = HostScan(store.counts, reactor)
+        #: the fleet's budget levels, as Redis answered, to pass on this turn
+        self._levels: dict[str, list[Any]] = {}
+        self._levels_call: IDelayedCall | None = None
+        if isinstance(balancer.budgets.levels, SharedTokenLevels):
+            balancer.budgets.levels.on_level.append(self._fleet_level)
 
     # -- start ----------------------------------------------------------------------------
 
@@ -364,6 +373,21 @@ class WorkerSupervisor(Service):
         self._last_shared = line
         for worker in self.workers.values():
             worker.send(line)
+
+    def _fleet_level(self, bucket: Bucket, level: float) -> None:
+        """A budget bucket's level across the fleet: every worker's copy takes it (this turn)."""
+        key, capacity, rate = bucket
+        self._levels[key] = [key, capacity, rate, level]
+        if self._levels_call is None:
+            self._levels_call = self.reactor.callLater(0, self._push_levels)
+
+    def _push_levels(self) -> None:
+        self._levels_call = None
+        entries, self._levels = list(self._levels.values()), {}
+        for start in range(0, len(entries), MAX_SPENT_BUCKETS):
+            line = encode(Levels(entries[start:start + MAX_SPENT_BUCKETS]))
+            for worker in self.workers.values():
+                worker.send(line)
 
     def _fleet_freed(self) -> None:
         """Another replica freed a slot (or Redis went: the others' counts forgotten)."""

@@ -7,7 +7,8 @@ the backends), :class:`State` (the backends again, whenever the supervisor's poo
 :class:`Kick` (a slot was freed in another worker: look at your max_conns queue again),
 :class:`Stop`, :class:`Spent` (tokens another worker's budgets took or gave back), and with
 ``--shared-state`` :class:`Shared` (whether Redis answers, and how many replicas share it)
-and :class:`Ran` (the answer to a worker's :class:`Run`).
+:class:`Ran` (the answer to a worker's :class:`Run`) and :class:`Levels` (the fleet's levels of
+token-budget buckets, as Redis answered the supervisor).
 
 Worker to supervisor (the worker's file descriptor 3): what its proxy observed
 (:class:`Finished`, :class:`Answer`, :class:`Suspect`, :class:`Retry`, :class:`Wait`,
@@ -193,6 +194,25 @@ class Shared:
     replicas: int = _checked(_is_count)
 
 
+def _is_levels(value: object) -> bool:
+    return (isinstance(value, list) and len(value) <= MAX_SPENT_BUCKETS
+            and all(isinstance(entry, list) and len(entry) == 4
+                    and isinstance(entry[0], str) and len(entry[0]) <= 4096
+                    and all(_is_seconds(number) for number in entry[1:])
+                    for entry in value))
+
+
+@attrs.frozen
+class Levels:
+    """
+    The fleet's levels of some token-budget buckets, each ``[key, capacity, rate, level]``,
+    as the supervisor's shared buckets last answered: every worker's copy takes them.
+    """
+
+    kind: ClassVar[str] = "levels"
+    levels: list[list[Any]] = _checked(_is_levels)
+
+
 @attrs.frozen
 class Ran:
     """What Redis answered to the worker's :class:`Run` ``id`` (``None``: it failed)."""
@@ -298,14 +318,14 @@ class Log:
     text: str = _checked(_is_str)
 
 
-ToWorker: TypeAlias = Hello | State | Reload | Kick | Stop | Spent | Shared | Ran
+ToWorker: TypeAlias = Hello | State | Reload | Kick | Stop | Spent | Shared | Ran | Levels
 FromWorker: TypeAlias = (Ready | Finished | Answer | Suspect | Retry | Wait | Down | Log
                          | Spent | BudgetRefused | Run)
 Message: TypeAlias = ToWorker | FromWorker
 
 #: Every message type but :class:`Finished` (a list on the wire), by its ``t``.
 _TYPES: dict[str, type[Any]] = {
-    cls.kind: cls for cls in (Hello, State, Reload, Kick, Stop, Spent, Shared, Ran, Ready,
+    cls.kind: cls for cls in (Hello, State, Reload, Kick, Stop, Spent, Shared, Ran, Levels, Ready,
                               Answer, Suspect, Retry, Wait, Down, BudgetRefused, Log, Run)
 }
 

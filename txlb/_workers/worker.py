@@ -63,12 +63,13 @@ from txlb._config import Config
 from txlb._records.bookkeeper import budget_reconciles, policy_learns
 from txlb._records.summary import privacy_of
 from txlb._server.quiet import summarise_accept_errors
-from txlb._workers.relay import WorkerRelay, WorkerStore
+from txlb._workers.relay import WorkerRelay, WorkerStore, take_levels
 from txlb._workers.reports import SupervisorForwarder
 from txlb._workers.wire import (
     BudgetRefused,
     Hello,
     Kick,
+    Levels,
     Lines,
     Log,
     Message,
@@ -270,6 +271,8 @@ class SupervisorLink(Protocol):
                 self.relay.update(message.connected, message.replicas)
             elif isinstance(message, Ran) and self.relay is not None:
                 self.relay.answered(message)
+            elif isinstance(message, Levels) and self.balancer is not None:
+                take_levels(self.balancer.budgets.levels, message)
             elif isinstance(message, Stop):
                 self.stop("the supervisor asked")
 
