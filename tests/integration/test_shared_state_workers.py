@@ -127,3 +127,33 @@ class WorkersSharedStateTests(TestCase):
         codes = [await post(b) for _ in range(4)]
         self.assertIn(429, codes[:2], codes)
         self.assertEqual(codes[2:], [429, 429], codes)
+
+    async def test_redis_killed_costs_b_no_request_and_it_resyncs(self) -> None:
+        self.fleet = Fleet(self, 2)
+        a, b = await self.pair("--rate-limit", "1000/s")
+        self.redis.kill()
+
+        async def b_fell_back() -> bool:
+            return not (await self.status(b))["shared_state"]["connected"]
+
+        for sent in range(MAX_REQUESTS):  # served by both workers meanwhile, every one
+            self.assertEqual((await self.small_request(b))[0], 200)
+            if sent >= 20 and await b_fell_back():
+                break
+        self.assertTrue(await b_fell_back())
+        self.assertEqual(b.output().count("uses its local view"), 1, b.output())
+        self.redis.start()
+
+        async def back() -> bool:
+            return all([(await self.status(p))["shared_state"]["connected"] for p in (a, b)])
+
+        await _until(back, "both replicas to reconnect", timeout=15)
+        # resynchronised: a drain on B (its supervisor) after the outage reaches A
+        drained = self.fleet.keys[1]
+        await self.client.fetch(b.admin_url + f"/backends/{drained}/drain", b"POST")
+
+        async def on_a() -> bool:
+            return any(x["backend"] == drained and x["draining"]
+                       for x in (await self.status(a))["backends"])
+
+        await _until(on_a, "B's drain to reach A")
