@@ -22,6 +22,7 @@ from txlb._shared.host import SCAN_INTERVAL, HostCounts, HostScan
 from txlb._shared.rate import TAKE
 from txlb._shared.store import FLUSH_DELAY, RedisStore
 from txlb._workers.relay import (
+    RELAY_DELAY,
     RELAY_TIMEOUT,
     ScriptRelay,
     WorkerRelay,
@@ -163,6 +164,8 @@ class RelayTests(SynchronousTestCase):
     def test_a_take_is_decided_at_once_and_sent_to_the_supervisor(self) -> None:
         self.relay.update(True, 2)
         self.assertEqual(self.buckets.take("ip:1"), 0.0)
+        self.assertEqual(self.sent, [])  # sent with the takes of the next few ms
+        self.clock.advance(RELAY_DELAY)
         (run,) = self.sent
         assert isinstance(run, Run)
         self.assertEqual((run.script, len(run.keys), run.args), (TAKE.sha, 1, ["10.0", "10"]))
@@ -178,6 +181,15 @@ class RelayTests(SynchronousTestCase):
         # a new key's copy: its share of the burst, 10 / 6
         allowed = sum(self.buckets.take("ip:2") == 0 for _ in range(5))
         self.assertEqual(allowed, 1)
+
+    def test_a_burst_of_takes_goes_in_one_write(self) -> None:
+        self.relay.update(True, 1)
+        for client in range(5):
+            self.buckets.take(f"ip:{client}")
+        self.clock.advance(RELAY_DELAY - 0.001)
+        self.assertEqual(self.sent, [])
+        self.clock.advance(0.001)
+        self.assertEqual([m.id for m in self.sent if isinstance(m, Run)], [0, 1, 2, 3, 4])
 
     def test_redis_gone_nothing_is_sent_and_the_copy_decides(self) -> None:
         self.relay.update(False, 2)
@@ -206,6 +218,7 @@ class RelayTests(SynchronousTestCase):
         failures: list[Any] = []
         for _ in range(3):
             relay.run(TAKE, ["txlb:rate:x"], ["1", "1"]).addErrback(failures.append)
+        self.clock.advance(RELAY_DELAY)
         self.assertEqual((len(self.sent), len(failures)), (2, 1))  # the third: at once
         self.clock.advance(RELAY_TIMEOUT)
         self.assertEqual(len(failures), 3)
