@@ -55,9 +55,13 @@ def _unit(*names: str) -> tuple[str, ...]:
 #: would make each mutant cost minutes).
 MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "_proxy/resource": _unit("test_proxy", "test_failover", "test_regressions",
-                             "test_budgets", "test_classes", "test_mutants"),
-    "_proxy/exchange": _unit("test_proxy", "test_failover", "test_regressions",
-                             "test_upstream", "test_mutants"),
+                             "test_budgets", "test_classes", "test_scheduling",
+                             "test_routing_request", "test_mutants", "test_mutants_resource"),
+    "_proxy/exchange": _unit("test_proxy", "test_proxy_wire", "test_failover",
+                             "test_regressions", "test_upstream", "test_failures",
+                             "test_budgets", "test_hung", "test_repeats", "test_outcome",
+                             "test_classes", "test_scheduling", "test_kvcache",
+                             "test_prompt_tokens", "test_mutants", "test_mutants_exchange"),
     "_proxy/failures": _unit("test_failures", "test_proxy", "test_failover",
                              "test_regressions", "test_mutants", "test_mutants_failures"),
     "_proxy/head": _unit("test_head", "test_proxy", "test_properties", "test_mutants"),
@@ -67,7 +71,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
                               "test_admin", "test_health", "test_mutants"),
     "_cluster/pool": _unit("test_scheduling", "test_failover", "test_regressions",
                            "test_admin", "test_health", "test_reload", "test_reload_workers",
-                           "test_mutants"),
+                           "test_shared_slots", "test_mutants"),
     "_cluster/outlier": _unit("test_failover", "test_regressions", "test_mutants"),
     "_cluster/models": _unit("test_models", "test_scheduling", "test_health", "test_mutants"),
     "_cluster/health": _unit("test_health", "test_regressions", "test_scheduling",
@@ -75,7 +79,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "_scheduling/router": _unit("test_scheduling", "test_policies", "test_routing_request",
                                 "test_failover", "test_policy_failure",
                                 "test_policy_prepare", "test_classes", "test_reload",
-                                "test_mutants"),
+                                "test_shared_slots", "test_mutants"),
     "_scheduling/prefix": _unit("test_cache_aware_prefix", "test_cache_aware"),
     "_scheduling/prefix_index": _unit("test_cache_aware", "test_cache_aware_loop"),
     "_scheduling/policies/cache_aware": _unit("test_cache_aware", "test_cache_aware_loop",
@@ -84,7 +88,10 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     **{f"_scheduling/policies/{name}": _unit("test_policies", "test_scheduling",
                                              "test_policy_registry", "test_mutants")
        for name in ("_ties", "least_conn", "round_robin", "weighted_random", "p2c", "peak_ewma",
-                    "queue_depth", "registry")},
+                    "queue_depth")},
+    "_scheduling/policies/registry": _unit("test_policies", "test_scheduling",
+                                           "test_policy_registry", "test_mutants",
+                                           "test_mutants_registry"),
     "_server/site": _unit("test_failover", "test_regressions", "test_proxy", "test_mutants")
     + ("tests.integration.test_framing",),
     "_records/resultlog": _unit("test_resultlog", "test_regressions", "test_summary",
@@ -174,6 +181,16 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "client's producer only while relaying, so neither form of the branch ever runs"),
     ("_proxy/exchange", "ReplaceComparisonOperator_Gt_GtE", "if watchdog.getTime() >= now + limit:",
      "at equality, reset(limit) moves the watchdog to the time it already has"),
+    ("_proxy/resource", "ReplaceAndWithOr", "if budgets is not None or budgets.specs:",
+     "the balancer always passes its TokenBudgets; with no [[budgets]] its admit returns "
+     "ADMITTED at once, whose headers and reservation are the record's defaults"),
+    ("_proxy/resource", "NumberReplacer", "context: ProxyContext, retry_after: float =",
+     "ProxyResource's default: the balancer always passes max(1, ceil(--health-interval))"),
+    ("_proxy/resource", "NumberReplacer", "self.retry_after = max( 0, math.ceil(retry_after))",
+     "the balancer's retry_after is already at least 1 (max(1, ceil(--health-interval)))"),
+    ("_proxy/resource", "NumberReplacer", 'self.affinity.split(":", 2)',
+     "--affinity's header name is an HTTP token (parse_affinity), which has no colon: one "
+     "split or two give the same name"),
     ("_upstream/client", "NumberReplacer", "self._chunk_state == -1:",
      "with the one-chunk fast path off, the general walk hands on the same bytes: only "
      "speed differs"),
@@ -196,6 +213,9 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "the built-in ranks are 10 apart: one up or down keeps the --help order"),
     ("_scheduling/policies/queue_depth", "NumberReplacer", "rank=",
      "the built-in ranks are 10 apart: one up or down keeps the --help order"),
+    ("_scheduling/policies/registry", "NumberReplacer", 'rpartition(".")[ 1]',
+     "built_in() then also imports the registry module itself, which defines no factory: "
+     "the same policies are found"),
     ("_scheduling/policies/_ties", "NumberReplacer", "if len(tied) == 0:",
      "a single tied backend through the weighted walk: its current weight rises by w and "
      "falls by the total, w; it is chosen, and nothing else changes"),
@@ -384,8 +404,12 @@ def copy_tree(into: Path) -> Path:
 
 
 def test_command(copy: Path, tests: Sequence[str]) -> str:
-    """Trial on ``tests``, run in ``copy`` (``env -C``) so the copy's txlb is imported."""
-    return (f"env -C {copy} PYTHONPATH={copy} {sys.executable} -m twisted.trial "
+    """
+    Trial on ``tests``, run in ``copy`` (``env -C``) so the copy's txlb is imported.  It
+    stops at the first failure (``--exitfirst``): one failing test kills a mutant, and the
+    tests after it would only cost time.
+    """
+    return (f"env -C {copy} PYTHONPATH={copy} {sys.executable} -m twisted.trial --exitfirst "
             f"--temp-directory={copy}/_trial_temp " + " ".join(tests))
 
 
@@ -714,6 +738,12 @@ def apply_diff(source: str, diff: str) -> str:
         raise StaleMutant("the diff changes nothing")
     old, new = "\n".join(before) + "\n", "\n".join(after) + "\n"
     found = source.count(old)
+    while not found and before[-1:] == after[-1:] == [""]:
+        # at the end of the module cosmic-ray's diff ends on a blank context line the
+        # file does not have (its last line's newline is the file's end)
+        before, after = before[:-1], after[:-1]
+        old, new = "\n".join(before) + "\n", "\n".join(after) + "\n"
+        found = source.count(old)
     if found != 1:
         raise StaleMutant(f"its lines occur {found} times in the module now, not once")
     return source.replace(old, new)

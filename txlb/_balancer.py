@@ -65,6 +65,7 @@ from txlb._scheduling.router import ModelRoute, Router
 from txlb._server.quiet import QuietConnectionPool, RepeatSummary
 from txlb._server.site import ProxySite
 from txlb._shared.metrics import SharedStateCollector
+from txlb._shared.slots import SharedSlots
 from txlb._shared.store import RedisStore
 from txlb._upstream.agent import AgentUpstream
 from txlb._upstream.client import Upstream, UpstreamClient
@@ -273,6 +274,10 @@ class LoadBalancer:
             # marks other replicas saved reach the pool; a slot they freed wakes the queue
             self.store.attach(self.pool.refresh, self.pool.capacity_changed)
             self.metrics.registry.register(SharedStateCollector(self.store))
+            # max_conns exact over the fleet, and the queue woken by others' releases
+            self.slots = SharedSlots(self.store, self.pool.capacity_changed)
+            self.pool.gate = self.slots
+            self.metrics.registry.register(self.slots.collector())
         retry_after = max(1, math.ceil(config.health_interval))
         #: whether the policy is the one ``--policy`` names (a reload may replace it),
         #: not an embedder's own object (which a reload keeps)
@@ -420,7 +425,7 @@ class LoadBalancer:
             extra = budgets.status()
             extra.update(dns.status())
             if isinstance(self.store, RedisStore):
-                extra["shared_state"] = self.store.status()
+                extra["shared_state"] = {**self.store.status(), "slots": self.slots.status()}
             if extra_status is None:
                 # one process: its router holds the queue (a --workers supervisor's is
                 # always empty; its workers hold theirs)
@@ -460,6 +465,7 @@ class LoadBalancer:
         if isinstance(self.store, RedisStore):
             # first, so it stops last: the row shows the drain's requests until they end
             self.store.service().setServiceParent(services)
+            self.slots.service().setServiceParent(services)
         if health_checks:
             self.health.setServiceParent(services)  # stops last: probing goes on while draining
             # where membership is owned (not in a --workers worker, which mirrors it)

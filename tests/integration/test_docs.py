@@ -60,6 +60,7 @@ class DocsMatchOptionsTests(SynchronousTestCase):
                  | options_of(python, "-m", "bench.fuzz")
                  | options_of(python, "-m", "bench.prefix")
                  | options_of(python, "-m", "bench.policies")
+                 | options_of(python, "-m", "bench.shared_state")
                  | {"--index"}  # txlb._workers.main, as it shows in ps
                  | OTHER_PROGRAMS | MISTYPED_ON_PURPOSE)
         unknown = sorted({f"{path.name}: {option}" for path in DOCS

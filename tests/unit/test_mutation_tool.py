@@ -115,6 +115,16 @@ class ReplayTests(SynchronousTestCase):
     def test_lines_found_twice_are_not_guessed_at(self) -> None:
         self.assertRaises(StaleMutant, apply_diff, self.source * 2, self.diff)
 
+    def test_a_change_on_the_modules_last_lines_applies(self) -> None:
+        """cosmic-ray's diff there ends on a blank context line the file does not have."""
+        at_the_end = self.diff + " \n"
+        last = self.source.rsplit("    return waiting\n", 1)[0]
+        mutated = apply_diff(last, at_the_end)
+        self.assertTrue(mutated.endswith("            if lease is None:\n"
+                                         "                self._leave(waiter)\n"))
+        # a blank line that is there is matched as it is
+        self.assertEqual(apply_diff(last + "\n", at_the_end).count("if lease is None"), 1)
+
     def test_a_diff_that_changes_nothing_is_refused(self) -> None:
         header_only = "\n".join(self.diff.splitlines()[:3])
         self.assertRaises(StaleMutant, apply_diff, self.source, header_only)

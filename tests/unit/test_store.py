@@ -75,6 +75,10 @@ class _TableCounts:
     def give_back(self, key: str) -> None:
         self.table.in_flight[self.me, self.slot(key)] -= 1
 
+    def untake(self, key: str) -> None:
+        self.table.in_flight[self.me, self.slot(key)] -= 1
+        self.table.started[self.slot(key)] -= 1
+
     def total(self, key: str) -> int:
         slot = self.slot(key)
         return sum(n for (_, s), n in self.table.in_flight.items() if s == slot)

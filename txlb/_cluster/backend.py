@@ -110,6 +110,16 @@ class Backend:
         self._active -= 1
         self._finished_since_scrape += 1
 
+    def untook_slot(self) -> None:
+        """
+        A slot taken for a choice the shared store refused (``--shared-state``'s
+        ``max_conns``): as if never taken -- nothing was sent, nothing finished.
+        """
+        self._active -= 1
+        self._requests = max(0, self._requests - 1)
+        # a scrape since the take restarted the count: the take is not in it any more
+        self._started_since_scrape = max(0, self._started_since_scrape - 1)
+
     def counted(self, active: int, requests: int | None = None) -> None:
         """The all-process counts, as the shared counts last read them (``--workers``)."""
         self._active = active
@@ -589,6 +599,17 @@ class Lease:
     def heard(self, at: float) -> None:
         """A byte of the response arrived from the backend (the hung detector reads it)."""
         self.backend.heard(at)
+
+    def withdraw(self) -> bool:
+        """
+        Void the lease without a release: the slot was never used (its choice was refused
+        before anything was sent).  ``True`` if it was live; a later :meth:`release` is a
+        no-op.
+        """
+        if self._released:
+            return False
+        self._released = True
+        return True
 
     def release(self) -> None:
         if not self._released:

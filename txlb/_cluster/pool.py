@@ -13,7 +13,7 @@ answers eject it, in :mod:`txlb._cluster.outlier`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
@@ -30,6 +30,26 @@ from txlb._records.escape import escape
 log = Logger()
 
 _T = TypeVar("_T")
+
+
+class SlotGate(Protocol):
+    """
+    Confirms a slot the pool gave before the request goes out: ``--shared-state``'s exact
+    ``max_conns`` over every replica (:class:`txlb._shared.slots.SharedSlots`).  Without
+    one (a single process, ``--workers``) a slot is the pool's to give and nothing waits.
+    """
+
+    def needs(self, backend: Backend) -> bool:
+        """Whether a slot on ``backend`` must be confirmed (it has ``max_conns``, link up)."""
+
+    def confirm(self, backend: Backend) -> Deferred[bool]:
+        """
+        Whether the slot just taken on ``backend`` is within its ``max_conns`` over the
+        fleet; never fails (an unanswered confirmation admits on the local view).
+        """
+
+    def released(self, backend: Backend) -> None:
+        """A slot on ``backend`` was given back: tell the other replicas' queues."""
 
 
 class Pool:
@@ -50,6 +70,9 @@ class Pool:
         self.store: IBackendStore = store if store is not None else LocalStore(counts=shared)
         #: the counts shared with other worker processes, if any (``--workers``)
         self.shared: IInFlightCounts | None = self.store.counts
+        #: what confirms a slot on a backend with ``max_conns`` before it is used (set by
+        #: the balancer with ``--shared-state``); None: the pool's slot is final
+        self.gate: SlotGate | None = None
         self.outliers = outliers or OutlierRule()
         self._backends: dict[str, Backend] = {}
         self._idle_waiters: list[Deferred[None]] = []
@@ -273,9 +296,29 @@ class Pool:
         """Requests in flight on ``backend`` that this process must wait for."""
         return backend.active if self.shared is None else self.shared.mine(backend.key)
 
+    def withdraw(self, lease: Lease) -> None:
+        """
+        Give back a slot whose choice the :attr:`gate` refused, as if never taken: no
+        request was sent, so none finished (no release, no listener told of a freed slot:
+        the backend is as full as the refusal said).
+        """
+        if not lease.withdraw():
+            return
+        backend = lease.backend
+        backend.untook_slot()
+        if self.shared is not None:
+            self.shared.untake(backend.key)
+        self._forget_if_idle(backend)
+        if self._idle_waiters and self.in_flight == 0:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for waiter in waiters:
+                waiter.callback(None)
+
     def _released(self, backend: Backend) -> None:
         if self.shared is not None:
             self.shared.give_back(backend.key)
+        if self.gate is not None:
+            self.gate.released(backend)
         self._forget_if_idle(backend)
         self._changed()
         if self._idle_waiters and self.in_flight == 0:

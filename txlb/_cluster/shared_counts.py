@@ -149,6 +149,12 @@ class SharedCounts:
         cells, index = self._cells, self._own_base() + _HEADER + self._slots[key]
         cells[index] -= 1
 
+    def untake(self, key: str) -> None:
+        """Undo a :meth:`take` whose request was never sent."""
+        cells, base = self._cells, self._own_base() + _HEADER + self._slots[key]
+        cells[base] -= 1
+        cells[base + self.slots_max] -= 1
+
     def mine(self, key: str) -> int:
         """In flight on ``key`` from this worker (from all of them, for the supervisor)."""
         if self.row is None:

@@ -55,6 +55,9 @@ class IInFlightCounts(Interface):
     def give_back(key: str) -> None:
         """A request this process sent to ``key`` ended."""
 
+    def untake(key: str) -> None:
+        """Undo a :meth:`take` whose request was never sent (a refused choice)."""
+
     def total(key: str) -> int:
         """Requests in flight on ``key``, over every process."""
 

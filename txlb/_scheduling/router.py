@@ -40,6 +40,10 @@ log = Logger()
 #: Seconds between two logged failures of the policy's ``choose`` (each request it fails
 #: on falls back to least-conn; one traceback a minute says enough of a broken policy)
 POLICY_FAILURE_LOG_INTERVAL = 60.0
+#: Refused confirmations (``--shared-state``'s ``max_conns``) after which a request stops
+#: choosing again and queues: each refusal marks its backend full, so more only happen
+#: when other replicas' slots free in between
+MAX_REFUSALS = 4
 
 
 class RoutingError(Exception):
@@ -73,6 +77,8 @@ class _Waiter:
     timer: IDelayedCall | None = None
     #: in a queue now (an O(1) answer to "was it served by a nested dispatch?")
     queued: bool = False
+    #: its slot is being confirmed by the pool's gate (--shared-state's max_conns)
+    confirming: bool = False
 
 
 class Router:
@@ -195,7 +201,14 @@ class Router:
         self._prepare(request)
         lease = self._take(serving, request)
         if lease is not None:
+            if self._unconfirmed(lease):
+                return self._confirm_then(lease, request, exclude)
             return succeed(lease)
+        return self._wait(model, serving, request, exclude)
+
+    def _wait(self, model: str | None, serving: Sequence[Backend], request: RoutingRequest,
+              exclude: frozenset[str]) -> Deferred[Lease]:
+        """No slot now: queue the request (or refuse it when queueing cannot help)."""
         if not self._queue_worthy(serving):
             what = f"model `{model}`" if model is not None else "this request"
             return fail(RoutingError(503, f"no backend is available for {what}",
@@ -208,17 +221,108 @@ class Router:
                      f"class `{klass.name}` is not queued", self.retry_after))
         waiter = _Waiter(model, request, exclude, self.clock.seconds(), klass)
         waiting = self._enqueue(waiter)
-        if self.pool.shared is not None:
+        if self.pool.shared is not None and self.pool.gate is None:
             # With --workers, a slot freed in another worker wakes this queue only if the
             # supervisor sees it non-empty (published by _enqueue).  A slot freed between
             # the failed take above and that publication would wake nobody: so try once
             # more now that the waiter is visible; a slot freed after this try is
-            # announced to us.
+            # announced to us.  (With --shared-state's gate, the poll and the freed
+            # channel wake the queue whatever its length: no second try, no second script.)
             lease = self._take(serving, request)
             if lease is not None:
                 self._leave(waiter)
                 return succeed(lease)
         return waiting
+
+    # -- slots the fleet confirms (--shared-state's max_conns: txlb._shared.slots) -------
+
+    def _unconfirmed(self, lease: Lease) -> bool:
+        """Whether ``lease`` is tentative until the pool's gate confirms it."""
+        gate = self.pool.gate
+        return gate is not None and gate.needs(lease.backend)
+
+    def _confirm_then(self, lease: Lease, request: RoutingRequest,
+                      exclude: frozenset[str], refusals: int = 0) -> Deferred[Lease]:
+        """
+        ``lease`` once the gate confirms it; on a refusal, another choice (the refused
+        backend now reads as full), or the queue -- after :data:`MAX_REFUSALS` refusals
+        in a row, the queue in any case.  Cancelling (the client left) gives back the
+        slot whichever way the answer goes.
+        """
+        assert self.pool.gate is not None
+        current: list[Deferred[Lease]] = []
+
+        def cancel(_: Deferred[Lease]) -> None:
+            if current:
+                current[0].cancel()
+
+        result: Deferred[Lease] = Deferred(cancel)
+
+        def answered(admitted: bool) -> None:
+            if result.called:  # cancelled meanwhile
+                if admitted:
+                    lease.release()
+                else:
+                    self.pool.withdraw(lease)
+                return
+            if admitted:
+                result.callback(lease)
+                return
+            self.pool.withdraw(lease)
+            again = self._choose_again(request, exclude, refusals + 1)
+            current.append(again)
+            again.chainDeferred(result)
+
+        self.pool.gate.confirm(lease.backend).addCallback(answered)
+        return result
+
+    def _choose_again(self, request: RoutingRequest, exclude: frozenset[str],
+                      refusals: int) -> Deferred[Lease]:
+        model = self._routed(request.model)
+        serving = self._serving(model, exclude)
+        if refusals < MAX_REFUSALS:
+            lease = self._take(serving, request)
+            if lease is not None:
+                if self._unconfirmed(lease):
+                    return self._confirm_then(lease, request, exclude, refusals)
+                return succeed(lease)
+        return self._wait(model, serving, request, exclude)
+
+    def _hand_over(self, waiter: _Waiter, lease: Lease, starving: bool) -> None:
+        """
+        Give a queued request its slot once the gate confirms it; while it asks, the
+        waiter keeps its place (passed over by dispatches); refused, the slot goes back
+        and the queue is served again.
+        """
+        assert self.pool.gate is not None
+        waiter.confirming = True
+
+        def answered(admitted: bool) -> None:
+            waiter.confirming = False
+            assert waiter.deferred is not None
+            if waiter.deferred.called:  # expired or cancelled meanwhile
+                if admitted:
+                    lease.release()
+                else:
+                    self.pool.withdraw(lease)
+                return
+            if admitted:
+                self._serve(waiter, lease, starving)
+                return
+            self.pool.withdraw(lease)
+            self._dispatch()
+
+        self.pool.gate.confirm(lease.backend).addCallback(answered)
+
+    def _serve(self, waiter: _Waiter, lease: Lease, starving: bool) -> None:
+        """A queued request gets its slot."""
+        self._leave(waiter)
+        self._starved_last = starving
+        waited = self.clock.seconds() - waiter.since
+        lease.queued_for(waited)
+        self.on_queue_wait(waited)
+        assert waiter.deferred is not None
+        waiter.deferred.callback(lease)
 
     def can_serve_now(self, model: str | None, exclude: frozenset[str]) -> bool:
         """
@@ -357,7 +461,7 @@ class Router:
         #: at the pool: a release behind a long queue costs a dict lookup per waiter
         failed: dict[tuple[str | None, frozenset[str]], bool] = {}
         for waiter, starving in self._in_order():
-            if not waiter.queued:
+            if not waiter.queued or waiter.confirming:
                 continue  # served by a nested dispatch (a release while we were serving)
             key = (waiter.model, waiter.exclude)
             worthy = failed.get(key)
@@ -378,13 +482,10 @@ class Router:
                     waiter.deferred.errback(RoutingError(
                         503, f"no backend is available for {what}", self.retry_after))
                 continue
-            self._leave(waiter)
-            self._starved_last = starving
-            waited = self.clock.seconds() - waiter.since
-            lease.queued_for(waited)
-            self.on_queue_wait(waited)
-            assert waiter.deferred is not None
-            waiter.deferred.callback(lease)
+            if self._unconfirmed(lease):
+                self._hand_over(waiter, lease, starving)
+                continue
+            self._serve(waiter, lease, starving)
 
     def retune(self, *, policy: IPolicy, routes: Mapping[str, ModelRoute],
                queue_timeout: float, retry_after: int, forward_unknown_models: bool,

