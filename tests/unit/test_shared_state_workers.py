@@ -148,6 +148,29 @@ class HostCountsTests(SynchronousTestCase):
         self.store.start()
         self.assertEqual(self.shared.remote(), {A: 2})
 
+    def test_a_workers_release_is_told_once_per_slot(self) -> None:
+        fell: list[tuple[str, int]] = []
+        self.counts.on_fell = lambda key, slots: fell.append((key, slots))
+        first, second = self.workers
+        first.take(A)
+        second.take(A)
+        self.counts.row()  # published: 2
+        first.give_back(A)
+        second.give_back(A)
+        self.counts.changed_row()
+        self.assertEqual(fell, [(A, 2)])
+        self.counts.changed_row()
+        self.assertEqual(fell, [(A, 2)])  # nothing more fell
+
+    def test_the_slot_scripts_reads_and_announcements_reach_the_workers(self) -> None:
+        self.counts.note_others(A, 3)  # a refused slot: the others hold 3
+        self.assertEqual(self.workers[0].total(A), 3)
+        self.assertTrue(self.counts.other_freed(A))  # another replica freed one
+        self.assertEqual(self.workers[1].total(A), 2)
+        self.assertFalse(self.counts.other_freed(B))  # none of theirs there: nothing
+        self.counts.note_others("9.9.9.9:1", 5)  # unknown: ignored
+        self.assertEqual(self.shared.remote(), {A: 2})
+
     def test_the_supervisor_takes_no_slot(self) -> None:
         with self.assertRaises(RuntimeError):
             self.counts.take(A)
@@ -385,6 +408,41 @@ class BudgetLevelsTests(SynchronousTestCase):
             ["f", 600.0, 10.0, -600.0 * 61],  # past the debt bound
         ]))
         self.assertEqual((taken, levels.level(bucket), len(levels)), (1, -20.0, 1))
+
+
+class FreedSlotsTests(SynchronousTestCase):
+    def test_the_workers_releases_are_announced_and_others_wake_them(self) -> None:
+        path = self.mktemp()
+        with open(path, "w") as handle:
+            handle.write('backends = [{url = "http://10.0.0.1:8000", max_conns = 2}, '
+                         '"10.0.0.2:8000"]\n')
+        redis = FakeRedis()
+        redis.replies["EVALSHA"] = ["2", "0", A, "1"]
+        redis.replies["HGETALL"] = []
+        sup, reactor = shared_supervisor(self, redis, path)
+        store = sup.balancer.store
+        assert isinstance(store, RedisStore)
+        store.start()
+        sup.balancer.pool.shared_state()  # the slots the workers are given
+        worker = worker_view(self, sup.shared, 0)
+        worker.take(A)
+        worker.take(B)
+        reactor.advance(SCAN_INTERVAL)
+        reactor.advance(FLUSH_DELAY)
+        worker.give_back(A)
+        worker.give_back(B)  # no max_conns: nobody waits for it
+        reactor.advance(SCAN_INTERVAL)
+        reactor.advance(FLUSH_DELAY)
+        published = [c for c in redis.sent if c[0] == "PUBLISH"]
+        self.assertEqual(published, [("PUBLISH", store.freed_channel, f"host1 {A}")])
+        # another replica's announcement: one fewer of theirs, the waiting worker kicked
+        waiting = worker_view(self, sup.shared, 1)
+        waiting.set_waiters(1)
+        for each in sup.workers.values():
+            each.transport.clear()  # type: ignore[union-attr]
+        sup.balancer.slots.heard_freed(A)
+        self.assertEqual(waiting.total(A), 0)
+        self.assertIn(b"kick", sup.workers[1].transport.value())  # type: ignore[union-attr]
 
 
 class WorkerConfigTests(SynchronousTestCase):

@@ -19,7 +19,7 @@ tells the store when it moved, which writes it within its flush delay.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from twisted.application.service import Service
 from twisted.internet.interfaces import IReactorTime
@@ -41,6 +41,9 @@ class HostCounts(FleetCounts):
         self.table = table
         #: the host's counts as last published (what :meth:`changed_row` compares with)
         self._published: dict[str, int] = {}
+        #: told ``(backend, slots)`` when a published count fell: the host's workers freed
+        #: that many (the supervisor announces them to the other replicas' queues)
+        self.on_fell: Callable[[str, int], object] = lambda key, slots: None
 
     # -- slots: the table's --------------------------------------------------------------
 
@@ -61,6 +64,9 @@ class HostCounts(FleetCounts):
     def give_back(self, key: str) -> None:
         raise RuntimeError("the supervisor holds no requests of its own")
 
+    def untake(self, key: str) -> None:
+        raise RuntimeError("the supervisor holds no requests of its own")
+
     def mine(self, key: str) -> int:
         """In flight on ``key`` from this host's workers."""
         return self.table.host_total(key)
@@ -71,7 +77,7 @@ class HostCounts(FleetCounts):
     def row(self) -> dict[str, int]:
         """The host's nonzero counts: its row in Redis."""
         counts = self._host()
-        self._published = counts
+        self._publish(counts)
         return dict(counts)
 
     def changed_row(self) -> dict[str, int]:
@@ -79,8 +85,14 @@ class HostCounts(FleetCounts):
         counts = self._host()
         changed = {key: counts.get(key, 0) for key in {*counts, *self._published}
                    if counts.get(key, 0) != self._published.get(key, 0)}
-        self._published = counts
+        self._publish(counts)
         return dict(sorted(changed.items()))
+
+    def _publish(self, counts: dict[str, int]) -> None:
+        before, self._published = self._published, counts
+        for key, count in sorted(before.items()):
+            if counts.get(key, 0) < count:
+                self.on_fell(key, count - counts.get(key, 0))
 
     def scan(self) -> None:
         """Look at the workers' rows: if the host's counts moved, the store writes them."""
@@ -117,6 +129,22 @@ class HostCounts(FleetCounts):
         before = self.table.remote()
         self.table.set_remote(sums)
         return any(sums.get(key, 0) < count for key, count in before.items())
+
+    def note_others(self, key: str, count: int) -> None:
+        """The other replicas' count of ``key`` as a slot script just read it."""
+        if key in self.table.backends():
+            others = dict(self.table.remote())
+            others[key] = max(0, min(MAX_REMOTE_COUNT, count))
+            self.table.set_remote(others)
+
+    def other_freed(self, key: str) -> bool:
+        """Another replica announced a freed slot of ``key``: one fewer of theirs."""
+        others = dict(self.table.remote())
+        if others.get(key, 0) <= 0:
+            return False
+        others[key] -= 1
+        self.table.set_remote(others)
+        return True
 
     def forget_others(self) -> bool:
         """Redis is gone: the host's own view.  ``True`` if that freed any slot."""

@@ -260,6 +260,12 @@ class WorkerSupervisor(Service):
             store.on_polled.append(self._push_shared)
             if isinstance(store.counts, HostCounts):
                 self._scan = HostScan(store.counts, reactor)
+                # the workers' releases of max_conns slots, announced to the other replicas
+                store.counts.on_fell = self._host_freed
+            slots = getattr(balancer, "slots", None)
+            if slots is not None:
+                # another replica announced a freed slot: the workers' queues look again
+                slots.wake = self._fleet_freed
         #: the fleet's budget levels, as Redis answered, to pass on this turn
         self._levels: dict[str, list[Any]] = {}
         self._levels_call: IDelayedCall | None = None
@@ -373,6 +379,13 @@ class WorkerSupervisor(Service):
         self._last_shared = line
         for worker in self.workers.values():
             worker.send(line)
+
+    def _host_freed(self, key: str, slots: int) -> None:
+        """This host's workers freed ``slots`` of ``key``: announced if it has max_conns."""
+        store, backend = self.balancer.store, self.balancer.pool.get(key)
+        if isinstance(store, RedisStore) and backend is not None and backend.spec.max_conns:
+            for _ in range(min(slots, backend.spec.max_conns)):
+                store.publish_freed(key)
 
     def _fleet_level(self, bucket: Bucket, level: float) -> None:
         """A budget bucket's level across the fleet: every worker's copy takes it (this turn)."""
