@@ -131,6 +131,8 @@ class WorkersSharedStateTests(TestCase):
     async def test_redis_killed_costs_b_no_request_and_it_resyncs(self) -> None:
         self.fleet = Fleet(self, 2)
         a, b = await self.pair("--rate-limit", "1000/s")
+        # (a first poll slower than its bound on a loaded machine is said at start too)
+        said = b.output().count("uses its local view")
         self.redis.kill()
 
         async def b_fell_back() -> bool:
@@ -141,7 +143,7 @@ class WorkersSharedStateTests(TestCase):
             if sent >= 20 and await b_fell_back():
                 break
         self.assertTrue(await b_fell_back())
-        self.assertEqual(b.output().count("uses its local view"), 1, b.output())
+        self.assertEqual(b.output().count("uses its local view"), said + 1, b.output())
         self.redis.start()
 
         async def back() -> bool:
