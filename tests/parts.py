@@ -22,7 +22,7 @@ from twisted.trial.unittest import FailTest, SkipTest
 #: this set when a test uses them: add the name here and call :func:`missing` in that test.
 REQUIRED: frozenset[str] = frozenset({
     "chromium", "chromedriver", "selenium", "nginx", "openai", "promtool", "curl",
-    "llama-server", "gguf", "redis-server",
+    "llama-server", "gguf", "redis-server", "redis-server-tls",
 })
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -188,12 +188,15 @@ class TwistdProcess:
         raise AssertionError("no VmRSS")
 
 
-def throwaway_certificate(directory: Path) -> tuple[Path, Path]:
+def throwaway_certificate(directory: Path, ip: str | None = "127.0.0.1",
+                          name: str = "localhost") -> tuple[Path, Path]:
     """
-    A self-signed certificate for ``127.0.0.1`` and ``localhost`` (valid for a day), written
-    as ``key.pem`` and ``cert.pem`` under ``directory``: a client that trusts ``cert.pem``
-    verifies the server as it would a real one.  Made with ``cryptography`` (which
-    Twisted's TLS support installs), else with the ``openssl`` command.
+    A self-signed certificate for ``ip`` and ``name`` (valid for a day), written as
+    ``key.pem`` and ``cert.pem`` under ``directory``: a client that trusts ``cert.pem``
+    verifies the server as it would a real one (``ip=None``: a certificate for ``name``
+    only, which a client connecting to an address must refuse).  Made with
+    ``cryptography`` (which Twisted's TLS support installs), else with the ``openssl``
+    command.
     """
     import datetime
     import ipaddress
@@ -211,23 +214,23 @@ def throwaway_certificate(directory: Path) -> tuple[Path, Path]:
             from .parts import missing
             missing("openssl", "neither the cryptography package nor openssl is installed "
                     "to make a test certificate")
+        alt = ",".join([*([f"IP:{ip}"] if ip else []), f"DNS:{name}"])
         subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt",
                         "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
-                        "-subj", "/CN=localhost", "-addext",
-                        "subjectAltName=IP:127.0.0.1,DNS:localhost",
+                        "-subj", f"/CN={name}", "-addext", f"subjectAltName={alt}",
                         "-keyout", str(key_path), "-out", str(cert_path)],
                        check=True, capture_output=True)
         return key_path, cert_path
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = datetime.datetime.now(datetime.timezone.utc)
     certificate = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name)
+        x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
         .public_key(key.public_key()).serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.SubjectAlternativeName([
-            x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+            *([x509.IPAddress(ipaddress.ip_address(ip))] if ip else []), x509.DNSName(name)]),
             critical=False)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())

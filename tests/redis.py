@@ -33,13 +33,16 @@ def free_port() -> int:
 class RedisServer:
     """``redis-server`` as a child process; :meth:`kill`, :meth:`pause` and start again."""
 
-    def __init__(self, password: str | None = None) -> None:
+    def __init__(self, password: str | None = None,
+                 tls: tuple[Path, Path] | None = None) -> None:
+        """``tls``: (certificate, key) files -- the server then speaks TLS only."""
         program = find_program("redis-server", "/usr/bin/redis-server")
         if program is None:
             missing("redis-server", "redis-server is not installed (apt-get install "
                                     "redis-server)")
         self.program = program
         self.password = password
+        self.tls = tls
         self.directory = Path(tempfile.mkdtemp(prefix="txlb-redis-"))
         self.port = 0
         self.process: subprocess.Popen[bytes] | None = None
@@ -48,7 +51,8 @@ class RedisServer:
     @property
     def url(self) -> str:
         credentials = f":{self.password}@" if self.password else ""
-        return f"redis://{credentials}127.0.0.1:{self.port}/0"
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://{credentials}127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
         """Start (again, on the same port once it has one)."""
@@ -56,15 +60,25 @@ class RedisServer:
             port = self.port or free_port()
             args = [self.program, "--port", str(port), "--bind", "127.0.0.1",
                     "--save", "", "--appendonly", "no", "--dir", str(self.directory)]
+            if self.tls:
+                cert, key = self.tls
+                args[1:3] = ["--port", "0", "--tls-port", str(port), "--tls-cert-file",
+                             str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file",
+                             str(cert), "--tls-auth-clients", "no"]
             if self.password:
                 args += ["--requirepass", self.password]
-            self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.DEVNULL)
+            output = self.directory / "server.log"
+            with open(output, "wb") as log:
+                self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
             if self._answers(port):
                 self.port = port
                 return
             self.process.kill()
             self.process.wait()
+            said = output.read_text(errors="replace")
+            if self.tls and "Bad directive" in said and "tls" in said:
+                missing("redis-server-tls", "this redis-server was built without TLS "
+                                            "(--tls-port is a bad directive to it)")
             if self.port:
                 break
         raise AssertionError("redis-server did not start")
@@ -76,7 +90,7 @@ class RedisServer:
             if self.process.poll() is not None:
                 return False
             try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+                with self._connect(port) as sock:
                     sock.sendall(b"PING\r\n")
                     reply = sock.recv(64)
                     if reply.startswith((b"+PONG", b"-NOAUTH")):
@@ -86,11 +100,24 @@ class RedisServer:
             time.sleep(0.02)  # a child process starting: polled, bounded by the deadline
         return False
 
+    def _connect(self, port: int) -> socket.socket:
+        """A connection to the server (over TLS, not verified, if it speaks TLS)."""
+        sock = socket.create_connection(("127.0.0.1", port), timeout=1)
+        if not self.tls:
+            return sock
+        import ssl
+
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        return context.wrap_socket(sock)
+
     def command(self, *args: str) -> bytes:
         """One command over a plain socket (the test's own look at what is stored)."""
         parts = [b"*%d\r\n" % len(args)] + [
             b"$%d\r\n%s\r\n" % (len(arg.encode()), arg.encode()) for arg in args]
-        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as sock:
+        with self._connect(self.port) as sock:
+            sock.settimeout(5)
             if self.password:
                 sock.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n"
                              % (len(self.password), self.password.encode()))

@@ -1081,10 +1081,6 @@ def check_workers(config: Config) -> None:
     if config.workers > 1 and config.listen.split(":", 1)[0].lower() not in ("tcp", "tcp6"):
         raise ConfigError(f"--workers: {config.workers} worker processes need a tcp: "
                           f"--listen endpoint, not {config.listen!r}")
-    if config.workers > 1 and config.shared_state is not None:
-        raise ConfigError(f"--workers: {config.workers} worker processes and --shared-state "
-                          "do not combine; run one replica process per --shared-state "
-                          "member (several on one host listen on their own ports)")
 
 
 def closest_name(word: str, known: Iterable[str]) -> str | None:

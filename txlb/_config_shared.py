@@ -17,6 +17,9 @@ import attrs
 #: Longest password file read (a password is a line; a mistaken path to a big file is
 #: refused rather than read whole).
 MAX_PASSWORD_FILE = 4096
+#: Largest CA file read (a bundle of a few certificates; a mistaken path to a big file is
+#: refused rather than read whole).
+MAX_CA_FILE = 1 << 20
 #: Redis's default number of databases (``databases 16``); a higher one is refused here.
 MAX_DB = 15
 _HOST = re.compile(r"[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
@@ -35,6 +38,9 @@ class SharedStateSpec:
     password: str | None = attrs.field(default=None, repr=False)
     #: the key prefix, so several fleets can share one Redis database
     prefix: str = "txlb"
+    #: ``rediss://`` only: the CA certificates (PEM) the server's certificate must chain
+    #: to, from ``?ca=PATH``; ``None``: the system's trusted CAs
+    ca: str | None = attrs.field(default=None, repr=False)
 
     @property
     def masked(self) -> str:
@@ -66,8 +72,9 @@ def _masked_text(text: str) -> str:
 def parse_shared_state(option: str, value: object) -> SharedStateSpec | None:
     """
     ``redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?password_file=PATH&prefix=NAME]`` (or
-    ``rediss://`` for TLS), or ``none``.  A password in a file (``password_file``, its
-    first line) keeps it out of the process list and the unit file.
+    ``rediss://`` for TLS, with ``&ca=PATH`` for a private CA), or ``none``.  A password
+    in a file (``password_file``, its first line) keeps it out of the process list and the
+    unit file.
     """
     if value is None:
         return None
@@ -93,10 +100,10 @@ def parse_shared_state(option: str, value: object) -> SharedStateSpec | None:
     password = unquote(parts.password) if parts.password is not None else None
     username = unquote(parts.username) if parts.username else None
     query = parse_qs(parts.query, keep_blank_values=True)
-    unknown = sorted(set(query) - {"password_file", "prefix"})
+    unknown = sorted(set(query) - {"password_file", "prefix", "ca"})
     if unknown:
         raise _refuse(option, masked, f"has an unknown parameter {unknown[0][:40]!r} "
-                      "(known: password_file, prefix)")
+                      "(known: password_file, prefix, ca)")
     prefix = query.get("prefix", ["txlb"])[-1]
     if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", prefix):
         raise _refuse(option, masked, "has a prefix that is not 1-64 of A-Z a-z 0-9 _ . -")
@@ -105,8 +112,47 @@ def parse_shared_state(option: str, value: object) -> SharedStateSpec | None:
         if password is not None:
             raise _refuse(option, masked, "has both a password and a password_file")
         password = _read_password(option, masked, files[-1])
-    return SharedStateSpec(host=host, port=port, db=int(path), tls=parts.scheme == "rediss",
-                           username=username, password=password, prefix=prefix)
+    tls = parts.scheme == "rediss"
+    ca = None
+    if "ca" in query:
+        if not tls:
+            raise _refuse(option, masked, "names a ca, which only a rediss:// (TLS) URL uses")
+        ca = _read_ca(option, masked, query["ca"][-1])
+    return SharedStateSpec(host=host, port=port, db=int(path), tls=tls,
+                           username=username, password=password, prefix=prefix, ca=ca)
+
+
+_PEM_CERTIFICATE = re.compile(
+    r"-----BEGIN CERTIFICATE-----\s[A-Za-z0-9+/=\s]+?-----END CERTIFICATE-----")
+
+
+def ca_certificates(pem: str) -> list[str]:
+    """The PEM certificates in a CA file's text, in order."""
+    return _PEM_CERTIFICATE.findall(pem)
+
+
+def _read_ca(option: str, masked: str, path: str) -> str:
+    """The CA file's certificates, each checked to be one OpenSSL can load."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_CA_FILE + 1)
+    except OSError as error:
+        raise _refuse(option, masked, f"ca cannot be read: {error.strerror}") from None
+    if len(data) > MAX_CA_FILE:
+        raise _refuse(option, masked, f"ca is over {MAX_CA_FILE} bytes")
+    text = data.decode("ascii", "replace")
+    certificates = ca_certificates(text)
+    if not certificates:
+        raise _refuse(option, masked, "ca holds no PEM certificate")
+    from twisted.internet.ssl import Certificate
+
+    for certificate in certificates:
+        try:
+            Certificate.loadPEM(certificate.encode("ascii"))
+        except Exception:
+            raise _refuse(option, masked, "ca holds a certificate that cannot be "
+                          "read") from None
+    return "\n".join(certificates) + "\n"
 
 
 def _read_password(option: str, masked: str, path: str) -> str:

@@ -311,7 +311,16 @@ def _supervised(config: Config, reactor: Any, source: ConfigSource | None) -> IS
                 _cannot_listen("listen", config.listen, error)
 
     shared = SharedCounts.create(config.workers)
-    balancer = LoadBalancer(config=config, inflight=shared, source=source)
+    if config.shared_state is None:
+        balancer = LoadBalancer(config=config, inflight=shared, source=source)
+    else:
+        # the host's one replica in Redis: its row is the sum of its workers' (see
+        # txlb._shared.host), the other replicas' counts go to the table's remote row
+        from txlb._shared.host import HostCounts
+        from txlb._shared.store import RedisStore
+
+        store = RedisStore(config.shared_state, reactor, counts=HostCounts(shared))
+        balancer = LoadBalancer(config=config, store=store, source=source)
     supervisor = _Supervisor(balancer, shared, reactor, config.workers)
     top = SequentialService()
     if config.admin != "none":

@@ -109,15 +109,47 @@ class URLTests(SynchronousTestCase):
         with self.assertRaises(ConfigError):
             parse_shared_state("shared-state", f"redis://h:1/0?password_file={empty}")
 
+    def test_a_private_ca_for_tls(self) -> None:
+        from pathlib import Path
+
+        from tests.processes import throwaway_certificate
+        from txlb._shared.link import client_tls
+
+        directory = Path(self.mktemp())
+        directory.mkdir()
+        _, cert = throwaway_certificate(directory)
+        spec = parse_shared_state("shared-state", f"rediss://h:1/0?ca={cert}")
+        assert spec is not None
+        self.assertIn("BEGIN CERTIFICATE", spec.ca or "")
+        self.assertNotIn("BEGIN", repr(spec))
+        self.assertIsNotNone(client_tls(spec))
+        garbage = directory / "garbage.pem"
+        garbage.write_text("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+        big = directory / "big.pem"
+        big.write_bytes(b"x" * (2 << 20))
+        empty = directory / "empty.pem"
+        empty.write_text("no certificate here\n")
+        for url, why in (
+            (f"redis://h:1/0?ca={cert}", "only a rediss://"),
+            ("rediss://h:1/0?ca=/nonexistent", "cannot be read"),
+            (f"rediss://h:1/0?ca={empty}", "no PEM certificate"),
+            (f"rediss://h:1/0?ca={garbage}", "cannot be read"),
+            (f"rediss://h:1/0?ca={big}", "over"),
+        ):
+            with self.assertRaises(ConfigError) as caught:
+                parse_shared_state("shared-state", url)
+            self.assertIn(why, str(caught.exception))
+
     def test_environment_and_workers(self) -> None:
         config = build_config({"backends": "127.0.0.1:9"},
                               environ={"LB_SHARED_STATE": "redis://h:1/2"})
         assert config.shared_state is not None
         self.assertEqual(config.shared_state.db, 2)
-        with self.assertRaises(ConfigError) as caught:
-            build_config({"backends": "127.0.0.1:9", "workers": "2",
-                          "shared-state": "redis://h:1/0"}, environ={})
-        self.assertIn("--workers", str(caught.exception))
+        # with --workers, the supervisor is the host's replica (txlb._shared.host)
+        config = build_config({"backends": "127.0.0.1:9", "workers": "2",
+                               "shared-state": "redis://h:1/0"}, environ={})
+        self.assertEqual((config.workers, config.shared_state and config.shared_state.db),
+                         (2, 0))
 
 
 class LinkTests(SynchronousTestCase):

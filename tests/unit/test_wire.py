@@ -22,10 +22,14 @@ from txlb._workers.wire import (
     Finished,
     Hello,
     Kick,
+    Levels,
     Log,
+    Ran,
     Ready,
     Reload,
     Retry,
+    Run,
+    Shared,
     Spent,
     State,
     Stop,
@@ -62,6 +66,12 @@ EVERY_MESSAGE: list[Any] = [
     Spent([["per-ip", 60, "ip:10.0.0.1"], ["per-ip", 86400.0, "ip:10.0.0.1"]], 150, 0),
     Spent([["acme", 60.0, "token:0f2c"]], -42.5, 107),
     BudgetRefused("per-ip"),
+    Shared(True, 3),
+    Ran(7, "4.5"),
+    Ran(8, ["1.0", "2.0"]),
+    Ran(9, None),
+    Levels([["per-ip\x1f60\x1fip:10.0.0.1", 600.0, 10.0, -25.5]]),
+    Run(7, "a" * 40, ["txlb:rate:0f2c"], ["10.0", "10"]),
 ]
 
 

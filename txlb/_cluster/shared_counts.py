@@ -11,12 +11,16 @@ table of 64-bit cells:
   read-modify-write race between processes), plus one **retired row** owned by the
   supervisor, where the request counts of workers that exited are folded so the
   ``requests`` totals never go backwards;
+* one **remote row**, also the supervisor's: with ``--shared-state``, the in-flight counts
+  of the *other* replicas sharing the Redis, as its poll last read them (zero without
+  shared state, and while Redis is unreachable: the host's own view);
 * in each row a few header cells (the worker's pid, how many requests it has queued at
   ``max_conns``), then one **in-flight** cell and one **started** cell per backend slot.
 
-A backend's in-flight count is the sum of its column over the rows.  Each address gets a
-slot from the supervisor the first time it is seen and keeps it for the life of the
-process (so a backend removed and added again counts on, and a straggling request of the
+A backend's in-flight count is the sum of its column over the workers' rows and the remote
+row: exact for the host's requests, as old as the last poll for the other replicas'.  Each
+address gets a slot from the supervisor the first time it is seen and keeps it for the life
+of the process (so a backend removed and added again counts on, and a straggling request of the
 old one is counted where it belongs); :data:`MAX_SLOTS` distinct addresses fit.
 
 Choosing a backend and taking its slot happen under a POSIX record lock on the segment
@@ -78,6 +82,7 @@ class SharedCounts:
         self.row = row
         self._stride = _HEADER + 2 * slots
         self._retired = workers  # the row after the workers' rows
+        self._remote = workers + 1  # the other replicas' counts (--shared-state)
         self._map = mmap.mmap(fd, self.size(workers, slots))
         self._cells = memoryview(self._map).cast("q")
         self._slots: dict[str, int] = {}
@@ -86,7 +91,7 @@ class SharedCounts:
 
     @staticmethod
     def size(workers: int, slots: int = MAX_SLOTS) -> int:
-        return (workers + 1) * (_HEADER + 2 * slots) * _CELL
+        return (workers + 2) * (_HEADER + 2 * slots) * _CELL
 
     @classmethod
     def create(cls, workers: int, slots: int = MAX_SLOTS) -> SharedCounts:
@@ -128,6 +133,10 @@ class SharedCounts:
     def slot(self, key: str) -> int:
         return self._slots[key]
 
+    def backends(self) -> list[str]:
+        """Every backend given a slot so far."""
+        return list(self._slots)
+
     # -- this process's counts --------------------------------------------------------------
 
     def take(self, key: str) -> None:
@@ -149,7 +158,7 @@ class SharedCounts:
     def mine(self, key: str) -> int:
         """In flight on ``key`` from this worker (from all of them, for the supervisor)."""
         if self.row is None:
-            return self.total(key)
+            return self.host_total(key)
         slot = self._slots.get(key)
         return 0 if slot is None else self._cells[self._own_base() + _HEADER + slot]
 
@@ -167,21 +176,53 @@ class SharedCounts:
 
     # -- everyone's counts ------------------------------------------------------------------
 
-    def total(self, key: str) -> int:
-        """In flight on ``key`` across every worker."""
+    def host_total(self, key: str) -> int:
+        """In flight on ``key`` across every worker of this host (the remote row left out)."""
         slot = self._slots.get(key)
         if slot is None:
             return 0
         cells, stride, index = self._cells, self._stride, _HEADER + slot
         return sum(cells[row * stride + index] for row in range(self.workers))
 
+    def total(self, key: str) -> int:
+        """In flight on ``key`` across every worker, and the other replicas' if shared."""
+        slot = self._slots.get(key)
+        if slot is None:
+            return 0
+        return self.host_total(key) + self._cells[self._remote * self._stride + _HEADER + slot]
+
     def totals(self) -> list[int]:
-        """In flight per slot across every worker (index = slot), in one pass over the rows."""
+        """
+        In flight per slot across every worker and the other replicas (index = slot), in
+        one pass over the rows.
+        """
         used = self._used
         cells, stride = self._cells, self._stride
         rows = [cells[row * stride + _HEADER: row * stride + _HEADER + used].tolist()
-                for row in range(self.workers)]
+                for row in (*range(self.workers), self._remote)]
         return [sum(column) for column in zip(*rows, strict=True)]
+
+    # -- the other replicas (--shared-state: the supervisor writes, every worker reads) --
+
+    def remote(self) -> dict[str, int]:
+        """The other replicas' nonzero in-flight counts, per backend, as last written."""
+        base = self._remote * self._stride + _HEADER
+        cells = self._cells
+        return {key: cells[base + slot] for key, slot in self._slots.items()
+                if cells[base + slot]}
+
+    def set_remote(self, counts: dict[str, int]) -> None:
+        """
+        The other replicas' in-flight counts (backends not named: none).  Written by the
+        supervisor only, one cell at a time: a worker choosing meanwhile reads each
+        backend's count either before or after, never a torn one.
+        """
+        base = self._remote * self._stride + _HEADER
+        cells = self._cells
+        for key, slot in self._slots.items():
+            count = counts.get(key, 0)
+            if cells[base + slot] != count:
+                cells[base + slot] = count
 
     def started(self, key: str) -> int:
         """Requests ever sent to ``key`` by any worker, past or present."""

@@ -65,6 +65,9 @@ class SharedTokenLevels:
         self._unanswered: dict[str, float] = {}
         #: moves the shared buckets did not count (Redis slow or gone)
         self.unshared = 0
+        #: told each bucket's shared level as an answer brings it (a ``--workers``
+        #: supervisor passes it on to its workers' copies)
+        self.on_level: list[Callable[[Bucket, float], object]] = []
 
     def _share(self, buckets: Sequence[Bucket]) -> list[Bucket]:
         replicas = max(1, self._replicas())
@@ -106,13 +109,15 @@ class SharedTokenLevels:
             self._settle(buckets, delta)
             if not isinstance(levels, list) or len(levels) != len(buckets):
                 return
-            for bucket, text in zip(self._share(buckets), levels, strict=True):
+            for whole, bucket, text in zip(buckets, self._share(buckets), levels, strict=True):
                 try:
                     shared = float(str(text))
                 except ValueError:
                     continue
                 if -DEBT * bucket[1] <= shared <= bucket[1]:
                     self._copies.set_level(bucket, shared + self._unanswered.get(bucket[0], 0.0))
+                    for listener in self.on_level:
+                        listener(whole, shared)
 
         def failed(failure: Failure) -> None:
             self._settle(buckets, delta)

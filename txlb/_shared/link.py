@@ -61,6 +61,22 @@ def _utc(seconds: float) -> str:
         timespec="milliseconds").replace("+00:00", "Z")
 
 
+def client_tls(spec: SharedStateSpec) -> Any:
+    """
+    The TLS options of a ``rediss://`` link: the server's certificate checked for the
+    URL's host, against the URL's ``ca`` if it names one, else the system's CAs.
+    """
+    from twisted.internet.ssl import Certificate, optionsForClientTLS, trustRootFromCertificates
+
+    from txlb._config_shared import ca_certificates
+
+    if spec.ca is None:
+        return optionsForClientTLS(spec.host)
+    roots = trustRootFromCertificates(
+        [Certificate.loadPEM(pem.encode("ascii")) for pem in ca_certificates(spec.ca)])
+    return optionsForClientTLS(spec.host, trustRoot=roots)
+
+
 def no_delay(base: Any) -> Any:
     """
     A subclass of the txredisapi protocol ``base`` that turns Nagle's algorithm off: a
@@ -129,9 +145,7 @@ class RedisLink:
 
         tls: Any = False
         if self.spec.tls:
-            from twisted.internet.ssl import optionsForClientTLS
-
-            tls = optionsForClientTLS(self.spec.host)
+            tls = client_tls(self.spec)
         client = txredisapi.lazyConnection(
             host=self.spec.host, port=self.spec.port, dbid=self.spec.db, reconnect=True,
             password=self.spec.password, username=self.spec.username,

@@ -19,14 +19,30 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from txlb._cluster.store import IRateBuckets
-from txlb._shared.link import RedisLink, Script
+from txlb._shared.link import Script
+
+
+class ScriptLink(Protocol):
+    """
+    Where the buckets run their script: the replica's :class:`~txlb._shared.link.RedisLink`,
+    or a ``--workers`` worker's relay through its supervisor (txlb._workers.relay).
+    """
+
+    @property
+    def connected(self) -> bool: ...
+
+    def run(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Deferred[Any]:
+        ...
+
 
 #: Buckets kept at most per replica (as :data:`txlb._scheduling.ratelimit.MAX_KEYS`).
 MAX_KEYS = 100_000
@@ -53,7 +69,7 @@ return tostring(tokens)
 class SharedRateBuckets:
     """Every client key's bucket: a local copy admitting at once, the shared one in Redis."""
 
-    def __init__(self, link: RedisLink, prefix: str, rate: float, burst: int,
+    def __init__(self, link: ScriptLink, prefix: str, rate: float, burst: int,
                  clock: IReactorTime, replicas: Callable[[], int],
                  max_keys: int = MAX_KEYS) -> None:
         self.link = link

@@ -108,14 +108,17 @@ class RedisStore:
 
     def __init__(self, spec: SharedStateSpec, clock: IReactorTime,
                  client: Commands | None = None, replica: str | None = None,
-                 interval: float = POLL_INTERVAL, lease: int = LEASE) -> None:
+                 interval: float = POLL_INTERVAL, lease: int = LEASE,
+                 counts: FleetCounts | None = None) -> None:
         self.spec = spec
         self.clock = clock
         self.replica = replica or replica_id()
         self.interval = interval
         self.lease = lease
         self.link = RedisLink(spec, clock, client)
-        self.counts = FleetCounts()
+        #: this replica's row and the others' counts (a ``--workers`` supervisor passes
+        #: its host's: :class:`txlb._shared.host.HostCounts`)
+        self.counts = counts if counts is not None else FleetCounts()
         self.marks = SharedMarks(self.replica)
         #: live replicas as last polled (1, this one, while Redis has not answered)
         self.replicas = 1
@@ -129,6 +132,9 @@ class RedisStore:
         self.on_marks: Callable[[], object] = lambda: None
         #: told when another replica freed a slot (``pool.capacity_changed``)
         self.on_freed: Callable[[], object] = lambda: None
+        #: told after each poll that answered (a ``--workers`` supervisor tells its workers
+        #: how many replicas there are)
+        self.on_polled: list[Callable[[], object]] = []
         #: backends this replica freed a slot of since the last flush, one entry per
         #: release, announced on ``<prefix>:freed`` after the row (:meth:`publish_freed`)
         self._freed: list[str] = []
@@ -214,6 +220,8 @@ class RedisStore:
         version = str(reply[1])
         if version != self._version:
             self._read_marks(version, whole=self._version is None)
+        for listener in list(self.on_polled):
+            listener()
 
     def _poll_failed(self, failure: Failure) -> None:
         self._polling = False

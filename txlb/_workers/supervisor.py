@@ -18,6 +18,14 @@ Event-driven both ways, no polling:
   ``max_conns`` queue lengths (in the shared table) and ``kick``\\s those that have
   requests waiting, since the slot just freed may be one they can use.
 
+With ``--shared-state`` the supervisor is the host's one replica in Redis (its workers never
+connect to it): its store publishes the host's in-flight counts -- the sum of the workers'
+rows, looked at every few milliseconds (txlb._shared.host) -- and writes the other
+replicas' into the table's remote row, which every worker adds to its own totals; the marks
+(drains, membership, refusals) are the supervisor's pool's, which the workers mirror as
+always; a worker's ``--rate-limit`` takes reach Redis through the supervisor
+(txlb._workers.relay), and it is told whether Redis answers and how many replicas share it.
+
 A worker that dies is restarted (after a short pause, longer if it died young) and its row
 of the shared table is zeroed first, so a SIGKILLed worker's requests no longer count.  On
 SIGTERM the supervisor asks every worker to stop, waits while they drain (each for
@@ -44,17 +52,27 @@ from twisted.python.failure import Failure
 
 from txlb._balancer import LoadBalancer
 from txlb._cluster.shared_counts import SharedCounts
+from txlb._cluster.store import Bucket
 from txlb._compat import tcp_endpoint_address
 from txlb._config import Config, ConfigError
+from txlb._shared.host import HostCounts, HostScan
+from txlb._shared.levels import SharedTokenLevels
+from txlb._shared.store import RedisStore
+from txlb._workers.relay import ScriptRelay
 from txlb._workers.reports import WorkerReports
 from txlb._workers.wire import (
+    MAX_SPENT_BUCKETS,
     FromWorker,
     Hello,
     Kick,
+    Levels,
     Lines,
     Log,
+    Ran,
     Ready,
     Reload,
+    Run,
+    Shared,
     Spent,
     State,
     Stop,
@@ -189,7 +207,7 @@ class WorkerProcess(ProcessProtocol):
                 log.warn("worker {index} sent a malformed message, ignored: {error}",
                          index=self.index, error=str(error))
                 continue
-            if isinstance(message, Hello | State | Reload | Kick | Stop):
+            if isinstance(message, Hello | State | Reload | Kick | Stop | Shared | Ran | Levels):
                 log.warn("worker {index} sent a message only a supervisor sends, ignored: "
                          "{kind}", index=self.index, kind=message.kind)
                 continue
@@ -228,6 +246,31 @@ class WorkerSupervisor(Service):
         balancer.history.queued = self.queued
         balancer.metrics.state.queue_length = self.queued
         balancer.metrics.state.queue_classes = None  # each worker's own; not published
+        #: --shared-state: the workers' scripts run here, on the host's one Redis link
+        self.relay: ScriptRelay | None = None
+        self._scan: HostScan | None = None
+        self._last_shared: bytes | None = None
+        store = balancer.store
+        if isinstance(store, RedisStore):
+            self.relay = ScriptRelay(store.link, store.prefix)
+            # another replica freed a slot: the workers' queues look again
+            store.attach(balancer.pool.refresh, self._fleet_freed)
+            store.link.on_up.append(self._push_shared)
+            store.link.on_down.append(self._push_shared)
+            store.on_polled.append(self._push_shared)
+            if isinstance(store.counts, HostCounts):
+                self._scan = HostScan(store.counts, reactor)
+                # the workers' releases of max_conns slots, announced to the other replicas
+                store.counts.on_fell = self._host_freed
+            slots = getattr(balancer, "slots", None)
+            if slots is not None:
+                # another replica announced a freed slot: the workers' queues look again
+                slots.wake = self._fleet_freed
+        #: the fleet's budget levels, as Redis answered, to pass on this turn
+        self._levels: dict[str, list[Any]] = {}
+        self._levels_call: IDelayedCall | None = None
+        if isinstance(balancer.budgets.levels, SharedTokenLevels):
+            balancer.budgets.levels.on_level.append(self._fleet_level)
 
     # -- start ----------------------------------------------------------------------------
 
@@ -252,6 +295,8 @@ class WorkerSupervisor(Service):
         self._bind()  # started without privilegedStartService (as a plain service may be)
         for index in range(self.count):
             self._start_worker(index)
+        if self._scan is not None:
+            self._scan.startService()
 
     def _start_worker(self, index: int) -> None:
         """
@@ -293,6 +338,8 @@ class WorkerSupervisor(Service):
         # budget full (what the others spent is taken here as if it had spent it there)
         for where, short in self.balancer.budgets.deficits():
             worker.send(encode(Spent([list(where)], short, 0)))
+        if self.relay is not None:
+            worker.send(self._shared_line())
 
     # -- state to the workers -------------------------------------------------------------
 
@@ -319,6 +366,49 @@ class WorkerSupervisor(Service):
         for worker in self.workers.values():
             worker.send(line)
 
+    def _shared_line(self) -> bytes:
+        store = self.balancer.store
+        assert isinstance(store, RedisStore)
+        return encode(Shared(store.link.connected, store.replicas))
+
+    def _push_shared(self) -> None:
+        """Redis came or went, or a poll counted the replicas: the workers hear if it changed."""
+        line = self._shared_line()
+        if line == self._last_shared:
+            return
+        self._last_shared = line
+        for worker in self.workers.values():
+            worker.send(line)
+
+    def _host_freed(self, key: str, slots: int) -> None:
+        """This host's workers freed ``slots`` of ``key``: announced if it has max_conns."""
+        store, backend = self.balancer.store, self.balancer.pool.get(key)
+        if isinstance(store, RedisStore) and backend is not None and backend.spec.max_conns:
+            for _ in range(min(slots, backend.spec.max_conns)):
+                store.publish_freed(key)
+
+    def _fleet_level(self, bucket: Bucket, level: float) -> None:
+        """A budget bucket's level across the fleet: every worker's copy takes it (this turn)."""
+        key, capacity, rate = bucket
+        self._levels[key] = [key, capacity, rate, level]
+        if self._levels_call is None:
+            self._levels_call = self.reactor.callLater(0, self._push_levels)
+
+    def _push_levels(self) -> None:
+        self._levels_call = None
+        entries, self._levels = list(self._levels.values()), {}
+        for start in range(0, len(entries), MAX_SPENT_BUCKETS):
+            line = encode(Levels(entries[start:start + MAX_SPENT_BUCKETS]))
+            for worker in self.workers.values():
+                worker.send(line)
+
+    def _fleet_freed(self) -> None:
+        """Another replica freed a slot (or Redis went: the others' counts forgotten)."""
+        self.balancer.pool.capacity_changed()
+        for worker in self.workers.values():
+            if self.shared.waiters(worker.index) > 0:
+                worker.send(_KICK)
+
     # -- messages from the workers --------------------------------------------------------
 
     def received(self, worker: WorkerProcess, messages: list[FromWorker]) -> None:
@@ -337,6 +427,9 @@ class WorkerSupervisor(Service):
                              index=worker.index, pid=message.pid)
                 elif isinstance(message, Spent):
                     self._relay(worker, message)
+                elif isinstance(message, Run):
+                    self._run(worker, message)
+                    continue
                 freed = worker.reports.apply(message) or freed
             except Exception:
                 log.failure("could not handle a message from worker {index}",
@@ -350,6 +443,13 @@ class WorkerSupervisor(Service):
         for worker in self.workers.values():
             if worker is not source:
                 worker.send(line)
+
+    def _run(self, worker: WorkerProcess, message: Run) -> None:
+        """A worker's shared script, on the host's Redis link; the answer goes back to it."""
+        if self.relay is None:
+            worker.send(encode(Ran(message.id, None)))
+            return
+        self.relay.run(message).addCallback(lambda ran: worker.send(encode(ran)))
 
     def _slots_freed(self, source: WorkerProcess | None) -> None:
         """Requests ended (or a worker died): wake the queues of the other workers."""
@@ -374,6 +474,7 @@ class WorkerSupervisor(Service):
                          pid=worker.pid, reason=reason.getErrorMessage())
             if not self.workers and self._all_ended is not None:
                 done, self._all_ended = self._all_ended, None
+                self._stop_scan()
                 done.callback(None)
             return
         young = self.reactor.seconds() - worker.started < YOUNG
@@ -399,6 +500,7 @@ class WorkerSupervisor(Service):
             self.socket.close()  # the workers' copies stay open until each has stopped
             self.socket = None
         if not self.workers:
+            self._stop_scan()
             return succeed(None)
         done = self._all_ended = Deferred()
         for worker in self.workers.values():
@@ -407,6 +509,12 @@ class WorkerSupervisor(Service):
         killer = self.reactor.callLater(timeout, self._kill_stragglers)
         done.addBoth(lambda result: killer.cancel() if killer.active() else None)
         return done
+
+    def _stop_scan(self) -> None:
+        """The workers ended: their rows are zero, and the last scan publishes that."""
+        if self._scan is not None and self._scan.running:
+            self._scan.counts.scan()
+            self._scan.stopService()
 
     def _kill_stragglers(self) -> None:
         for worker in list(self.workers.values()):

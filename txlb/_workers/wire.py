@@ -5,12 +5,16 @@ one JSON line each, encoded and decoded here and nowhere else.
 Supervisor to worker (the worker's standard input): :class:`Hello` (its row, the config,
 the backends), :class:`State` (the backends again, whenever the supervisor's pool changed),
 :class:`Kick` (a slot was freed in another worker: look at your max_conns queue again),
-:class:`Stop`, and :class:`Spent` (tokens another worker's budgets took or gave back).
+:class:`Stop`, :class:`Spent` (tokens another worker's budgets took or gave back), and with
+``--shared-state`` :class:`Shared` (whether Redis answers, and how many replicas share it)
+:class:`Ran` (the answer to a worker's :class:`Run`) and :class:`Levels` (the fleet's levels of
+token-budget buckets, as Redis answered the supervisor).
 
 Worker to supervisor (the worker's file descriptor 3): what its proxy observed
 (:class:`Finished`, :class:`Answer`, :class:`Suspect`, :class:`Retry`, :class:`Wait`,
 :class:`Down`; see :class:`txlb._records.observer.IRequestObserver`), :class:`Ready`,
-and its token budgets' :class:`Spent` and :class:`BudgetRefused`.
+its token budgets' :class:`Spent` and :class:`BudgetRefused`, and :class:`Run` (a shared
+script the supervisor runs on Redis for it: see txlb._workers.relay).
 On its standard output: :class:`Log`, one per log event.
 
 Every message is a JSON object whose ``t`` names its type, with one key per field --
@@ -163,7 +167,77 @@ class Spent:
     charged: int = _checked(_is_count)
 
 
+#: Keys and arguments one ``run`` message may carry, and the longest of each
+MAX_RUN_ITEMS = 64
+MAX_RUN_TEXT = 256
+
+
+def _is_texts(value: object) -> bool:
+    return (isinstance(value, list) and len(value) <= MAX_RUN_ITEMS
+            and all(isinstance(item, str) and len(item) <= MAX_RUN_TEXT for item in value))
+
+
+def _is_reply(value: object) -> bool:
+    return value is None or (isinstance(value, str) and len(value) <= MAX_RUN_TEXT) \
+        or _is_texts(value)
+
+
+@attrs.frozen
+class Shared:
+    """
+    ``--shared-state`` as the supervisor sees it: whether Redis answers, and how many
+    replicas (hosts) share it.  Sent after :class:`Hello` and whenever either changed.
+    """
+
+    kind: ClassVar[str] = "shared"
+    connected: bool = _checked(_is_bool)
+    replicas: int = _checked(_is_count)
+
+
+def _is_levels(value: object) -> bool:
+    return (isinstance(value, list) and len(value) <= MAX_SPENT_BUCKETS
+            and all(isinstance(entry, list) and len(entry) == 4
+                    and isinstance(entry[0], str) and len(entry[0]) <= 4096
+                    and all(_is_seconds(number) for number in entry[1:])
+                    for entry in value))
+
+
+@attrs.frozen
+class Levels:
+    """
+    The fleet's levels of some token-budget buckets, each ``[key, capacity, rate, level]``,
+    as the supervisor's shared buckets last answered: every worker's copy takes them.
+    """
+
+    kind: ClassVar[str] = "levels"
+    levels: list[list[Any]] = _checked(_is_levels)
+
+
+@attrs.frozen
+class Ran:
+    """What Redis answered to the worker's :class:`Run` ``id`` (``None``: it failed)."""
+
+    kind: ClassVar[str] = "ran"
+    id: int = _checked(_is_count)
+    reply: str | list[str] | None = _checked(_is_reply)
+
+
 # -- worker to supervisor ---------------------------------------------------------------
+
+
+@attrs.frozen
+class Run:
+    """
+    Run the shared script whose SHA1 is ``script`` with these keys and arguments on the
+    supervisor's Redis link, and answer :class:`Ran` ``id`` (the worker never waits: its
+    request was decided already on a local copy).
+    """
+
+    kind: ClassVar[str] = "run"
+    id: int = _checked(_is_count)
+    script: str = _checked(_is_str)
+    keys: list[str] = _checked(_is_texts)
+    args: list[str] = _checked(_is_texts)
 
 
 @attrs.frozen
@@ -244,15 +318,15 @@ class Log:
     text: str = _checked(_is_str)
 
 
-ToWorker: TypeAlias = Hello | State | Reload | Kick | Stop | Spent
+ToWorker: TypeAlias = Hello | State | Reload | Kick | Stop | Spent | Shared | Ran | Levels
 FromWorker: TypeAlias = (Ready | Finished | Answer | Suspect | Retry | Wait | Down | Log
-                         | Spent | BudgetRefused)
+                         | Spent | BudgetRefused | Run)
 Message: TypeAlias = ToWorker | FromWorker
 
 #: Every message type but :class:`Finished` (a list on the wire), by its ``t``.
 _TYPES: dict[str, type[Any]] = {
-    cls.kind: cls for cls in (Hello, State, Reload, Kick, Stop, Spent, Ready, Answer,
-                              Suspect, Retry, Wait, Down, BudgetRefused, Log)
+    cls.kind: cls for cls in (Hello, State, Reload, Kick, Stop, Spent, Shared, Ran, Levels, Ready,
+                              Answer, Suspect, Retry, Wait, Down, BudgetRefused, Log, Run)
 }
 
 

@@ -11,6 +11,9 @@ backends) before anything else.  The worker then serves the socket with
 * takes and releases in-flight slots in its own row of the shared table, choosing under
   the table's lock, so least-connections and ``max_conns`` hold across all workers;
 * mirrors the supervisor's backends (health, drain, membership, models) as they change;
+* with ``--shared-state``, adds the other replicas' counts (the table's remote row, written
+  by the supervisor) to its own, and has the supervisor run its ``--rate-limit`` takes on
+  Redis (txlb._workers.relay): the worker itself never connects to Redis;
 * reports what only the supervisor may act on, through its request observer
   (txlb._workers.reports): each finished request's summary (for the one result log and the
   metrics), backends' answers (outlier ejection), backends it found refusing or resetting
@@ -60,16 +63,20 @@ from txlb._config import Config
 from txlb._records.bookkeeper import budget_reconciles, policy_learns
 from txlb._records.summary import privacy_of
 from txlb._server.quiet import summarise_accept_errors
+from txlb._workers.relay import WorkerRelay, WorkerStore, take_levels
 from txlb._workers.reports import SupervisorForwarder
 from txlb._workers.wire import (
     BudgetRefused,
     Hello,
     Kick,
+    Levels,
     Lines,
     Log,
     Message,
+    Ran,
     Ready,
     Reload,
+    Shared,
     Spent,
     State,
     Stop,
@@ -181,6 +188,8 @@ class SupervisorLink(Protocol):
         self.reactor = reactor
         self.index = index
         self.balancer: LoadBalancer | None = None
+        #: --shared-state: the supervisor runs this worker's shared scripts
+        self.relay: WorkerRelay | None = None
         self.services: IService | None = None
         self.exit_code = 0
         self._lines = Lines()
@@ -258,6 +267,12 @@ class SupervisorLink(Protocol):
                 self.balancer.budgets.spent_elsewhere(
                     [(name, window, client) for name, window, client in message.buckets],
                     message.amount, message.charged)
+            elif isinstance(message, Shared) and self.relay is not None:
+                self.relay.update(message.connected, message.replicas)
+            elif isinstance(message, Ran) and self.relay is not None:
+                self.relay.answered(message)
+            elif isinstance(message, Levels) and self.balancer is not None:
+                take_levels(self.balancer.budgets.levels, message)
             elif isinstance(message, Stop):
                 self.stop("the supervisor asked")
 
@@ -266,10 +281,11 @@ class SupervisorLink(Protocol):
         """
         The supervisor's config as a worker runs it: no backends of its own (it mirrors
         the supervisor's, DNS-sourced ones too: only the supervisor resolves), no result
-        log or admin port (the supervisor keeps them).
+        log or admin port (the supervisor keeps them), and no Redis link: the supervisor is
+        the host's one replica in the shared state (see txlb._workers.relay).
         """
         return attrs.evolve(config_from(blob), backends=(), dns_backends=(),
-                            log_file="none", admin="none", workers=1)
+                            log_file="none", admin="none", workers=1, shared_state=None)
 
     def _reload(self, message: Reload) -> None:
         """The supervisor applied a reloaded config: the same reload here, but membership."""
@@ -288,8 +304,15 @@ class SupervisorLink(Protocol):
         # What the supervisor does for every worker (result log, metrics, outlier
         # ejection, probing) is reported to it instead of done here ...
         forwarder = SupervisorForwarder(self.report, privacy_of(config))
-        balancer = self.balancer = LoadBalancer(config=config, reactor=self.reactor,
-                                                inflight=shared, observer=forwarder)
+        spec = config_from(hello.config).shared_state
+        if spec is None:
+            balancer = LoadBalancer(config=config, reactor=self.reactor, inflight=shared,
+                                    observer=forwarder)
+        else:
+            relay = self.relay = WorkerRelay(self.report, self.reactor, hello.workers)
+            balancer = LoadBalancer(config=config, reactor=self.reactor, observer=forwarder,
+                                    store=WorkerStore(shared, relay, spec.prefix))
+        self.balancer = balancer
         # ... but this worker's policy learns from the requests it served itself.
         forwarder.summaries.add(policy_learns(balancer.pool, balancer.policy))
         # ... and settles the token budgets of the requests it admitted, telling the
