@@ -129,6 +129,9 @@ class RedisStore:
         self.on_marks: Callable[[], object] = lambda: None
         #: told when another replica freed a slot (``pool.capacity_changed``)
         self.on_freed: Callable[[], object] = lambda: None
+        #: told at each poll, right after its script is sent: their commands go on the same
+        #: connection, pipelined with it (the shared cache-aware index's write and read)
+        self.on_poll: list[Callable[[], object]] = []
         self.counts.on_change = self._row_changed
         self.marks.on_saved = self.marks_saved
         self.link.on_up.append(self._resync)
@@ -197,6 +200,11 @@ class RedisStore:
         result = self.link.run(POLL, [], [self.prefix, self.replica, self.lease, *row],
                                probe=True)
         result.addCallbacks(self._polled, self._poll_failed)
+        for listener in list(self.on_poll):
+            try:
+                listener()
+            except Exception:
+                log.failure("a shared-state poll listener failed")
 
     def _polled(self, reply: object) -> None:
         self._polling = False
