@@ -294,6 +294,7 @@ class SharingTests(SynchronousTestCase):
             ["r", "x", "f", good["f"], "c", json.dumps([["127.0.0.1:8001", "zz" * 8]])],
             ["r", "x", "f", good["f"], "c", json.dumps([["127.0.0.1:8001", "0" * 15]])],
             ["r", "x", "f", good["f"], "c", json.dumps([["127.0.0.1:8001", "00" * 8 * 300]])],
+            ["r", "x", "f", good["f"], "c", json.dumps([["127.0.0.1:8001", "00 00 00 00 0000"]])],
             ["r", "x", "f", good["f"], "c", json.dumps([[1, 2], "x", None])],
             ["r", "x"],
         ]
@@ -302,7 +303,7 @@ class SharingTests(SynchronousTestCase):
         self.clock.advance(POLL_INTERVAL * 3)
         shared = shared_of(self.b)
         self.assertEqual(shared.applied, 1)  # A's real one only
-        self.assertEqual(shared.ignored, 11)
+        self.assertEqual(shared.ignored, 12)
         self.assertEqual(shared.last_id, f"{10**13}-{len(bad_entries) - 1}")
 
     def test_a_flood_stays_within_every_bound(self) -> None:
