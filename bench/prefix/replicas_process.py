@@ -90,10 +90,10 @@ def run(replicas: int, shared: bool, args: argparse.Namespace) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    parser.add_argument("--replicas", default="2,4")
+    parser.add_argument("--replicas", default="2,4,8")
     parser.add_argument("--engines", type=int, default=4)
-    parser.add_argument("--tenants", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--tenants", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--gap", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--save", action="store_true",
