@@ -430,3 +430,25 @@ class FallbackTests(SynchronousTestCase):
         self.assertEqual(chain(self.a, body), shared)
         assert isinstance(old, CacheAware)
         self.assertIsNone(old.on_sent)
+
+
+class PollHookTests(SynchronousTestCase):
+    def test_a_failing_listener_stops_neither_the_poll_nor_the_others(self) -> None:
+        clock = Clock()
+        redis = FleetRedis(clock)
+        store = RedisStore(SPEC, clock, redis, replica="a")
+        heard: list[int] = []
+
+        def broken() -> None:
+            raise RuntimeError("a bug in a listener")
+
+        store.on_poll += [broken, lambda: heard.append(1)]
+        log = Logged(self)
+        store.start()
+        for _ in range(3):  # one advance each: a LoopingCall runs once per advance
+            clock.advance(POLL_INTERVAL)
+        self.assertEqual(len(heard), 4)  # every poll, the first one included
+        polls = [args for args in redis.sent if args[0] == "EVALSHA" and args[1] == POLL.sha]
+        self.assertEqual(len(polls), 4)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 4)
+        self.assertIn("a shared-state poll listener failed", log.text())
