@@ -69,6 +69,15 @@ class SharedPrefixIndexProcessTests(TestCase):
         index: dict[str, Any] = (await self.status(process))["shared_state"]["prefix_index"]
         return index
 
+    async def idle(self, process: TwistdProcess) -> None:
+        """Until ``process`` counts no request in flight anywhere (its own and, shared, the
+        others' as last read): the load bound and least-conn's ties then see what the test
+        means them to."""
+        async def nothing_running() -> bool:
+            status = await self.status(process)
+            return sum(b["active"] for b in status["backends"]) == 0
+        await _until(nothing_running, "no request in flight")
+
     async def a_then_b(self, shared: bool) -> tuple[str | None, str | None, int]:
         """Three other prompts and the long one to A, then the long one plus more to B."""
         a, b = await self.replica(shared), await self.replica(shared)
@@ -82,12 +91,15 @@ class SharedPrefixIndexProcessTests(TestCase):
         # A spreads its first three prompts over three engines (least-conn's ties), so the
         # fourth lands on an engine a fresh B would not choose by itself
         for n in range(3):
+            await self.idle(a)
             await self.send(a, f"tenant {n}: " + "an unrelated prompt " * 60)
+        await self.idle(a)
         where, _ = await self.send(a, SYSTEM + "first question")
         if shared:
             async def heard() -> bool:
                 return bool((await self.shares(b))["applied"] >= 4)
             await _until(heard, "B to apply A's four sends")
+        await self.idle(b)  # B's view of A's counts no longer shows A's last request
         there, cached = await self.send(b, SYSTEM + "a follow-up question from elsewhere")
         return where, there, cached
 
