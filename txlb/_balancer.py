@@ -65,6 +65,7 @@ from txlb._scheduling.router import ModelRoute, Router
 from txlb._server.quiet import QuietConnectionPool, RepeatSummary
 from txlb._server.site import ProxySite
 from txlb._shared.metrics import SharedStateCollector
+from txlb._shared.prefixes import SharedPrefixIndex
 from txlb._shared.slots import SharedSlots
 from txlb._shared.store import RedisStore
 from txlb._upstream.agent import AgentUpstream
@@ -286,6 +287,11 @@ class LoadBalancer:
         #: ``--policy`` names
         self.policy: IPolicy = (
             policy if policy is not None else make_policy(config.policy, reactor, rng, config))
+        #: with ``--shared-state``: the cache-aware index shared over the fleet (its key,
+        #: its sends published and the others' applied); it follows a reload's new policy
+        self.shared_index: SharedPrefixIndex | None = None
+        if isinstance(self.store, RedisStore):
+            self.shared_index = SharedPrefixIndex(self.store, self.pool, lambda: self.policy)
         #: the priority classes: how a request's class is found and how each class waits;
         #: ``reconfigure(config)`` changes them in place, the queue keeps its waiters
         self.classes = PriorityClasses(config)
@@ -425,7 +431,10 @@ class LoadBalancer:
             extra = budgets.status()
             extra.update(dns.status())
             if isinstance(self.store, RedisStore):
-                extra["shared_state"] = {**self.store.status(), "slots": self.slots.status()}
+                shared = {**self.store.status(), "slots": self.slots.status()}
+                if self.shared_index is not None:
+                    shared["prefix_index"] = self.shared_index.status()
+                extra["shared_state"] = shared
             if extra_status is None:
                 # one process: its router holds the queue (a --workers supervisor's is
                 # always empty; its workers hold theirs)

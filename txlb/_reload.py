@@ -277,6 +277,8 @@ def apply_reload(lb: LoadBalancer, plan: _Plan) -> None:
     if plan.policy is not lb.policy:
         log.info("policy {old} replaced by {new}", old=lb.config.policy, new=config.policy)
         lb.policy = plan.policy
+        if lb.shared_index is not None:  # the new policy hashes with the fleet's key now
+            lb.shared_index.attach()
         lb.summaries.replace(policy_learns(pool, plan.policy))
     retry_after = max(1, math.ceil(config.health_interval))
     router = lb.router

@@ -291,6 +291,12 @@ class FleetIndex:
     def indexes(self) -> Iterable[BackendIndex]:
         return list(self._by_backend.values())
 
+    def forget_blocks(self) -> None:
+        """Every index empties (the blocks' names changed); capacities and trust stay."""
+        for index in self._by_backend.values():
+            index.entries.clear()
+        self._total = 0
+
     def withdraw(self, index: BackendIndex, blocks: Iterable[int], tokens: float) -> None:
         """``index``'s backend never got the request that added ``blocks``: they go."""
         self._total -= index.withdraw(blocks, tokens)

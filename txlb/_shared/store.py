@@ -138,6 +138,9 @@ class RedisStore:
         #: backends this replica freed a slot of since the last flush, one entry per
         #: release, announced on ``<prefix>:freed`` after the row (:meth:`publish_freed`)
         self._freed: list[str] = []
+        #: told at each poll, right after its script is sent: their commands go on the same
+        #: connection, pipelined with it (the shared cache-aware index's write and read)
+        self.on_poll: list[Callable[[], object]] = []
         self.counts.on_change = self._row_changed
         self.marks.on_saved = self.marks_saved
         self.link.on_up.append(self._resync)
@@ -206,6 +209,11 @@ class RedisStore:
         result = self.link.run(POLL, [], [self.prefix, self.replica, self.lease, *row],
                                probe=True)
         result.addCallbacks(self._polled, self._poll_failed)
+        for listener in list(self.on_poll):
+            try:
+                listener()
+            except Exception:
+                log.failure("a shared-state poll listener failed")
 
     def _polled(self, reply: object) -> None:
         self._polling = False

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -109,6 +109,25 @@ class CacheAware(Policy):
         self.load_factor = load_factor
         self._ties = WeightedTies()
         self._pending: OrderedDict[int, _Prediction] = OrderedDict()
+        #: told of every chain sent and where (``--shared-state`` publishes it to the other
+        #: replicas, :mod:`txlb._shared.prefixes`): called on the request's path, so cheap
+        self.on_sent: Callable[[Backend, Sequence[int]], object] | None = None
+
+    # -- sharing the index ----------------------------------------------------------------
+
+    def use_secret(self, secret: bytes) -> None:
+        """
+        Hash with ``secret`` from now on (the fleet's, so every replica names a prompt's
+        blocks alike).  What the index lists was named with the old key and can never
+        match again, nor be renamed (the index keeps hashes, not prompts): it goes.  The
+        capacities and trust learned stay -- they are the engines'.
+        """
+        self.hasher = PrefixHasher(self.hasher.block_chars, self.hasher.max_blocks, secret)
+        self.index.forget_blocks()
+
+    def heard(self, backend: Backend, chain: Sequence[int]) -> None:
+        """Another replica sent ``chain`` to ``backend``: listed as if sent from here."""
+        self.index.sent(backend, chain)
 
     # -- choosing -------------------------------------------------------------------------
 
@@ -141,6 +160,8 @@ class CacheAware(Policy):
         index.counted(chosen.prefix_cache_counts, self.hasher.block_chars)
         expected = index.predicted(matched, self.hasher.block_chars)
         self.index.sent(chosen, chain)
+        if self.on_sent is not None:
+            self.on_sent(chosen, chain)
         self._predict(request, chosen, _Prediction(
             weakref.ref(request), chosen.key, matched, chars, weakref.ref(index),
             chain[matched:], expected))
