@@ -94,6 +94,19 @@ class URLTests(SynchronousTestCase):
             self.assertNotIn("hunter2", message)
             self.assertNotIn("\n", message)
 
+    def test_a_password_with_unencoded_slash_or_at_is_never_shown(self) -> None:
+        # a base64 password holds "/", a hand-typed one "@": neither ends the password
+        for bad, secret in (("redis://:Zm9v/YmFy+pw@127.0.0.1:6379/0", "Zm9v"),
+                            ("redis://:p@ssWORD@127.0.0.1:99999/0", "ssWORD"),
+                            ("redis://user:a@b/c@h:1/x", "b/c")):
+            with self.assertRaises(ConfigError) as caught:
+                parse_shared_state("shared-state", bad)
+            self.assertNotIn(secret, str(caught.exception))
+            self.assertTrue(str(caught.exception).startswith("--shared-state: 'redis://***@"))
+        with self.assertRaises(ConfigError) as caught:
+            parse_shared_state("shared-state", "redis://:Zm9v/YmFy@127.0.0.1:6379/0")
+        self.assertIn("%2F", str(caught.exception))
+
     def test_password_file(self) -> None:
         path = self.mktemp()
         with open(path, "w") as handle:
