@@ -206,6 +206,10 @@ class SharedStateProcessTests(TestCase):
         await wait_until(lambda: "uses its local view" in b.output(), timeout=10)
         code, _ = await self.small_request(b)
         self.assertEqual(code, 200)
+        # ... and reported as a refused login, not as a server that does not answer
+        error = (await self.status(b))["shared_state"]["last_error"]
+        self.assertIn("WRONGPASS", error)
+        self.assertIn("login refused", error)
         for process in (a, b):
             shown = process.output() + json.dumps(await self.status(process))
             self.assertNotIn("s3cret-redis-pass", shown)

@@ -190,6 +190,19 @@ class LinkTests(SynchronousTestCase):
         self.assertNotIn("hunter2", str(self.link.last_error))
 
 
+    def test_a_refused_login_is_reported_as_such_not_as_a_timeout(self) -> None:
+        self.link.refused("Redis error: could not auth: WRONGPASS invalid username-password "
+                          "pair or user is disabled. hunter2-secret")
+        self.link.call("PING", probe=True)
+        self.redis.broken = True
+        self.link.call("PING").addErrback(lambda f: None)
+        error = self.link.status()["last_error"]
+        assert isinstance(error, str)
+        self.assertIn("WRONGPASS", error)
+        self.assertIn("login refused", error)
+        self.assertNotIn("hunter2", error)
+        self.assertTrue(any("WRONGPASS" in line for line in self.log.texts()))
+
     def test_only_a_missing_script_is_an_answer(self) -> None:
         class ResponseError(Exception):
             pass

@@ -87,6 +87,8 @@ class RedisLink:
         self._down_logged = False
         self.on_up: list[Callable[[], object]] = []
         self.on_down: list[Callable[[], object]] = []
+        #: why Redis refused this client's login (AUTH or SELECT), if it did
+        self.refusal: str | None = None
 
     # -- life cycle ---------------------------------------------------------------------
 
@@ -116,6 +118,15 @@ class RedisLink:
         # back to a returning Redis within a couple of seconds, not the default ten
         factory = client._factory
         factory.initialDelay, factory.maxDelay = 0.25, 2.0
+        # a refused AUTH or SELECT reaches only the factory (the client stops retrying and
+        # every command fails as "Not connected"): keep its words for last_error
+        told = factory.connectionError
+
+        def refused(why: str) -> None:
+            self.refused(why)
+            told(why)
+
+        factory.connectionError = refused
         self._client = client
         self.answer_errors = (txredisapi.ResponseError,)
 
@@ -123,6 +134,14 @@ class RedisLink:
         client, self._client = self._client, None
         disconnect = getattr(client, "disconnect", None)
         return disconnect() if disconnect is not None else None
+
+    def refused(self, why: str) -> None:
+        """
+        Redis refused the login (a wrong password, an unknown user or database): every
+        later failure is reported with these words, not as the "Not connected" the client
+        answers from then on -- a wrong password is not a slow server.
+        """
+        self.refusal = str(why)
 
     # -- calls --------------------------------------------------------------------------
 
@@ -194,7 +213,9 @@ class RedisLink:
     def _words(self, failure: Failure) -> str:
         from twisted.internet.defer import CancelledError
 
-        if failure.check(CancelledError):
+        if self.refusal is not None:
+            text = f"login refused ({self.refusal}); the client stopped retrying"
+        elif failure.check(CancelledError):
             text = f"no answer within {self.timeout:g}s"
         else:
             text = f"{type(failure.value).__name__}: {failure.getErrorMessage()}"
