@@ -24,7 +24,7 @@ from txlb._shared.counts import FleetCounts
 from txlb._shared.link import RedisLink
 from txlb._shared.marks import Entry, SharedMarks
 from txlb._shared.rate import SharedRateBuckets
-from txlb._shared.store import FLUSH_DELAY, RedisStore
+from txlb._shared.store import CHANGES, CLAIM, FLUSH_DELAY, POLL, WRITE, RedisStore
 
 SPEC = SharedStateSpec("127.0.0.1", 6379, password="hunter2-secret")
 
@@ -37,6 +37,8 @@ class FakeRedis:
         self.stalled = False
         self.broken = False
         self.replies: dict[str, Any] = {}
+        #: a script's reply by its SHA1 (before ``replies["EVALSHA"]``)
+        self.scripts: dict[str, Any] = {}
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Deferred[Any]:
         self.sent.append(args)
@@ -44,7 +46,13 @@ class FakeRedis:
             return Deferred()
         if self.broken:
             return fail(ConnectionError("Connection refused"))
+        if args[0] == "EVALSHA" and args[1] in self.scripts:
+            return succeed(self.scripts[args[1]])
         return succeed(self.replies.get(args[0], "OK"))
+
+    def ran(self, script: Any) -> list[tuple[Any, ...]]:
+        """The calls of ``script`` sent so far."""
+        return [c for c in self.sent if c[:2] == ("EVALSHA", script.sha)]
 
 
 class Captured:
@@ -266,7 +274,6 @@ class MarksTests(SynchronousTestCase):
         self.marks = SharedMarks("me")
         self.pool = Pool((BackendSpec("h", 1), BackendSpec("h", 2)),
                          store=_Store(self.marks))
-        self.marks.started = True
 
     def test_another_replicas_drain_reaches_the_pool(self) -> None:
         self.assertTrue(self.marks.read([entry("h:1", "other", draining=True)]))
@@ -319,11 +326,114 @@ class MarksTests(SynchronousTestCase):
         self.pool.refresh()
         self.assertIsNone(self.pool.get("h:3"))
 
-    def test_saves_before_redis_answered_are_claims(self) -> None:
+    def test_the_configured_backends_are_claims(self) -> None:
         marks = SharedMarks("me")
         Pool((BackendSpec("h", 1),), store=_Store(marks))
         self.assertEqual(list(marks.claims), ["h:1"])
+        self.assertTrue(marks.claims["h:1"].claim)
+        self.assertEqual(marks.claims["h:1"].origin, "config")
         self.assertEqual(marks.unsent, {})
+
+    def test_a_drain_before_redis_answered_is_a_change_not_a_claim(self) -> None:
+        # an admin drain made while Redis has been unreachable since the start must win
+        # over the older entry Redis holds: it is sent as a write, not insert-if-absent
+        marks = SharedMarks("me")
+        pool = Pool((BackendSpec("h", 1),), store=_Store(marks))
+        backend = pool.get("h:1")
+        assert backend is not None
+        pool.drain(backend)
+        sent = marks.unsent["h:1"]
+        assert sent is not None
+        self.assertTrue(sent.draining)
+        self.assertFalse(sent.claim)
+        self.assertFalse(marks.claims["h:1"].draining)
+
+    def test_a_start_up_claim_never_undrains_a_known_backend(self) -> None:
+        # Redis restarted empty; replica C starts and claims h:1 as it is configured
+        self.marks.read([entry("h:1", "other", draining=True)])
+        self.pool.refresh()
+        claim = Entry(BackendSpec("h", 1), False, False, True, "C", "config", claim=True)
+        self.assertFalse(self.marks.read([("h:1", claim.encode())]))
+        self.pool.refresh()
+        backend = self.pool.get("h:1")
+        assert backend is not None
+        self.assertTrue(backend.draining)
+        # ... and what this replica knows goes back to Redis, over the claim
+        written = self.marks.unsent["h:1"]
+        assert written is not None
+        self.assertTrue(written.draining)
+        self.assertFalse(written.claim)
+
+    def test_a_start_up_claim_adds_a_backend_nobody_knew(self) -> None:
+        claim = Entry(BackendSpec("h", 7), False, False, True, "C", "config", claim=True)
+        self.assertTrue(self.marks.read([("h:7", claim.encode())]))
+        self.pool.refresh()
+        self.assertIsNotNone(self.pool.get("h:7"))
+
+    def test_a_dns_backend_leaves_the_hash_once_forgotten(self) -> None:
+        self.pool.add(BackendSpec("10.0.0.3", 80), origin="dns:vllm.test")
+        backend = self.pool.get("10.0.0.3:80")
+        assert backend is not None
+        self.pool.remove(backend)
+        self.assertIsNone(self.pool.get("10.0.0.3:80"))
+        self.assertEqual(self.marks.entries(self.marks.unsent), [("10.0.0.3:80", "")])
+        self.assertNotIn("10.0.0.3:80", self.marks.known())
+
+    def test_a_configured_backend_keeps_its_removal(self) -> None:
+        backend = self.pool.get("h:1")
+        assert backend is not None
+        self.pool.remove(backend)
+        sent = self.marks.unsent["h:1"]
+        assert sent is not None
+        self.assertTrue(sent.removing)  # kept: a restart with that config keeps it out
+
+    def test_a_deleted_field_removes_a_backend_not_seen_removed(self) -> None:
+        self.marks.read([entry("h:3", "other")])
+        self.pool.refresh()
+        self.assertTrue(self.marks.read([("h:3", "")]))
+        self.pool.refresh()
+        self.assertIsNone(self.pool.get("h:3"))
+
+    def test_origin_is_carried_and_optional(self) -> None:
+        spec = BackendSpec("10.0.0.3", 80)
+        text = Entry(spec, False, False, True, "A", "dns:vllm.test").encode()
+        decoded = Entry.decode("10.0.0.3:80", text)
+        assert decoded is not None
+        self.assertEqual(decoded.origin, "dns:vllm.test")
+        self.assertNotIn("origin", Entry(spec, False, False, True, "A").encode())
+        old = Entry.decode("10.0.0.3:80", Entry(spec, False, False, True, "A").encode())
+        assert old is not None
+        self.assertIsNone(old.origin)
+        self.marks.read([("10.0.0.3:80", text)])
+        self.pool.refresh()
+        self.assertEqual(self.pool.origin("10.0.0.3:80"), "dns:vllm.test")
+        self.assertEqual(self.pool.origin("h:1"), "config")
+
+    def test_a_host_nobody_could_use_is_refused(self) -> None:
+        def forged(host: str) -> tuple[str, str]:
+            text = json.dumps({"spec": [host, 80, 1, 0, []], "draining": False,
+                               "removing": False, "healthy": True, "by": "x"})
+            return f"{host}:80", text
+
+        for host in ("evil\nbackend 10.0.0.1:80 added", "0.0.0.0", "224.0.0.1",
+                     "fe80::1", "a b", "", "x" * 300, "h\x00"):
+            self.assertIsNone(Entry.decode(*forged(host)), repr(host))
+        self.assertIsNotNone(Entry.decode(*forged("gpu-3.example")))
+        self.assertFalse(self.marks.read([forged("evil\nfake log line")]))
+
+    def test_poison_in_one_field_leaves_the_others_read(self) -> None:
+        infinite = ('{"spec":["10.9.9.9",Infinity,1,0,[]],"draining":false,'
+                    '"removing":false,"healthy":true,"by":"x"}')
+        deep = "[" * 5000 + "]" * 5000
+        self.assertIsNone(Entry.decode("10.9.9.9:80", infinite))
+        self.assertIsNone(Entry.decode("10.9.9.8:80", deep))
+        self.assertTrue(self.marks.read([("10.9.9.9:80", infinite), ("10.9.9.8:80", deep),
+                                         entry("h:1", "other", draining=True)]))
+        self.pool.refresh()
+        backend = self.pool.get("h:1")
+        assert backend is not None
+        self.assertTrue(backend.draining)
+        self.assertEqual(self.marks.status()["ignored"], 2)
 
     def test_garbage_in_the_hash_is_ignored(self) -> None:
         self.assertFalse(self.marks.read([
@@ -435,7 +545,7 @@ class StoreTests(SynchronousTestCase):
     def test_marks_wait_for_redis_and_go_when_it_is_back(self) -> None:
         self.redis.broken = True
         self.store.start()
-        self.store.marks.started = True
+        self.store.marks.configured()
         self.store.marks.save(BackendSpec("h", 1), Marks(draining=True))
         self.clock.advance(FLUSH_DELAY)
         self.assertEqual(list(self.store.marks.unsent), ["h:1"])
@@ -443,7 +553,87 @@ class StoreTests(SynchronousTestCase):
         self.redis.replies["EVALSHA"] = ["1", "0"]
         self.clock.advance(0.25)
         self.assertEqual(self.store.marks.unsent, {})
-        self.assertTrue(any(c[0] == "HSET" and c[1] == "txlb:marks" for c in self.redis.sent))
+        self.assertTrue(any(c[:2] == ("EVALSHA", WRITE.sha) and c[3] == "txlb:marks"
+                            for c in self.redis.sent))
+
+
+class StoreMarksTests(SynchronousTestCase):
+    """How the store reads and writes the marks: by their change log, and after a loss."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.redis = FakeRedis()
+        self.store = RedisStore(SPEC, self.clock, self.redis, replica="r1")
+        self.pool = Pool((BackendSpec("h", 1),), clock=self.clock, store=self.store)
+        self.store.attach(self.pool.refresh, self.pool.capacity_changed)
+        self.redis.scripts[POLL.sha] = ["2", "5"]
+        self.redis.replies["HGETALL"] = [*entry("h:1", "r2")]
+        self.store.start()
+        self.redis.sent.clear()
+
+    def drained_elsewhere(self) -> list[str]:
+        return ["7", "some", *entry("h:1", "r2", draining=True)]
+
+    def test_a_change_reads_only_the_changed_fields(self) -> None:
+        self.redis.scripts[POLL.sha] = ["2", "7"]
+        self.redis.scripts[CHANGES.sha] = self.drained_elsewhere()
+        self.clock.advance(0.1)
+        self.assertEqual([c[7] for c in self.redis.ran(CHANGES)], ["5"])  # since 5
+        self.assertFalse([c for c in self.redis.sent if c[0] == "HGETALL"])
+        backend = self.pool.get("h:1")
+        assert backend is not None
+        self.assertTrue(backend.draining)
+        self.clock.advance(0.1)  # version 7 read: nothing more to ask
+        self.assertEqual(len(self.redis.ran(CHANGES)), 1)
+
+    def test_a_log_that_cannot_say_reads_the_whole_hash(self) -> None:
+        self.redis.scripts[POLL.sha] = ["2", "9000"]
+        self.redis.scripts[CHANGES.sha] = ["9000", "whole"]
+        self.redis.replies["HGETALL"] = [*entry("h:1", "r2", draining=True)]
+        self.clock.advance(0.1)
+        self.assertEqual(len([c for c in self.redis.sent if c[0] == "HGETALL"]), 1)
+        backend = self.pool.get("h:1")
+        assert backend is not None
+        self.assertTrue(backend.draining)
+
+    def test_a_version_gone_back_writes_back_what_this_replica_knows(self) -> None:
+        backend = self.pool.get("h:1")
+        assert backend is not None
+        self.pool.drain(backend)
+        self.clock.advance(FLUSH_DELAY)
+        self.redis.sent.clear()
+        # Redis restarted empty without the link noticing (a failover, a FLUSHALL)
+        self.redis.scripts[POLL.sha] = ["2", "0"]
+        self.redis.replies["HGETALL"] = []
+        self.clock.advance(0.1)
+        claimed = self.redis.ran(CLAIM)
+        self.assertEqual(len(claimed), 1)
+        fields = dict(zip(claimed[0][7::2], claimed[0][8::2], strict=True))
+        restored = Entry.decode("h:1", fields["h:1"])
+        assert restored is not None
+        self.assertTrue(restored.draining)
+        self.assertTrue(backend.draining)
+
+    def test_a_poisoned_count_does_not_stop_the_marks(self) -> None:
+        self.store.counts.register("h:1")
+        self.redis.scripts[POLL.sha] = ["2", "7", "h:1", "\u00b2"]
+        self.redis.scripts[CHANGES.sha] = self.drained_elsewhere()
+        self.clock.advance(0.1)
+        backend = self.pool.get("h:1")
+        assert backend is not None
+        self.assertTrue(backend.draining)
+        self.assertEqual(self.store.counts.total("h:1"), 0)
+        self.assertTrue(self.store.link.connected)
+
+    def test_a_forgotten_dns_backend_is_deleted_with_the_version_bumped(self) -> None:
+        backend = self.pool.add(BackendSpec("10.0.0.3", 80), origin="dns:vllm.test")
+        self.clock.advance(FLUSH_DELAY)
+        self.redis.sent.clear()
+        self.pool.remove(backend)
+        self.clock.advance(FLUSH_DELAY)
+        written = self.redis.ran(WRITE)
+        self.assertEqual(len(written), 1)
+        self.assertEqual(written[0][7:], ("10.0.0.3:80", ""))
 
 
 class LevelsTests(SynchronousTestCase):

@@ -62,8 +62,13 @@ class Pool:
         self.on_update: list[Callable[[], object]] = []
         #: Called with (backend, reason) when this process marks a backend down itself.
         self.on_down: list[Callable[[Backend, str], object]] = []
+        #: where each backend came from, when its adder said ("config", "admin",
+        #: "dns:NAME"): the store keeps it with its marks
+        self._origins: dict[str, str | None] = {}
         for spec in specs:
-            self.add(spec)
+            self.add(spec, origin="config")
+        # the configured fleet is in; any later save (a drain, a reload) is a change
+        self.store.marks.configured()
 
     def __iter__(self) -> Iterator[Backend]:
         return iter(list(self._backends.values()))
@@ -76,10 +81,13 @@ class Pool:
 
     # -- membership ---------------------------------------------------------------------
 
-    def add(self, spec: BackendSpec, ramp: bool = False) -> Backend:
+    def add(self, spec: BackendSpec, ramp: bool = False,
+            origin: str | None = None) -> Backend:
         """
         A new backend, in rotation at once; ``ramp``: its share starts at the bottom of
-        ``--slow-start``'s ramp, as a recovered backend's does (a reload adds it so).
+        ``--slow-start``'s ramp, as a recovered backend's does (a reload adds it so);
+        ``origin``: who added it (``"config"``, ``"admin"``, ``"dns:NAME"``), kept with
+        its entry in a shared store (:meth:`origin`).
         """
         if spec.key in self._backends:
             raise ValueError(f"backend {spec.key} already exists")
@@ -89,6 +97,7 @@ class Pool:
         backend = self._backends[spec.key] = Backend(spec, clock=self.clock,
                                                      slow_start=self.slow_start,
                                                      up_since=up_since)
+        self._origins[spec.key] = origin
         self._marked(backend)
         self._changed()
         return backend
@@ -122,11 +131,22 @@ class Pool:
     def _forget_if_idle(self, backend: Backend) -> None:
         if backend.removing and self._held(backend) == 0 and self.get(backend.key) is backend:
             del self._backends[backend.key]
+            self._origins.pop(backend.key, None)
+            self.store.marks.forget(backend.key)
             log.info("backend {backend} removed", backend=backend.key)
+
+    def origin(self, key: str) -> str | None:
+        """
+        Who added the backend of ``key``: this balancer's adder, or (a backend another
+        balancer added) the one the store names.
+        """
+        origin = self._origins.get(key)
+        return origin if origin is not None else self.store.marks.origin(key)
 
     def _marked(self, backend: Backend, reason: str = "") -> None:
         """Added here or its marks changed here: the store keeps them for other balancers."""
-        self.store.marks.save(backend.spec, backend.marks, reason)
+        self.store.marks.save(backend.spec, backend.marks, reason,
+                              origin=self._origins.get(backend.key))
 
     def _take_marks(self) -> bool:
         """
@@ -139,6 +159,7 @@ class Pool:
             backend = self._backends.get(spec.key)
             if backend is None:
                 if stored.removing:
+                    self.store.marks.forget(spec.key)  # nothing here to let go
                     continue
                 if self.shared is not None:
                     self.shared.register(spec.key)
