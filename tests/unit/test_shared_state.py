@@ -24,7 +24,15 @@ from txlb._shared.counts import FleetCounts
 from txlb._shared.link import RedisLink
 from txlb._shared.marks import Entry, SharedMarks
 from txlb._shared.rate import SharedRateBuckets
-from txlb._shared.store import CHANGES, CLAIM, FLUSH_DELAY, POLL, WRITE, RedisStore
+from txlb._shared.store import (
+    CHANGES,
+    CLAIM,
+    FLUSH_DELAY,
+    POLL,
+    SCAN_PAGE,
+    WRITE,
+    RedisStore,
+)
 
 SPEC = SharedStateSpec("127.0.0.1", 6379, password="hunter2-secret")
 
@@ -166,6 +174,30 @@ class LinkTests(SynchronousTestCase):
         self.assertEqual(len(warnings), 1)
         self.assertEqual(self.link.fallbacks, 1)
         self.assertNotIn("hunter2", " ".join(self.log.texts()))
+
+    def test_an_answer_waiting_behind_a_busy_reactor_is_not_a_timeout(self) -> None:
+        replies: list[Deferred[Any]] = []
+
+        class Holding:
+            def execute_command(self, *args: Any, **kwargs: Any) -> Deferred[Any]:
+                replies.append(Deferred())
+                return replies[-1]
+
+        link = RedisLink(SPEC, self.clock, Holding())
+        link.call("PING", probe=True)
+        replies[0].callback("PONG")
+        answered: list[object] = []
+        link.call("HSCAN").addBoth(answered.append)
+        # the reactor was busy past the timeout: its timer runs before the socket is read
+        (timer,) = self.clock.getDelayedCalls()
+        self.clock.rightNow = timer.getTime()
+        timer.func(*timer.args, **timer.kw)
+        self.assertEqual(answered, [])
+        replies[1].callback(["0", []])  # ... and the answer was waiting there
+        self.clock.advance(0)
+        self.assertEqual(answered, [["0", []]])
+        self.assertTrue(link.connected)
+        self.assertEqual(link.fallbacks, 0)
 
     def test_while_down_only_probes_are_sent(self) -> None:
         self.redis.broken = True
@@ -515,7 +547,7 @@ class StoreTests(SynchronousTestCase):
     def test_poll_reads_the_others_and_falls_back(self) -> None:
         self.store.counts.register("a:1")
         self.redis.replies["EVALSHA"] = ["3", "0", "a:1", "4"]
-        self.redis.replies["HGETALL"] = []
+        self.redis.replies["HSCAN"] = ["0", []]
         self.store.start()
         self.assertTrue(self.store.link.connected)
         self.assertEqual((self.store.replicas, self.store.counts.total("a:1")), (3, 4))
@@ -567,7 +599,7 @@ class StoreMarksTests(SynchronousTestCase):
         self.pool = Pool((BackendSpec("h", 1),), clock=self.clock, store=self.store)
         self.store.attach(self.pool.refresh, self.pool.capacity_changed)
         self.redis.scripts[POLL.sha] = ["2", "5"]
-        self.redis.replies["HGETALL"] = [*entry("h:1", "r2")]
+        self.redis.replies["HSCAN"] = ["0", [*entry("h:1", "r2")]]
         self.store.start()
         self.redis.sent.clear()
 
@@ -579,7 +611,7 @@ class StoreMarksTests(SynchronousTestCase):
         self.redis.scripts[CHANGES.sha] = self.drained_elsewhere()
         self.clock.advance(0.1)
         self.assertEqual([c[7] for c in self.redis.ran(CHANGES)], ["5"])  # since 5
-        self.assertFalse([c for c in self.redis.sent if c[0] == "HGETALL"])
+        self.assertFalse([c for c in self.redis.sent if c[0] == "HSCAN"])
         backend = self.pool.get("h:1")
         assert backend is not None
         self.assertTrue(backend.draining)
@@ -589,9 +621,9 @@ class StoreMarksTests(SynchronousTestCase):
     def test_a_log_that_cannot_say_reads_the_whole_hash(self) -> None:
         self.redis.scripts[POLL.sha] = ["2", "9000"]
         self.redis.scripts[CHANGES.sha] = ["9000", "whole"]
-        self.redis.replies["HGETALL"] = [*entry("h:1", "r2", draining=True)]
+        self.redis.replies["HSCAN"] = ["0", [*entry("h:1", "r2", draining=True)]]
         self.clock.advance(0.1)
-        self.assertEqual(len([c for c in self.redis.sent if c[0] == "HGETALL"]), 1)
+        self.assertEqual(len([c for c in self.redis.sent if c[0] == "HSCAN"]), 1)
         backend = self.pool.get("h:1")
         assert backend is not None
         self.assertTrue(backend.draining)
@@ -604,7 +636,7 @@ class StoreMarksTests(SynchronousTestCase):
         self.redis.sent.clear()
         # Redis restarted empty without the link noticing (a failover, a FLUSHALL)
         self.redis.scripts[POLL.sha] = ["2", "0"]
-        self.redis.replies["HGETALL"] = []
+        self.redis.replies["HSCAN"] = ["0", []]
         self.clock.advance(0.1)
         claimed = self.redis.ran(CLAIM)
         self.assertEqual(len(claimed), 1)
@@ -613,6 +645,26 @@ class StoreMarksTests(SynchronousTestCase):
         assert restored is not None
         self.assertTrue(restored.draining)
         self.assertTrue(backend.draining)
+
+    def test_one_read_at_a_time_in_pages(self) -> None:
+        # a slow whole read must not have every poll meanwhile queue another behind it
+        self.redis.scripts[POLL.sha] = ["2", "0"]  # lost: a whole read
+        pages = iter([["17", [*entry("h:1", "r2", draining=True)]], Deferred()])
+        real = self.redis.execute_command
+
+        def answer(*args: Any, **kwargs: Any) -> Deferred[Any]:
+            if args[0] == "HSCAN":
+                self.redis.sent.append(args)
+                reply = next(pages)
+                return reply if isinstance(reply, Deferred) else succeed(reply)
+            return real(*args, **kwargs)
+
+        self.redis.execute_command = answer  # type: ignore[method-assign]
+        for _ in range(4):
+            self.clock.advance(0.1)
+        scans = [c for c in self.redis.sent if c[0] == "HSCAN"]
+        self.assertEqual([c[2] for c in scans], ["0", "17"])  # the next page, no new read
+        self.assertEqual(scans[0][3:], ("COUNT", SCAN_PAGE))
 
     def test_a_poisoned_count_does_not_stop_the_marks(self) -> None:
         self.store.counts.register("h:1")

@@ -153,11 +153,13 @@ class RedisLink:
         if self._client is None or not (self.connected or probe):
             return fail(LinkDown("shared state unreachable"))
         result = self._client.execute_command(*args)
-        timer = self.clock.callLater(self.timeout, result.cancel)
+        timers: list[Any] = []
+        timers.append(self.clock.callLater(self.timeout, self._expire, result, timers))
 
         def settled(value: object) -> object:
-            if timer.active():
-                timer.cancel()
+            for timer in timers:
+                if timer.active():
+                    timer.cancel()
             if isinstance(value, Failure) and not self._script_missing(value):
                 self._failed(value)
                 return value
@@ -166,6 +168,15 @@ class RedisLink:
 
         result.addBoth(settled)
         return result
+
+    def _expire(self, result: Deferred[Any], timers: list[Any]) -> None:
+        """
+        A command's time is up -- unless the reactor itself was busy (a large reply being
+        parsed, a loaded machine): timed calls run before the sockets are read, so the
+        answer may be waiting unread.  One more turn of the reactor reads it; only a
+        command still unanswered then is cancelled.  A slow reactor is not a slow Redis.
+        """
+        timers.append(self.clock.callLater(0, result.cancel))
 
     def run(self, script: Script, keys: Sequence[str], args: Sequence[Any],
             probe: bool = False) -> Deferred[Any]:

@@ -84,6 +84,10 @@ return out
 CHANGE_LOG = 4096
 #: Changed fields one incremental read takes at most (more: the whole hash is read).
 MAX_CHANGES = 1024
+#: Fields asked for per page of a whole read (``HSCAN ... COUNT``).
+SCAN_PAGE = 256
+#: Fields a whole read collects at most (a hash grown beyond: the read is dropped).
+MAX_SCANNED = 65_536
 
 #: Bump the marks' version and log ``fields`` under it in the change log, trimmed to its
 #: newest :data:`CHANGE_LOG` (the floor key: the newest version trimmed away).  A fragment
@@ -300,12 +304,25 @@ class RedisStore:
         return [f"{p}:marks", f"{p}:marks:version", f"{p}:marks:changed",
                 f"{p}:marks:floor"]
 
+    #: whether a read of the marks is under way (polls meanwhile do not start another:
+    #: reads piling up behind a slow one would make the link time out)
+    _reading = False
+
     def _read_marks(self, version: str, whole: bool) -> None:
         """
         The marks changed since the version last read: only the changed fields (the change
-        log), or the whole hash at start, after an outage or when the log cannot say.
+        log), or the whole hash -- at start, after an outage, when the log cannot say -- in
+        pages of :data:`SCAN_PAGE` (no one reply big enough to hold up the poll).
         """
+        if self._reading:
+            return
+        self._reading = True
+
+        def done(failure: Failure | None = None) -> None:
+            self._reading = False
+
         def read(fields: list[tuple[str, str]], read_version: str, whole: bool) -> None:
+            done()
             try:
                 self._version = read_version
                 if self.marks.read(fields, whole=whole):
@@ -314,24 +331,37 @@ class RedisStore:
                 self.marks.garbled("read", "a read of the shared marks failed")
                 log.failure("shared state: the marks could not be applied")
 
-        def whole_hash(reply: object) -> None:
-            if isinstance(reply, list):
-                read(_pairs(reply), version, True)
+        fields: list[tuple[str, str]] = []
+
+        def scan(cursor: str) -> None:
+            self.link.call("HSCAN", f"{self.prefix}:marks", cursor, "COUNT", SCAN_PAGE
+                           ).addCallbacks(page, done)
+
+        def page(reply: object) -> None:
+            if not (isinstance(reply, list) and len(reply) == 2
+                    and isinstance(reply[1], list)) or len(fields) > MAX_SCANNED:
+                done()
+                return
+            fields.extend(_pairs(reply[1]))
+            if str(reply[0]) == "0":
+                read(fields, version, True)
+            else:
+                scan(str(reply[0]))
 
         def changes(reply: object) -> None:
             if not isinstance(reply, list) or len(reply) < 2:
-                return
-            if str(reply[1]) == "some":
+                done()
+            elif str(reply[1]) == "some":
                 read(_pairs(reply[2:]), str(reply[0]), False)
             else:
+                done()
                 self._read_marks(str(reply[0]), whole=True)
 
         if whole or self._version is None:
-            self.link.call("HGETALL", f"{self.prefix}:marks").addCallbacks(
-                whole_hash, lambda failure: None)
+            scan("0")
         else:
             self.link.run(CHANGES, self._marks_keys(), [self._version, MAX_CHANGES]
-                          ).addCallbacks(changes, lambda failure: None)
+                          ).addCallbacks(changes, done)
 
     # -- this replica's writes ------------------------------------------------------------
 
