@@ -350,6 +350,37 @@ class MarksTests(SynchronousTestCase):
         assert backend is not None
         self.assertFalse(backend.healthy)
 
+    def test_a_refusal_elsewhere_is_probed_here_before_it_takes_it_out(self) -> None:
+        # replica A alone is refused (its own host's firewall); this replica reaches h:2
+        probed: list[str] = []
+        reachable = True
+        backend = self.pool.get("h:2")
+        assert backend is not None
+
+        def probe(suspect: Any) -> None:
+            probed.append(suspect.key)
+            if reachable:
+                self.pool.probe_succeeded(suspect, rise=1)
+            else:
+                self.pool.probe_failed(suspect, "probe: connection refused", True, fall=3)
+
+        self.pool.on_suspect.append(probe)
+        self.marks.read([entry("h:2", "A")], whole=True)
+        self.pool.refresh()
+        for healthy in (False, True, False, True, False):  # A's probes, then B's, in turn
+            self.marks.read([entry("h:2", "A", healthy=healthy)])
+            self.pool.refresh()
+            self.assertTrue(backend.healthy)
+        self.assertEqual(probed, ["h:2"] * 3)
+        self.assertEqual(self.marks.unsent, {})  # nothing of ours to tell the others
+        # refused here too: out here, and said so
+        reachable = False
+        self.marks.read([entry("h:2", "A", healthy=True)])
+        self.pool.refresh()
+        self.marks.read([entry("h:2", "A", healthy=False)])
+        self.pool.refresh()
+        self.assertFalse(backend.healthy)
+
     def test_added_and_removed_elsewhere(self) -> None:
         self.marks.read([entry("h:3", "other")])
         self.pool.refresh()
@@ -538,6 +569,8 @@ class StoreTests(SynchronousTestCase):
                                "shared-state": "redis://:hunter2-secret@h:1/0"}, environ={})
         lb = LoadBalancer(config=config, reactor=self.clock)
         self.assertIsInstance(lb.store, RedisStore)
+        # another replica's refusal sends this one's prober at once
+        self.assertIn(lb.health.probe_soon, lb.pool.on_suspect)
         from prometheus_client import generate_latest
 
         text = generate_latest(lb.metrics.registry).decode()

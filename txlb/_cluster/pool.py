@@ -62,6 +62,10 @@ class Pool:
         self.on_update: list[Callable[[], object]] = []
         #: Called with (backend, reason) when this process marks a backend down itself.
         self.on_down: list[Callable[[Backend, str], object]] = []
+        #: Called with a backend another balancer found refusing connections: probe it now
+        #: (its own probe refused too takes it out here).  With no listener, the shared
+        #: refusal takes it out at once.
+        self.on_suspect: list[Callable[[Backend], object]] = []
         #: where each backend came from, when its adder said ("config", "admin",
         #: "dns:NAME"): the store keeps it with its marks
         self._origins: dict[str, str | None] = {}
@@ -155,6 +159,7 @@ class Pool:
         slow start); ``True`` if anything changed.
         """
         changed = False
+        suspects: list[Backend] = []
         for spec, stored in self.store.marks.members():
             backend = self._backends.get(spec.key)
             if backend is None:
@@ -180,9 +185,21 @@ class Pool:
             if stored.healthy is True and not backend.healthy:
                 backend.came_up(self._now())
             elif backend.healthy and stored.healthy is False:
-                backend.went_down()
+                if self.on_suspect:
+                    # one replica's refusal may be its own network's (a firewall on its
+                    # host): each replica's own probe decides, or a refused replica and
+                    # a reaching one would take the engine out and back everywhere in turn
+                    suspects.append(backend)
+                else:
+                    backend.went_down()
             log.info("backend {backend} is now {marks} (from the shared store)",
                      backend=backend.key, marks=stored)
+        for backend in suspects:
+            for listener in list(self.on_suspect):
+                try:
+                    listener(backend)
+                except Exception:
+                    log.failure("a pool listener failed")
         return changed
 
     # -- configuration (a reload) ---------------------------------------------------------
