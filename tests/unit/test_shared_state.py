@@ -306,6 +306,7 @@ class MarksTests(SynchronousTestCase):
         self.marks = SharedMarks("me")
         self.pool = Pool((BackendSpec("h", 1), BackendSpec("h", 2)),
                          store=_Store(self.marks))
+        self.marks.claims.clear()  # sent: Redis answered (the store's resync)
 
     def test_another_replicas_drain_reaches_the_pool(self) -> None:
         self.assertTrue(self.marks.read([entry("h:1", "other", draining=True)]))
@@ -410,6 +411,18 @@ class MarksTests(SynchronousTestCase):
         self.assertTrue(sent.draining)
         self.assertFalse(sent.claim)
         self.assertFalse(marks.claims["h:1"].draining)
+
+    def test_a_health_verdict_before_redis_answered_stays_a_claim(self) -> None:
+        # a probe marking a configured backend down before the first contact must not
+        # overwrite a drain stored in Redis with this replica's draining=False
+        marks = SharedMarks("me")
+        pool = Pool((BackendSpec("h", 1),), store=_Store(marks))
+        backend = pool.get("h:1")
+        assert backend is not None
+        pool.mark_down(backend, "probe: connection refused")
+        self.assertEqual(marks.unsent, {})
+        self.assertTrue(marks.claims["h:1"].claim)
+        self.assertFalse(marks.claims["h:1"].healthy)
 
     def test_a_start_up_claim_never_undrains_a_known_backend(self) -> None:
         # Redis restarted empty; replica C starts and claims h:1 as it is configured

@@ -185,10 +185,15 @@ class SharedMarks:
         if origin is None and known is not None:
             origin = known.origin
         entry = Entry(spec, marks.draining, marks.removing, healthy, self.replica, origin)
-        if self.configuring:
+        claim = self.claims.get(spec.key)
+        if self.configuring or (claim is not None and (claim.draining, claim.removing)
+                                == (entry.draining, entry.removing)):
+            # the pool being built, or a health verdict before Redis answered: still a
+            # claim -- written as a change, its draining=False would undo a stored drain
             self.claims[spec.key] = attrs.evolve(entry, claim=True)
             return
-        if known is not None and attrs.evolve(known, by=self.replica) == entry:
+        if known is not None and _marks_of(known) == _marks_of(entry) \
+                and known.origin == entry.origin and not known.claim:
             return
         self._known[spec.key] = entry
         self.unsent[spec.key] = entry
