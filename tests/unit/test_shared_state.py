@@ -511,6 +511,21 @@ class MarksTests(SynchronousTestCase):
         self.assertTrue(backend.draining)
         self.assertEqual(self.marks.status()["ignored"], 2)
 
+    def test_removed_entries_never_crowd_out_a_live_one(self) -> None:
+        from txlb._shared import marks as marks_module
+
+        self.patch(marks_module, "MAX_MEMBERS", 2)
+        tombstones = [entry(f"10.0.0.{i}:80", "old", removing=True) for i in range(10)]
+        self.marks.read([*tombstones, entry("h:5", "other")], whole=True)
+        self.pool.refresh()
+        self.assertIsNotNone(self.pool.get("h:5"))  # 1 of 2: the ten removed do not count
+        # beyond the bound, also one at a time (an incremental read)
+        for port in (6, 7):
+            self.marks.read([entry(f"h:{port}", "other")])
+        self.pool.refresh()
+        self.assertIsNotNone(self.pool.get("h:6"))
+        self.assertIsNone(self.pool.get("h:7"))
+
     def test_garbage_in_the_hash_is_ignored(self) -> None:
         self.assertFalse(self.marks.read([
             ("h:1", "not json"), ("h:1", json.dumps({"spec": 5})),

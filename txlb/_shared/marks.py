@@ -244,7 +244,7 @@ class SharedMarks:
         before this one wrote it back), what this replica knows is written back.
         ``True`` if anything is pending.
         """
-        live = 0
+        live = sum(not known.removing for known in self._known.values())
         written_back = False
         for count, (key, text) in enumerate(fields):
             if count >= MAX_FIELDS:
@@ -259,13 +259,15 @@ class SharedMarks:
                 self.garbled("entry", f"an entry txlb did not write is ignored "
                              f"(the first: {key[:80]!r})")
                 continue
-            if not entry.removing:
-                live += 1
-                if live > MAX_MEMBERS:
+            known = self._known.get(key)
+            if not entry.removing and (known is None or known.removing):
+                # a backend new to this replica: within the bound (removed ones do not
+                # count, so old entries never crowd out a live one)
+                if live >= MAX_MEMBERS:
                     self.garbled("members", f"more than {MAX_MEMBERS} backends in the "
                                  "shared marks; the rest are ignored")
                     continue
-            known = self._known.get(key)
+                live += 1
             if entry.claim and known is not None:
                 if not known.claim and _marks_of(known) != _marks_of(entry):
                     self.unsent[key] = known
