@@ -322,6 +322,8 @@ class LoadBalancer:
             fall=config.fall,
             scrape_engine_queue=bool(self.policy.needs_engine_metrics),
         )
+        # another replica's refusal: this replica probes at once and judges for itself
+        self.pool.on_suspect.append(self.health.probe_soon)
         #: the token budgets (``[[budgets]]``), in the store's levels; ``reconfigure``
         #: takes a reloaded config's
         self.budgets = TokenBudgets(config, self.store.token_levels(reactor))

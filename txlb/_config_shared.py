@@ -22,6 +22,9 @@ MAX_PASSWORD_FILE = 4096
 MAX_CA_FILE = 1 << 20
 #: Redis's default number of databases (``databases 16``); a higher one is refused here.
 MAX_DB = 15
+#: A password holding ``/``, ``?``, ``#`` or ``@`` breaks a URL unless percent-encoded.
+_ENCODE_HINT = (" (percent-encode a password's / ? # @ as %2F %3F %23 %40, or put it in a "
+                "password_file)")
 _HOST = re.compile(r"[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
 
 
@@ -65,8 +68,17 @@ def _refuse(option: str, masked: str, why: str) -> ValueError:
 
 
 def _masked_text(text: str) -> str:
-    """``text`` with whatever sits between ``://`` and ``@`` hidden (a URL not parsed yet)."""
-    return re.sub(r"(?<=://)[^@/]*@", "***@", text, count=1)
+    """
+    ``text`` with whatever sits between ``://`` and its *last* ``@`` hidden (a URL not
+    parsed yet).  A password may hold any character -- ``/``, ``@``, ``?`` included, when
+    not percent-encoded -- so no character but the last ``@`` can be trusted to end it:
+    hiding too much of a refused URL costs nothing, showing part of a password does.
+    """
+    start = text.find("://")
+    end = text.rfind("@")
+    if start < 0 or end < start + 3:
+        return text
+    return f"{text[:start + 3]}***{text[end:]}"
 
 
 def parse_shared_state(option: str, value: object) -> SharedStateSpec | None:
@@ -88,12 +100,13 @@ def parse_shared_state(option: str, value: object) -> SharedStateSpec | None:
         parts = urlsplit(text)
         port = parts.port or 6379
     except ValueError:
-        raise _refuse(option, masked, "is not a redis:// URL with a valid port") from None
+        raise _refuse(option, masked, "is not a redis:// URL with a valid port" + _ENCODE_HINT) \
+            from None
     if parts.scheme not in ("redis", "rediss"):
         raise _refuse(option, masked, "must start with redis:// or rediss://")
     host = parts.hostname or ""
     if not _HOST.fullmatch(host if ":" not in host else f"[{host}]"):
-        raise _refuse(option, masked, "names no valid host")
+        raise _refuse(option, masked, "names no valid host" + _ENCODE_HINT)
     path = parts.path.strip("/") or "0"
     if not path.isdigit() or int(path) > MAX_DB:
         raise _refuse(option, masked, f"must end with a database number 0..{MAX_DB}")

@@ -25,7 +25,8 @@ OTHER_PROGRAMS = {
     "--enable-prompt-tokens-details", "--enable-force-include-usage",  # vllm serve
     "--enable-cache-report",  # SGLang's launch_server
     "--alias", "--metrics",  # llama.cpp's llama-server
-    "--save", "--appendonly",  # redis-server
+    "--save", "--appendonly", "--requirepass",  # redis-server
+    "--from-literal",  # kubectl create secret
 }
 #: Written wrong on purpose: the docs show what txlb answers to a mistyped option.
 MISTYPED_ON_PURPOSE = {"--helth-interval"}

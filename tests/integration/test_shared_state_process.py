@@ -211,6 +211,10 @@ class SharedStateProcessTests(TestCase):
         await wait_until(lambda: "uses its local view" in b.output(), timeout=10)
         code, _ = await self.small_request(b)
         self.assertEqual(code, 200)
+        # ... and reported as a refused login, not as a server that does not answer
+        error = (await self.status(b))["shared_state"]["last_error"]
+        self.assertIn("WRONGPASS", error)
+        self.assertIn("login refused", error)
         for process in (a, b):
             shown = process.output() + json.dumps(await self.status(process))
             self.assertNotIn("s3cret-redis-pass", shown)
@@ -270,6 +274,43 @@ class SharedStateProcessTests(TestCase):
         await wait_until(lambda: self.redis.command("PUBSUB", "NUMSUB", "txlb:freed")
                          .endswith(b":2\r\n"), timeout=10, what="both to resubscribe")
 
+
+    async def drained_on(self, process: TwistdProcess, key: str) -> bool:
+        return any(x["backend"] == key and x["draining"]
+                   for x in (await self.status(process))["backends"])
+
+    async def test_a_drain_outlives_redis_restarted_empty(self) -> None:
+        # Redis restarts with nothing; a replica starting after it must not undrain
+        self.fleet = Fleet(self, 2)
+        a, b = await self.replicas(2)
+        drained = self.fleet.keys[0]
+        await self.client.fetch(a.admin_url + f"/backends/{drained}/drain", b"POST")
+        await _until(self.drained_on, "the drain to reach B", b, drained)
+        self.redis.kill()
+        self.redis.start()
+
+        async def back() -> bool:
+            return all([(await self.status(p))["shared_state"]["connected"] for p in (a, b)])
+
+        await _until(back, "both replicas to reconnect", timeout=15)
+        c = await self.replica()
+        await wait_until(lambda: "shared state: connected" in c.output(), timeout=10)
+        await _until(self.drained_on, "C to take the drain A and B wrote back", c, drained)
+        for process in (a, b):
+            self.assertTrue(await self.drained_on(process, drained))
+
+    async def test_a_drain_while_redis_was_unreachable_since_start_wins(self) -> None:
+        self.fleet = Fleet(self, 2)
+        (b,) = await self.replicas(1)  # Redis holds both backends, not drained
+        self.redis.pause()
+        a = await self.replica()
+        drained = self.fleet.keys[0]
+        response, _ = await self.client.fetch(
+            a.admin_url + f"/backends/{drained}/drain", b"POST")
+        self.assertEqual(response.code, 200)
+        self.redis.resume()
+        await _until(self.drained_on, "A's drain to reach B", b, drained, timeout=10)
+        self.assertTrue(await self.drained_on(a, drained))
 
     async def test_a_stalled_redis_is_left_within_a_second(self) -> None:
         self.fleet = Fleet(self, 2)

@@ -256,8 +256,18 @@ class _SavedMarks:
     def __init__(self) -> None:
         self.saved: list[tuple[str, Marks]] = []
 
-    def save(self, spec: BackendSpec, marks: Marks, reason: str = "") -> None:
+    def save(self, spec: BackendSpec, marks: Marks, reason: str = "",
+             origin: str | None = None) -> None:
         self.saved.append((spec.key, marks))
+
+    def configured(self) -> None:
+        pass
+
+    def forget(self, key: str) -> None:
+        pass
+
+    def origin(self, key: str) -> str | None:
+        return None
 
     def members(self) -> list[tuple[BackendSpec, Marks]]:
         return []

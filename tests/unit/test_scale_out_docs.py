@@ -37,6 +37,16 @@ def containers(deployment: dict[str, Any]) -> list[dict[str, Any]]:
     return deployment["spec"]["template"]["spec"]["containers"]  # type: ignore[no-any-return]
 
 
+def mounted(deployment: dict[str, Any], path: str) -> str | None:
+    """The Secret whose volume holds ``path`` in the deployment's first container."""
+    pod = deployment["spec"]["template"]["spec"]
+    volumes = {v["name"]: v.get("secret", {}).get("secretName") for v in pod.get("volumes", [])}
+    for mount in containers(deployment)[0].get("volumeMounts", []):
+        if path.startswith(mount["mountPath"].rstrip("/") + "/"):
+            return volumes.get(mount["name"])
+    return None
+
+
 class KubernetesRecipeTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.objects = manifests()
@@ -47,7 +57,7 @@ class KubernetesRecipeTests(SynchronousTestCase):
 
     def test_every_yaml_block_parses_into_named_objects(self) -> None:
         self.assertGreaterEqual(len(blocks("yaml")), 1)
-        self.assertEqual(set(self.by_kind), {"Service", "Deployment"})
+        self.assertEqual(set(self.by_kind), {"Service", "Deployment", "NetworkPolicy"})
         self.assertEqual(set(self.by_kind["Deployment"]), {"txlb", "txlb-redis"})
         self.assertEqual(set(self.by_kind["Service"]), {"txlb", "txlb-redis", "vllm"})
 
@@ -79,13 +89,33 @@ class KubernetesRecipeTests(SynchronousTestCase):
         engine_port = self.by_kind["Service"]["vllm"]["spec"]["ports"][0]["port"]
         self.assertTrue(backends.endswith(f":{engine_port}"), backends)
         redis = self.by_kind["Service"]["txlb-redis"]["spec"]["ports"][0]["port"]
-        self.assertEqual(args["--shared-state"], f"redis://txlb-redis:{redis}/0")
+        # Redis's password from the Secret Redis itself is started with, as a file
+        url, _, query = args["--shared-state"].partition("?password_file=")
+        self.assertEqual(url, f"redis://txlb-redis:{redis}/0")
+        self.assertEqual(mounted(self.by_kind["Deployment"]["txlb"], query), "txlb-redis")
+        redis_pod = self.by_kind["Deployment"]["txlb-redis"]
+        self.assertIn("--requirepass", containers(redis_pod)[0]["command"][-1])
+        self.assertIn(query, containers(redis_pod)[0]["command"][-1])
+        self.assertEqual(mounted(redis_pod, query), "txlb-redis")
         self.assertEqual(args["--listen"], f"tcp:{txlb['ports'][0]['containerPort']}")
         probe = txlb["readinessProbe"]["httpGet"]
         self.assertEqual((probe["path"], probe["port"]), ("/__lb_status", 8000))
         # no secret in the manifest itself: the admin token comes from a Secret
         env = {e["name"]: e for e in txlb["env"]}
         self.assertIn("secretKeyRef", env["LB_ADMIN_TOKEN"]["valueFrom"])
+
+    def test_only_txlb_reaches_redis(self) -> None:
+        (policy,) = self.by_kind["NetworkPolicy"].values()
+        redis_labels = self.by_kind["Deployment"]["txlb-redis"]["spec"]["template"][
+            "metadata"]["labels"]
+        txlb_labels = self.by_kind["Deployment"]["txlb"]["spec"]["template"]["metadata"][
+            "labels"]
+        self.assertEqual(policy["spec"]["podSelector"]["matchLabels"], redis_labels)
+        (rule,) = policy["spec"]["ingress"]
+        self.assertEqual([f["podSelector"]["matchLabels"] for f in rule["from"]],
+                         [txlb_labels])
+        redis = self.by_kind["Service"]["txlb-redis"]["spec"]["ports"][0]["targetPort"]
+        self.assertEqual([p["port"] for p in rule["ports"]], [redis])
 
     def test_a_broken_block_would_be_caught(self) -> None:
         page = "```yaml\nkind: Service\n  metadata: [\n```\n"

@@ -24,7 +24,15 @@ from txlb._shared.counts import FleetCounts
 from txlb._shared.link import RedisLink
 from txlb._shared.marks import Entry, SharedMarks
 from txlb._shared.rate import SharedRateBuckets
-from txlb._shared.store import FLUSH_DELAY, RedisStore
+from txlb._shared.store import (
+    CHANGES,
+    CLAIM,
+    FLUSH_DELAY,
+    POLL,
+    SCAN_PAGE,
+    WRITE,
+    RedisStore,
+)
 
 SPEC = SharedStateSpec("127.0.0.1", 6379, password="hunter2-secret")
 
@@ -37,6 +45,8 @@ class FakeRedis:
         self.stalled = False
         self.broken = False
         self.replies: dict[str, Any] = {}
+        #: a script's reply by its SHA1 (before ``replies["EVALSHA"]``)
+        self.scripts: dict[str, Any] = {}
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Deferred[Any]:
         self.sent.append(args)
@@ -44,7 +54,13 @@ class FakeRedis:
             return Deferred()
         if self.broken:
             return fail(ConnectionError("Connection refused"))
+        if args[0] == "EVALSHA" and args[1] in self.scripts:
+            return succeed(self.scripts[args[1]])
         return succeed(self.replies.get(args[0], "OK"))
+
+    def ran(self, script: Any) -> list[tuple[Any, ...]]:
+        """The calls of ``script`` sent so far."""
+        return [c for c in self.sent if c[:2] == ("EVALSHA", script.sha)]
 
 
 class Captured:
@@ -93,6 +109,19 @@ class URLTests(SynchronousTestCase):
             self.assertTrue(message.startswith("--shared-state: "), message)
             self.assertNotIn("hunter2", message)
             self.assertNotIn("\n", message)
+
+    def test_a_password_with_unencoded_slash_or_at_is_never_shown(self) -> None:
+        # a base64 password holds "/", a hand-typed one "@": neither ends the password
+        for bad, secret in (("redis://:Zm9v/YmFy+pw@127.0.0.1:6379/0", "Zm9v"),
+                            ("redis://:p@ssWORD@127.0.0.1:99999/0", "ssWORD"),
+                            ("redis://user:a@b/c@h:1/x", "b/c")):
+            with self.assertRaises(ConfigError) as caught:
+                parse_shared_state("shared-state", bad)
+            self.assertNotIn(secret, str(caught.exception))
+            self.assertTrue(str(caught.exception).startswith("--shared-state: 'redis://***@"))
+        with self.assertRaises(ConfigError) as caught:
+            parse_shared_state("shared-state", "redis://:Zm9v/YmFy@127.0.0.1:6379/0")
+        self.assertIn("%2F", str(caught.exception))
 
     def test_password_file(self) -> None:
         path = self.mktemp()
@@ -178,6 +207,30 @@ class LinkTests(SynchronousTestCase):
         self.assertEqual(self.link.fallbacks, 1)
         self.assertNotIn("hunter2", " ".join(self.log.texts()))
 
+    def test_an_answer_waiting_behind_a_busy_reactor_is_not_a_timeout(self) -> None:
+        replies: list[Deferred[Any]] = []
+
+        class Holding:
+            def execute_command(self, *args: Any, **kwargs: Any) -> Deferred[Any]:
+                replies.append(Deferred())
+                return replies[-1]
+
+        link = RedisLink(SPEC, self.clock, Holding())
+        link.call("PING", probe=True)
+        replies[0].callback("PONG")
+        answered: list[object] = []
+        link.call("HSCAN").addBoth(answered.append)
+        # the reactor was busy past the timeout: its timer runs before the socket is read
+        (timer,) = self.clock.getDelayedCalls()
+        self.clock.rightNow = timer.getTime()
+        timer.func(*timer.args, **timer.kw)
+        self.assertEqual(answered, [])
+        replies[1].callback(["0", []])  # ... and the answer was waiting there
+        self.clock.advance(0)
+        self.assertEqual(answered, [["0", []]])
+        self.assertTrue(link.connected)
+        self.assertEqual(link.fallbacks, 0)
+
     def test_while_down_only_probes_are_sent(self) -> None:
         self.redis.broken = True
         self.link.call("PING", probe=True).addErrback(lambda f: None)
@@ -208,6 +261,19 @@ class LinkTests(SynchronousTestCase):
         self.link.call("PING", probe=True).addErrback(lambda f: None)
         self.assertNotIn("hunter2", str(self.link.last_error))
 
+
+    def test_a_refused_login_is_reported_as_such_not_as_a_timeout(self) -> None:
+        self.link.refused("Redis error: could not auth: WRONGPASS invalid username-password "
+                          "pair or user is disabled. hunter2-secret")
+        self.link.call("PING", probe=True)
+        self.redis.broken = True
+        self.link.call("PING").addErrback(lambda f: None)
+        error = self.link.status()["last_error"]
+        assert isinstance(error, str)
+        self.assertIn("WRONGPASS", error)
+        self.assertIn("login refused", error)
+        self.assertNotIn("hunter2", error)
+        self.assertTrue(any("WRONGPASS" in line for line in self.log.texts()))
 
     def test_only_a_missing_script_is_an_answer(self) -> None:
         class ResponseError(Exception):
@@ -272,7 +338,7 @@ class MarksTests(SynchronousTestCase):
         self.marks = SharedMarks("me")
         self.pool = Pool((BackendSpec("h", 1), BackendSpec("h", 2)),
                          store=_Store(self.marks))
-        self.marks.started = True
+        self.marks.claims.clear()  # sent: Redis answered (the store's resync)
 
     def test_another_replicas_drain_reaches_the_pool(self) -> None:
         self.assertTrue(self.marks.read([entry("h:1", "other", draining=True)]))
@@ -317,6 +383,37 @@ class MarksTests(SynchronousTestCase):
         assert backend is not None
         self.assertFalse(backend.healthy)
 
+    def test_a_refusal_elsewhere_is_probed_here_before_it_takes_it_out(self) -> None:
+        # replica A alone is refused (its own host's firewall); this replica reaches h:2
+        probed: list[str] = []
+        reachable = True
+        backend = self.pool.get("h:2")
+        assert backend is not None
+
+        def probe(suspect: Any) -> None:
+            probed.append(suspect.key)
+            if reachable:
+                self.pool.probe_succeeded(suspect, rise=1)
+            else:
+                self.pool.probe_failed(suspect, "probe: connection refused", True, fall=3)
+
+        self.pool.on_suspect.append(probe)
+        self.marks.read([entry("h:2", "A")], whole=True)
+        self.pool.refresh()
+        for healthy in (False, True, False, True, False):  # A's probes, then B's, in turn
+            self.marks.read([entry("h:2", "A", healthy=healthy)])
+            self.pool.refresh()
+            self.assertTrue(backend.healthy)
+        self.assertEqual(probed, ["h:2"] * 3)
+        self.assertEqual(self.marks.unsent, {})  # nothing of ours to tell the others
+        # refused here too: out here, and said so
+        reachable = False
+        self.marks.read([entry("h:2", "A", healthy=True)])
+        self.pool.refresh()
+        self.marks.read([entry("h:2", "A", healthy=False)])
+        self.pool.refresh()
+        self.assertFalse(backend.healthy)
+
     def test_added_and_removed_elsewhere(self) -> None:
         self.marks.read([entry("h:3", "other")])
         self.pool.refresh()
@@ -325,11 +422,141 @@ class MarksTests(SynchronousTestCase):
         self.pool.refresh()
         self.assertIsNone(self.pool.get("h:3"))
 
-    def test_saves_before_redis_answered_are_claims(self) -> None:
+    def test_the_configured_backends_are_claims(self) -> None:
         marks = SharedMarks("me")
         Pool((BackendSpec("h", 1),), store=_Store(marks))
         self.assertEqual(list(marks.claims), ["h:1"])
+        self.assertTrue(marks.claims["h:1"].claim)
+        self.assertEqual(marks.claims["h:1"].origin, "config")
         self.assertEqual(marks.unsent, {})
+
+    def test_a_drain_before_redis_answered_is_a_change_not_a_claim(self) -> None:
+        # an admin drain made while Redis has been unreachable since the start must win
+        # over the older entry Redis holds: it is sent as a write, not insert-if-absent
+        marks = SharedMarks("me")
+        pool = Pool((BackendSpec("h", 1),), store=_Store(marks))
+        backend = pool.get("h:1")
+        assert backend is not None
+        pool.drain(backend)
+        sent = marks.unsent["h:1"]
+        assert sent is not None
+        self.assertTrue(sent.draining)
+        self.assertFalse(sent.claim)
+        self.assertFalse(marks.claims["h:1"].draining)
+
+    def test_a_health_verdict_before_redis_answered_stays_a_claim(self) -> None:
+        # a probe marking a configured backend down before the first contact must not
+        # overwrite a drain stored in Redis with this replica's draining=False
+        marks = SharedMarks("me")
+        pool = Pool((BackendSpec("h", 1),), store=_Store(marks))
+        backend = pool.get("h:1")
+        assert backend is not None
+        pool.mark_down(backend, "probe: connection refused")
+        self.assertEqual(marks.unsent, {})
+        self.assertTrue(marks.claims["h:1"].claim)
+        self.assertFalse(marks.claims["h:1"].healthy)
+
+    def test_a_start_up_claim_never_undrains_a_known_backend(self) -> None:
+        # Redis restarted empty; replica C starts and claims h:1 as it is configured
+        self.marks.read([entry("h:1", "other", draining=True)])
+        self.pool.refresh()
+        claim = Entry(BackendSpec("h", 1), False, False, True, "C", "config", claim=True)
+        self.assertFalse(self.marks.read([("h:1", claim.encode())]))
+        self.pool.refresh()
+        backend = self.pool.get("h:1")
+        assert backend is not None
+        self.assertTrue(backend.draining)
+        # ... and what this replica knows goes back to Redis, over the claim
+        written = self.marks.unsent["h:1"]
+        assert written is not None
+        self.assertTrue(written.draining)
+        self.assertFalse(written.claim)
+
+    def test_a_start_up_claim_adds_a_backend_nobody_knew(self) -> None:
+        claim = Entry(BackendSpec("h", 7), False, False, True, "C", "config", claim=True)
+        self.assertTrue(self.marks.read([("h:7", claim.encode())]))
+        self.pool.refresh()
+        self.assertIsNotNone(self.pool.get("h:7"))
+
+    def test_a_dns_backend_leaves_the_hash_once_forgotten(self) -> None:
+        self.pool.add(BackendSpec("10.0.0.3", 80), origin="dns:vllm.test")
+        backend = self.pool.get("10.0.0.3:80")
+        assert backend is not None
+        self.pool.remove(backend)
+        self.assertIsNone(self.pool.get("10.0.0.3:80"))
+        self.assertEqual(self.marks.entries(self.marks.unsent), [("10.0.0.3:80", "")])
+        self.assertNotIn("10.0.0.3:80", self.marks.known())
+
+    def test_a_configured_backend_keeps_its_removal(self) -> None:
+        backend = self.pool.get("h:1")
+        assert backend is not None
+        self.pool.remove(backend)
+        sent = self.marks.unsent["h:1"]
+        assert sent is not None
+        self.assertTrue(sent.removing)  # kept: a restart with that config keeps it out
+
+    def test_a_deleted_field_removes_a_backend_not_seen_removed(self) -> None:
+        self.marks.read([entry("h:3", "other")])
+        self.pool.refresh()
+        self.assertTrue(self.marks.read([("h:3", "")]))
+        self.pool.refresh()
+        self.assertIsNone(self.pool.get("h:3"))
+
+    def test_origin_is_carried_and_optional(self) -> None:
+        spec = BackendSpec("10.0.0.3", 80)
+        text = Entry(spec, False, False, True, "A", "dns:vllm.test").encode()
+        decoded = Entry.decode("10.0.0.3:80", text)
+        assert decoded is not None
+        self.assertEqual(decoded.origin, "dns:vllm.test")
+        self.assertNotIn("origin", Entry(spec, False, False, True, "A").encode())
+        old = Entry.decode("10.0.0.3:80", Entry(spec, False, False, True, "A").encode())
+        assert old is not None
+        self.assertIsNone(old.origin)
+        self.marks.read([("10.0.0.3:80", text)])
+        self.pool.refresh()
+        self.assertEqual(self.pool.origin("10.0.0.3:80"), "dns:vllm.test")
+        self.assertEqual(self.pool.origin("h:1"), "config")
+
+    def test_a_host_nobody_could_use_is_refused(self) -> None:
+        def forged(host: str) -> tuple[str, str]:
+            text = json.dumps({"spec": [host, 80, 1, 0, []], "draining": False,
+                               "removing": False, "healthy": True, "by": "x"})
+            return f"{host}:80", text
+
+        for host in ("evil\nbackend 10.0.0.1:80 added", "0.0.0.0", "224.0.0.1",
+                     "fe80::1", "a b", "", "x" * 300, "h\x00"):
+            self.assertIsNone(Entry.decode(*forged(host)), repr(host))
+        self.assertIsNotNone(Entry.decode(*forged("gpu-3.example")))
+        self.assertFalse(self.marks.read([forged("evil\nfake log line")]))
+
+    def test_poison_in_one_field_leaves_the_others_read(self) -> None:
+        infinite = ('{"spec":["10.9.9.9",Infinity,1,0,[]],"draining":false,'
+                    '"removing":false,"healthy":true,"by":"x"}')
+        deep = "[" * 5000 + "]" * 5000
+        self.assertIsNone(Entry.decode("10.9.9.9:80", infinite))
+        self.assertIsNone(Entry.decode("10.9.9.8:80", deep))
+        self.assertTrue(self.marks.read([("10.9.9.9:80", infinite), ("10.9.9.8:80", deep),
+                                         entry("h:1", "other", draining=True)]))
+        self.pool.refresh()
+        backend = self.pool.get("h:1")
+        assert backend is not None
+        self.assertTrue(backend.draining)
+        self.assertEqual(self.marks.status()["ignored"], 2)
+
+    def test_removed_entries_never_crowd_out_a_live_one(self) -> None:
+        from txlb._shared import marks as marks_module
+
+        self.patch(marks_module, "MAX_MEMBERS", 2)
+        tombstones = [entry(f"10.0.0.{i}:80", "old", removing=True) for i in range(10)]
+        self.marks.read([*tombstones, entry("h:5", "other")], whole=True)
+        self.pool.refresh()
+        self.assertIsNotNone(self.pool.get("h:5"))  # 1 of 2: the ten removed do not count
+        # beyond the bound, also one at a time (an incremental read)
+        for port in (6, 7):
+            self.marks.read([entry(f"h:{port}", "other")])
+        self.pool.refresh()
+        self.assertIsNotNone(self.pool.get("h:6"))
+        self.assertIsNone(self.pool.get("h:7"))
 
     def test_garbage_in_the_hash_is_ignored(self) -> None:
         self.assertFalse(self.marks.read([
@@ -402,6 +629,8 @@ class StoreTests(SynchronousTestCase):
                                "shared-state": "redis://:hunter2-secret@h:1/0"}, environ={})
         lb = LoadBalancer(config=config, reactor=self.clock)
         self.assertIsInstance(lb.store, RedisStore)
+        # another replica's refusal sends this one's prober at once
+        self.assertIn(lb.health.probe_soon, lb.pool.on_suspect)
         from prometheus_client import generate_latest
 
         text = generate_latest(lb.metrics.registry).decode()
@@ -411,7 +640,7 @@ class StoreTests(SynchronousTestCase):
     def test_poll_reads_the_others_and_falls_back(self) -> None:
         self.store.counts.register("a:1")
         self.redis.replies["EVALSHA"] = ["3", "0", "a:1", "4"]
-        self.redis.replies["HGETALL"] = []
+        self.redis.replies["HSCAN"] = ["0", []]
         self.store.start()
         self.assertTrue(self.store.link.connected)
         self.assertEqual((self.store.replicas, self.store.counts.total("a:1")), (3, 4))
@@ -441,7 +670,7 @@ class StoreTests(SynchronousTestCase):
     def test_marks_wait_for_redis_and_go_when_it_is_back(self) -> None:
         self.redis.broken = True
         self.store.start()
-        self.store.marks.started = True
+        self.store.marks.configured()
         self.store.marks.save(BackendSpec("h", 1), Marks(draining=True))
         self.clock.advance(FLUSH_DELAY)
         self.assertEqual(list(self.store.marks.unsent), ["h:1"])
@@ -449,7 +678,107 @@ class StoreTests(SynchronousTestCase):
         self.redis.replies["EVALSHA"] = ["1", "0"]
         self.clock.advance(0.25)
         self.assertEqual(self.store.marks.unsent, {})
-        self.assertTrue(any(c[0] == "HSET" and c[1] == "txlb:marks" for c in self.redis.sent))
+        self.assertTrue(any(c[:2] == ("EVALSHA", WRITE.sha) and c[3] == "txlb:marks"
+                            for c in self.redis.sent))
+
+
+class StoreMarksTests(SynchronousTestCase):
+    """How the store reads and writes the marks: by their change log, and after a loss."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.redis = FakeRedis()
+        self.store = RedisStore(SPEC, self.clock, self.redis, replica="r1")
+        self.pool = Pool((BackendSpec("h", 1),), clock=self.clock, store=self.store)
+        self.store.attach(self.pool.refresh, self.pool.capacity_changed)
+        self.redis.scripts[POLL.sha] = ["2", "5"]
+        self.redis.replies["HSCAN"] = ["0", [*entry("h:1", "r2")]]
+        self.store.start()
+        self.redis.sent.clear()
+
+    def drained_elsewhere(self) -> list[str]:
+        return ["7", "some", *entry("h:1", "r2", draining=True)]
+
+    def test_a_change_reads_only_the_changed_fields(self) -> None:
+        self.redis.scripts[POLL.sha] = ["2", "7"]
+        self.redis.scripts[CHANGES.sha] = self.drained_elsewhere()
+        self.clock.advance(0.1)
+        self.assertEqual([c[7] for c in self.redis.ran(CHANGES)], ["5"])  # since 5
+        self.assertFalse([c for c in self.redis.sent if c[0] == "HSCAN"])
+        backend = self.pool.get("h:1")
+        assert backend is not None
+        self.assertTrue(backend.draining)
+        self.clock.advance(0.1)  # version 7 read: nothing more to ask
+        self.assertEqual(len(self.redis.ran(CHANGES)), 1)
+
+    def test_a_log_that_cannot_say_reads_the_whole_hash(self) -> None:
+        self.redis.scripts[POLL.sha] = ["2", "9000"]
+        self.redis.scripts[CHANGES.sha] = ["9000", "whole"]
+        self.redis.replies["HSCAN"] = ["0", [*entry("h:1", "r2", draining=True)]]
+        self.clock.advance(0.1)
+        self.assertEqual(len([c for c in self.redis.sent if c[0] == "HSCAN"]), 1)
+        backend = self.pool.get("h:1")
+        assert backend is not None
+        self.assertTrue(backend.draining)
+
+    def test_a_version_gone_back_writes_back_what_this_replica_knows(self) -> None:
+        backend = self.pool.get("h:1")
+        assert backend is not None
+        self.pool.drain(backend)
+        self.clock.advance(FLUSH_DELAY)
+        self.redis.sent.clear()
+        # Redis restarted empty without the link noticing (a failover, a FLUSHALL)
+        self.redis.scripts[POLL.sha] = ["2", "0"]
+        self.redis.replies["HSCAN"] = ["0", []]
+        self.clock.advance(0.1)
+        claimed = self.redis.ran(CLAIM)
+        self.assertEqual(len(claimed), 1)
+        fields = dict(zip(claimed[0][7::2], claimed[0][8::2], strict=True))
+        restored = Entry.decode("h:1", fields["h:1"])
+        assert restored is not None
+        self.assertTrue(restored.draining)
+        self.assertTrue(backend.draining)
+
+    def test_one_read_at_a_time_in_pages(self) -> None:
+        # a slow whole read must not have every poll meanwhile queue another behind it
+        self.redis.scripts[POLL.sha] = ["2", "0"]  # lost: a whole read
+        pages = iter([["17", [*entry("h:1", "r2", draining=True)]], Deferred()])
+        real = self.redis.execute_command
+
+        def answer(*args: Any, **kwargs: Any) -> Deferred[Any]:
+            if args[0] == "HSCAN":
+                self.redis.sent.append(args)
+                reply = next(pages)
+                return reply if isinstance(reply, Deferred) else succeed(reply)
+            return real(*args, **kwargs)
+
+        self.redis.execute_command = answer  # type: ignore[method-assign]
+        for _ in range(4):
+            self.clock.advance(0.1)
+        scans = [c for c in self.redis.sent if c[0] == "HSCAN"]
+        self.assertEqual([c[2] for c in scans], ["0", "17"])  # the next page, no new read
+        self.assertEqual(scans[0][3:], ("COUNT", SCAN_PAGE))
+
+    def test_a_poisoned_count_does_not_stop_the_marks(self) -> None:
+        self.store.counts.register("h:1")
+        self.redis.scripts[POLL.sha] = ["2", "7", "h:1", "\u00b2"]
+        self.redis.scripts[CHANGES.sha] = self.drained_elsewhere()
+        self.clock.advance(0.1)
+        backend = self.pool.get("h:1")
+        assert backend is not None
+        self.assertTrue(backend.draining)
+        self.assertEqual(self.store.counts.total("h:1"), 0)
+        self.assertTrue(self.store.link.connected)
+
+    def test_a_forgotten_dns_backend_is_deleted_with_the_version_bumped(self) -> None:
+        backend = self.pool.add(BackendSpec("10.0.0.3", 80), origin="dns:vllm.test")
+        self.clock.advance(FLUSH_DELAY)
+        self.redis.sent.clear()
+        self.pool.remove(backend)
+        self.clock.advance(FLUSH_DELAY)
+        written = self.redis.ran(WRITE)
+        self.assertEqual(len(written), 1)
+        self.assertEqual(written[0][7:], ("10.0.0.3:80", ""))
 
 
 class LevelsTests(SynchronousTestCase):

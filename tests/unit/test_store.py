@@ -106,8 +106,18 @@ class _TableCounts:
 class _TableMarks:
     table: _Table
 
-    def save(self, spec: BackendSpec, marks: Marks, reason: str = "") -> None:
+    def save(self, spec: BackendSpec, marks: Marks, reason: str = "",
+             origin: str | None = None) -> None:
         self.table.marks[spec.key] = (spec, marks)
+
+    def configured(self) -> None:
+        pass
+
+    def forget(self, key: str) -> None:
+        pass
+
+    def origin(self, key: str) -> str | None:
+        return None
 
     def members(self) -> Sequence[tuple[BackendSpec, Marks]]:
         return list(self.table.marks.values())

@@ -482,7 +482,7 @@ class Admin:
         except ConfigError as error:
             raise AdminError(400, str(error)) from None
         try:
-            backend = self.pool.add(spec)
+            backend = self.pool.add(spec, origin="admin")
         except ValueError as error:
             raise AdminError(409, str(error)) from None
         # here, not in Pool.add, which also builds the configured fleet at start-up

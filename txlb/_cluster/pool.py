@@ -93,8 +93,17 @@ class Pool:
         #: an operator's: ``True`` keeps it here and says so in the store (this replica's
         #: own DNS still yields it; another replica's DNS letting it go is no reason)
         self.keeps: Callable[[Backend], bool] = lambda backend: False
+        #: Called with a backend another balancer found refusing connections: probe it now
+        #: (its own probe refused too takes it out here).  With no listener, the shared
+        #: refusal takes it out at once.
+        self.on_suspect: list[Callable[[Backend], object]] = []
+        #: where each backend came from, when its adder said ("config", "admin",
+        #: "dns:NAME"): the store keeps it with its marks
+        self._origins: dict[str, str | None] = {}
         for spec in specs:
-            self.add(spec)
+            self.add(spec, origin="config")
+        # the configured fleet is in; any later save (a drain, a reload) is a change
+        self.store.marks.configured()
 
     def __iter__(self) -> Iterator[Backend]:
         return iter(list(self._backends.values()))
@@ -107,10 +116,13 @@ class Pool:
 
     # -- membership ---------------------------------------------------------------------
 
-    def add(self, spec: BackendSpec, ramp: bool = False) -> Backend:
+    def add(self, spec: BackendSpec, ramp: bool = False,
+            origin: str | None = None) -> Backend:
         """
         A new backend, in rotation at once; ``ramp``: its share starts at the bottom of
-        ``--slow-start``'s ramp, as a recovered backend's does (a reload adds it so).
+        ``--slow-start``'s ramp, as a recovered backend's does (a reload adds it so);
+        ``origin``: who added it (``"config"``, ``"admin"``, ``"dns:NAME"``), kept with
+        its entry in a shared store (:meth:`origin`).
         """
         if spec.key in self._backends:
             raise ValueError(f"backend {spec.key} already exists")
@@ -121,6 +133,7 @@ class Pool:
         backend = self._backends[spec.key] = Backend(spec, clock=self.clock,
                                                      slow_start=self.slow_start,
                                                      up_since=up_since)
+        self._origins[spec.key] = origin
         self._marked(backend)
         self._changed()
         return backend
@@ -155,11 +168,22 @@ class Pool:
         if backend.removing and self._held(backend) == 0 and self.get(backend.key) is backend:
             del self._backends[backend.key]
             self.learned.discard(backend.key)
+            self._origins.pop(backend.key, None)
+            self.store.marks.forget(backend.key)
             log.info("backend {backend} removed", backend=backend.key)
+
+    def origin(self, key: str) -> str | None:
+        """
+        Who added the backend of ``key``: this balancer's adder, or (a backend another
+        balancer added) the one the store names.
+        """
+        origin = self._origins.get(key)
+        return origin if origin is not None else self.store.marks.origin(key)
 
     def _marked(self, backend: Backend, reason: str = "") -> None:
         """Added here or its marks changed here: the store keeps them for other balancers."""
-        self.store.marks.save(backend.spec, backend.marks, reason)
+        self.store.marks.save(backend.spec, backend.marks, reason,
+                              origin=self._origins.get(backend.key))
 
     def _take_marks(self) -> bool:
         """
@@ -168,10 +192,12 @@ class Pool:
         slow start); ``True`` if anything changed.
         """
         changed = False
+        suspects: list[Backend] = []
         for spec, stored in self.store.marks.members():
             backend = self._backends.get(spec.key)
             if backend is None:
                 if stored.removing:
+                    self.store.marks.forget(spec.key)  # nothing here to let go
                     continue
                 if self.shared is not None:
                     self.shared.register(spec.key)
@@ -203,17 +229,28 @@ class Pool:
             if stored.healthy is True and not backend.healthy:
                 backend.came_up(self._now())
             elif backend.healthy and stored.healthy is False:
-                backend.went_down()
+                if self.on_suspect:
+                    # one replica's refusal may be its own network's (a firewall on its
+                    # host): each replica's own probe decides, or a refused replica and
+                    # a reaching one would take the engine out and back everywhere in turn
+                    suspects.append(backend)
+                else:
+                    backend.went_down()
             log.info("backend {backend} is now {marks} (from the shared store)",
                      backend=backend.key, marks=stored)
             if kept:
                 self._marked(backend)
+        for backend in suspects:
+            for listener in list(self.on_suspect):
+                try:
+                    listener(backend)
+                except Exception:
+                    log.failure("a pool listener failed")
         return changed
 
     def _operators(self, key: str) -> bool:
         """Whether the store's last entry for ``key`` was an operator's (the admin API's)."""
-        origin = getattr(self.store.marks, "origin", None)
-        return callable(origin) and origin(key) == "admin"
+        return self.store.marks.origin(key) == "admin"
 
     # -- configuration (a reload) ---------------------------------------------------------
 

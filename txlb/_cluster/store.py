@@ -99,11 +99,22 @@ class IBackendMarks(Interface):
     the store marked ``removing`` (every balancer lets its own requests finish first).
     """
 
-    def save(spec: BackendSpec, marks: Marks, reason: str = "") -> None:
+    def save(spec: BackendSpec, marks: Marks, reason: str = "",
+             origin: str | None = None) -> None:
         """
         This balancer added the backend of ``spec`` or changed its marks; ``reason`` is
-        why it was marked down, when it was.
+        why it was marked down, when it was; ``origin`` where the backend came from
+        (``"config"``, ``"admin"``, ``"dns:NAME"``), if known.
         """
+
+    def configured() -> None:
+        """The pool is built: the saves so far were its configured backends."""
+
+    def forget(key: str) -> None:
+        """The pool let the backend of ``key`` go (removed, and idle)."""
+
+    def origin(key: str) -> str | None:
+        """Where the backend of ``key`` came from, as the store last saw it."""
 
     def members() -> Sequence[tuple[BackendSpec, Marks]]:
         """Every backend some balancer saved, in the order first saved, with its marks."""
@@ -175,8 +186,18 @@ class OwnMarks:
     keep and nothing another balancer could have changed.
     """
 
-    def save(self, spec: BackendSpec, marks: Marks, reason: str = "") -> None:
+    def save(self, spec: BackendSpec, marks: Marks, reason: str = "",
+             origin: str | None = None) -> None:
         pass
+
+    def configured(self) -> None:
+        pass
+
+    def forget(self, key: str) -> None:
+        pass
+
+    def origin(self, key: str) -> str | None:
+        return None
 
     def members(self) -> Sequence[tuple[BackendSpec, Marks]]:
         return ()

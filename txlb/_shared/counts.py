@@ -127,7 +127,9 @@ class FleetCounts:
         """
         sums: dict[str, int] = {}
         for key, text in pairs:
-            if key not in self._slots or not text.isdigit() or len(text) > 7:
+            # isascii: "²" is a digit to isdigit, and int() refuses it
+            if key not in self._slots or not (text.isascii() and text.isdigit()) \
+                    or len(text) > 7:
                 continue
             sums[key] = min(MAX_REMOTE_COUNT, sums.get(key, 0) + int(text))
         fell = any(sums.get(key, 0) < count for key, count in self._others.items())

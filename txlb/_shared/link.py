@@ -127,6 +127,8 @@ class RedisLink:
         self._down_logged = False
         self.on_up: list[Callable[[], object]] = []
         self.on_down: list[Callable[[], object]] = []
+        #: why Redis refused this client's login (AUTH or SELECT), if it did
+        self.refusal: str | None = None
 
     # -- life cycle ---------------------------------------------------------------------
 
@@ -156,6 +158,15 @@ class RedisLink:
         factory.initialDelay, factory.maxDelay = 0.25, 2.0
         # the slot script is awaited by a request: no Nagle delay behind the flush's writes
         factory.protocol = no_delay(factory.protocol)
+        # a refused AUTH or SELECT reaches only the factory (the client stops retrying and
+        # every command fails as "Not connected"): keep its words for last_error
+        told = factory.connectionError
+
+        def refused(why: str) -> None:
+            self.refused(why)
+            told(why)
+
+        factory.connectionError = refused
         self._client = client
         self.answer_errors = (txredisapi.ResponseError,)
 
@@ -163,6 +174,14 @@ class RedisLink:
         client, self._client = self._client, None
         disconnect = getattr(client, "disconnect", None)
         return disconnect() if disconnect is not None else None
+
+    def refused(self, why: str) -> None:
+        """
+        Redis refused the login (a wrong password, an unknown user or database): every
+        later failure is reported with these words, not as the "Not connected" the client
+        answers from then on -- a wrong password is not a slow server.
+        """
+        self.refusal = str(why)
 
     # -- calls --------------------------------------------------------------------------
 
@@ -174,11 +193,13 @@ class RedisLink:
         if self._client is None or not (self.connected or probe):
             return fail(LinkDown("shared state unreachable"))
         result = self._client.execute_command(*args)
-        timer = self.clock.callLater(self.timeout, result.cancel)
+        timers: list[Any] = []
+        timers.append(self.clock.callLater(self.timeout, self._expire, result, timers))
 
         def settled(value: object) -> object:
-            if timer.active():
-                timer.cancel()
+            for timer in timers:
+                if timer.active():
+                    timer.cancel()
             if isinstance(value, Failure) and not self._script_missing(value):
                 self._failed(value)
                 return value
@@ -187,6 +208,15 @@ class RedisLink:
 
         result.addBoth(settled)
         return result
+
+    def _expire(self, result: Deferred[Any], timers: list[Any]) -> None:
+        """
+        A command's time is up -- unless the reactor itself was busy (a large reply being
+        parsed, a loaded machine): timed calls run before the sockets are read, so the
+        answer may be waiting unread.  One more turn of the reactor reads it; only a
+        command still unanswered then is cancelled.  A slow reactor is not a slow Redis.
+        """
+        timers.append(self.clock.callLater(0, result.cancel))
 
     def run(self, script: Script, keys: Sequence[str], args: Sequence[Any],
             probe: bool = False) -> Deferred[Any]:
@@ -234,7 +264,9 @@ class RedisLink:
     def _words(self, failure: Failure) -> str:
         from twisted.internet.defer import CancelledError
 
-        if failure.check(CancelledError):
+        if self.refusal is not None:
+            text = f"login refused ({self.refusal}); the client stopped retrying"
+        elif failure.check(CancelledError):
             text = f"no answer within {self.timeout:g}s"
         else:
             text = f"{type(failure.value).__name__}: {failure.getErrorMessage()}"

@@ -79,15 +79,80 @@ end
 return out
 """)
 
-#: Add the backends a replica starts with where the hash has no entry (KEYS: the hash,
-#: the version; ARGV: field, value pairs): a drain or removal stored earlier stays.
-CLAIM = Script("""
-local added = 0
-for i = 1, #ARGV, 2 do
-  added = added + redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1])
+#: Changes of the marks kept in the change log (``<prefix>:marks:changed``, field -> the
+#: version that changed it last): a reader further behind reads the whole hash.
+CHANGE_LOG = 4096
+#: Changed fields one incremental read takes at most (more: the whole hash is read).
+MAX_CHANGES = 1024
+#: Fields asked for per page of a whole read (``HSCAN ... COUNT``).
+SCAN_PAGE = 256
+#: Fields a whole read collects at most (a hash grown beyond: the read is dropped).
+MAX_SCANNED = 65_536
+
+#: Bump the marks' version and log ``fields`` under it in the change log, trimmed to its
+#: newest :data:`CHANGE_LOG` (the floor key: the newest version trimmed away).  A fragment
+#: of the scripts that write the marks; ``fields`` is a Lua table of field names.
+_LOG_CHANGES = f"""
+local v = redis.call('INCR', KEYS[2])
+for _, field in ipairs(fields) do redis.call('ZADD', KEYS[3], v, field) end
+local n = redis.call('ZCARD', KEYS[3])
+if n > {CHANGE_LOG} then
+  local cut = n - {CHANGE_LOG}
+  local last = redis.call('ZRANGE', KEYS[3], cut - 1, cut - 1, 'WITHSCORES')
+  redis.call('SET', KEYS[4], last[2])
+  redis.call('ZREMRANGEBYRANK', KEYS[3], 0, cut - 1)
 end
-if added > 0 then redis.call('INCR', KEYS[2]) end
-return added
+"""
+
+#: Add entries where the hash has none (KEYS: the hash, the version, the change log, its
+#: floor; ARGV: field, value pairs): a replica's configured backends at its start, and
+#: what a replica knows when Redis lost the hash -- a drain or removal stored stays.
+CLAIM = Script("""
+local fields = {}
+for i = 1, #ARGV, 2 do
+  if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
+    fields[#fields + 1] = ARGV[i]
+  end
+end
+if #fields == 0 then return 0 end
+""" + _LOG_CHANGES + """
+return #fields
+""")
+
+#: Write this replica's changes (KEYS as :data:`CLAIM`'s; ARGV: field, value pairs, an
+#: empty value deleting the field): the hash, the version and the change log at once.
+WRITE = Script("""
+local fields = {}
+for i = 1, #ARGV, 2 do
+  if ARGV[i + 1] == '' then
+    redis.call('HDEL', KEYS[1], ARGV[i])
+  else
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  end
+  fields[#fields + 1] = ARGV[i]
+end
+""" + _LOG_CHANGES + """
+return v
+""")
+
+#: The fields changed since version ARGV[1] (KEYS as :data:`CLAIM`'s; ARGV[2]: most
+#: fields): ``{version, 'some', field, value, ...}`` (an empty value: deleted), or
+#: ``{version, 'whole'}`` when the log cannot say (too far behind, too many, a version
+#: that went back, changes some writer did not log): read the whole hash then.
+CHANGES = Script("""
+local v = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
+local since = tonumber(ARGV[1])
+local floor = tonumber(redis.call('GET', KEYS[4]) or '0') or 0
+if since == nil or since > v or since < floor then return {tostring(v), 'whole'} end
+local most = tonumber(ARGV[2])
+local ids = redis.call('ZRANGEBYSCORE', KEYS[3], '(' .. since, '+inf', 'LIMIT', 0, most + 1)
+if #ids > most or (#ids == 0 and v > since) then return {tostring(v), 'whole'} end
+local out = {tostring(v), 'some'}
+for _, id in ipairs(ids) do
+  out[#out + 1] = id
+  out[#out + 1] = redis.call('HGET', KEYS[1], id) or ''
+end
+return out
 """)
 
 
@@ -95,6 +160,16 @@ def replica_id() -> str:
     """This replica's name in Redis: host, pid and a random part (a restart is a new one)."""
     host = "".join(c for c in socket.gethostname() if c.isalnum() or c in "-.")[:40]
     return f"{host or 'host'}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def _went_back(version: str, before: str | None) -> bool:
+    """Whether the marks' version is lower than the one read before: Redis lost them."""
+    if before is None:
+        return False
+    try:
+        return int(version) < int(before)
+    except ValueError:
+        return False
 
 
 def _pairs(items: Sequence[Any]) -> list[tuple[str, str]]:
@@ -221,11 +296,20 @@ class RedisStore:
             return
         try:
             self.replicas = max(1, min(100_000, int(reply[0])))
-        except ValueError:
+        except (ValueError, TypeError):
             self.replicas = 1
-        if self.counts.read_others(_pairs(reply[2:])):
-            self.on_freed()
+        try:
+            if self.counts.read_others(_pairs(reply[2:])):
+                self.on_freed()
+        except Exception:
+            # a count no txlb wrote must not stop the marks below from being read
+            self.marks.garbled("counts", "the other replicas' counts could not be read")
         version = str(reply[1])
+        if _went_back(version, self._version):
+            log.warn("shared state: the marks' version went back ({old} -> {new}): Redis "
+                     "lost its data; this replica writes back what it knows",
+                     old=self._version, new=version)
+            self._resync()
         if version != self._version:
             self._read_marks(version, whole=self._version is None)
         for listener in list(self.on_polled):
@@ -234,16 +318,69 @@ class RedisStore:
     def _poll_failed(self, failure: Failure) -> None:
         self._polling = False
 
-    def _read_marks(self, version: str, whole: bool) -> None:
-        def read(reply: object) -> None:
-            if not isinstance(reply, list):
-                return
-            self._version = version
-            if self.marks.read(_pairs(reply), whole=whole):
-                self.on_marks()
+    def _marks_keys(self) -> list[str]:
+        p = self.prefix
+        return [f"{p}:marks", f"{p}:marks:version", f"{p}:marks:changed",
+                f"{p}:marks:floor"]
 
-        self.link.call("HGETALL", f"{self.prefix}:marks").addCallbacks(
-            read, lambda failure: None)
+    #: whether a read of the marks is under way (polls meanwhile do not start another:
+    #: reads piling up behind a slow one would make the link time out)
+    _reading = False
+
+    def _read_marks(self, version: str, whole: bool) -> None:
+        """
+        The marks changed since the version last read: only the changed fields (the change
+        log), or the whole hash -- at start, after an outage, when the log cannot say -- in
+        pages of :data:`SCAN_PAGE` (no one reply big enough to hold up the poll).
+        """
+        if self._reading:
+            return
+        self._reading = True
+
+        def done(failure: Failure | None = None) -> None:
+            self._reading = False
+
+        def read(fields: list[tuple[str, str]], read_version: str, whole: bool) -> None:
+            done()
+            try:
+                self._version = read_version
+                if self.marks.read(fields, whole=whole):
+                    self.on_marks()
+            except Exception:
+                self.marks.garbled("read", "a read of the shared marks failed")
+                log.failure("shared state: the marks could not be applied")
+
+        fields: list[tuple[str, str]] = []
+
+        def scan(cursor: str) -> None:
+            self.link.call("HSCAN", f"{self.prefix}:marks", cursor, "COUNT", SCAN_PAGE
+                           ).addCallbacks(page, done)
+
+        def page(reply: object) -> None:
+            if not (isinstance(reply, list) and len(reply) == 2
+                    and isinstance(reply[1], list)) or len(fields) > MAX_SCANNED:
+                done()
+                return
+            fields.extend(_pairs(reply[1]))
+            if str(reply[0]) == "0":
+                read(fields, version, True)
+            else:
+                scan(str(reply[0]))
+
+        def changes(reply: object) -> None:
+            if not isinstance(reply, list) or len(reply) < 2:
+                done()
+            elif str(reply[1]) == "some":
+                read(_pairs(reply[2:]), str(reply[0]), False)
+            else:
+                done()
+                self._read_marks(str(reply[0]), whole=True)
+
+        if whole or self._version is None:
+            scan("0")
+        else:
+            self.link.run(CHANGES, self._marks_keys(), [self._version, MAX_CHANGES]
+                          ).addCallbacks(changes, done)
 
     # -- this replica's writes ------------------------------------------------------------
 
@@ -310,8 +447,7 @@ class RedisStore:
             self.marks.unsent = {**unsent, **self.marks.unsent}
             return
         fields = [x for kv in self.marks.entries(unsent) for x in kv]
-        written = self.link.call("HSET", f"{self.prefix}:marks", *fields)
-        written.addCallback(lambda _: self.link.call("INCR", f"{self.prefix}:marks:version"))
+        written = self.link.run(WRITE, self._marks_keys(), fields)
 
         def lost(failure: Failure) -> None:
             self.marks.unsent = {**unsent, **self.marks.unsent}
@@ -325,13 +461,17 @@ class RedisStore:
             self.on_freed()
 
     def _resync(self) -> None:
-        """Redis answers (again): our claims, our unsent marks, then the whole hash."""
-        self.marks.started = True
+        """
+        Redis answers (again), or lost its data: our claims and everything we know, both
+        only where Redis has no entry (a Redis restarted empty gets back the drains and
+        removals the replicas hold, and never loses one to a replica starting after it);
+        then our unsent marks, which win; then the whole hash.
+        """
         claims, self.marks.claims = self.marks.claims, {}
-        if claims:
-            fields = [x for kv in self.marks.entries(claims) for x in kv]
-            self.link.run(CLAIM, [f"{self.prefix}:marks", f"{self.prefix}:marks:version"],
-                          fields).addErrback(lambda failure: None)
+        fields = [x for kv in self.marks.entries({**self.marks.known(), **claims})
+                  for x in kv]
+        if fields:
+            self.link.run(CLAIM, self._marks_keys(), fields).addErrback(lambda failure: None)
         self._write_marks()
         self._version = None  # the next poll reads the whole hash
 
