@@ -195,6 +195,12 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("_upstream/client", "NumberReplacer", "self._chunk_state == -1:",
      "with the one-chunk fast path off, the general walk hands on the same bytes: only "
      "speed differs"),
+    ("_cluster/pool", "NumberReplacer", "outliers: OutlierRule | None = None, slow_start: float =",
+     "Pool's default: the balancer always passes --slow-start"),
+    ("_cluster/pool", "AddNot", "            if not backend.removing:",
+     "in refresh and mirror the loop hands each backend to _forget_if_idle, which checks "
+     "removing itself: the guard only saves the call (undrain's check, less indented, is "
+     "not this one)"),
     ("_cluster/outlier", "NumberReplacer", "base_cooldown: float =",
      "OutlierRule's default: the balancer always passes --outlier-cooldown's value"),
     ("_cluster/outlier", "NumberReplacer", "consecutive_5xx: int =",

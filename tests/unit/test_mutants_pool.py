@@ -1,0 +1,193 @@
+"""
+What the pool tells its listeners and its log, and how a worker's pool follows its
+supervisor's -- the behaviour the survivors of ``_cluster/pool``'s full mutation run showed
+no test pinned down: ``on_update`` listeners are called, a failing listener stops no other,
+the log says what changed (and only when it changed), ``when_idle`` fires at once on an idle
+pool, a mirror removes what the supervisor no longer has, and a drain taken from the shared
+store leaves a healthy backend up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from twisted.internet.task import Clock
+from twisted.logger import formatEvent, globalLogPublisher
+from twisted.trial.unittest import SynchronousTestCase
+from zope.interface import implementer
+
+from txlb import BackendSpec
+from txlb._cluster.models import MAX_MODEL_NAMES
+from txlb._cluster.pool import Pool
+from txlb._cluster.store import IBackendMarks, LocalStore, Marks
+
+A = BackendSpec("127.0.0.1", 8002)
+B = BackendSpec("127.0.0.1", 8003)
+
+
+@contextmanager
+def logged() -> Iterator[list[str]]:
+    """Every log line written meanwhile, formatted."""
+    lines: list[str] = []
+
+    def observe(event: dict[str, object]) -> None:
+        lines.append(formatEvent(event) or "")
+
+    globalLogPublisher.addObserver(observe)
+    try:
+        yield lines
+    finally:
+        globalLogPublisher.removeObserver(observe)
+
+
+@implementer(IBackendMarks)
+class StoredMarks:
+    """Marks another balancer saved: what ``members`` hands the pool at its next refresh."""
+
+    def __init__(self) -> None:
+        self.stored: list[tuple[BackendSpec, Marks]] = []
+
+    def save(self, spec: BackendSpec, marks: Marks, reason: str = "",
+             origin: str | None = None) -> None:
+        pass
+
+    def configured(self) -> None:
+        pass
+
+    def forget(self, key: str) -> None:
+        pass
+
+    def origin(self, key: str) -> str | None:
+        return None
+
+    def members(self) -> Sequence[tuple[BackendSpec, Marks]]:
+        stored, self.stored = self.stored, []
+        return stored
+
+
+class ListenerTests(SynchronousTestCase):
+    def test_update_listeners_hear_every_change(self) -> None:
+        pool = Pool((A,))
+        heard: list[str] = []
+        pool.on_update.append(lambda: heard.append("update"))
+        pool.add(B)
+        self.assertEqual(heard, ["update"])
+        pool.set_engine(pool.get(A.key), "vllm")  # type: ignore[arg-type]
+        self.assertEqual(heard, ["update", "update"])
+
+    def test_a_failing_listener_stops_no_other(self) -> None:
+        pool = Pool((A,))
+        heard: list[str] = []
+
+        def broken() -> None:
+            raise RuntimeError("listener bug")
+
+        pool.on_change.extend([broken, lambda: heard.append("change")])
+        pool.on_update.extend([broken, lambda: heard.append("update")])
+        with logged() as lines:
+            pool.add(B)
+        self.assertEqual(heard, ["change", "update"])
+        self.assertEqual(lines.count("a pool listener failed"), 2)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 2)
+
+
+class LogLineTests(SynchronousTestCase):
+    def test_a_respecified_backend_without_models_says_learned(self) -> None:
+        pool = Pool((A,))
+        backend = pool.get(A.key)
+        assert backend is not None
+        with logged() as lines:
+            pool.respecify(backend, BackendSpec("127.0.0.1", 8002, weight=3))
+        self.assertIn("backend 127.0.0.1:8002 is now weight 3, max_conns 0, models "
+                      "learned", lines)
+        with logged() as lines:
+            pool.respecify(backend, BackendSpec("127.0.0.1", 8002, weight=3, models=("m",)))
+        self.assertIn("backend 127.0.0.1:8002 is now weight 3, max_conns 0, models m", lines)
+
+    def test_keep_speaks_only_for_a_backend_being_removed(self) -> None:
+        pool = Pool((A, B))
+        backend = pool.get(A.key)
+        assert backend is not None
+        with logged() as lines:
+            pool.keep(backend)
+        self.assertEqual([line for line in lines if "stays" in line], [])
+        lease = pool.acquire(backend)  # in flight: removing it waits for this request
+        pool.remove(backend)
+        with logged() as lines:
+            pool.keep(backend)
+        self.assertIn("backend 127.0.0.1:8002 stays: the new config lists it", lines)
+        self.assertFalse(backend.removing)
+        lease.release()
+        self.assertIs(pool.get(A.key), backend)
+
+    def test_learned_models_are_logged_when_they_change(self) -> None:
+        pool = Pool((A,))
+        backend = pool.get(A.key)
+        assert backend is not None
+        entries: list[dict[str, object]] = [{"id": "m", "object": "model"}]
+        with logged() as lines:
+            pool.set_models(backend, entries)
+            pool.set_models(backend, entries)
+        self.assertEqual(lines.count("backend 127.0.0.1:8002 serves m"), 1)
+        self.assertEqual([line for line in lines if "more model names" in line], [])
+        many: list[dict[str, object]] = [{"id": f"m{n}"} for n in range(MAX_MODEL_NAMES + 2)]
+        with logged() as lines:
+            pool.set_models(backend, many)
+        self.assertTrue(any("lists 2 more model names than txlb learns" in line
+                            for line in lines), lines)
+
+    def test_the_engine_is_logged_when_it_changes(self) -> None:
+        pool = Pool((A,))
+        backend = pool.get(A.key)
+        assert backend is not None
+        with logged() as lines:
+            pool.set_engine(backend, "vllm")
+            pool.set_engine(backend, "vllm")
+            pool.set_engine(backend, "sglang")
+        self.assertEqual([line for line in lines if " runs " in line],
+                         ["backend 127.0.0.1:8002 runs vllm",
+                          "backend 127.0.0.1:8002 runs sglang"])
+
+
+class IdleTests(SynchronousTestCase):
+    def test_an_idle_pool_is_idle_at_once(self) -> None:
+        pool = Pool((A,))
+        fired: list[object] = []
+        pool.when_idle().addCallback(fired.append)
+        self.assertEqual(fired, [None])
+
+
+class MirrorTests(SynchronousTestCase):
+    def test_a_backend_the_supervisor_dropped_leaves_the_worker_once_idle(self) -> None:
+        supervisor = Pool((A, B))
+        worker = Pool(())
+        worker.mirror(supervisor.shared_state())
+        self.assertEqual([b.key for b in worker], [A.key, B.key])
+        held = worker.get(B.key)
+        assert held is not None
+        lease = worker.acquire(held)
+        only_a = [state for state in supervisor.shared_state()
+                  if state["spec"][1] == A.port]
+        worker.mirror(only_a)
+        self.assertTrue(held.removing)  # draining here: its request runs on
+        self.assertIs(worker.get(B.key), held)
+        lease.release()
+        self.assertIsNone(worker.get(B.key))
+        gone = worker.get(A.key)
+        assert gone is not None
+        worker.mirror([])
+        self.assertIsNone(worker.get(A.key))  # idle: gone at once
+
+
+class StoredMarksTests(SynchronousTestCase):
+    def test_a_stored_drain_leaves_a_healthy_backend_up(self) -> None:
+        marks = StoredMarks()
+        pool = Pool((A,), clock=Clock(), store=LocalStore(marks=marks))
+        backend = pool.get(A.key)
+        assert backend is not None
+        self.assertTrue(backend.healthy)
+        marks.stored = [(A, Marks(healthy=True, draining=True, removing=False))]
+        pool.refresh()
+        self.assertTrue(backend.draining)
+        self.assertTrue(backend.healthy)
