@@ -120,8 +120,9 @@ class FleetCounts:
 
     def read_others(self, pairs: Iterable[tuple[str, str]]) -> bool:
         """
-        The other replicas' rows as the poll read them (backend key, count as text, one
-        pair per replica and backend): their sums replace what was known.  Unknown
+        The other replicas' counts as the poll read them (backend key, count as text: the
+        poll script sums them per backend, and pairs of one key are summed here too): they
+        replace what was known.  Unknown
         backends and counts that are not small non-negative integers are ignored.
         ``True`` if any backend's count fell (a slot freed: waiting requests look again).
         """

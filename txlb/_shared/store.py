@@ -51,7 +51,11 @@ FLUSH_DELAY = 0.005
 LEASE = 3000
 
 #: ARGV: prefix, replica id, lease (ms), then this replica's row as key, count pairs.
-#: Returns: live replicas, the marks' version, then the others' rows as key, count pairs.
+#: Returns: live replicas, the marks' version, then the other live replicas' counts summed
+#: per backend, as key, count pairs.  Summed here, not in the replica: the reply is one pair
+#: a backend however many replicas there are (15 replicas over 128 backends sent 1,792 pairs
+#: ten times a second to every replica, 18% of a core idle); a count that is not a decimal
+#: number of at most 7 digits is left out, as the replica would, and a sum stops at 9999999.
 POLL = Script("""
 local p = ARGV[1]
 local me = ARGV[2]
@@ -70,11 +74,25 @@ redis.call('ZREMRANGEBYSCORE', replicas, '-inf', now)
 redis.call('PEXPIRE', replicas, lease * 10)
 local ids = redis.call('ZRANGE', replicas, 0, -1)
 local out = {tostring(#ids), redis.call('GET', p .. ':marks:version') or '0'}
+local sums, order = {}, {}
 for _, id in ipairs(ids) do
   if id ~= me then
     local h = redis.call('HGETALL', p .. ':inflight:' .. id)
-    for i = 1, #h do out[#out + 1] = h[i] end
+    for i = 1, #h - 1, 2 do
+      local key, text = h[i], h[i + 1]
+      if #text <= 7 and string.match(text, '^%d+$') then
+        if sums[key] == nil then
+          sums[key] = 0
+          order[#order + 1] = key
+        end
+        sums[key] = math.min(9999999, sums[key] + tonumber(text))
+      end
+    end
   end
+end
+for _, key in ipairs(order) do
+  out[#out + 1] = key
+  out[#out + 1] = string.format('%d', sums[key])
 end
 return out
 """)
