@@ -373,3 +373,20 @@ class CapacityListenerTests(ExchangeTestCase):
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
         self.assertEqual(self.lb.proxy.live, set())
         self.assertEqual(self.lb.pool.in_flight, 0)
+
+
+class UnwritableHeadTests(ExchangeTestCase):
+    def test_a_head_twisted_cannot_write_closes_the_backends_response(self) -> None:
+        """
+        An embedder's Agent answered with a head the client's Request cannot write (its
+        phrase is text, not bytes): nobody will read that response, so it is closed -- the
+        backend stops generating -- and the client's connection is cut.
+        """
+        self.build(THREE[:1])
+        client = self.post()
+        response = self.upstream.calls[0].respond(FakeResponse(200, phrase="OK"))  # type: ignore[arg-type]
+        self.assertTrue(response.transport.stopped)
+        self.assertTrue(client.transport.disconnected)
+        self.assertEqual(self.records[-1].outcome, "proxy_error")
+        self.assertEqual(self.lb.pool.in_flight, 0)
+        self.assertEqual(len(self.flushLoggedErrors(TypeError)), 1)
