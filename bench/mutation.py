@@ -182,6 +182,29 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "client's producer only while relaying, so neither form of the branch ever runs"),
     ("_proxy/exchange", "ReplaceComparisonOperator_Gt_GtE", "if watchdog.getTime() >= now + limit:",
      "at equality, reset(limit) moves the watchdog to the time it already has"),
+    ("_proxy/exchange", "ReplaceAndWithOr", "if watchdog is not None or watchdog.active():",
+     "pauseProducing runs only while the exchange is the client's producer, i.e. relaying, "
+     "and then the read watchdog is set and pending (see the elif's entry): both forms "
+     "take the first branch"),
+    ("_proxy/exchange", "ReplaceAndWithOr",
+     "if self._watchdog is not None or self._watchdog.active():",
+     "_retry runs in waiting, after _send armed the watchdog; it is only ever cleared to "
+     "None when it fires or is cancelled (and _read_timed_out then re-arms or ends), so "
+     "here it is set and pending: both forms cancel it"),
+    ("_proxy/exchange", "ReplaceTrueWithFalse", "self.client_gone = False",
+     "client_gone is read by _can_retry and _fail only, which run only while the state is "
+     "not ended (_got_response's and _request_failed's Deferred is cancelled by _end; "
+     "_retry_refused and _give_up return once ended); _client_lost sets it right before "
+     "its _end, so no read ever follows the write"),
+    ("_proxy/exchange", "ReplaceAndWithOr",
+     "if channel is not None or channel.transport is not None:",
+     "a request's channel is None only after Request.connectionLost, which fires the "
+     "exchange's notifyFinish errback at once (_client_lost ends it: no _cut_client after "
+     "that), and an HTTPChannel's transport is never set back to None: both forms abort"),
+    ("_proxy/exchange", "NumberReplacer", "if status < 499:",
+     "a 499 from the backend then also asks provoked_by_request and the client key (both "
+     "pure), but Backend.answered resets the streak for any status under 500 whatever the "
+     "client, and judge_answer returns None for it: the same outcome"),
     ("_proxy/resource", "ReplaceAndWithOr", "if budgets is not None or budgets.specs:",
      "the balancer always passes its TokenBudgets; with no [[budgets]] its admit returns "
      "ADMITTED at once, whose headers and reservation are the record's defaults"),
