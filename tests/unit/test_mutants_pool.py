@@ -129,7 +129,9 @@ class LogLineTests(SynchronousTestCase):
         with logged() as lines:
             pool.set_models(backend, entries)
             pool.set_models(backend, entries)
-        self.assertEqual(lines.count("backend 127.0.0.1:8002 serves m"), 1)
+            pool.set_models(backend, [{"id": "n", "object": "model"}])
+        self.assertEqual([line for line in lines if " serves " in line],
+                         ["backend 127.0.0.1:8002 serves m", "backend 127.0.0.1:8002 serves n"])
         self.assertEqual([line for line in lines if "more model names" in line], [])
         many: list[dict[str, object]] = [{"id": f"m{n}"} for n in range(MAX_MODEL_NAMES + 2)]
         with logged() as lines:
