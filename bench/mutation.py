@@ -93,7 +93,8 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "_scheduling/policies/registry": _unit("test_policies", "test_scheduling",
                                            "test_policy_registry", "test_mutants",
                                            "test_mutants_registry"),
-    "_server/site": _unit("test_failover", "test_regressions", "test_proxy", "test_mutants")
+    "_server/site": _unit("test_failover", "test_regressions", "test_proxy", "test_repeats",
+                          "test_admin", "test_mutants", "test_mutants_site")
     + ("tests.integration.test_framing",),
     "_records/resultlog": _unit("test_resultlog", "test_regressions", "test_summary",
                                 "test_mutants", "test_mutants_resultlog"),
@@ -259,6 +260,18 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("_proxy/failures", "ReplaceOrWithAnd", "if not body and body.lstrip()[:1]",
      "the check is a shortcut: json.loads refuses every body it would have refused (an empty "
      "one, one not starting with '{'), or parses it to a value that is not a dict"),
+    ("_server/site", "NumberReplacer", "_VISIBLE_ASCII = bytes(range( 32, 0x7F))",
+     "a request target never holds a space (0x20): SP is the request line's delimiter, and "
+     "twisted.web's _parseRequestLine refuses a line with more than two (400) before the "
+     "target is checked"),
+    ("_server/site", "ReplaceUnaryOperator_USub_Not", "request = self.requests[not 1]",
+     "refuse runs only while a head or body is parsed, and then channel.requests holds one "
+     "request: twisted.web buffers a pipelined request's bytes until requestDone has removed "
+     "the one before, so [0] is [-1]"),
+    ("_server/site", "NumberReplacer", "request = self.requests[- 0]",
+     "refuse runs only while a head or body is parsed, and then channel.requests holds one "
+     "request: twisted.web buffers a pipelined request's bytes until requestDone has removed "
+     "the one before, so [0] is [-1]"),
     ("_proxy/head", "NumberReplacer", "if uri[: 9].lower().startswith",
      "the longest scheme looked for, 'https://', is 8 bytes: a 9-byte prefix starts with "
      "it exactly when the 8-byte one does"),
