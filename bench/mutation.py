@@ -80,7 +80,9 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "_scheduling/router": _unit("test_scheduling", "test_policies", "test_routing_request",
                                 "test_failover", "test_policy_failure",
                                 "test_policy_prepare", "test_classes", "test_reload",
-                                "test_shared_slots", "test_mutants"),
+                                "test_shared_slots", "test_budgets", "test_admin",
+                                "test_workers", "test_mutants", "test_mutants_resource",
+                                "test_mutants_router"),
     "_scheduling/prefix": _unit("test_cache_aware_prefix", "test_cache_aware"),
     "_scheduling/prefix_index": _unit("test_cache_aware", "test_cache_aware_loop"),
     "_scheduling/policies/cache_aware": _unit("test_cache_aware", "test_cache_aware_loop",
@@ -376,8 +378,6 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "(refused when the formatter is made, at import) or keeps the order it had"),
     ("_records/resultlog", "NumberReplacer", "self._next_check =",
      "__init__'s value is overwritten at once by _open"),
-    ("_scheduling/router", "AddNot", "if not self.pool.shared is not None:",
-     "in one process nothing can free a slot between the failed take and this second one"),
     ("_scheduling/router", "NumberReplacer", "retry_after: int =",
      "Router's default: the balancer always passes retry_after"),
     ("_scheduling/router", "NumberReplacer", "queue_timeout: float =",
@@ -386,6 +386,32 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "Router's default: the balancer always passes --unknown-model's choice"),
     ("_scheduling/router", "NumberReplacer", "weights=weights)[ -1]",
      "random.choices draws one element (k=1): [0] and [-1] are the same"),
+    ("_scheduling/router", "ReplaceBinaryOperator_Mul_Div", "def retune(self, /, policy",
+     "retune's arguments keyword-only or not: its one caller (the balancer's reload) names "
+     "every argument, and the mutant accepts every call the original does, alike"),
+    ("_scheduling/router", "ReplaceFalseWithTrue", "queued: bool = True",
+     "_Waiter's default: the one place a waiter is made (_wait) hands it to _enqueue at "
+     "once, which sets queued to True before anything reads it"),
+    ("_scheduling/router", "ReplaceTrueWithFalse", "zip(snapshots, skip, strict=False)",
+     "skip is made as [0] * len(snapshots): the two always have one length"),
+    ("_scheduling/router", "ReplaceAndWithOr", "if waiter.timer is not None or waiter.timer",
+     "in _regroup every waiter is in a queue, and a queued waiter's timer is set and pending: "
+     "_enqueue arms it, only _leave cancels it and _expire clears it, each taking the waiter "
+     "out of its queue in the same step -- both forms cancel it"),
+    ("_scheduling/router", "NumberReplacer", "current[ -1].cancel()",
+     "current holds one Deferred at most (the one choice made after a refusal: answered "
+     "runs once per confirmation): [0] and [-1] are the same"),
+    ("_scheduling/router", "NumberReplacer", "(queue[ -1].klass, list(queue))",
+     "every waiter in a class's queue holds that class: it joins the queue named by its "
+     "klass, and a reload's _regroup (the classes' only listener) re-points all of them "
+     "before anything else runs -- head and tail have the one starvation age"),
+    ("_scheduling/router", "NumberReplacer", "skip[number] += 0",
+     "a starving waiter walked again in the precedence pass was served (no longer queued), "
+     "is being confirmed, was answered, or failed to take a slot (its (model, exclude) is "
+     "in failed: passed over) -- the second look changes nothing"),
+    ("_scheduling/router", "NumberReplacer", "oldest = -1.0",
+     "there is always at least one class (the default class must exist), and each class's "
+     "wait is 0.0 or more: the max is the same from -1.0 as from 0.0"),
     ("_cluster/health", "ReplaceOrWithAnd", "if running is None and waiting is None:",
      "with one gauge missing, running + waiting raises TypeError, which the same errback "
      "turns into the same fallback (engine_depth None); only the debug message differs"),
