@@ -47,10 +47,11 @@ class StoredMarks:
 
     def __init__(self) -> None:
         self.stored: list[tuple[BackendSpec, Marks]] = []
+        self.saved: list[tuple[str, Marks]] = []
 
     def save(self, spec: BackendSpec, marks: Marks, reason: str = "",
              origin: str | None = None) -> None:
-        pass
+        self.saved.append((spec.key, marks))
 
     def configured(self) -> None:
         pass
@@ -159,6 +160,19 @@ class IdleTests(SynchronousTestCase):
         pool.when_idle().addCallback(fired.append)
         self.assertEqual(fired, [None])
 
+    def test_a_slot_given_back_unused_is_not_idle_while_another_runs(self) -> None:
+        """A refused choice withdrawn (``--shared-state``) while a request is still in flight."""
+        pool = Pool((A, B))
+        a, b = pool.get(A.key), pool.get(B.key)
+        assert a is not None and b is not None
+        running = pool.acquire(a)
+        fired: list[object] = []
+        pool.when_idle().addCallback(fired.append)
+        pool.withdraw(pool.acquire(b))
+        self.assertEqual(fired, [])
+        running.release()
+        self.assertEqual(fired, [None])
+
 
 class MirrorTests(SynchronousTestCase):
     def test_a_backend_the_supervisor_dropped_leaves_the_worker_once_idle(self) -> None:
@@ -183,6 +197,51 @@ class MirrorTests(SynchronousTestCase):
 
 
 class StoredMarksTests(SynchronousTestCase):
+    def build(self) -> tuple[Pool, StoredMarks]:
+        marks = StoredMarks()
+        return Pool((A, B), clock=Clock(), store=LocalStore(marks=marks)), marks
+
+    def test_a_removal_this_replica_keeps_is_written_back(self) -> None:
+        """Its own DNS still yields it (``keeps``): it stays, and says so in the store."""
+        pool, marks = self.build()
+        pool.keeps = lambda backend: True
+        marks.saved.clear()
+        marks.stored = [(A, Marks(healthy=True, draining=True, removing=True))]
+        pool.refresh()
+        backend = pool.get(A.key)
+        assert backend is not None
+        self.assertFalse(backend.removing)
+        self.assertFalse(backend.draining)
+        self.assertEqual(marks.saved, [(A.key, Marks(healthy=True, draining=False,
+                                                      removing=False))])
+
+    def test_a_stored_drain_applies_to_a_backend_this_replica_keeps(self) -> None:
+        pool, marks = self.build()
+        pool.keeps = lambda backend: True
+        marks.stored = [(A, Marks(healthy=True, draining=True, removing=False))]
+        pool.refresh()
+        backend = pool.get(A.key)
+        assert backend is not None
+        self.assertTrue(backend.draining)
+
+    def test_a_failing_suspect_listener_stops_no_other(self) -> None:
+        pool, marks = self.build()
+        heard: list[str] = []
+
+        def broken(backend: object) -> None:
+            raise RuntimeError("listener bug")
+
+        pool.on_suspect.extend([broken, lambda backend: heard.append(backend.key)])
+        marks.stored = [(A, Marks(healthy=False, draining=False, removing=False))]
+        with logged() as lines:
+            pool.refresh()
+        self.assertEqual(heard, [A.key])
+        self.assertIn("a pool listener failed", lines)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+        backend = pool.get(A.key)
+        assert backend is not None
+        self.assertTrue(backend.healthy)  # each replica's own probe decides
+
     def test_a_stored_drain_leaves_a_healthy_backend_up(self) -> None:
         marks = StoredMarks()
         pool = Pool((A,), clock=Clock(), store=LocalStore(marks=marks))
