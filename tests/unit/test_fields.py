@@ -173,6 +173,15 @@ class NewFieldTests(UTCTestCase):
         self.assertEqual(list(json.loads(as_json(attrs.evolve(wider, novel=None)))),
                          ["time", "orid", "backend", "shown"])
 
+    def test_a_first_field_that_may_be_left_out_is(self) -> None:
+        """Even ahead of every field that is always there: no row's place lifts its omit."""
+        maybe = Field("novel", INT.optional(), json_omit=_is_none)
+        as_json = json_formatter((maybe, *FIELDS[:3]))
+        wider = Wider(**attrs.asdict(summaries()[0], recurse=False), novel=None)
+        self.assertEqual(list(json.loads(as_json(wider))), ["time", "orid", "backend"])
+        self.assertEqual(list(json.loads(as_json(attrs.evolve(wider, novel=2)))),
+                         ["novel", "time", "orid", "backend"])
+
     def test_a_json_only_row(self) -> None:
         """``kind`` has no text piece: the line's shape says it."""
         (kind,) = [field for field in FIELDS if field.name == "kind"]
