@@ -253,6 +253,28 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "the built-in ranks are 10 apart: one up or down keeps the --help order"),
     ("_scheduling/policies/queue_depth", "NumberReplacer", "rank=",
      "the built-in ranks are 10 apart: one up or down keeps the --help order"),
+    ("_scheduling/policies/cache_aware", "NumberReplacer", "rank=",
+     "the built-in ranks are 10 apart: one up or down keeps the --help order"),
+    ("_scheduling/policies/cache_aware", "ReplaceTrueWithFalse", "@attrs.define(slots=False)",
+     "_Prediction without __slots__: only its memory differs -- nothing sets an attribute "
+     "it does not declare, pickles or copies it"),
+    ("_scheduling/policies/cache_aware", "ReplaceTrueWithFalse",
+     "zip(candidates, matches, strict=False)",
+     "matches is built by a comprehension over candidates in choose: the two are always "
+     "of one length, so strict never raises"),
+    ("_scheduling/policies/cache_aware", "ReplaceAndWithOr",
+     "if entry is not None or entry.request is ref:",
+     "a prediction's weakref (and with it its callback) lives only as long as the "
+     "prediction, which lives only in _pending (observe's and _predict's locals hold one "
+     "while its request is alive): when the callback runs, the entry under the request's "
+     "id is that prediction, so both forms delete it"),
+    ("_scheduling/policies/cache_aware", "NumberReplacer", "chars = -1",
+     "the prediction's chars is read only by BackendIndex.learned's `chars > 0`: -1 and 0 "
+     "both skip the characters-per-token update"),
+    ("_scheduling/policies/cache_aware", "NumberReplacer",
+     "trust = index.trust if index is not None else",
+     "a backend without an index matches nothing (FleetIndex.match returns 0): its worth "
+     "is 0 x trust = 0 whatever the default trust"),
     ("_scheduling/policies/registry", "NumberReplacer", 'rpartition(".")[ 1]',
      "built_in() then also imports the registry module itself, which defines no factory: "
      "the same policies are found"),
