@@ -14,6 +14,7 @@ from txlb import BackendSpec, Pool, RequestOutcome, RoutingRequest
 from txlb._cluster.backend import Backend, Lease
 from txlb._scheduling.policies import cache_aware
 from txlb._scheduling.policies.cache_aware import CacheAware
+from txlb._scheduling.prefix_index import BackendIndex, FleetIndex
 
 SECRET = b"m" * 32
 #: characters per block (the first holds the 20 of "<|model|>\n<|prompt|>"): short prompts
@@ -211,3 +212,128 @@ class PendingTests(SynchronousTestCase):
         policy.observe(backend, outcome(backend, requests[1], 12, 0))
         self.assertEqual(reports(), 2)
 
+
+
+def indexed(capacity: int, blocks: int) -> BackendIndex:
+    """An index of ``capacity`` blocks listing ``blocks`` of them (256 characters each)."""
+    index = BackendIndex(capacity)
+    index.sent(list(range(blocks)))
+    return index
+
+
+class LearnedTests(SynchronousTestCase):
+    """What one answer's report does to a backend's index (256-character blocks, 4 per token)."""
+
+    def facts(self, index: BackendIndex) -> dict[str, Any]:
+        return index.describe()
+
+    def test_a_full_index_lists_its_capacity(self) -> None:
+        index = indexed(4, 4)
+        self.assertEqual(index.match([0, 1, 2, 3]), 4)
+        self.assertEqual(self.facts(index)["index_blocks"], 4)
+
+    def test_a_confirmed_hit_is_counted_in_tokens(self) -> None:
+        index = indexed(100, 40)
+        index.learned(256, 0, 2, 1000, 128, 2048)  # 2 blocks predicted = 128 tokens: there
+        facts = self.facts(index)
+        self.assertEqual((facts["predicted_hit_rate"], facts["reported_hit_rate"]),
+                         (0.128, 0.128))
+        self.assertEqual((facts["trust"], facts["capacity_blocks"], facts["misses"]),
+                         (1.0, 100, 0))
+
+    def test_a_quarter_short_is_no_eviction(self) -> None:
+        index = indexed(100, 40)
+        index.learned(256, 0, 4, 1000, 192, 2048)  # 3 of 4 blocks
+        facts = self.facts(index)
+        self.assertEqual((facts["misses"], facts["capacity_blocks"], facts["trust"]),
+                         (0, 100, 0.95))
+
+    def test_an_eviction_shrinks_the_capacity_to_what_was_still_there(self) -> None:
+        index = indexed(100, 40)
+        index.learned(256, 0, 20, 2000, 640, 2048)  # 10 of 20 blocks: 10 were evicted
+        facts = self.facts(index)
+        self.assertEqual((facts["misses"], facts["capacity_blocks"], facts["index_blocks"]),
+                         (1, 30, 30))
+
+    def test_more_cached_than_predicted_grows_the_capacity_by_the_difference(self) -> None:
+        index = indexed(100, 40)
+        index.learned(256, 0, 2, 1000, 320, 2048)  # 5 blocks where 2 were predicted
+        self.assertEqual(self.facts(index)["capacity_blocks"], 103)
+
+    def test_a_prediction_holding_on_a_full_index_grows_it_by_one(self) -> None:
+        index = indexed(40, 40)
+        index.learned(256, 0, 2, 1000, 128, 2048)
+        self.assertEqual(self.facts(index)["capacity_blocks"], 41)
+
+
+class CountedTests(SynchronousTestCase):
+    """The engine's prefix-cache counters compared with the hits predicted since."""
+
+    def test_a_prediction_is_its_blocks_in_tokens(self) -> None:
+        index = indexed(100, 40)
+        self.assertEqual(index.predicted(2, 256), 128.0)
+
+    def test_most_hits_counted_lower_the_trust_a_little(self) -> None:
+        index = indexed(100, 40)
+        index.counted((50.0, 500.0), 256)
+        index.predicted(2, 256)  # 128 tokens
+        index.counted((150.0, 1500.0), 256)  # 100 of them
+        self.assertAlmostEqual(index.trust, 1 + 0.2 * (100 / 128 - 1))
+        facts = index.describe()
+        self.assertEqual((facts["counter_checks"], facts["misses"], facts["capacity_blocks"]),
+                         (1, 0, 100))
+
+    def test_three_quarters_of_the_hits_is_no_eviction(self) -> None:
+        index = indexed(100, 40)
+        index.counted((50.0, 500.0), 256)
+        index.predicted(2, 256)
+        index.counted((146.0, 1500.0), 256)  # 96 of 128
+        self.assertEqual((index.misses, index.capacity), (0, 100))
+
+    def test_too_few_hits_shrink_the_capacity_by_the_blocks_missing(self) -> None:
+        index = indexed(100, 40)
+        index.counted((50.0, 500.0), 256)
+        index.predicted(20, 256)  # 1280 tokens
+        index.counted((370.0, 1500.0), 256)  # 320 of them: 15 blocks missing
+        facts = index.describe()
+        self.assertEqual((facts["misses"], facts["capacity_blocks"], facts["index_blocks"]),
+                         (1, 25, 25))
+
+    def test_no_hits_at_all_is_a_miss_not_a_restart(self) -> None:
+        index = indexed(100, 40)
+        index.counted((50.0, 500.0), 256)
+        index.predicted(20, 256)
+        index.counted((50.0, 600.0), 256)
+        facts = index.describe()
+        self.assertEqual((facts["restarts"], facts["misses"], facts["trust"]), (0, 1, 0.8))
+        self.assertEqual(len(index), 20)
+
+    def test_counters_moving_with_nothing_predicted_teach_nothing(self) -> None:
+        index = indexed(100, 40)
+        index.counted((0.0, 0.0), 256)
+        index.counted((10.0, 100.0), 256)
+        facts = index.describe()
+        self.assertEqual((facts["counter_checks"], facts["trust"], facts["misses"]),
+                         (0, 1.0, 0))
+
+    def test_a_withdrawn_prediction_is_not_expected_of_the_counters(self) -> None:
+        """A retry took its request elsewhere: the engine's missing hits are no eviction."""
+        index = indexed(100, 40)
+        index.counted((0.0, 0.0), 256)
+        tokens = index.predicted(20, 256)
+        index.withdraw([], tokens)
+        index.counted((0.0, 100.0), 256)
+        self.assertEqual((index.misses, index.trust, index.capacity), (0, 1.0, 100))
+
+
+class FleetCapTests(SynchronousTestCase):
+    def test_the_cap_holds_after_a_retry_withdrew_blocks(self) -> None:
+        pool, (one, two) = fleet(1, 1)
+        index = FleetIndex(max_entries=10, capacity=10)
+        index.sent(one, [1, 2, 3, 4, 5, 6])
+        index.withdraw(index.of(one), [1, 2, 3], 0.0)
+        index.sent(two, list(range(10, 20)))
+        self.assertEqual(index.entries, 10)
+        index.sent(two, [20, 21, 22])
+        self.assertEqual(index.entries, 10)
+        self.assertEqual(index.match(one, [4, 5, 6]), 3)
