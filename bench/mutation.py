@@ -275,6 +275,18 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "trust = index.trust if index is not None else",
      "a backend without an index matches nothing (FleetIndex.match returns 0): its worth "
      "is 0 x trust = 0 whatever the default trust"),
+    ("_scheduling/prefix_index", "ReplaceComparisonOperator_Gt_GtE",
+     "if predicted >= 0 and cached < predicted",
+     "with nothing predicted the eviction test is cached < 0 - 1, false for any cached "
+     "(clamped to 0 or more): both forms go on to the elif"),
+    ("_scheduling/prefix_index", "ReplaceComparisonOperator_LtE_Lt",
+     "if self._total < self.max_entries:",
+     "at exactly the cap the mutant recounts (exact: nothing is over) and trims nothing, "
+     "so the indexes are the same; only a recount's cost differs"),
+    ("_scheduling/prefix_index", "ReplaceBinaryOperator_Sub_Add", "return len(entries) + before",
+     "sent's return only feeds FleetIndex._total, which decides when to recount; an "
+     "overcount (the mutant only adds) triggers a recount that sets it exact and trims "
+     "only what is really over the cap, so what the indexes hold is the same"),
     ("_scheduling/policies/registry", "NumberReplacer", 'rpartition(".")[ 1]',
      "built_in() then also imports the registry module itself, which defines no factory: "
      "the same policies are found"),

@@ -265,6 +265,18 @@ class LearnedTests(SynchronousTestCase):
         index.learned(256, 0, 2, 1000, 128, 2048)
         self.assertEqual(self.facts(index)["capacity_blocks"], 41)
 
+    def test_a_full_index_does_not_grow_on_an_answer_nothing_was_predicted_for(self) -> None:
+        index = indexed(40, 40)
+        index.learned(256, 0, 0, 1000, 0, 2048)
+        self.assertEqual(self.facts(index)["capacity_blocks"], 40)
+
+    def test_a_report_of_exactly_the_prediction_grows_a_full_index_by_one(self) -> None:
+        index = indexed(40, 40)
+        index.learned(256, 0, 3, 1000, 192, 2048)
+        self.assertEqual(self.facts(index)["capacity_blocks"], 41)
+        index.learned(256, 0, 3, 1000, 192, 41)  # never past the fleet's cap
+        self.assertEqual(self.facts(index)["capacity_blocks"], 41)
+
 
 class CountedTests(SynchronousTestCase):
     """The engine's prefix-cache counters compared with the hits predicted since."""
