@@ -287,6 +287,14 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "sent's return only feeds FleetIndex._total, which decides when to recount; an "
      "overcount (the mutant only adds) triggers a recount that sets it exact and trims "
      "only what is really over the cap, so what the indexes hold is the same"),
+    ("_scheduling/prefix", "ReplaceComparisonOperator_Lt_LtE", "if self.steps <= 0:",
+     "_feed's check (text()'s, the same line, is killed by test_mutants_cache_aware): _feed "
+     "appends no piece, and a _feed that takes the last look is always followed by "
+     "its media's text(), which the spent budget refuses: the rendered text is the same"),
+    ("_scheduling/prefix", "ReplaceComparisonOperator_GtE_Gt", "if size > room:",
+     "a piece that exactly fills the budget: the mutant goes on, but with no room left the "
+     "next non-empty piece appends piece[:0] and stops it -- the same text (only looks at "
+     "empty pieces differ)"),
     ("_scheduling/policies/registry", "NumberReplacer", 'rpartition(".")[ 1]',
      "built_in() then also imports the registry module itself, which defines no factory: "
      "the same policies are found"),

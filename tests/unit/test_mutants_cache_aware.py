@@ -14,6 +14,7 @@ from txlb import BackendSpec, Pool, RequestOutcome, RoutingRequest
 from txlb._cluster.backend import Backend, Lease
 from txlb._scheduling.policies import cache_aware
 from txlb._scheduling.policies.cache_aware import CacheAware
+from txlb._scheduling.prefix import MAX_DEPTH, PrefixHasher
 from txlb._scheduling.prefix_index import BackendIndex, FleetIndex
 
 SECRET = b"m" * 32
@@ -349,3 +350,129 @@ class FleetCapTests(SynchronousTestCase):
         index.sent(two, [20, 21, 22])
         self.assertEqual(index.entries, 10)
         self.assertEqual(index.match(one, [4, 5, 6]), 3)
+
+
+def nested(value: object, depth: int) -> object:
+    """``value`` inside ``depth`` lists."""
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+class RenderTests(SynchronousTestCase):
+    """What the hasher renders of a body: the budget of characters and looks, the depth."""
+
+    def test_the_looks_allowed_are_four_per_character_of_the_budget(self) -> None:
+        hasher = PrefixHasher(4, 8, SECRET)  # 32 characters, 128 looks
+        self.assertEqual(hasher.render({"prompt": ["a"] * 20}, None),
+                         "<|model|>\n<|prompt|>" + "a\n" * 6)
+        # 125 empty parts and one more: the 128th look renders, the 129th does not
+        body = {"messages": [{"role": "u", "content": [""] * 125 + ["X"]}]}
+        self.assertEqual(hasher.render(body, None), "<|model|>\n<|u|>X")
+        body = {"messages": [{"role": "u", "content": [""] * 126 + ["X"]}]}
+        self.assertEqual(hasher.render(body, None), "<|model|>\n<|u|>")
+
+    def test_json_is_rendered_sixteen_levels_deep_and_no_deeper(self) -> None:
+        hasher = PrefixHasher(secret=SECRET)
+        self.assertIn("deep", hasher.render({"tools": nested("deep", MAX_DEPTH)}, None))
+        self.assertNotIn("deeper", hasher.render({"tools": nested("deeper", MAX_DEPTH + 1)},
+                                                 None))
+        keyed: object = "deep"
+        for _ in range(MAX_DEPTH):
+            keyed = {"k": keyed}
+        self.assertIn("deep", hasher.render({"tools": keyed}, None))
+        self.assertNotIn("deep", hasher.render({"tools": {"k": keyed}}, None))
+
+    def test_media_is_named_by_its_payload_sixteen_levels_deep_and_no_deeper(self) -> None:
+        hasher = PrefixHasher(secret=SECRET)
+
+        def name(payload: object) -> str:
+            body = {"messages": [{"role": "user", "content": [{"image_url": payload}]}]}
+            return hasher.render(body, None)
+
+        self.assertNotEqual(name(nested("a", MAX_DEPTH)), name(nested("b", MAX_DEPTH)))
+        self.assertEqual(name(nested("a", MAX_DEPTH + 1)), name(nested("b", MAX_DEPTH + 1)))
+        one: object = "a"
+        other: object = "b"
+        for _ in range(MAX_DEPTH):
+            one, other = {"k": one}, {"k": other}
+        self.assertNotEqual(name(one), name(other))
+        self.assertEqual(name({"k": one}), name({"k": other}))
+
+    def test_the_smallest_blocks_and_secrets_are_allowed(self) -> None:
+        self.assertEqual(len(PrefixHasher(1, 1, b"k").chain("abc")), 1)
+        self.assertEqual(len(PrefixHasher(secret=b"k" * 64).chain("x" * 512)), 2)
+        for bad in ({"block_chars": 0}, {"max_blocks": 0}, {"secret": b""},
+                    {"secret": b"k" * 65}):
+            self.assertRaises(ValueError, PrefixHasher, **bad)
+
+
+class _Odd(dict):  # type: ignore[type-arg]
+    """A message no JSON parser makes, whose lookups fail as ``error``."""
+
+    def __init__(self, error: type[BaseException]) -> None:
+        super().__init__(role="user")
+        self.error = error
+
+    def __contains__(self, key: object) -> bool:
+        raise self.error("odd")
+
+
+class ShapeTests(SynchronousTestCase):
+    """How each shape of a body is rendered."""
+
+    def setUp(self) -> None:
+        self.hasher = PrefixHasher(secret=SECRET)
+
+    def render(self, body: dict[str, Any]) -> str:
+        return self.hasher.render(body, None)
+
+    def test_json_literals(self) -> None:
+        self.assertEqual(self.render({"tools": [True, False, None, 1.5]}),
+                         "<|model|>\n<|tools|>[true,false,null,1.5,]")
+
+    def test_content_that_is_neither_text_nor_parts_is_its_json(self) -> None:
+        body = {"messages": [{"role": "user", "content": {"a": "b"}}]}
+        self.assertEqual(self.render(body), "<|model|>\n<|user|>{a:b,}")
+        body = {"messages": [{"role": "user", "content": None}]}
+        self.assertEqual(self.render(body), "<|model|>\n<|user|>")
+
+    def test_messages_that_are_not_a_list(self) -> None:
+        self.assertEqual(self.render({"messages": {"x": "y"}}), "<|model|>{x:y,}")
+        self.assertEqual(self.render({"messages": None}), "<|model|>")
+
+    def test_a_message_that_is_not_an_object_does_not_end_the_conversation(self) -> None:
+        body = {"messages": ["hello", {"role": "user", "content": "hi"}]}
+        self.assertEqual(self.render(body), "<|model|>hello\n<|user|>hi")
+
+    def test_a_responses_item_without_content_is_its_json(self) -> None:
+        body = {"input": [{"type": "function_call", "name": "f"},
+                          {"type": "message", "content": "c"}, {"role": "user"}]}
+        self.assertEqual(self.render(body),
+                         "<|model|>\n<|input|>\n<|message|><name>f{name:f,type:function_call,}"
+                         "\n<|message|>c\n<|user|>")
+
+    def test_a_prompt_of_token_ids_and_other_items(self) -> None:
+        self.assertEqual(self.render({"prompt": [1, 2, True, {"a": 1}, "s"]}),
+                         "<|model|>\n<|prompt|>1 2 true{a:1,}s\n")
+        self.assertEqual(self.render({"prompt": {"a": 1}}), "<|model|>\n<|prompt|>{a:1,}")
+        self.assertEqual(self.render({"prompt": None}), "<|model|>\n<|prompt|>")
+
+    def test_only_the_first_4096_items_of_a_list_are_looked_at(self) -> None:
+        hasher = PrefixHasher(4096, 4, SECRET)
+        text = hasher.render({"prompt": [str(n % 10) for n in range(4097)]}, None)
+        self.assertEqual(text.count("\n"), 4096 + 1)
+
+    def test_media_is_named_by_its_first_mebibyte(self) -> None:
+        def name(payload: str) -> str:
+            body = {"messages": [{"role": "user", "content": [{"image_url": payload}]}]}
+            return self.render(body)
+
+        head = "x" * ((1 << 20) - 1)
+        self.assertNotEqual(name(head + "a" + "z"), name(head + "b" + "z"))
+        self.assertEqual(name(head + "a" + "y"), name(head + "a" + "z"))
+
+    def test_a_shape_nobody_foresaw_stops_the_rendering_there(self) -> None:
+        for error in (RecursionError, TypeError, ValueError):
+            body = {"messages": [{"role": "user", "content": "hi"}, _Odd(error)]}
+            self.assertEqual(self.render(body), "<|model|>\n<|user|>hi\n<|user|>")
