@@ -372,6 +372,19 @@ class RenderTests(SynchronousTestCase):
         body = {"messages": [{"role": "u", "content": [""] * 126 + ["X"]}]}
         self.assertEqual(hasher.render(body, None), "<|model|>\n<|u|>")
 
+    def test_a_media_part_costs_a_look_for_its_payload_and_one_for_its_name(self) -> None:
+        hasher = PrefixHasher(4, 8, SECRET)  # 128 looks
+        media = {"image_url": "u"}
+        body = {"messages": [{"role": "u", "content": [""] * 124 + [media]}]}
+        self.assertTrue(hasher.render(body, None).startswith("<|model|>\n<|u|><media:"))
+        body = {"messages": [{"role": "u", "content": [""] * 125 + [media]}]}
+        self.assertEqual(hasher.render(body, None), "<|model|>\n<|u|>")
+
+    def test_a_media_name_is_96_bits(self) -> None:
+        hasher = PrefixHasher(secret=SECRET)
+        body = {"messages": [{"role": "u", "content": [{"image_url": "u"}]}]}
+        self.assertRegex(hasher.render(body, None), r"^<\|model\|>\n<\|u\|><media:[0-9a-f]{24}>$")
+
     def test_json_is_rendered_sixteen_levels_deep_and_no_deeper(self) -> None:
         hasher = PrefixHasher(secret=SECRET)
         self.assertIn("deep", hasher.render({"tools": nested("deep", MAX_DEPTH)}, None))
@@ -407,7 +420,7 @@ class RenderTests(SynchronousTestCase):
             self.assertRaises(ValueError, PrefixHasher, **bad)
 
 
-class _Odd(dict):  # type: ignore[type-arg]
+class _Odd(dict):
     """A message no JSON parser makes, whose lookups fail as ``error``."""
 
     def __init__(self, error: type[BaseException]) -> None:
@@ -432,7 +445,7 @@ class ShapeTests(SynchronousTestCase):
                          "<|model|>\n<|tools|>[true,false,null,1.5,]")
 
     def test_content_that_is_neither_text_nor_parts_is_its_json(self) -> None:
-        body = {"messages": [{"role": "user", "content": {"a": "b"}}]}
+        body: dict[str, Any] = {"messages": [{"role": "user", "content": {"a": "b"}}]}
         self.assertEqual(self.render(body), "<|model|>\n<|user|>{a:b,}")
         body = {"messages": [{"role": "user", "content": None}]}
         self.assertEqual(self.render(body), "<|model|>\n<|user|>")
