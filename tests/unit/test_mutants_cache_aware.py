@@ -489,3 +489,77 @@ class ShapeTests(SynchronousTestCase):
         for error in (RecursionError, TypeError, ValueError):
             body = {"messages": [{"role": "user", "content": "hi"}, _Odd(error)]}
             self.assertEqual(self.render(body), "<|model|>\n<|user|>hi\n<|user|>")
+
+
+class IndexDetailTests(SynchronousTestCase):
+    """FleetIndex's constants and edges as /status and the choices show them."""
+
+    def test_a_fresh_index_and_its_floor(self) -> None:
+        facts = BackendIndex().describe()
+        self.assertEqual((facts["capacity_blocks"], facts["index_blocks"]), (2048, 0))
+        index = indexed(100, 20)
+        index.learned(256, 0, 20, 2000, 0, 2048)  # everything evicted
+        self.assertEqual(index.capacity, 16)
+        self.assertEqual((indexed(4, 4).room, indexed(4, 1).room), (0, 3))
+
+    def test_the_oldest_entries_go_first_and_a_gap_ends_a_match(self) -> None:
+        index = indexed(4, 4)  # 0 sent last (a chain's first block is the most recent)
+        index.sent([10])
+        self.assertEqual((index.match([0, 1, 2, 3]), index.match([10])), (3, 1))
+        self.assertEqual(index.match([0, 99, 1]), 1)
+
+    def test_the_characters_per_token_learned(self) -> None:
+        def learned(chars: int, tokens: int) -> float:
+            index = indexed(100, 10)
+            index.learned(256, chars, 0, tokens, 0, 2048)
+            return index.chars_per_token
+
+        self.assertAlmostEqual(learned(8, 1), 4.8)
+        self.assertAlmostEqual(learned(1, 1), 3.4)
+        self.assertAlmostEqual(learned(1000, 10), 4 + 0.2 * 28)  # at most 32 a token
+        self.assertAlmostEqual(learned(1, 10), 4 + 0.2 * (0.5 - 4))  # at least 0.5
+        self.assertEqual((learned(0, 10), learned(10, 0)), (4.0, 4.0))
+
+    def test_one_block_predicted(self) -> None:
+        index = indexed(100, 10)
+        index.learned(256, 0, 1, 100, 0, 2048)  # not there: trust down, no eviction counted
+        self.assertEqual((index.trust, index.misses, index.capacity), (0.8, 0, 100))
+        full = indexed(10, 10)
+        full.learned(256, 0, 1, 100, 64, 2048)
+        self.assertEqual(full.capacity, 11)
+
+    def test_the_eviction_threshold_is_a_quarter_of_the_prediction(self) -> None:
+        def misses(predicted: int, cached_blocks: int) -> int:
+            index = indexed(100, 40)
+            index.learned(256, 0, predicted, 5000, cached_blocks * 64, 2048)
+            return index.misses
+
+        self.assertEqual([misses(20, 15), misses(20, 14), misses(4, 2), misses(1, 0)],
+                         [0, 1, 1, 0])
+
+    def test_a_restart_forgets_what_was_predicted(self) -> None:
+        index = indexed(100, 40)
+        index.counted((50.0, 500.0), 256)
+        index.predicted(20, 256)
+        index.counted((60.0, 400.0), 256)  # queries went down: the engine started again
+        self.assertEqual((index.restarts, len(index)), (1, 0))
+        index.predicted(2, 256)  # 128 tokens
+        index.counted((160.0, 1400.0), 256)
+        self.assertAlmostEqual(index.trust, 1 + 0.2 * (100 / 128 - 1))
+        index.counted((159.0, 1500.0), 256)  # a hit fewer: started again
+        self.assertEqual(index.describe()["restarts"], 2)
+
+    def test_a_withdrawal_never_leaves_less_than_nothing_predicted(self) -> None:
+        index = indexed(100, 40)
+        index.counted((0.0, 0.0), 256)
+        index.withdraw([], 500.0)
+        index.predicted(2, 256)
+        index.counted((100.0, 100.0), 256)
+        self.assertAlmostEqual(index.trust, 1 + 0.2 * (100 / 128 - 1))
+
+    def test_one_token_predicted_is_checked(self) -> None:
+        index = indexed(100, 40)
+        index.counted((0.0, 0.0), 4)
+        index.predicted(1, 4)  # one token
+        index.counted((0.0, 10.0), 4)
+        self.assertEqual((index.counter_checks, index.trust), (1, 0.8))
