@@ -282,10 +282,12 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("_scheduling/prefix_index", "NumberReplacer", "return max( -1, self.capacity - len(",
      "an index never lists more than its capacity (sent, learned and counted trim to it "
      "whenever either changes): capacity - len is never below 0, nor below -1"),
-    ("_scheduling/prefix_index", "NumberReplacer", "and cached < predicted - max(1,",
-     "the eviction test's `predicted > 0` as > 1 or > -1: with 1 or 0 predicted, cached "
-     "< predicted - max(1, predicted // 4) is cached < 0 or < -1, false for any cached "
-     "(0 or more); only the other numbers of the line count, and tests pin those"),
+    ("_scheduling/prefix_index", "NumberReplacer", "if predicted > 1 and cached < predicted",
+     "the eviction test's `predicted > 0` as > 1: with 1 predicted, cached < 1 - max(1, 0) "
+     "is cached < 0, false for any cached (clamped to 0 or more)"),
+    ("_scheduling/prefix_index", "NumberReplacer", "if predicted > -1 and cached < predicted",
+     "the eviction test's `predicted > 0` as > -1: with 0 predicted, cached < 0 - max(1, 0) "
+     "is cached < -1, false for any cached (clamped to 0 or more)"),
     ("_scheduling/prefix_index", "ReplaceComparisonOperator_LtE_Lt",
      "if self._total < self.max_entries:",
      "at exactly the cap the mutant recounts (exact: nothing is over) and trims nothing, "
