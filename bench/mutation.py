@@ -304,6 +304,15 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "a piece that exactly fills the budget: the mutant goes on, but with no room left the "
      "next non-empty piece appends piece[:0] and stops it -- the same text (only looks at "
      "empty pieces differ)"),
+    ("_scheduling/prefix", "NumberReplacer", "if self.steps < 1:",
+     "_feed's check (text()'s is killed by tests) as <= 0: see the Lt_LtE entry"),
+    ("_scheduling/prefix", "NumberReplacer", "if self.steps < -1:",
+     "_feed's check (text()'s is killed by tests) letting one more look through: _feed "
+     "appends no piece and its media's text() that follows refuses the spent budget, so "
+     "the rendered text is the same"),
+    ("_scheduling/prefix_index", "NumberReplacer", "self._total = 1",
+     "forget_blocks' count one too high: an overcount only brings the next recount "
+     "forward, which sets it exact and trims only what is really over the cap"),
     ("_scheduling/policies/registry", "NumberReplacer", 'rpartition(".")[ 1]',
      "built_in() then also imports the registry module itself, which defines no factory: "
      "the same policies are found"),

@@ -563,3 +563,22 @@ class IndexDetailTests(SynchronousTestCase):
         index.predicted(1, 4)  # one token
         index.counted((0.0, 10.0), 4)
         self.assertEqual((index.counter_checks, index.trust), (1, 0.8))
+
+    def test_forgetting_the_blocks_keeps_the_fleet_cap(self) -> None:
+        pool, (one, two) = fleet(1, 1)
+        index = FleetIndex(max_entries=10, capacity=10)
+        index.sent(one, [1, 2, 3])
+        index.forget_blocks()
+        index.sent(one, list(range(10, 20)))
+        index.sent(two, [30])
+        self.assertEqual(index.entries, 10)
+
+    def test_a_media_payloads_other_values_count_by_their_first_64_characters(self) -> None:
+        hasher = PrefixHasher(secret=SECRET)
+
+        def name(number: int) -> str:
+            body = {"messages": [{"role": "u", "content": [{"image_url": {"n": number}}]}]}
+            return hasher.render(body, None)
+
+        self.assertNotEqual(name(10 ** 63 + 1), name(10 ** 63 + 2))  # 64 digits
+        self.assertEqual(name(10 ** 64 + 1), name(10 ** 64 + 2))  # 65: the last is not read
