@@ -582,3 +582,19 @@ class IndexDetailTests(SynchronousTestCase):
 
         self.assertNotEqual(name(10 ** 63 + 1), name(10 ** 63 + 2))  # 64 digits
         self.assertEqual(name(10 ** 64 + 1), name(10 ** 64 + 2))  # 65: the last is not read
+
+    def test_over_the_cap_the_largest_index_gives_way_down_to_nothing(self) -> None:
+        pool, (one, two, three) = fleet(1, 1, 1)
+        index = FleetIndex(max_entries=4, capacity=4)
+        index.sent(one, [1, 2])
+        index.sent(two, [3, 4])
+        index.sent(three, [5, 6, 7, 8])
+        self.assertEqual([index.match(b, chain) for b, chain in
+                          ((one, [1, 2]), (two, [3, 4]), (three, [5, 6, 7, 8]))], [2, 2, 0])
+
+    def test_hits_counted_with_queries_unchanged_are_no_restart(self) -> None:
+        index = indexed(100, 40)
+        index.counted((50.0, 500.0), 256)
+        index.predicted(2, 256)
+        index.counted((178.0, 500.0), 256)
+        self.assertEqual((index.restarts, len(index), index.trust), (0, 40, 1.0))
