@@ -14,7 +14,7 @@ from txlb import BackendSpec, Pool, RequestOutcome, RoutingRequest
 from txlb._cluster.backend import Backend, Lease
 from txlb._scheduling.policies import cache_aware
 from txlb._scheduling.policies.cache_aware import CacheAware
-from txlb._scheduling.prefix import MAX_DEPTH, PrefixHasher
+from txlb._scheduling.prefix import PrefixHasher
 from txlb._scheduling.prefix_index import BackendIndex, FleetIndex
 
 SECRET = b"m" * 32
@@ -387,11 +387,11 @@ class RenderTests(SynchronousTestCase):
 
     def test_json_is_rendered_sixteen_levels_deep_and_no_deeper(self) -> None:
         hasher = PrefixHasher(secret=SECRET)
-        self.assertIn("deep", hasher.render({"tools": nested("deep", MAX_DEPTH)}, None))
-        self.assertNotIn("deeper", hasher.render({"tools": nested("deeper", MAX_DEPTH + 1)},
+        self.assertIn("deep", hasher.render({"tools": nested("deep", 16)}, None))
+        self.assertNotIn("deeper", hasher.render({"tools": nested("deeper", 17)},
                                                  None))
         keyed: object = "deep"
-        for _ in range(MAX_DEPTH):
+        for _ in range(16):
             keyed = {"k": keyed}
         self.assertIn("deep", hasher.render({"tools": keyed}, None))
         self.assertNotIn("deep", hasher.render({"tools": {"k": keyed}}, None))
@@ -403,11 +403,11 @@ class RenderTests(SynchronousTestCase):
             body = {"messages": [{"role": "user", "content": [{"image_url": payload}]}]}
             return hasher.render(body, None)
 
-        self.assertNotEqual(name(nested("a", MAX_DEPTH)), name(nested("b", MAX_DEPTH)))
-        self.assertEqual(name(nested("a", MAX_DEPTH + 1)), name(nested("b", MAX_DEPTH + 1)))
+        self.assertNotEqual(name(nested("a", 16)), name(nested("b", 16)))
+        self.assertEqual(name(nested("a", 17)), name(nested("b", 17)))
         one: object = "a"
         other: object = "b"
-        for _ in range(MAX_DEPTH):
+        for _ in range(16):
             one, other = {"k": one}, {"k": other}
         self.assertNotEqual(name(one), name(other))
         self.assertEqual(name({"k": one}), name({"k": other}))
@@ -598,3 +598,9 @@ class IndexDetailTests(SynchronousTestCase):
         index.predicted(2, 256)
         index.counted((178.0, 500.0), 256)
         self.assertEqual((index.restarts, len(index), index.trust), (0, 40, 1.0))
+
+    def test_a_block_is_named_by_64_bits(self) -> None:
+        chain = PrefixHasher(secret=SECRET).chain("".join(chr(65 + n) * 256 for n in range(16)))
+        self.assertEqual(len(chain), 16)
+        self.assertLess(max(chain), 1 << 64)
+        self.assertGreaterEqual(max(chain), 1 << 56)  # all 16 below: a chance of 2**-128
