@@ -288,6 +288,10 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("_scheduling/prefix_index", "NumberReplacer", "if predicted > -1 and cached < predicted",
      "the eviction test's `predicted > 0` as > -1: with 0 predicted, cached < 0 - max(1, 0) "
      "is cached < -1, false for any cached (clamped to 0 or more)"),
+    ("_scheduling/prefix_index", "NumberReplacer", "gone = largest.trim(max( -1,",
+     "len(largest) - excess is never below 0: before a sent the exact count is at most "
+     "_total, at most the cap, so the excess is at most what the index just sent to grew "
+     "by -- at most its length, at most the largest's; max(-1, x) is max(0, x)"),
     ("_scheduling/prefix_index", "ReplaceComparisonOperator_LtE_Lt",
      "if self._total < self.max_entries:",
      "at exactly the cap the mutant recounts (exact: nothing is over) and trims nothing, "
