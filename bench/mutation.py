@@ -83,11 +83,21 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
                                 "test_shared_slots", "test_budgets", "test_admin",
                                 "test_workers", "test_mutants", "test_mutants_resource",
                                 "test_mutants_router"),
-    "_scheduling/prefix": _unit("test_cache_aware_prefix", "test_cache_aware"),
-    "_scheduling/prefix_index": _unit("test_cache_aware", "test_cache_aware_loop"),
+    "_scheduling/prefix": _unit("test_cache_aware_prefix", "test_cache_aware",
+                                "test_cache_aware_loop", "test_policy_prepare",
+                                "test_shared_prefixes", "test_prefix_bench",
+                                "test_prefix_scale_out", "test_mutants_cache_aware"),
+    "_scheduling/prefix_index": _unit("test_cache_aware", "test_cache_aware_loop",
+                                      "test_cache_aware_prefix", "test_shared_prefixes",
+                                      "test_kvcache", "test_prefix_bench",
+                                      "test_prefix_scale_out", "test_mutants_cache_aware"),
     "_scheduling/policies/cache_aware": _unit("test_cache_aware", "test_cache_aware_loop",
                                               "test_cache_aware_prefix",
-                                              "test_policy_prepare", "test_policies"),
+                                              "test_policy_prepare", "test_policies",
+                                              "test_shared_prefixes", "test_kvcache",
+                                              "test_prefix_bench", "test_prefix_scale_out",
+                                              "test_policy_registry", "test_mutants_registry",
+                                              "test_mutants_cache_aware"),
     **{f"_scheduling/policies/{name}": _unit("test_policies", "test_scheduling",
                                              "test_policy_registry", "test_mutants")
        for name in ("_ties", "least_conn", "round_robin", "weighted_random", "p2c", "peak_ewma",
@@ -246,6 +256,70 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "the built-in ranks are 10 apart: one up or down keeps the --help order"),
     ("_scheduling/policies/queue_depth", "NumberReplacer", "rank=",
      "the built-in ranks are 10 apart: one up or down keeps the --help order"),
+    ("_scheduling/policies/cache_aware", "NumberReplacer", "rank=",
+     "the built-in ranks are 10 apart: one up or down keeps the --help order"),
+    ("_scheduling/policies/cache_aware", "ReplaceTrueWithFalse", "@attrs.define(slots=False)",
+     "_Prediction without __slots__: only its memory differs -- nothing sets an attribute "
+     "it does not declare, pickles or copies it"),
+    ("_scheduling/policies/cache_aware", "ReplaceTrueWithFalse",
+     "zip(candidates, matches, strict=False)",
+     "matches is built by a comprehension over candidates in choose: the two are always "
+     "of one length, so strict never raises"),
+    ("_scheduling/policies/cache_aware", "ReplaceAndWithOr",
+     "if entry is not None or entry.request is ref:",
+     "a prediction's weakref (and with it its callback) lives only as long as the "
+     "prediction, which lives only in _pending (observe's and _predict's locals hold one "
+     "while its request is alive): when the callback runs, the entry under the request's "
+     "id is that prediction, so both forms delete it"),
+    ("_scheduling/policies/cache_aware", "NumberReplacer", "chars = -1",
+     "the prediction's chars is read only by BackendIndex.learned's `chars > 0`: -1 and 0 "
+     "both skip the characters-per-token update"),
+    ("_scheduling/policies/cache_aware", "NumberReplacer",
+     "trust = index.trust if index is not None else",
+     "a backend without an index matches nothing (FleetIndex.match returns 0): its worth "
+     "is 0 x trust = 0 whatever the default trust"),
+    ("_scheduling/prefix_index", "ReplaceComparisonOperator_Gt_GtE",
+     "if predicted >= 0 and cached < predicted",
+     "with nothing predicted the eviction test is cached < 0 - 1, false for any cached "
+     "(clamped to 0 or more): both forms go on to the elif"),
+    ("_scheduling/prefix_index", "NumberReplacer", "return max( -1, self.capacity - len(",
+     "an index never lists more than its capacity (sent, learned and counted trim to it "
+     "whenever either changes): capacity - len is never below 0, nor below -1"),
+    ("_scheduling/prefix_index", "NumberReplacer", "if predicted > 1 and cached < predicted",
+     "the eviction test's `predicted > 0` as > 1: with 1 predicted, cached < 1 - max(1, 0) "
+     "is cached < 0, false for any cached (clamped to 0 or more)"),
+    ("_scheduling/prefix_index", "NumberReplacer", "if predicted > -1 and cached < predicted",
+     "the eviction test's `predicted > 0` as > -1: with 0 predicted, cached < 0 - max(1, 0) "
+     "is cached < -1, false for any cached (clamped to 0 or more)"),
+    ("_scheduling/prefix_index", "NumberReplacer", "gone = largest.trim(max( -1,",
+     "len(largest) - excess is never below 0: before a sent the exact count is at most "
+     "_total, at most the cap, so the excess is at most what the index just sent to grew "
+     "by -- at most its length, at most the largest's; max(-1, x) is max(0, x)"),
+    ("_scheduling/prefix_index", "ReplaceComparisonOperator_LtE_Lt",
+     "if self._total < self.max_entries:",
+     "at exactly the cap the mutant recounts (exact: nothing is over) and trims nothing, "
+     "so the indexes are the same; only a recount's cost differs"),
+    ("_scheduling/prefix_index", "ReplaceBinaryOperator_Sub_Add", "return len(entries) + before",
+     "sent's return only feeds FleetIndex._total, which decides when to recount; an "
+     "overcount (the mutant only adds) triggers a recount that sets it exact and trims "
+     "only what is really over the cap, so what the indexes hold is the same"),
+    ("_scheduling/prefix", "ReplaceComparisonOperator_Lt_LtE", "if self.steps <= 0:",
+     "_feed's check (text()'s, the same line, is killed by test_mutants_cache_aware): _feed "
+     "appends no piece, and a _feed that takes the last look is always followed by "
+     "its media's text(), which the spent budget refuses: the rendered text is the same"),
+    ("_scheduling/prefix", "ReplaceComparisonOperator_GtE_Gt", "if size > room:",
+     "a piece that exactly fills the budget: the mutant goes on, but with no room left the "
+     "next non-empty piece appends piece[:0] and stops it -- the same text (only looks at "
+     "empty pieces differ)"),
+    ("_scheduling/prefix", "NumberReplacer", "if self.steps < 1:",
+     "_feed's check (text()'s is killed by tests) as <= 0: see the Lt_LtE entry"),
+    ("_scheduling/prefix", "NumberReplacer", "if self.steps < -1:",
+     "_feed's check (text()'s is killed by tests) letting one more look through: _feed "
+     "appends no piece and its media's text() that follows refuses the spent budget, so "
+     "the rendered text is the same"),
+    ("_scheduling/prefix_index", "NumberReplacer", "self._total = 1",
+     "forget_blocks' count one too high: an overcount only brings the next recount "
+     "forward, which sets it exact and trims only what is really over the cap"),
     ("_scheduling/policies/registry", "NumberReplacer", 'rpartition(".")[ 1]',
      "built_in() then also imports the registry module itself, which defines no factory: "
      "the same policies are found"),
