@@ -68,7 +68,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "_upstream/client": _unit("test_upstream", "test_regressions", "test_mutants",
                               "test_mutants_upstream"),
     "_cluster/backend": _unit("test_scheduling", "test_failover", "test_regressions",
-                              "test_admin", "test_health", "test_mutants"),
+                              "test_admin", "test_health", "test_mutants", "test_mutants_pool"),
     "_cluster/pool": _unit("test_scheduling", "test_failover", "test_regressions",
                            "test_admin", "test_health", "test_reload", "test_reload_workers",
                            "test_store", "test_shared_state", "test_shared_slots", "test_dns",

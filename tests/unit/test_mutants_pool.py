@@ -252,3 +252,18 @@ class StoredMarksTests(SynchronousTestCase):
         pool.refresh()
         self.assertTrue(backend.draining)
         self.assertTrue(backend.healthy)
+
+
+class WithdrawnSlotTests(SynchronousTestCase):
+    def test_a_withdrawn_slot_leaves_the_counts_as_they_were(self) -> None:
+        """A choice the shared store refused: nothing was sent, so nothing is counted."""
+        pool = Pool((A,))
+        backend = pool.get(A.key)
+        assert backend is not None
+        running = pool.acquire(backend)
+        before = (backend.active, backend.requests)
+        pool.withdraw(pool.acquire(backend))
+        self.assertEqual((backend.active, backend.requests), before)
+        self.assertEqual(pool.in_flight, 1)
+        running.release()
+        self.assertEqual((backend.active, pool.in_flight), (0, 0))
