@@ -267,3 +267,26 @@ class WithdrawnSlotTests(SynchronousTestCase):
         self.assertEqual(pool.in_flight, 1)
         running.release()
         self.assertEqual((backend.active, pool.in_flight), (0, 0))
+
+    def test_a_withdrawn_slot_is_not_counted_as_sent_since_the_scrape(self) -> None:
+        """What queue-depth adds to the engine's last scrape: the requests sent since."""
+        pool = Pool((A,))
+        backend = pool.get(A.key)
+        assert backend is not None
+        pool.acquire(backend)
+        self.assertEqual(backend.started_since_scrape, 1)
+        pool.withdraw(pool.acquire(backend))
+        self.assertEqual(backend.started_since_scrape, 1)
+
+    def test_a_withdrawn_lease_cannot_be_released_or_withdrawn_again(self) -> None:
+        pool = Pool((A,))
+        backend = pool.get(A.key)
+        assert backend is not None
+        running = pool.acquire(backend)
+        refused = pool.acquire(backend)
+        pool.withdraw(refused)
+        refused.release()  # a no-op: the slot is gone already
+        self.assertFalse(refused.withdraw())
+        self.assertEqual((backend.active, pool.in_flight), (1, 1))
+        running.release()
+        self.assertEqual(backend.active, 0)
