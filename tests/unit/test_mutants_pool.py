@@ -290,3 +290,30 @@ class WithdrawnSlotTests(SynchronousTestCase):
         self.assertEqual((backend.active, pool.in_flight), (1, 1))
         running.release()
         self.assertEqual(backend.active, 0)
+
+    def test_a_slot_taken_before_a_scrape_and_withdrawn_after_leaves_zero(self) -> None:
+        """The scrape restarted the count: the withdrawn take is not in it, and never below 0."""
+        pool = Pool((A,))
+        backend = pool.get(A.key)
+        assert backend is not None
+        refused = pool.acquire(backend)
+        pool.set_engine_depth(backend, 1, 0)
+        self.assertEqual(backend.started_since_scrape, 0)
+        pool.withdraw(refused)
+        self.assertEqual(backend.started_since_scrape, 0)
+        pool.acquire(backend)
+        pool.acquire(backend)
+        pool.withdraw(pool.acquire(backend))
+        self.assertEqual(backend.started_since_scrape, 2)
+
+    def test_a_withdrawn_first_slot_leaves_no_request_counted(self) -> None:
+        pool = Pool((A,))
+        backend = pool.get(A.key)
+        assert backend is not None
+        pool.withdraw(pool.acquire(backend))
+        self.assertEqual((backend.active, backend.requests), (0, 0))
+        # counts read back meanwhile (--workers' shared table) never go below nothing
+        refused = pool.acquire(backend)
+        backend.counted(1, requests=0)
+        pool.withdraw(refused)
+        self.assertEqual(backend.requests, 0)
