@@ -76,7 +76,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "_cluster/outlier": _unit("test_failover", "test_regressions", "test_mutants"),
     "_cluster/models": _unit("test_models", "test_scheduling", "test_health", "test_mutants"),
     "_cluster/health": _unit("test_health", "test_regressions", "test_scheduling",
-                             "test_mutants", "test_mutants_health"),
+                             "test_reload", "test_mutants", "test_mutants_health"),
     "_scheduling/router": _unit("test_scheduling", "test_policies", "test_routing_request",
                                 "test_failover", "test_policy_failure",
                                 "test_policy_prepare", "test_classes", "test_reload",
@@ -237,6 +237,9 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "in refresh and mirror the loop hands each backend to _forget_if_idle, which checks "
      "removing itself: the guard only saves the call (undrain's check, less indented, is "
      "not this one)"),
+    ("_cluster/health", "ReplaceBinaryOperator_Mul_Div", "def retune(self, /,",
+     "retune's one caller (the reload) passes every argument by keyword: with / the "
+     "method also takes them by position, and takes every call it took before alike"),
     ("_cluster/outlier", "NumberReplacer", "base_cooldown: float =",
      "OutlierRule's default: the balancer always passes --outlier-cooldown's value"),
     ("_cluster/outlier", "NumberReplacer", "consecutive_5xx: int =",

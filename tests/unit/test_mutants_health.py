@@ -285,3 +285,16 @@ class FailedProbeTests(_Prober):
             self.clock.advance(2)
         self.assertEqual(len(self.calls(b":8003/health")), 4)
         self.assertTrue(self.flushLoggedErrors(UnicodeEncodeError))
+
+
+class RetuneTests(_Prober):
+    def test_a_new_interval_after_the_prober_stopped_starts_nothing(self) -> None:
+        """A reload while shutting down: the stopped loop stays stopped, and nothing raises."""
+        self.build(LEARNED)
+        self.checker.stopService()
+        probes = len(self.agent.calls)
+        self.checker.retune(interval=5, timeout=1, path="/health", rise=1, fall=3,
+                            scrape_engine_queue=False)
+        self.clock.advance(20)
+        self.assertEqual(len(self.agent.calls), probes)
+        self.assertEqual(self.checker.interval, 5)
