@@ -36,6 +36,15 @@ class LimitTests(SynchronousTestCase):
         over.capture(b"x" * (512 * 1024 + 1))  # one read, over the limit
         self.assertEqual((over.captured, over.truncated), (512 * 1024, True))
 
+    def test_the_tail_past_the_capture_keeps_the_last_64_kib_and_no_more(self) -> None:
+        """What usage is read from past the 512 KiB: a bound on memory, to the byte."""
+        record_ = RequestRecord(started=0, method=b"POST", path=CHAT, orid_header=None,
+                                request_body=b"")
+        record_.capture(b"x" * (512 * 1024))
+        record_.capture(b"a" + b"y" * (64 * 1024))  # one read, one byte over the tail
+        self.assertEqual(record_.tail_size, 64 * 1024)
+        self.assertEqual(b"".join(record_.tail), b"y" * (64 * 1024))
+
     def test_log_content_goes_up_to_1000_characters(self) -> None:
         self.assertEqual(build_config({"log-content": "1000"}).log_content, 1000)
         self.assertRaises(ConfigError, build_config, {"log-content": "1001"})
