@@ -331,6 +331,13 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "falls by the total, w; it is chosen, and nothing else changes"),
     ("_scheduling/policies/p2c", "NumberReplacer", "return candidates[ -1]",
      "reached only when there is one candidate"),
+    ("_records/summary", "ReplaceFalseWithTrue",
+     "tail: deque[bytes] = attrs.field(factory=deque, repr=True)",
+     "only a RequestRecord's repr shows its tail, and nothing txlb writes uses that repr"),
+    ("_records/summary", "ReplaceFalseWithTrue", "count_events: bool = True",
+     "events are read only by a token budget's charge, for a request it reserved for, whose "
+     "count_events the proxy sets to True: counting every other request's events costs "
+     "time only"),
     ("_records/summary", "ReplaceFalseWithTrue", "think: bool =",
      "think is shown only for completions, for which summarize passes it"),
     ("_scheduling/router", "ReplaceFalseWithTrue", "@attrs.define(eq=True)",
