@@ -19,7 +19,7 @@ from zope.interface import implementer
 from txlb import BackendSpec, IPreparesRequests, Policy, Pool, RoutingRequest, build_config
 from txlb._cluster.backend import Backend
 from txlb._cluster.outlier import OutlierRule, fleet_can_spare, judge_answer
-from txlb._cluster.store import LocalStore, Marks
+from txlb._cluster.store import LocalStore, Marks, OwnMarks
 from txlb._records.summary import RequestRecord
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.request import ANY_REQUEST
@@ -250,7 +250,7 @@ class BackendCounterTests(SynchronousTestCase):
 
 
 
-class _SavedMarks:
+class _SavedMarks(OwnMarks):
     """A store's marks as another balancer would read them: every save kept."""
 
     def __init__(self) -> None:
@@ -259,15 +259,6 @@ class _SavedMarks:
     def save(self, spec: BackendSpec, marks: Marks, reason: str = "",
              origin: str | None = None) -> None:
         self.saved.append((spec.key, marks))
-
-    def configured(self) -> None:
-        pass
-
-    def forget(self, key: str) -> None:
-        pass
-
-    def origin(self, key: str) -> str | None:
-        return None
 
     def members(self) -> list[tuple[BackendSpec, Marks]]:
         return []

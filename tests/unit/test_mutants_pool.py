@@ -15,12 +15,11 @@ from contextlib import contextmanager
 from twisted.internet.task import Clock
 from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
-from zope.interface import implementer
 
 from txlb import BackendSpec
 from txlb._cluster.models import MAX_MODEL_NAMES
 from txlb._cluster.pool import Pool
-from txlb._cluster.store import IBackendMarks, LocalStore, Marks
+from txlb._cluster.store import LocalStore, Marks, OwnMarks
 
 A = BackendSpec("127.0.0.1", 8002)
 B = BackendSpec("127.0.0.1", 8003)
@@ -41,8 +40,7 @@ def logged() -> Iterator[list[str]]:
         globalLogPublisher.removeObserver(observe)
 
 
-@implementer(IBackendMarks)
-class StoredMarks:
+class StoredMarks(OwnMarks):
     """Marks another balancer saved: what ``members`` hands the pool at its next refresh."""
 
     def __init__(self) -> None:
@@ -52,15 +50,6 @@ class StoredMarks:
     def save(self, spec: BackendSpec, marks: Marks, reason: str = "",
              origin: str | None = None) -> None:
         self.saved.append((spec.key, marks))
-
-    def configured(self) -> None:
-        pass
-
-    def forget(self, key: str) -> None:
-        pass
-
-    def origin(self, key: str) -> str | None:
-        return None
 
     def members(self) -> Sequence[tuple[BackendSpec, Marks]]:
         stored, self.stored = self.stored, []
