@@ -24,6 +24,7 @@ from twisted.web.server import Site
 
 from txlb._balancer import LoadBalancer
 from txlb._config import ConfigError, parse_listen
+from txlb._server.reactor import install_by_default
 from txlb._upstream.agent import BytesProducer
 from txlb.testing import SimulatedVLLM, listen_simulated
 
@@ -121,6 +122,7 @@ async def _main(reactor: Any, argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    install_by_default()  # the reactor ``twistd -n llmlb`` runs on, unless one is installed
     task.react(lambda reactor: defer.ensureDeferred(_main(reactor, argv or sys.argv[1:])))
 
 

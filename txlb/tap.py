@@ -25,7 +25,7 @@ from twisted.logger import Logger
 from twisted.python import usage
 from twisted.web.server import Site
 
-from txlb._admin.app import ADMIN_MAX_BODY
+from txlb._admin import ADMIN_MAX_BODY
 from txlb._balancer import LoadBalancer, SequentialService
 from txlb._config import (
     OPTIONS,
@@ -36,6 +36,7 @@ from txlb._config import (
 )
 from txlb._reload import ConfigSource, ReloadRefused
 from txlb._server.quiet import QuietAcceptErrors
+from txlb._server.reactor import describe, install_by_default
 from txlb._server.site import LimitedRequest, ProxyChannel
 
 log = Logger()
@@ -115,6 +116,10 @@ class Options(usage.Options):
 
             sys.stdout.write(verdict(self.config, self.source.path) + "\n")
             raise SystemExit(0)
+        if getattr(self, "parent", None) is not None:
+            # under twistd, before anything imports a reactor: txlb's own, unless the
+            # operator chose one with --reactor (already installed by then)
+            install_by_default()
 
 
 class _BadValue(usage.UsageError):
@@ -267,6 +272,7 @@ def makeService(options: Options) -> IService:
 
     config = options.config
     source = getattr(options, "source", None)
+    log.info("txlb runs on {reactor}", reactor=describe(reactor))
     if config.workers > 1:
         return _supervised(config, reactor, source)
     balancer = LoadBalancer(config=config, source=source)

@@ -260,13 +260,33 @@ class TwistdTests(TestCase):
         self.assertNotIn("Unhandled", output)
 
     @defer.inlineCallbacks
-    def test_direct_dispatch_reactor(self) -> Any:
-        """``twistd --reactor txlb-epoll`` runs the same balancer, streams included."""
+    def test_the_default_reactor_is_txlb_epoll(self) -> Any:
+        """
+        ``twistd -n llmlb`` without ``--reactor`` runs on txlb-epoll (direct dispatch, eager
+        writes), says so at start-up, and serves streams.
+        """
+        yield self.assertServesStreamsOn(None, "DirectDispatchEPollReactor",
+                                         "txlb runs on reactor txlb-epoll: direct dispatch")
+
+    @defer.inlineCallbacks
+    def test_a_chosen_stock_reactor_is_kept_and_named(self) -> Any:
+        """
+        ``--reactor epoll`` (Twisted's own) is the operator's choice: txlb runs on it with the
+        stock transports and its start-up line says so.
+        """
+        yield self.assertServesStreamsOn(
+            "epoll", "reactor class: twisted.internet.epollreactor.EPollReactor",
+            "txlb runs on reactor twisted.internet.epollreactor.EPollReactor: "
+            "Twisted's stock transports")
+
+    @defer.inlineCallbacks
+    def assertServesStreamsOn(self, reactor: str | None, *said: str) -> Any:
         fleet = Fleet(self, 2, tokens_per_second=200)
-        lb = TwistdProcess("--backends", ",".join(fleet.keys), reactor="txlb-epoll")
+        lb = TwistdProcess("--backends", ",".join(fleet.keys), reactor=reactor)
         self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
         yield defer.ensureDeferred(lb.started())
-        self.assertIn("DirectDispatchEPollReactor", lb.output())
+        for words in said:
+            self.assertIn(words, lb.output())
         client = Client()
         self.addCleanup(client.pool.closeCachedConnections)
         response, chunks = yield defer.ensureDeferred(client.fetch(

@@ -6,12 +6,24 @@ path when the kernel is full.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from twisted.internet.protocol import ClientFactory, Factory, Protocol
 from twisted.trial.unittest import TestCase
 
-from txlb._server.reactor import DirectDispatchEPollReactor, EagerClient, EagerServer
+from txlb._server.reactor import (
+    DirectDispatchEPollReactor,
+    EagerClient,
+    EagerServer,
+    describe,
+    install_by_default,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Collect(Protocol):
@@ -121,3 +133,53 @@ class ReactorTests(TestCase):
         self.spin(lambda: len(self.client.data) == len(expected), limit=30)
         self.assertEqual(bytes(self.client.data), expected)
         self.spin(lambda: self.reactor.getWriters() == [])
+
+
+class DefaultChoiceTests(TestCase):
+    """How ``twistd -n llmlb`` comes to run on txlb-epoll without ``--reactor``."""
+
+    def test_importing_the_plugin_imports_no_reactor(self) -> None:
+        """
+        The plugin chooses the reactor while its options are parsed; that works only while
+        importing ``txlb.tap`` (and what it imports) installs none.  A module-level import
+        of Klein, for one, would install Twisted's default first.
+        """
+        code = ("import sys, txlb.tap, txlb.demo\n"
+                "print('twisted.internet.reactor' in sys.modules)")
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                timeout=60, check=True)
+        self.assertEqual(result.stdout.strip(), "False", result.stderr)
+
+    def test_under_twistd_without_reactor_option_txlb_epoll_is_installed(self) -> None:
+        code = ("import sys\n"
+                "from twisted.scripts.twistd import ServerOptions\n"
+                "options = ServerOptions()\n"
+                "options.parseOptions(sys.argv[1:])\n"
+                "from twisted.internet import reactor\n"
+                "print(type(reactor).__name__)")
+        for argv, expected in ((["llmlb", "--backends", "127.0.0.1:9"],
+                                "DirectDispatchEPollReactor"),
+                               (["--reactor", "poll", "llmlb", "--backends", "127.0.0.1:9"],
+                                "PollReactor")):
+            result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True,
+                                    text=True, timeout=60, cwd=ROOT,
+                                    env={**os.environ, "PYTHONPATH": str(ROOT)})
+            self.assertEqual(result.stdout.strip(), expected, result.stderr)
+
+    def test_an_installed_reactor_is_left_alone(self) -> None:
+        """Under trial a reactor runs already: nothing is installed over it."""
+        from twisted.internet import reactor
+
+        self.assertFalse(install_by_default())
+        from twisted.internet import reactor as still
+
+        self.assertIs(still, reactor)
+
+    def test_the_start_up_line_names_the_reactor_and_its_path(self) -> None:
+        self.assertIn("txlb-epoll: direct dispatch and eager writes",
+                      describe(DirectDispatchEPollReactor.__new__(DirectDispatchEPollReactor)))
+        from twisted.internet.pollreactor import PollReactor
+
+        line = describe(PollReactor.__new__(PollReactor))
+        self.assertIn("twisted.internet.pollreactor.PollReactor: Twisted's stock transports",
+                      line)

@@ -38,6 +38,7 @@ from twisted.web.resource import IResource, Resource
 from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException
 
+from txlb._admin import ADMIN_MAX_BODY  # the largest body the API reads
 from txlb._admin.history import CAPACITY, SAMPLE_SECONDS, History
 from txlb._cluster.backend import Backend
 from txlb._cluster.pool import Pool
@@ -45,9 +46,6 @@ from txlb._config import ConfigError, _backend_item, parse_backend_address
 from txlb._records.metrics import Metrics
 
 log = Logger()
-
-#: The largest request body the admin API reads (a backend's JSON is a few hundred bytes).
-ADMIN_MAX_BODY = 64 * 1024
 
 #: What an HTML form (or a fetch without a CORS preflight) can send; never JSON from curl.
 _FORM_TYPES = frozenset({"application/x-www-form-urlencoded", "multipart/form-data",

@@ -15,9 +15,14 @@ one ``epoll_wait``, then ``send``).  When nothing is queued, :class:`EagerWriteM
 leaves the proxy in the same reactor turn it arrived in, with one system call.
 
 The one difference an operator sees: log lines emitted while handling a socket event show
-``[-]`` instead of the connection's prefix.  The stock reactor stays the default until this
-one has been proven in production; the change that would make this subclass unnecessary
-upstream is described in docs/performance.md.
+``[-]`` instead of the connection's prefix.
+
+``twistd -n llmlb`` runs on this reactor by default (:func:`install_by_default`, called
+while its options are parsed, before anything has imported a reactor); ``--reactor NAME``
+chooses another, and an embedder's own reactor is used as it is.  On any reactor that is
+not this one txlb runs on Twisted's stock transports, and its start-up line
+(:func:`describe`) says which reactor runs and what that means.  The change that would
+make this subclass unnecessary upstream is described in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -202,3 +207,33 @@ def install() -> None:
     from twisted.internet.main import installReactor
 
     installReactor(DirectDispatchEPollReactor())
+
+
+def install_by_default() -> bool:
+    """
+    Install :class:`DirectDispatchEPollReactor` unless a reactor is installed already
+    (``twistd --reactor NAME``, or anything that imported ``twisted.internet.reactor``)
+    or this platform has no epoll; ``True`` when it did.
+
+    Why here and not in ``twistd``'s own default: ``twistd`` picks Twisted's default
+    reactor lazily, at its first import, which comes after the plugin's options are
+    parsed -- so the plugin can choose first without taking the choice from the operator.
+    """
+    if "twisted.internet.reactor" in sys.modules or not hasattr(select, "epoll"):
+        return False
+    install()
+    return True
+
+
+def describe(reactor: object) -> str:
+    """
+    The start-up line's words for ``reactor``: its name and whether txlb's fast path
+    (direct dispatch, eager writes) runs on it.
+    """
+    if isinstance(reactor, DirectDispatchEPollReactor):
+        return ("reactor txlb-epoll: direct dispatch and eager writes "
+                "(--reactor NAME chooses another)")
+    kind = type(reactor)
+    return (f"reactor {kind.__module__}.{kind.__qualname__}: Twisted's stock transports, "
+            "slower per request and per streamed chunk than the default txlb-epoll "
+            "(see docs/performance.md)")
