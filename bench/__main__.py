@@ -872,7 +872,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     full = not args.quick and not args.only
     if (full or args.save) and not args.no_save:
         for path in save(raw, report, RESULTS, args.save_as or "chat"):
-            print(f"written: {path.relative_to(ROOT)}")
+            print(f"written: {path}")
 
 
 if __name__ == "__main__":
