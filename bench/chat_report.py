@@ -281,8 +281,8 @@ def plot(raw: dict[str, Any], path: Path) -> Path | None:
 
 def save(raw: dict[str, Any], report: str, directory: Path, stem: str = "chat") -> list[Path]:
     """Write ``STEM.md``, ``STEM.json`` and (with matplotlib) ``STEM.png`` into ``directory``."""
-    directory.mkdir(parents=True, exist_ok=True)
     md, js = directory / f"{stem}.md", directory / f"{stem}.json"
+    md.parent.mkdir(parents=True, exist_ok=True)  # a --save-as stem may name a directory
     md.write_text(report)
     js.write_text(json.dumps(raw, indent=1, default=str))
     png = plot(raw, directory / f"{stem}.png")

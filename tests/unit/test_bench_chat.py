@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from array import array
 from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from bench import backend, chat, chat_report
+from bench import backend, chat, chat_report, loadgen
 from bench.__main__ import chosen_targets
 from bench.chat import Instruction
 from bench.rounds import Quiet, rotated, wait_quiet
@@ -170,6 +171,31 @@ class PhaseTests(SynchronousTestCase):
         self.assertEqual([(p["t_s"], p["count"]) for p in line],
                          [(0.0, 2), (5e-7, 1), (1.5e-6, 1)])
         self.assertEqual(line[0]["p99_us"], 3.0)
+
+
+class ClientTests(SynchronousTestCase):
+    def test_a_whole_chat_stream_counts_as_the_report_expects(self) -> None:
+        """Every event is a relayed chunk (CPU per chunk divides by them all), but only the
+        token events after the first carry a latency; however the bytes arrive split."""
+        template = chat.token_event_template(250)
+        events = b"".join(template % (1_000 + i, i) for i in range(5))
+        response = backend.SSE_HEAD + events + chat.stream_end(5)
+        for step in (len(response), 7, 1):
+            loop = asyncio.new_event_loop()
+            try:
+                stats = loadgen.PacedStats()
+                latencies, received = array("q"), array("q")
+                client = loadgen.PacedClient(b"", stats, latencies, received,
+                                             loop.create_future())
+                client.now = 10_000
+                for at in range(0, len(response), step):
+                    client.parser.feed(response[at : at + step])
+            finally:
+                loop.close()
+            self.assertEqual((stats.events, stats.tokens, stats.complete, stats.errors),
+                             (5 + chat.TRAILING_EVENTS, 5, 1, 0), step)
+            self.assertEqual(list(latencies), [10_000 - 1_001 - i for i in range(4)])
+            self.assertEqual(list(received), [10_000] * 4)
 
 
 class RoundTests(SynchronousTestCase):
