@@ -772,6 +772,11 @@ def orchestrate(config: Config, only: Sequence[str], args: argparse.Namespace) -
             log(f"backend ports {ports}; " + ", ".join(
                 f"{t.name} :{t.port} pids {t.pids()}" for t in targets if t.child))
             for target in targets:
+                if target.name.startswith("txlb") and target.child is not None:
+                    logged = re.search(r"reactor class: ([\w.]+)", target.child.text())
+                    info[f"{target.name} reactor"] = (logged.group(1).rstrip(".") if logged
+                                                      else "? (not in its start-up log)")
+            for target in targets:
                 warm_up(bench, target)
             if WARM_SECONDS > 0:
                 for target in bench.proxies():
