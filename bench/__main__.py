@@ -816,9 +816,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                              f" (default: {','.join(DEFAULT_TARGETS)})")
     parser.add_argument("--rounds", type=int, metavar="N",
                         help="rounds, targets in rotated order each (default 2; --quick 1)")
-    parser.add_argument("--quiet-wait", type=float, default=60.0, metavar="SECONDS",
+    parser.add_argument("--quiet-wait", type=float, metavar="SECONDS",
                         help=f"before each round, wait at most this long for the load average"
-                             f" to fall under {QUIET_LOAD:g} (default 60)")
+                             f" to fall under {QUIET_LOAD:g} (default 60; --quick 10)")
     parser.add_argument("--save", action="store_true",
                         help="write bench/results/ even with --quick or --only")
     parser.add_argument("--no-save", action="store_true", help="never write bench/results/")
@@ -857,6 +857,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(str(exc))
     only = [name for name in SCENARIOS if name in (args.only or SCENARIOS)]
     config = QUICK if args.quick else FULL
+    if args.quiet_wait is None:
+        args.quiet_wait = 10.0 if args.quick else 60.0
     if args.rounds is not None:
         if args.rounds < 1:
             parser.error("--rounds must be at least 1")
