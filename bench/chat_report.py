@@ -252,13 +252,15 @@ def plot(raw: dict[str, Any], path: Path) -> Path | None:
             mean = sum(numbers) / len(numbers) if numbers else math.nan
             means.append(mean / (sum(ref) / len(ref)) if ref and numbers else math.nan)
         xs = [x + (i - (len(targets) - 1) / 2) * width for x in range(len(labels))]
-        axes[0].bar(xs, [0 if math.isnan(m) else m for m in means], width, label=target)
+        # a ratio of an "added" figure at or below zero means nothing: left out, not drawn
+        axes[0].bar(xs, [m if m > 0 else math.nan for m in means], width, label=target)
     axes[0].axhline(1.0, color="black", linewidth=0.8)
+    axes[0].set_yscale("log")
     axes[0].set_xticks(range(len(labels)), [lb.rstrip(" ↑↓") for lb in labels],
                        rotation=30, ha="right", fontsize=7)
     axes[0].set_ylabel("÷ vllm-router (same round)")
-    axes[0].set_title("Headline figures relative to vllm-router (mean over rounds)",
-                      fontsize=10)
+    axes[0].set_title("Headline figures ÷ vllm-router's (mean over rounds; ↑-figures: higher"
+                      " is better)", fontsize=10)
     axes[0].legend(fontsize=8)
     last = raw["rounds"][-1]["data"].get("paced", {}) if raw["rounds"] else {}
     level = max(last, key=int) if last else None

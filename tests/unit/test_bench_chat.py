@@ -9,9 +9,12 @@ are computed within each round.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import math
+import tempfile
 from array import array
+from pathlib import Path
 from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
@@ -320,6 +323,13 @@ class ReportTests(SynchronousTestCase):
                           {"order": ["direct", "txlb", "vllm-router", "nginx"],
                            "quiet": "NOT quiet", "data": data}]}
         text = chat_report.render(raw)
+        with tempfile.TemporaryDirectory() as tmp:
+            written = chat_report.save(raw, text, Path(tmp), "sub/chat")
+            self.assertEqual((Path(tmp) / "sub" / "chat.md").read_text(), text)
+            self.assertEqual(json.loads((Path(tmp) / "sub" / "chat.json").read_text())
+                             ["rounds"][1]["order"], raw["rounds"][1]["order"])
+            plotted = importlib.util.find_spec("matplotlib") is not None
+            self.assertEqual(len(written), 3 if plotted else 2)
         for needle in ("1. direct → nginx → txlb → vllm-router; quiet",
                        "2. direct → txlb → vllm-router → nginx; NOT quiet",
                        "## Every figure, round 1", "## Every figure, round 2", "a note",
