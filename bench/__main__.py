@@ -86,6 +86,7 @@ from bench.harness import (
     start_router,
     start_txlb,
     wait_for,
+    wait_routing,
 )
 from bench.rounds import QUIET_LOAD, rotated, wait_quiet
 
@@ -436,7 +437,9 @@ def start_target(children: Children, core: int | None, backends: str, workdir: P
     """
     if name == "nginx":
         patches = [(p, r) for p, r, _ in NGINX_PATCHES]
-        return start_nginx(children, core, backends, workdir, patches)
+        nginx = start_nginx(children, core, backends, workdir, patches)
+        wait_routing(nginx.port)
+        return nginx
     if name in ROUTERS:
         return start_router(children, core, name, backends, ROUTER_POLICY,
                             ROUTER_HEALTH_INTERVAL)
@@ -448,9 +451,11 @@ def start_target(children: Children, core: int | None, backends: str, workdir: P
         if TXLB_ROOT is None:
             raise RuntimeError("txlb-b needs --txlb-root PATH")
         source = TXLB_ROOT
-    return start_txlb(children, core, backends, python, name=name, reactor=TXLB_REACTOR,
-                      source=source, extra=TXLB_ARGS,
-                      log_file=str(workdir / f"{name}-results.log"))
+    target = start_txlb(children, core, backends, python, name=name, reactor=TXLB_REACTOR,
+                        source=source, extra=TXLB_ARGS,
+                        log_file=str(workdir / f"{name}-results.log"))
+    wait_routing(target.port)  # --txlb-args may have changed what it routes
+    return target
 
 
 def fresh_proxy(bench: Bench, name: str) -> Target:
@@ -631,7 +636,7 @@ def revision(root: Path = ROOT) -> str:
     """A txlb checkout's short commit, and whether its ``txlb/`` has local changes."""
     head = _output(["git", "-C", str(root), "rev-parse", "--short", "HEAD"])
     if not re.fullmatch(r"[0-9a-f]+", head):
-        return "?"
+        return "? (not a git checkout)"
     dirty = _output(["git", "-C", str(root), "status", "--porcelain", "--", "txlb"])
     return head + (" + uncommitted changes to txlb/" if dirty else "")
 
@@ -699,7 +704,7 @@ def system_info(args: argparse.Namespace, multi: bool, nofile: int,
     if "txlb-pypy" in names:
         info["PyPy"] = pypy_status()
     info.update({
-        "command": " ".join(["python -m bench", *args.argv]),
+        "command": shlex.join(["python", "-m", "bench", *args.argv]),
         "pinning": ("proxy on CPU 0; backend, load generator and wrk on CPU 1 (taskset)"
                     if multi else "none (one CPU or no taskset)"),
         "RLIMIT_NOFILE": nofile,

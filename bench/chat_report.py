@@ -93,8 +93,12 @@ def key_figures(data: dict[str, Any]) -> list[Figure]:
 
 
 def ratio_columns(targets: list[str]) -> list[tuple[str, str]]:
-    """(subject, reference) of every ratio column: each txlb build to each reference run."""
-    return [(s, r) for s in SUBJECTS if s in targets for r in REFERENCES if r in targets]
+    """(subject, reference) of every ratio column: each txlb build to each reference run,
+    and for an A/B run (``--txlb-root``) the other revision to this one."""
+    pairs = [(s, r) for s in SUBJECTS if s in targets for r in REFERENCES if r in targets]
+    if "txlb" in targets and "txlb-b" in targets:
+        pairs.append(("txlb-b", "txlb"))
+    return pairs
 
 
 def _span(values: list[float], digits: int) -> str:

@@ -293,6 +293,12 @@ class ReportTests(SynchronousTestCase):
         self.assertNotIn("vllm-router", lines[0])
         self.assertIn("txlb/nginx", lines[0])
 
+    def test_an_ab_run_compares_the_two_revisions(self) -> None:
+        lines = chat_report.ratio_table([[figure({"txlb": 40, "txlb-b": 30})]],
+                                        ["direct", "txlb", "txlb-b"])
+        self.assertIn("txlb-b/txlb", lines[0])
+        self.assertEqual(self.rows(lines)[0][-1], "0.75")
+
     def paced_row(self, p99: float, ending: float) -> dict[str, Any]:
         return {"us_per_chunk": 30.0, "p50_us": 100.0, "p99_us": p99,
                 "phases": {"ending": {"p50_us": 100.0, "p99_us": ending, "count": 10}}}
