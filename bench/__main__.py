@@ -883,8 +883,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(report)
     full = not args.quick and not args.only
     if (full or args.save) and not args.no_save:
-        for path in save(raw, report, RESULTS, args.save_as or "chat"):
+        written = save(raw, report, RESULTS, args.save_as or "chat")
+        for path in written:
             print(f"written: {path}")
+        if not any(path.suffix == ".png" for path in written):
+            print("no plot: matplotlib is not installed in this environment")
 
 
 if __name__ == "__main__":
