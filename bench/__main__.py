@@ -1,34 +1,49 @@
 """
-txlb against nginx and against no proxy at all, side by side, in one run (``python -m bench``).
+txlb against the balancers users would pick instead, on the path LLM clients use
+(``python -m bench``).
 
-Three targets, measured one after the other with the same clients and the same backend:
-**direct** (client -> backend), **nginx** (the configuration ``python -m txlb.nginx
---standalone`` generates, one worker) and **txlb** (``twistd -n llmlb`` from this source
-tree, ``--admin none --log-file none``).  The backend is :mod:`bench.backend`, a small raw
-asyncio HTTP/1.1 server much cheaper per chunk than either proxy; the clients are
+Targets (``--targets`` picks some, e.g. ``--targets nginx,txlb,vllm-router``; direct always
+runs, as every *added* figure subtracts it): **direct** (client -> backend), **nginx** (the
+configuration ``python -m txlb.nginx --standalone`` generates, one worker, access log off),
+**txlb** (``twistd -n llmlb`` from this source tree with its default command line: default
+reactor, result log on; ``--txlb-args`` adds options), **vllm-router** and
+**sglang-router** (the Rust routers from PyPI, installed on first use into
+``bench/.venv-routers`` by :mod:`bench.routers`; ``round_robin``; ``RUST_LOG=warn``; worker
+health probes every 300 s), and with ``--txlb-root PATH`` **txlb-b**, txlb run from another
+checkout (an A/B of two revisions in one run).  The backend is :mod:`bench.backend`, a small
+raw asyncio HTTP/1.1 server much cheaper per chunk than any proxy; the clients are
 :mod:`bench.loadgen` (raw asyncio) and ``wrk``.  With two or more CPUs the proxy gets CPU 0
 and the backend + clients CPU 1 (``taskset``), so proxy CPU time is the proxy's alone.
 
-Scenarios (``--only NAME`` runs one; repeat it for several):
+Every scenario sends ``POST /v1/chat/completions`` with a small JSON body; the backend takes
+its instruction from the message content (:mod:`bench.chat`), as the routers pass nothing
+else on.  Scenarios (``--only NAME`` runs one; repeat it for several):
 
-``paced``  SSE streams of ~250-byte events (one HTTP chunk each, like vLLM's token events) at
-           a fixed pace (40 events/s per stream) for a fixed window, at 64 and 256 streams:
-           proxy CPU µs per relayed chunk (utime+stime from /proc, all the proxy's processes)
-           and added per-chunk latency (receive time minus the send time embedded in the
-           event, minus the same for direct).
-``bulk``   A few SSE streams written as fast as the path takes them: chunks/s.
-``rps``    Small JSON requests with ``wrk -t1 -c32`` (a Python client if wrk is missing):
-           requests/s, latency, and requests per proxy CPU-second (throughput per core).
-``ttfb``   Sequential single requests at idle: time to first byte, fresh connection and
-           keep-alive; added = target - direct.
-``hold``   RSS idle and per held stream (an event every 3 s) at 1,000 and 10,000 streams,
-           each level on a freshly started proxy; whether every stream was held.
-``slow``   A 1 GiB stream read at 64 MiB/s through each proxy: peak RSS growth (bounded
-           means the proxy passed the backpressure on instead of buffering).
+``paced``      SSE streams of ~250-byte ``chat.completion.chunk`` events (one HTTP chunk
+               each, then a usage event and ``data: [DONE]``) at 40 events/s per stream, at
+               64 and 256 streams, the streams ending one by one over the last quarter of
+               the run: proxy CPU µs per relayed chunk and added per-chunk latency, overall,
+               by phase (starting, steady, ending) and over time.
+``get-paced``  The same at 256 streams on the old non-LLM ``GET /sse`` path (continuity with
+               ``bench/results/proxy.md``; not the routers, which route only OpenAI paths).
+``bulk``       A few SSE streams written as fast as the path takes them: chunks/s.
+``rps``        Small chat requests (``"stream": false``) with ``wrk -t1 -c32`` (a Lua script
+               posts the body; the Python client if wrk is missing): requests per proxy
+               CPU-second.
+``ttfb``       Sequential single requests at idle: time to first byte, fresh connection and
+               keep-alive; added = target - direct.
+``hold``       RSS idle and per held stream (an event every 3 s) at 1,000 and 9,900
+               streams, each level on a freshly started proxy (last round only).
+``slow``       A 1 GiB stream read at 64 MiB/s through each proxy: peak RSS growth (last
+               round only).
 
-The Markdown table goes to stdout and ``bench/results/proxy.md`` (raw figures in
-``proxy.json``, plots in ``proxy.png`` and ``proxy_slow.png``).  ``--quick`` is a ~1-minute
-smoke run with shorter windows and smaller levels; it writes nothing unless ``--save``.
+``--rounds N`` (default 2) runs every scenario on every target once per round, the targets
+in a rotated order each round, after waiting (at most ``--quiet-wait`` s) for the load
+average to fall under 0.7.  The Markdown report goes to stdout and ``bench/results/chat.md``
+(raw figures in ``chat.json``, plots in ``chat.png`` when matplotlib is installed): the
+headline figures of every round, their range, and txlb's ratios to vllm-router and to
+nginx.  ``--quick`` is a ~2-minute smoke run (one round, shorter windows, smaller levels);
+it writes nothing unless ``--save``.
 """
 
 from __future__ import annotations
@@ -42,6 +57,7 @@ import os
 import platform
 import re
 import resource
+import shlex
 import shutil
 import signal
 import subprocess
@@ -49,7 +65,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,26 +83,44 @@ from bench.harness import (
     pinned,
     start_backend,
     start_nginx,
+    start_router,
     start_txlb,
     wait_for,
+    wait_routing,
 )
+from bench.rounds import QUIET_LOAD, rotated, wait_quiet
 
 RESULTS = ROOT / "bench" / "results"
-SCENARIOS = ("paced", "bulk", "rps", "ttfb", "hold", "slow")
+SCENARIOS = ("paced", "get-paced", "bulk", "rps", "ttfb", "hold", "slow")
+#: Scenarios about memory, not CPU: measured once, in the last round.
+LAST_ROUND_ONLY = ("hold", "slow")
+#: Every target ``--targets`` knows, in the report's column order.
+TARGETS = ("direct", "nginx", "txlb", "txlb-b", "txlb-pypy", "vllm-router", "sglang-router")
+ROUTERS = ("vllm-router", "sglang-router")
+#: The targets of a run without ``--targets`` (txlb-b with --txlb-root, txlb-pypy with --pypy).
+DEFAULT_TARGETS = ("direct", "nginx", "txlb", "vllm-router", "sglang-router")
 MiB = 1 << 20
 
-#: Edits to the generated nginx.conf, each documented in the report.
 #: ``--txlb-reactor``: the reactor txlb runs under (None: Twisted's default).
 TXLB_REACTOR: str | None = None
+#: ``--txlb-args``: options added to txlb's command line (every txlb target).
+TXLB_ARGS: list[str] = []
+#: ``--txlb-root``: the other checkout the ``txlb-b`` target runs from.
+TXLB_ROOT: Path | None = None
+#: ``--router-policy``: the routers' policy (round_robin: the cheapest, like nginx's).
+ROUTER_POLICY = "round_robin"
+#: The routers' worker health probe interval once started (s): rare, so it costs nothing.
+ROUTER_HEALTH_INTERVAL = 300.0
 #: ``--pypy``: the PyPy interpreter for the ``txlb-pypy`` target (None: ``pypy3`` on PATH).
 PYPY: str | None = None
 #: ``--warm-up``: seconds of paced SSE and of small requests each proxy gets before the
 #: scenarios (a JIT's warm-up; 0: only the short warm-up every proxy always gets).
 WARM_SECONDS = 0.0
 
+#: Edits to the generated nginx.conf, each documented in the report.
 NGINX_PATCHES: tuple[tuple[str, str, str], ...] = (
     (r"access_log \S+ txlb_results;", "access_log off;",
-     "access_log off (txlb runs with --log-file none)"),
+     "access_log off (nginx stays the floor: the routers log nothing at RUST_LOG=warn)"),
 )
 
 
@@ -106,11 +140,17 @@ class Config:
     hold_interval_ms: float
     slow_bytes: int
     slow_rate: float  # bytes/s
+    #: the paced streams end one by one over this last fraction of the run
+    paced_spread: float = 0.25
+    #: levels of the non-LLM GET paced line
+    get_paced_levels: list[int] = field(default_factory=lambda: [256])
+    rounds: int = 2
 
 
-FULL = Config([64, 256], 40.0, 10.0, 4, 5.0, 32, 10.0, 300, [1000, 10000], 3000.0,
-              1 << 30, 64 * MiB)
-QUICK = Config([64], 40.0, 3.0, 4, 2.0, 32, 3.0, 60, [1000], 2000.0, 128 * MiB, 64 * MiB)
+FULL = Config([64, 256], 40.0, 8.0, 4, 4.0, 32, 8.0, 300, [1000, 10000], 3000.0,
+              512 * MiB, 64 * MiB)
+QUICK = Config([64], 40.0, 3.0, 4, 2.0, 32, 3.0, 60, [1000], 2000.0, 128 * MiB, 64 * MiB,
+               get_paced_levels=[64], rounds=1)
 
 
 @dataclass
@@ -203,30 +243,48 @@ def per_unit(cpu: float, count: int, target: Target) -> float:
 # -- scenarios ----------------------------------------------------------------------------------
 
 
-def scenario_paced(bench: Bench) -> dict[str, Any]:
+def paced_levels(bench: Bench, levels: Sequence[int], api: str, spread: float,
+                 targets: Sequence[Target], name: str) -> dict[str, Any]:
     """Paced SSE at each level against each target: CPU per chunk, chunk latency."""
     cfg = bench.config
     interval = 1000.0 / cfg.paced_rate
     count = int(cfg.paced_rate * cfg.paced_seconds)
     out: dict[str, Any] = {}
-    for streams in cfg.paced_levels:
+    for streams in levels:
         level: dict[str, Any] = {}
-        for target in bench.targets:
+        for target in targets:
             result, measured = run_client(bench, target, [
                 "paced", "--streams", str(streams), "--count", str(count),
-                "--interval", f"{interval:g}", "--size", "250",
+                "--interval", f"{interval:g}", "--size", "250", "--api", api,
+                "--spread", f"{spread:g}",
                 "--timeout", str(cfg.paced_seconds + 30)], cfg.paced_seconds + 60)
             events = result["events"]
             row = dict(result, **measured,
                        us_per_chunk=per_unit(measured["proxy_cpu"], events, target),
                        client_cpu_pct=result["cpu"] / result["wall"] * 100)
             level[target.name] = row
-            log(f"paced {streams:4d} {target.name:10s} {events}/{result['expected']} events,"
+            ending = result.get("phases", {}).get("ending", {})
+            log(f"{name} {streams:4d} {target.name:13s} {events}/{result['expected']} events,"
                 f" {row['us_per_chunk']:.1f} µs/chunk, p50 {result['p50_us'] / 1000:.2f} ms,"
-                f" p99 {result['p99_us'] / 1000:.2f} ms, errors {result['errors']},"
+                f" p99 {result['p99_us'] / 1000:.2f} ms (ending"
+                f" {ending.get('p99_us', math.nan) / 1000:.2f}), errors {result['errors']},"
                 f" client CPU {row['client_cpu_pct']:.0f} %")
         out[str(streams)] = level
     return out
+
+
+def scenario_paced(bench: Bench) -> dict[str, Any]:
+    """Paced chat streams at each level against each target, ending one by one."""
+    return paced_levels(bench, bench.config.paced_levels, "chat", bench.config.paced_spread,
+                        bench.targets, "paced")
+
+
+def scenario_get_paced(bench: Bench) -> dict[str, Any]:
+    """The non-LLM ``GET /sse`` line, as before (all streams end together); not the routers,
+    which route only the OpenAI paths."""
+    targets = [t for t in bench.targets if t.name not in ROUTERS]
+    return paced_levels(bench, bench.config.get_paced_levels, "get", 0.0, targets,
+                        "get-paced")
 
 
 def scenario_bulk(bench: Bench) -> dict[str, Any]:
@@ -242,7 +300,7 @@ def scenario_bulk(bench: Bench) -> dict[str, Any]:
             us_per_chunk=per_unit(measured["proxy_cpu"], result["events"], target),
             client_cpu_pct=result["cpu"] / result["wall"] * 100,
         )
-        log(f"bulk {target.name:10s} {result['rate']:,.0f} chunks/s,"
+        log(f"bulk {target.name:13s} {result['rate']:,.0f} chunks/s,"
             f" {out[target.name]['us_per_chunk']:.2f} µs/chunk, errors {result['errors']}")
     return out
 
@@ -256,13 +314,29 @@ def _wrk_latency(text: str, label: str) -> float:
     return float(match.group(1)) * _WRK_UNITS[match.group(2)] if match else math.nan
 
 
+def wrk_script(directory: Path) -> Path:
+    """The Lua script that makes wrk post the small chat request (``"stream": false``)."""
+    from bench.chat import CHAT_PATH, Instruction, chat_body
+
+    body = chat_body(Instruction("json")).decode()
+    path = directory / "chat.lua"
+    path.write_text(
+        'wrk.method = "POST"\n'
+        f"wrk.path = \"{CHAT_PATH}\"\n"
+        f"wrk.body = [[{body}]]\n"
+        'wrk.headers["Content-Type"] = "application/json"\n')
+    return path
+
+
 def run_wrk(bench: Bench, target: Target) -> dict[str, Any]:
-    """``wrk -t1 -cC -dSs --latency`` on ``/json`` through ``target``, parsed."""
+    """``wrk -t1 -cC -dSs --latency`` posting small chat requests through ``target``."""
     cfg = bench.config
     meter = Meter(bench, target)
+    from bench.chat import CHAT_PATH
+
     child = bench.children.spawn(f"wrk-{target.name}", pinned(bench.client_core, [
         "wrk", "-t1", f"-c{cfg.rps_connections}", f"-d{cfg.rps_seconds:g}s", "--latency",
-        f"http://{HOST}:{target.port}/json"]))
+        "-s", str(wrk_script(bench.workdir)), f"http://{HOST}:{target.port}{CHAT_PATH}"]))
     try:
         child.process.wait(cfg.rps_seconds + 30)
     finally:
@@ -311,7 +385,7 @@ def scenario_rps(bench: Bench) -> dict[str, Any]:
                        us_per_request=per_unit(proxy_cpu, result["requests"], target),
                        client="python")
         out[target.name] = row
-        log(f"rps {target.name:10s} {row['rate']:,.0f} req/s, p50 {row['p50_us']:.0f} µs,"
+        log(f"rps {target.name:13s} {row['rate']:,.0f} req/s, p50 {row['p50_us']:.0f} µs,"
             f" proxy CPU {row['proxy_cpu_pct']:.0f} %, errors {row['errors']}")
     return out
 
@@ -330,7 +404,7 @@ def scenario_ttfb(bench: Bench) -> dict[str, Any]:
             out[mode][target.name] = dict(  # schedstat: too few ticks for /proc/PID/stat
                 result, us_per_request=per_unit(measured["proxy_cpu_ns"] / 1e9, requests,
                                                 target))
-            log(f"ttfb {mode:9s} {target.name:10s} p50 {result['p50_us']:.0f} µs,"
+            log(f"ttfb {mode:9s} {target.name:13s} p50 {result['p50_us']:.0f} µs,"
                 f" p99 {result['p99_us']:.0f} µs, errors {result['errors']}")
     return out
 
@@ -354,15 +428,39 @@ def warm_up_long(bench: Bench, target: Target, seconds: float) -> None:
                seconds + 30, name="warm")
 
 
+def start_target(children: Children, core: int | None, backends: str, workdir: Path,
+                 name: str) -> Target:
+    """
+    Start target ``name`` (a proxy of :data:`TARGETS` but direct) on a free port, pinned to
+    ``core``; return once it routes requests.  Every txlb target runs its default command
+    line plus ``--txlb-args``, with its result log on (a file of its own in ``workdir``).
+    """
+    if name == "nginx":
+        patches = [(p, r) for p, r, _ in NGINX_PATCHES]
+        nginx = start_nginx(children, core, backends, workdir, patches)
+        wait_routing(nginx.port)
+        return nginx
+    if name in ROUTERS:
+        return start_router(children, core, name, backends, ROUTER_POLICY,
+                            ROUTER_HEALTH_INTERVAL)
+    python = _pypy_twistd() if name == "txlb-pypy" else None
+    if name == "txlb-pypy" and python is None:
+        raise RuntimeError(f"txlb-pypy: PyPy with Twisted not found ({pypy_status()})")
+    source = ROOT
+    if name == "txlb-b":
+        if TXLB_ROOT is None:
+            raise RuntimeError("txlb-b needs --txlb-root PATH")
+        source = TXLB_ROOT
+    target = start_txlb(children, core, backends, python, name=name, reactor=TXLB_REACTOR,
+                        source=source, extra=TXLB_ARGS,
+                        log_file=str(workdir / f"{name}-results.log"))
+    wait_routing(target.port)  # --txlb-args may have changed what it routes
+    return target
+
+
 def fresh_proxy(bench: Bench, name: str) -> Target:
     """A newly started proxy of the same kind as the one called ``name``."""
-    patches = [(p, r) for p, r, _ in NGINX_PATCHES]
-    if name == "nginx":
-        return start_nginx(bench.children, bench.proxy_core, bench.backends, bench.workdir,
-                           patches)
-    python = _pypy_twistd() if name == "txlb-pypy" else None
-    return start_txlb(bench.children, bench.proxy_core, bench.backends, python, name=name,
-                      reactor=TXLB_REACTOR)
+    return start_target(bench.children, bench.proxy_core, bench.backends, bench.workdir, name)
 
 
 def hold_levels(bench: Bench) -> list[int]:
@@ -396,7 +494,7 @@ def scenario_hold(bench: Bench) -> dict[str, Any]:
                 if proxy.child is not None:
                     bench.children.stop(proxy.child)
             row = level[target.name]
-            log(f"hold {streams:6d} {target.name:10s} held {row['held']}/{streams},"
+            log(f"hold {streams:6d} {target.name:13s} held {row['held']}/{streams},"
                 f" ramp {row['ramp_s']:.1f} s, idle RSS {row['idle_kb'] / 1024:.1f} MiB,"
                 f" held RSS {row['held_kb'] / 1024:.1f} MiB,"
                 f" {row['per_stream_kb']:.1f} KiB/stream, failed {row['failed']}")
@@ -461,15 +559,15 @@ def scenario_slow(bench: Bench) -> dict[str, Any]:
         peak = max((kb for _, kb in timeline), default=base)
         out[target.name] = dict(result, base_kb=base, peak_kb=peak, growth_kb=peak - base,
                                 timeline=timeline)
-        log(f"slow {target.name:10s} {result['bytes'] / MiB:.0f} MiB in {result['wall']:.1f} s,"
+        log(f"slow {target.name:13s} {result['bytes'] / MiB:.0f} MiB in {result['wall']:.1f} s,"
             f" complete {result['complete']}, RSS {base / 1024:.1f} -> peak"
             f" {peak / 1024:.1f} MiB {result['error']}")
     return out
 
 
 RUNNERS: dict[str, Callable[[Bench], dict[str, Any]]] = {
-    "paced": scenario_paced, "bulk": scenario_bulk, "rps": scenario_rps,
-    "ttfb": scenario_ttfb, "hold": scenario_hold, "slow": scenario_slow,
+    "paced": scenario_paced, "get-paced": scenario_get_paced, "bulk": scenario_bulk,
+    "rps": scenario_rps, "ttfb": scenario_ttfb, "hold": scenario_hold, "slow": scenario_slow,
 }
 
 
@@ -534,12 +632,12 @@ def cpu_model() -> str:
     return platform.processor() or "?"
 
 
-def revision() -> str:
-    """The txlb checkout's short commit, and whether ``txlb/`` has local changes."""
-    head = _output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
+def revision(root: Path = ROOT) -> str:
+    """A txlb checkout's short commit, and whether its ``txlb/`` has local changes."""
+    head = _output(["git", "-C", str(root), "rev-parse", "--short", "HEAD"])
     if not re.fullmatch(r"[0-9a-f]+", head):
-        return "?"
-    dirty = _output(["git", "-C", str(ROOT), "status", "--porcelain", "--", "txlb"])
+        return "? (not a git checkout)"
+    dirty = _output(["git", "-C", str(root), "status", "--porcelain", "--", "txlb"])
     return head + (" + uncommitted changes to txlb/" if dirty else "")
 
 
@@ -559,11 +657,29 @@ def loadavg() -> str:
 # -- the run ----------------------------------------------------------------------------------
 
 
-def orchestrate(config: Config, only: Sequence[str], args: argparse.Namespace) -> dict[str, Any]:
-    """Start backend and proxies, run the scenarios, stop everything; the raw results."""
-    multi = (os.cpu_count() or 1) >= 2 and shutil.which("taskset") is not None
-    proxy_core, client_core = (0, 1) if multi else (None, None)
-    nofile = nofile_limit()
+def chosen_targets(names: str | None, pypy: bool, other_root: bool) -> list[str]:
+    """
+    The targets of a run in report order: those ``--targets`` names (comma-separated), else
+    the default set plus txlb-pypy (``--pypy``) and txlb-b (``--txlb-root``); direct always,
+    since every *added* figure subtracts it.
+    """
+    if names:
+        wanted = [n.strip() for n in names.split(",") if n.strip()]
+        unknown = [n for n in wanted if n not in TARGETS]
+        if unknown:
+            raise ValueError(f"unknown target(s) {', '.join(unknown)}; known:"
+                             f" {', '.join(TARGETS)}")
+    else:
+        wanted = [*DEFAULT_TARGETS, *(["txlb-pypy"] if pypy else []),
+                  *(["txlb-b"] if other_root else [])]
+    return [t for t in TARGETS if t == "direct" or t in wanted]
+
+
+def system_info(args: argparse.Namespace, multi: bool, nofile: int,
+                names: Sequence[str]) -> dict[str, Any]:
+    """The report's header: the machine, its load, and every version measured."""
+    from bench.routers import router_version
+
     info: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "uname -a": _output(["uname", "-a"]),
@@ -574,13 +690,79 @@ def orchestrate(config: Config, only: Sequence[str], args: argparse.Namespace) -
         "wrk": (_output(["wrk", "--version"]).splitlines() or ["?"])[0]
         if shutil.which("wrk") else "not installed",
         "txlb": revision(),
-        "command": " ".join(["python -m bench", *args.argv]),
+        "txlb command": "twistd -n llmlb --listen tcp:0 --backends B1,B2 --admin none"
+        " --log-file FILE --read-timeout 600 --health-interval 30"
+        + (f" --reactor {TXLB_REACTOR}" if TXLB_REACTOR else "")
+        + (f" {shlex.join(TXLB_ARGS)}" if TXLB_ARGS else ""),
+    }
+    if "txlb-b" in names and TXLB_ROOT is not None:
+        info["txlb-b"] = f"{revision(TXLB_ROOT)} ({TXLB_ROOT})"
+    for router in ROUTERS:
+        if router in names:
+            info[router] = (f"{router_version(router)} (PyPI), --policy {ROUTER_POLICY},"
+                            f" health probes every {ROUTER_HEALTH_INTERVAL:g} s, RUST_LOG=warn")
+    if "txlb-pypy" in names:
+        info["PyPy"] = pypy_status()
+    info.update({
+        "command": shlex.join(["python", "-m", "bench", *args.argv]),
         "pinning": ("proxy on CPU 0; backend, load generator and wrk on CPU 1 (taskset)"
                     if multi else "none (one CPU or no taskset)"),
         "RLIMIT_NOFILE": nofile,
-        "PyPy": pypy_status(),
         "load average at start": loadavg(),
-    }
+    })
+    return info
+
+
+def start_all(children: Children, core: int | None, backends: str, workdir: Path,
+              names: Sequence[str], direct_port: int, notes: list[str]) -> list[Target]:
+    """Start every target named; one that cannot start is left out and the report says so."""
+    targets = []
+    for name in names:
+        if name == "direct":
+            targets.append(Target("direct", direct_port, None))
+            continue
+        try:
+            targets.append(start_target(children, core, backends, workdir, name))
+        except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+            log(f"target {name} did not start: {exc}")
+            notes.append(f"target `{name}` did not start, left out: {str(exc)[:300]}")
+    return targets
+
+
+def run_round(bench: Bench, index: int, rounds: int, only: Sequence[str],
+              quiet_wait: float) -> dict[str, Any]:
+    """One round: wait for a quiet machine, then every scenario, targets in rotated order."""
+    quiet = wait_quiet(quiet_wait)
+    order = rotated(bench.proxies(), index)
+    direct = [t for t in bench.targets if t.child is None]
+    bench.targets = [*direct, *order]
+    log(f"== round {index + 1}/{rounds}: {quiet.describe(QUIET_LOAD)};"
+        f" order {' -> '.join(t.name for t in bench.targets)}")
+    data: dict[str, Any] = {}
+    for name in only:
+        if name in LAST_ROUND_ONLY and index != rounds - 1:
+            continue
+        log(f"-- {name}")
+        try:
+            data[name] = RUNNERS[name](bench)
+        except (RuntimeError, OSError, ValueError, KeyError) as exc:
+            # one broken scenario should not cost the others; the report says so
+            log(f"scenario {name} FAILED: {exc}")
+            bench.notes.append(f"round {index + 1}: scenario `{name}` FAILED:"
+                               f" {str(exc)[:300]}")
+    return {"order": [t.name for t in bench.targets], "quiet": quiet.describe(QUIET_LOAD),
+            "load": quiet.load, "waited_s": quiet.waited_s, "data": data}
+
+
+def orchestrate(config: Config, only: Sequence[str], args: argparse.Namespace) -> dict[str, Any]:
+    """Start backend and proxies, run the rounds, stop everything; the raw results."""
+    multi = (os.cpu_count() or 1) >= 2 and shutil.which("taskset") is not None
+    proxy_core, client_core = (0, 1) if multi else (None, None)
+    nofile = nofile_limit()
+    names = chosen_targets(args.targets, args.pypy is not None, TXLB_ROOT is not None)
+    info = system_info(args, multi, nofile, names)
+    notes: list[str] = []
+    rounds: list[dict[str, Any]] = []
     steal0 = cpu_steal()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="txlb-bench.") as tmp:
@@ -588,20 +770,17 @@ def orchestrate(config: Config, only: Sequence[str], args: argparse.Namespace) -
         try:
             backend, ports = start_backend(children, client_core, 2)
             backends = ",".join(f"{HOST}:{port}" for port in ports)
-            patches = [(p, r) for p, r, _ in NGINX_PATCHES]
-            targets = [
-                Target("direct", ports[0], None),
-                start_nginx(children, proxy_core, backends, Path(tmp), patches),
-                start_txlb(children, proxy_core, backends, reactor=TXLB_REACTOR),
-            ]
-            pypy = _pypy_twistd()
-            if pypy:
-                targets.append(start_txlb(children, proxy_core, backends, pypy,
-                                          name="txlb-pypy"))
+            targets = start_all(children, proxy_core, backends, Path(tmp), names, ports[0],
+                                notes)
             bench = Bench(children, Path(tmp), backend, backends, targets, proxy_core,
-                          client_core, config, nofile)
+                          client_core, config, nofile, notes=notes)
             log(f"backend ports {ports}; " + ", ".join(
                 f"{t.name} :{t.port} pids {t.pids()}" for t in targets if t.child))
+            for target in targets:
+                if target.name.startswith("txlb") and target.child is not None:
+                    logged = re.search(r"reactor class: ([\w.]+)", target.child.text())
+                    info[f"{target.name} reactor"] = (logged.group(1).rstrip(".") if logged
+                                                      else "? (not in its start-up log)")
             for target in targets:
                 warm_up(bench, target)
             if WARM_SECONDS > 0:
@@ -609,14 +788,8 @@ def orchestrate(config: Config, only: Sequence[str], args: argparse.Namespace) -
                     log(f"warm-up {target.name}: {WARM_SECONDS:g} s paced + {WARM_SECONDS:g} s"
                         " small requests")
                     warm_up_long(bench, target, WARM_SECONDS)
-            for name in only:
-                log(f"-- {name}")
-                try:
-                    bench.data[name] = RUNNERS[name](bench)
-                except (RuntimeError, OSError, ValueError, KeyError) as exc:
-                    # one broken scenario should not cost the others; the report says so
-                    log(f"scenario {name} FAILED: {exc}")
-                    bench.notes.append(f"scenario `{name}` FAILED: {str(exc)[:300]}")
+            for index in range(config.rounds):
+                rounds.append(run_round(bench, index, config.rounds, only, args.quiet_wait))
         finally:
             children.stop_all()
     steal1 = cpu_steal()
@@ -625,8 +798,9 @@ def orchestrate(config: Config, only: Sequence[str], args: argparse.Namespace) -
     info["CPU steal during run"] = (f"{(steal1[0] - steal0[0]) / total * 100:.1f} %"
                                     if total else "?")
     info["wall"] = f"{time.monotonic() - started:.0f} s"
-    return {"info": info, "config": config.__dict__, "data": bench.data,
-            "notes": bench.notes, "targets": [t.name for t in targets]}
+    ran = {t.name for t in targets}
+    return {"info": info, "config": config.__dict__, "rounds": rounds, "notes": notes,
+            "targets": [n for n in names if n in ran]}
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -639,51 +813,81 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m bench",
                                      description=(__doc__ or "").split("\n\n")[0].strip())
-    parser.add_argument("--quick", action="store_true", help="~1-minute smoke run")
+    parser.add_argument("--quick", action="store_true", help="~2-minute smoke run, one round")
     parser.add_argument("--only", action="append", choices=SCENARIOS, metavar="NAME",
                         help=f"run only this scenario (repeatable): {', '.join(SCENARIOS)}")
+    parser.add_argument("--targets", metavar="A,B,...",
+                        help=f"the targets to measure (direct always runs): {', '.join(TARGETS)}"
+                             f" (default: {','.join(DEFAULT_TARGETS)})")
+    parser.add_argument("--rounds", type=int, metavar="N",
+                        help="rounds, targets in rotated order each (default 2; --quick 1)")
+    parser.add_argument("--quiet-wait", type=float, metavar="SECONDS",
+                        help=f"before each round, wait at most this long for the load average"
+                             f" to fall under {QUIET_LOAD:g} (default 60; --quick 10)")
     parser.add_argument("--save", action="store_true",
                         help="write bench/results/ even with --quick or --only")
     parser.add_argument("--no-save", action="store_true", help="never write bench/results/")
+    parser.add_argument("--txlb-args", default="", metavar="'ARGS'",
+                        help="extra options for every txlb target, e.g. '--reactor txlb-epoll'"
+                             " or '--log-file none'")
     parser.add_argument("--txlb-reactor", metavar="NAME",
-                        help="run txlb under this reactor (e.g. txlb-epoll); results are "
-                             "saved as proxy-NAME.*")
+                        help="run txlb under this reactor (e.g. txlb-epoll)")
+    parser.add_argument("--txlb-root", type=Path, metavar="PATH",
+                        help="add target txlb-b: txlb run from this other checkout (its"
+                             " .venv's twistd if it has one), for an A/B in one run")
+    parser.add_argument("--router-policy", default="round_robin", metavar="NAME",
+                        help="the Rust routers' --policy (default round_robin)")
     parser.add_argument("--pypy", metavar="PATH",
-                        help="the PyPy interpreter (with Twisted & co.) for the txlb-pypy "
-                             "target, e.g. a venv's bin/pypy3 (default: pypy3 on PATH)")
+                        help="add target txlb-pypy, run by this PyPy interpreter (with "
+                             "Twisted & co.), e.g. a venv's bin/pypy3")
     parser.add_argument("--warm-up", type=float, default=0.0, metavar="SECONDS",
                         help="drive every proxy with paced SSE and small requests for this "
                              "long each before measuring (lets PyPy's JIT compile; default 0)")
     parser.add_argument("--note", action="append", default=[], metavar="TEXT",
                         help="a note for the report (repeatable)")
     parser.add_argument("--save-as", metavar="STEM",
-                        help="save as bench/results/STEM.* (default proxy, or proxy-REACTOR)")
+                        help="save as bench/results/STEM.* (default chat)")
     args = parser.parse_args(argv)
-    global TXLB_REACTOR, PYPY, WARM_SECONDS
+    global TXLB_REACTOR, TXLB_ARGS, TXLB_ROOT, ROUTER_POLICY, PYPY, WARM_SECONDS
     TXLB_REACTOR = args.txlb_reactor
+    TXLB_ARGS = shlex.split(args.txlb_args)
+    TXLB_ROOT = args.txlb_root.resolve() if args.txlb_root else None
+    ROUTER_POLICY = args.router_policy
     PYPY = args.pypy
     WARM_SECONDS = args.warm_up
     args.argv = argv
+    try:
+        chosen_targets(args.targets, False, True)
+    except ValueError as exc:
+        parser.error(str(exc))
     only = [name for name in SCENARIOS if name in (args.only or SCENARIOS)]
+    config = QUICK if args.quick else FULL
+    if args.quiet_wait is None:
+        args.quiet_wait = 10.0 if args.quick else 60.0
+    if args.rounds is not None:
+        if args.rounds < 1:
+            parser.error("--rounds must be at least 1")
+        config = replace(config, rounds=args.rounds)
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGHUP, _terminate)
-    from bench.report import render, save
+    from bench.chat_report import render, save
 
-    raw = orchestrate(QUICK if args.quick else FULL, only, args)
+    raw = orchestrate(config, only, args)
     raw["notes"] = [*args.note, *raw["notes"]]
     if WARM_SECONDS > 0:
         raw["info"]["warm-up"] = (f"{WARM_SECONDS:g} s of paced SSE (64 streams) and"
                                   f" {WARM_SECONDS:g} s of small requests per proxy")
     raw["nginx_patches"] = [why for _, _, why in NGINX_PATCHES]
-    raw["info"]["txlb reactor"] = TXLB_REACTOR or "Twisted's default (epoll)"
     report = render(raw)
     print()
     print(report)
     full = not args.quick and not args.only
     if (full or args.save) and not args.no_save:
-        stem = args.save_as or (f"proxy-{TXLB_REACTOR}" if TXLB_REACTOR else "proxy")
-        for path in save(raw, report, RESULTS, stem):
-            print(f"written: {path.relative_to(ROOT)}")
+        written = save(raw, report, RESULTS, args.save_as or "chat")
+        for path in written:
+            print(f"written: {path}")
+        if not any(path.suffix == ".png" for path in written):
+            print("no plot: matplotlib is not installed in this environment")
 
 
 if __name__ == "__main__":

@@ -6,10 +6,20 @@ protocols with pre-built byte strings, so that it costs far less CPU per chunk t
 in front of it.  Every listening port runs in this one process (one event loop); the port
 numbers are printed as one JSON line, ``{"ports": [...]}``, once all are listening.
 
-Endpoints (all ``GET``; any request body is skipped; keep-alive as HTTP/1.1 does by default):
+Endpoints (keep-alive as HTTP/1.1 does by default):
 
-``/health``
-    ``200`` with a tiny JSON body (txlb probes it).
+``POST /v1/chat/completions``
+    What every scenario of ``python -m bench`` sends: the body is read whole (sized or
+    chunked) and the last message's content says what to answer (:mod:`bench.chat`: a
+    small ``chat.completion``, paced or bulk ``chat.completion.chunk`` events ending with a
+    usage event and ``data: [DONE]``, or a large stream); anything else there is a ``400``.
+``/health``, ``/server_info``, ``/model_info``, ``/v1/models``
+    ``200`` with a tiny JSON body: the probes txlb, vllm-router and sglang-router make of a
+    worker before they route to it.
+
+The ``GET`` endpoints below take their instructions from the query string (the non-LLM
+path the bench keeps as one line for continuity; any request body is skipped):
+
 ``/json``
     ``200`` with a small JSON body and ``Content-Length`` (the wrk target).
 ``/sse?n=N&interval=MS&size=B&delay=MS``
@@ -42,6 +52,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import parse_qs
 
+from bench.chat import (
+    CHAT_PATH,
+    MODEL,
+    completion_body,
+    instruction_from_body,
+    stream_end,
+    token_event_template,
+)
+
 HOST = "127.0.0.1"
 #: Events per ``write`` in bulk mode.
 BULK_BATCH = 64
@@ -64,6 +83,31 @@ HEALTH_RESPONSE = (
     b'{"status":"ok"}'
 )
 NOT_FOUND = b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"
+BAD_REQUEST = (b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: 23\r\n"
+               b"\r\nnot a bench instruction")
+TOO_LARGE = (b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\nConnection: close\r\n"
+             b"\r\n")
+#: The largest chat request body the backend buffers (the bench's are a few hundred bytes).
+MAX_BODY = 1 << 20
+
+
+def _json_response(body: bytes) -> bytes:
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+            b"\r\n%s" % (len(body), body))
+
+
+CHAT_RESPONSE = _json_response(completion_body())
+#: The worker probes of the routers: what they read is that the answer is a 200 JSON.
+PROBES = {
+    b"/health": HEALTH_RESPONSE,
+    b"/server_info": _json_response(json.dumps(
+        {"model_path": MODEL, "tokenizer_path": MODEL, "is_generation": True}).encode()),
+    b"/model_info": _json_response(json.dumps(
+        {"model_path": MODEL, "tokenizer_path": MODEL, "is_generation": True}).encode()),
+    b"/v1/models": _json_response(json.dumps(
+        {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "bench"}]}
+    ).encode()),
+}
 LAST_CHUNK = b"0\r\n\r\n"
 EVENT_PREFIX = b'data: {"t":'
 #: Offset and length of the timestamp's digits inside an event (after ``data: {"t":``).
@@ -127,37 +171,98 @@ class Handler(asyncio.Protocol):
             if end < 0:
                 return
             head = self.buffer[:end]
+            target = head.split(b" ", 2)[1] if b" " in head else b"/"
+            path, _, query = target.partition(b"?")
+            if path == CHAT_PATH.encode():
+                if not self._chat_request(head, end + 4):
+                    return
+                continue
             self.buffer = self.buffer[end + 4 :]
             length = _content_length(head)
             if length:
                 take = min(length, len(self.buffer))
                 self.buffer = self.buffer[take:]
                 self.skip = length - take
-            target = head.split(b" ", 2)[1] if b" " in head else b"/"
-            path, _, query = target.partition(b"?")
             if path == b"/json":
                 self.transport.write(JSON_RESPONSE)
-            elif path == b"/health":
-                self.transport.write(HEALTH_RESPONSE)
+            elif path in PROBES:
+                self.transport.write(PROBES[path])
             elif path == b"/sse":
-                self._start_paced(_params(query))
+                params = _params(query)
+                self._start_paced(int(params.get("n", 10)), params.get("interval", 25.0),
+                                  params.get("delay", 0.0),
+                                  event_template(int(params.get("size", 250))), LAST_CHUNK)
             elif path == b"/bulk":
-                self._start_bulk(_params(query))
+                params = _params(query)
+                self._start_bulk(params.get("seconds", 10.0),
+                                 event_template(int(params.get("size", 250))), LAST_CHUNK)
             elif path == b"/big":
-                self._start_big(_params(query))
+                params = _params(query)
+                self._start_big(int(params.get("bytes", 1 << 30)),
+                                int(params.get("chunk", 65536)))
             else:
                 self.transport.write(NOT_FOUND)
 
+    # -- the chat path ---------------------------------------------------------------------
+
+    def _chat_request(self, head: bytes, body_at: int) -> bool:
+        """
+        A ``POST /v1/chat/completions`` whose head ends at ``body_at``: once its body is all
+        here, consume it and answer as its instruction says.  False while the body is still
+        arriving (or the connection was closed for a body too large).
+        """
+        assert self.transport is not None
+        if _is_chunked(head):
+            decoded = _dechunk(self.buffer, body_at)
+            if decoded is None:
+                return self._still_arriving()
+            body, consumed = decoded
+        else:
+            length = _content_length(head)
+            if length > MAX_BODY:
+                return self._too_large()
+            if len(self.buffer) < body_at + length:
+                return self._still_arriving()
+            body, consumed = self.buffer[body_at : body_at + length], body_at + length
+        self.buffer = self.buffer[consumed:]
+        instruction = instruction_from_body(body)
+        if instruction is None:
+            self.transport.write(BAD_REQUEST)
+        elif instruction.kind == "json":
+            self.transport.write(CHAT_RESPONSE)
+        elif instruction.kind == "paced":
+            self._start_paced(instruction.count, instruction.interval_ms, instruction.delay_ms,
+                              token_event_template(instruction.size),
+                              stream_end(instruction.count))
+        elif instruction.kind == "bulk":
+            self._start_bulk(instruction.seconds, token_event_template(instruction.size),
+                             stream_end(0))
+        else:
+            self._start_big(instruction.total_bytes, instruction.chunk)
+        return True
+
+    def _still_arriving(self) -> bool:
+        """The body is incomplete: wait for more, unless more than ``MAX_BODY`` is buffered."""
+        if len(self.buffer) > MAX_BODY + 65536:
+            return self._too_large()
+        return False
+
+    def _too_large(self) -> bool:
+        assert self.transport is not None
+        self.transport.write(TOO_LARGE)
+        self.transport.close()
+        self.closed = True
+        return False
+
     # -- paced SSE ------------------------------------------------------------------------
 
-    def _start_paced(self, params: dict[str, float]) -> None:
-        """Head now, then one event per interval on an absolute schedule."""
+    def _start_paced(self, count: int, interval_ms: float, delay_ms: float, template: bytes,
+                     end: bytes) -> None:
+        """Head now, then one event per interval on an absolute schedule, then ``end``."""
         assert self.transport is not None
         self.busy = True
-        count = int(params.get("n", 10))
-        interval = params.get("interval", 25.0) / 1000
-        delay = params.get("delay", 0.0) / 1000
-        template = event_template(int(params.get("size", 250)))
+        interval = interval_ms / 1000
+        delay = delay_ms / 1000
         self.transport.write(SSE_HEAD)
         loop = asyncio.get_running_loop()
         start = loop.time() + delay
@@ -169,17 +274,17 @@ class Handler(asyncio.Protocol):
                 return
             assert self.transport is not None
             i = state["i"]
-            self.transport.write(template % (time.monotonic_ns(), i))
+            self.transport.write(template % (time.monotonic_ns(), i % 1_000_000))
             i += 1
             state["i"] = i
             if i >= count:
-                self.transport.write(LAST_CHUNK)
+                self.transport.write(end)
                 self._done()
                 return
             self.timer = loop.call_at(start + i * interval, tick)
 
         if count <= 0:
-            self.transport.write(LAST_CHUNK)
+            self.transport.write(end)
             self._done()
         elif delay <= 0:
             tick()
@@ -195,10 +300,9 @@ class Handler(asyncio.Protocol):
 
     # -- as fast as the connection takes it ------------------------------------------------
 
-    def _start_bulk(self, params: dict[str, float]) -> None:
-        """Events in batches as fast as the connection takes them, for a while."""
-        template = event_template(int(params.get("size", 250)))
-        deadline = time.monotonic() + params.get("seconds", 10.0)
+    def _start_bulk(self, seconds: float, template: bytes, end: bytes) -> None:
+        """Events in batches as fast as the connection takes them, for a while, then ``end``."""
+        deadline = time.monotonic() + seconds
 
         def block() -> bytes | None:
             now = time.monotonic_ns()
@@ -206,12 +310,11 @@ class Handler(asyncio.Protocol):
                 return None
             return (template % (now, 0)) * BULK_BATCH
 
-        self._start_pump(PumpState(block))
+        self._start_pump(PumpState(block, end))
 
-    def _start_big(self, params: dict[str, float]) -> None:
+    def _start_big(self, total: int, chunk: int) -> None:
         """A fixed number of bytes in large chunks, as fast as the connection allows."""
-        chunk = int(params.get("chunk", 65536))
-        remaining = [int(params.get("bytes", 1 << 30))]
+        remaining = [total]
         payload = b"data: " + b"y" * max(0, chunk - 8) + b"\n\n"
         framed = b"%x\r\n%s\r\n" % (len(payload), payload)
 
@@ -243,7 +346,7 @@ class Handler(asyncio.Protocol):
         while not self.paused and not self.closed:
             data = pump.next_block()
             if data is None:
-                self.transport.write(LAST_CHUNK)
+                self.transport.write(pump.end)
                 self._done()
                 return
             self.transport.write(data)
@@ -263,6 +366,7 @@ class PumpState:
     """Where the next block of a response written as fast as the connection allows comes from."""
 
     next_block: Callable[[], bytes | None]
+    end: bytes = LAST_CHUNK
 
 
 def _content_length(head: bytes) -> int:
@@ -277,6 +381,42 @@ def _content_length(head: bytes) -> int:
         return int(value.strip())
     except ValueError:
         return 0
+
+
+def _is_chunked(head: bytes) -> bool:
+    """Whether the request's body is chunked (``Transfer-Encoding: chunked``)."""
+    lower = head.lower()
+    at = lower.find(b"\r\ntransfer-encoding:")
+    if at < 0:
+        return False
+    end = lower.find(b"\r\n", at + 2)
+    return b"chunked" in lower[at : end if end >= 0 else len(lower)]
+
+
+def _dechunk(buffer: bytes, start: int) -> tuple[bytes, int] | None:
+    """
+    The chunked body at ``buffer[start:]`` decoded, and where it ends; None until all of it
+    (through the last chunk and the trailers' blank line) has arrived.  A malformed size
+    line counts as an empty body ending there, which the instruction check then refuses.
+    """
+    parts: list[bytes] = []
+    pos = start
+    while True:
+        eol = buffer.find(b"\r\n", pos)
+        if eol < 0:
+            return None
+        try:
+            size = int(buffer[pos:eol].split(b";", 1)[0], 16)
+        except ValueError:
+            return b"", eol + 2
+        pos = eol + 2
+        if size == 0:
+            end = buffer.find(b"\r\n\r\n", pos - 2)
+            return (b"".join(parts), end + 4) if end >= 0 else None
+        if len(buffer) < pos + size + 2:
+            return None
+        parts.append(buffer[pos : pos + size])
+        pos += size + 2
 
 
 def _params(query: bytes) -> dict[str, float]:

@@ -263,6 +263,40 @@ def http_get(port: int, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
     return (int(match.group(1)) if match else 0), data
 
 
+def chat_status(port: int, timeout: float = 5.0) -> int:
+    """One small ``POST /v1/chat/completions`` on a fresh connection: the answer's status."""
+    from bench.chat import Instruction, chat_request
+
+    with socket.create_connection((HOST, port), timeout=timeout) as sock:
+        sock.sendall(chat_request(HOST, port, Instruction("json")).replace(
+            b"HTTP/1.1\r\n", b"HTTP/1.1\r\nConnection: close\r\n", 1))
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    match = re.match(rb"HTTP/1\.[01] (\d{3})", data)
+    return int(match.group(1)) if match else 0
+
+
+def wait_routing(port: int, timeout: float = 60.0,
+                 alive: Callable[[], bool] = lambda: True) -> None:
+    """
+    Until a chat request through the proxy on ``port`` answers 200: it listens, has probed
+    its workers and routes to one (the routers take a few probe rounds to admit a worker).
+    """
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline and alive():
+        try:
+            status = chat_status(port)
+            if status == 200:
+                return
+            last = status
+        except OSError as exc:
+            last = exc
+        time.sleep(0.1)
+    raise RuntimeError(f"port {port} does not route chat requests: {last}")
+
+
 def wait_ready(port: int, path: str = "/json", timeout: float = STARTUP_TIMEOUT,
                alive: Callable[[], bool] = lambda: True) -> None:
     """Until ``GET path`` answers 200 (the proxy listens and reaches a backend)."""
@@ -325,23 +359,56 @@ def start_nginx(children: Children, core: int | None, backends: str, workdir: Pa
     return target
 
 
+def twistd_of(source: Path) -> list[str]:
+    """The ``twistd`` to run txlb from checkout ``source``: its own venv's, else this one's."""
+    own = source / ".venv" / "bin" / "twistd"
+    return [str(own)] if source != ROOT and own.exists() else [TWISTD]
+
+
 def start_txlb(children: Children, core: int | None, backends: str,
                python: Sequence[str] | None = None, name: str = "txlb",
-               reactor: str | None = None, source: Path = ROOT) -> Target:
+               reactor: str | None = None, source: Path = ROOT,
+               extra: Sequence[str] = (), log_file: str | None = "none",
+               health_interval: float = 30.0) -> Target:
     """
     ``twistd -n llmlb`` from a source tree (this one by default; ``PYTHONPATH`` is that tree
     alone, so its ``txlb`` and its ``twisted/plugins`` are the ones found) on a free port
     (``--listen tcp:0``), with Twisted's default reactor or the one named (``txlb-epoll``).
+    ``log_file`` None keeps txlb's default result log (a file in the bench's working
+    directory); ``extra`` is appended to the command line, so it overrides what comes before.
     """
-    twistd = list(python) if python else [TWISTD]
+    twistd = list(python) if python else twistd_of(source)
     selected = ["--reactor", reactor] if reactor else []
+    logging = [] if log_file is None else ["--log-file", log_file]
     child = children.spawn(name, pinned(core, [
         *twistd, *selected, "-n", "--pidfile=", "llmlb",
         "--listen", f"tcp:0:interface={HOST}",
         "--backends", backends,
-        "--admin", "none", "--log-file", "none",
-        "--read-timeout", "600", "--health-interval", "30",
+        "--admin", "none", *logging,
+        "--read-timeout", "600", "--health-interval", f"{health_interval:g}",
+        *extra,
     ]), env={"PYTHONPATH": str(source)})
     port = int(wait_for(child, r"ProxySite starting on (\d+)").group(1))
     wait_ready(port, alive=lambda: child.process.poll() is None)
     return Target(name, port, child)
+
+
+def start_router(children: Children, core: int | None, kind: str, backends: str,
+                 policy: str = "round_robin", health_interval: float = 300.0) -> Target:
+    """
+    ``vllm-router`` or ``sglang-router`` (from :mod:`bench.routers`' venv, installed on first
+    use) in front of ``backends`` (``host:port,...``), quiet (``RUST_LOG=warn``), probing
+    the workers every ``health_interval`` s once started; ready once it routes a chat request.
+    """
+    from bench.routers import ROUTER_ENV, router_argv
+
+    port = free_port()
+    urls = [f"http://{b}" for b in backends.split(",")]
+    child = children.spawn(kind, pinned(core, router_argv(
+        kind, port, urls, policy, free_port(), host=HOST, health_interval=health_interval)),
+        env=ROUTER_ENV)
+    try:
+        wait_routing(port, alive=lambda: child.process.poll() is None)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc}\n{child.text()[-2000:]}") from None
+    return Target(kind, port, child)

@@ -5,13 +5,20 @@ Raw asyncio protocols (or blocking sockets where one request at a time is the po
 hand-written HTTP/1.1 parsing, so the client spends as little CPU per chunk as it can.  Each
 run prints one JSON line with what it saw, including its own CPU time, for the harness.
 
+Every mode sends ``POST /v1/chat/completions`` (``--api chat``, the default: the request of
+:mod:`bench.chat`, its instruction in the message content) or the non-LLM ``GET`` with the
+instruction in the query string (``--api get``: ``/sse``, ``/bulk``, ``/json``, ``/big``).
+
 Modes:
 
 ``paced``
-    ``--streams`` SSE streams from ``/sse`` at once, starts staggered over one interval;
-    de-chunks every response and records, per event, receive time minus the send time the
-    backend embedded (both ``CLOCK_MONOTONIC``).  The first event of each stream (which
-    includes connection setup) is counted but left out of the latency percentiles.
+    ``--streams`` SSE streams at once, starts staggered over one interval, stream ``i``
+    ``--spread × count × i / streams`` events shorter so that streams end one by one over the
+    last part of the run; de-chunks every response and records, per token event, receive
+    time minus the send time the backend embedded (both ``CLOCK_MONOTONIC``).  The first
+    event of each stream (which includes connection setup) is counted but left out of the
+    latency percentiles.  Latencies are also given by phase (streams starting, steady,
+    streams ending: :func:`bench.chat.phase_split`) and over time (``--bucket`` ms).
 ``bulk``
     ``--streams`` streams from ``/bulk`` for ``--seconds``; events are counted as the blank
     lines that end them (``\\n\\n``, carrying one byte across reads), which chunk framing can
@@ -46,8 +53,17 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from bench.chat import (
+    TRAILING_EVENTS,
+    Instruction,
+    chat_request,
+    phase_split,
+    send_time,
+    stream_counts,
+    timeline,
+)
+
 HOST = "127.0.0.1"
-T_OFFSET, T_DIGITS = 11, 19  # where the send time sits in ``data: {"t":<19 digits>``
 
 
 def request_bytes(port: int, target: str) -> bytes:
@@ -56,6 +72,22 @@ def request_bytes(port: int, target: str) -> bytes:
         f"GET {target} HTTP/1.1\r\nHost: {HOST}:{port}\r\nAccept: text/event-stream\r\n"
         f"User-Agent: bench\r\n\r\n"
     ).encode()
+
+
+def api_request(api: str, port: int, instruction: Instruction) -> bytes:
+    """The request asking for ``instruction``'s answer on the chat path or the ``GET`` path."""
+    if api == "chat":
+        return chat_request(HOST, port, instruction)
+    if instruction.kind == "paced":
+        target = (f"/sse?n={instruction.count}&interval={instruction.interval_ms:g}"
+                  f"&size={instruction.size}&delay={instruction.delay_ms:.3f}")
+    elif instruction.kind == "bulk":
+        target = f"/bulk?seconds={instruction.seconds:g}&size={instruction.size}"
+    elif instruction.kind == "big":
+        target = f"/big?bytes={instruction.total_bytes}&chunk={instruction.chunk}"
+    else:
+        target = "/json"
+    return request_bytes(port, target)
 
 
 def percentile(sorted_values: Any, q: float) -> float:
@@ -178,16 +210,22 @@ class PacedStats:
     p90_us: float = float("nan")
     p99_us: float = float("nan")
     max_us: float = float("nan")
+    tokens: int = 0  # token events (the ones carrying a send time)
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    timeline: list[dict[str, float]] = field(default_factory=list)
 
 
 class PacedClient(asyncio.Protocol):
-    """One paced SSE stream: record each event's latency, count events."""
+    """One paced SSE stream: record each event's latency and receive time, count events."""
 
     def __init__(self, request: bytes, stats: PacedStats, latencies: array[int],
-                 done: asyncio.Future[None]) -> None:
+                 received: array[int], done: asyncio.Future[None]) -> None:
         self.request = request
         self.stats = stats
         self.latencies = latencies
+        self.received = received
+        self.first_at = 0  # receive time of the first event (ns; 0: none yet)
+        self.ended_at = 0  # when the response ended (ns; 0: not yet)
         self.done = done
         self.pending = b""
         self.seen = 0
@@ -210,14 +248,22 @@ class PacedClient(asyncio.Protocol):
         parts = buf.split(b"\n\n")
         self.pending = parts.pop()
         now = self.now
+        if parts and not self.first_at:
+            self.first_at = now
         for part in parts:
+            sent = send_time(part)
+            if sent is None:
+                continue
             if self.seen:
-                self.latencies.append(now - int(part[T_OFFSET : T_OFFSET + T_DIGITS]))
+                self.latencies.append(now - sent)
+                self.received.append(now)
             self.seen += 1
+            self.stats.tokens += 1
         self.stats.events += len(parts)
 
     def _end(self) -> None:
         self.ended = True
+        self.ended_at = time.monotonic_ns()
         if self.parser.status == 200:
             self.stats.complete += 1
         else:
@@ -233,22 +279,28 @@ class PacedClient(asyncio.Protocol):
 
 
 async def run_paced(port: int, streams: int, count: int, interval: float, size: int,
-                    timeout: float) -> PacedStats:
+                    timeout: float, api: str = "chat", spread: float = 0.0,
+                    bucket_ms: float = 500.0) -> PacedStats:
     """Open ``streams`` paced SSE streams, staggered over one interval; wait for all."""
     loop = asyncio.get_running_loop()
-    stats = PacedStats(streams=streams, expected=streams * count)
+    counts = stream_counts(streams, count, spread)
+    trailing = TRAILING_EVENTS if api == "chat" else 0
+    stats = PacedStats(streams=streams, expected=sum(counts) + trailing * streams)
     latencies: array[int] = array("q")
+    received: array[int] = array("q")
     cpu0, start = time.process_time(), time.monotonic()
+    start_ns = time.monotonic_ns()
     waits: list[asyncio.Future[None]] = []
     clients: list[PacedClient] = []
     for i in range(streams):
         delay = interval * i / streams
-        target = f"/sse?n={count}&interval={interval:g}&size={size}&delay={delay:.3f}"
         done: asyncio.Future[None] = loop.create_future()
-        request = request_bytes(port, target)
+        request = api_request(api, port, Instruction(
+            "paced", size=size, interval_ms=interval, count=counts[i], delay_ms=delay))
         try:
             _, client = await loop.create_connection(
-                lambda d=done, r=request: PacedClient(r, stats, latencies, d), HOST, port
+                lambda d=done, r=request: PacedClient(r, stats, latencies, received, d),
+                HOST, port
             )
         except OSError:
             stats.errors += 1
@@ -267,6 +319,12 @@ async def run_paced(port: int, streams: int, count: int, interval: float, size: 
     ordered = sorted(latencies)
     for name, q in (("p50_us", 0.5), ("p90_us", 0.9), ("p99_us", 0.99), ("max_us", 1.0)):
         setattr(stats, name, percentile(ordered, q) / 1000)
+    never = 1 << 62
+    # "starting" lasts until every stream has had its first event and two intervals more
+    all_started = max((c.first_at for c in clients), default=0) + int(2 * interval * 1e6)
+    first_end = min((c.ended_at for c in clients if c.ended_at), default=never)
+    stats.phases = phase_split(received, latencies, all_started, first_end)
+    stats.timeline = timeline(received, latencies, start_ns, int(bucket_ms * 1e6))
     return stats
 
 
@@ -313,16 +371,17 @@ class BulkClient(asyncio.Protocol):
             self.stats.errors += 1
 
 
-async def run_bulk(port: int, streams: int, seconds: float, size: int) -> BulkStats:
+async def run_bulk(port: int, streams: int, seconds: float, size: int,
+                   api: str = "chat") -> BulkStats:
     """``streams`` bulk SSE streams for ``seconds``; count events, then abort them."""
     loop = asyncio.get_running_loop()
     stats = BulkStats(streams=streams)
-    target = f"/bulk?seconds={seconds + 30:g}&size={size}"
+    request = api_request(api, port, Instruction("bulk", size=size, seconds=seconds + 30))
     clients: list[BulkClient] = []
     cpu0, start = time.process_time(), time.monotonic()
     for _ in range(streams):
         _, client = await loop.create_connection(
-            lambda: BulkClient(request_bytes(port, target), stats), HOST, port
+            lambda: BulkClient(request, stats), HOST, port
         )
         clients.append(client)
     await asyncio.sleep(seconds)
@@ -367,11 +426,11 @@ def _read_response(sock: socket.socket, first: bytes) -> bool:
     return ok[0] and parser.status == 200
 
 
-def run_ttfb(port: int, count: int, fresh: bool, gap: float) -> TtfbStats:
+def run_ttfb(port: int, count: int, fresh: bool, gap: float, api: str = "chat") -> TtfbStats:
     """``count`` sequential requests; time to the first response byte of each."""
     stats = TtfbStats(fresh=fresh)
     samples: list[int] = []
-    request = request_bytes(port, "/sse?n=1&interval=1&size=250")
+    request = api_request(api, port, Instruction("paced", size=250, interval_ms=1, count=1))
     cpu0 = time.process_time()
     sock: socket.socket | None = None
     for _ in range(count):
@@ -461,12 +520,13 @@ class RpsClient(asyncio.Protocol):
         self.parser.feed(data)
 
 
-async def run_rps(port: int, connections: int, seconds: float) -> RpsStats:
-    """``connections`` keep-alive connections sending ``/json`` for ``seconds``."""
+async def run_rps(port: int, connections: int, seconds: float,
+                  api: str = "chat") -> RpsStats:
+    """``connections`` keep-alive connections sending small requests for ``seconds``."""
     loop = asyncio.get_running_loop()
     stats = RpsStats()
     latencies: array[int] = array("q")
-    request = request_bytes(port, "/json")
+    request = api_request(api, port, Instruction("json"))
     cpu0, start = time.process_time(), time.monotonic()
     for _ in range(connections):
         await loop.create_connection(
@@ -553,12 +613,12 @@ class HoldClient(asyncio.Protocol):
 
 
 async def run_hold(port: int, streams: int, interval: float, parallel: int, linger: float,
-                   ramp_timeout: float) -> HoldStats:
+                   ramp_timeout: float, api: str = "chat") -> HoldStats:
     """Open and hold ``streams`` long-lived streams; print HELD, linger, close."""
     loop = asyncio.get_running_loop()
     stats = HoldStats(streams=streams)
-    target = f"/sse?n=100000&interval={interval:g}&size=250"
-    request = request_bytes(port, target)
+    request = api_request(api, port, Instruction("paced", size=250, interval_ms=interval,
+                                                 count=100000))
     clients: list[HoldClient] = []
     gate = asyncio.Semaphore(parallel)
     cpu0, start = time.process_time(), time.monotonic()
@@ -623,7 +683,8 @@ class SlowStats:
     error: str = ""
 
 
-def run_slow(port: int, total: int, rate: float, chunk: int, timeout: float) -> SlowStats:
+def run_slow(port: int, total: int, rate: float, chunk: int, timeout: float,
+             api: str = "chat") -> SlowStats:
     """Read a ``total``-byte stream at ``rate`` bytes/s at most."""
     stats = SlowStats()
     body = [0]
@@ -635,7 +696,8 @@ def run_slow(port: int, total: int, rate: float, chunk: int, timeout: float) -> 
     try:
         with socket.create_connection((HOST, port), timeout=30) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 * 1024)
-            sock.sendall(request_bytes(port, f"/big?bytes={total}&chunk={chunk}"))
+            sock.sendall(api_request(api, port, Instruction("big", total_bytes=total,
+                                                            chunk=chunk)))
             received = 0
             while not ended[0]:
                 now = time.monotonic()
@@ -681,6 +743,9 @@ def main(argv: list[str] | None = None) -> None:
     paced.add_argument("--interval", type=float, required=True, help="ms between events")
     paced.add_argument("--size", type=int, default=250)
     paced.add_argument("--timeout", type=float, required=True)
+    paced.add_argument("--spread", type=float, default=0.0,
+                       help="stream i is spread*count*i/streams events shorter")
+    paced.add_argument("--bucket", type=float, default=500.0, help="timeline bucket, ms")
     bulk = sub.add_parser("bulk")
     bulk.add_argument("--streams", type=int, default=4)
     bulk.add_argument("--seconds", type=float, required=True)
@@ -705,23 +770,29 @@ def main(argv: list[str] | None = None) -> None:
     slow.add_argument("--timeout", type=float, default=120.0)
     for p in (paced, bulk, ttfb, rps, hold, slow):
         p.add_argument("--port", type=int, required=True)
+        p.add_argument("--api", choices=("chat", "get"), default="chat",
+                       help="POST /v1/chat/completions (default) or the non-LLM GET path")
     args = parser.parse_args(argv)
     _raise_nofile()
     result: Any
     if args.mode == "paced":
         result = asyncio.run(run_paced(args.port, args.streams, args.count, args.interval,
-                                       args.size, args.timeout))
+                                       args.size, args.timeout, args.api, args.spread,
+                                       args.bucket))
     elif args.mode == "bulk":
-        result = asyncio.run(run_bulk(args.port, args.streams, args.seconds, args.size))
+        result = asyncio.run(run_bulk(args.port, args.streams, args.seconds, args.size,
+                                      args.api))
     elif args.mode == "ttfb":
-        result = run_ttfb(args.port, args.count, args.fresh, args.gap)
+        result = run_ttfb(args.port, args.count, args.fresh, args.gap, args.api)
     elif args.mode == "rps":
-        result = asyncio.run(run_rps(args.port, args.connections, args.seconds))
+        result = asyncio.run(run_rps(args.port, args.connections, args.seconds, args.api))
     elif args.mode == "hold":
         result = asyncio.run(run_hold(args.port, args.streams, args.interval,
-                                      args.connect_parallel, args.linger, args.ramp_timeout))
+                                      args.connect_parallel, args.linger, args.ramp_timeout,
+                                      args.api))
     else:
-        result = run_slow(args.port, args.bytes, args.rate, args.chunk, args.timeout)
+        result = run_slow(args.port, args.bytes, args.rate, args.chunk, args.timeout,
+                          args.api)
     print("RESULT " + json.dumps(asdict(result)), flush=True)
     sys.exit(0)
 

@@ -42,24 +42,29 @@ def ratio(a: Any, b: Any) -> float:
 
 
 class Table:
-    """Rows of one figure per target, with a txlb/nginx ratio column."""
+    """Rows of one figure per target, with ratio columns (txlb/nginx unless told others)."""
 
-    def __init__(self, targets: list[str]) -> None:
+    def __init__(self, targets: list[str],
+                 ratios: list[tuple[str, str]] | None = None) -> None:
         self.targets = targets
-        #: the targets with a ratio column: txlb, and txlb-pypy when it ran
-        self.ratios = [t for t in ("txlb", "txlb-pypy") if t in targets] or ["txlb"]
+        #: (subject, reference) of each ratio column: by default txlb, and txlb-pypy when it
+        #: ran, to nginx
+        self.ratios = ratios if ratios is not None else [
+            (t, "nginx") for t in ([t for t in ("txlb", "txlb-pypy") if t in targets]
+                                   or ["txlb"])]
         self.lines = [
             "| scenario | figure | " + " | ".join(targets) + " | "
-            + " | ".join(f"{t}/nginx" for t in self.ratios) + " |",
+            + " | ".join(f"{s}/{r}" for s, r in self.ratios) + " |",
             "|---|---|" + "---:|" * (len(targets) + len(self.ratios)),
         ]
 
     def add(self, section: str, label: str, values: dict[str, Any], digits: int = 1,
             with_ratio: bool = True) -> None:
-        """One row: a figure per target and the txlb/nginx ratio (and txlb-pypy/nginx)."""
+        """One row: a figure per target and each ratio column's quotient."""
         cells = [fmt(values.get(t, math.nan), digits) for t in self.targets]
-        for t in self.ratios:
-            r = ratio(values.get(t), values.get("nginx")) if with_ratio else math.nan
+        for subject, reference in self.ratios:
+            r = (ratio(values.get(subject), values.get(reference)) if with_ratio
+                 else math.nan)
             cells.append(fmt(r, 2))
         self.lines.append(f"| {section} | {label} | " + " | ".join(cells) + " |")
 
@@ -147,12 +152,25 @@ def goals(raw: dict[str, Any]) -> list[str]:
     return rows
 
 
-def full_table(raw: dict[str, Any]) -> list[str]:
+def _phase_added(per: dict[str, Any], phase: str, key: str) -> dict[str, Any]:
+    """A phase's latency figure (ms) minus direct's, per proxy (NaN where not measured)."""
+    def value(row: dict[str, Any]) -> float:
+        return _num(row.get("phases", {}).get(phase, {}).get(key)) / 1000
+
+    direct = value(per.get("direct", {}))
+    return {t: value(row) - direct for t, row in per.items() if t != "direct"}
+
+
+def full_table(raw: dict[str, Any],
+               ratios: list[tuple[str, str]] | None = None) -> list[str]:
     """Every figure for every target."""
     data, targets = raw["data"], raw["targets"]
-    table = Table(targets)
-    for level, per in data.get("paced", {}).items():
-        s = f"paced SSE, {level} streams"
+    table = Table(targets, ratios)
+    paced = [(f"paced SSE, {level} streams", per)
+             for level, per in data.get("paced", {}).items()]
+    paced += [(f"non-LLM GET paced SSE, {level} streams", per)
+              for level, per in data.get("get-paced", {}).items()]
+    for s, per in paced:
         table.add(s, "chunks received / expected",
                   {t: f"{r['events']:,}/{r['expected']:,}" for t, r in per.items()})
         table.add(s, "stream errors", _per(per, "errors"), 0)
@@ -162,6 +180,12 @@ def full_table(raw: dict[str, Any]) -> list[str]:
         table.add(s, "chunk latency p99, ms", _per(per, "p99_us", 1e-3), 3)
         table.add(s, "added latency p50, ms", _added(per, "p50_us", 1e-3), 3)
         table.add(s, "added latency p99, ms", _added(per, "p99_us", 1e-3), 3)
+        if any("phases" in row for row in per.values()):
+            for phase in ("starting", "steady", "ending"):
+                table.add(s, f"added latency p50 / p99, {phase}, ms", {
+                    t: f"{fmt(_phase_added(per, phase, 'p50_us').get(t), 2)} /"
+                       f" {fmt(_phase_added(per, phase, 'p99_us').get(t), 2)}"
+                    for t in per if t != "direct"})
         table.add(s, "load generator CPU %", _per(per, "client_cpu_pct"), 0, False)
         table.add(s, "backend CPU %", _per(per, "backend_cpu_pct"), 0, False)
         table.add(s, CORES, _cores(per))
@@ -179,7 +203,8 @@ def full_table(raw: dict[str, Any]) -> list[str]:
     if "rps" in data:
         per = data["rps"]
         client = next(iter(per.values()))["client"]
-        s = "small JSON, " + ("wrk -t1 -c32" if client == "wrk" else "Python client, 32 conns")
+        s = "small requests, " + ("wrk -t1 -c32" if client == "wrk"
+                                  else "Python client, 32 conns")
         table.add(s, "requests/s", _per(per, "rate"), 0)
         table.add(s, "latency p50, µs", _per(per, "p50_us"), 0)
         table.add(s, "latency p99, µs", _per(per, "p99_us"), 0)

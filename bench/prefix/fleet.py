@@ -3,7 +3,7 @@ The processes of the prefix bench: simulated engines and the targets in front of
 
 Engines are ``twistd -n vllm-sim`` processes (one per port, as separate as real GPU
 servers); targets are txlb (``twistd -n llmlb --policy P``), ``vllm-router`` and
-``sglang-router`` (from :mod:`bench.prefix.routers`' own venv).  Everything is started with
+``sglang-router`` (from :mod:`bench.routers`' own venv).  Everything is started with
 :class:`bench.harness.Children` (own process group, stopped group by group) on loopback
 ports, and what the bench reads of an engine comes from its ``/metrics``.
 """
@@ -27,7 +27,7 @@ from bench.harness import (
     http_get,
     wait_for,
 )
-from bench.prefix.routers import router_binary
+from bench.routers import ROUTER_ENV, router_argv
 
 #: Names on an engine's /metrics the bench reads (vLLM's, which the simulator speaks).
 QUERIES = "vllm:prefix_cache_queries_total"
@@ -176,18 +176,9 @@ def start_target(children: Children, spec: TargetSpec, urls: Sequence[str]) -> T
             TWISTD, "-n", "--pidfile=", "llmlb", "--listen", f"tcp:{port}:interface={HOST}",
             "--backends", ",".join(urls), "--policy", spec.policy, "--admin", "none",
             "--log-file", "none", "--read-timeout", "600", "--health-interval", "2"])
-    elif spec.kind == "vllm-router":
-        child = children.spawn(spec.name.replace(" ", "-"), [
-            str(router_binary("vllm-router")), "--host", HOST, "--port", str(port),
-            "--worker-urls", *urls, "--policy", spec.policy,
-            "--prometheus-port", str(free_port()), "--log-level", "warning",
-            "--worker-startup-check-interval", "1"], env={"RUST_LOG": "warn"})
-    elif spec.kind == "sglang-router":
-        child = children.spawn(spec.name.replace(" ", "-"), [
-            str(router_binary("sglang-router")), "launch", "--host", HOST,
-            "--port", str(port), "--worker-urls", *urls, "--policy", spec.policy,
-            "--prometheus-port", str(free_port()), "--log-level", "warn",
-            "--worker-startup-check-interval", "1"], env={"RUST_LOG": "warn"})
+    elif spec.kind in ("vllm-router", "sglang-router"):
+        child = children.spawn(spec.name.replace(" ", "-"), router_argv(
+            spec.kind, port, urls, spec.policy, free_port(), host=HOST), env=ROUTER_ENV)
     else:
         raise ValueError(f"unknown target kind {spec.kind!r}")
     _wait_answering(child, port, "/v1/models")
