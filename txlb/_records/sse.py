@@ -24,9 +24,13 @@ def data_payload(line: bytes) -> bytes | None:
     if line[:5] != b"data:":
         return None
     payload = line[5:]
-    if _DONE in payload and payload.strip() == _DONE:
-        return None
-    return payload
+    return None if _is_done(payload) else payload
+
+
+def _is_done(payload: bytes) -> bool:
+    """``payload`` is ``[DONE]`` (give or take whitespace): the last byte tells most apart."""
+    last = payload[-1:]
+    return (last == b"]" or last.isspace()) and payload.strip() == _DONE
 
 
 class EventSplitter:
@@ -40,6 +44,7 @@ class EventSplitter:
     def __init__(self, sink: Callable[[bytes], object], chunked: bool) -> None:
         self._sink = sink
         self._chunked = chunked
+        self.feed = self._unframe if chunked else self._lines  # type: ignore[method-assign]
         #: the line not yet ended by a newline
         self._partial = bytearray()
         # the chunked framing: the size line so far, the chunk's bytes still to come, the
@@ -50,7 +55,10 @@ class EventSplitter:
         self._stopped = False
 
     def feed(self, data: bytes) -> None:
-        """The next bytes of the body, as relayed."""
+        """
+        The next bytes of the body, as relayed.  (Each instance's ``feed`` is its
+        :meth:`_unframe` or :meth:`_lines` itself: one call less per chunk.)
+        """
         if self._chunked:
             self._unframe(data)
         else:
@@ -77,22 +85,27 @@ class EventSplitter:
             self._sink(payload)
 
     def _lines(self, data: bytes) -> None:
-        if b"\n" not in data:
-            self._partial += data
-            return
-        parts = data.split(b"\n")
-        first = parts[0]
-        if self._partial:
-            self._partial += first
-            first = bytes(self._partial)
-            self._partial.clear()
-        line = self._line
-        line(first)
-        for index in range(1, len(parts) - 1):
-            line(parts[index])
-        last = parts[-1]
+        """
+        Per chunk: one ``split`` and a slice test a line, the sink called with each
+        payload -- no call per line besides it (this runs for every relayed event).
+        """
+        lines = data.split(b"\n")
+        last = lines.pop()
+        partial = self._partial
+        if partial and lines:
+            partial += lines[0]
+            lines[0] = bytes(partial)
+            partial.clear()
+        sink = self._sink
+        for line in lines:
+            if line[:5] == b"data:":
+                payload = line[5:]
+                end = payload[-1:]
+                if (end == b"]" or end.isspace()) and payload.strip() == _DONE:
+                    continue
+                sink(payload)
         if last:
-            self._partial += last
+            partial += last
 
     def _unframe(self, data: bytes) -> None:
         """

@@ -703,7 +703,7 @@ class StreamCapture:
     """
 
     __slots__ = ("_fold", "_texts", "_splitter", "_first", "_usage", "_last", "_index",
-                 "_result", "parsed", "parsed_at_end")
+                 "_result", "parsed", "parsed_at_end", "feed")
 
     def __init__(self, api: str, chunked: bool, texts: bool) -> None:
         self._fold = _STREAM_FOLDS[api]()
@@ -717,14 +717,12 @@ class StreamCapture:
         self._result: _Completion | None = None
         self.parsed = 0
         self.parsed_at_end = 0
-
-    def feed(self, data: bytes) -> None:
-        """The next captured bytes of the answer."""
-        self._splitter.feed(data)
+        #: the next captured bytes of the answer: the splitter's own (one call less a chunk)
+        self.feed: Callable[[bytes], None] = self._splitter.feed
 
     def _parse(self, payload: bytes) -> None:
         self.parsed += len(payload)
-        if payload[:1] != b"{" and payload.lstrip()[:1] != b"{":
+        if payload[:2] != b" {" and payload.lstrip()[:1] != b"{":
             return
         try:
             event = orjson.loads(payload)
