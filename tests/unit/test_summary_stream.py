@@ -212,6 +212,55 @@ class LongAnswerTests(SynchronousTestCase):
         self.assertEqual(record.stream.parsed_at_end, len(last) + 1)  # and its space
         self.assertEqual(summary.completion_tokens, 7)
 
+    def test_the_splice_reads_each_whole_event_once(self) -> None:
+        """
+        Past the capture, the events read are exactly those whose line ends inside the
+        capture, and those whose line starts inside the tail (after the line the tail
+        cut): worked out here from where each event lies, not from the splice itself.
+        """
+        events = [b"data: " + json.dumps(delta("x" * (1 + i % 13))).encode() + b"\n\n"
+                  for i in range(CAPTURE_LIMIT * 5 // 4 // 40)]
+        data = b"".join(events) + self.END
+        for step in (1499, 4096, 65536):
+            record = streamed(CHAT, split(data, list(range(0, len(data), step))))
+            window = len(data) - record.tail_size  # where the tail's bytes start
+            expected, start = 0, 0
+            for i, line in enumerate(events):
+                end = start + len(line) - 2  # the line's newline
+                if end < CAPTURE_LIMIT or start > window:
+                    expected += 1 + i % 13
+                start += len(line)
+            summary = summarize(record)
+            self.assertTrue(summary.truncated)
+            self.assertEqual(summary.clen, expected, step)
+            self.assertEqual(summary.completion_tokens, 7)
+
+    def test_the_splice_at_its_edges(self) -> None:
+        """
+        The capture ends right after an event's ``}`` (its newline past it: not read), the
+        tail starts on a newline and ends on the usage event's one newline (both read).
+        """
+        line = b"data: " + json.dumps(delta("abc")).encode() + b"\n\n"
+        # a comment line first, so that event number ``count``'s newline falls at
+        # CAPTURE_LIMIT exactly: the ``count`` before it are the capture's
+        count = (CAPTURE_LIMIT - len(line)) // len(line)
+        lead = CAPTURE_LIMIT - (len(line) - 2) - count * len(line)
+        head = b":" + b"p" * (lead - 2) + b"\n" + line * (count + 40)
+        for pad in range(200):  # the last event's length moves the tail's start
+            last = b"data: " + json.dumps({**USAGE, "pad": "q" * pad}).encode() + b"\n"
+            data = head + line * 1200 + last
+            if data[len(data) - TAIL_LIMIT] == 0x0A:
+                break
+        self.assertEqual(data[CAPTURE_LIMIT - 1:CAPTURE_LIMIT + 1], b"}\n")
+        window = len(data) - TAIL_LIMIT
+        self.assertEqual(data[window], 0x0A)
+        expected = 3 * (count + data[window + 1:].count(line))
+        for needs, clen in ((Needs.TEXTS, expected), (Needs.USAGE, 0)):
+            summary = summarize(streamed(CHAT, [data], needs=needs))
+            self.assertEqual((summary.clen, summary.completion_tokens), (clen, 7))
+            self.assertEqual(summary, summarize(streamed(CHAT, [data], needs=needs,
+                                                         raw=True)))
+
     def test_usage_only_parses_a_handful_of_events(self) -> None:
         record = streamed(CHAT, [self.body(CAPTURE_LIMIT // 2)], needs=Needs.USAGE)
         summary = summarize(record)
