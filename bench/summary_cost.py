@@ -4,7 +4,8 @@ the end of a stream (``python -m bench.summary_cost``).
 
 A streamed chat answer of 1 KiB, 64 KiB and 512 KiB (vLLM-shaped events of ~250 bytes, one
 HTTP chunk each, ending with a ``usage`` event) is fed to a
-:class:`~txlb._records.summary.RequestRecord` as the proxy feeds it, then summarised:
+:class:`~txlb._records.summary.RequestRecord` as the proxy feeds it -- each read one chunk
+in the backend's chunked framing, which the relay passes through -- then summarised:
 
 * **one-shot** -- the summary as txlb made it before it summarised streams as they pass
   (``txlb/_records/summary.py`` at ``--against``, default the last commit before): every
@@ -53,7 +54,10 @@ def event(index: int) -> bytes:
 
 
 def answer(size: int) -> list[bytes]:
-    """A stream of about ``size`` bytes, one event a chunk, ending as vLLM's does."""
+    """
+    A stream of about ``size`` bytes, one event a chunk in chunked framing, ending as
+    vLLM's does.
+    """
     chunks: list[bytes] = []
     total = 0
     while total < size:
@@ -64,7 +68,7 @@ def answer(size: int) -> list[bytes]:
                                       "total_tokens": 31 + len(chunks)}}
     chunks += [b"data: " + json.dumps(end).encode() + b"\n\n",
                b"data: " + json.dumps(usage).encode() + b"\n\n", b"data: [DONE]\n\n"]
-    return chunks
+    return [b"%x\r\n%s\r\n" % (len(chunk), chunk) for chunk in chunks] + [b"0\r\n\r\n"]
 
 
 def load_before(revision: str) -> ModuleType:
@@ -87,7 +91,7 @@ def make(module: ModuleType, needs: Needs | None) -> Any:
         started=0.0, method=b"POST", path=b"/v1/chat/completions", orid_header=None,
         request_body=b'{"model": "m", "stream": true, "max_tokens": 4096}',
         backend="127.0.0.1:8000", status=200, ended=1.0, first_byte=0.01,
-        content_type=b"text/event-stream", **extra)
+        content_type=b"text/event-stream", chunked=True, **extra)
 
 
 def measure(module: ModuleType, needs: Needs | None, chunks: list[bytes],

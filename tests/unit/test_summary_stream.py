@@ -65,8 +65,8 @@ ANSWERS: list[tuple[bytes, bytes]] = [
 ]
 
 
-def frame(body: bytes, sizes: list[int], final: bytes = b"0\r\n\r\n") -> bytes:
-    """``body`` in chunked framing, in chunks of ``sizes`` (cycled), then ``final``."""
+def frames(body: bytes, sizes: list[int]) -> list[bytes]:
+    """``body`` as chunks of chunked framing, of ``sizes`` bytes (cycled)."""
     out, position, index = [], 0, 0
     while position < len(body):
         size = max(1, sizes[index % len(sizes)]) if sizes else len(body)
@@ -74,7 +74,12 @@ def frame(body: bytes, sizes: list[int], final: bytes = b"0\r\n\r\n") -> bytes:
         out.append(b"%x\r\n%s\r\n" % (len(part), part))
         position += size
         index += 1
-    return b"".join(out) + final
+    return out
+
+
+def frame(body: bytes, sizes: list[int], final: bytes = b"0\r\n\r\n") -> bytes:
+    """``body`` in chunked framing, in chunks of ``sizes`` (cycled), then ``final``."""
+    return b"".join(frames(body, sizes)) + final
 
 
 def split(data: bytes, cuts: list[int]) -> list[bytes]:
@@ -124,6 +129,19 @@ class AnyChunkingTests(SynchronousTestCase):
         incremental = streamed(path, split(data, cuts), chunked)
         self.assertIsNotNone(incremental.stream)  # it was summarised as it passed
         self.assertEqual(summarize(incremental), whole)
+
+    @settings(max_examples=100, deadline=None)
+    @given(st.sampled_from(ANSWERS), st.lists(st.integers(1, 300), min_size=1, max_size=5),
+           st.sampled_from([b"1f", b"3;x=y", b"0x1", b"zz", b"-2", b"", b" 4 "]))
+    def test_a_read_a_chunk(self, answer: tuple[bytes, bytes], sizes: list[int],
+                            odd: bytes) -> None:
+        """The usual read, one whole chunk each (and an odd size line among them)."""
+        path, body = answer
+        pieces = frames(body, sizes)
+        pieces.insert(len(pieces) // 2, odd + b"\r\n" + b"data: {}\n\n" + b"\r\n")
+        pieces.append(b"0\r\n\r\n")
+        whole = summarize(streamed(path, [b"".join(pieces)], chunked=True, raw=True))
+        self.assertEqual(summarize(streamed(path, pieces, chunked=True)), whole)
 
     @settings(max_examples=100, deadline=None)
     @given(st.sampled_from(ANSWERS), st.lists(st.integers(0, 10**6), max_size=30),

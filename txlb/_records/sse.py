@@ -114,6 +114,17 @@ class EventSplitter:
         stops inside gives what came of it), two bytes skipped; a size that is not a
         positive hex number ends the body.
         """
+        if not (self._remaining or self._skip or self._size_line or self._stopped):
+            # the usual read: exactly one whole chunk (an engine writes one event a chunk)
+            end = data.find(b"\r\n")
+            if end > 0:
+                try:
+                    length = int(data[:end], 16)  # a size with extensions goes the long way
+                except ValueError:
+                    length = 0
+                if length > 0 and end + length + 4 == len(data):
+                    self._lines(data[end + 2:end + 2 + length])
+                    return
         position, size = 0, len(data)
         while position < size and not self._stopped:
             if self._remaining:
