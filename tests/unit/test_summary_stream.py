@@ -35,7 +35,7 @@ from txlb._records.summary import (
 )
 from txlb._workers.reports import SupervisorForwarder
 
-from ..helpers import FakeUpstream
+from ..helpers import ClientConnection, FakeResponse, FakeUpstream
 from .test_summary import SSE_TYPE, delta, recorded, sse
 
 A = "127.0.0.1:8003"
@@ -367,6 +367,66 @@ class DeclaredNeedsTests(SynchronousTestCase):
             self.assertEqual(lb.observer.needs, needs)
             if lb.result_log is not None:
                 lb.result_log.close()
+
+
+class NeedsTap:
+    """The balancer's own observer, with each finished record kept for the test."""
+
+    def __init__(self, inner: Bookkeeper) -> None:
+        self.inner = inner
+        self.records: list[RequestRecord] = []
+        self.needs = inner.needs
+
+    def ended(self, record: RequestRecord) -> None:
+        self.records.append(record)
+        self.inner.ended(record)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+class ThroughTheProxyTests(SynchronousTestCase):
+    """The proxy reads its observer's needs into each record, and captures no more."""
+
+    BODY = sse(*[delta("secret answer")] * 20, delta(finish="stop"), USAGE)
+
+    def stream(self, log_file: str) -> tuple[LoadBalancer, RequestRecord]:
+        upstream = FakeUpstream()
+        lb = LoadBalancer([A], reactor=Clock(), agent=upstream,
+                          probe_agent=FakeUpstream(), log_file=log_file)
+        if lb.result_log is not None:
+            self.addCleanup(lb.result_log.close)
+        tap = NeedsTap(lb.bookkeeper)
+        lb.proxy.context.observer = tap  # type: ignore[assignment]
+        client = ClientConnection(lb.site())
+        client.request(b"POST", CHAT, body=b'{"model": "m", "stream": true}')
+        response = upstream.last.respond(FakeResponse(
+            200, headers=[(b"content-type", b"text/event-stream")]))
+        for piece in split(self.BODY, [17, 40, 99]):
+            response.send(piece)
+        response.end()
+        self.assertEqual(client.response().status, 200)
+        [record] = tap.records
+        return lb, record
+
+    def test_without_the_result_log_the_texts_are_never_parsed(self) -> None:
+        lb, record = self.stream("none")
+        self.assertEqual(record.needs, Needs.USAGE)
+        assert record.stream is not None
+        self.assertLess(record.stream.parsed, len(self.BODY) // 3)  # its last few events
+        self.assertEqual(lb.metrics.registry.get_sample_value(
+            "txlb_completion_tokens_total", {"backend": A}), 7)
+
+    def test_with_the_result_log_every_event_is_parsed(self) -> None:
+        path = self.mktemp()
+        lb, record = self.stream(path)
+        self.assertEqual(record.needs, Needs.TEXTS)
+        assert record.stream is not None
+        self.assertGreater(record.stream.parsed, len(self.BODY) * 2 // 3)  # all of them
+        assert lb.result_log is not None
+        lb.result_log.close()
+        with open(path, encoding="utf-8") as log:
+            self.assertIn("ctok=7/- ", log.read())
 
 
 class OrjsonOutcomeTests(SynchronousTestCase):
