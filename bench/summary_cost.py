@@ -16,7 +16,7 @@ in the backend's chunked framing, which the relay passes through -- then summari
   parsed, at the end.
 
 Printed: µs per chunk of capture, and the end-of-stream summary in ms (the stall every
-other stream waits out), the median of ``--repeat`` runs.
+other stream waits out), the median of 25 runs.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--against", default=BEFORE,
                         help="the revision whose one-shot summary is compared (git)")
-    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--repeat", type=int, default=25, help="runs of each (the median)")
     options = parser.parse_args(argv)
     before = load_before(options.against)
     rows = [("one-shot (before)", before, None),
