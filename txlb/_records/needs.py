@@ -6,11 +6,12 @@ proxy asks its observer for the greatest of them when a request starts and the r
 captures and parses that much of the answer (:class:`~txlb._records.summary.RequestRecord`):
 
 * :attr:`Needs.NOTHING` -- status, timings, outcome: no byte of the answer is kept;
-* :attr:`Needs.USAGE` -- also token counts, finish reason, whether it streamed: a stream's
-  events are split as they pass but only its first, its last few and its last with a
-  ``usage`` are parsed, at its end (a bounded handful); a plain JSON answer is parsed once;
-* :attr:`Needs.TEXTS` -- everything a result-log line shows (the texts, an error's body,
-  the request's keys): each event of a stream is parsed and folded in as it passes.
+* :attr:`Needs.USAGE` -- also its token counts and whether it streamed: a stream's events
+  are split as they pass but only those holding ``usage`` (or llama.cpp's ``timings``)
+  are parsed; a plain JSON answer is parsed once;
+* :attr:`Needs.TEXTS` -- everything a result-log line shows (the texts, the finish reason,
+  an error's body, the request's keys): each event of a stream is parsed and folded in as
+  it passes.
 """
 
 from __future__ import annotations

@@ -36,15 +36,20 @@ def _is_done(payload: bytes) -> bool:
 class EventSplitter:
     """
     Incremental ``data:`` payloads of an SSE body, in the backend's chunked framing when
-    ``chunked``.  :meth:`feed` per chunk; at the end, :meth:`close` when the whole answer
-    was fed (its last line, even without a newline, is a line), or :meth:`drop_partial`
-    when the feed stopped at the capture limit (a line cut there is not parsed).
+    ``chunked``.  ``feed(data)`` per chunk (the body's next bytes as relayed: the
+    instance's :meth:`_unframe` or :meth:`_lines` itself, one call less a chunk); at the
+    end, :meth:`close` when the whole answer was fed (its last line, even without a
+    newline, is a line), or :meth:`drop_partial` when the feed stopped at the capture
+    limit (a line cut there is not parsed).
     """
+
+    __slots__ = ("_sink", "_chunked", "_partial", "_size_line", "_remaining", "_skip",
+                 "_stopped", "feed")
 
     def __init__(self, sink: Callable[[bytes], object], chunked: bool) -> None:
         self._sink = sink
         self._chunked = chunked
-        self.feed = self._unframe if chunked else self._lines  # type: ignore[method-assign]
+        self.feed: Callable[[bytes], None] = self._unframe if chunked else self._lines
         #: the line not yet ended by a newline
         self._partial = bytearray()
         # the chunked framing: the size line so far, the chunk's bytes still to come, the
@@ -53,16 +58,6 @@ class EventSplitter:
         self._remaining = 0
         self._skip = 0
         self._stopped = False
-
-    def feed(self, data: bytes) -> None:
-        """
-        The next bytes of the body, as relayed.  (Each instance's ``feed`` is its
-        :meth:`_unframe` or :meth:`_lines` itself: one call less per chunk.)
-        """
-        if self._chunked:
-            self._unframe(data)
-        else:
-            self._lines(data)
 
     def close(self) -> None:
         """The body is over: a last line without its newline is still a line."""

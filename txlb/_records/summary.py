@@ -470,6 +470,11 @@ class _ChatFold:
         if found.__class__ is dict:
             self._timings, self._timings_at = found, self._seen
 
+    def skip(self) -> None:
+        """An event passed over unparsed (it holds no counts): it still moves the window
+        in which ``timings`` are read."""
+        self._seen += 1
+
     def end(self) -> _Completion:
         completion = self.completion
         timings = self._timings if self._seen - self._timings_at < _TIMINGS_TAIL else None
@@ -567,6 +572,9 @@ class _ResponsesFold:
         elif kind in _RESPONSE_ENDS and event.get("response").__class__ is dict:
             self._final = event["response"]
 
+    def skip(self) -> None:
+        """An event passed over unparsed: nothing to do."""
+
     def end(self) -> _Completion:
         completion = self.completion
         if self._final is not None:
@@ -650,6 +658,9 @@ class _MessagesFold:
                 if tokens is not None:
                     self._inputs[name] = tokens
 
+    def skip(self) -> None:
+        """An event passed over unparsed: nothing to do."""
+
     def end(self) -> _Completion:
         completion, inputs = self.completion, self._inputs
         if "input_tokens" in inputs:
@@ -683,42 +694,34 @@ _STREAM_FOLDS: dict[str, Callable[[], _ChatFold | _ResponsesFold | _MessagesFold
     "responses": _ResponsesFold,
     "messages": _MessagesFold,
 }
-#: how many of a stream's last events are parsed at its end when only its usage is read
-#: (:attr:`Needs.USAGE`): its finish reason and usage, and llama.cpp's timings, are there
-_KEPT_LAST = _TIMINGS_TAIL + 1
+#: what an event must hold to be parsed when only the answer's counts are read
+#: (:attr:`Needs.USAGE`): ``usage`` (every API puts its token counts there) or llama.cpp's
+#: ``timings``
+_COUNTS = (b"usage", b"timings")
 
 
 class StreamCapture:
     """
     An SSE answer summarised as it passes, so its end costs no more than its last line.
 
-    Fed the captured bytes (:meth:`feed`, per chunk), it splits them into events
-    (:class:`~txlb._records.sse.EventSplitter`) and, when the texts are read
-    (``texts``: the result log), parses and folds in each event at once; otherwise it
-    keeps only the first event, the last with ``usage`` and the last :data:`_KEPT_LAST`,
-    raw, and parses those few at the end.  :meth:`finish` gives the same completion
-    :func:`summarize` reads from a whole capture (the tail's whole lines included).
-    ``parsed`` and ``parsed_at_end`` count the payload bytes parsed (all of them, and in
-    :meth:`finish`): what the summary cost, observable.
+    Fed the captured bytes (``feed``, per chunk: the splitter's own), it splits them into
+    events (:class:`~txlb._records.sse.EventSplitter`) and parses and folds in each at once
+    -- when the texts are read (``texts``: the result log); otherwise only the events that
+    hold ``usage`` or ``timings``, the counts the other readers use, and none is kept.
+    :meth:`finish` gives the completion :func:`summarize` reads of a whole capture (the
+    tail's whole lines included).  ``parsed`` and ``parsed_at_end`` count the payload bytes
+    parsed (all of them, and in :meth:`finish`): what the summary cost, observable.
     """
 
-    __slots__ = ("_fold", "_texts", "_splitter", "_first", "_usage", "_last", "_index",
-                 "_result", "parsed", "parsed_at_end", "feed")
+    __slots__ = ("_fold", "_splitter", "_result", "parsed", "parsed_at_end", "feed")
 
     def __init__(self, api: str, chunked: bool, texts: bool) -> None:
         self._fold = _STREAM_FOLDS[api]()
-        self._texts = texts
-        self._splitter = EventSplitter(self._parse if texts else self._keep, chunked)
-        #: (usage-only) the first event, and the last with usage by its position
-        self._first: bytes | None = None
-        self._usage: tuple[int, bytes] | None = None
-        self._last: deque[tuple[int, bytes]] = deque(maxlen=_KEPT_LAST)
-        self._index = 0
+        self._splitter = EventSplitter(self._parse if texts else self._counts, chunked)
         self._result: _Completion | None = None
         self.parsed = 0
         self.parsed_at_end = 0
-        #: the next captured bytes of the answer: the splitter's own (one call less a chunk)
-        self.feed: Callable[[bytes], None] = self._splitter.feed
+        self.feed = self._splitter.feed
 
     def _parse(self, payload: bytes) -> None:
         self.parsed += len(payload)
@@ -731,14 +734,12 @@ class StreamCapture:
         if event.__class__ is dict:
             self._fold.add(event)
 
-    def _keep(self, payload: bytes) -> None:
-        index = self._index
-        self._index = index + 1
-        if index == 0:
-            self._first = payload
-        elif b"usage" in payload:
-            self._usage = (index, payload)
-        self._last.append((index, payload))
+    def _counts(self, payload: bytes) -> None:
+        """Only the counts are read: an event without them is passed over, unparsed."""
+        if _COUNTS[0] in payload or _COUNTS[1] in payload:
+            self._parse(payload)
+        else:
+            self._fold.skip()
 
     def finish(self, tail: bytes | None) -> _Completion:
         """
@@ -754,14 +755,6 @@ class StreamCapture:
         else:
             self._splitter.drop_partial()
             self._splitter.lines(tail)
-        if not self._texts:
-            kept = dict(self._last)
-            if self._first is not None:
-                kept[0] = self._first
-            if self._usage is not None:
-                kept[self._usage[0]] = self._usage[1]
-            for index in sorted(kept):
-                self._parse(kept[index])
         self.parsed_at_end = self.parsed - before
         self._result = self._fold.end()
         return self._result
@@ -932,7 +925,9 @@ def summarize(record: RequestRecord, privacy: Privacy = KEEP_ALL) -> Summary:
         thinking = _asked_to_think(request)
     return Summary(
         kind="completion",
-        finish=None if completion.finish is None else clip(completion.finish, MAX_FINISH),
+        # the finish reason, like the texts, is the result log's alone
+        finish=None if completion.finish is None or not texts else clip(completion.finish,
+                                                                          MAX_FINISH),
         completion_tokens=_count(completion.completion_tokens),
         prompt_tokens=completion.prompt_tokens,
         cached_prompt_tokens=completion.cached_prompt_tokens,
