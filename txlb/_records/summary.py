@@ -1,12 +1,15 @@
 """
 What one finished request amounts to: the fields of its result-log line.
 
-Pure functions over bytes, kept apart from the writer so they can be tested (and fuzzed) on
-their own, and so that little runs per chunk: the proxy collects the first
-:data:`CAPTURE_LIMIT` bytes of the response and the last :data:`TAIL_LIMIT` beyond them
-(where a long stream's final ``usage`` is), counts the stream's events when a token
-budget will charge them (one ``bytes.count`` per chunk), and :func:`summarize` reads them
-once, when the request has ended.
+Kept apart from the writer so it can be tested (and fuzzed) on its own.  The proxy hands
+each relayed chunk to :meth:`RequestRecord.capture`, which keeps of the first
+:data:`CAPTURE_LIMIT` bytes what the summary's readers need (:class:`~txlb._records.needs.
+Needs`) and the last :data:`TAIL_LIMIT` beyond them (where a long stream's final ``usage``
+is), and counts the stream's events when a token budget will charge them (one
+``bytes.count`` per chunk).  A streamed answer is summarised as it passes
+(:class:`StreamCapture`: its events split and folded in chunk by chunk), so that
+:func:`summarize`, when the request has ended, has only a bounded remainder to read; a
+JSON answer or an error's body is kept and read there, once.
 """
 
 from __future__ import annotations
