@@ -51,6 +51,7 @@ from txlb._records.bookkeeper import (
     pool_results,
 )
 from txlb._records.metrics import Metrics
+from txlb._records.needs import Needs
 from txlb._records.observer import IRequestObserver
 from txlb._records.resultlog import ResultLog, open_result_log
 from txlb._records.summary import Summary, privacy_of
@@ -334,7 +335,8 @@ class LoadBalancer:
             policy_learns(self.pool, self.policy),
             budget_reconciles(self.budgets),
             metrics_counts(self.metrics),
-            SummaryConsumer("the history", self.history.observe),
+            # the history counts requests and times them: nothing of the answer
+            SummaryConsumer("the history", self.history.observe, Needs.NOTHING),
         ])
         if self.result_log is not None:
             self.summaries.add(SummaryConsumer("the result log", _log_writer(self.result_log)))

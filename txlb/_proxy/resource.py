@@ -22,6 +22,8 @@ from txlb._proxy.errors import error_body, write_body
 from txlb._proxy.exchange import Exchange
 from txlb._proxy.incoming import local_path, read_body
 from txlb._proxy.local import LocalAnswers
+from txlb._records.needs import Needs
+from txlb._records.observer import IRequestObserver
 from txlb._records.summary import RequestRecord, parse_json_object
 from txlb._scheduling.budgets import TokenBudgets
 from txlb._scheduling.ratelimit import RateLimiter
@@ -29,6 +31,11 @@ from txlb._scheduling.request import RoutingRequest
 from txlb._scheduling.router import Router, RoutingError
 
 log = Logger()
+
+
+def needs_of(observer: IRequestObserver) -> Needs:
+    """What ``observer``'s readers need of an answer: all of it, if it does not say."""
+    return getattr(observer, "needs", Needs.TEXTS)
 
 
 class ProxyResource(Resource):
@@ -74,6 +81,7 @@ class ProxyResource(Resource):
             path=path,
             orid_header=request.getHeader(b"x-orid"),
             request_body=read_body(request),
+            needs=needs_of(self.context.observer),
         )
         if not record.path.startswith(b"/"):
             self._refuse(request, record, 400, "request target must be a path")
@@ -202,6 +210,7 @@ class ProxyResource(Resource):
             orid_header=request.getHeader(b"x-orid"),
             request_body=b"",
             outcome="proxy_error",
+            needs=needs_of(self.context.observer),
         )
         record.answered_by_proxy(status, body)
         record.ended = record.started

@@ -7,7 +7,9 @@ is handed to a declared list of :class:`SummaryConsumer`\\ s -- the pool's resul
 outlier accounting, the policy's ``observe``, the metrics, the dashboard's history, the
 result log and the token budgets.  The consumers are declared rather than called inline so
 that what a finished request costs follows from who reads it: with no consumer at all
-nothing is summarised.
+nothing is summarised, and each consumer declares what it reads of the answer
+(:class:`~txlb._records.needs.Needs`): the proxy captures and parses no more than the
+most any of them reads -- with the result log off, a stream's texts are never parsed.
 
 :class:`Bookkeeper` is the local :class:`~txlb._records.observer.IRequestObserver`: a
 single process's proxy reports to it directly, and a ``--workers`` supervisor feeds it what
@@ -25,6 +27,7 @@ from zope.interface import implementer
 from txlb._cluster.backend import Backend
 from txlb._cluster.pool import Pool
 from txlb._records.metrics import Metrics
+from txlb._records.needs import Needs
 from txlb._records.observer import IRequestObserver
 from txlb._records.outcome import RequestOutcome
 from txlb._records.summary import KEEP_ALL, Privacy, RequestRecord, Summary, summarize
@@ -49,6 +52,8 @@ class SummaryConsumer:
 
     name: str
     consume: Callable[[Summary, bool], object]
+    #: what it reads of the answer: all of it (the result log's texts) unless it says less
+    needs: Needs = Needs.TEXTS
 
 
 @attrs.frozen
@@ -61,6 +66,8 @@ class OutcomeConsumer:
 
     name: str
     consume: Callable[[RequestOutcome], object]
+    #: an outcome carries the answer's counts, never its texts
+    needs: Needs = Needs.USAGE
 
 
 Consumer = SummaryConsumer | OutcomeConsumer
@@ -83,6 +90,14 @@ class SummaryFeed:
     @property
     def consumers(self) -> tuple[Consumer, ...]:
         return tuple(self._consumers)
+
+    @property
+    def needs(self) -> Needs:
+        """
+        The most any consumer reads of an answer: what a request starting now captures
+        and parses of it (nothing while no one reads summaries).
+        """
+        return max((consumer.needs for consumer in self._consumers), default=Needs.NOTHING)
 
     def add(self, consumer: Consumer) -> None:
         """Declare one more reader of summaries (after those declared already)."""
@@ -153,7 +168,7 @@ def pool_results(pool: Pool) -> SummaryConsumer:
                 pool.record_prompt(backend, summary.prompt_tokens,
                                    summary.cached_prompt_tokens)
 
-    return SummaryConsumer("the pool's result counts", consume)
+    return SummaryConsumer("the pool's result counts", consume, Needs.USAGE)
 
 
 def policy_learns(pool: Pool, policy: IPolicy) -> OutcomeConsumer:
@@ -182,7 +197,7 @@ def budget_reconciles(budgets: TokenBudgets) -> OutcomeConsumer:
 
 def metrics_counts(metrics: Metrics) -> SummaryConsumer:
     """The Prometheus request counters and histograms."""
-    return SummaryConsumer("the metrics", metrics.observe)
+    return SummaryConsumer("the metrics", metrics.observe, Needs.USAGE)
 
 
 @implementer(IRequestObserver)
@@ -199,6 +214,10 @@ class Bookkeeper:
         self._metrics = metrics
         self._probe_soon = probe_soon
         self.summaries = summaries
+
+    @property
+    def needs(self) -> Needs:
+        return self.summaries.needs
 
     def ended(self, record: RequestRecord) -> None:
         self.summaries.ended(record)

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from zope.interface import Interface, implementer
+from zope.interface import Attribute, Interface, implementer
+
+from txlb._records.needs import Needs
 
 if TYPE_CHECKING:
     from txlb._cluster.backend import Backend
@@ -27,6 +29,11 @@ class IRequestObserver(Interface):
     raise into the caller's request path more than they can help: a bookkeeping bug must
     not fail a request (the proxy turns an exception before the answer's head into a 502).
     """
+
+    needs = Attribute(
+        "What its readers need of an answer (txlb._records.needs.Needs), read as each "
+        "request starts: the record captures no more.  Optional: an observer without it "
+        "gets everything.")
 
     def ended(record: RequestRecord) -> None:
         """A request finished, whichever way (answered, refused, failed, abandoned)."""
@@ -54,6 +61,8 @@ class IRequestObserver(Interface):
 @implementer(IRequestObserver)
 class NullObserver:
     """Hears everything, keeps nothing: a proxy built without anyone keeping its books."""
+
+    needs = Needs.NOTHING
 
     def ended(self, record: RequestRecord) -> None:
         pass

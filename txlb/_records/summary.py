@@ -1,12 +1,15 @@
 """
 What one finished request amounts to: the fields of its result-log line.
 
-Pure functions over bytes, kept apart from the writer so they can be tested (and fuzzed) on
-their own, and so that little runs per chunk: the proxy collects the first
-:data:`CAPTURE_LIMIT` bytes of the response and the last :data:`TAIL_LIMIT` beyond them
-(where a long stream's final ``usage`` is), counts the stream's events when a token
-budget will charge them (one ``bytes.count`` per chunk), and :func:`summarize` reads them
-once, when the request has ended.
+Kept apart from the writer so it can be tested (and fuzzed) on its own.  The proxy hands
+each relayed chunk to :meth:`RequestRecord.capture`, which keeps of the first
+:data:`CAPTURE_LIMIT` bytes what the summary's readers need (:class:`~txlb._records.needs.
+Needs`) and the last :data:`TAIL_LIMIT` beyond them (where a long stream's final ``usage``
+is), and counts the stream's events when a token budget will charge them (one
+``bytes.count`` per chunk).  A streamed answer is summarised as it passes
+(:class:`StreamCapture`: its events split and folded in chunk by chunk), so that
+:func:`summarize`, when the request has ended, has only a bounded remainder to read; a
+JSON answer or an error's body is kept and read there, once.
 """
 
 from __future__ import annotations
@@ -16,11 +19,15 @@ import hmac
 import json
 import re
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
+import orjson
 
 from txlb._records.escape import clip
+from txlb._records.needs import Needs
+from txlb._records.sse import EventSplitter, data_payload
 
 if TYPE_CHECKING:
     from txlb._config import Config
@@ -155,27 +162,65 @@ class RequestRecord:
     #: budget reserved for the request and will charge it), the one reader
     events: int = 0
     count_events: bool = False
+    #: what the readers of its summary need of the answer (:class:`~txlb._records.needs.
+    #: Needs`, the proxy's observer's): the capture keeps and parses no more than that
+    needs: Needs = Needs.TEXTS
+    #: an SSE answer summarised as it passes (``None``: the answer is kept raw in
+    #: ``response``, or not at all, and read at the end)
+    stream: StreamCapture | None = attrs.field(default=None, repr=False)
+    #: where captured bytes go: chosen at the first (``None`` until then)
+    _keep: Callable[[bytes], object] | None = attrs.field(default=None, init=False,
+                                                          repr=False)
 
     def answered_by_proxy(self, status: int, body: bytes) -> None:
-        """txlb answered this request itself, with ``status`` and the JSON ``body``."""
+        """
+        txlb answered this request itself, with ``status`` and the JSON ``body`` (only ever
+        before any of a backend's body reached the client: none was summarised).
+        """
         self.status = status
         self.content_type = b"application/json"
+        self.stream = self._keep = None  # the answer is txlb's now: chosen again
         self.capture(body)
+
+    def _choose_keeping(self) -> Callable[[bytes], object]:
+        """
+        What the first captured bytes decide: a 200 SSE answer of an LLM API is summarised
+        as it passes (:class:`StreamCapture`); another answer a reader will parse (a JSON
+        answer, an error's body for the result log) is kept raw for the end; nothing is
+        kept that no reader reads (:class:`~txlb._records.needs.Needs`).
+        """
+        needs = self.needs
+        api = API_PATHS.get(self.path)
+        if needs == Needs.NOTHING or (self.status == 200 and api is None):
+            return _ignore
+        if self.status != 200:
+            return self.response.append if needs >= Needs.TEXTS else _ignore
+        if api in _STREAM_FOLDS and (self.content_type or b"").startswith(
+                b"text/event-stream"):
+            self.stream = StreamCapture(api, self.chunked, texts=needs >= Needs.TEXTS)
+            return self.stream.feed
+        return self.response.append
 
     def capture(self, data: bytes) -> None:
         """
-        Keep ``data`` for the summary while under the limit, and the last
-        :data:`TAIL_LIMIT` bytes past it; count its events if asked to (called per chunk: cheap).
+        Keep ``data`` for the summary while under the limit -- raw, or folded into a
+        stream's running summary -- and the last :data:`TAIL_LIMIT` bytes past it; count
+        its events if asked to (called per chunk: cheap, and bounded per byte).
         """
         if self.count_events:
             self.events += data.count(b"data:")
+        keep = self._keep
+        if keep is None:
+            keep = self._keep = self._choose_keeping()
         room = CAPTURE_LIMIT - self.captured
         if len(data) > room:
             self.truncated = True
             if room > 0:
-                self.response.append(data[:room])
+                keep(data[:room])
                 self.captured += room
                 data = data[room:]
+            if keep is _ignore:
+                return
             if len(data) > TAIL_LIMIT:
                 data = data[-TAIL_LIMIT:]
             tail = self.tail
@@ -184,8 +229,12 @@ class RequestRecord:
             while len(tail) > 1 and self.tail_size - len(tail[0]) >= TAIL_LIMIT:
                 self.tail_size -= len(tail.popleft())
             return
-        self.response.append(data)
+        keep(data)
         self.captured += len(data)
+
+
+def _ignore(data: bytes) -> None:
+    """Where the bytes of an answer no reader parses go."""
 
 
 @attrs.frozen
@@ -238,14 +287,48 @@ def parse_json_object(body: bytes) -> dict[str, Any] | None:
     ``body`` as a JSON object, or ``None`` if it is not one -- nor one nested too deep for
     Python's recursive parser (RecursionError, not ValueError: a client or a backend
     choosing the depth must not get past this).
+
+    Parsed by orjson (C, several times faster than the standard library on the bodies
+    txlb reads); what orjson refuses is read by Python's ``json`` as it always was
+    (:func:`_stdlib_loads`), so every body gets the outcome it had.
     """
     if not body or body.lstrip()[:1] != b"{":
         return None
+    if _LONG_DIGITS in body.translate(_DIGITS):
+        # orjson reads an integer past 64 bits as a float: json keeps it whole (the
+        # alias rewriting writes the body again, an orid is the user's number)
+        return _stdlib_object(body)
     try:
-        value = json.loads(body)
+        value = orjson.loads(body)
+    except ValueError:  # orjson.JSONDecodeError
+        return _stdlib_object(body)
+    return value if value.__class__ is dict else None
+
+
+#: every digit as ``0``, anything else as ``x``: a run of 19 zeros is an integer that may
+#: not fit in 64 bits (found at C speed, about a nanosecond a byte)
+_DIGITS = bytes(0x30 if 0x30 <= byte <= 0x39 else 0x78 for byte in range(256))
+_LONG_DIGITS = b"0" * 19
+
+
+def _stdlib_object(body: bytes) -> dict[str, Any] | None:
+    value = _stdlib_loads(body)
+    return value if value.__class__ is dict else None
+
+
+def _stdlib_loads(body: bytes) -> object:
+    """
+    ``body`` read by Python's ``json``, or ``None``: for what orjson refuses and ``json``
+    reads -- ``NaN`` and ``Infinity``, lone surrogates escaped in a string, nesting past
+    orjson's 1,024 levels -- and integers past 64 bits, which orjson reads as floats; so
+    that orjson changes no outcome.  (A stream's events are parsed by orjson alone: the
+    numbers a summary reads of them are counts, and a count past 64 bits is none either
+    way.)
+    """
+    try:
+        return json.loads(body)
     except (ValueError, RecursionError):
         return None
-    return value if isinstance(value, dict) else None
 
 
 def _int_or_none(value: object) -> int | None:
@@ -314,20 +397,18 @@ _TIMINGS_TAIL = 3
 
 def _sse_payloads(data: bytes) -> list[dict[str, Any]]:
     """
-    The JSON objects of every ``data:`` line; ``[DONE]`` and broken events are skipped.
-
-    All events are parsed in one ``json.loads`` of a JSON array made of them -- about 2.5
-    times faster than one call per event for a typical 200-token stream, which matters
-    because this runs once for every streamed request.  A stream with any broken event
-    (or cut by the capture limit) falls back to parsing the events one by one.
+    The JSON objects of every ``data:`` line of a whole body; ``[DONE]`` and broken events
+    are skipped.  Each is parsed on its own (:func:`parse_json_object`), as a stream
+    summarised while it passes parses it (:class:`StreamCapture`).
     """
-    payloads = [line[5:] for line in data.split(b"\n") if line[:5] == b"data:"]
-    payloads = [p for p in payloads if b"[DONE]" not in p or p.strip() != b"[DONE]"]
-    try:
-        parsed = json.loads(b"[" + b",".join(payloads) + b"]")
-    except (ValueError, RecursionError):
-        return [event for event in map(parse_json_object, payloads) if event is not None]
-    return [event for event in parsed if isinstance(event, dict)]
+    events = []
+    for line in data.split(b"\n"):
+        payload = data_payload(line)
+        if payload is not None:
+            event = parse_json_object(payload)
+            if event is not None:
+                events.append(event)
+    return events
 
 
 @attrs.define
@@ -341,64 +422,84 @@ class _Completion:
     #: the answer was a stream (SSE), as the parser found it
     stream: bool = False
 
-    def add_events(self, events: list[dict[str, Any]], part: str) -> None:
-        """
-        Fold the events of a stream (``part="delta"``) or a whole answer (``"message"``)
-        in.  Only the first choice counts.  Written as one loop with no calls per event:
-        it runs over every token of every streamed request.  The prompt's counts are read
-        once, after it, from the last ``usage`` seen and the ``timings`` of the last few
-        events (where llama.cpp puts them), not looked up in every event.
-        """
-        content, reasoning = self.content, self.reasoning
-        last_usage = None
-        for event in events:
-            choices = event.get("choices")
-            if choices.__class__ is list:
-                for choice in choices:
-                    if choice.__class__ is not dict or choice.get("index", 0) != 0:
-                        continue
-                    holder = choice.get(part)
-                    if holder.__class__ is dict:
-                        text = holder.get("content")
-                        if text.__class__ is str:
-                            content.append(text)
-                        text = holder.get("reasoning_content") or holder.get("reasoning")
-                        if text.__class__ is str:
-                            reasoning.append(text)
-                    text = choice.get("text")  # /v1/completions
+
+class _ChatFold:
+    """
+    An OpenAI chat or completions answer, one event (or the whole JSON answer, with
+    ``part="message"``) at a time.  Only the first choice counts.  The prompt's counts are
+    read once, at the end, from the last ``usage`` seen and the ``timings`` of the last
+    :data:`_TIMINGS_TAIL` events (where llama.cpp puts them), not looked up per event.
+    """
+
+    __slots__ = ("completion", "_part", "_last_usage", "_timings", "_timings_at", "_seen")
+
+    def __init__(self, part: str = "delta", stream: bool = True) -> None:
+        self.completion = _Completion(stream=stream)
+        self._part = part
+        self._last_usage: object = None
+        self._timings: object = None
+        self._timings_at = 0
+        self._seen = 0
+
+    def add(self, event: dict[str, Any]) -> None:
+        completion = self.completion
+        self._seen += 1
+        choices = event.get("choices")
+        if choices.__class__ is list:
+            for choice in choices:
+                if choice.__class__ is not dict or choice.get("index", 0) != 0:
+                    continue
+                holder = choice.get(self._part)
+                if holder.__class__ is dict:
+                    text = holder.get("content")
                     if text.__class__ is str:
-                        content.append(text)
-                    finish = choice.get("finish_reason")
-                    if finish.__class__ is str:
-                        self.finish = finish
-            usage = event.get("usage")
-            if usage.__class__ is dict:
-                last_usage = usage
-                tokens = _int_or_none(usage.get("completion_tokens"))
-                if tokens is not None:
-                    self.completion_tokens = tokens
-        timings = None
-        for event in reversed(events[-_TIMINGS_TAIL:]):
-            found = event.get("timings")
-            if found.__class__ is dict:
-                timings = found
-                break
-        if last_usage is not None or timings is not None:
-            self.prompt_tokens, self.cached_prompt_tokens = _openai_prompt(last_usage, timings)
+                        completion.content.append(text)
+                    text = holder.get("reasoning_content") or holder.get("reasoning")
+                    if text.__class__ is str:
+                        completion.reasoning.append(text)
+                text = choice.get("text")  # /v1/completions
+                if text.__class__ is str:
+                    completion.content.append(text)
+                finish = choice.get("finish_reason")
+                if finish.__class__ is str:
+                    completion.finish = finish
+        usage = event.get("usage")
+        if usage.__class__ is dict:
+            self._last_usage = usage
+            tokens = _int_or_none(usage.get("completion_tokens"))
+            if tokens is not None:
+                completion.completion_tokens = tokens
+        found = event.get("timings")
+        if found.__class__ is dict:
+            self._timings, self._timings_at = found, self._seen
+
+    def skip(self) -> None:
+        """An event passed over unparsed (it holds no counts): it still moves the window
+        in which ``timings`` are read."""
+        self._seen += 1
+
+    def end(self) -> _Completion:
+        completion = self.completion
+        timings = self._timings if self._seen - self._timings_at < _TIMINGS_TAIL else None
+        if self._last_usage is not None or timings is not None:
+            completion.prompt_tokens, completion.cached_prompt_tokens = _openai_prompt(
+                self._last_usage, timings)
+        return completion
 
 
 def parse_completion(body: bytes, content_type: bytes | None) -> _Completion:
     """Content, reasoning, finish reason and usage from a plain JSON or an SSE response."""
-    completion = _Completion()
     stripped = body.lstrip()
     if (content_type or b"").startswith(b"text/event-stream") or stripped.startswith(b"data:"):
-        completion.stream = True
-        completion.add_events(_sse_payloads(body), "delta")
-    else:
-        answer = parse_json_object(body)
-        if answer is not None:
-            completion.add_events([answer], "message")
-    return completion
+        fold = _ChatFold()
+        for event in _sse_payloads(body):
+            fold.add(event)
+        return fold.end()
+    fold = _ChatFold("message", stream=False)
+    answer = parse_json_object(body)
+    if answer is not None:
+        fold.add(answer)
+    return fold.end()
 
 
 def _texts(blocks: object, kinds: tuple[str, ...], field: str = "text") -> list[str]:
@@ -447,39 +548,60 @@ _REASONING_DELTAS = frozenset({"response.reasoning_text.delta",
                                "response.reasoning_summary_text.delta"})
 
 
+class _ResponsesFold:
+    """
+    A Responses API stream, one event at a time.  Its stream is typed events, not chat's
+    choices: the text comes in ``response.output_text.delta`` events (reasoning in
+    ``response.reasoning_*``) and status and usage in the final ``response.completed`` (or
+    ``.incomplete``, ``.failed``), whose full output is used only when no delta was kept
+    (the capture may have cut them).
+    """
+
+    __slots__ = ("completion", "_final")
+
+    def __init__(self) -> None:
+        self.completion = _Completion(stream=True)
+        self._final: dict[str, Any] | None = None
+
+    def add(self, event: dict[str, Any]) -> None:
+        kind = event.get("type")
+        if kind.__class__ is not str:
+            return  # a list or an object cannot even be looked up among the kinds
+        delta = event.get("delta")
+        if kind == "response.output_text.delta" and delta.__class__ is str:
+            self.completion.content.append(delta)
+        elif kind in _REASONING_DELTAS and delta.__class__ is str:
+            self.completion.reasoning.append(delta)
+        elif kind in _RESPONSE_ENDS and event.get("response").__class__ is dict:
+            self._final = event["response"]
+
+    def skip(self) -> None:
+        """An event passed over unparsed: nothing to do."""
+
+    def end(self) -> _Completion:
+        completion = self.completion
+        if self._final is not None:
+            texts = not completion.content and not completion.reasoning
+            _fold_response(completion, self._final, texts)
+            self._final = None
+        return completion
+
+
 def parse_responses(body: bytes, content_type: bytes | None) -> _Completion:
-    """
-    A Responses API answer.  Its stream is typed events, not chat's choices: the text comes
-    in ``response.output_text.delta`` events (reasoning in ``response.reasoning_*``) and
-    status and usage in the final ``response.completed`` (or ``.incomplete``, ``.failed``),
-    whose full output is used only when no delta was kept (the capture may have cut them).
-    """
-    completion = _Completion()
+    """A Responses API answer: a whole JSON object, or its stream (:class:`_ResponsesFold`)."""
     if not _is_stream(body, content_type):
+        completion = _Completion()
         answer = parse_json_object(body)
         if answer is not None:
             _fold_response(completion, answer, texts=True)
         return completion
-    completion.stream = True
-    final = None
+    fold = _ResponsesFold()
     for event in _sse_payloads(body):
-        kind = event.get("type")
-        if kind.__class__ is not str:
-            continue  # a list or an object cannot even be looked up among the kinds
-        delta = event.get("delta")
-        if kind == "response.output_text.delta" and delta.__class__ is str:
-            completion.content.append(delta)
-        elif kind in _REASONING_DELTAS and delta.__class__ is str:
-            completion.reasoning.append(delta)
-        elif kind in _RESPONSE_ENDS and event.get("response").__class__ is dict:
-            final = event["response"]
-    if final is not None:
-        texts = not completion.content and not completion.reasoning
-        _fold_response(completion, final, texts)
-    return completion
+        fold.add(event)
+    return fold.end()
 
 
-def parse_messages(body: bytes, content_type: bytes | None) -> _Completion:
+class _MessagesFold:
     """
     A Messages API (Anthropic-style) answer: ``text`` and ``thinking`` content blocks,
     ``stop_reason`` and ``usage.output_tokens``; streamed as ``content_block_*`` events,
@@ -489,31 +611,44 @@ def parse_messages(body: bytes, content_type: bytes | None) -> _Completion:
     ``cache_read_input_tokens`` (each taken from the last event that says it: a stream's
     ``message_start``, then its ``message_delta``).
     """
-    completion = _Completion()
-    blocks: list[object] = []  # content blocks, and stream deltas, in order
-    ends: list[dict[str, Any]] = []  # what holds stop_reason and usage
-    if _is_stream(body, content_type):
-        completion.stream = True
-        for event in _sse_payloads(body):
-            kind = event.get("type")
-            if kind == "message_start" and isinstance(event.get("message"), dict):
-                ends.append(event["message"])
-            elif kind in ("content_block_start", "content_block_delta"):
-                blocks.append(event.get("content_block") or event.get("delta"))
-            elif kind == "message_delta":
-                delta = event.get("delta")
-                ends.append({**(delta if isinstance(delta, dict) else {}),
-                             "usage": event.get("usage")})
-    else:
-        answer = parse_json_object(body)
-        if answer is not None:
-            content = answer.get("content")
-            blocks.extend(content if isinstance(content, list) else [])
-            ends.append(answer)
-    completion.content.extend(_texts(blocks, ("text", "text_delta")))
-    completion.reasoning.extend(_texts(blocks, ("thinking", "thinking_delta"), "thinking"))
-    inputs: dict[str, int] = {}
-    for end in ends:
+
+    __slots__ = ("completion", "_inputs")
+
+    def __init__(self, stream: bool = True) -> None:
+        self.completion = _Completion(stream=stream)
+        self._inputs: dict[str, int] = {}
+
+    def add(self, event: dict[str, Any]) -> None:
+        """One event of a stream."""
+        kind = event.get("type")
+        if kind == "message_start" and isinstance(event.get("message"), dict):
+            self._end_part(event["message"])
+        elif kind in ("content_block_start", "content_block_delta"):
+            self._block(event.get("content_block") or event.get("delta"))
+        elif kind == "message_delta":
+            delta = event.get("delta")
+            self._end_part({**(delta if isinstance(delta, dict) else {}),
+                            "usage": event.get("usage")})
+
+    def add_answer(self, answer: dict[str, Any]) -> None:
+        """The whole JSON answer."""
+        content = answer.get("content")
+        for block in content if isinstance(content, list) else ():
+            self._block(block)
+        self._end_part(answer)
+
+    def _block(self, block: object) -> None:
+        if not isinstance(block, dict):
+            return
+        kind = block.get("type")
+        if kind in ("text", "text_delta") and isinstance(block.get("text"), str):
+            self.completion.content.append(block["text"])
+        if kind in ("thinking", "thinking_delta") and isinstance(block.get("thinking"), str):
+            self.completion.reasoning.append(block["thinking"])
+
+    def _end_part(self, end: dict[str, Any]) -> None:
+        """What holds stop_reason and usage: a message, or a stream's message_delta."""
+        completion = self.completion
         if isinstance(end.get("stop_reason"), str):
             completion.finish = end["stop_reason"]
         usage = end.get("usage")
@@ -524,17 +659,108 @@ def parse_messages(body: bytes, content_type: bytes | None) -> _Completion:
             for name in _MESSAGES_INPUTS:
                 tokens = _count(_int_or_none(usage.get(name)))
                 if tokens is not None:
-                    inputs[name] = tokens
-    if "input_tokens" in inputs:
-        read = inputs.get("cache_read_input_tokens")
-        completion.prompt_tokens, completion.cached_prompt_tokens = _prompt_counts(
-            _sum_counts(inputs["input_tokens"], read or 0,
-                        inputs.get("cache_creation_input_tokens", 0)), read)
-    return completion
+                    self._inputs[name] = tokens
+
+    def skip(self) -> None:
+        """An event passed over unparsed: nothing to do."""
+
+    def end(self) -> _Completion:
+        completion, inputs = self.completion, self._inputs
+        if "input_tokens" in inputs:
+            read = inputs.get("cache_read_input_tokens")
+            completion.prompt_tokens, completion.cached_prompt_tokens = _prompt_counts(
+                _sum_counts(inputs["input_tokens"], read or 0,
+                            inputs.get("cache_creation_input_tokens", 0)), read)
+        return completion
+
+
+def parse_messages(body: bytes, content_type: bytes | None) -> _Completion:
+    """A Messages API answer: a whole JSON object, or its stream (:class:`_MessagesFold`)."""
+    if _is_stream(body, content_type):
+        fold = _MessagesFold()
+        for event in _sse_payloads(body):
+            fold.add(event)
+        return fold.end()
+    fold = _MessagesFold(stream=False)
+    answer = parse_json_object(body)
+    if answer is not None:
+        fold.add_answer(answer)
+    return fold.end()
 
 
 #: the Messages API's three parts of a prompt: uncached, read from the cache, written to it
 _MESSAGES_INPUTS = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+
+#: the APIs whose streams are summarised as they pass, and the fold of each
+_STREAM_FOLDS: dict[str, Callable[[], _ChatFold | _ResponsesFold | _MessagesFold]] = {
+    "chat": _ChatFold,
+    "responses": _ResponsesFold,
+    "messages": _MessagesFold,
+}
+#: what an event must hold to be parsed when only the answer's counts are read
+#: (:attr:`Needs.USAGE`): ``usage`` (every API puts its token counts there) or llama.cpp's
+#: ``timings``
+_COUNTS = (b"usage", b"timings")
+
+
+class StreamCapture:
+    """
+    An SSE answer summarised as it passes, so its end costs no more than its last line.
+
+    Fed the captured bytes (``feed``, per chunk: the splitter's own), it splits them into
+    events (:class:`~txlb._records.sse.EventSplitter`) and parses and folds in each at once
+    -- when the texts are read (``texts``: the result log); otherwise only the events that
+    hold ``usage`` or ``timings``, the counts the other readers use, and none is kept.
+    :meth:`finish` gives the completion :func:`summarize` reads of a whole capture (the
+    tail's whole lines included).  ``parsed`` and ``parsed_at_end`` count the payload bytes
+    parsed (all of them, and in :meth:`finish`): what the summary cost, observable.
+    """
+
+    __slots__ = ("_fold", "_splitter", "_result", "parsed", "parsed_at_end", "feed")
+
+    def __init__(self, api: str, chunked: bool, texts: bool) -> None:
+        self._fold = _STREAM_FOLDS[api]()
+        self._splitter = EventSplitter(self._parse if texts else self._counts, chunked)
+        self._result: _Completion | None = None
+        self.parsed = 0
+        self.parsed_at_end = 0
+        self.feed = self._splitter.feed
+
+    def _parse(self, payload: bytes) -> None:
+        self.parsed += len(payload)
+        if payload[:2] != b" {" and payload.lstrip()[:1] != b"{":
+            return
+        try:
+            event = orjson.loads(payload)
+        except ValueError:
+            event = _stdlib_loads(payload)
+        if event.__class__ is dict:
+            self._fold.add(event)
+
+    def _counts(self, payload: bytes) -> None:
+        """Only the counts are read: an event without them is passed over, unparsed."""
+        if _COUNTS[0] in payload or _COUNTS[1] in payload:
+            self._parse(payload)
+        else:
+            self._fold.skip()
+
+    def finish(self, tail: bytes | None) -> _Completion:
+        """
+        The completion, once the answer is over: the line the feed ended in (or, when the
+        capture stopped part-way, the whole lines of ``tail``, the bytes past it) -- a
+        bounded amount parsed here, whatever the answer's length.  Idempotent.
+        """
+        if self._result is not None:
+            return self._result
+        before = self.parsed
+        if tail is None:
+            self._splitter.close()
+        else:
+            self._splitter.drop_partial()
+            self._splitter.lines(tail)
+        self.parsed_at_end = self.parsed - before
+        self._result = self._fold.end()
+        return self._result
 
 
 def _is_stream(body: bytes, content_type: bytes | None) -> bool:
@@ -605,18 +831,50 @@ def dechunk(framed: bytes) -> bytes:
     return b"".join(parts)
 
 
+def _tail_lines(record: RequestRecord) -> bytes | None:
+    """
+    The whole lines of the bytes past the capture (``None`` if it held the whole answer):
+    the first and last may be cut, and are left out, so every event parsed is whole.
+    """
+    if not record.tail:
+        return None
+    tail = b"".join(record.tail)
+    return tail[tail.find(b"\n") + 1:tail.rfind(b"\n") + 1]
+
+
+def _request_of(record: RequestRecord) -> dict[str, Any] | None:
+    """
+    The request body as a JSON object: the routing's parse of it when there was one (the
+    body forwarded is the one it parsed), else parsed here -- only for a reader of the
+    texts, the one reader of what the request asked (its ``user``, ``max_tokens``, keys).
+    """
+    routing = record.routing
+    if routing is not None and routing.body is record.request_body:
+        found = routing.json
+        return found if found.__class__ is dict else None
+    if record.needs < Needs.TEXTS:
+        return None
+    return parse_json_object(record.request_body)
+
+
 def summarize(record: RequestRecord, privacy: Privacy = KEEP_ALL) -> Summary:
-    """Turn what the proxy saw into the fields of the log line, keeping what ``privacy`` allows."""
-    request = parse_json_object(record.request_body)
-    body = b"".join(record.response)
-    if record.chunked:
-        body = dechunk(body)
-    if record.tail and _is_stream(body, record.content_type):
-        # a stream longer than the capture: its last whole events too, where its usage is
-        # (each part cut at a line's end, so every event parsed is whole)
-        tail = b"".join(record.tail)
-        body = (body[:body.rfind(b"\n") + 1] + b"\n"
-                + tail[tail.find(b"\n") + 1:tail.rfind(b"\n") + 1])
+    """
+    Turn what the proxy saw into the fields of the log line, keeping what ``privacy``
+    allows, and reading of the answer what its readers need (``record.needs``).  A stream
+    was summarised as it passed (:class:`StreamCapture`): what is left here is its last
+    line, or the whole lines of the tail past the capture -- bounded, whatever its length.
+    """
+    request = _request_of(record)
+    stream = record.stream
+    texts = record.needs >= Needs.TEXTS
+    body = b"" if stream is not None else b"".join(record.response)
+    if stream is None:
+        if record.chunked:
+            body = dechunk(body)
+        if record.tail and _is_stream(body, record.content_type):
+            # a stream longer than the capture: its last whole events too, where its usage
+            # is (each part cut at a line's end, so every event parsed is whole)
+            body = body[:body.rfind(b"\n") + 1] + b"\n" + (_tail_lines(record) or b"")
     status = record.status if record.status is not None else 499
     common: dict[str, Any] = {
         "time": record.ended,
@@ -646,15 +904,19 @@ def summarize(record: RequestRecord, privacy: Privacy = KEEP_ALL) -> Summary:
     if api == "embeddings":
         return _embedding(body, common)
 
-    if api == "responses":
+    if stream is not None:
+        completion = stream.finish(_tail_lines(record))
+    elif api == "responses":
         completion = parse_responses(body, record.content_type)
     elif api == "messages":
         completion = parse_messages(body, record.content_type)
     else:
         completion = parse_completion(body, record.content_type)
-    content = "".join(completion.content)
-    reasoning = "".join(completion.reasoning)
-    visible = _THINK_BLOCK.sub("", content).strip()
+    content = reasoning = visible = ""
+    if texts:
+        content = "".join(completion.content)
+        reasoning = "".join(completion.reasoning)
+        visible = _THINK_BLOCK.sub("", content).strip()
     max_tokens = None
     thinking = False
     if request is not None:
@@ -666,7 +928,9 @@ def summarize(record: RequestRecord, privacy: Privacy = KEEP_ALL) -> Summary:
         thinking = _asked_to_think(request)
     return Summary(
         kind="completion",
-        finish=None if completion.finish is None else clip(completion.finish, MAX_FINISH),
+        # the finish reason, like the texts, is the result log's alone
+        finish=None if completion.finish is None or not texts else clip(completion.finish,
+                                                                          MAX_FINISH),
         completion_tokens=_count(completion.completion_tokens),
         prompt_tokens=completion.prompt_tokens,
         cached_prompt_tokens=completion.cached_prompt_tokens,

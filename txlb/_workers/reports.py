@@ -20,6 +20,7 @@ from zope.interface import implementer
 from txlb._cluster.backend import Backend
 from txlb._cluster.pool import Pool
 from txlb._records.bookkeeper import Bookkeeper, SummaryConsumer, SummaryFeed
+from txlb._records.needs import Needs
 from txlb._records.observer import IRequestObserver
 from txlb._records.summary import KEEP_ALL, Privacy, RequestRecord, Summary
 from txlb._scheduling.budgets import TokenBudgets
@@ -53,6 +54,11 @@ class SupervisorForwarder:
         self._send = send
         self.summaries = SummaryFeed(privacy, [
             SummaryConsumer("the pipe to the supervisor", self._finished)])
+
+    @property
+    def needs(self) -> Needs:
+        """The supervisor may write the result log: the pipe's consumer reads it all."""
+        return self.summaries.needs
 
     def _finished(self, summary: Summary, answered: bool) -> None:
         self._send(Finished(summary, answered))
