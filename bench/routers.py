@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent.parent
+ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / "bench" / ".venv-routers"
 
 #: What is installed there: the versions the results were measured with.
