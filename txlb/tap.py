@@ -35,6 +35,7 @@ from txlb._config import (
     is_loopback_endpoint,
 )
 from txlb._reload import ConfigSource, ReloadRefused
+from txlb._server.heap import FreezeHeapOnStart
 from txlb._server.quiet import QuietAcceptErrors
 from txlb._server.reactor import describe, install_by_default
 from txlb._server.site import LimitedRequest, ProxyChannel
@@ -288,6 +289,7 @@ def makeService(options: Options) -> IService:
     _CleanExitOnSignals(reactor).setServiceParent(top)
     _ReloadOnHangup(reactor, balancer).setServiceParent(top)
     _ListeningService("listen", config.listen, balancer.site(), reactor).setServiceParent(top)
+    FreezeHeapOnStart(reactor).setServiceParent(top)
     return top
 
 
@@ -337,4 +339,5 @@ def _supervised(config: Config, reactor: Any, source: ConfigSource | None) -> IS
     _CleanExitOnSignals(reactor).setServiceParent(top)
     _ReloadOnHangup(reactor, balancer).setServiceParent(top)
     supervisor.setServiceParent(top)
+    FreezeHeapOnStart(reactor).setServiceParent(top)
     return top

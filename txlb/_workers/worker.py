@@ -62,6 +62,7 @@ from txlb._compat import adopt_listening_port
 from txlb._config import Config
 from txlb._records.bookkeeper import budget_reconciles, policy_learns
 from txlb._records.summary import privacy_of
+from txlb._server.heap import freeze_heap
 from txlb._server.quiet import summarise_accept_errors
 from txlb._workers.relay import WorkerRelay, WorkerStore, take_levels
 from txlb._workers.reports import SupervisorForwarder
@@ -329,6 +330,7 @@ class SupervisorLink(Protocol):
         AdoptedPort(self.reactor, LISTEN_FD, hello.family,
                     balancer.site()).setServiceParent(services)
         services.startService()
+        freeze_heap()  # the worker's start-up state, out of the collector's walks
         self.report(Ready(os.getpid()))
 
     def stop(self, why: str) -> None:
