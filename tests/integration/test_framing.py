@@ -86,8 +86,15 @@ def check_refusal_bodies(test: Any, case: Case,
         test.assertEqual(headers.get(b"connection"), b"close", case.name)
 
 
-class InMemoryFramingTests(SynchronousTestCase):
-    """Each case against the real channel, deterministically."""
+class _InMemoryFraming:
+    """
+    Each case against a real main-port server over a ``StringTransport``, deterministically;
+    one subclass per server path, each held to the same table.
+    """
+
+    def server(self, lb: LoadBalancer) -> Any:
+        """The server factory under test, for ``lb``."""
+        raise NotImplementedError
 
     def run_case(self, case: Case) -> None:
         clock = Clock()
@@ -95,7 +102,7 @@ class InMemoryFramingTests(SynchronousTestCase):
         lb = LoadBalancer(["127.0.0.1:8002"], reactor=clock, agent=upstream,
                           probe_agent=FakeUpstream(), log_file="none", max_body="1KiB",
                           header_timeout=HEADER_TIMEOUT)
-        client = ClientConnection(lb.site())
+        client = ClientConnection(self.server(lb))
         client.send(case.raw)
         answered = 0
         while answered < len(upstream.calls):  # answer each forwarded request in turn
@@ -137,7 +144,7 @@ class InMemoryFramingTests(SynchronousTestCase):
         lb = LoadBalancer(["127.0.0.1:8002"], reactor=clock, agent=upstream,
                           probe_agent=FakeUpstream(), log_file="none")
         records = keep_records(lb)
-        client = ClientConnection(lb.site())
+        client = ClientConnection(self.server(lb))
         client.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
                     b"Transfer-Encoding: identity\r\n\r\n")
         self.assertEqual([(r.method, r.path, r.status) for r in records],
@@ -149,7 +156,7 @@ class InMemoryFramingTests(SynchronousTestCase):
         upstream = FakeUpstream()
         lb = LoadBalancer(["127.0.0.1:8002"], reactor=clock, agent=upstream,
                           probe_agent=FakeUpstream(), log_file="none")
-        client = ClientConnection(lb.site())
+        client = ClientConnection(self.server(lb))
         client.send(b"POST /t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: identity\r\n\r\n")
         written = client.transport.value()
         client.send(b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -165,7 +172,7 @@ class InMemoryFramingTests(SynchronousTestCase):
         upstream = FakeUpstream()
         lb = LoadBalancer(["127.0.0.1:8002"], reactor=clock, agent=upstream,
                           probe_agent=FakeUpstream(), log_file="none")
-        client = ClientConnection(lb.site())
+        client = ClientConnection(self.server(lb))
         client.transport.loseConnection = lambda: None  # type: ignore[method-assign]
         client.send(b"GET /t HTTP/1.1\r\nHost: a\r\nHost: b\r\nX-A: 1\r\n\r\n"
                     b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -175,6 +182,20 @@ class InMemoryFramingTests(SynchronousTestCase):
         self.assertEqual(describe(responses), (400,))
         self.assertEqual(rest, b"")
         self.assertEqual(upstream.calls, [])
+
+
+class LeanInMemoryFramingTests(_InMemoryFraming, SynchronousTestCase):
+    """The main port's lean server (what ``twistd llmlb`` listens with)."""
+
+    def server(self, lb: LoadBalancer) -> Any:
+        return lb.main_factory()
+
+
+class TwistedWebInMemoryFramingTests(_InMemoryFraming, SynchronousTestCase):
+    """twisted.web's server, as an embedder gets it from ``lb.site()``."""
+
+    def server(self, lb: LoadBalancer) -> Any:
+        return lb.site()
 
 
 def exchange(port: int, case: Case, deadline: float) -> tuple[bytes, bool]:
