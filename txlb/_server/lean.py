@@ -432,6 +432,15 @@ class LeanChannel(Protocol):
         headers = request.responseHeaders
         headers.setRawHeaders(b"Server", [server_version])
         headers.setRawHeaders(b"Date", [self.site.date.now()])
+        if request.uri == b"*":
+            # RFC 9110 9.3.7: "OPTIONS *" asks about the server, not a resource; answered
+            # here, as twisted.web answers it: 200, or 405 to any other method
+            if request.method != b"OPTIONS":
+                request.setResponseCode(405)
+                headers.setRawHeaders(b"Allow", [b"OPTIONS"])
+            headers.setRawHeaders(b"Content-Length", [b"0"])
+            request.finish()
+            return
         try:
             result = self.site.resource.render(request)
         except Exception:
