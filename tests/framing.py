@@ -106,6 +106,17 @@ CASES: tuple[Case, ...] = (
     Case("HTTP/1.0 keep-alive still closes",
          _get(b"/t", b"Connection: keep-alive", version=b"HTTP/1.0") + SMUGGLED,
          (BACKEND,), True, (GET_T,)),
+    # -- Upgrade: txlb does not switch protocols (llhttp stops at such a head) -----------
+    Case("Upgrade without a body, then a pipelined request",
+         _get(b"/a", b"Connection: Upgrade", b"Upgrade: h2c") + _get(b"/b"),
+         (BACKEND, BACKEND), False, (Sent(b"GET", b"/a"), Sent(b"GET", b"/b"))),
+    Case("Upgrade with a Content-Length body, then a pipelined request",
+         _post(b"Connection: Upgrade", b"Upgrade: h2c", b"Content-Length: 5") + b"hello"
+         + _get(b"/next"), (BACKEND, BACKEND), False, (POST_HELLO, Sent(b"GET", b"/next"))),
+    Case("an Upgrade request's body is its body, not a request",
+         _post(b"Connection: Upgrade", b"Upgrade: websocket",
+               b"Content-Length: %d" % len(SMUGGLED)) + SMUGGLED,
+         (BACKEND,), False, (Sent(b"POST", b"/t", SMUGGLED),)),
     # -- Transfer-Encoding: only "chunked", once, on HTTP/1.1 ------------------------------
     Case("TE identity (no length) smuggles nothing",
          _post(b"Transfer-Encoding: identity") + SMUGGLED, (400,), True),
@@ -194,6 +205,11 @@ CASES: tuple[Case, ...] = (
     Case("unknown version", b"GET /t HTTP/1.2\r\nHost: x\r\n\r\n", (400,), True),
     Case("lowercase version", b"GET /t http/1.1\r\nHost: x\r\n\r\n", (400,), True),
     Case("no version", b"GET /t\r\nHost: x\r\n\r\n", (400,), True),
+    Case("two spaces before the version", b"GET /t  HTTP/1.1\r\nHost: x\r\n\r\n", (400,),
+         True),
+    Case("a space after the version", b"GET /t HTTP/1.1 \r\nHost: x\r\n\r\n", (400,), True),
+    Case("leading empty lines, then two spaces", b"\r\n\r\nGET  /t HTTP/1.1\r\nHost: x\r\n\r\n",
+         (400,), True),
     Case("non-token method", b"G(T /t HTTP/1.1\r\nHost: x\r\n\r\n", (400,), True),
     # -- Host ------------------------------------------------------------------------------
     Case("HTTP/1.1 without Host", _get(host=False), (400,), True),

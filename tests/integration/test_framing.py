@@ -1,7 +1,9 @@
 """
-Request framing on the main port: every case of :mod:`tests.framing`, in memory (the real
-``ProxySite`` channel over a ``StringTransport``, a fake upstream, a Clock) and once against
-the real ``twistd -n llmlb`` on loopback sockets.
+Request framing on every server path -- the lean main port (:mod:`txlb._server.lean`) and
+twisted.web's (``lb.site()``, the embedding path): every case of :mod:`tests.framing`, with
+the same expected answers for both, in memory (each server over a ``StringTransport``, a
+fake upstream, a Clock) and over loopback sockets (the real ``twistd -n llmlb``; ``lb.site()``
+listening in process).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from txlb import LoadBalancer
 
 from ..framing import BACKEND, CASES, Case, Sent
 from ..helpers import ClientConnection, FakeResponse, FakeUpstream, keep_records
-from ..processes import Client, TwistdProcess
+from ..processes import TwistdProcess
 from .test_integration import Fleet
 
 HEADER_TIMEOUT = 5.0
@@ -229,27 +231,20 @@ def exchange(port: int, case: Case, deadline: float) -> tuple[bytes, bool]:
         raise AssertionError(f"{case.name}: no end within the deadline: {received[:300]!r}")
 
 
-class RealProcessFramingTests(TestCase):
-    """The whole table over real sockets, against ``twistd -n llmlb``."""
+class _OverSockets:
+    """The whole table over real loopback sockets, against one server path."""
 
     timeout = 120
 
-    @defer.inlineCallbacks
-    def test_every_case_over_a_socket(self) -> Any:
-        fleet = Fleet(self, 1)
-        lb = TwistdProcess("--backends", ",".join(fleet.keys), "--max-body", "1KiB",
-                           "--header-timeout", "1")
-        self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
-        yield defer.ensureDeferred(lb.started())
-        client = Client()
-        self.addCleanup(client.pool.closeCachedConnections)
-        sim = fleet.sims[0]
+    def check_table(self, port: int, sim: Any) -> Any:
+        """Every case on a fresh connection to ``port``, forwarded to ``sim``."""
+        test: Any = self
         failures = []
         for case in CASES:
             before = len(sim.requests)
             try:
                 raw, closed = yield threads.deferToThread(
-                    exchange, lb.port, case, time.monotonic() + 3)
+                    exchange, port, case, time.monotonic() + 3)
             except AssertionError as error:
                 failures.append(str(error))
                 continue
@@ -266,10 +261,41 @@ class RealProcessFramingTests(TestCase):
                 failures.append(f"{case.name}: {outcome} != "
                                 f"{(case.answers, case.closed, expected)}")
             try:
-                check_refusal_bodies(self, case, responses)
-            except (self.failureException, ValueError, KeyError) as error:
+                check_refusal_bodies(test, case, responses)
+            except (test.failureException, ValueError, KeyError) as error:
                 failures.append(f"{case.name}: {error!r}"[:300])
-        self.assertFalse(failures, "\n".join(failures))
+        test.assertFalse(failures, "\n".join(failures))
+        test.assertNotIn(b"/smuggled", [r.path for r in sim.requests])
+
+
+class RealProcessFramingTests(_OverSockets, TestCase):
+    """The lean main port of the real ``twistd -n llmlb``."""
+
+    @defer.inlineCallbacks
+    def test_every_case_over_a_socket(self) -> Any:
+        fleet = Fleet(self, 1)
+        lb = TwistdProcess("--backends", ",".join(fleet.keys), "--max-body", "1KiB",
+                           "--header-timeout", "1")
+        self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
+        yield defer.ensureDeferred(lb.started())
+        yield from self.check_table(lb.port, fleet.sims[0])
         self.assertIsNone(lb.process.poll(), "the balancer died")
         self.assertNotIn("Traceback", lb.output())
-        self.assertNotIn(b"/smuggled", [r.path for r in sim.requests])
+
+
+class TwistedWebFramingTests(_OverSockets, TestCase):
+    """The embedding path: ``lb.site()`` (twisted.web over ``lb.resource()``) in process."""
+
+    @defer.inlineCallbacks
+    def test_every_case_over_a_socket(self) -> Any:
+        from twisted.internet import reactor
+
+        fleet = Fleet(self, 1)
+        lb = LoadBalancer(fleet.keys, reactor=reactor, max_body="1KiB", header_timeout=1,
+                          log_file="none")
+        service = lb.service()
+        service.startService()
+        self.addCleanup(service.stopService)
+        port = reactor.listenTCP(0, lb.site(), interface="127.0.0.1")
+        self.addCleanup(port.stopListening)
+        yield from self.check_table(port.getHost().port, fleet.sims[0])

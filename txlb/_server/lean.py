@@ -106,7 +106,7 @@ class _Head:
 
     __slots__ = ("url", "headers", "size", "count", "host_lines", "codings",
                  "content_length", "connection", "expect", "body", "body_size",
-                 "request", "version")
+                 "request", "version", "upgrade")
 
     def __init__(self) -> None:
         self.url = b""
@@ -123,6 +123,8 @@ class _Head:
         #: set when the head is complete
         self.request: LeanRequest | None = None
         self.version = b""
+        #: llhttp saw a request asking to switch protocols, and does not read its body
+        self.upgrade = False
 
 
 class _DateCache:
@@ -167,6 +169,8 @@ class LeanChannel(Protocol):
         self._continue_sent = False
         #: the start of a request line not yet ended by CRLF (see _check_request_line)
         self._line: bytes | None = None
+        #: a request asking to switch protocols whose body is still being read
+        self._upgrading: _Head | None = None
 
     # -- the connection -------------------------------------------------------------------
 
@@ -186,7 +190,7 @@ class LeanChannel(Protocol):
     def dataReceived(self, data: bytes) -> None:
         if self._closing:
             return  # refused or closing: whatever follows is never parsed, so never forwarded
-        if self._line is not None or self._head is None:
+        if self._upgrading is None and (self._line is not None or self._head is None):
             data = self._check_request_line(data)
             if not data:
                 self._advance()
@@ -231,16 +235,21 @@ class LeanChannel(Protocol):
     def _feed(self, data: bytes) -> None:
         parser = self._parser
         while True:
+            if self._upgrading is not None:
+                data = self._upgrade_body(data)
+                if not data or self._closing:
+                    return
             try:
                 parser.feed_data(data)
                 return
             except HttpParserUpgrade as upgrade:
                 # llhttp stops after the head of a request asking to switch protocols
-                # (``Upgrade``, CONNECT); txlb does not switch: the request was completed
-                # like any other (a body was refused), and parsing goes on after it
+                # (``Upgrade``, CONNECT) and leaves its body unread.  txlb does not switch
+                # (``Upgrade`` is hop-by-hop): the body is read here, by its
+                # Content-Length, and parsing goes on after it, as twisted.web does
                 offset = upgrade.args[0] if upgrade.args else len(data)
                 data = data[offset:]
-                if not data or self._closing:
+                if self._closing or not (data or self._upgrading is not None):
                     return
             except HttpParserCallbackError as error:
                 cause = error.__context__
@@ -252,6 +261,25 @@ class LeanChannel(Protocol):
             except HttpParserError as error:
                 self._malformed(str(error))
                 return
+
+    def _upgrade_body(self, data: bytes) -> bytes:
+        """The body of a request llhttp left unread (see :meth:`_feed`); what follows it."""
+        head = self._upgrading
+        assert head is not None and head.content_length is not None
+        wanted = head.content_length - head.body_size
+        if wanted > 0 and data:
+            taken = data[:wanted]
+            head.body.append(taken)
+            head.body_size += len(taken)
+            data = data[len(taken):]
+        if head.body_size < head.content_length:
+            return b""
+        self._upgrading = None
+        try:
+            self._complete(head)
+        except _Stop:
+            return b""
+        return data
 
     def _malformed(self, reason: str) -> None:
         """llhttp refused the bytes: 400 -- or 413 for a length no limit could allow."""
@@ -363,9 +391,13 @@ class LeanChannel(Protocol):
         if head.host_lines == 0 and version == "1.1":
             self._refuse_now(400, "an HTTP/1.1 request must have a Host header")
         chunked = bool(head.codings)
-        if parser.should_upgrade() and (chunked or head.content_length):
-            # llhttp would leave the body unread, to be taken for the next request
-            self._refuse_now(400, "a request asking to switch protocols may not have a body")
+        if parser.should_upgrade():
+            head.upgrade = True
+            if chunked:
+                # llhttp leaves the body unread, and its chunks are not worth a second
+                # parser here: refused, where twisted.web would read and forward it
+                self._refuse_now(400, "a request asking to switch protocols may not "
+                                      "have a chunked body")
         limit = self.site.max_body
         length = head.content_length
         if limit and length is not None and length > limit:
@@ -396,7 +428,15 @@ class LeanChannel(Protocol):
     def on_message_complete(self) -> None:
         head, self._head = self._head, None
         assert head is not None and head.request is not None
+        if head.upgrade and head.content_length:
+            self._upgrading = head  # its body comes after the upgrade pause (see _feed)
+            return
+        self._complete(head)
+
+    def _complete(self, head: _Head) -> None:
+        """``head``'s request is whole: in line for its answer."""
         request = head.request
+        assert request is not None
         body = head.body
         request.content = BytesIO(body[0] if len(body) == 1 else b"".join(body))
         self._queue.append(request)
@@ -475,7 +515,7 @@ class LeanChannel(Protocol):
 
     def _maybe_continue(self) -> None:
         """``100 Continue`` for a body that is wanted, once the answers before it are out."""
-        head = self._head
+        head = self._head or self._upgrading
         if (head is None or head.request is None or self._continue_sent or self._closing
                 or self._current is not None or self._queue or self.transport is None):
             return
