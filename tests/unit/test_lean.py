@@ -67,13 +67,36 @@ class HeadDeadlineTests(LeanTestCase):
         self.assertEqual([c for c in self.clock.getDelayedCalls()
                           if "head_too_slow" in repr(c.func)], [])
 
-    def test_an_idle_kept_alive_connection_has_no_deadline(self) -> None:
+    def test_an_idle_kept_alive_connection_has_no_head_deadline(self) -> None:
         client = self.client()
         client.send(GET)
         self.answer(0).end()
-        self.clock.advance(3600)
+        self.clock.advance(59)
         self.assertFalse(client.transport.disconnecting)
-        self.assertEqual(self.clock.getDelayedCalls(), [])
+        self.assertEqual(client.transport.value().count(b"HTTP/1.1 "), 1)  # no 408
+
+    def test_an_idle_connection_is_closed_after_60s_a_held_stream_is_not(self) -> None:
+        idle = self.client()
+        streaming = self.client()
+        streaming.send(GET)
+        stream = self.answer(0, b"data: 1\n\n", length=False)
+        self.clock.advance(30)
+        idle.send(b"\r\n")  # bytes reset the idle clock
+        self.clock.advance(59)
+        self.assertFalse(idle.transport.disconnecting)
+        self.clock.advance(1)
+        self.assertTrue(idle.transport.disconnecting)
+        self.assertEqual(idle.transport.value(), b"")
+        for _ in range(20):  # ten minutes of a stream: the client sends nothing meanwhile
+            self.clock.advance(30)
+            stream.send(b"data: 2\n\n")
+        self.assertFalse(streaming.transport.disconnecting)
+        self.clock.advance(15)
+        stream.end()  # idle from here: a minute from the answer's end, not the request's
+        self.clock.advance(59)
+        self.assertFalse(streaming.transport.disconnecting)
+        self.clock.advance(1)
+        self.assertTrue(streaming.transport.disconnecting)
 
     def test_the_next_heads_deadline_runs_from_its_own_first_byte(self) -> None:
         client = self.client()

@@ -20,7 +20,8 @@ caller, exactly as :class:`~txlb._server.site.ProxyChannel` does:
   before ``chunked``); ``Host`` required on HTTP/1.1, once, and valid; the target visible
   ASCII; HTTP/1.0 and 1.1 only;
 * ``Connection`` read as a token list over every line (``keep-alive, close`` closes);
-  HTTP/1.0 closes.
+  HTTP/1.0 closes; a connection idle for 60 s (nothing received, no answer under way) is
+  closed, as twisted.web closes it.
 
 Every refusal is :func:`txlb._server.site.refusal` (JSON body, ``Connection: close``), is
 reported to the factory's ``on_refused`` for the result log, closes the connection, and
@@ -80,6 +81,10 @@ _HEAD_BUFFER_LIMIT = 4 * MAX_HEAD_BYTES + 65536
 
 #: Complete requests that may wait behind the one being answered before reading pauses.
 _PIPELINE_DEPTH = 1
+
+#: A connection on which nothing arrives for this long while no answer is being written is
+#: closed (twisted.web's idle timeout, which ``lb.site()`` keeps).
+IDLE_TIMEOUT = 60.0
 
 
 class _Refused(Exception):
@@ -171,6 +176,8 @@ class LeanChannel(Protocol):
         self._line: bytes | None = None
         #: a request asking to switch protocols whose body is still being read
         self._upgrading: _Head | None = None
+        self._idle_timer: IDelayedCall | None = None
+        self._last_active = 0.0
 
     # -- the connection -------------------------------------------------------------------
 
@@ -186,10 +193,32 @@ class LeanChannel(Protocol):
         # the transport tells the channel when the client's socket is full; the channel
         # passes it on to the producer of the answer being written (the exchange)
         transport.registerProducer(self, True)
+        clock = self.site.clock
+        self._last_active = clock.seconds()
+        self._idle_timer = clock.callLater(IDLE_TIMEOUT, self._idle_check)
+
+    def _idle_check(self) -> None:
+        """
+        Close a connection idle for ``IDLE_TIMEOUT``: nothing received, no answer being
+        written.  One timer per connection, re-armed for what is left rather than moved on
+        every read (a held stream is not idle: its timer just waits again).
+        """
+        self._idle_timer = None
+        if self._closing or self.transport is None:
+            return
+        clock = self.site.clock
+        quiet = clock.seconds() - self._last_active
+        if self._current is None and not self._queue and quiet >= IDLE_TIMEOUT:
+            self._closing = True
+            self.loseConnection()
+            return
+        wait = IDLE_TIMEOUT - quiet if quiet < IDLE_TIMEOUT else IDLE_TIMEOUT
+        self._idle_timer = clock.callLater(wait, self._idle_check)
 
     def dataReceived(self, data: bytes) -> None:
         if self._closing:
             return  # refused or closing: whatever follows is never parsed, so never forwarded
+        self._last_active = self.site.clock.seconds()
         if self._upgrading is None and (self._line is not None or self._head is None):
             data = self._check_request_line(data)
             if not data:
@@ -294,6 +323,9 @@ class LeanChannel(Protocol):
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._closing = True
         self._cancel_deadline()
+        idle, self._idle_timer = self._idle_timer, None
+        if idle is not None and idle.active():
+            idle.cancel()
         self._request_producer = None
         current, self._current = self._current, None
         self._queue.clear()
@@ -503,6 +535,7 @@ class LeanChannel(Protocol):
             return
         self._current = None
         self._request_producer = None
+        self._last_active = self.site.clock.seconds()  # idle from the answer's end
         if not request.persistent:
             self._closing = True
             self.loseConnection()
