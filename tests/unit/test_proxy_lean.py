@@ -1,6 +1,7 @@
 """
 The in-memory proxy and failover suites of :mod:`tests.unit.test_proxy` and
-:mod:`tests.unit.test_failover`, run a second time with the main port's lean server
+:mod:`tests.unit.test_failover` (some also through the production upstream client, as
+:mod:`tests.unit.test_proxy_wire` runs them), run again with the main port's lean server
 (:mod:`txlb._server.lean`, what ``twistd llmlb`` listens with) in front of the proxy instead
 of twisted.web's ``Site``: every behaviour a client sees is checked through both servers.
 """
@@ -11,11 +12,13 @@ import random
 from typing import Any
 
 from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock
 
 from txlb import LoadBalancer
 
 from ..helpers import FakeUpstream, keep_records
-from . import test_failover, test_proxy
+from ..wire import WireUpstream
+from . import test_failover, test_mutants_exchange, test_proxy, test_proxy_wire
 
 #: Tests that build their own twisted.web ``Site`` and so have no lean form.
 TWISTED_WEB_ONLY = {
@@ -31,6 +34,17 @@ class LeanMixin:
         self.upstream = FakeUpstream()
         self.lb = LoadBalancer(backends, reactor=self.clock, agent=self.upstream,
                                probe_agent=FakeUpstream(), **options)  # type: ignore[arg-type]
+        self.site = self.lb.main_factory()
+
+
+class LeanWireMixin:
+    """The same behind the lean server, through txlb's production upstream client."""
+
+    def build(self, backends: list[str], **options: object) -> None:
+        self.clock = MemoryReactorClock()
+        self.upstream = WireUpstream(self.clock)  # type: ignore[assignment]
+        self.lb = LoadBalancer(backends, reactor=self.clock, probe_agent=FakeUpstream(),
+                               **options)  # type: ignore[arg-type]
         self.site = self.lb.main_factory()
 
 
@@ -51,12 +65,22 @@ class FailoverLeanMixin:
         self.site = self.lb.main_factory()
 
 
-def _lean(suite: type, mixin: type = LeanMixin) -> type:
-    cls = type(suite.__name__ + "Lean", (mixin, suite), {
+class FailoverLeanWireMixin(test_proxy_wire.FailoverWireMixin):
+    """The failover ``build`` over the wire, behind the lean server."""
+
+    def build(self, backends: list[str] | None = test_failover.THREE,
+              **options: Any) -> None:
+        super().build(backends, **options)
+        self.site = self.lb.main_factory()
+
+
+def _lean(suite: type, mixin: type = LeanMixin, suffix: str = "Lean",
+          skipped: dict[str, str] | None = None) -> type:
+    cls = type(suite.__name__ + suffix, (mixin, suite), {
         "__doc__": f"{suite.__name__}, behind the lean main-port server.",
         "__module__": __name__,
     })
-    for name, reason in TWISTED_WEB_ONLY.items():
+    for name, reason in {**TWISTED_WEB_ONLY, **(skipped or {})}.items():
         if hasattr(cls, name):
             setattr(cls, name, _skipped(reason))
     return cls
@@ -78,4 +102,11 @@ for _suite in (test_failover.RetryTests, test_failover.OutlierTests,
                test_failover.SlowStartTests, test_failover.RateLimitTests,
                test_failover.ClientLimitTests):
     globals()[_suite.__name__ + "Lean"] = _lean(_suite, FailoverLeanMixin)
+# through the production upstream client: the backend's chunked framing passed through
+for _suite in (test_proxy.ForwardingTests, test_proxy.StreamingTests,
+               test_proxy.DisconnectTests, test_proxy.ErrorTests):
+    globals()[_suite.__name__ + "LeanOverTheWire"] = _lean(
+        _suite, LeanWireMixin, "LeanOverTheWire", test_proxy_wire.AGENT_ONLY)
+ChunkedPassThroughTestsLean = _lean(test_mutants_exchange.ChunkedPassThroughTests,
+                                    FailoverLeanWireMixin)
 del _suite
