@@ -251,6 +251,22 @@ class RequestSemanticsTests(LeanTestCase):
         self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 2)
 
 
+class ParserTests(LeanTestCase):
+    def test_a_method_llhttp_does_not_know_is_400_and_logged(self) -> None:
+        client = self.client()
+        client.send(b"BREW /pot HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(client.response().status, 400)
+        self.assertTrue(client.transport.disconnecting)
+        self.assertEqual(self.upstream.calls, [])
+        self.assertEqual([(r.method, r.status) for r in self.records], [(b"-", 400)])
+
+    def test_webdav_and_patch_methods_are_forwarded(self) -> None:
+        for method in (b"PATCH", b"PROPFIND", b"PURGE"):
+            client = self.client()
+            client.send(method + b" /x HTTP/1.1\r\nHost: x\r\n\r\n")
+            self.assertEqual(self.upstream.calls[-1].method, method)
+
+
 class LeanReloadTests(test_reload.ReloadTestCase):
     def test_a_reload_retunes_the_lean_server(self) -> None:
         factory = self.lb.main_factory()
@@ -264,3 +280,13 @@ class LeanReloadTests(test_reload.ReloadTestCase):
         slow.send(b"GET / HTTP/1.1\r\n")
         self.clock.advance(2)
         self.assertEqual(slow.response().status, 408)
+
+
+class TlsTests(SynchronousTestCase):
+    def test_alpn_agrees_on_http_1_1(self) -> None:
+        """A TLS client offering ALPN (curl, httpx) is refused without a protocol named."""
+        from twisted.internet.interfaces import IProtocolNegotiationFactory
+
+        site = LeanSite(object(), reactor=Clock())  # type: ignore[arg-type]
+        self.assertEqual(IProtocolNegotiationFactory(site).acceptableProtocols(),
+                         [b"http/1.1"])

@@ -49,7 +49,7 @@ from httptools import (
     HttpParserUpgrade,
     HttpRequestParser,
 )
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IProtocolNegotiationFactory, IReactorTime
 from twisted.internet.protocol import Protocol, ServerFactory, connectionDone
 from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
@@ -57,6 +57,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.resource import IResource
 from twisted.web.server import NOT_DONE_YET
 from twisted.web.server import version as server_version
+from zope.interface import implementer
 
 from txlb._proxy.errors import error_body
 from txlb._server.lean_request import LeanRequest
@@ -659,6 +660,7 @@ class LeanChannel(Protocol):
         self._advance()
 
 
+@implementer(IProtocolNegotiationFactory)
 class LeanSite(ServerFactory):
     """
     The main port's factory (what ``twistd llmlb`` listens with): the proxy resource
@@ -685,6 +687,13 @@ class LeanSite(ServerFactory):
 
     def buildProtocol(self, addr: Any) -> LeanChannel:
         return LeanChannel(self)
+
+    def acceptableProtocols(self) -> list[bytes]:
+        """
+        What TLS's ALPN may agree on (``--listen ssl:...``): HTTP/1.1.  Twisted's TLS
+        refuses a client that offers ALPN when the factory names no protocol at all.
+        """
+        return [b"http/1.1"]
 
     def logPrefix(self) -> str:
         """

@@ -27,8 +27,9 @@ for a second request nobody checked (request smuggling).  RFC 9112 §6.1-6.3 and
   coding is well framed but names a coding txlb cannot forward: 501.  On HTTP/1.0: 400.
 * ``Content-Length`` with ``Transfer-Encoding``, or twice, is twisted.web's own 400.
 * An HTTP/1.1 request without ``Host``, any request with two, or an invalid ``Host``: 400.
-* A header line continuing the previous one (obs-fold), or a head line ended by a bare LF:
-  400, as llhttp answers on the lean server (:mod:`txlb._server.lean`).
+* A header line continuing the previous one (obs-fold), a head line ended by a bare LF, or a
+  control character in a header value: 400, as llhttp answers on the lean server
+  (:mod:`txlb._server.lean`).
 * A request target with a byte that is not visible ASCII (twisted.web lets DEL and
   0x80-0xB0 through): 400.
 * ``Connection`` is a comma-separated token list over every ``Connection`` line:
@@ -70,6 +71,9 @@ _REASONS = {
 #: (unreserved, pct-encoded and sub-delims characters); anything else in ``Host`` is 400.
 _VALID_HOST = re.compile(
     rb"(?:\[[A-Za-z0-9:._~%!$&'()*+,;=-]*\]|[A-Za-z0-9._~%!$&'()*+,;=-]*)(?::[0-9]*)?")
+
+#: Control characters a header value may not hold besides NUL, CR and LF (HTAB it may).
+_CONTROLS = bytes([*range(0x01, 0x09), *range(0x0B, 0x0D), *range(0x0E, 0x20), 0x7F])
 
 #: What a request target may hold (RFC 9112 §3.2: URI characters, all visible ASCII).
 _VISIBLE_ASCII = bytes(range(0x21, 0x7F))
@@ -168,6 +172,10 @@ class ProxyChannel(HTTPChannel):
             # RFC 9110 5.5; twisted.web 25.5 passes a lone CR or LF through, which a
             # backend's parser may read as the end of the line (request smuggling)
             return self.refuse(400, "a header value has a NUL, CR or LF")
+        if len(value.translate(None, _CONTROLS)) != len(value):
+            # the other control characters (RFC 9110 5.5: invalid), refused as llhttp --
+            # the lean main port's parser, and the engines' own (uvicorn) -- refuses them
+            return self.refuse(400, "a header value has a control character")
         lowered = name.lower()  # exact: "Host " (space before the colon) is twisted's 400
         if colon and lowered == b"transfer-encoding":
             return self._transfer_encoding(value)
