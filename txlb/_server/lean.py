@@ -604,7 +604,10 @@ class LeanChannel(Protocol):
         head = self._head
         request = head.request if head is not None else None
         if request is None:
-            method = self._parser_method()
+            # llhttp names a method (DELETE, its zero) even before it read one: only a
+            # request line read as far as its target has a method to log
+            parsed = head is not None and bool(head.url)
+            method = self._parser_method() if parsed else b"-"
             url = head.url if head is not None and head.url else b"-"
             request = LeanRequest(None, method, url, b"HTTP/1.1", Headers())
             if head is not None:
