@@ -267,6 +267,21 @@ class ParserTests(LeanTestCase):
             self.assertEqual(self.upstream.calls[-1].method, method)
 
 
+class RenderFailureTests(SynchronousTestCase):
+    def test_a_resource_failing_after_its_head_cuts_the_connection(self) -> None:
+        class HalfWay:
+            def render(self, request: Any) -> Any:
+                request.write(b"part")
+                raise ZeroDivisionError()
+
+        client = ClientConnection(LeanSite(HalfWay(), reactor=Clock()))  # type: ignore[arg-type]
+        client.send(GET + GET)
+        self.assertTrue(client.transport.disconnecting)  # StringTransport: aborted or closed
+        self.assertEqual(client.transport.value().count(b"HTTP/1.1 "), 1)
+        self.assertFalse(client.response().complete)
+        self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 1)
+
+
 class LeanReloadTests(test_reload.ReloadTestCase):
     def test_a_reload_retunes_the_lean_server(self) -> None:
         factory = self.lb.main_factory()

@@ -518,7 +518,12 @@ class LeanChannel(Protocol):
             result = self.site.resource.render(request)
         except Exception:
             log.failure("rendering {uri!r} failed", uri=request.uri)
-            if not request.startedWriting and not request.finished:
+            if request.startedWriting and not request.finished:
+                # part of an answer is out: only a cut connection says it is not whole
+                self._closing = True
+                self.transport.abortConnection()
+                return
+            if not request.finished:
                 request.setResponseCode(500)
                 body = error_body(500, "internal error in the balancer")
                 request.responseHeaders = Headers({b"Content-Type": [b"application/json"],
