@@ -314,8 +314,13 @@ class LeanChannel(Protocol):
     def _malformed(self, reason: str) -> None:
         """llhttp refused the bytes: 400 -- or 413 for a length no limit could allow."""
         limit = self.site.max_body
-        if limit and "overflow" in reason.lower():
+        lowered = reason.lower()
+        if limit and "overflow" in lowered:
             self.refuse(413, f"the request body is over the limit of {limit} bytes")
+        elif "transfer-encoding" in lowered and "content-length" not in lowered:
+            # the words ProxyChannel's own check uses for the same refusal
+            self.refuse(400, "the request's final transfer coding must be chunked (and only "
+                             "once), or its length cannot be known")
         elif self._head is not None and self._head.request is not None:
             self.refuse(400, "malformed request body framing")
         else:
