@@ -2,9 +2,10 @@
 Every request-framing case the main port is held to, as data: the raw bytes a client sends,
 what it gets back, whether the connection is closed, and what reaches the backend.
 
-One table, read by the in-memory test (a real ``ProxySite`` channel over a
-``StringTransport``), by the raw-socket test against the real ``twistd -n llmlb``, and by the
-fuzz (``bench/fuzz.py``) as hostile payloads.  The rules are RFC 9112 (framing) and RFC 9110
+One table, with the same answers for every server path -- the main port's lean server
+(``lb.main_factory()``) and twisted.web's (``lb.site()``): read by the in-memory tests (each
+server over a ``StringTransport``), by the raw-socket tests (the real ``twistd -n llmlb``;
+``lb.site()`` listening in process), and by the fuzz (``bench/fuzz.py``) as hostile payloads.  The rules are RFC 9112 (framing) and RFC 9110
 (Host, Connection) as nginx and HAProxy apply them; txlb refuses whatever a second parser
 (the backend's) could read differently, and then closes, so nothing after a refused request
 is ever parsed -- let alone forwarded.
