@@ -5,10 +5,10 @@ what it gets back, whether the connection is closed, and what reaches the backen
 One table, with the same answers for every server path -- the main port's lean server
 (``lb.main_factory()``) and twisted.web's (``lb.site()``): read by the in-memory tests (each
 server over a ``StringTransport``), by the raw-socket tests (the real ``twistd -n llmlb``;
-``lb.site()`` listening in process), and by the fuzz (``bench/fuzz.py``) as hostile payloads.  The rules are RFC 9112 (framing) and RFC 9110
-(Host, Connection) as nginx and HAProxy apply them; txlb refuses whatever a second parser
-(the backend's) could read differently, and then closes, so nothing after a refused request
-is ever parsed -- let alone forwarded.
+``lb.site()`` listening in process), and by the fuzz (``bench/fuzz.py``) as hostile payloads.
+The rules are RFC 9112 (framing) and RFC 9110 (Host, Connection) as nginx and HAProxy apply
+them; txlb refuses whatever a second parser (the backend's) could read differently, and then
+closes, so nothing after a refused request is ever parsed -- let alone forwarded.
 
 The table is run with ``--max-body 1KiB``; rows marked ``wait`` get no answer until the
 header timeout.
