@@ -299,3 +299,43 @@ class TwistedWebFramingTests(_OverSockets, TestCase):
         port = reactor.listenTCP(0, lb.site(), interface="127.0.0.1")
         self.addCleanup(port.stopListening)
         yield from self.check_table(port.getHost().port, fleet.sims[0])
+
+
+class LeanTlsTests(TestCase):
+    """The main port's server behind ``--listen ssl:``, to a client that offers ALPN."""
+
+    timeout = 30
+
+    @defer.inlineCallbacks
+    def test_an_alpn_client_gets_http_1_1(self) -> Any:
+        import ssl
+        from pathlib import Path
+
+        from twisted.internet import endpoints, reactor
+
+        from ..processes import throwaway_certificate
+
+        directory = Path(self.mktemp()).resolve()
+        directory.mkdir(parents=True)
+        key, cert = throwaway_certificate(directory)
+        lb = LoadBalancer(["127.0.0.1:9"], reactor=reactor, log_file="none")
+        port = yield endpoints.serverFromString(
+            reactor, f"ssl:0:interface=127.0.0.1:privateKey={key}:certKey={cert}",
+        ).listen(lb.main_factory())
+        self.addCleanup(port.stopListening)
+
+        def ask() -> tuple[str | None, bytes]:
+            context = ssl.create_default_context(cafile=str(cert))
+            context.set_alpn_protocols(["h2", "http/1.1"])  # as curl and httpx offer
+            raw = socket.create_connection(("127.0.0.1", port.getHost().port), timeout=5)
+            with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+                tls.sendall(b"GET /__lb_status HTTP/1.1\r\nHost: x\r\n"
+                            b"Connection: close\r\n\r\n")
+                received = b""
+                while chunk := tls.recv(65536):
+                    received += chunk
+                return tls.selected_alpn_protocol(), received
+
+        protocol, answer = yield threads.deferToThread(ask)
+        self.assertEqual(protocol, "http/1.1")
+        self.assertTrue(answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer[:100])
