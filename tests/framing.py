@@ -2,12 +2,13 @@
 Every request-framing case the main port is held to, as data: the raw bytes a client sends,
 what it gets back, whether the connection is closed, and what reaches the backend.
 
-One table, read by the in-memory test (a real ``ProxySite`` channel over a
-``StringTransport``), by the raw-socket test against the real ``twistd -n llmlb``, and by the
-fuzz (``bench/fuzz.py``) as hostile payloads.  The rules are RFC 9112 (framing) and RFC 9110
-(Host, Connection) as nginx and HAProxy apply them; txlb refuses whatever a second parser
-(the backend's) could read differently, and then closes, so nothing after a refused request
-is ever parsed -- let alone forwarded.
+One table, with the same answers for every server path -- the main port's lean server
+(``lb.main_factory()``) and twisted.web's (``lb.site()``): read by the in-memory tests (each
+server over a ``StringTransport``), by the raw-socket tests (the real ``twistd -n llmlb``;
+``lb.site()`` listening in process), and by the fuzz (``bench/fuzz.py``) as hostile payloads.
+The rules are RFC 9112 (framing) and RFC 9110 (Host, Connection) as nginx and HAProxy apply
+them; txlb refuses whatever a second parser (the backend's) could read differently, and then
+closes, so nothing after a refused request is ever parsed -- let alone forwarded.
 
 The table is run with ``--max-body 1KiB``; rows marked ``wait`` get no answer until the
 header timeout.
@@ -94,8 +95,8 @@ CASES: tuple[Case, ...] = (
          (GET_T,)),
     Case("IPv6 Host with port", _head(b"GET /t HTTP/1.1", b"Host: [::1]:8000", host=False),
          (BACKEND,), False, (GET_T,)),
-    Case("obs-fold is joined with a space", _get(b"/t", b"X-Folded: one", b" two"),
-         (BACKEND,), False, (Sent(b"GET", b"/t", headers=((b"x-folded", b"one two"),)),)),
+    Case("obs-fold is refused", _get(b"/t", b"X-Folded: one", b" two") + SMUGGLED,
+         (400,), True),
     Case("Connection: close", _get(b"/t", b"Connection: close"), (BACKEND,), True,
          (GET_T,)),
     Case("Connection: keep-alive,close", _get(b"/t", b"Connection: keep-alive,close")
@@ -106,6 +107,17 @@ CASES: tuple[Case, ...] = (
     Case("HTTP/1.0 keep-alive still closes",
          _get(b"/t", b"Connection: keep-alive", version=b"HTTP/1.0") + SMUGGLED,
          (BACKEND,), True, (GET_T,)),
+    # -- Upgrade: txlb does not switch protocols (llhttp stops at such a head) -----------
+    Case("Upgrade without a body, then a pipelined request",
+         _get(b"/a", b"Connection: Upgrade", b"Upgrade: h2c") + _get(b"/b"),
+         (BACKEND, BACKEND), False, (Sent(b"GET", b"/a"), Sent(b"GET", b"/b"))),
+    Case("Upgrade with a Content-Length body, then a pipelined request",
+         _post(b"Connection: Upgrade", b"Upgrade: h2c", b"Content-Length: 5") + b"hello"
+         + _get(b"/next"), (BACKEND, BACKEND), False, (POST_HELLO, Sent(b"GET", b"/next"))),
+    Case("an Upgrade request's body is its body, not a request",
+         _post(b"Connection: Upgrade", b"Upgrade: websocket",
+               b"Content-Length: %d" % len(SMUGGLED)) + SMUGGLED,
+         (BACKEND,), False, (Sent(b"POST", b"/t", SMUGGLED),)),
     # -- Transfer-Encoding: only "chunked", once, on HTTP/1.1 ------------------------------
     Case("TE identity (no length) smuggles nothing",
          _post(b"Transfer-Encoding: identity") + SMUGGLED, (400,), True),
@@ -171,9 +183,15 @@ CASES: tuple[Case, ...] = (
     # -- bytes that have no place in a head ------------------------------------------------
     Case("bare CR in a header value", _get(b"/t", b"X-A: a\rb"), (400,), True),
     Case("bare LF in a header value", _get(b"/t", b"X-A: a\nb"), (400,), True),
-    Case("bare LF line endings only", b"GET /t HTTP/1.1\nHost: lb.example\n\n", (408,), True,
+    Case("bare LF line endings only", b"GET /t HTTP/1.1\nHost: lb.example\n\n", (400,), True),
+    Case("a head that never ends", b"GET /t HTTP/1.1\r\nHost: lb.example\r\n", (408,), True,
          wait=True),
     Case("NUL in a header value", _get(b"/t", b"X-A: a\x00b"), (400,), True),
+    Case("ESC and BEL in a header value", _get(b"/t", b"X-Orid: \x1b]0;x\x07"), (400,), True),
+    Case("DEL in a header value", _get(b"/t", b"X-A: a\x7fb"), (400,), True),
+    Case("a tab and bytes over 0x7F in a header value are fine",
+         _get(b"/t", "X-A: a\tb\u2028".encode()), (BACKEND,), False,
+         (Sent(b"GET", b"/t", headers=((b"x-a", "a\tb\u2028".encode()),)),)),
     Case("NUL in a header name", _get(b"/t", b"X-\x00A: b"), (400,), True),
     Case("NUL in the target", _get(b"/t\x00"), (400,), True),
     Case("DEL in the target", _get(b"/t\x7f"), (400,), True),
@@ -193,6 +211,11 @@ CASES: tuple[Case, ...] = (
     Case("unknown version", b"GET /t HTTP/1.2\r\nHost: x\r\n\r\n", (400,), True),
     Case("lowercase version", b"GET /t http/1.1\r\nHost: x\r\n\r\n", (400,), True),
     Case("no version", b"GET /t\r\nHost: x\r\n\r\n", (400,), True),
+    Case("two spaces before the version", b"GET /t  HTTP/1.1\r\nHost: x\r\n\r\n", (400,),
+         True),
+    Case("a space after the version", b"GET /t HTTP/1.1 \r\nHost: x\r\n\r\n", (400,), True),
+    Case("leading empty lines, then two spaces", b"\r\n\r\nGET  /t HTTP/1.1\r\nHost: x\r\n\r\n",
+         (400,), True),
     Case("non-token method", b"G(T /t HTTP/1.1\r\nHost: x\r\n\r\n", (400,), True),
     # -- Host ------------------------------------------------------------------------------
     Case("HTTP/1.1 without Host", _get(host=False), (400,), True),

@@ -63,6 +63,7 @@ from txlb._scheduling.policies import IPolicy
 from txlb._scheduling.policies.registry import make_policy
 from txlb._scheduling.ratelimit import RateLimiter, client_key
 from txlb._scheduling.router import ModelRoute, Router
+from txlb._server.lean import LeanSite
 from txlb._server.quiet import QuietConnectionPool, RepeatSummary
 from txlb._server.site import ProxySite
 from txlb._shared.metrics import SharedStateCollector
@@ -382,7 +383,7 @@ class LoadBalancer:
                                  on_added=self.health.probe_soon,
                                  make_resolver=lambda: system_resolver(servers, reactor))
         #: the sites and admin APIs built so far: a reload retunes them too
-        self.sites: list[ProxySite] = []
+        self.sites: list[ProxySite | LeanSite] = []
         self.admins: list[Any] = []
         #: other runtime parts that take a reloaded config themselves, each
         #: ``reconfigure(config)`` after the balancer's own parts have taken it
@@ -458,8 +459,26 @@ class LoadBalancer:
         self.admins.append(admin)
         return admin.resource()
 
+    def main_factory(self) -> LeanSite:
+        """
+        The main port's server: the proxy behind txlb's lean HTTP/1.1 server (llhttp, with
+        the limits and framing rules of :meth:`site`, at a fraction of twisted.web's cost
+        per request).  What ``twistd llmlb``, its ``--workers`` and ``txlb.demo`` listen
+        with; a reload retunes its ``--max-body`` and ``--header-timeout``.
+        """
+        factory = LeanSite(self.proxy, max_body=self.config.max_body,
+                           header_timeout=self.config.header_timeout,
+                           on_refused=self.proxy.log_refused, reactor=self.reactor,
+                           repeats=self.repeats)
+        self.sites.append(factory)
+        return factory
+
     def site(self) -> Site:
-        """A ``Site`` serving only the proxy (what ``twistd llmlb`` listens with)."""
+        """
+        A twisted.web ``Site`` serving only the proxy, with the same limits and framing
+        rules as :meth:`main_factory` -- for an embedder who wants a ``Site`` object (to
+        wrap, or to serve with other twisted.web machinery).
+        """
         site = ProxySite(self.proxy, max_body=self.config.max_body,
                          header_timeout=self.config.header_timeout,
                          on_refused=self.proxy.log_refused, reactor=self.reactor,

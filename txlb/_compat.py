@@ -95,6 +95,19 @@ def parsed_request_line(channel: object) -> tuple[bytes | None, bytes | None, by
             getattr(channel, "_version", None))
 
 
+def unterminated_line(receiver: object) -> bytes:
+    """
+    What a ``LineReceiver`` (an ``HTTPChannel`` in its head) holds of a line not ended by
+    CRLF yet.
+
+    Why: a head whose lines end in a bare LF never gives twisted.web a line, so it would
+    only be refused by the header timeout; ``ProxyChannel`` refuses it at once, as llhttp
+    does, by looking for an LF in what ``LineReceiver`` keeps in ``_buffer``.
+    """
+    buffered = getattr(receiver, "_buffer", b"")
+    return buffered if isinstance(buffered, bytes) else b""
+
+
 def port_logger(port: object) -> Any:
     """
     The ``Logger`` a Twisted TCP or UNIX listening ``port`` reports accept errors to, or

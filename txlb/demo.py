@@ -93,7 +93,8 @@ async def _main(reactor: Any, argv: list[str]) -> None:
     balancer = LoadBalancer([f"127.0.0.1:{port}" for port in ports], reactor=reactor,
                             listen=listen, health_interval=2)
     try:
-        listening = await endpoints.serverFromString(reactor, listen).listen(balancer.site())
+        listening = await endpoints.serverFromString(reactor, listen).listen(
+            balancer.main_factory())
     except error.CannotListenError as problem:
         raise SystemExit(
             f"txlb demo: cannot listen on {listen}: {problem.socketError}. Something else "

@@ -288,7 +288,8 @@ def makeService(options: Options) -> IService:
     balancer.service().setServiceParent(top)
     _CleanExitOnSignals(reactor).setServiceParent(top)
     _ReloadOnHangup(reactor, balancer).setServiceParent(top)
-    _ListeningService("listen", config.listen, balancer.site(), reactor).setServiceParent(top)
+    _ListeningService("listen", config.listen, balancer.main_factory(),
+                      reactor).setServiceParent(top)
     FreezeHeapOnStart(reactor).setServiceParent(top)
     return top
 

@@ -1,7 +1,9 @@
 """
-Request framing on the main port: every case of :mod:`tests.framing`, in memory (the real
-``ProxySite`` channel over a ``StringTransport``, a fake upstream, a Clock) and once against
-the real ``twistd -n llmlb`` on loopback sockets.
+Request framing on every server path -- the lean main port (:mod:`txlb._server.lean`) and
+twisted.web's (``lb.site()``, the embedding path): every case of :mod:`tests.framing`, with
+the same expected answers for both, in memory (each server over a ``StringTransport``, a
+fake upstream, a Clock) and over loopback sockets (the real ``twistd -n llmlb``; ``lb.site()``
+listening in process).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from txlb import LoadBalancer
 
 from ..framing import BACKEND, CASES, Case, Sent
 from ..helpers import ClientConnection, FakeResponse, FakeUpstream, keep_records
-from ..processes import Client, TwistdProcess
+from ..processes import TwistdProcess
 from .test_integration import Fleet
 
 HEADER_TIMEOUT = 5.0
@@ -86,8 +88,15 @@ def check_refusal_bodies(test: Any, case: Case,
         test.assertEqual(headers.get(b"connection"), b"close", case.name)
 
 
-class InMemoryFramingTests(SynchronousTestCase):
-    """Each case against the real channel, deterministically."""
+class _InMemoryFraming:
+    """
+    Each case against a real main-port server over a ``StringTransport``, deterministically;
+    one subclass per server path, each held to the same table.
+    """
+
+    def server(self, lb: LoadBalancer) -> Any:
+        """The server factory under test, for ``lb``."""
+        raise NotImplementedError
 
     def run_case(self, case: Case) -> None:
         clock = Clock()
@@ -95,7 +104,7 @@ class InMemoryFramingTests(SynchronousTestCase):
         lb = LoadBalancer(["127.0.0.1:8002"], reactor=clock, agent=upstream,
                           probe_agent=FakeUpstream(), log_file="none", max_body="1KiB",
                           header_timeout=HEADER_TIMEOUT)
-        client = ClientConnection(lb.site())
+        client = ClientConnection(self.server(lb))
         client.send(case.raw)
         answered = 0
         while answered < len(upstream.calls):  # answer each forwarded request in turn
@@ -137,7 +146,7 @@ class InMemoryFramingTests(SynchronousTestCase):
         lb = LoadBalancer(["127.0.0.1:8002"], reactor=clock, agent=upstream,
                           probe_agent=FakeUpstream(), log_file="none")
         records = keep_records(lb)
-        client = ClientConnection(lb.site())
+        client = ClientConnection(self.server(lb))
         client.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
                     b"Transfer-Encoding: identity\r\n\r\n")
         self.assertEqual([(r.method, r.path, r.status) for r in records],
@@ -149,7 +158,7 @@ class InMemoryFramingTests(SynchronousTestCase):
         upstream = FakeUpstream()
         lb = LoadBalancer(["127.0.0.1:8002"], reactor=clock, agent=upstream,
                           probe_agent=FakeUpstream(), log_file="none")
-        client = ClientConnection(lb.site())
+        client = ClientConnection(self.server(lb))
         client.send(b"POST /t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: identity\r\n\r\n")
         written = client.transport.value()
         client.send(b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -165,7 +174,7 @@ class InMemoryFramingTests(SynchronousTestCase):
         upstream = FakeUpstream()
         lb = LoadBalancer(["127.0.0.1:8002"], reactor=clock, agent=upstream,
                           probe_agent=FakeUpstream(), log_file="none")
-        client = ClientConnection(lb.site())
+        client = ClientConnection(self.server(lb))
         client.transport.loseConnection = lambda: None  # type: ignore[method-assign]
         client.send(b"GET /t HTTP/1.1\r\nHost: a\r\nHost: b\r\nX-A: 1\r\n\r\n"
                     b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -175,6 +184,20 @@ class InMemoryFramingTests(SynchronousTestCase):
         self.assertEqual(describe(responses), (400,))
         self.assertEqual(rest, b"")
         self.assertEqual(upstream.calls, [])
+
+
+class LeanInMemoryFramingTests(_InMemoryFraming, SynchronousTestCase):
+    """The main port's lean server (what ``twistd llmlb`` listens with)."""
+
+    def server(self, lb: LoadBalancer) -> Any:
+        return lb.main_factory()
+
+
+class TwistedWebInMemoryFramingTests(_InMemoryFraming, SynchronousTestCase):
+    """twisted.web's server, as an embedder gets it from ``lb.site()``."""
+
+    def server(self, lb: LoadBalancer) -> Any:
+        return lb.site()
 
 
 def exchange(port: int, case: Case, deadline: float) -> tuple[bytes, bool]:
@@ -208,27 +231,20 @@ def exchange(port: int, case: Case, deadline: float) -> tuple[bytes, bool]:
         raise AssertionError(f"{case.name}: no end within the deadline: {received[:300]!r}")
 
 
-class RealProcessFramingTests(TestCase):
-    """The whole table over real sockets, against ``twistd -n llmlb``."""
+class _OverSockets:
+    """The whole table over real loopback sockets, against one server path."""
 
     timeout = 120
 
-    @defer.inlineCallbacks
-    def test_every_case_over_a_socket(self) -> Any:
-        fleet = Fleet(self, 1)
-        lb = TwistdProcess("--backends", ",".join(fleet.keys), "--max-body", "1KiB",
-                           "--header-timeout", "1")
-        self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
-        yield defer.ensureDeferred(lb.started())
-        client = Client()
-        self.addCleanup(client.pool.closeCachedConnections)
-        sim = fleet.sims[0]
+    def check_table(self, port: int, sim: Any) -> Any:
+        """Every case on a fresh connection to ``port``, forwarded to ``sim``."""
+        test: Any = self
         failures = []
         for case in CASES:
             before = len(sim.requests)
             try:
                 raw, closed = yield threads.deferToThread(
-                    exchange, lb.port, case, time.monotonic() + 3)
+                    exchange, port, case, time.monotonic() + 3)
             except AssertionError as error:
                 failures.append(str(error))
                 continue
@@ -245,10 +261,81 @@ class RealProcessFramingTests(TestCase):
                 failures.append(f"{case.name}: {outcome} != "
                                 f"{(case.answers, case.closed, expected)}")
             try:
-                check_refusal_bodies(self, case, responses)
-            except (self.failureException, ValueError, KeyError) as error:
+                check_refusal_bodies(test, case, responses)
+            except (test.failureException, ValueError, KeyError) as error:
                 failures.append(f"{case.name}: {error!r}"[:300])
-        self.assertFalse(failures, "\n".join(failures))
+        test.assertFalse(failures, "\n".join(failures))
+        test.assertNotIn(b"/smuggled", [r.path for r in sim.requests])
+
+
+class RealProcessFramingTests(_OverSockets, TestCase):
+    """The lean main port of the real ``twistd -n llmlb``."""
+
+    @defer.inlineCallbacks
+    def test_every_case_over_a_socket(self) -> Any:
+        fleet = Fleet(self, 1)
+        lb = TwistdProcess("--backends", ",".join(fleet.keys), "--max-body", "1KiB",
+                           "--header-timeout", "1")
+        self.addCleanup(lambda: defer.ensureDeferred(lb.stop()))
+        yield defer.ensureDeferred(lb.started())
+        yield from self.check_table(lb.port, fleet.sims[0])
         self.assertIsNone(lb.process.poll(), "the balancer died")
         self.assertNotIn("Traceback", lb.output())
-        self.assertNotIn(b"/smuggled", [r.path for r in sim.requests])
+
+
+class TwistedWebFramingTests(_OverSockets, TestCase):
+    """The embedding path: ``lb.site()`` (twisted.web over ``lb.resource()``) in process."""
+
+    @defer.inlineCallbacks
+    def test_every_case_over_a_socket(self) -> Any:
+        from twisted.internet import reactor
+
+        fleet = Fleet(self, 1)
+        lb = LoadBalancer(fleet.keys, reactor=reactor, max_body="1KiB", header_timeout=1,
+                          log_file="none")
+        service = lb.service()
+        service.startService()
+        self.addCleanup(service.stopService)
+        port = reactor.listenTCP(0, lb.site(), interface="127.0.0.1")
+        self.addCleanup(port.stopListening)
+        yield from self.check_table(port.getHost().port, fleet.sims[0])
+
+
+class LeanTlsTests(TestCase):
+    """The main port's server behind ``--listen ssl:``, to a client that offers ALPN."""
+
+    timeout = 30
+
+    @defer.inlineCallbacks
+    def test_an_alpn_client_gets_http_1_1(self) -> Any:
+        import ssl
+        from pathlib import Path
+
+        from twisted.internet import endpoints, reactor
+
+        from ..processes import throwaway_certificate
+
+        directory = Path(self.mktemp()).resolve()
+        directory.mkdir(parents=True)
+        key, cert = throwaway_certificate(directory)
+        lb = LoadBalancer(["127.0.0.1:9"], reactor=reactor, log_file="none")
+        port = yield endpoints.serverFromString(
+            reactor, f"ssl:0:interface=127.0.0.1:privateKey={key}:certKey={cert}",
+        ).listen(lb.main_factory())
+        self.addCleanup(port.stopListening)
+
+        def ask() -> tuple[str | None, bytes]:
+            context = ssl.create_default_context(cafile=str(cert))
+            context.set_alpn_protocols(["h2", "http/1.1"])  # as curl and httpx offer
+            raw = socket.create_connection(("127.0.0.1", port.getHost().port), timeout=5)
+            with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+                tls.sendall(b"GET /__lb_status HTTP/1.1\r\nHost: x\r\n"
+                            b"Connection: close\r\n\r\n")
+                received = b""
+                while chunk := tls.recv(65536):
+                    received += chunk
+                return tls.selected_alpn_protocol(), received
+
+        protocol, answer = yield threads.deferToThread(ask)
+        self.assertEqual(protocol, "http/1.1")
+        self.assertTrue(answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer[:100])

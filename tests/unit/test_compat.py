@@ -34,6 +34,7 @@ from txlb._compat import (
     set_port_logger,
     tcp_endpoint_address,
     unsent_bytes,
+    unterminated_line,
     write_buffer_empty,
     write_disconnected,
 )
@@ -194,6 +195,12 @@ class ChannelTests(TestCase):
         channel.dataReceived(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         self.assertEqual(parsed_request_line(channel),
                          (b"POST", b"/v1/completions", b"HTTP/1.1"))
+
+    def test_unterminated_line_is_what_the_line_receiver_buffers(self) -> None:
+        channel, _ = self.channel()
+        self.assertEqual(unterminated_line(channel), b"")
+        channel.dataReceived(b"GET / HTTP/1.1\r\nHost: x\nX-A")
+        self.assertEqual(unterminated_line(channel), b"Host: x\nX-A")
 
     def test_bad_request_hook_is_what_a_malformed_request_calls(self) -> None:
         self.assertEqual(BAD_REQUEST_HOOK, _Hooked._respondToBadRequestAndDisconnect.__name__)

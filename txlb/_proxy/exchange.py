@@ -25,7 +25,6 @@ from twisted.internet.defer import Deferred, fail
 from twisted.internet.interfaces import IDelayedCall, IPushProducer
 from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
-from twisted.web.http import HTTPChannel
 from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
@@ -42,7 +41,7 @@ from txlb._proxy.failures import (
 )
 from txlb._proxy.head import UpstreamHead, client_head, upstream_head
 from txlb._proxy.headers import flatten
-from txlb._proxy.incoming import exposed_to
+from txlb._proxy.incoming import exposed_to, framed_writer
 from txlb._records.summary import RequestRecord
 from txlb._scheduling.router import RoutingError
 from txlb._upstream.client import UpstreamResponse
@@ -263,10 +262,10 @@ class Exchange:
             # An HTTP/1.1 client gets the body chunked by twisted.web's Request; when the
             # backend's body is chunked too, its framing is passed on as it came (the
             # Request still writes the last chunk on finish): no decoding, no re-encoding.
-            channel = request.channel
-            if response.chunked and request.chunked and isinstance(channel, HTTPChannel):
+            write_framed = framed_writer(request) if response.chunked else None
+            if write_framed is not None and request.chunked:
                 raw = True
-                self._write = channel.write
+                self._write = write_framed
                 self.record.chunked = True
         return raw
 

@@ -10,9 +10,11 @@ has to import the other for them.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Callable
 from urllib.parse import unquote_to_bytes
 
 from twisted.internet.address import UNIXAddress
+from twisted.web.http import HTTPChannel
 from twisted.web.server import Request
 
 from txlb._proxy.head import origin_form
@@ -48,6 +50,21 @@ def read_body(request: Request) -> bytes:
     request.content.close()
     return body
 
+
+
+def framed_writer(request: Request) -> Callable[[bytes], object] | None:
+    """
+    Where body bytes already in chunked framing (a chunked backend answer, passed through
+    as it came) go to reach the client unchanged, or ``None`` when the request's server
+    offers no such way.  The request still writes the last chunk when it finishes, so a
+    stream cut short stays cut short.  The lean main-port server's request says so itself
+    (``write_framed``); twisted.web's channel writes straight to the transport.
+    """
+    write_framed: Callable[[bytes], object] | None = getattr(request, "write_framed", None)
+    if write_framed is not None:
+        return write_framed
+    channel = request.channel
+    return channel.write if isinstance(channel, HTTPChannel) else None
 
 
 def is_local_client(request: Request) -> bool:

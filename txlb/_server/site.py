@@ -27,6 +27,9 @@ for a second request nobody checked (request smuggling).  RFC 9112 §6.1-6.3 and
   coding is well framed but names a coding txlb cannot forward: 501.  On HTTP/1.0: 400.
 * ``Content-Length`` with ``Transfer-Encoding``, or twice, is twisted.web's own 400.
 * An HTTP/1.1 request without ``Host``, any request with two, or an invalid ``Host``: 400.
+* A header line continuing the previous one (obs-fold), a head line ended by a bare LF, or a
+  control character in a header value: 400, as llhttp answers on the lean server
+  (:mod:`txlb._server.lean`).
 * A request target with a byte that is not visible ASCII (twisted.web lets DEL and
   0x80-0xB0 through): 400.
 * ``Connection`` is a comma-separated token list over every ``Connection`` line:
@@ -50,7 +53,7 @@ from twisted.web.http import HTTPChannel
 from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
-from txlb._compat import parsed_request_line
+from txlb._compat import parsed_request_line, unterminated_line
 from txlb._proxy.errors import error_body
 from txlb._server.quiet import RepeatSummary
 
@@ -68,6 +71,9 @@ _REASONS = {
 #: (unreserved, pct-encoded and sub-delims characters); anything else in ``Host`` is 400.
 _VALID_HOST = re.compile(
     rb"(?:\[[A-Za-z0-9:._~%!$&'()*+,;=-]*\]|[A-Za-z0-9._~%!$&'()*+,;=-]*)(?::[0-9]*)?")
+
+#: Control characters a header value may not hold besides NUL, CR and LF (HTAB it may).
+_CONTROLS = bytes([*range(0x01, 0x09), *range(0x0B, 0x0D), *range(0x0E, 0x20), 0x7F])
 
 #: What a request target may hold (RFC 9112 §3.2: URI characters, all visible ASCII).
 _VISIBLE_ASCII = bytes(range(0x21, 0x7F))
@@ -91,6 +97,21 @@ def _raw_response(status: int, body: bytes) -> bytes:
 def _codings(value: bytes) -> list[bytes]:
     """A ``Transfer-Encoding`` value as lowercase codings (empty list elements dropped)."""
     return [c for c in (part.strip(b" \t").lower() for part in value.split(b",")) if c]
+
+
+#: The head limits both main-port servers apply (twisted.web's own, which ProxyChannel
+#: keeps; :mod:`txlb._server.lean` checks them itself, as llhttp has none): one line, the
+#: whole head, and the number of header lines.
+MAX_LINE = 16384
+MAX_HEAD_BYTES = 16384
+MAX_HEADERS = 500
+
+# The rules above, by the names txlb._server.lean reads them with.
+VALID_HOST = _VALID_HOST
+VISIBLE_ASCII = _VISIBLE_ASCII
+TOKEN_SEPARATORS = _TOKEN_SEPARATORS
+raw_response = _raw_response
+codings = _codings
 
 
 class ProxyChannel(HTTPChannel):
@@ -128,6 +149,18 @@ class ProxyChannel(HTTPChannel):
         if self._awaiting_head and self._head_deadline is None:
             self._head_deadline = self.callLater(self.header_timeout, self._head_too_slow)
         super().dataReceived(data)
+        if self._awaiting_head and not self._closing and b"\n" in unterminated_line(self):
+            # a line of the head ended by a bare LF: twisted.web would wait for a CRLF that
+            # never comes; refused at once, as llhttp (the lean server) refuses it
+            self.refuse(400, "a line of the request head ends without CR")
+
+    def lineReceived(self, line: bytes) -> None:
+        if self._awaiting_head and line[:1] in (b" ", b"\t") and not self._closing:
+            # obs-fold (RFC 9112 5.2): refused, as llhttp refuses it, rather than joined --
+            # a continuation a backend could read as a header of its own
+            self.refuse(400, "a header line continues the previous one (obs-fold)")
+            return
+        super().lineReceived(line)
 
     def headerReceived(self, line: bytes) -> bool:
         """
@@ -139,6 +172,10 @@ class ProxyChannel(HTTPChannel):
             # RFC 9110 5.5; twisted.web 25.5 passes a lone CR or LF through, which a
             # backend's parser may read as the end of the line (request smuggling)
             return self.refuse(400, "a header value has a NUL, CR or LF")
+        if len(value.translate(None, _CONTROLS)) != len(value):
+            # the other control characters (RFC 9110 5.5: invalid), refused as llhttp --
+            # the lean main port's parser, and the engines' own (uvicorn) -- refuses them
+            return self.refuse(400, "a header value has a control character")
         lowered = name.lower()  # exact: "Host " (space before the colon) is twisted's 400
         if colon and lowered == b"transfer-encoding":
             return self._transfer_encoding(value)

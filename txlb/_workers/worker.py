@@ -50,10 +50,9 @@ from twisted.internet.interfaces import (
     IPushProducer,
     IWriteDescriptor,
 )
-from twisted.internet.protocol import Protocol
+from twisted.internet.protocol import Protocol, ServerFactory
 from twisted.logger import ILogObserver, LogEvent, Logger, eventAsText, globalLogBeginner
 from twisted.python.failure import Failure
-from twisted.web.server import Site
 from zope.interface import implementer
 
 from txlb._balancer import LoadBalancer, SequentialService
@@ -126,7 +125,7 @@ class FewAccepts:
 class AdoptedPort(Service):
     """Serve a listening socket opened by another process (stopped first on shutdown)."""
 
-    def __init__(self, reactor: Any, fd: int, family: int, site: Site) -> None:
+    def __init__(self, reactor: Any, fd: int, family: int, site: ServerFactory) -> None:
         self._reactor = reactor
         self._fd = fd
         self._family = family
@@ -328,7 +327,7 @@ class SupervisorLink(Protocol):
         services = self.services = SequentialService()
         balancer.service(health_checks=False).setServiceParent(services)
         AdoptedPort(self.reactor, LISTEN_FD, hello.family,
-                    balancer.site()).setServiceParent(services)
+                    balancer.main_factory()).setServiceParent(services)
         services.startService()
         freeze_heap()  # the worker's start-up state, out of the collector's walks
         self.report(Ready(os.getpid()))

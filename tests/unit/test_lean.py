@@ -1,0 +1,307 @@
+"""
+The main port's lean server (:mod:`txlb._server.lean`): what it must do itself because llhttp
+leaves it to its caller -- the head's deadline, the body limit while the body arrives,
+``100 Continue`` only for a wanted body, one answer at a time on a pipelined connection --
+and twisted.web's request semantics the proxy relies on.  In memory: a Clock, a fake
+upstream, a ``StringTransport``.  (The framing table runs against it in
+tests/integration/test_framing.py; the proxy suites in tests/unit/test_proxy_lean.py.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet.error import ConnectionDone
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.server import NOT_DONE_YET
+
+from txlb import LoadBalancer
+from txlb._server.lean import LeanSite
+
+from ..helpers import ClientConnection, FakeResponse, FakeUpstream, keep_records
+from . import test_reload
+
+GET = b"GET /v1/models/x HTTP/1.1\r\nHost: lb.example\r\n\r\n"
+
+
+def post(body: bytes, *headers: bytes) -> bytes:
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: lb.example\r\n"
+            + b"".join(h + b"\r\n" for h in headers)
+            + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+class LeanTestCase(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.upstream = FakeUpstream()
+        self.lb = LoadBalancer(["127.0.0.1:8002"], reactor=self.clock, agent=self.upstream,
+                               probe_agent=FakeUpstream(), log_file="none",
+                               max_body="1KiB", header_timeout=5)
+        self.records = keep_records(self.lb)
+        self.site = self.lb.main_factory()
+
+    def client(self) -> ClientConnection:
+        return ClientConnection(self.site)
+
+    def answer(self, index: int, body: bytes = b"ok", length: bool = True) -> FakeResponse:
+        response = self.upstream.calls[index].respond(
+            FakeResponse(200, [(b"Content-Type", b"text/plain")],
+                         length=len(body) if length else FakeResponse(200).length))
+        response.send(body)
+        return response
+
+
+class HeadDeadlineTests(LeanTestCase):
+    def test_a_head_trickling_in_gets_408_at_its_deadline(self) -> None:
+        client = self.client()
+        client.send(b"GET / HTTP/1.1\r\n")
+        self.clock.advance(4)
+        client.send(b"Host: lb.example\r\n")  # bytes keep coming: the deadline stays
+        self.assertEqual(client.transport.value(), b"")
+        self.clock.advance(1)
+        self.assertEqual(client.response().status, 408)
+        self.assertTrue(client.transport.disconnecting)
+        self.assertEqual(self.upstream.calls, [])
+        # one deadline per head, not one per read
+        self.assertEqual([c for c in self.clock.getDelayedCalls()
+                          if "head_too_slow" in repr(c.func)], [])
+
+    def test_an_idle_kept_alive_connection_has_no_head_deadline(self) -> None:
+        client = self.client()
+        client.send(GET)
+        self.answer(0).end()
+        self.clock.advance(59)
+        self.assertFalse(client.transport.disconnecting)
+        self.assertEqual(client.transport.value().count(b"HTTP/1.1 "), 1)  # no 408
+
+    def test_an_idle_connection_is_closed_after_60s_a_held_stream_is_not(self) -> None:
+        idle = self.client()
+        streaming = self.client()
+        streaming.send(GET)
+        stream = self.answer(0, b"data: 1\n\n", length=False)
+        self.clock.advance(30)
+        idle.send(b"\r\n")  # bytes reset the idle clock
+        self.clock.advance(59)
+        self.assertFalse(idle.transport.disconnecting)
+        self.clock.advance(1)
+        self.assertTrue(idle.transport.disconnecting)
+        self.assertEqual(idle.transport.value(), b"")
+        for _ in range(20):  # ten minutes of a stream: the client sends nothing meanwhile
+            self.clock.advance(30)
+            stream.send(b"data: 2\n\n")
+        self.assertFalse(streaming.transport.disconnecting)
+        self.clock.advance(15)
+        stream.end()  # idle from here: a minute from the answer's end, not the request's
+        self.clock.advance(59)
+        self.assertFalse(streaming.transport.disconnecting)
+        self.clock.advance(1)
+        self.assertTrue(streaming.transport.disconnecting)
+
+    def test_the_next_heads_deadline_runs_from_its_own_first_byte(self) -> None:
+        client = self.client()
+        client.send(GET)
+        self.clock.advance(4)
+        self.answer(0).end()
+        client.send(b"GET /b HTTP/1.1\r\n")
+        self.clock.advance(4)
+        self.assertFalse(client.transport.disconnecting)
+        self.clock.advance(1)
+        self.assertTrue(client.transport.disconnecting)
+        self.assertIn(b" 408 ", client.transport.value())
+
+
+class BodyLimitTests(LeanTestCase):
+    def test_a_chunked_body_over_the_limit_is_413_while_it_arrives(self) -> None:
+        client = self.client()
+        client.send(b"POST /t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    b"400\r\n" + b"a" * 1024 + b"\r\n")
+        self.assertEqual(client.transport.value(), b"")  # at the limit: still fine
+        client.send(b"1\r\nb\r\n")  # one byte past it; the body has not ended
+        self.assertEqual(client.response().status, 413)
+        self.assertTrue(client.transport.disconnecting)
+        self.assertEqual(self.upstream.calls, [])
+        self.assertEqual([(r.method, r.status) for r in self.records], [(b"POST", 413)])
+
+    def test_no_100_continue_for_a_body_refused_by_its_length(self) -> None:
+        client = self.client()
+        client.send(b"POST /t HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                    b"Content-Length: 2000\r\n\r\n")
+        self.assertTrue(client.transport.value().startswith(b"HTTP/1.1 413 "))
+        self.assertNotIn(b"100 Continue", client.transport.value())
+
+    def test_100_continue_waits_for_the_answers_before_it(self) -> None:
+        client = self.client()
+        client.send(GET + b"POST /t HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                          b"Content-Length: 5\r\n\r\n")
+        self.assertNotIn(b"100 Continue", client.transport.value())
+        self.answer(0).end()
+        raw = client.transport.value()
+        self.assertTrue(raw.endswith(b"ok" + b"HTTP/1.1 100 Continue\r\n\r\n"), raw)
+        client.send(b"hello")
+        self.assertEqual(self.upstream.calls[1].body, b"hello")
+
+
+class PipeliningTests(LeanTestCase):
+    def test_answers_in_order_one_at_a_time(self) -> None:
+        client = self.client()
+        client.send(GET + GET.replace(b"/x", b"/y"))
+        self.assertEqual(len(self.upstream.calls), 1)  # the second waits its turn
+        first = self.answer(0, b"first")
+        self.assertEqual(len(self.upstream.calls), 1)
+        first.end()
+        self.assertEqual(len(self.upstream.calls), 2)
+        self.answer(1, b"second").end()
+        raw = client.transport.value()
+        self.assertLess(raw.index(b"first"), raw.index(b"second"))
+
+    def test_reading_pauses_while_a_request_waits_behind_the_answered_one(self) -> None:
+        client = self.client()
+        client.send(GET)
+        self.assertEqual(client.transport.producerState, "producing")
+        client.send(GET)
+        self.assertEqual(client.transport.producerState, "paused")
+        self.answer(0).end()
+        self.assertEqual(client.transport.producerState, "paused")  # one more in flight
+        self.answer(1).end()
+        self.assertEqual(client.transport.producerState, "producing")
+
+    def test_connection_close_closes_after_the_answer(self) -> None:
+        client = self.client()
+        client.send(GET.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n") + GET)
+        self.answer(0).end()
+        self.assertTrue(client.transport.disconnecting)
+        self.assertEqual(len(self.upstream.calls), 1)
+        self.assertIn(b"Connection: close", client.transport.value())
+
+
+class RequestSemanticsTests(LeanTestCase):
+    def test_http_1_0_gets_the_stream_unchunked_and_a_close(self) -> None:
+        client = self.client()
+        client.send(b"GET /t HTTP/1.0\r\n\r\n")
+        response = self.answer(0, b"data: 1\n\n", length=False)
+        response.send(b"data: 2\n\n")
+        response.end()
+        raw = client.transport.value()
+        self.assertTrue(raw.startswith(b"HTTP/1.0 200 OK\r\n"), raw)
+        self.assertNotIn(b"chunked", raw.lower())
+        self.assertTrue(raw.endswith(b"\r\n\r\ndata: 1\n\ndata: 2\n\n"), raw)
+        self.assertTrue(client.transport.disconnecting)
+
+    def test_a_chunked_stream_ends_with_the_last_chunk_only_when_it_ends(self) -> None:
+        client = self.client()
+        client.send(GET)
+        response = self.upstream.calls[0].respond(FakeResponse(200, [(b"Content-Type",
+                                                                      b"text/event-stream")]))
+        response.send(b"data: 1\n\n")
+        raw = client.transport.value()
+        self.assertIn(b"Transfer-Encoding: chunked", raw)
+        self.assertTrue(raw.endswith(b"9\r\ndata: 1\n\n\r\n"), raw)
+        response.end()
+        self.assertTrue(client.transport.value().endswith(b"\r\n0\r\n\r\n"))
+
+    def test_every_answer_has_date_and_server(self) -> None:
+        client = self.client()
+        client.send(GET)
+        self.answer(0).end()
+        names = {name.lower() for name, _ in client.response().headers}
+        self.assertLessEqual({b"date", b"server"}, names)
+
+    def test_a_client_gone_mid_stream_stops_the_upstream(self) -> None:
+        client = self.client()
+        client.send(GET)
+        response = self.answer(0, b"data: 1\n\n", length=False)
+        client.disconnect()
+        self.assertTrue(response.transport.stopped)
+        self.assertEqual([r.outcome for r in self.records], ["client_abort"])
+
+    def test_write_after_finish_and_finish_after_loss_raise_as_twisted_web(self) -> None:
+        held: list[Any] = []
+
+        class Holding:
+            def render(self, request: Any) -> Any:
+                held.append(request)
+                return NOT_DONE_YET
+
+        site = LeanSite(Holding(), reactor=self.clock)  # type: ignore[arg-type]
+        client = ClientConnection(site)  # type: ignore[arg-type]
+        client.send(GET)
+        held[0].finish()
+        self.assertRaises(RuntimeError, held[0].write, b"late")
+        self.assertEqual(client.response().status, 200)
+        gone = ClientConnection(site)  # type: ignore[arg-type]
+        gone.send(GET)
+        notified = held[1].notifyFinish()
+        gone.disconnect()
+        self.failureResultOf(notified, ConnectionDone)
+        held[1].write(b"dropped")  # to a client that left: nothing, no error
+        self.assertRaises(RuntimeError, held[1].finish)
+        self.assertNotIn(b"dropped", gone.transport.value())
+
+    def test_a_resource_that_raises_gets_a_500_and_the_connection_goes_on(self) -> None:
+        class Broken:
+            def render(self, request: Any) -> Any:
+                raise ZeroDivisionError()
+
+        site = LeanSite(Broken(), reactor=self.clock)  # type: ignore[arg-type]
+        client = ClientConnection(site)  # type: ignore[arg-type]
+        client.send(GET + GET)
+        self.assertEqual(client.transport.value().count(b"HTTP/1.1 500 "), 2)
+        self.assertFalse(client.transport.disconnecting)
+        self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 2)
+
+
+class ParserTests(LeanTestCase):
+    def test_a_method_llhttp_does_not_know_is_400_and_logged(self) -> None:
+        client = self.client()
+        client.send(b"BREW /pot HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(client.response().status, 400)
+        self.assertTrue(client.transport.disconnecting)
+        self.assertEqual(self.upstream.calls, [])
+        self.assertEqual([(r.method, r.status) for r in self.records], [(b"-", 400)])
+
+    def test_webdav_and_patch_methods_are_forwarded(self) -> None:
+        for method in (b"PATCH", b"PROPFIND", b"PURGE"):
+            client = self.client()
+            client.send(method + b" /x HTTP/1.1\r\nHost: x\r\n\r\n")
+            self.assertEqual(self.upstream.calls[-1].method, method)
+
+
+class RenderFailureTests(SynchronousTestCase):
+    def test_a_resource_failing_after_its_head_cuts_the_connection(self) -> None:
+        class HalfWay:
+            def render(self, request: Any) -> Any:
+                request.write(b"part")
+                raise ZeroDivisionError()
+
+        client = ClientConnection(LeanSite(HalfWay(), reactor=Clock()))  # type: ignore[arg-type]
+        client.send(GET + GET)
+        self.assertTrue(client.transport.disconnecting)  # StringTransport: aborted or closed
+        self.assertEqual(client.transport.value().count(b"HTTP/1.1 "), 1)
+        self.assertFalse(client.response().complete)
+        self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 1)
+
+
+class LeanReloadTests(test_reload.ReloadTestCase):
+    def test_a_reload_retunes_the_lean_server(self) -> None:
+        factory = self.lb.main_factory()
+        self.rewrite('max-body = 10\nheader-timeout = 2\n' + self.first)
+        self.reload()
+        self.assertEqual((factory.max_body, factory.header_timeout), (10, 2.0))
+        client = ClientConnection(factory)  # type: ignore[arg-type]
+        client.request(b"POST", b"/", body=b"x" * 11)
+        self.assertEqual(client.response().status, 413)
+        slow = ClientConnection(factory)  # type: ignore[arg-type]
+        slow.send(b"GET / HTTP/1.1\r\n")
+        self.clock.advance(2)
+        self.assertEqual(slow.response().status, 408)
+
+
+class TlsTests(SynchronousTestCase):
+    def test_alpn_agrees_on_http_1_1(self) -> None:
+        """A TLS client offering ALPN (curl, httpx) is refused without a protocol named."""
+        from twisted.internet.interfaces import IProtocolNegotiationFactory
+
+        site = LeanSite(object(), reactor=Clock())  # type: ignore[arg-type]
+        self.assertEqual(IProtocolNegotiationFactory(site).acceptableProtocols(),
+                         [b"http/1.1"])

@@ -1,0 +1,717 @@
+"""
+The main port's HTTP/1.1 server: llhttp (through ``httptools``, the C parser uvicorn -- and
+so vLLM's own API server -- uses) with the limits and framing rules of
+:mod:`txlb._server.site`, for a fraction of twisted.web's cost per request.
+
+twisted.web parses a request line by line in Python and builds a ``Request`` that does far
+more than a proxy needs; on the path LLM clients take that was the largest part of txlb's
+CPU per request.  :class:`LeanChannel` hands the bytes to llhttp, which is strict where a
+second parser could read a request differently (``Content-Length`` with
+``Transfer-Encoding``, a repeated ``Content-Length``, a bad chunk size, a bare CR or LF, a
+NUL, a space before a colon, obs-fold: 400), and checks itself what llhttp leaves to its
+caller, exactly as :class:`~txlb._server.site.ProxyChannel` does:
+
+* ``--header-timeout``: a request's line and headers get that long from their first byte
+  (slowloris), then 408;
+* ``--max-body``: 413 the moment ``Content-Length`` or a chunked body so far exceeds it,
+  without buffering past it and with no ``100 Continue`` for a refused body;
+* a request line or header line over 16 KiB: 431; a head over 16 KiB or 500 headers in all: 400;
+* ``Transfer-Encoding`` exactly ``chunked`` on HTTP/1.1 (else 400, or 501 for a coding
+  before ``chunked``); ``Host`` required on HTTP/1.1, once, and valid; the target visible
+  ASCII; HTTP/1.0 and 1.1 only;
+* ``Connection`` read as a token list over every line (``keep-alive, close`` closes);
+  HTTP/1.0 closes; a connection idle for 60 s (nothing received, no answer under way) is
+  closed, as twisted.web closes it.
+
+Every refusal is :func:`txlb._server.site.refusal` (JSON body, ``Connection: close``), is
+reported to the factory's ``on_refused`` for the result log, closes the connection, and
+nothing after it is parsed.  Pipelined requests are parsed as they come and answered in
+order, one at a time; reading pauses while one waits behind the request being answered.
+
+:class:`LeanSite` is the factory; :class:`~txlb._server.lean_request.LeanRequest` the
+request the proxy resource renders against.  An embedder's twisted.web ``Site`` (the
+resource of :meth:`txlb.LoadBalancer.resource`, or :meth:`~txlb.LoadBalancer.site`) keeps
+twisted.web's server with the same rules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from email.utils import formatdate
+from io import BytesIO
+from typing import Any
+
+from httptools import (
+    HttpParserCallbackError,
+    HttpParserError,
+    HttpParserUpgrade,
+    HttpRequestParser,
+)
+from twisted.internet.interfaces import IDelayedCall, IProtocolNegotiationFactory, IReactorTime
+from twisted.internet.protocol import Protocol, ServerFactory, connectionDone
+from twisted.logger import Logger, LogLevel
+from twisted.python.failure import Failure
+from twisted.web.http_headers import Headers
+from twisted.web.resource import IResource
+from twisted.web.server import NOT_DONE_YET
+from twisted.web.server import version as server_version
+from zope.interface import implementer
+
+from txlb._proxy.errors import error_body
+from txlb._server.lean_request import LeanRequest
+from txlb._server.quiet import RepeatSummary
+from txlb._server.site import (
+    MAX_HEAD_BYTES,
+    MAX_HEADERS,
+    MAX_LINE,
+    TOKEN_SEPARATORS,
+    VALID_HOST,
+    VISIBLE_ASCII,
+    codings,
+    raw_response,
+)
+
+log = Logger(namespace="txlb._server.site")
+
+#: Bytes a head may take on the wire while incomplete before it is refused even though no
+#: single span was seen whole yet (httptools buffers a header until it ends): bounds the
+#: memory one slow or hostile client can hold, whatever its reads look like.
+_HEAD_BUFFER_LIMIT = 4 * MAX_HEAD_BYTES + 65536
+
+#: Complete requests that may wait behind the one being answered before reading pauses.
+_PIPELINE_DEPTH = 1
+
+#: A connection on which nothing arrives for this long while no answer is being written is
+#: closed (twisted.web's idle timeout, which ``lb.site()`` keeps).
+IDLE_TIMEOUT = 60.0
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing: the request was refused."""
+
+
+class _Stop(Exception):
+    """Raised from a parser callback to stop parsing: nothing after this request is read."""
+
+
+class _Refusal:
+    """A refusal waiting for its turn behind the requests pipelined before it."""
+
+    __slots__ = ("status", "body", "request")
+
+    def __init__(self, status: int, body: bytes, request: LeanRequest) -> None:
+        self.status = status
+        self.body = body
+        self.request = request
+
+
+class _Head:
+    """What the framing checks remember of the request being parsed."""
+
+    __slots__ = ("url", "headers", "size", "count", "host_lines", "codings",
+                 "content_length", "connection", "expect", "body", "body_size",
+                 "request", "version", "upgrade")
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.size = 0
+        self.count = 0
+        self.host_lines = 0
+        self.codings: list[bytes] = []
+        self.content_length: int | None = None
+        self.connection: list[bytes] = []
+        self.expect: bytes | None = None
+        self.body: list[bytes] = []
+        self.body_size = 0
+        #: set when the head is complete
+        self.request: LeanRequest | None = None
+        self.version = b""
+        #: llhttp saw a request asking to switch protocols, and does not read its body
+        self.upgrade = False
+
+
+class _DateCache:
+    """The ``Date`` header's value, formatted once a second rather than per request."""
+
+    def __init__(self, clock: IReactorTime | None) -> None:
+        self._seconds = clock.seconds if clock is not None else time.time
+        self._at = -1
+        self._value = b""
+
+    def now(self) -> bytes:
+        second = int(self._seconds())
+        if second != self._at:
+            self._at = second
+            self._value = formatdate(second, usegmt=True).encode("ascii")
+        return self._value
+
+
+class LeanChannel(Protocol):
+    """One client connection of the main port (see the module docstring)."""
+
+    #: a TCP (or TLS, or UNIX) transport: a producer and a consumer as well
+    transport: Any
+
+    def __init__(self, site: LeanSite) -> None:
+        self.site = site
+        self.factory = site
+        self.header_timeout = site.header_timeout
+        self._parser = HttpRequestParser(self)
+        self._head: _Head | None = None
+        #: parsed requests (and at most one refusal, last) waiting for their turn
+        self._queue: deque[LeanRequest | _Refusal] = deque()
+        #: the request being answered
+        self._current: LeanRequest | None = None
+        self._request_producer: Any = None
+        self._deadline: IDelayedCall | None = None
+        #: refused, or past a request after which nothing is read: input is dropped
+        self._closing = False
+        self._advancing = False
+        self._reading_paused = False
+        self._head_buffered = 0
+        self._continue_sent = False
+        #: the start of a request line not yet ended by CRLF (see _check_request_line)
+        self._line: bytes | None = None
+        #: a request asking to switch protocols whose body is still being read
+        self._upgrading: _Head | None = None
+        self._idle_timer: IDelayedCall | None = None
+        self._last_active = 0.0
+
+    # -- the connection -------------------------------------------------------------------
+
+    def connectionMade(self) -> None:
+        transport = self.transport
+        assert transport is not None
+        # Streamed tokens are small writes: Nagle's algorithm must not hold them back
+        # (nginx's tcp_nodelay, on by default).
+        set_no_delay = getattr(transport, "setTcpNoDelay", None)
+        if set_no_delay is not None:
+            with contextlib.suppress(OSError):  # not a TCP socket, or already closed
+                set_no_delay(True)
+        # the transport tells the channel when the client's socket is full; the channel
+        # passes it on to the producer of the answer being written (the exchange)
+        transport.registerProducer(self, True)
+        clock = self.site.clock
+        self._last_active = clock.seconds()
+        self._idle_timer = clock.callLater(IDLE_TIMEOUT, self._idle_check)
+
+    def _idle_check(self) -> None:
+        """
+        Close a connection idle for ``IDLE_TIMEOUT``: nothing received, no answer being
+        written.  One timer per connection, re-armed for what is left rather than moved on
+        every read (a held stream is not idle: its timer just waits again).
+        """
+        self._idle_timer = None
+        if self._closing or self.transport is None:
+            return
+        clock = self.site.clock
+        quiet = clock.seconds() - self._last_active
+        if self._current is None and not self._queue and quiet >= IDLE_TIMEOUT:
+            self._closing = True
+            self.loseConnection()
+            return
+        wait = IDLE_TIMEOUT - quiet if quiet < IDLE_TIMEOUT else IDLE_TIMEOUT
+        self._idle_timer = clock.callLater(wait, self._idle_check)
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._closing:
+            return  # refused or closing: whatever follows is never parsed, so never forwarded
+        self._last_active = self.site.clock.seconds()
+        if self._upgrading is None and (self._line is not None or self._head is None):
+            data = self._check_request_line(data)
+            if not data:
+                self._advance()
+                return
+        try:
+            self._feed(data)
+        finally:
+            head = self._head
+            if head is not None and head.request is None and not self._closing:
+                # a head is under way: its deadline runs from its first byte, and its
+                # bytes on the wire are bounded even before httptools hands a span over
+                if self._deadline is None:
+                    self._deadline = self.site.clock.callLater(self.header_timeout,
+                                                               self._head_too_slow)
+                self._head_buffered += len(data)
+                if self._head_buffered > _HEAD_BUFFER_LIMIT:
+                    self.refuse(431, "request header fields too large")
+        self._advance()
+
+    def _check_request_line(self, data: bytes) -> bytes:
+        """
+        The request line that starts this read, checked for what llhttp lets through and
+        twisted.web does not: more than one space between its three parts.  Only a line at
+        the start of a read is seen whole here (a pipelined one is not: txlb writes every
+        request line upstream itself, so the spaces never reach a backend either way).
+        Returns what to feed llhttp; ``b""`` once refused.
+        """
+        line = (self._line or b"") + data
+        start = len(line) - len(line.lstrip(b"\r\n"))
+        end = line.find(b"\r\n", start)
+        if end < 0:
+            # not whole yet: kept (a line past the limit is llhttp's to refuse, as 431)
+            self._line = line if len(line) <= MAX_LINE else None
+            return data
+        self._line = None
+        parts = line[start:end].split(b" ")
+        if len(parts) != 3 or not all(parts):
+            self.refuse(400, "malformed request line or headers")
+            return b""
+        return data
+
+    def _feed(self, data: bytes) -> None:
+        parser = self._parser
+        while True:
+            if self._upgrading is not None:
+                data = self._upgrade_body(data)
+                if not data or self._closing:
+                    return
+            try:
+                parser.feed_data(data)
+                return
+            except HttpParserUpgrade as upgrade:
+                # llhttp stops after the head of a request asking to switch protocols
+                # (``Upgrade``, CONNECT) and leaves its body unread.  txlb does not switch
+                # (``Upgrade`` is hop-by-hop): the body is read here, by its
+                # Content-Length, and parsing goes on after it, as twisted.web does
+                offset = upgrade.args[0] if upgrade.args else len(data)
+                data = data[offset:]
+                if self._closing or not (data or self._upgrading is not None):
+                    return
+            except HttpParserCallbackError as error:
+                cause = error.__context__
+                if isinstance(cause, (_Refused, _Stop)):
+                    return
+                if cause is not None:
+                    raise cause from None
+                raise
+            except HttpParserError as error:
+                self._malformed(str(error))
+                return
+
+    def _upgrade_body(self, data: bytes) -> bytes:
+        """The body of a request llhttp left unread (see :meth:`_feed`); what follows it."""
+        head = self._upgrading
+        assert head is not None and head.content_length is not None
+        wanted = head.content_length - head.body_size
+        if wanted > 0 and data:
+            taken = data[:wanted]
+            head.body.append(taken)
+            head.body_size += len(taken)
+            data = data[len(taken):]
+        if head.body_size < head.content_length:
+            return b""
+        self._upgrading = None
+        try:
+            self._complete(head)
+        except _Stop:
+            return b""
+        return data
+
+    def _malformed(self, reason: str) -> None:
+        """llhttp refused the bytes: 400 -- or 413 for a length no limit could allow."""
+        limit = self.site.max_body
+        lowered = reason.lower()
+        if limit and "overflow" in lowered:
+            self.refuse(413, f"the request body is over the limit of {limit} bytes")
+        elif "transfer-encoding" in lowered and "content-length" not in lowered:
+            # the words ProxyChannel's own check uses for the same refusal
+            self.refuse(400, "the request's final transfer coding must be chunked (and only "
+                             "once), or its length cannot be known")
+        elif self._head is not None and self._head.request is not None:
+            self.refuse(400, "malformed request body framing")
+        else:
+            self.refuse(400, "malformed request line or headers")
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self._closing = True
+        self._cancel_deadline()
+        idle, self._idle_timer = self._idle_timer, None
+        if idle is not None and idle.active():
+            idle.cancel()
+        self._request_producer = None
+        current, self._current = self._current, None
+        self._queue.clear()
+        self._head = None
+        if current is not None:
+            current.connectionLost(reason)
+
+    def loseConnection(self) -> None:
+        """Close once what is written has gone (the transport's producer unregistered first,
+        so a paused one cannot hold the close back)."""
+        transport = self.transport
+        if transport is not None:
+            transport.unregisterProducer()
+            transport.loseConnection()
+
+    # -- llhttp's callbacks ---------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._head = _Head()
+        self._head_buffered = 0
+        self._continue_sent = False
+
+    def on_url(self, url: bytes) -> None:
+        head = self._head
+        assert head is not None
+        head.url += url
+        if len(head.url) > MAX_LINE:
+            self._refuse_now(431, "request header fields too large")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        head = self._head
+        assert head is not None
+        line = len(name) + len(value) + 2
+        if line > MAX_LINE:
+            self._refuse_now(431, "request header fields too large")
+        if not head.size:  # the request line counts towards the head's size, as twisted's
+            head.size = len(head.url) + 16
+        head.size += line
+        head.count += 1
+        if head.size > MAX_HEAD_BYTES or head.count > MAX_HEADERS:
+            self._refuse_now(400, "malformed request line or headers")
+        lowered = name.lower()
+        if lowered == b"host":
+            head.host_lines += 1
+            if head.host_lines > 1:
+                self._refuse_now(400, "the request has more than one Host header")
+            if not VALID_HOST.fullmatch(value):
+                self._refuse_now(400, "the request's Host header is not a valid host")
+        elif lowered == b"transfer-encoding":
+            self._transfer_encoding(head, value)
+            value = b"chunked"
+        elif lowered == b"content-length":
+            try:
+                head.content_length = int(value)  # llhttp let only digits through, once
+            except ValueError:
+                self._refuse_now(400, "malformed request line or headers")
+        elif lowered == b"connection":
+            head.connection.append(value)
+        elif lowered == b"expect" and head.expect is None:
+            head.expect = value
+        head.headers.append((name, value))
+
+    def _transfer_encoding(self, head: _Head, value: bytes) -> None:
+        """Exactly one coding, ``chunked``, over all lines, on HTTP/1.1 (as ProxyChannel)."""
+        head.codings += codings(value)
+        found = head.codings
+        if self._parser.get_http_version() != "1.1":
+            self._refuse_now(400, "Transfer-Encoding is not allowed in an HTTP/1.0 request")
+        if found == [b"chunked"]:
+            return
+        if not found or found[-1] != b"chunked" or b"chunked" in found[:-1]:
+            self._refuse_now(400, "the request's final transfer coding must be chunked "
+                                  "(and only once), or its length cannot be known")
+        self._refuse_now(501, "transfer codings other than chunked are not supported")
+
+    def on_headers_complete(self) -> None:
+        head = self._head
+        assert head is not None
+        self._cancel_deadline()
+        self._head_buffered = 0
+        parser = self._parser
+        version = parser.get_http_version()
+        if version not in ("1.1", "1.0"):
+            self._refuse_now(400, "malformed request line or headers")
+        target = head.url
+        if len(target.translate(None, VISIBLE_ASCII)) != 0:
+            self._refuse_now(400, "the request target has bytes that are not visible ASCII")
+        head.version = clientproto = b"HTTP/1.1" if version == "1.1" else b"HTTP/1.0"
+        headers = Headers()
+        add = headers.addRawHeader
+        for name, value in head.headers:
+            add(name, value)
+        request = head.request = LeanRequest(self, parser.get_method(), target,
+                                             clientproto, headers)
+        if head.host_lines == 0 and version == "1.1":
+            self._refuse_now(400, "an HTTP/1.1 request must have a Host header")
+        chunked = bool(head.codings)
+        if parser.should_upgrade():
+            head.upgrade = True
+            if chunked:
+                # llhttp leaves the body unread, and its chunks are not worth a second
+                # parser here: refused, where twisted.web would read and forward it
+                self._refuse_now(400, "a request asking to switch protocols may not "
+                                      "have a chunked body")
+        limit = self.site.max_body
+        length = head.content_length
+        if limit and length is not None and length > limit:
+            # no "100 Continue" for a body that is refused anyway
+            self._refuse_now(413, f"the request body ({length} bytes) is over the limit "
+                                  f"of {limit} bytes")
+        tokens = {token.lower() for value in head.connection
+                  for token in TOKEN_SEPARATORS.split(value) if token}
+        if version == "1.1" and b"close" not in tokens:
+            request.persistent = True
+        else:
+            request.persistent = False
+            if version == "1.1":
+                request.responseHeaders.setRawHeaders(b"Connection", [b"close"])
+        if (head.expect is not None and head.expect.lower() == b"100-continue"
+                and version == "1.1" and (chunked or length)):
+            self._maybe_continue()
+
+    def on_body(self, data: bytes) -> None:
+        head = self._head
+        assert head is not None
+        head.body_size += len(data)
+        limit = self.site.max_body
+        if limit and head.body_size > limit:
+            self._refuse_now(413, f"the request body is over the limit of {limit} bytes")
+        head.body.append(data)
+
+    def on_message_complete(self) -> None:
+        head, self._head = self._head, None
+        assert head is not None and head.request is not None
+        if head.upgrade and head.content_length:
+            self._upgrading = head  # its body comes after the upgrade pause (see _feed)
+            return
+        self._complete(head)
+
+    def _complete(self, head: _Head) -> None:
+        """``head``'s request is whole: in line for its answer."""
+        request = head.request
+        assert request is not None
+        body = head.body
+        request.content = BytesIO(body[0] if len(body) == 1 else b"".join(body))
+        self._queue.append(request)
+        if not request.persistent:
+            self._closing = True  # the answer closes the connection: nothing more is read
+            raise _Stop()
+
+    # -- answering, in order --------------------------------------------------------------
+
+    def _advance(self) -> None:
+        """Answer the next request in line, if none is being answered."""
+        if self._advancing:
+            return
+        self._advancing = True
+        try:
+            queue = self._queue
+            while self._current is None and queue and self.transport is not None:
+                item = queue.popleft()
+                if isinstance(item, _Refusal):
+                    self._write_refusal(item)
+                    return
+                self._current = item
+                self._dispatch(item)
+            if self._current is None and not queue:
+                self._resume_reading()
+                self._maybe_continue()
+            elif len(queue) >= _PIPELINE_DEPTH and not self._closing:
+                self._pause_reading()
+        finally:
+            self._advancing = False
+
+    def _dispatch(self, request: LeanRequest) -> None:
+        headers = request.responseHeaders
+        headers.setRawHeaders(b"Server", [server_version])
+        headers.setRawHeaders(b"Date", [self.site.date.now()])
+        if request.uri == b"*":
+            # RFC 9110 9.3.7: "OPTIONS *" asks about the server, not a resource; answered
+            # here, as twisted.web answers it: 200, or 405 to any other method
+            if request.method != b"OPTIONS":
+                request.setResponseCode(405)
+                headers.setRawHeaders(b"Allow", [b"OPTIONS"])
+            headers.setRawHeaders(b"Content-Length", [b"0"])
+            request.finish()
+            return
+        try:
+            result = self.site.resource.render(request)
+        except Exception:
+            log.failure("rendering {uri!r} failed", uri=request.uri)
+            if request.startedWriting and not request.finished:
+                # part of an answer is out: only a cut connection says it is not whole
+                self._closing = True
+                self.transport.abortConnection()
+                return
+            if not request.finished:
+                request.setResponseCode(500)
+                body = error_body(500, "internal error in the balancer")
+                request.responseHeaders = Headers({b"Content-Type": [b"application/json"],
+                                                   b"Content-Length": [b"%d" % len(body)]})
+                request.write(body)
+                request.finish()
+            return
+        if result is not NOT_DONE_YET and isinstance(result, bytes) and not request.finished:
+            request.write(result)
+            request.finish()
+
+    def request_done(self, request: LeanRequest) -> None:
+        """``request`` has its whole answer: close, or go on with the next one."""
+        if request is not self._current:
+            return
+        self._current = None
+        self._request_producer = None
+        self._last_active = self.site.clock.seconds()  # idle from the answer's end
+        if not request.persistent:
+            self._closing = True
+            self.loseConnection()
+            return
+        self._advance()
+
+    def register_request_producer(self, producer: Any) -> None:
+        """The answer's producer, paused while the client's socket is full."""
+        self._request_producer = producer
+
+    def _maybe_continue(self) -> None:
+        """``100 Continue`` for a body that is wanted, once the answers before it are out."""
+        head = self._head or self._upgrading
+        if (head is None or head.request is None or self._continue_sent or self._closing
+                or self._current is not None or self._queue or self.transport is None):
+            return
+        if head.expect is None or head.expect.lower() != b"100-continue":
+            return
+        if head.version != b"HTTP/1.1" or not (head.codings or head.content_length):
+            return
+        self._continue_sent = True
+        self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def _pause_reading(self) -> None:
+        if not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pauseProducing()
+
+    def _resume_reading(self) -> None:
+        if self._reading_paused and self.transport is not None and not self._closing:
+            self._reading_paused = False
+            self.transport.resumeProducing()
+
+    # -- IPushProducer, for the transport: the client's socket is full, or has room ------
+
+    def pauseProducing(self) -> None:
+        if self._request_producer is not None:
+            self._request_producer.pauseProducing()
+
+    def resumeProducing(self) -> None:
+        if self._request_producer is not None:
+            self._request_producer.resumeProducing()
+
+    def stopProducing(self) -> None:
+        if self._request_producer is not None:
+            self._request_producer.stopProducing()
+
+    # -- refusals -------------------------------------------------------------------------
+
+    def _refuse_now(self, status: int, message: str) -> None:
+        """From a parser callback: refuse, and stop llhttp."""
+        self.refuse(status, message)
+        raise _Refused()
+
+    def refuse(self, status: int, message: str) -> None:
+        """
+        Answer ``status`` with a JSON error and close, after the answers to the requests
+        pipelined before this one; nothing after it is parsed, and the request being parsed
+        (if any) never reaches the proxy.  Only a connection's first refusal counts.
+        """
+        if self._closing:
+            return
+        self._closing = True
+        self._cancel_deadline()
+        head = self._head
+        request = head.request if head is not None else None
+        if request is None:
+            # llhttp names a method (DELETE, its zero) even before it read one: only a
+            # request line read as far as its target has a method to log
+            parsed = head is not None and bool(head.url)
+            method = self._parser_method() if parsed else b"-"
+            url = head.url if head is not None and head.url else b"-"
+            request = LeanRequest(None, method, url, b"HTTP/1.1", Headers())
+            if head is not None:
+                for name, value in head.headers:
+                    request.requestHeaders.addRawHeader(name, value)
+        request.channel = None  # it never reaches the resource
+        self._head = None
+        self._queue.append(_Refusal(status, error_body(status, message), request))
+        if not self._advancing:
+            self._advance()
+
+    def _parser_method(self) -> bytes:
+        try:
+            method = self._parser.get_method()
+        except Exception:  # not parsed yet
+            return b"-"
+        return method if isinstance(method, bytes) and method else b"-"
+
+    def _write_refusal(self, refusal: _Refusal) -> None:
+        self._closing = True
+        on_refused = self.site.on_refused
+        if on_refused is not None:
+            try:
+                on_refused(refusal.request, refusal.status, refusal.body)
+            except Exception:
+                log.failure("logging a refused request")
+        transport = self.transport
+        if transport is not None:
+            transport.write(raw_response(refusal.status, refusal.body))
+            self.loseConnection()
+
+    def _cancel_deadline(self) -> None:
+        deadline, self._deadline = self._deadline, None
+        if deadline is not None and deadline.active():
+            deadline.cancel()
+
+    def _head_too_slow(self) -> None:
+        self._deadline = None
+        if self.transport is None or self._closing:
+            return
+        message = "client {peer} sent no complete request head within {timeout:g}s"
+        address = self.transport.getPeer()
+        host, port = getattr(address, "host", None), getattr(address, "port", None)
+        peer = (str(address) if host is None else
+                f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        repeats = self.site.repeats
+        if repeats is None:
+            log.info(message, peer=peer, timeout=self.header_timeout)
+        else:  # a client opening connections it never completes: not a line per connection
+            repeats.emit(("slow-head",), log, LogLevel.info, message, peer=peer,
+                         timeout=self.header_timeout)
+        self.refuse(408, f"request headers not received within {self.header_timeout:g}s")
+        self._advance()
+
+
+@implementer(IProtocolNegotiationFactory)
+class LeanSite(ServerFactory):
+    """
+    The main port's factory (what ``twistd llmlb`` listens with): the proxy resource
+    served by :class:`LeanChannel`.  ``max_body`` and ``header_timeout`` are read per
+    connection and per request, so a reload retunes them in place, as on ``ProxySite``.
+    """
+
+    noisy = False  # "Starting factory <LeanSite object at 0x...>" says nothing to operators
+
+    def __init__(self, resource: IResource, max_body: int = 0, header_timeout: float = 30.0,
+                 on_refused: Any = None, reactor: IReactorTime | None = None,
+                 repeats: RepeatSummary | None = None) -> None:
+        self.resource = resource
+        self.max_body = max_body
+        self.header_timeout = header_timeout
+        self.on_refused = on_refused
+        self.repeats = repeats
+        if reactor is None:
+            from twisted.internet import reactor as default_reactor
+
+            reactor = default_reactor
+        self.clock: IReactorTime = reactor
+        self.date = _DateCache(self.clock)
+
+    def buildProtocol(self, addr: Any) -> LeanChannel:
+        return LeanChannel(self)
+
+    def acceptableProtocols(self) -> list[bytes]:
+        """
+        What TLS's ALPN may agree on (``--listen ssl:...``): HTTP/1.1.  Twisted's TLS
+        refuses a client that offers ALPN when the factory names no protocol at all.
+        """
+        return [b"http/1.1"]
+
+    def logPrefix(self) -> str:
+        """
+        The main port's start-up line stays ``ProxySite starting on PORT``, whichever
+        server serves it: operators' scripts, the bench and the ``--workers`` supervisor's
+        own line all say it that way.
+        """
+        return "ProxySite"
