@@ -80,6 +80,12 @@ log = Logger(namespace="txlb._server.site")
 #: memory one slow or hostile client can hold, whatever its reads look like.
 _HEAD_BUFFER_LIMIT = 4 * MAX_HEAD_BYTES + 65536
 
+#: Bytes of a chunked body's framing (chunk-size lines, extensions, trailers) that may arrive
+#: without a chunk or its data being read: llhttp reads them without buffering, but httptools
+#: buffers a trailer until its line ends, and nothing else bounds them after the head
+#: (twisted.web refuses a chunk-size line over 1 KiB and trailers over 64 KiB).
+_FRAMING_LIMIT = MAX_HEAD_BYTES
+
 #: Complete requests that may wait behind the one being answered before reading pauses.
 _PIPELINE_DEPTH = 1
 
@@ -172,6 +178,9 @@ class LeanChannel(Protocol):
         self._advancing = False
         self._reading_paused = False
         self._head_buffered = 0
+        #: bytes read into a chunked body since llhttp last reached a chunk or its data
+        self._framing = 0
+        self._chunk_seen = False
         self._continue_sent = False
         #: the start of a request line not yet ended by CRLF (see _check_request_line)
         self._line: bytes | None = None
@@ -238,6 +247,23 @@ class LeanChannel(Protocol):
                 self._head_buffered += len(data)
                 if self._head_buffered > _HEAD_BUFFER_LIMIT:
                     self.refuse(431, "request header fields too large")
+            elif head is not None and head.codings and not self._closing:
+                # a chunked body: its framing bytes are bounded too (_FRAMING_LIMIT)
+                if self._chunk_seen:
+                    self._chunk_seen = False
+                    self._framing = 0
+                else:
+                    self._framing += len(data)
+                    if self._framing > _FRAMING_LIMIT:
+                        self.refuse(400, "malformed request body framing")
+            elif (head is None and self._deadline is None and self._upgrading is None
+                  and self._current is None and not self._queue and not self._closing
+                  and not data.strip(b"\r\n")):
+                # llhttp skips empty lines before a request line without starting a
+                # message: they start the head's deadline, as on twisted.web, or a CRLF
+                # now and then would hold the connection with no deadline at all
+                self._deadline = self.site.clock.callLater(self.header_timeout,
+                                                           self._head_too_slow)
         self._advance()
 
     def _check_request_line(self, data: bytes) -> bytes:
@@ -352,6 +378,7 @@ class LeanChannel(Protocol):
     def on_message_begin(self) -> None:
         self._head = _Head()
         self._head_buffered = 0
+        self._framing = 0
         self._continue_sent = False
 
     def on_url(self, url: bytes) -> None:
@@ -364,6 +391,8 @@ class LeanChannel(Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         head = self._head
         assert head is not None
+        if head.request is not None:
+            return  # a trailer: dropped, as twisted.web drops them (_FRAMING_LIMIT bounds them)
         line = len(name) + len(value) + 2
         if line > MAX_LINE:
             self._refuse_now(431, "request header fields too large")
@@ -454,9 +483,16 @@ class LeanChannel(Protocol):
                 and version == "1.1" and (chunked or length)):
             self._maybe_continue()
 
+    def on_chunk_header(self) -> None:
+        self._chunk_seen = True
+
+    def on_chunk_complete(self) -> None:
+        self._chunk_seen = True
+
     def on_body(self, data: bytes) -> None:
         head = self._head
         assert head is not None
+        self._chunk_seen = True
         head.body_size += len(data)
         limit = self.site.max_body
         if limit and head.body_size > limit:

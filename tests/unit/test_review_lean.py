@@ -1,0 +1,131 @@
+"""
+Hostile clients against the lean main-port server (txlb._server.lean): what a review found.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet.address import IPv4Address
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.server import NOT_DONE_YET
+
+from txlb._server.lean import LeanChannel, LeanSite
+
+CHUNKED = (b"POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+
+
+class _Echo:
+    def __init__(self) -> None:
+        self.rendered: list[Any] = []
+
+    def render(self, request: Any) -> bytes:
+        self.rendered.append(request)
+        body = request.content.read()
+        request.setHeader(b"content-length", b"%d" % len(body))
+        return body
+
+
+class _Hold:
+    def __init__(self) -> None:
+        self.rendered: list[Any] = []
+
+    def render(self, request: Any) -> Any:
+        self.rendered.append(request)
+        return NOT_DONE_YET
+
+
+class ReviewTestCase(SynchronousTestCase):
+    def connect(self, resource: Any = None) -> tuple[LeanChannel, StringTransport]:
+        self.clock = Clock()
+        self.resource = resource if resource is not None else _Echo()
+        site = LeanSite(self.resource, max_body=4096, header_timeout=5, reactor=self.clock)
+        peer = IPv4Address("TCP", "10.0.0.1", 4000)
+        transport = StringTransport(peerAddress=peer)
+        channel = site.buildProtocol(peer)
+        channel.makeConnection(transport)
+        return channel, transport
+
+
+class TrailerTests(ReviewTestCase):
+    def test_an_endless_trailer_is_refused_not_buffered(self) -> None:
+        """
+        httptools buffers a header value until its line ends, and after the head nothing
+        bounded it: a trailer that never ends grew without limit (64 KiB a read, with
+        neither --max-body, the head deadline nor the idle timeout to stop it).
+        """
+        channel, transport = self.connect()
+        channel.dataReceived(CHUNKED + b"3\r\nabc\r\n0\r\nX-Trailer: ")
+        for _ in range(8):
+            channel.dataReceived(b"a" * 65536)
+            if transport.disconnecting:
+                break
+        self.assertTrue(transport.disconnecting)
+        self.assertIn(b"HTTP/1.1 400 ", transport.value())
+        self.assertEqual(self.resource.rendered, [])
+
+    def test_an_endless_trailer_name_is_refused(self) -> None:
+        channel, transport = self.connect()
+        channel.dataReceived(CHUNKED + b"0\r\n")
+        for _ in range(8):
+            channel.dataReceived(b"a" * 65536)
+            if transport.disconnecting:
+                break
+        self.assertTrue(transport.disconnecting)
+        self.assertIn(b"HTTP/1.1 400 ", transport.value())
+
+    def test_an_endless_chunk_extension_is_refused(self) -> None:
+        channel, transport = self.connect()
+        channel.dataReceived(CHUNKED + b"3;ext=")
+        for _ in range(8):
+            channel.dataReceived(b"a" * 65536)
+            if transport.disconnecting:
+                break
+        self.assertTrue(transport.disconnecting)
+        self.assertIn(b"HTTP/1.1 400 ", transport.value())
+
+    def test_trailers_are_dropped_as_twisted_web_drops_them(self) -> None:
+        """lb.site() discards trailers; a trailer named like a framing header is no 400."""
+        channel, transport = self.connect()
+        channel.dataReceived(CHUNKED + b"3\r\nabc\r\n0\r\nHost: y\r\n"
+                             b"T: v\r\n\r\n")
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 200 "), transport.value())
+        self.assertTrue(transport.value().endswith(b"\r\n\r\nabc"))
+        request = self.resource.rendered[0]
+        self.assertIsNone(request.getHeader(b"t"))
+
+    def test_a_slow_but_legitimate_chunked_body_is_read(self) -> None:
+        channel, transport = self.connect()
+        channel.dataReceived(CHUNKED)
+        for _ in range(200):
+            channel.dataReceived(b"1;a=b\r\n")
+            channel.dataReceived(b"x")
+            channel.dataReceived(b"\r\n")
+        channel.dataReceived(b"0\r\nT: v\r\n\r\n")
+        self.assertTrue(transport.value().endswith(b"\r\n\r\n" + b"x" * 200))
+
+
+class LeadingEmptyLineTests(ReviewTestCase):
+    def test_empty_lines_before_a_request_run_the_head_deadline(self) -> None:
+        """
+        llhttp skips CRLFs before a request line without starting a message, so "\\r\\n"
+        every 50 s held a connection forever: no head deadline (lb.site() starts it on any
+        byte and answers 408), and every read reset the idle timeout.
+        """
+        channel, transport = self.connect()
+        for _ in range(4):
+            channel.dataReceived(b"\r\n")
+            self.clock.advance(2)
+        self.assertTrue(transport.disconnecting)
+        self.assertIn(b"HTTP/1.1 408 ", transport.value())
+
+    def test_a_stray_crlf_after_a_request_being_answered_does_not_408_it(self) -> None:
+        channel, transport = self.connect(_Hold())
+        channel.dataReceived(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        channel.dataReceived(b"\r\n")
+        self.clock.advance(30)
+        self.assertFalse(transport.disconnecting)
+        self.assertEqual(transport.value(), b"")
+
