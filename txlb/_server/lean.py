@@ -385,7 +385,10 @@ class LeanChannel(Protocol):
         head = self._head
         assert head is not None
         head.url += url
-        if len(head.url) > MAX_LINE:
+        if (len(head.url) > MAX_LINE - 24
+                # the request line's length, as twisted.web limits it: method, target and
+                # " HTTP/1.1", with their spaces
+                and len(self._parser_method()) + len(head.url) + 10 > MAX_LINE):
             self._refuse_now(431, "request header fields too large")
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -393,6 +396,10 @@ class LeanChannel(Protocol):
         assert head is not None
         if head.request is not None:
             return  # a trailer: dropped, as twisted.web drops them (_FRAMING_LIMIT bounds them)
+        if value and value[-1:] in b" \t":
+            # RFC 9110 5.5: the whitespace around a value is not part of it (llhttp strips
+            # the leading whitespace only): "Host: x " is x, as on twisted.web
+            value = value.rstrip(b" \t")
         line = len(name) + len(value) + 2
         if line > MAX_LINE:
             self._refuse_now(431, "request header fields too large")
