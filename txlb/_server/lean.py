@@ -86,6 +86,9 @@ _HEAD_BUFFER_LIMIT = 4 * MAX_HEAD_BYTES + 65536
 #: (twisted.web refuses a chunk-size line over 1 KiB and trailers over 64 KiB).
 _FRAMING_LIMIT = MAX_HEAD_BYTES
 
+#: A read is parsed this much at a time once a request in it is complete (_feed_bounded).
+_FEED_SLICE = 4096
+
 #: Complete requests that may wait behind the one being answered before reading pauses.
 _PIPELINE_DEPTH = 1
 
@@ -181,6 +184,8 @@ class LeanChannel(Protocol):
         #: bytes read into a chunked body since llhttp last reached a chunk or its data
         self._framing = 0
         self._chunk_seen = False
+        #: the part of a read not parsed yet: it follows a request waiting for its turn
+        self._held = b""
         self._continue_sent = False
         #: the start of a request line not yet ended by CRLF (see _check_request_line)
         self._line: bytes | None = None
@@ -229,13 +234,22 @@ class LeanChannel(Protocol):
         if self._closing:
             return  # refused or closing: whatever follows is never parsed, so never forwarded
         self._last_active = self.site.clock.seconds()
+        if self._held:
+            # bytes of an earlier read wait unparsed: this one comes after them
+            self._held += data
+            self._pause_reading()
+            return
+        self._receive(data)
+        self._advance()
+
+    def _receive(self, data: bytes) -> None:
+        """Parse ``data`` (a read, or the bytes held back from one), without answering."""
         if self._upgrading is None and (self._line is not None or self._head is None):
             data = self._check_request_line(data)
             if not data:
-                self._advance()
                 return
         try:
-            self._feed(data)
+            self._feed_bounded(data)
         finally:
             head = self._head
             if head is not None and head.request is None and not self._closing:
@@ -264,7 +278,28 @@ class LeanChannel(Protocol):
                 # now and then would hold the connection with no deadline at all
                 self._deadline = self.site.clock.callLater(self.header_timeout,
                                                            self._head_too_slow)
-        self._advance()
+
+    def _feed_bounded(self, data: bytes) -> None:
+        """
+        ``data`` to llhttp, but no further than a request waiting for its turn: the rest
+        of the read is held back, unparsed, until the requests before it are answered (as
+        twisted.web holds it).  Parsed whole, one 64 KiB read of small pipelined requests
+        behind a stream was some 2,400 requests, megabytes held per connection.
+        """
+        if len(data) <= _FEED_SLICE:
+            self._feed(data)
+            return
+        self._feed(data[:_FEED_SLICE])
+        if not self._queue:  # the usual read: no request ended in its start (a body)
+            self._feed(data[_FEED_SLICE:])
+            return
+        position = _FEED_SLICE
+        while position < len(data) and not self._closing:
+            if self._queue:
+                self._held = data[position:]
+                return
+            self._feed(data[position:position + _FEED_SLICE])
+            position += _FEED_SLICE
 
     def _check_request_line(self, data: bytes) -> bytes:
         """
@@ -361,6 +396,7 @@ class LeanChannel(Protocol):
         self._request_producer = None
         current, self._current = self._current, None
         self._queue.clear()
+        self._held = b""
         self._head = None
         if current is not None:
             current.connectionLost(reason)
@@ -534,17 +570,24 @@ class LeanChannel(Protocol):
         self._advancing = True
         try:
             queue = self._queue
-            while self._current is None and queue and self.transport is not None:
-                item = queue.popleft()
-                if isinstance(item, _Refusal):
-                    self._write_refusal(item)
-                    return
-                self._current = item
-                self._dispatch(item)
+            while True:
+                while self._current is None and queue and self.transport is not None:
+                    item = queue.popleft()
+                    if isinstance(item, _Refusal):
+                        self._write_refusal(item)
+                        return
+                    self._current = item
+                    self._dispatch(item)
+                if (self._current is None and not queue and self._held
+                        and not self._closing and self.transport is not None):
+                    held, self._held = self._held, b""  # what a read held back: parsed now
+                    self._receive(held)
+                    continue
+                break
             if self._current is None and not queue:
                 self._resume_reading()
                 self._maybe_continue()
-            elif len(queue) >= _PIPELINE_DEPTH and not self._closing:
+            elif (len(queue) >= _PIPELINE_DEPTH or self._held) and not self._closing:
                 self._pause_reading()
         finally:
             self._advancing = False
