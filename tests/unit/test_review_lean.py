@@ -205,3 +205,11 @@ class QueueTests(ReviewTestCase):
         self.assertEqual(self.resource.rendered[1].content.read(), b"b" * 3000)
         self.resource.rendered[1].finish()
         self.assertEqual([r.uri for r in self.resource.rendered], [b"/1", b"/2", b"/3"])
+
+    def test_a_refusal_in_the_first_slice_of_a_read_stops_the_parse(self) -> None:
+        """The parser is not fed again once a refusal stopped it (it raised, bare)."""
+        channel, transport = self.connect()
+        channel.dataReceived(b"GET /t HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n"
+                             + b"GET /" + b"a" * 17000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertIn(b"HTTP/1.1 400 ", transport.value())
+        self.assertTrue(transport.disconnecting)

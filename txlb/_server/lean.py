@@ -290,6 +290,8 @@ class LeanChannel(Protocol):
             self._feed(data)
             return
         self._feed(data[:_FEED_SLICE])
+        if self._closing:
+            return  # refused, or a request after which nothing is read
         if not self._queue:  # the usual read: no request ended in its start (a body)
             self._feed(data[_FEED_SLICE:])
             return
