@@ -12,9 +12,12 @@ NUL, a space before a colon, obs-fold: 400), and checks itself what llhttp leave
 caller, exactly as :class:`~txlb._server.site.ProxyChannel` does:
 
 * ``--header-timeout``: a request's line and headers get that long from their first byte
-  (slowloris), then 408;
+  (slowloris; the empty lines llhttp skips before a request line count), then 408;
 * ``--max-body``: 413 the moment ``Content-Length`` or a chunked body so far exceeds it,
-  without buffering past it and with no ``100 Continue`` for a refused body;
+  without buffering past it and with no ``100 Continue`` for a refused body; a chunked
+  body's trailers are dropped, and its framing (size lines, extensions, trailers) may run
+  16 KiB past the last chunk data before it is 400 (httptools buffers a trailer whole);
+* a field value without the whitespace after it (llhttp strips only what comes before);
 * a request line or header line over 16 KiB: 431; a head over 16 KiB or 500 headers in all: 400;
 * ``Transfer-Encoding`` exactly ``chunked`` on HTTP/1.1 (else 400, or 501 for a coding
   before ``chunked``); ``Host`` required on HTTP/1.1, once, and valid; the target visible
@@ -25,8 +28,9 @@ caller, exactly as :class:`~txlb._server.site.ProxyChannel` does:
 
 Every refusal is :func:`txlb._server.site.refusal` (JSON body, ``Connection: close``), is
 reported to the factory's ``on_refused`` for the result log, closes the connection, and
-nothing after it is parsed.  Pipelined requests are parsed as they come and answered in
-order, one at a time; reading pauses while one waits behind the request being answered.
+nothing after it is parsed.  Pipelined requests are answered in order, one at a time; a read
+is parsed no further than a request waiting behind the one being answered (the rest is held
+as bytes) and reading pauses meanwhile.
 
 :class:`LeanSite` is the factory; :class:`~txlb._server.lean_request.LeanRequest` the
 request the proxy resource renders against.  An embedder's twisted.web ``Site`` (the
