@@ -56,7 +56,7 @@ from httptools import (
 )
 from twisted.internet.interfaces import IDelayedCall, IProtocolNegotiationFactory, IReactorTime
 from twisted.internet.protocol import Protocol, ServerFactory, connectionDone
-from twisted.logger import Logger, LogLevel
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 from twisted.web.resource import IResource
@@ -75,6 +75,7 @@ from txlb._server.site import (
     VALID_HOST,
     VISIBLE_ASCII,
     codings,
+    log_slow_head,
     raw_response,
 )
 
@@ -750,17 +751,7 @@ class LeanChannel(Protocol):
         self._deadline = None
         if self.transport is None or self._closing:
             return
-        message = "client {peer} sent no complete request head within {timeout:g}s"
-        address = self.transport.getPeer()
-        host, port = getattr(address, "host", None), getattr(address, "port", None)
-        peer = (str(address) if host is None else
-                f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-        repeats = self.site.repeats
-        if repeats is None:
-            log.info(message, peer=peer, timeout=self.header_timeout)
-        else:  # a client opening connections it never completes: not a line per connection
-            repeats.emit(("slow-head",), log, LogLevel.info, message, peer=peer,
-                         timeout=self.header_timeout)
+        log_slow_head(log, self.transport.getPeer(), self.site.repeats, self.header_timeout)
         self.refuse(408, f"request headers not received within {self.header_timeout:g}s")
         self._advance()
 

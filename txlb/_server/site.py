@@ -291,19 +291,29 @@ class ProxyChannel(HTTPChannel):
         self._head_deadline = None
         if self.transport is None:
             return
-        message = "client {peer} sent no complete request head within {timeout:g}s"
-        address = self.transport.getPeer()
-        host, port = getattr(address, "host", None), getattr(address, "port", None)
-        # host:port ([v6]:port), not the IPv4Address(type='TCP', ...) repr
-        peer = (str(address) if host is None else
-                f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-        repeats = getattr(getattr(self, "site", None), "repeats", None)
-        if repeats is None:
-            log.info(message, peer=peer, timeout=self.header_timeout)
-        else:  # a client opening connections it never completes: not a line per connection
-            repeats.emit(("slow-head",), log, LogLevel.info, message, peer=peer,
-                         timeout=self.header_timeout)
+        log_slow_head(log, self.transport.getPeer(),
+                      getattr(getattr(self, "site", None), "repeats", None), self.header_timeout)
         self.refuse(408, f"request headers not received within {self.header_timeout:g}s")
+
+
+def log_slow_head(logger: Logger, address: Any, repeats: RepeatSummary | None,
+                  timeout: float) -> None:
+    """
+    Say that the client at ``address`` sent no whole request head within ``timeout`` -- as a
+    per-kind summary when the site has one: a client opening connections it never
+    completes must not cost a log line per connection.  Both servers (this module's and
+    :mod:`txlb._server.lean`) refuse such a head with 408 the same way.
+    """
+    message = "client {peer} sent no complete request head within {timeout:g}s"
+    host, port = getattr(address, "host", None), getattr(address, "port", None)
+    # host:port ([v6]:port), not the IPv4Address(type='TCP', ...) repr
+    peer = (str(address) if host is None else
+            f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    if repeats is None:
+        logger.info(message, peer=peer, timeout=timeout)
+    else:
+        repeats.emit(("slow-head",), logger, LogLevel.info, message, peer=peer,
+                     timeout=timeout)
 
 
 class LimitedRequest(Request):
