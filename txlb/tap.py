@@ -57,7 +57,9 @@ class Options(usage.Options):
     longdesc = (
         "Run the txlb load balancer in front of OpenAI-compatible inference servers. "
         "Every option can also come from its environment variable or from the TOML file "
-        "given with --config (command line > environment > file > default)."
+        "given with --config (command line > environment > file > default). It runs on "
+        "txlb's own epoll reactor, txlb-epoll, unless twistd's --reactor (before 'llmlb') "
+        "names another; the first log line says which."
     )
     optParameters = [
         ["config", "c", None, "TOML config file. [env LB_CONFIG]"],

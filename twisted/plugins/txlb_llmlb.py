@@ -5,7 +5,8 @@ from twisted.application.service import ServiceMaker
 llmlb = ServiceMaker(
     "txlb load balancer",
     "txlb.tap",
-    "A load balancer for LLM inference servers (vLLM and other OpenAI-compatible APIs).",
+    "A load balancer for LLM inference servers (vLLM and other OpenAI-compatible APIs), "
+    "on the txlb-epoll reactor unless --reactor names another.",
     "llmlb",
 )
 vllm_sim = ServiceMaker(
