@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from typing import Any
 
@@ -124,6 +125,10 @@ async def _main(reactor: Any, argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     install_by_default()  # the reactor ``twistd -n llmlb`` runs on, unless one is installed
+    # Ctrl-C stops the demo even when it was started with SIGINT ignored (a shell's
+    # background job, or a script that ignores it): Twisted puts its own handler only over
+    # Python's default one, and would otherwise leave Ctrl-C ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     task.react(lambda reactor: defer.ensureDeferred(_main(reactor, argv or sys.argv[1:])))
 
 
