@@ -190,3 +190,16 @@ def quiet_client_service(base: Any) -> Any:
         _log = Logger(observer=nothing)
 
     return QuietClientService
+
+
+def alpn_mutates_shared_context() -> bool:
+    """
+    Whether this Twisted's TLS sets ALPN on the listening port's shared SSL context for
+    each new connection (``TLSMemoryBIOFactory._applyProtocolNegotiation``, Twisted 25.5),
+    which pyOpenSSL 25 and later refuse once the context has made a connection: every TLS
+    connection after the first would fail.  Later Twisted sets it once, when the context
+    is made.  The main port's server names ALPN protocols only where that is safe.
+    """
+    from twisted.protocols.tls import TLSMemoryBIOFactory
+
+    return hasattr(TLSMemoryBIOFactory, "_applyProtocolNegotiation")

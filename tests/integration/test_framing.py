@@ -336,6 +336,12 @@ class LeanTlsTests(TestCase):
                     received += chunk
                 return tls.selected_alpn_protocol(), received
 
-        protocol, answer = yield threads.deferToThread(ask)
-        self.assertEqual(protocol, "http/1.1")
-        self.assertTrue(answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer[:100])
+        from txlb._compat import alpn_mutates_shared_context
+
+        # where Twisted would set ALPN on the shared context per connection (25.5), the main
+        # port names no protocol, and the client still gets its answer on HTTP/1.1
+        agreed = None if alpn_mutates_shared_context() else "http/1.1"
+        for _ in range(3):  # every connection, not only the first the context made
+            protocol, answer = yield threads.deferToThread(ask)
+            self.assertEqual(protocol, agreed)
+            self.assertTrue(answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer[:100])

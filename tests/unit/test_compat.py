@@ -326,3 +326,22 @@ class QuietClientServiceTests(TestCase):
             retries = [e for e in events if "Scheduling retry" in e.get("log_format", "")]
             self.assertEqual(bool(retries), logged)
             service.stopService()
+
+
+class TlsNegotiationTests(TestCase):
+    def test_alpn_on_the_shared_context_is_seen_where_twisted_does_it(self) -> None:
+        """
+        Twisted 25.5's TLS factory sets ALPN on the shared context per connection (its
+        ``_applyProtocolNegotiation``); later ones do not have the method.  The answer
+        follows the method, and the main port names ALPN protocols only without it.
+        """
+        from twisted.internet.interfaces import IProtocolNegotiationFactory
+        from twisted.protocols.tls import TLSMemoryBIOFactory
+
+        from txlb._compat import alpn_mutates_shared_context
+        from txlb._server.lean import LeanSite
+
+        per_connection = hasattr(TLSMemoryBIOFactory, "_applyProtocolNegotiation")
+        self.assertEqual(alpn_mutates_shared_context(), per_connection)
+        self.assertEqual(IProtocolNegotiationFactory.implementedBy(LeanSite),
+                         not per_connection)

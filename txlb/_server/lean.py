@@ -62,8 +62,9 @@ from twisted.web.http_headers import Headers
 from twisted.web.resource import IResource
 from twisted.web.server import NOT_DONE_YET
 from twisted.web.server import version as server_version
-from zope.interface import implementer
+from zope.interface import classImplements
 
+from txlb._compat import alpn_mutates_shared_context
 from txlb._proxy.errors import error_body
 from txlb._server.lean_request import LeanRequest
 from txlb._server.quiet import RepeatSummary
@@ -756,7 +757,6 @@ class LeanChannel(Protocol):
         self._advance()
 
 
-@implementer(IProtocolNegotiationFactory)
 class LeanSite(ServerFactory):
     """
     The main port's factory (what ``twistd llmlb`` listens with): the proxy resource
@@ -788,6 +788,8 @@ class LeanSite(ServerFactory):
         """
         What TLS's ALPN may agree on (``--listen ssl:...``): HTTP/1.1.  Twisted's TLS
         refuses a client that offers ALPN when the factory names no protocol at all.
+        (Declared below, except on a Twisted whose TLS would set it on the shared context
+        for every connection, which pyOpenSSL refuses after the first.)
         """
         return [b"http/1.1"]
 
@@ -798,3 +800,7 @@ class LeanSite(ServerFactory):
         own line all say it that way.
         """
         return "ProxySite"
+
+
+if not alpn_mutates_shared_context():
+    classImplements(LeanSite, IProtocolNegotiationFactory)
