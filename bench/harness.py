@@ -283,35 +283,30 @@ def wait_routing(port: int, timeout: float = 60.0,
     Until a chat request through the proxy on ``port`` answers 200: it listens, has probed
     its workers and routes to one (the routers take a few probe rounds to admit a worker).
     """
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while time.monotonic() < deadline and alive():
-        try:
-            status = chat_status(port)
-            if status == 200:
-                return
-            last = status
-        except OSError as exc:
-            last = exc
-        time.sleep(0.1)
-    raise RuntimeError(f"port {port} does not route chat requests: {last}")
+    _until_200(port, lambda: chat_status(port), timeout, alive, "does not route chat requests")
 
 
 def wait_ready(port: int, path: str = "/json", timeout: float = STARTUP_TIMEOUT,
                alive: Callable[[], bool] = lambda: True) -> None:
     """Until ``GET path`` answers 200 (the proxy listens and reaches a backend)."""
+    _until_200(port, lambda: http_get(port, path)[0], timeout, alive, "not ready")
+
+
+def _until_200(port: int, status: Callable[[], int], timeout: float,
+               alive: Callable[[], bool], failing: str) -> None:
+    """Ask ``status`` every 0.1 s until it says 200, the child dies, or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
     last: object = None
     while time.monotonic() < deadline and alive():
         try:
-            status, _ = http_get(port, path)
-            if status == 200:
+            answer = status()
+            if answer == 200:
                 return
-            last = status
+            last = answer
         except OSError as exc:
             last = exc
         time.sleep(0.1)
-    raise RuntimeError(f"port {port} not ready: {last}")
+    raise RuntimeError(f"port {port} {failing}: {last}")
 
 
 def start_backend(children: Children, core: int | None, count: int) -> tuple[Child, list[int]]:

@@ -121,7 +121,7 @@ class LeanRequest:
         """
         Body bytes already in chunked framing (the backend's, passed through): written as
         they are.  The last chunk is still written by :meth:`finish`, so a cut stream stays
-        a cut one.  The seam :func:`txlb._proxy.incoming.passthrough_writer` hands out.
+        a cut one.  The seam :func:`txlb._proxy.incoming.framed_writer` hands out.
         """
         if not self._disconnected and self.channel is not None and data:
             self.channel.transport.write(data)
