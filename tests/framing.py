@@ -180,6 +180,11 @@ CASES: tuple[Case, ...] = (
          + b"5;a\nb\r\nhello\r\n0\r\n\r\n", (400,), True),
     Case("huge chunk size meets --max-body", _post(b"Transfer-Encoding: chunked")
          + b"f" * 40 + b"\r\n" + b"x" * 2048, (413,), True),
+    Case("chunks too small: 1,025 chunks of one byte", _post(b"Transfer-Encoding: chunked")
+         + b"1\r\na\r\n" * 1025 + b"0\r\n\r\n", (400,), True),
+    Case("a thousand small chunks are fine", _post(b"Transfer-Encoding: chunked")
+         + b"1\r\na\r\n" * 1000 + b"0\r\n\r\n", (BACKEND,), False,
+         (Sent(b"POST", b"/t", b"a" * 1000),)),
     # -- bytes that have no place in a head ------------------------------------------------
     Case("bare CR in a header value", _get(b"/t", b"X-A: a\rb"), (400,), True),
     Case("bare LF in a header value", _get(b"/t", b"X-A: a\nb"), (400,), True),

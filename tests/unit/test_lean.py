@@ -9,14 +9,17 @@ tests/integration/test_framing.py; the proxy suites in tests/unit/test_proxy_lea
 
 from __future__ import annotations
 
+import tracemalloc
 from typing import Any
 
 from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
 from txlb import LoadBalancer
+from txlb._proxy.incoming import read_body
 from txlb._server.lean import LeanSite
 
 from ..helpers import ClientConnection, FakeResponse, FakeUpstream, keep_records
@@ -138,6 +141,102 @@ class BodyLimitTests(LeanTestCase):
         self.assertTrue(raw.endswith(b"ok" + b"HTTP/1.1 100 Continue\r\n\r\n"), raw)
         client.send(b"hello")
         self.assertEqual(self.upstream.calls[1].body, b"hello")
+
+
+class _BodyReader(Resource):
+    """Takes each request's body as the proxy does (``incoming.read_body``) and keeps it."""
+
+    isLeaf = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bodies: list[bytes] = []
+
+    def render(self, request: Any) -> bytes:
+        self.bodies.append(read_body(request))
+        return b"ok"
+
+
+class BodyMemoryTests(SynchronousTestCase):
+    """A body costs its payload in memory, however the client frames it."""
+
+    def setUp(self) -> None:
+        self.reader = _BodyReader()
+        self.site = LeanSite(self.reader, max_body=64 << 20, reactor=Clock())
+
+    def traced_while(self, send: Any) -> tuple[int, int]:
+        """Memory held after ``send()`` and its peak, above what was held before."""
+        tracemalloc.start()
+        try:
+            before, _ = tracemalloc.get_traced_memory()
+            tracemalloc.reset_peak()
+            send()
+            held, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        return held - before, peak - before
+
+    def test_a_body_of_small_chunks_is_held_as_its_payload(self) -> None:
+        """
+        100,000 chunks of 32 bytes (3.2 MB), held before the last chunk: a list of spans
+        held ~73 bytes per chunk, 2.3 times the payload.
+        """
+        chunks = 100_000
+        data = b"0123456789abcdef" * 2
+        framed = b"20\r\n" + data + b"\r\n"
+        wire = framed * chunks
+        reads = [wire[i:i + 65536] for i in range(0, len(wire), 65536)]
+        client = ClientConnection(self.site)
+        client.send(b"POST /t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+
+        def send() -> None:
+            for read in reads:
+                client.send(read)
+
+        held, _ = self.traced_while(send)
+        payload = len(data) * chunks
+        self.assertLess(held, payload * 1.3, f"{held} bytes held for {payload} of payload")
+        self.assertEqual(client.transport.value(), b"")
+        client.send(b"0\r\n\r\n")
+        self.assertEqual(self.reader.bodies, [data * chunks])
+
+    def test_a_large_body_is_copied_once_on_its_way_to_the_proxy(self) -> None:
+        """8 MiB in 64 KiB reads: the spans joined at the end peaked at twice the body."""
+        size = 8 << 20
+        body = bytes(range(256)) * (size // 256)
+        reads = [body[i:i + 65536] for i in range(0, size, 65536)]
+        client = ClientConnection(self.site)
+        client.send(b"POST /t HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size)
+
+        def send() -> None:
+            for read in reads:
+                client.send(read)
+
+        _, peak = self.traced_while(send)
+        self.assertLess(peak, size * 1.4, f"a peak of {peak} bytes for a {size}-byte body")
+        self.assertEqual(self.reader.bodies, [body])
+
+    def test_tiny_chunks_are_refused_once_their_framing_outweighs_them(self) -> None:
+        """2-byte chunks: 7 bytes on the wire and a parser call for every 2 of body."""
+        client = ClientConnection(self.site)
+        client.send(b"POST /t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    + b"2\r\nab\r\n" * 1024)
+        self.assertEqual(client.transport.value(), b"")  # the allowance: still fine
+        client.send(b"2\r\nab\r\n" * 1024)
+        response = client.response()
+        self.assertEqual(response.status, 400)
+        self.assertIn(b"chunks are too small", response.body)
+        self.assertTrue(client.transport.disconnecting)
+        self.assertEqual(self.reader.bodies, [])
+
+    def test_chunks_of_a_line_each_are_fine(self) -> None:
+        """A client's generator yielding a short line at a time is far above the floor."""
+        line = b'{"role": "user", "content": "hello"},'
+        client = ClientConnection(self.site)
+        client.send(b"POST /t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    + (b"%x\r\n%s\r\n" % (len(line), line)) * 5000 + b"0\r\n\r\n")
+        self.assertEqual(client.response().status, 200)
+        self.assertEqual(self.reader.bodies, [line * 5000])
 
 
 class PipeliningTests(LeanTestCase):

@@ -17,6 +17,8 @@ caller, exactly as :class:`~txlb._server.site.ProxyChannel` does:
   without buffering past it and with no ``100 Continue`` for a refused body; a chunked
   body's trailers are dropped, and its framing (size lines, extensions, trailers) may run
   16 KiB past the last chunk data before it is 400 (httptools buffers a trailer whole);
+  a body is held as one buffer of its payload (:meth:`_Head.add_body`), and a chunked body
+  of chunks too small to be worth their parse is 400 (:func:`~txlb._server.site.chunks_too_small`);
 * ``Host`` and ``Expect`` read without the whitespace after them (llhttp strips only the
   whitespace before a value);
 * a request line or header line over 16 KiB: 431; a head over 16 KiB or 500 headers in all: 400;
@@ -69,12 +71,14 @@ from txlb._proxy.errors import error_body
 from txlb._server.lean_request import LeanRequest
 from txlb._server.quiet import RepeatSummary
 from txlb._server.site import (
+    CHUNKS_TOO_SMALL,
     MAX_HEAD_BYTES,
     MAX_HEADERS,
     MAX_LINE,
     TOKEN_SEPARATORS,
     VALID_HOST,
     VISIBLE_ASCII,
+    chunks_too_small,
     codings,
     log_slow_head,
     raw_response,
@@ -128,7 +132,7 @@ class _Head:
 
     __slots__ = ("url", "headers", "size", "count", "host_lines", "codings",
                  "content_length", "connection", "expect", "body", "body_size",
-                 "request", "version", "upgrade")
+                 "spans", "request", "version", "upgrade")
 
     def __init__(self) -> None:
         self.url = b""
@@ -140,13 +144,44 @@ class _Head:
         self.content_length: int | None = None
         self.connection: list[bytes] = []
         self.expect: bytes | None = None
-        self.body: list[bytes] = []
+        #: the body as it arrives: its first span alone, then (from a second span on) the
+        #: whole body so far in one buffer (see :meth:`add_body`)
+        self.body: bytes | BytesIO = b""
         self.body_size = 0
+        #: spans of body data llhttp handed over (a chunk, or the part of one in a read)
+        self.spans = 0
         #: set when the head is complete
         self.request: LeanRequest | None = None
         self.version = b""
         #: llhttp saw a request asking to switch protocols, and does not read its body
         self.upgrade = False
+
+    def add_body(self, data: bytes) -> None:
+        """
+        ``data`` after the body so far.  The body is held as its bytes and no more: one
+        span as it came, and from a second span on one ``BytesIO`` that each span is
+        copied into.  A list of spans cost a bytes object and a list slot per span --
+        some 40 bytes for each 2-byte chunk of a chunked body, ~20 times its payload --
+        and a join of millions of them when it ended.
+        """
+        self.body_size += len(data)
+        self.spans += 1
+        body = self.body
+        if isinstance(body, bytes):
+            if not body:
+                self.body = data
+                return
+            self.body = body = BytesIO(body)
+            body.seek(0, 2)
+        body.write(data)
+
+    def take_body(self) -> bytes:
+        """
+        The whole body, given up by the head: ``BytesIO.getvalue`` hands over its buffer
+        without a copy, so a body is copied once in all between the read and the request.
+        """
+        body, self.body = self.body, b""
+        return body if isinstance(body, bytes) else body.getvalue()
 
 
 class _DateCache:
@@ -369,8 +404,7 @@ class LeanChannel(Protocol):
         wanted = head.content_length - head.body_size
         if wanted > 0 and data:
             taken = data[:wanted]
-            head.body.append(taken)
-            head.body_size += len(taken)
+            head.add_body(taken)
             data = data[len(taken):]
         if head.body_size < head.content_length:
             return b""
@@ -534,21 +568,20 @@ class LeanChannel(Protocol):
                 and version == "1.1" and (chunked or length)):
             self._maybe_continue()
 
-    def on_chunk_header(self) -> None:
-        self._chunk_seen = True
-
-    def on_chunk_complete(self) -> None:
-        self._chunk_seen = True
+    # No on_chunk_header / on_chunk_complete: httptools calls only the callbacks a protocol
+    # has, and each is a Python call per chunk.  A chunk's data reaching on_body is what
+    # resets the framing bound (_FRAMING_LIMIT); a chunk of no data is the last one.
 
     def on_body(self, data: bytes) -> None:
         head = self._head
         assert head is not None
         self._chunk_seen = True
-        head.body_size += len(data)
+        head.add_body(data)
+        if head.codings and chunks_too_small(head.spans, head.body_size):
+            self._refuse_now(400, CHUNKS_TOO_SMALL)
         limit = self.site.max_body
         if limit and head.body_size > limit:
             self._refuse_now(413, f"the request body is over the limit of {limit} bytes")
-        head.body.append(data)
 
     def on_message_complete(self) -> None:
         head, self._head = self._head, None
@@ -562,8 +595,7 @@ class LeanChannel(Protocol):
         """``head``'s request is whole: in line for its answer."""
         request = head.request
         assert request is not None
-        body = head.body
-        request.content = BytesIO(body[0] if len(body) == 1 else b"".join(body))
+        request.content = BytesIO(head.take_body())
         self._queue.append(request)
         if not request.persistent:
             self._closing = True  # the answer closes the connection: nothing more is read

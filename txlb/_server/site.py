@@ -106,6 +106,23 @@ MAX_LINE = 16384
 MAX_HEAD_BYTES = 16384
 MAX_HEADERS = 500
 
+#: A chunked body is refused once it has had more than this many spans of data (a chunk,
+#: or the part of a chunk one read holds) ...
+CHUNK_ALLOWANCE = 1024
+#: ... averaging fewer payload bytes than this: its framing costs more to parse than its
+#: payload is worth (``2\r\nab\r\n``, 7 bytes on the wire for 2 of body, is a Python
+#: call per chunk on either server).  Real clients send chunks of kilobytes; a client's
+#: generator yielding a line at a time is far above it.
+MIN_AVERAGE_CHUNK = 16
+CHUNKS_TOO_SMALL = (f"the request body's chunks are too small (an average under "
+                    f"{MIN_AVERAGE_CHUNK} bytes over more than {CHUNK_ALLOWANCE} chunks)")
+
+
+def chunks_too_small(spans: int, payload: int) -> bool:
+    """A chunked body of ``spans`` data spans and ``payload`` bytes so far: refused?"""
+    return spans > CHUNK_ALLOWANCE and payload < spans * MIN_AVERAGE_CHUNK
+
+
 # The rules above, by the names txlb._server.lean reads them with.
 VALID_HOST = _VALID_HOST
 VISIBLE_ASCII = _VISIBLE_ASCII
@@ -322,6 +339,8 @@ class LimitedRequest(Request):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._body_seen = 0
+        self._spans = 0
+        self._chunked = False
         self._refused = False
 
     @property
@@ -337,12 +356,17 @@ class LimitedRequest(Request):
             self._refuse(f"the request body ({length} bytes) is over the limit of "
                          f"{limit} bytes")
             return
+        self._chunked = length is None  # twisted.web's channel: None only when chunked
         super().gotLength(length)
 
     def handleContentChunk(self, data: bytes) -> None:
         if self._refused:
             return
         self._body_seen += len(data)
+        self._spans += 1
+        if self._chunked and chunks_too_small(self._spans, self._body_seen):
+            self._refuse(CHUNKS_TOO_SMALL, status=400)
+            return
         limit = self._max_body
         if limit and self._body_seen > limit:
             self._refuse(f"the request body is over the limit of {limit} bytes")
@@ -354,16 +378,16 @@ class LimitedRequest(Request):
             return  # answered already; the proxy never sees it
         super().requestReceived(command, path, version)
 
-    def _refuse(self, message: str) -> None:
+    def _refuse(self, message: str, status: int = 413) -> None:
         channel = self.channel
         if isinstance(channel, ProxyChannel):
-            channel.refuse(413, message)
+            channel.refuse(status, message)
         elif channel is not None:
             # in an embedder's own channel: answer the same way, without its framing checks
-            body = error_body(413, message)
-            self.refused(413, body)
+            body = error_body(status, message)
+            self.refused(status, body)
             if channel.transport is not None:
-                channel.transport.write(_raw_response(413, body))
+                channel.transport.write(_raw_response(status, body))
                 channel.loseConnection()
 
     def refused(self, status: int, body: bytes) -> None:
