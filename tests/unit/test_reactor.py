@@ -11,11 +11,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from twisted.internet.protocol import ClientFactory, Factory, Protocol
 from twisted.trial.unittest import TestCase
 
 from txlb._server.reactor import (
+    CORK_LIMIT,
     DirectDispatchEPollReactor,
     EagerClient,
     EagerServer,
@@ -120,6 +122,18 @@ class ReactorTests(TestCase):
         transport.loseConnection()  # type: ignore[union-attr]
         self.spin(lambda: bytes(self.client.data) == b"last words")
         self.spin(lambda: not self.client.transport.connected)  # type: ignore[union-attr]
+
+    def test_a_large_write_is_queued_as_it_is_after_what_was_corked(self) -> None:
+        """A request body of megabytes: never joined onto its head, never sliced."""
+        transport: Any = self.server_side[0].transport
+        body = b"b" * (CORK_LIMIT + 1)
+        transport.write(b"head,")
+        transport.write(body)
+        self.assertIsNone(transport._corked)  # the head went out first
+        # the caller's own bytes, queued (Twisted's write buffer)
+        self.assertTrue(any(queued is body for queued in transport._tempDataBuffer))
+        self.spin(lambda: len(self.client.data) == len(body) + 5)
+        self.assertEqual(bytes(self.client.data), b"head," + body)
 
     def test_large_writes_fall_back_and_keep_order(self) -> None:
         transport = self.server_side[0].transport

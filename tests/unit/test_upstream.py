@@ -85,6 +85,24 @@ class ClientTests(unittest.TestCase):
                          b"POST /v1/x?a=1 HTTP/1.1\r\nHost: 127.0.0.1:8002\r\n"
                          b"X-Forwarded-For: 10.0.0.1\r\nContent-Length: 2\r\n\r\n{}")
 
+    def test_a_body_is_written_as_its_own_bytes_after_the_head(self) -> None:
+        """Joined onto its head, a body of megabytes was copied on every request."""
+        body = b"x" * (4 << 20)
+        self.send(body=body)
+        writes: list[bytes] = []
+
+        class Recording(StringTransport):
+            def write(self, data: bytes) -> None:
+                writes.append(data)
+                super().write(data)
+
+        factory = self.reactor.tcpClients[-1][2]
+        factory.buildProtocol(None).makeConnection(Recording())
+        self.assertEqual(writes[0], request_head(
+            b"POST", b"/v1/x?a=1", b"127.0.0.1:8002", [(b"x-forwarded-for", b"10.0.0.1")],
+            body))
+        self.assertIs(writes[1], body)
+
     def test_no_body_no_content_length(self) -> None:
         self.assertNotIn(b"Content-Length", request_head(b"GET", b"/", b"h", [], None))
         self.assertIn(b"Content-Length: 0\r\n", request_head(b"POST", b"/", b"h", [], b""))

@@ -43,6 +43,11 @@ _EPOLLIN = select.EPOLLIN
 #: send() results that mean "the kernel buffer is full": queue the data the stock way.
 _WOULD_BLOCK = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.EINTR})
 
+#: A write this large is not corked: what is corked goes out first, then the write takes the
+#: stock path, which sends it from the caller's own bytes (a request body of megabytes is
+#: never joined onto its head, nor its unsent rest sliced into a copy).
+CORK_LIMIT = 256 * 1024
+
 
 class EagerWriteMixin:
     """
@@ -65,6 +70,11 @@ class EagerWriteMixin:
             return
         conn: Any = self
         corked = conn._corked
+        if len(data) > CORK_LIMIT:
+            if corked is not None:
+                self.flush_corked()
+            tcp.Connection.write(conn, data)
+            return
         if corked is not None:
             corked.append(data)
             return

@@ -224,14 +224,19 @@ def _framing(version: bytes, code: int, method: bytes,
 class _Attempt:
     """One request waiting for a connection and its response head."""
 
-    __slots__ = ("host", "port", "method", "data", "deferred", "connection", "connector",
-                 "fresh_only", "written_at")
+    __slots__ = ("host", "port", "method", "data", "body", "deferred", "connection",
+                 "connector", "fresh_only", "written_at")
 
-    def __init__(self, host: str, port: int, method: bytes, data: bytes) -> None:
+    def __init__(self, host: str, port: int, method: bytes, data: bytes,
+                 body: bytes | None = None) -> None:
         self.host = host
         self.port = port
         self.method = method
+        #: the request's head
         self.data = data
+        #: its body, written after the head as its own bytes: never joined onto the head
+        #: (a copy of a body of megabytes)
+        self.body = body
         self.deferred: Deferred[UpstreamResponse] = Deferred(self._cancel)
         self.connection: UpstreamConnection | None = None
         self.connector: Any = None
@@ -329,6 +334,8 @@ class UpstreamConnection(Protocol):
         self._received = False
         attempt.written_at = self.client.now()
         self.transport.write(attempt.data)
+        if attempt.body:
+            self.transport.write(attempt.body)
 
     def abort(self) -> None:
         self.state = "closed"
@@ -648,10 +655,8 @@ class UpstreamClient:
             except UnicodeError:  # not a valid IDNA name (a label over 63 characters)
                 host_header = authority.encode("ascii", "replace")
             self._host_headers[key] = host_header
-        data = request_head(method, target, host_header, headers, body)
-        if body:
-            data += body
-        attempt = _Attempt(host, port, method, data)
+        attempt = _Attempt(host, port, method,
+                           request_head(method, target, host_header, headers, body), body)
         self.dispatch(attempt)
         deferred: Deferred[Any] = attempt.deferred
         return deferred
