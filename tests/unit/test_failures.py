@@ -34,7 +34,7 @@ from txlb._proxy.failures import (
     standard_json_object,
 )
 from txlb._records.summary import RequestRecord
-from txlb._upstream.resend import RESEND_WINDOW
+from txlb._upstream.resend import RESEND_WINDOW, may_send_again
 
 from ..helpers import keep_records
 from .test_proxy import BACKENDS, ProxyTestCase
@@ -109,6 +109,17 @@ class TableTests(SynchronousTestCase):
     def test_only_what_provably_never_started_is_retried(self) -> None:
         retried = {kind for kind, rule in FAILURES.items() if rule.retried}
         self.assertEqual(retried, {Kind.REFUSED, Kind.UNSENT, Kind.ANSWERED_RETRIABLE})
+
+    def test_a_lost_connection_is_retried_as_the_resend_rule_says(self) -> None:
+        """The table and :func:`may_send_again` are one rule: what reaches the exchange has
+        passed the upstream client's own resend (so is, for the rule, no idle-close race)."""
+        self.assertEqual(FAILURES[Kind.UNSENT].retried,
+                         may_send_again(write_failed=True, reused=False, answered=False,
+                                        held=0.0))
+        for held in (0.0, 0.8, 60.0):
+            self.assertEqual(FAILURES[Kind.CLOSED_UNANSWERED].retried,
+                             may_send_again(write_failed=False, reused=False,
+                                            answered=False, held=held), held)
 
     def test_blame_actions(self) -> None:
         self.assertEqual([b for b in Blame if b.marks_down], [Blame.DOWN, Blame.DOWN_PROBED])
