@@ -67,6 +67,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "_proxy/head": _unit("test_head", "test_proxy", "test_properties", "test_mutants"),
     "_upstream/client": _unit("test_upstream", "test_regressions", "test_mutants",
                               "test_mutants_upstream"),
+    "_upstream/resend": _unit("test_upstream", "test_failures", "test_mutants_upstream"),
     "_cluster/backend": _unit("test_scheduling", "test_failover", "test_regressions",
                               "test_admin", "test_health", "test_mutants", "test_mutants_pool"),
     "_cluster/pool": _unit("test_scheduling", "test_failover", "test_regressions",

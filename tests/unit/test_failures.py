@@ -34,6 +34,7 @@ from txlb._proxy.failures import (
     standard_json_object,
 )
 from txlb._records.summary import RequestRecord
+from txlb._upstream.resend import RESEND_WINDOW, may_send_again
 
 from ..helpers import keep_records
 from .test_proxy import BACKENDS, ProxyTestCase
@@ -51,6 +52,17 @@ def docs_table() -> dict[str, list[str]]:
         if match:
             rows[match.group(1)] = [cell.strip() for cell in match.group(2).split("|")]
     return rows
+
+
+def docs_section(title: str) -> str:
+    """One ``## `` section of docs/reliability.md, without its heading."""
+    text = DOCS.read_text(encoding="utf-8")
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+#: The sections of docs/reliability.md that state when a request is sent again.
+RETRY_SECTIONS = ("What is retried, and what never is", "How each failure looks",
+                  "The failure table", "Upstream connections")
 
 
 def as_docs_say(rule: Rule) -> list[str]:
@@ -73,6 +85,17 @@ class DocsAgreeTests(SynchronousTestCase):
         self.assertNotEqual(docs_table()["connect_timeout"], as_docs_say(changed))
 
 
+    def test_docs_give_the_codes_resend_window(self) -> None:
+        """Every "N ms" where the docs say when a request is sent again is the client's
+        window, and the table's ``closed_unanswered`` row says where it ends."""
+        said = {int(ms) for title in RETRY_SECTIONS
+                for ms in re.findall(r"\b(\d+) ms\b", docs_section(title))}
+        self.assertEqual(said, {round(RESEND_WINDOW * 1000)})
+        row = next(line for line in docs_section("The failure table").splitlines()
+                   if line.startswith("| `closed_unanswered`:"))
+        self.assertIn(f"more than {RESEND_WINDOW * 1000:g} ms after the request's last byte",
+                      row)
+
 class TableTests(SynchronousTestCase):
     def test_every_kind_has_one_rule(self) -> None:
         self.assertEqual(set(FAILURES), set(Kind))
@@ -86,6 +109,17 @@ class TableTests(SynchronousTestCase):
     def test_only_what_provably_never_started_is_retried(self) -> None:
         retried = {kind for kind, rule in FAILURES.items() if rule.retried}
         self.assertEqual(retried, {Kind.REFUSED, Kind.UNSENT, Kind.ANSWERED_RETRIABLE})
+
+    def test_a_lost_connection_is_retried_as_the_resend_rule_says(self) -> None:
+        """The table and :func:`may_send_again` are one rule: what reaches the exchange has
+        passed the upstream client's own resend (so is, for the rule, no idle-close race)."""
+        self.assertEqual(FAILURES[Kind.UNSENT].retried,
+                         may_send_again(write_failed=True, reused=False, answered=False,
+                                        held=0.0))
+        for held in (0.0, 0.8, 60.0):
+            self.assertEqual(FAILURES[Kind.CLOSED_UNANSWERED].retried,
+                             may_send_again(write_failed=False, reused=False,
+                                            answered=False, held=held), held)
 
     def test_blame_actions(self) -> None:
         self.assertEqual([b for b in Blame if b.marks_down], [Blame.DOWN, Blame.DOWN_PROBED])

@@ -21,6 +21,7 @@ from twisted.web.client import RequestTransmissionFailed, ResponseFailed, Respon
 from twisted.web.server import Site
 
 from txlb import LoadBalancer
+from txlb._proxy.failures import FAILURES, Kind
 from txlb._records.summary import dechunk, summarize
 from txlb._upstream.client import (
     IDLE_TIMEOUT,
@@ -30,6 +31,7 @@ from txlb._upstream.client import (
     parse_head,
     request_head,
 )
+from txlb._upstream.resend import RESEND_WINDOW, may_send_again
 
 from ..helpers import ClientConnection, FakeUpstream, keep_records, parse_response
 
@@ -432,6 +434,138 @@ class ClientTests(unittest.TestCase):
         self.assertEqual(dechunk(body + b"5\r\nwo"), b"hello worldwo")  # capture cut short
 
 
+class ResendRuleTests(unittest.SynchronousTestCase):
+    """:func:`~txlb._upstream.resend.may_send_again`, the one rule, case by case."""
+
+    def test_a_failed_write_may_always_be_sent_again(self) -> None:
+        for reused in (False, True):
+            for answered in (False, True):
+                self.assertTrue(may_send_again(write_failed=True, reused=reused,
+                                               answered=answered, held=60.0))
+
+    def test_a_quick_close_of_a_reused_connection_before_any_answer(self) -> None:
+        self.assertTrue(may_send_again(write_failed=False, reused=True, answered=False,
+                                       held=0.0))
+        self.assertTrue(may_send_again(write_failed=False, reused=True, answered=False,
+                                       held=0.05))
+        self.assertFalse(may_send_again(write_failed=False, reused=True, answered=False,
+                                        held=0.0501))
+
+    def test_never_a_fresh_connection_nor_an_answered_request(self) -> None:
+        self.assertFalse(may_send_again(write_failed=False, reused=False, answered=False,
+                                        held=0.0))
+        self.assertFalse(may_send_again(write_failed=False, reused=True, answered=True,
+                                        held=0.0))
+
+    def test_the_window_is_50_ms(self) -> None:
+        self.assertEqual(RESEND_WINDOW, 0.050)
+
+
+class StaleConnectionTests(unittest.SynchronousTestCase):
+    """
+    A POST sent on a reused (pooled) connection that the backend then closes: sent again on
+    a new connection only when the backend provably never read it -- the write failed, or
+    it closed within 50 ms of the request's last byte, before any byte of response.
+    """
+
+    def setUp(self) -> None:
+        self.reactor = MemoryReactorClock()
+        self.client = UpstreamClient(self.reactor, connect_timeout=5)
+
+    def send(self) -> list[Any]:
+        result: list[Any] = []
+        self.client.send("127.0.0.1", 8002, b"POST", b"/v1/completions", [],
+                         b'{"prompt": "x"}').addBoth(result.append)
+        return result
+
+    def connect(self) -> tuple[UpstreamConnection, StringTransport]:
+        protocol = self.reactor.tcpClients[-1][2].buildProtocol(None)
+        transport = StringTransport()
+        protocol.makeConnection(transport)
+        return protocol, transport
+
+    def reused(self) -> tuple[UpstreamConnection, StringTransport, list[Any]]:
+        """A first request answered (its connection pooled), then a second one written on
+        that same connection; the clock reads 0 when it is written."""
+        first = self.send()
+        connection, transport = self.connect()
+        connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        first[0].deliver(Owner(), raw=False)
+        self.assertEqual(self.client.idle_count("127.0.0.1", 8002), 1)
+        transport.clear()
+        second = self.send()
+        self.assertEqual(transport.value().count(b"POST /v1/completions "), 1)
+        self.assertEqual(self.reactor.seconds(), 0)
+        return connection, transport, second
+
+    def assert_resent_and_answered(self, second: list[Any]) -> None:
+        self.assertEqual(second, [])
+        self.assertEqual(len(self.reactor.tcpClients), 2)  # once more, on a new connection
+        fresh, transport = self.connect()
+        self.assertTrue(transport.value().startswith(b"POST /v1/completions HTTP/1.1\r\n"))
+        self.assertTrue(transport.value().endswith(b'{"prompt": "x"}'))
+        fresh.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        self.assertEqual(second[0].code, 200)
+
+    def assert_not_resent(self, second: list[Any]) -> None:
+        self.assertEqual(len(self.reactor.tcpClients), 1)  # the backend saw it once
+        self.assertIsInstance(second[0].value, ResponseNeverReceived)
+
+    def test_closed_10_ms_after_the_last_byte_is_sent_again(self) -> None:
+        connection, _, second = self.reused()
+        self.reactor.advance(0.010)
+        connection.connectionLost(Failure(ConnectionDone()))
+        self.assert_resent_and_answered(second)
+
+    def test_reset_800_ms_after_the_last_byte_is_never_sent_again(self) -> None:
+        """The backend held the POST 0.8 s (an engine crashing in its prefill)."""
+        connection, _, second = self.reused()
+        self.reactor.advance(0.8)
+        connection.connectionLost(Failure(ConnectionLost()))
+        self.assert_not_resent(second)
+
+    def test_a_failed_write_is_sent_again_however_late(self) -> None:
+        """Part of the request never left: the backend cannot have read it, held or not."""
+        connection, transport, second = self.reused()
+        # what a socket transport holds when the kernel took only part of the write
+        transport.dataBuffer = b"x" * 10  # type: ignore[attr-defined]
+        transport.offset = 0  # type: ignore[attr-defined]
+        transport._tempDataBuffer = []  # type: ignore[attr-defined]
+        self.reactor.advance(2.0)  # a large body still leaving when the backend went
+        connection.connectionLost(Failure(ConnectionLost()))
+        self.assert_resent_and_answered(second)
+
+    def test_closed_50_ms_after_the_last_byte_is_sent_again(self) -> None:
+        connection, _, second = self.reused()
+        self.reactor.advance(0.050)
+        connection.connectionLost(Failure(ConnectionDone()))
+        self.assert_resent_and_answered(second)
+
+    def test_closed_just_past_50_ms_is_never_sent_again(self) -> None:
+        connection, _, second = self.reused()
+        self.reactor.advance(0.0501)
+        connection.connectionLost(Failure(ConnectionDone()))
+        self.assert_not_resent(second)
+
+    def test_the_window_counts_from_the_requests_last_byte(self) -> None:
+        """Not from when the connection was pooled or the first request was sent."""
+        first = self.send()
+        connection, _ = self.connect()
+        connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        first[0].deliver(Owner(), raw=False)
+        self.reactor.advance(3.0)  # idle in the pool, under IDLE_TIMEOUT
+        second = self.send()
+        self.reactor.advance(0.040)
+        connection.connectionLost(Failure(ConnectionDone()))
+        self.assert_resent_and_answered(second)
+
+    def test_a_byte_of_response_means_the_backend_read_it(self) -> None:
+        connection, _, second = self.reused()
+        connection.dataReceived(b"HTTP/1.1 2")
+        connection.connectionLost(Failure(ConnectionLost()))
+        self.assert_not_resent(second)
+
+
 class PassThroughTests(unittest.TestCase):
     """The whole proxy path in memory, with the real upstream client."""
 
@@ -505,6 +639,102 @@ class PassThroughTests(unittest.TestCase):
         self.assertFalse(client.transport.value().endswith(b"0\r\n\r\n"))
         self.assertEqual(self.records[-1].outcome, "upstream_error")
 
+
+class HeldThenResetTests(unittest.TestCase):
+    """
+    The whole proxy path in memory, with the real upstream client and its pool warm: a POST
+    written on a reused connection that the backend holds and then resets reaches no
+    backend a second time -- neither the same one on a new connection nor another one.
+    """
+
+    WARM = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+    BODY = b'{"model": "m", "prompt": "x"}'
+
+    def setUp(self) -> None:
+        self.reactor = MemoryReactorClock()
+        self.probes = FakeUpstream()
+
+    def build(self, backends: list[str]) -> None:
+        self.lb = LoadBalancer(backends, reactor=self.reactor, probe_agent=self.probes,
+                               policy="round-robin")  # --retries 2, the default
+        self.records: list[Any] = keep_records(self.lb)
+        self.site = Site(self.lb.resource(), reactor=self.reactor)
+
+    def post(self) -> ClientConnection:
+        client = ClientConnection(self.site)
+        client.request(b"POST", b"/v1/completions", body=self.BODY)
+        return client
+
+    def warm(self) -> tuple[UpstreamConnection, StringTransport]:
+        """One request answered on a new connection, which goes back to the pool."""
+        client = self.post()
+        protocol = self.reactor.tcpClients[-1][2].buildProtocol(None)
+        transport = StringTransport()
+        protocol.makeConnection(transport)
+        protocol.dataReceived(self.WARM)
+        self.assertEqual(client.response().status, 200)
+        transport.clear()
+        return protocol, transport
+
+    def sent(self, transport: StringTransport) -> int:
+        return transport.value().count(b"POST /v1/completions ")
+
+    def test_held_800_ms_then_reset_is_502_and_sent_once(self) -> None:
+        self.build(["127.0.0.1:8002"])
+        backend, transport = self.warm()
+        client = self.post()
+        self.assertEqual(self.sent(transport), 1)  # on the pooled connection
+        self.reactor.advance(0.8)
+        backend.connectionLost(Failure(ConnectionLost()))
+        self.assertEqual(len(self.reactor.tcpClients), 1)  # no new connection for it
+        response = client.response()
+        rule = FAILURES[Kind.CLOSED_UNANSWERED]
+        self.assertEqual(response.status, rule.status)
+        self.assertIn(b"closed the connection without answering", response.body)
+        record = self.records[-1]
+        self.assertEqual((record.status, record.outcome, record.tries),
+                         (502, rule.outcome, 1))
+        # probed at once (the table's "probed at once"), and still in rotation
+        self.assertEqual([c.uri for c in self.probes.calls][-1:],
+                         [b"http://127.0.0.1:8002/health"])
+        self.assertTrue(all(b.healthy for b in self.lb.pool))
+        self.assertEqual(self.lb.pool.in_flight, 0)
+
+    def test_closed_at_once_is_sent_again_and_answered(self) -> None:
+        """The idle-close race: the client never sees it."""
+        self.build(["127.0.0.1:8002"])
+        backend, _ = self.warm()
+        client = self.post()
+        self.reactor.advance(0.010)
+        backend.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(len(self.reactor.tcpClients), 2)
+        fresh = self.reactor.tcpClients[-1][2].buildProtocol(None)
+        transport = StringTransport()
+        fresh.makeConnection(transport)
+        self.assertEqual(self.sent(transport), 1)
+        self.assertTrue(transport.value().endswith(self.BODY))
+        fresh.dataReceived(self.WARM)
+        self.assertEqual((client.response().status, client.response().body), (200, b"{}"))
+        self.assertEqual((self.records[-1].outcome, self.records[-1].tries), ("ok", 1))
+        self.assertEqual(self.probes.calls, [])  # nothing is wrong with that backend
+
+    def test_held_then_reset_is_never_sent_to_another_backend(self) -> None:
+        """Failover to another backend follows the same rule: the backend had the request
+        whole and held it, so it may be generating; a second backend would generate too."""
+        self.build(["127.0.0.1:8002", "127.0.0.1:8003"])
+        pooled = [self.warm(), self.warm()]  # round-robin: one pooled connection to each
+        self.assertEqual({c[2].attempt.port for c in self.reactor.tcpClients},
+                         {8002, 8003})
+        client = self.post()
+        holding = [pair for pair in pooled if self.sent(pair[1])]
+        self.assertEqual(len(holding), 1)
+        (backend, _), = holding
+        self.reactor.advance(0.8)
+        backend.connectionLost(Failure(ConnectionLost()))
+        self.assertEqual(len(self.reactor.tcpClients), 2)  # no new connection anywhere
+        self.assertEqual(sum(self.sent(transport) for _, transport in pooled), 1)
+        self.assertEqual(client.response().status, 502)
+        self.assertEqual(self.records[-1].tries, 1)
 
 class FramingProperties(unittest.TestCase):
     @settings(max_examples=200, deadline=None)

@@ -8,6 +8,11 @@ exchange.
 and the ``## The failure table`` section of ``docs/reliability.md`` is the same table for
 users (``tests/unit/test_failures.py`` reads it and compares, so the two cannot drift).
 
+Whether a lost connection's request is tried again follows the one rule of
+:func:`txlb._upstream.resend.may_send_again`: ``unsent`` (the write failed) may be, and
+``closed_unanswered`` (the backend had the whole request) never is -- by the time the
+exchange sees one, the upstream client has already resent what the idle-close race allows.
+
 A rule's ``status`` is the answer while nothing of the response has reached the client;
 once some has, every failure ends the same way -- the connection is closed without its last
 chunk (a truncated response, never a fake success) -- with the same outcome.

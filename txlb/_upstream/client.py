@@ -20,7 +20,9 @@ What it keeps from Agent, because the proxy's guarantees depend on it:
 * keep-alive connections, pooled per backend, closed after :data:`IDLE_TIMEOUT` (before
   uvicorn's 5 s) -- and a request that finds its pooled connection already closed by the
   backend is sent again once on a fresh connection, so an idle-timeout race never looks
-  like a dead backend;
+  like a dead backend; but only as :func:`~txlb._upstream.resend.may_send_again` allows
+  (the write failed, or the close came within 50 ms of the request's last byte with no
+  byte of response), never a request the backend held and may have started on;
 * flow control: the response object is the body's ``IPushProducer``; pausing it pauses
   the socket read, stopping it aborts the connection (how vLLM learns to abort).
 """
@@ -43,6 +45,7 @@ from zope.interface import implementer
 
 from txlb._compat import unsent_bytes
 from txlb._proxy.headers import RawHeaders
+from txlb._upstream.resend import may_send_again
 
 log = Logger()
 
@@ -69,11 +72,6 @@ _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 #: Control characters no response head may carry (HTAB aside); CRLFs are replaced first,
 #: so this also finds a bare CR or LF -- which other HTTP parsers take as a line end.
 _HEAD_CONTROLS = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
-#: A request on a reused connection that the backend closes within this many seconds of
-#: it being written, before any response byte, is sent again on a new connection: that is
-#: the idle-close race.  Later, the backend may have started on it (a POST generating):
-#: then it is a failure like any other, never a silent duplicate.
-STALE_RESEND_WINDOW = 1.0
 #: Longest chunk size line accepted (extensions included).
 MAX_CHUNK_LINE = 4096
 
@@ -242,7 +240,8 @@ class _Attempt:
         self.connector: Any = None
         #: a pooled connection failed already: the next one must be new
         self.fresh_only = False
-        #: when the request was written on its connection (reactor time)
+        #: when the request's last byte was written to its connection's transport (the
+        #: injected clock): where :data:`~txlb._upstream.resend.RESEND_WINDOW` counts from
         self.written_at = 0.0
 
     def _cancel(self, deferred: Deferred[UpstreamResponse]) -> None:
@@ -355,15 +354,19 @@ class UpstreamConnection(Protocol):
             if attempt is None or attempt.deferred.called:
                 return
             attempt.connection = None
-            if (self.reused and not self._received
-                    and self.client.now() - attempt.written_at < STALE_RESEND_WINDOW):
-                # the backend closed a pooled connection as we reused it: not its fault
+            write_failed = bool(unsent_bytes(self.transport))
+            if self.reused and may_send_again(
+                    write_failed=write_failed, reused=True, answered=self._received,
+                    held=self.client.now() - attempt.written_at):
+                # a pooled connection the backend closed as we reused it (or that took
+                # only part of the request): not its fault, and it never had the request
                 attempt.fresh_only = True
                 self.client.dispatch(attempt)
-            elif unsent_bytes(self.transport):
+            elif write_failed:
                 # part of the request never left: the backend cannot have started on it
                 attempt.fail(Failure(RequestTransmissionFailed([reason])))
             else:
+                # it had the whole request: it may be generating, so never sent again
                 attempt.fail(Failure(ResponseNeverReceived([reason])))
         elif state == "body":
             owner, self._owner = self._owner, None
