@@ -62,3 +62,15 @@ class WheelInstallTests(TestCase):
         self.assertIn("--backends", run(bin_dir / "twistd", "llmlb", "--help", cwd=work))
         self.assertIn("vllm-sim", run(bin_dir / "twistd", "--help", cwd=work))
         self.assertIn("txlb-epoll", run(bin_dir / "twistd", "--help-reactors", cwd=work))
+
+
+class RepositoryTests(TestCase):
+    def test_the_repository_tracks_no_test_leftovers(self) -> None:
+        """Trial's temporary paths and a twistd pid file are never committed."""
+        if not (ROOT / ".git").exists():
+            self.skipTest("NOT RUN: not a git checkout")
+        tracked = run("git", "-C", ROOT, "ls-files").splitlines()
+        leftovers = [path for path in tracked
+                     if path.split("/")[0].startswith("tests.") or "_trial_temp" in path
+                     or path.endswith("twistd.pid")]
+        self.assertEqual(leftovers, [])

@@ -7,8 +7,10 @@ engines report.
 from __future__ import annotations
 
 import json
+import os
 import math
 import random
+import tempfile
 import weakref
 from typing import Any
 
@@ -486,7 +488,11 @@ class OptionTests(SynchronousTestCase):
         self.assertTrue(lb.health.scrape_engine_queue)  # the engines' KV cache usage
 
     def test_from_the_environment_and_the_config_file(self) -> None:
-        path = self.mktemp()
+        # a file of its own in the system's temporary directory: trial's mktemp() is relative
+        # to the working directory, which only trial itself moves into _trial_temp
+        handle, path = tempfile.mkstemp(suffix=".toml")
+        os.close(handle)
+        self.addCleanup(os.remove, path)
         with open(path, "w") as toml:
             toml.write('policy = "cache-aware"\ncache-block = 128\ncache-entries = 9000\n')
         config = build_config({"config": path}, {"LB_CACHE_ENTRIES": "3000",
