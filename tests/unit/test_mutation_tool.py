@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import re
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -162,4 +164,8 @@ class CopyTests(SynchronousTestCase):
         empty = Path(self.mktemp())
         empty.mkdir()
         self.patch(bench.mutation, "MODULE_TESTS", {"m": ("tests.unit.test_nothing_here",)})
+        said = io.StringIO()  # the nested trial's failure words, kept out of this run's
+        self.patch(sys, "stdout", said)
         self.assertFalse(baseline(empty, ["m"], timeout=30))
+        self.assertIn("the tests fail with no mutant", said.getvalue())
+        self.assertIn("FAILED", said.getvalue())
