@@ -92,6 +92,50 @@ class DemoTests(TestCase):
         self.assertNotIn("Traceback", text())
 
 
+class TwistRunnerTests(TestCase):
+    """``twist llmlb``, Twisted's newer runner, writing to a file as under a supervisor."""
+
+    timeout = 60
+
+    @defer.inlineCallbacks
+    def test_twist_with_text_logs_writes_the_lines_twistd_writes(self) -> Any:
+        """
+        twist logs JSON events whenever its output is not a terminal; ``--log-format text``
+        (what docs/usage.md gives) makes it write twistd's lines.
+        """
+        handle, name = tempfile.mkstemp(prefix="txlb-twist-", suffix=".log")
+        output_path = Path(name)
+        self.addCleanup(output_path.unlink)
+        twist = os.path.join(os.path.dirname(sys.executable), "twist")
+        with os.fdopen(handle, "wb") as output:
+            process = subprocess.Popen(
+                [twist, "--log-format", "text", "llmlb", "--listen",
+                 "tcp:0:interface=127.0.0.1", "--admin", "none", "--log-file", "none",
+                 "--backends", "127.0.0.1:9"],
+                stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=dict(clean_environment(), PYTHONPATH=str(ROOT)), cwd=ROOT)
+
+        def stop() -> None:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+
+        self.addCleanup(stop)
+
+        def listening() -> bool:
+            if process.poll() is not None:
+                raise AssertionError(f"twist exited early:\n{output_path.read_text()}")
+            return "ProxySite starting on" in output_path.read_text(errors="replace")
+
+        yield defer.ensureDeferred(wait_until(listening, timeout=30, what="twist to listen"))
+        lines = output_path.read_text(errors="replace").splitlines()
+        self.assertEqual([line for line in lines if line.startswith("{")], [])
+        self.assertTrue(any("txlb runs on reactor txlb-epoll" in line for line in lines),
+                        lines)
+        usage = (ROOT / "docs" / "usage.md").read_text()
+        self.assertIn("twist --log-format text llmlb", usage)
+
+
 class _ConnectionNamingBackend(Resource):
     """A backend whose answer names a header in ``Connection``: hop-by-hop for that hop."""
 
