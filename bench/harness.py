@@ -321,14 +321,15 @@ def start_backend(children: Children, core: int | None, count: int) -> tuple[Chi
 
 def nginx_config(prefix: Path, backends: str, port: int,
                  patches: Sequence[tuple[str, str]]) -> str:
-    """``python -m txlb.nginx --standalone`` output with the harness's documented patches."""
-    text = subprocess.run(
+    """``python -m txlb.nginx --standalone``'s file with the harness's documented patches."""
+    subprocess.run(
         [sys.executable, "-m", "txlb.nginx", "--standalone", str(prefix),
          "--backends", backends, "--listen", f"tcp:{port}:interface={HOST}",
          "--read-timeout", "600"],
         capture_output=True, text=True, check=True, cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    ).stdout
+    )
+    text = (prefix / "nginx.conf").read_text()
     for pattern, replacement in patches:
         text, n = re.subn(pattern, replacement, text)
         if not n:

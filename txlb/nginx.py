@@ -9,8 +9,9 @@ streaming without buffering, the timeouts, retries, body limit, forwarded header
 ``X-Backend``, JSON error bodies for the errors the proxy makes itself, rate limits.  What
 nginx cannot do is listed as comments, each with the closest nginx way.
 
-With ``--standalone PREFIX`` it prints a complete ``nginx.conf`` that runs unprivileged
-with every file under ``PREFIX`` (what the parity tests and the benchmarks start).
+With ``--standalone PREFIX`` it writes a complete ``PREFIX/nginx.conf`` that runs
+unprivileged with every file under ``PREFIX`` (what the parity tests and the benchmarks
+start), and says on standard error how to start it.
 """
 
 from __future__ import annotations
@@ -105,16 +106,29 @@ def tls_directives(endpoint: str) -> list[str]:
     return lines
 
 
+def nginx_log_path(log_file: str) -> str:
+    """
+    The file nginx logs to beside ``--log-file``: the same name with ``.nginx`` before its
+    extension (``lb_results.log`` -> ``lb_results.nginx.log``), never txlb's own file --
+    nginx started beside txlb as a canary would write a second format into it.
+    """
+    directory, name = os.path.split(log_file)
+    stem, dot, extension = name.rpartition(".")
+    renamed = f"{stem}.nginx.{extension}" if dot and stem else f"{name}.nginx"
+    return os.path.join(directory, renamed)
+
+
 def access_log_directive(log_file: str, base: str | None = None) -> str:
     """
-    ``--log-file`` as nginx's ``access_log`` in the ``txlb_results`` format: the same
-    file (absolute against ``base``, the working directory by default: nginx would read a
-    relative path against its own prefix), standard output for ``-``, nothing for ``none``.
+    ``--log-file`` as nginx's ``access_log`` in the ``txlb_results`` format: a file beside
+    it (:func:`nginx_log_path`, absolute against ``base``, the working directory by
+    default: nginx would read a relative path against its own prefix), standard output
+    for ``-``, nothing for ``none``.
     """
     if log_file == "none":
         return "access_log off;"
     path = "/dev/stdout" if log_file == "-" else os.path.abspath(
-        os.path.join(base or os.getcwd(), log_file))
+        os.path.join(base or os.getcwd(), nginx_log_path(log_file)))
     return f"access_log {_quote(path)} txlb_results;"
 
 
@@ -477,7 +491,8 @@ class Options(LlmlbOptions):
     optParameters = [
         *LlmlbOptions.optParameters,
         ["standalone", None, None,
-         "Print a whole nginx.conf running unprivileged, every file under this directory."],
+         "Write a whole nginx.conf running unprivileged into this directory (made if "
+         "missing), every file nginx writes under it."],
     ]
 
     def postOptions(self) -> None:
@@ -502,17 +517,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     options = Options()
     try:
         options.parseOptions(list(sys.argv[1:] if argv is None else argv))
-        text = render(options.config, options["standalone"])
-        if options["standalone"]:
-            make_prefix(options["standalone"])
+        prefix = options["standalone"]
+        text = render(options.config, prefix)
+        if prefix:
+            make_prefix(prefix)
+            path = os.path.join(os.path.abspath(prefix), "nginx.conf")
+            with open(path, "w") as conf:
+                conf.write(text)
     except OSError as error:
-        sys.stderr.write(f"python -m txlb.nginx: error: --standalone: cannot create "
+        sys.stderr.write(f"python -m txlb.nginx: error: --standalone: cannot write "
                          f"{options['standalone']!r}: {error.strerror}\n")
         raise SystemExit(2) from None
     except (usage.UsageError, ConfigError) as error:
         sys.stderr.write(f"python -m txlb.nginx: error: {error}\n")
         raise SystemExit(2) from None
-    sys.stdout.write(text)
+    if prefix:
+        sys.stderr.write(f"wrote {path}; start it with: nginx -p {os.path.dirname(path)} "
+                         f"-c {path} -g 'daemon off;'\n")
+    else:
+        sys.stdout.write(text)
 
 
 if __name__ == "__main__":
