@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from txlb._version import __version__ as __version__
+
 if TYPE_CHECKING:
     from txlb._balancer import LoadBalancer
     from txlb._cluster.backend import Backend, Lease

@@ -72,6 +72,7 @@ from txlb._shared.slots import SharedSlots
 from txlb._shared.store import RedisStore
 from txlb._upstream.agent import AgentUpstream
 from txlb._upstream.client import Upstream, UpstreamClient
+from txlb._version import __version__
 
 log = Logger()
 
@@ -433,7 +434,8 @@ class LoadBalancer:
         dns = self.dns
 
         def status() -> dict[str, object]:
-            extra = budgets.status()
+            extra: dict[str, object] = {"version": __version__}
+            extra.update(budgets.status())
             extra.update(dns.status())
             if isinstance(self.store, RedisStore):
                 shared = {**self.store.status(), "slots": self.slots.status()}

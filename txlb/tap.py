@@ -39,6 +39,7 @@ from txlb._server.heap import FreezeHeapOnStart
 from txlb._server.quiet import QuietAcceptErrors
 from txlb._server.reactor import describe, install_by_default
 from txlb._server.site import LimitedRequest, ProxyChannel
+from txlb._version import __version__
 
 log = Logger()
 
@@ -275,7 +276,8 @@ def makeService(options: Options) -> IService:
 
     config = options.config
     source = getattr(options, "source", None)
-    log.info("txlb runs on {reactor}", reactor=describe(reactor))
+    log.info("txlb {version} runs on {reactor}", version=__version__,
+             reactor=describe(reactor))
     if config.workers > 1:
         return _supervised(config, reactor, source)
     balancer = LoadBalancer(config=config, source=source)

@@ -17,7 +17,7 @@ from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
-from txlb import LoadBalancer
+from txlb import LoadBalancer, __version__
 from txlb.testing import SimulatedVLLM, listen_simulated
 
 from ..processes import (
@@ -266,7 +266,8 @@ class TwistdTests(TestCase):
         writes), says so at start-up, and serves streams.
         """
         yield self.assertServesStreamsOn(None, "DirectDispatchEPollReactor",
-                                         "txlb runs on reactor txlb-epoll: direct dispatch")
+                                         f"txlb {__version__} runs on reactor txlb-epoll: "
+                                         "direct dispatch")
 
     @defer.inlineCallbacks
     def test_a_chosen_stock_reactor_is_kept_and_named(self) -> Any:
@@ -276,7 +277,7 @@ class TwistdTests(TestCase):
         """
         yield self.assertServesStreamsOn(
             "epoll", "reactor class: twisted.internet.epollreactor.EPollReactor",
-            "txlb runs on reactor twisted.internet.epollreactor.EPollReactor: "
+            f"txlb {__version__} runs on reactor twisted.internet.epollreactor.EPollReactor: "
             "Twisted's stock transports")
 
     @defer.inlineCallbacks

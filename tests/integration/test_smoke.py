@@ -22,7 +22,7 @@ from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
-from txlb import LoadBalancer
+from txlb import LoadBalancer, __version__
 
 from ..processes import ROOT, Client, chat_body, clean_environment, header, wait_until
 from .test_integration import JSON, Fleet
@@ -130,8 +130,8 @@ class TwistRunnerTests(TestCase):
         yield defer.ensureDeferred(wait_until(listening, timeout=30, what="twist to listen"))
         lines = output_path.read_text(errors="replace").splitlines()
         self.assertEqual([line for line in lines if line.startswith("{")], [])
-        self.assertTrue(any("txlb runs on reactor txlb-epoll" in line for line in lines),
-                        lines)
+        said = f"txlb {__version__} runs on reactor txlb-epoll"
+        self.assertTrue(any(said in line for line in lines), lines)
         usage = (ROOT / "docs" / "usage.md").read_text()
         self.assertIn("twist --log-format text llmlb", usage)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 from unittest.mock import patch
 
@@ -57,6 +58,22 @@ class AdminTestCase(SynchronousTestCase):
         client = ClientConnection(self.site)
         client.request(b"GET", path)
         return client
+
+
+class StatusDocsTests(AdminTestCase):
+    def test_every_status_field_is_documented(self) -> None:
+        """What /status says, docs/operations.md (or /__lb_status's, in usage.md) names."""
+        status, body = self.call("GET", "/status")
+        self.assertEqual(status, 200)
+        root = Path(__file__).resolve().parents[2] / "docs"
+        docs = (root / "operations.md").read_text() + (root / "usage.md").read_text()
+        fields = set(body) | {key for backend in body["backends"] for key in backend}
+        self.assertEqual(sorted(f for f in fields if f"`{f}`" not in docs), [])
+
+    def test_status_says_txlbs_version(self) -> None:
+        import txlb
+
+        self.assertEqual(self.call("GET", "/status")[1]["version"], txlb.__version__)
 
 
 class DrainTests(AdminTestCase):

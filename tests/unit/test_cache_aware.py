@@ -7,8 +7,8 @@ engines report.
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 import random
 import tempfile
 import weakref
