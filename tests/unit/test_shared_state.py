@@ -470,6 +470,26 @@ class BoundedReplyTests(SynchronousTestCase):
         # the cause stays in last_error, not the lost connection that followed it
         self.assertEqual(self.link.last_error, f"no answer within {COMMAND_TIMEOUT:g}s")
 
+    def test_only_a_refusal_of_the_login_stops_the_reconnecting(self) -> None:
+        import txredisapi
+
+        for answer, refused in ((b"$99999999999\r\n", False), (b"*1\r\n" * 20, False),
+                                (b"-ERR DB index is out of range\r\n", True)):
+            factory = txredisapi.RedisFactory(None, 0, 1, isLazy=True, convertNumbers=False)
+            told: list[str] = []
+            factory.connectionError = told.append
+            protocol = bounded(txredisapi.BaseRedisProtocol, self.clock)(
+                charset="utf-8", dbid=0, convertNumbers=False)
+            protocol.factory = factory
+            transport = StringTransport()
+            protocol.makeConnection(transport)
+            self.assertIn(b"SELECT", transport.value())
+            protocol.dataReceived(answer)
+            self.assertTrue(transport.disconnecting)
+            self.assertFalse(protocol._ready)
+            # a broken answer is a lost connection (made again), not a wrong database
+            self.assertEqual((factory.stopped, bool(told)), (refused, refused), answer[:10])
+
     def test_replies_read_as_txredisapi_reads_them(self) -> None:
         import txredisapi
 

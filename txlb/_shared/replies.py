@@ -42,6 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.interfaces import IReactorTime
 
 from txlb._shared.marks import MAX_FIELDS
@@ -83,6 +84,8 @@ def bounded(base: Any, clock: IReactorTime | None = None) -> Any:
 
     class Bounded(base):
         MAX_LENGTH = MAX_LINE
+        #: the base's: told once the connection is usable
+        _waiting_for_connect: list[Deferred[Any]]
 
         if clock is not None:
             callLater = clock.callLater
@@ -108,6 +111,41 @@ def bounded(base: Any, clock: IReactorTime | None = None) -> Any:
                     self.refuse("a reply no command asked for")
 
             queue.put = put_asked
+
+        def connectionMade(self) -> Deferred[None]:
+            return ensureDeferred(self._login())
+
+        async def _login(self) -> None:
+            """
+            txredisapi's ``AUTH`` and ``SELECT``, but only Redis saying no (a wrong password,
+            an unknown database) stops the reconnecting: txredisapi's own stops it for any
+            failure, so a connection lost or refused mid-login would never be made again.
+            """
+            steps: list[tuple[str, Callable[[], Deferred[Any]]]] = []
+            if self.password is not None:
+                steps.append(("auth", lambda: self.auth(self.password, self.username)))
+            if self.dbid is not None:
+                steps.append((f"set dbid={self.dbid}", lambda: self.select(self.dbid)))
+            for words, step in steps:
+                try:
+                    response = await step()
+                    if isinstance(response, response_error):
+                        raise response
+                except response_error as error:
+                    self.factory.stopTrying()
+                    self.transport.loseConnection()
+                    self.factory.connectionError(f"Redis error: could not {words}: {error}")
+                    return
+                except Exception:
+                    # the connection failed, not the login: dropped, and made again
+                    self.transport.abortConnection()
+                    return
+            self.connected = 1
+            self._ready = True
+            ready: list[Deferred[Any]] = self._waiting_for_connect
+            self._waiting_for_connect = []
+            for waiting in ready:
+                waiting.callback(self)
 
         @property
         def buffered(self) -> int:
