@@ -158,6 +158,8 @@ class RedisLink:
         #: calls on it say is the consequence, not the cause, and last_error keeps the cause
         self.lost_errors: tuple[type[BaseException], ...] = ()
         self._dropped = False
+        #: the last refusal of what Redis sent, since the last answer
+        self._refused_reply: str | None = None
 
     # -- life cycle ---------------------------------------------------------------------
 
@@ -188,7 +190,8 @@ class RedisLink:
         # replies read within bounds (txlb._shared.replies), on the plain parser whatever
         # txredisapi would pick; and the slot script is awaited by a request: no Nagle
         # delay behind the flush's writes
-        factory.protocol = no_delay(bounded(txredisapi.BaseRedisProtocol, self.clock))
+        factory.protocol = no_delay(bounded(txredisapi.BaseRedisProtocol, self.clock,
+                                            self.reply_refused))
         # a refused AUTH or SELECT reaches only the factory (the client stops retrying and
         # every command fails as "Not connected"): keep its words for last_error
         told = factory.connectionError
@@ -206,6 +209,15 @@ class RedisLink:
         client, self._client = self._client, None
         disconnect = getattr(client, "disconnect", None)
         return disconnect() if disconnect is not None else None
+
+    def reply_refused(self, why: str) -> None:
+        """
+        A connection was dropped for what Redis sent (txlb._shared.replies): down, in those
+        words, until a call answers -- the calls that then wait for a new connection in vain
+        say only that they had no answer.
+        """
+        self._refused_reply = why
+        self._failed(Failure(ReplyRefused(why)))
 
     def refused(self, why: str) -> None:
         """
@@ -307,6 +319,7 @@ class RedisLink:
             return
         self.connected, self.since, self._ever_up = True, self.clock.seconds(), True
         self._down_logged = self._dropped = False
+        self._refused_reply = None
         log.info("shared state: connected to {url}; sharing counts, marks and rate "
                  "buckets with the other replicas", url=self.spec.masked)
         self._tell(self.on_up)
@@ -332,6 +345,8 @@ class RedisLink:
 
         if self.refusal is not None:
             text = f"login refused ({self.refusal}); the client stopped retrying"
+        elif failure.check(CancelledError) and self._refused_reply is not None:
+            text = self._refused_reply
         elif failure.check(CancelledError):
             text = f"no answer within {self.timeout:g}s"
         elif failure.check(ReplyRefused, BadReply):

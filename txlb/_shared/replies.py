@@ -71,12 +71,14 @@ class _Array:
         self.left = left
 
 
-def bounded(base: Any, clock: IReactorTime | None = None) -> Any:
+def bounded(base: Any, clock: IReactorTime | None = None,
+            on_refused: Callable[[str], object] = lambda why: None) -> Any:
     """
     A subclass of the txredisapi protocol class ``base`` whose replies are read within the
     module's bounds (the module's doc says why and how).  ``clock``, if given, is what the
     protocol schedules on (txredisapi's parser reads the global reactor; this one never
-    schedules while parsing, but the base's other code might).
+    schedules while parsing, but the base's other code might).  ``on_refused`` is told the
+    words of each refusal, also of one that no call was waiting for (during the login).
     """
     import txredisapi  # type: ignore[import-untyped]  # loaded already: base is its
 
@@ -258,6 +260,7 @@ def bounded(base: Any, clock: IReactorTime | None = None) -> Any:
             self._open.clear()
             self._bulk = None
             error = ReplyRefused(f"Redis sent {why}; connection dropped")
+            on_refused(str(error))
             queue = self.replyQueue
             while queue.waiting:
                 queue.waiting.pop(0).callback(error)
