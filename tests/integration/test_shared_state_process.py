@@ -438,3 +438,69 @@ async def _until(condition: Any, what: str, *args: Any, timeout: float = 5.0) ->
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await task.deferLater(reactor, 0.05, lambda: None)
+
+
+def vm_rss_kib(pid: int) -> int:
+    """A process's resident memory (``VmRSS``), in KiB."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+class HostileRedisTests(TestCase):
+    """
+    A real ``twistd -n llmlb`` whose ``--shared-state`` is a hostile server: it keeps
+    serving, its memory stays put, and ``/status`` says the store is down and why.
+    """
+
+    timeout = 60
+    #: Reconnections to the hostile server the test lets happen: each is one more attack.
+    ATTACKS = 5
+    #: Growth of RSS allowed over them (txredisapi alone buffered hundreds of MiB).
+    MAX_GROWTH_KIB = 30 * 1024
+
+    async def attacked(self, kind: str, last_error: str) -> None:
+        from bench.hostile_redis import HostileRedis
+
+        hostile = HostileRedis(kind, time.monotonic() + self.timeout)
+        self.addCleanup(hostile.stop)
+        self.fleet = Fleet(self, 1)
+        client = Client()
+        self.addCleanup(client.pool.closeCachedConnections)
+        process = TwistdProcess("--admin", "tcp:0:interface=127.0.0.1",
+                                "--shared-state", f"redis://127.0.0.1:{hostile.port}",
+                                "--backends", self.fleet.keys[0])
+        self.addCleanup(lambda: defer.ensureDeferred(process.stop()))
+        await process.started()
+        await wait_until(lambda: hostile.connections >= 1, timeout=10,
+                         what="txlb to connect to the hostile server")
+        before = vm_rss_kib(process.pid)
+        seen = hostile.connections
+        served = 0
+        deadline = time.monotonic() + 30
+        while (hostile.connections < seen + self.ATTACKS or served < 20) \
+                and served < MAX_REQUESTS and time.monotonic() < deadline:
+            response, _ = await client.fetch(
+                process.url + "/v1/chat/completions", b"POST", chat_body(stream=False),
+                {**JSON, b"x-sim-tokens": [b"1"]})
+            self.assertEqual(response.code, 200)
+            served += 1
+        self.assertGreaterEqual(hostile.connections, seen + self.ATTACKS,
+                                f"{served} requests served meanwhile")
+        grown = vm_rss_kib(process.pid) - before
+        print(f"{kind}: {served} requests served over {hostile.connections - seen} "
+              f"attacks; RSS grew {grown} KiB")
+        self.assertLess(grown, self.MAX_GROWTH_KIB)
+        _, body = await client.fetch(process.admin_url + "/status")
+        shared = json.loads(body.body)["shared_state"]
+        self.assertFalse(shared["connected"], shared)
+        self.assertIn(last_error, str(shared["last_error"]))
+        self.assertGreaterEqual(shared["fallbacks"], 1)
+
+    async def test_a_server_answering_ok_to_everything_is_down(self) -> None:
+        await self.attacked("ok", "the poll script answered 'OK'")
+
+    async def test_endless_bytes_after_a_huge_bulk_length_are_never_read(self) -> None:
+        await self.attacked("endless", "a string of 99999999999 bytes")

@@ -31,6 +31,8 @@ from txlb._shared.prefixes import (
 )
 from txlb._shared.store import POLL, POLL_INTERVAL, RedisStore
 
+from .test_shared_state import redis_answer
+
 SPEC = SharedStateSpec("127.0.0.1", 6379)
 BACKENDS = "127.0.0.1:8001,127.0.0.1:8002,127.0.0.1:8003,127.0.0.1:8004"
 KEY_NAME = "txlb:prefix-key"
@@ -69,9 +71,7 @@ class FleetRedis:
             return succeed(self._xadd(args[1:]))
         if name == "XREAD":
             return succeed(self._xread(args[1:]))
-        if name == "HGETALL":
-            return succeed([])
-        return succeed("OK")
+        return succeed(redis_answer(args))
 
     def _xadd(self, args: tuple[Any, ...]) -> str:
         key, maxlen, approx, length, star, *fields = args

@@ -24,10 +24,10 @@ from txlb._scheduling.router import MAX_REFUSALS, Router, RoutingError
 from txlb._shared.counts import FleetCounts
 from txlb._shared.link import COMMAND_TIMEOUT
 from txlb._shared.slots import ACQUIRE, SharedSlots
-from txlb._shared.store import FLUSH_DELAY, RedisStore
+from txlb._shared.store import FLUSH_DELAY, POLL_INTERVAL, RedisStore
 from txlb._shared.wake import MAX_MESSAGE, parse_freed
 
-from .test_shared_state import SPEC
+from .test_shared_state import SCRIPT_ANSWERS, SPEC, redis_answer
 
 
 class SlotRedis:
@@ -43,11 +43,9 @@ class SlotRedis:
             script: Deferred[Any] = Deferred()
             self.scripts.append(script)
             return script
-        if args[0] == "EVALSHA":
+        if args[0] == "EVALSHA" and args[1] not in SCRIPT_ANSWERS:
             return succeed(["2", "0"])  # the poll: two replicas, no other rows
-        if args[0] == "HGETALL":
-            return succeed([])
-        return succeed("OK")
+        return succeed(redis_answer(args))
 
     def asked(self) -> list[tuple[Any, ...]]:
         """The slot scripts sent: (backend, own count, max_conns) each."""
@@ -149,10 +147,17 @@ class SlotTests(SynchronousTestCase):
         self.assertEqual(self.slots.status()["unconfirmed"], 1)
 
     def test_an_answer_that_is_not_the_scripts_admits_on_the_local_view(self) -> None:
+        link = self.store.link
         for reply in ("OK", [2, 0], [1, -1], ["x", "y"], [1], None, b"10"):
+            self.clock.advance(POLL_INTERVAL)  # the next poll answers: the link is up
+            self.assertTrue(link.connected)
             result = self.router.acquire()
             self.redis.scripts.pop(0).callback(reply)
             self.lease(result).release()
+            if not isinstance(reply, list) or len(reply) != 2:
+                # not the script's shape at all: this Redis shares nothing until it does
+                self.assertFalse(link.connected)
+                self.assertIn("the max_conns slot script answered", str(link.last_error))
         self.assertEqual(self.slots.status(), {"admitted": 0, "refused": 0,
                                                "unconfirmed": 7, "wakes_heard": 0})
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.defer import CancelledError, Deferred, fail, succeed
+from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
 from twisted.logger import globalLogPublisher
+from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
 from txlb import LoadBalancer
@@ -21,20 +24,45 @@ from txlb._cluster.store import Marks
 from txlb._config import BackendSpec, ConfigError, build_config
 from txlb._config_shared import SharedStateSpec, parse_shared_state
 from txlb._shared.counts import FleetCounts
-from txlb._shared.link import RedisLink
+from txlb._shared.link import COMMAND_TIMEOUT, RedisLink
 from txlb._shared.marks import Entry, SharedMarks
 from txlb._shared.rate import SharedRateBuckets
+from txlb._shared.replies import (
+    MAX_BULK,
+    MAX_DEPTH,
+    MAX_ELEMENTS,
+    MAX_LINE,
+    SCAN_REPLY,
+    ReplyRefused,
+    bounded,
+)
 from txlb._shared.store import (
     CHANGES,
     CLAIM,
     FLUSH_DELAY,
     POLL,
+    POLL_INTERVAL,
     SCAN_PAGE,
     WRITE,
     RedisStore,
 )
 
 SPEC = SharedStateSpec("127.0.0.1", 6379, password="hunter2-secret")
+
+#: What Redis answers to the commands txlb sends, where a test does not say otherwise (the
+#: link checks every reply's shape: a fake answering "OK" to all is a broken Redis).
+REDIS_ANSWERS: dict[str, Any] = {
+    "HSET": 1, "PEXPIRE": 1, "DEL": 1, "ZREM": 1, "PUBLISH": 0, "XADD": "1-0",
+    "XREAD": None, "HSCAN": ["0", []], "HGETALL": [], "PING": "PONG"}
+#: ... and the marks' scripts (the version written, the fields claimed).
+SCRIPT_ANSWERS: dict[str, Any] = {WRITE.sha: 1, CLAIM.sha: 1}
+
+
+def redis_answer(args: tuple[Any, ...]) -> Any:
+    """Redis's usual answer to ``args`` (a command or a marks' script), else "OK"."""
+    if args[0] == "EVALSHA" and args[1] in SCRIPT_ANSWERS:
+        return SCRIPT_ANSWERS[args[1]]
+    return REDIS_ANSWERS.get(args[0], "OK")
 
 
 class FakeRedis:
@@ -56,7 +84,11 @@ class FakeRedis:
             return fail(ConnectionError("Connection refused"))
         if args[0] == "EVALSHA" and args[1] in self.scripts:
             return succeed(self.scripts[args[1]])
-        return succeed(self.replies.get(args[0], "OK"))
+        if args[0] == "EVALSHA" and args[1] in SCRIPT_ANSWERS:
+            return succeed(SCRIPT_ANSWERS[args[1]])
+        if args[0] in self.replies:
+            return succeed(self.replies[args[0]])
+        return succeed(redis_answer(args))
 
     def ran(self, script: Any) -> list[tuple[Any, ...]]:
         """The calls of ``script`` sent so far."""
@@ -291,6 +323,197 @@ class LinkTests(SynchronousTestCase):
             ResponseError("NOAUTH Authentication required"))
         link.call("PING", probe=True).addErrback(lambda f: None)
         self.assertFalse(link.connected)
+
+
+class NeverReachedTests(SynchronousTestCase):
+    def test_a_replica_that_never_reached_redis_counts_one_fallback(self) -> None:
+        clock, redis = Clock(), FakeRedis()
+        link = RedisLink(SPEC, clock, redis)
+        redis.broken = True
+        for _ in range(3):
+            link.call("PING", probe=True).addErrback(lambda f: None)
+        # on its local view since it started: one fall-back, however many polls failed
+        self.assertEqual((link.connected, link.fallbacks), (False, 1))
+        redis.broken = False
+        link.call("PING", probe=True)
+        redis.broken = True
+        link.call("PING").addErrback(lambda f: None)
+        self.assertEqual((link.connected, link.fallbacks), (False, 2))
+
+
+class Nonsense(FakeRedis):
+    """A server that answers ``+OK`` to every command."""
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Deferred[Any]:
+        self.sent.append(args)
+        return succeed("OK")
+
+
+class ReplyShapeTests(SynchronousTestCase):
+    """A reply that is not what its command answers: this Redis shares nothing."""
+
+    def test_ok_to_everything_is_not_connected(self) -> None:
+        clock = Clock()
+        store = RedisStore(SPEC, clock, Nonsense(), replica="r1")
+        store.start()
+        clock.advance(1)
+        status = store.status()
+        self.assertEqual((status["connected"], status["fallbacks"]), (False, 1))
+        self.assertEqual(status["last_error"], "the poll script answered 'OK', not an "
+                                               "array of at least 2 texts, two by two")
+
+    def test_nonsense_after_an_answer_falls_back(self) -> None:
+        clock, redis = Clock(), FakeRedis()
+        store = RedisStore(SPEC, clock, redis, replica="r1")
+        store.counts.register("a:1")
+        redis.scripts[POLL.sha] = ["2", "0", "a:1", "4"]
+        store.start()
+        self.assertEqual(store.counts.total("a:1"), 4)
+        redis.scripts[POLL.sha] = ["2", "0", "a:1"]  # odd: not key, count pairs
+        clock.advance(POLL_INTERVAL)
+        self.assertFalse(store.link.connected)
+        self.assertEqual(store.counts.total("a:1"), 0)  # the local view
+        self.assertEqual(store.link.fallbacks, 1)
+        self.assertIn("the poll script answered an array of 3", str(store.link.last_error))
+
+    def test_every_script_and_command_says_what_it_answers(self) -> None:
+        from txlb._shared.levels import MOVE
+        from txlb._shared.prefixes import FLEET_KEY
+        from txlb._shared.rate import TAKE
+        from txlb._shared.slots import ACQUIRE
+
+        for script, good, bad in ((POLL, ["1", "0"], "OK"), (CHANGES, ["3", "whole"], 3),
+                                  (WRITE, 4, "OK"), (CLAIM, 0, ["0"]), (TAKE, "2.5", 2),
+                                  (MOVE, ["1.0"], "1.0"), (ACQUIRE, [1, 0], ["1", "0"]),
+                                  (FLEET_KEY, "ab" * 32, None)):
+            self.assertTrue(script.expect.fits(good), script.name)
+            self.assertFalse(script.expect.fits(bad), script.name)
+        self.assertTrue(SCAN_REPLY.fits(["0", ["f", "v"]]))
+        self.assertFalse(SCAN_REPLY.fits(["0", ["f"]]))
+        self.assertFalse(SCAN_REPLY.fits("OK"))
+
+
+def hostile_link(test: SynchronousTestCase) -> tuple[RedisLink, Any, StringTransport, Clock]:
+    """
+    A link over txredisapi's own client and factory, its connection txlb's bounded
+    protocol over a StringTransport: what the server sends is what the test feeds.
+    """
+    import txredisapi  # type: ignore[import-untyped]
+
+    clock = Clock()
+    factory = txredisapi.RedisFactory(None, None, 1, isLazy=True, convertNumbers=False)
+    factory.protocol = bounded(txredisapi.BaseRedisProtocol, clock)
+    protocol = factory.protocol(charset="utf-8", convertNumbers=False)
+    protocol.factory = factory
+    transport = StringTransport()
+    protocol.makeConnection(transport)
+    factory.addConnection(protocol)
+    link = RedisLink(SharedStateSpec("127.0.0.1", 6379), clock, factory.handler)
+    link.lost_errors = (txredisapi.ConnectionError,)
+    return link, protocol, transport, clock
+
+
+class BoundedReplyTests(SynchronousTestCase):
+    """What a hostile or broken server can send, fed to txlb's protocol."""
+
+    def setUp(self) -> None:
+        self.link, self.protocol, self.transport, self.clock = hostile_link(self)
+
+    def test_a_huge_bulk_length_drops_the_connection_at_once(self) -> None:
+        answer = self.link.call("EVALSHA", POLL.sha, 0, probe=True, expect=POLL.expect,
+                                what=POLL.name)
+        self.protocol.dataReceived(b"$99999999999\r\n" + b"x" * 65536)
+        self.assertTrue(self.transport.disconnecting)
+        self.assertEqual(self.protocol.buffered, 0)
+        for _ in range(100):  # the server goes on: nothing more is read
+            self.protocol.dataReceived(b"x" * 65536)
+        self.assertEqual(self.protocol.buffered, 0)
+        self.failureResultOf(answer, ReplyRefused)
+        status = self.link.status()
+        self.assertFalse(status["connected"])
+        self.assertIn("a string of 99999999999 bytes", str(status["last_error"]))
+
+    def test_deep_nesting_is_dropped_at_the_depth_limit(self) -> None:
+        answer = self.link.call("XREAD", probe=True)
+        self.protocol.dataReceived(b"*1\r\n" * 200_000)
+        self.assertTrue(self.transport.disconnecting)
+        self.assertEqual(self.protocol.refused, f"arrays nested over {MAX_DEPTH} deep")
+        self.failureResultOf(answer, ReplyRefused)
+
+    def test_too_many_elements_or_bytes_are_dropped_on_the_header(self) -> None:
+        for hostile in (b"*%d\r\n" % (MAX_ELEMENTS + 1),
+                        b"*2\r\n$%d\r\n" % MAX_BULK + b"x" * MAX_BULK + b"\r\n"
+                        + b"*%d\r\n" % MAX_ELEMENTS,
+                        b"+" + b"x" * (MAX_LINE + 1),
+                        b"$3\r\nabcdef\r\n", b"?\r\n", b"$-7\r\n"):
+            link, protocol, transport, _ = hostile_link(self)
+            answer = link.call("GET", "k", probe=True)
+            protocol.dataReceived(hostile)
+            self.assertTrue(transport.disconnecting, hostile[:20])
+            self.failureResultOf(answer, ReplyRefused)
+
+    def test_a_reply_nobody_asked_for_drops_the_connection(self) -> None:
+        self.protocol.dataReceived(b"+OK\r\n")
+        self.assertEqual(self.protocol.refused, "a reply no command asked for")
+        self.assertTrue(self.transport.disconnecting)
+
+    def test_a_call_given_up_drops_its_connection(self) -> None:
+        answer = self.link.call("PING", probe=True)
+        later = self.link.call("PING", probe=True)
+        self.clock.advance(COMMAND_TIMEOUT)
+        self.clock.advance(0)
+        self.failureResultOf(answer, CancelledError)
+        self.assertTrue(self.transport.disconnecting)
+        self.assertTrue(self.transport.disconnected)  # aborted, not waiting on writes
+        self.protocol.connectionLost(Failure(ConnectionDone()))
+        self.failureResultOf(later)
+        # the cause stays in last_error, not the lost connection that followed it
+        self.assertEqual(self.link.last_error, f"no answer within {COMMAND_TIMEOUT:g}s")
+
+    def test_only_a_refusal_of_the_login_stops_the_reconnecting(self) -> None:
+        import txredisapi
+
+        for answer, refused in ((b"$99999999999\r\n", False), (b"*1\r\n" * 20, False),
+                                (b"-ERR DB index is out of range\r\n", True)):
+            factory = txredisapi.RedisFactory(None, 0, 1, isLazy=True, convertNumbers=False)
+            told: list[str] = []
+            factory.connectionError = told.append
+            protocol = bounded(txredisapi.BaseRedisProtocol, self.clock)(
+                charset="utf-8", dbid=0, convertNumbers=False)
+            protocol.factory = factory
+            transport = StringTransport()
+            protocol.makeConnection(transport)
+            self.assertIn(b"SELECT", transport.value())
+            protocol.dataReceived(answer)
+            self.assertTrue(transport.disconnecting)
+            self.assertFalse(protocol._ready)
+            # a broken answer is a lost connection (made again), not a wrong database
+            self.assertEqual((factory.stopped, bool(told)), (refused, refused), answer[:10])
+
+    def test_replies_read_as_txredisapi_reads_them(self) -> None:
+        import txredisapi
+
+        stream = (b"+OK\r\n:-42\r\n$-1\r\n*-1\r\n*0\r\n$0\r\n\r\n-ERR boom\r\n"
+                  b"-NOSCRIPT No matching script\r\n$5\r\nh\xc3\xa9y\r\r\n$2\r\n\xff\xfe\r\n"
+                  b"*2\r\n*2\r\n$6\r\nstream\r\n*1\r\n*2\r\n$3\r\n1-0\r\n"
+                  b"*2\r\n$1\r\nr\r\n$2\r\nr2\r\n:7\r\n")
+        replies = 11
+
+        def read(protocol: Any, chunks: list[bytes]) -> list[object]:
+            protocol.makeConnection(StringTransport())
+            got: list[object] = []
+            for _ in range(replies):
+                protocol.replyQueue.get().addCallback(got.append)
+            for chunk in chunks:
+                protocol.dataReceived(chunk)
+            return [repr(x) if isinstance(x, Exception) else x for x in got]
+
+        bytewise = [stream[i:i + 1] for i in range(len(stream))]
+        theirs = read(txredisapi.BaseRedisProtocol(convertNumbers=False), bytewise)
+        ours = bounded(txredisapi.BaseRedisProtocol, self.clock)
+        self.assertEqual(len(theirs), replies)
+        self.assertEqual(read(ours(convertNumbers=False), bytewise), theirs)
+        self.assertEqual(read(ours(convertNumbers=False), [stream]), theirs)
 
 
 class CountsTests(SynchronousTestCase):

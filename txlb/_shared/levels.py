@@ -19,6 +19,7 @@ from zope.interface import implementer
 
 from txlb._cluster.store import Bucket, ITokenLevels
 from txlb._shared.link import RedisLink, Script
+from txlb._shared.replies import texts
 
 #: The deepest debt a shared bucket may fall into, in capacities: the same bound as the local
 #: buckets' (:data:`txlb._scheduling.budgets.DEBT_WINDOWS`; a test holds them equal), so a
@@ -46,7 +47,7 @@ for i, key in ipairs(KEYS) do
   out[i] = tostring(level)
 end
 return out
-""")
+""", "the token-budget script", texts())
 
 
 @implementer(ITokenLevels)
@@ -103,7 +104,7 @@ class SharedTokenLevels:
         args = [repr(float(delta))]
         for _, capacity, rate in buckets:
             args += [repr(float(capacity)), repr(float(rate))]
-        result = self.link.run(MOVE, names, args)
+        result = self.link.run(MOVE, names, args, expect=texts(exactly=len(names)))
 
         def answered(levels: object) -> None:
             self._settle(buckets, delta)

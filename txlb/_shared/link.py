@@ -28,6 +28,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from txlb._config_shared import SharedStateSpec
+from txlb._shared.replies import ANY, ReplyRefused, Shape, bounded, preview
 
 log = Logger()
 
@@ -49,11 +50,35 @@ class LinkDown(Exception):
 
 
 class Script:
-    """A Lua script run by its SHA1 (``EVALSHA``), sent whole only when the server lacks it."""
+    """
+    A Lua script run by its SHA1 (``EVALSHA``), sent whole only when the server lacks it;
+    ``name`` and ``expect`` (what it answers) are for checking and naming its replies.
+    """
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, name: str = "a script", expect: Shape = ANY) -> None:
         self.source = source
         self.sha = hashlib.sha1(source.encode("utf-8")).hexdigest()
+        self.name = name
+        self.expect = expect
+
+
+class BadReply(Exception):
+    """Redis answered, but not what the command answers: it is not a Redis txlb can use."""
+
+
+def drop_connections(client: object) -> None:
+    """
+    Abort the connections of a txredisapi client (its factory's pool): a call given up on
+    must not leave its connection reading whatever the server sends next, and a server
+    that answered nonsense is not spoken to again on the same connection.  The factory
+    reconnects as after any lost connection.  A client without a factory (a test's) has
+    nothing to drop.
+    """
+    factory = getattr(client, "_factory", None)
+    for protocol in list(getattr(factory, "pool", ())):
+        transport = getattr(protocol, "transport", None)
+        if transport is not None:
+            transport.abortConnection()
 
 
 def _utc(seconds: float) -> str:
@@ -129,6 +154,12 @@ class RedisLink:
         self.on_down: list[Callable[[], object]] = []
         #: why Redis refused this client's login (AUTH or SELECT), if it did
         self.refusal: str | None = None
+        #: the client's class of a lost connection: after the link dropped it, what the
+        #: calls on it say is the consequence, not the cause, and last_error keeps the cause
+        self.lost_errors: tuple[type[BaseException], ...] = ()
+        self._dropped = False
+        #: the last refusal of what Redis sent, since the last answer
+        self._refused_reply: str | None = None
 
     # -- life cycle ---------------------------------------------------------------------
 
@@ -156,8 +187,11 @@ class RedisLink:
         # back to a returning Redis within a couple of seconds, not the default ten
         factory = client._factory
         factory.initialDelay, factory.maxDelay = 0.25, 2.0
-        # the slot script is awaited by a request: no Nagle delay behind the flush's writes
-        factory.protocol = no_delay(factory.protocol)
+        # replies read within bounds (txlb._shared.replies), on the plain parser whatever
+        # txredisapi would pick; and the slot script is awaited by a request: no Nagle
+        # delay behind the flush's writes
+        factory.protocol = no_delay(bounded(txredisapi.BaseRedisProtocol, self.clock,
+                                            self.reply_refused))
         # a refused AUTH or SELECT reaches only the factory (the client stops retrying and
         # every command fails as "Not connected"): keep its words for last_error
         told = factory.connectionError
@@ -169,11 +203,21 @@ class RedisLink:
         factory.connectionError = refused
         self._client = client
         self.answer_errors = (txredisapi.ResponseError,)
+        self.lost_errors = (txredisapi.ConnectionError,)
 
     def stop(self) -> Deferred[Any] | None:
         client, self._client = self._client, None
         disconnect = getattr(client, "disconnect", None)
         return disconnect() if disconnect is not None else None
+
+    def reply_refused(self, why: str) -> None:
+        """
+        A connection was dropped for what Redis sent (txlb._shared.replies): down, in those
+        words, until a call answers -- the calls that then wait for a new connection in vain
+        say only that they had no answer.
+        """
+        self._refused_reply = why
+        self._failed(Failure(ReplyRefused(why)))
 
     def refused(self, why: str) -> None:
         """
@@ -185,10 +229,13 @@ class RedisLink:
 
     # -- calls --------------------------------------------------------------------------
 
-    def call(self, *args: Any, probe: bool = False) -> Deferred[Any]:
+    def call(self, *args: Any, probe: bool = False, expect: Shape = ANY,
+             what: str | None = None) -> Deferred[Any]:
         """
         Send one command.  While the link is down only a ``probe`` is sent (the poll that
-        finds out it is back); anything else fails at once with :class:`LinkDown`.
+        finds out it is back); anything else fails at once with :class:`LinkDown`.  A reply
+        that is not ``expect`` fails with :class:`BadReply` (``what`` names the command in
+        ``last_error``) and counts as down: a server answering nonsense shares nothing.
         """
         if self._client is None or not (self.connected or probe):
             return fail(LinkDown("shared state unreachable"))
@@ -200,6 +247,12 @@ class RedisLink:
             for timer in timers:
                 if timer.active():
                     timer.cancel()
+            if not isinstance(value, Failure) and not expect.fits(value):
+                value = Failure(BadReply(
+                    f"{what or args[0]} answered {preview(value)}, not {expect.words}"))
+                self._failed(value)
+                self._drop()
+                return value
             if isinstance(value, Failure) and not self._script_missing(value):
                 self._failed(value)
                 return value
@@ -214,19 +267,40 @@ class RedisLink:
         A command's time is up -- unless the reactor itself was busy (a large reply being
         parsed, a loaded machine): timed calls run before the sockets are read, so the
         answer may be waiting unread.  One more turn of the reactor reads it; only a
-        command still unanswered then is cancelled.  A slow reactor is not a slow Redis.
+        command still unanswered then is given up.  A slow reactor is not a slow Redis.
         """
-        timers.append(self.clock.callLater(0, result.cancel))
+        timers.append(self.clock.callLater(0, self._give_up, result))
+
+    def _give_up(self, result: Deferred[Any]) -> None:
+        """
+        Cancel an unanswered command and drop its connection: left open, it would go on
+        reading whatever the server sends (a stalled server's late replies, a hostile one's
+        endless bytes) for calls that no longer wait.  The client reconnects.  (An answer
+        cancels this timer: ``result.called`` cannot say, it is true while ``result``
+        waits on the client's own Deferred.)
+        """
+        result.cancel()
+        self._drop()
+
+    def _drop(self) -> None:
+        self._dropped = True
+        drop_connections(self._client)
 
     def run(self, script: Script, keys: Sequence[str], args: Sequence[Any],
-            probe: bool = False) -> Deferred[Any]:
-        """Run ``script`` by its SHA1, sending its source only if Redis has not got it."""
-        result = self.call("EVALSHA", script.sha, len(keys), *keys, *args, probe=probe)
+            probe: bool = False, expect: Shape | None = None) -> Deferred[Any]:
+        """
+        Run ``script`` by its SHA1, sending its source only if Redis has not got it; its
+        reply must be ``expect``, else what the script says it answers.
+        """
+        shape = expect or script.expect
+        result = self.call("EVALSHA", script.sha, len(keys), *keys, *args, probe=probe,
+                           expect=shape, what=script.name)
 
         def unknown(failure: Failure) -> object:
             if "NOSCRIPT" not in str(failure.value):
                 return failure
-            return self.call("EVAL", script.source, len(keys), *keys, *args, probe=probe)
+            return self.call("EVAL", script.source, len(keys), *keys, *args, probe=probe,
+                             expect=shape, what=script.name)
 
         return result.addErrback(unknown)
 
@@ -244,17 +318,22 @@ class RedisLink:
         if self.connected:
             return
         self.connected, self.since, self._ever_up = True, self.clock.seconds(), True
-        self._down_logged = False
+        self._down_logged = self._dropped = False
+        self._refused_reply = None
         log.info("shared state: connected to {url}; sharing counts, marks and rate "
                  "buckets with the other replicas", url=self.spec.masked)
         self._tell(self.on_up)
 
     def _failed(self, failure: Failure) -> None:
-        self.last_error = self._words(failure)
+        if not (self._dropped and self.last_error and failure.check(*self.lost_errors)):
+            self.last_error = self._words(failure)
         if self.connected:
             self.connected, self.since = False, self.clock.seconds()
             self.fallbacks += 1
             self._tell(self.on_down)
+        elif not self._ever_up and not self.fallbacks:
+            # never reached: this replica has been on its local view since it started
+            self.fallbacks = 1
         if not self._down_logged:
             self._down_logged = True
             log.warn("shared state: {url} unreachable ({error}); this replica uses its "
@@ -266,8 +345,12 @@ class RedisLink:
 
         if self.refusal is not None:
             text = f"login refused ({self.refusal}); the client stopped retrying"
+        elif failure.check(CancelledError) and self._refused_reply is not None:
+            text = self._refused_reply
         elif failure.check(CancelledError):
             text = f"no answer within {self.timeout:g}s"
+        elif failure.check(ReplyRefused, BadReply):
+            text = failure.getErrorMessage()
         else:
             text = f"{type(failure.value).__name__}: {failure.getErrorMessage()}"
         if self.spec.password:

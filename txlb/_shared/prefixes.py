@@ -56,6 +56,7 @@ from twisted.python.failure import Failure
 
 from txlb._scheduling.policies.cache_aware import CacheAware
 from txlb._shared.link import Script
+from txlb._shared.replies import ARRAY_OR_NIL, TEXT
 
 if TYPE_CHECKING:
     from txlb._cluster.backend import Backend
@@ -80,7 +81,7 @@ READ_ENTRIES = 16
 FLEET_KEY = Script("""
 redis.call('SET', KEYS[1], ARGV[1], 'NX')
 return redis.call('GET', KEYS[1])
-""")
+""", "the cache-aware key script", TEXT)
 
 
 def stream_length(max_entries: int) -> int:
@@ -297,7 +298,8 @@ class SharedPrefixIndex:
         self.store.link.call(
             "XADD", self.stream, "MAXLEN", "~", length, "*",
             "r", self.store.replica, "f", self._fingerprint,
-            "c", json.dumps(batch, separators=(",", ":"))).addErrback(lambda failure: None)
+            "c", json.dumps(batch, separators=(",", ":")), expect=TEXT,
+        ).addErrback(lambda failure: None)
 
     # -- reading --------------------------------------------------------------------------
 
@@ -306,7 +308,8 @@ class SharedPrefixIndex:
             return
         self._reading = True
         result = self.store.link.call("XREAD", "COUNT", READ_ENTRIES,
-                                      "STREAMS", self.stream, self.last_id)
+                                      "STREAMS", self.stream, self.last_id,
+                                      expect=ARRAY_OR_NIL)
         result.addCallbacks(self._entries, self._not_read)
 
     def _not_read(self, failure: Failure) -> None:

@@ -29,6 +29,7 @@ from zope.interface import implementer
 
 from txlb._cluster.store import IRateBuckets
 from txlb._shared.link import Script
+from txlb._shared.replies import TEXT
 
 
 class ScriptLink(Protocol):
@@ -62,7 +63,7 @@ if tokens < -burst then tokens = -burst end
 redis.call('HSET', KEYS[1], 't', tostring(tokens), 's', tostring(now))
 redis.call('PEXPIRE', KEYS[1], math.ceil((burst - tokens) / rate * 1000) + 1000)
 return tostring(tokens)
-""")
+""", "the rate-limit script", TEXT)
 
 
 @implementer(IRateBuckets)

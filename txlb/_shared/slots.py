@@ -40,6 +40,7 @@ from twisted.python.failure import Failure
 
 from txlb._cluster.backend import Backend
 from txlb._shared.link import Script
+from txlb._shared.replies import integers
 from txlb._shared.store import RedisStore
 from txlb._shared.wake import FreedChannel
 
@@ -71,7 +72,7 @@ redis.call('HSET', row, key, mine)
 redis.call('PEXPIRE', row, lease)
 redis.call('ZADD', replicas, now + lease, me)
 return {1, others}
-""")
+""", "the max_conns slot script", integers(2))
 
 
 def _answer(reply: object) -> tuple[bool, int] | None:

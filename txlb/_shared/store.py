@@ -39,6 +39,7 @@ from txlb._shared.levels import SharedTokenLevels
 from txlb._shared.link import Commands, RedisLink, Script
 from txlb._shared.marks import SharedMarks
 from txlb._shared.rate import SharedRateBuckets
+from txlb._shared.replies import INTEGER, SCAN_REPLY, texts
 
 log = Logger()
 
@@ -95,7 +96,7 @@ for _, key in ipairs(order) do
   out[#out + 1] = string.format('%d', sums[key])
 end
 return out
-""")
+""", "the poll script", texts(2, even=True))
 
 #: Changes of the marks kept in the change log (``<prefix>:marks:changed``, field -> the
 #: version that changed it last): a reader further behind reads the whole hash.
@@ -135,7 +136,7 @@ end
 if #fields == 0 then return 0 end
 """ + _LOG_CHANGES + """
 return #fields
-""")
+""", "the marks' claim script", INTEGER)
 
 #: Write this replica's changes (KEYS as :data:`CLAIM`'s; ARGV: field, value pairs, an
 #: empty value deleting the field): the hash, the version and the change log at once.
@@ -151,7 +152,7 @@ for i = 1, #ARGV, 2 do
 end
 """ + _LOG_CHANGES + """
 return v
-""")
+""", "the marks' write script", INTEGER)
 
 #: The fields changed since version ARGV[1] (KEYS as :data:`CLAIM`'s; ARGV[2]: most
 #: fields): ``{version, 'some', field, value, ...}`` (an empty value: deleted), or
@@ -171,7 +172,7 @@ for _, id in ipairs(ids) do
   out[#out + 1] = redis.call('HGET', KEYS[1], id) or ''
 end
 return out
-""")
+""", "the marks' changes script", texts(2, even=True))
 
 
 def replica_id() -> str:
@@ -285,8 +286,8 @@ class RedisStore:
             self.link.stop()
             return succeed(None)
         done = DeferredList([
-            self.link.call("DEL", f"{self.prefix}:inflight:{self.replica}"),
-            self.link.call("ZREM", f"{self.prefix}:replicas", self.replica),
+            self.link.call("DEL", f"{self.prefix}:inflight:{self.replica}", expect=INTEGER),
+            self.link.call("ZREM", f"{self.prefix}:replicas", self.replica, expect=INTEGER),
         ], consumeErrors=True)
         return done.addBoth(lambda _: self.link.stop())
 
@@ -371,8 +372,8 @@ class RedisStore:
         fields: list[tuple[str, str]] = []
 
         def scan(cursor: str) -> None:
-            self.link.call("HSCAN", f"{self.prefix}:marks", cursor, "COUNT", SCAN_PAGE
-                           ).addCallbacks(page, done)
+            self.link.call("HSCAN", f"{self.prefix}:marks", cursor, "COUNT", SCAN_PAGE,
+                           expect=SCAN_REPLY).addCallbacks(page, done)
 
         def page(reply: object) -> None:
             if not (isinstance(reply, list) and len(reply) == 2
@@ -417,9 +418,10 @@ class RedisStore:
         changed = self.counts.changed_row()
         if changed:
             # written back to back on one connection: pipelined, one round trip
-            self.link.call("HSET", row, *[x for kv in changed.items() for x in kv]) \
+            self.link.call("HSET", row, *[x for kv in changed.items() for x in kv],
+                           expect=INTEGER).addErrback(lambda failure: None)
+            self.link.call("PEXPIRE", row, self.lease, expect=INTEGER) \
                 .addErrback(lambda failure: None)
-            self.link.call("PEXPIRE", row, self.lease).addErrback(lambda failure: None)
         self._announce_freed()
         self._write_marks()
 
@@ -448,8 +450,8 @@ class RedisStore:
         if not self.link.connected:
             return
         for key in freed:
-            self.link.call("PUBLISH", self.freed_channel, f"{self.replica} {key}") \
-                .addErrback(lambda failure: None)
+            self.link.call("PUBLISH", self.freed_channel, f"{self.replica} {key}",
+                           expect=INTEGER).addErrback(lambda failure: None)
 
     def marks_saved(self) -> None:
         """The pool saved marks: write them within :data:`FLUSH_DELAY`."""

@@ -78,8 +78,11 @@ class FreedChannel:
         """Connect and subscribe, again after every lost connection (in the background)."""
         import txredisapi  # type: ignore[import-untyped]  # imported late: see txlb._shared.link
 
+        from txlb._shared.replies import bounded
+
         channel = self
-        subscriber_base: Any = txredisapi.SubscriberProtocol
+        # a hostile server's bytes on this connection are read within the same bounds
+        subscriber_base: Any = bounded(txredisapi.SubscriberProtocol)
 
         class Subscriber(subscriber_base):
             def connectionMade(self) -> Any:
