@@ -591,6 +591,31 @@ class EdgeCaseTests(ProxyTestCase):
         self.assertEqual(result.header(b"x-from-backend"), [])
         self.assertEqual(sum(self.active().values()), 0)
 
+    def test_content_length_no_client_could_hold_is_a_502(self) -> None:
+        """
+        A backend's Content-Length past 2**63-1 is a bad response: 502 before any of its
+        head, as nginx answers, rather than its head passed on and the connection cut.
+        """
+        from ..helpers import keep_records
+
+        records = keep_records(self.lb)
+        client = self.client()
+        client.request(b"GET", b"/thing")
+        response = FakeResponse(200, [(b"X-From-Backend", b"1")], length=10**23)
+        self.upstream.last.respond(response)
+        # at once, not after a head waiting for the first body bytes
+        self.assertTrue(client.transport.value().startswith(b"HTTP/1.1 502 "))
+        result = client.response()
+        # the failure table's bad-response row (its message; no retry, no blame)
+        self.assertRegex(json.loads(result.body)["error"]["message"],
+                         r"^bad response from backend 127\.0\.0\.1:800[23]$")
+        self.assertEqual(result.header(b"x-from-backend"), [])
+        self.assertNotIn(b"99999", client.transport.value())
+        self.assertTrue(result.complete)
+        (record,) = records
+        self.assertEqual((record.status, record.outcome), (502, "upstream_error"))
+        self.assertEqual(sum(self.active().values()), 0)
+
     def test_fixed_length_silence_before_its_body_is_a_504(self) -> None:
         self.build(BACKENDS, read_timeout=5)
         client = self.client()
