@@ -363,6 +363,19 @@ class StatusTests(ProxyTestCase):
         self.assertTrue(self.upstream.last.uri.endswith(b"/__lb_status"))
         return False
 
+    def test_local_answers_get_a_result_log_line(self) -> None:
+        """Every request gets its line, those txlb answers itself too (nothing forwarded)."""
+        from ..helpers import keep_records
+
+        records = keep_records(self.lb)
+        self.client().request(b"GET", b"/__lb_status")
+        self.client().request(b"GET", b"/v1/models", headers=[(b"X-Orid", b"o-1")])
+        self.assertEqual([(r.method, r.path, r.status, r.backend, r.outcome, r.orid_header)
+                          for r in records],
+                         [(b"GET", b"/__lb_status", 200, None, "ok", None),
+                          (b"GET", b"/v1/models", 200, None, "ok", b"o-1")])
+        self.assertEqual(self.upstream.calls, [])
+
     def test_lb_status_off_is_proxied_like_any_path(self) -> None:
         self.build(BACKENDS, lb_status="off")
         self.assertFalse(self.status_from("127.0.0.1"))

@@ -165,6 +165,9 @@ class _Guard(Resource):
         self._allowed = frozenset(hosts)
 
     def render(self, request: Request) -> Any:
+        # twisted.web's Request names itself in Server (TwistedWeb/...) on every answer:
+        # under any Site, the admin port names no software, as the main port names none
+        request.responseHeaders.removeHeader(b"server")
         # No page may frame the dashboard either: a click on its drain button would be the
         # operator's own, Origin and all.
         request.setHeader(b"x-frame-options", b"DENY")
