@@ -375,7 +375,7 @@ class LimitedRequest(Request):
         if self.path != b"*":
             super().process()
             return
-        self.site = self.channel.site
+        self.site = self.channel.site  # type: ignore[attr-defined]  # a Site's channel
         self.setHeader(b"Date", datetimeToString())
         self.prepath, self.postpath = [], []
         try:
