@@ -23,6 +23,7 @@ caller, exactly as :class:`~txlb._server.site.ProxyChannel` does:
 * ``Transfer-Encoding`` exactly ``chunked`` on HTTP/1.1 (else 400, or 501 for a coding
   before ``chunked``); ``Host`` required on HTTP/1.1, once, and valid; the target visible
   ASCII; HTTP/1.0 and 1.1 only;
+* ``CONNECT`` refused with 405, as :class:`~txlb._server.site.ProxyChannel` refuses it;
 * ``Connection`` read as a token list over every line (``keep-alive, close`` closes);
   HTTP/1.0 closes; a connection idle for 60 s (nothing received, no answer under way) is
   closed, as twisted.web closes it.

@@ -34,6 +34,7 @@ for a second request nobody checked (request smuggling).  RFC 9112 §6.1-6.3 and
   0x80-0xB0 through): 400.
 * ``Connection`` is a comma-separated token list over every ``Connection`` line:
   ``keep-alive, close`` closes.
+* ``CONNECT``: 405 (txlb opens no tunnels; what follows its head is no request).
 
 Every such refusal has the OpenAI-style JSON body of :func:`txlb._proxy.errors.error_body`, says
 ``Connection: close``, closes the connection, and never reaches the proxy.
