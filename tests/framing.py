@@ -222,6 +222,14 @@ CASES: tuple[Case, ...] = (
     Case("leading empty lines, then two spaces", b"\r\n\r\nGET  /t HTTP/1.1\r\nHost: x\r\n\r\n",
          (400,), True),
     Case("non-token method", b"G(T /t HTTP/1.1\r\nHost: x\r\n\r\n", (400,), True),
+    # -- CONNECT: a tunnel txlb never opens; what follows its head is no request ----------
+    Case("CONNECT with a path", _head(b"CONNECT /t HTTP/1.1") + SMUGGLED, (405,), True),
+    Case("CONNECT to an authority", _head(b"CONNECT lb.example:443 HTTP/1.1") + SMUGGLED,
+         (405,), True),
+    Case("CONNECT with a body", _head(b"CONNECT /t HTTP/1.1", b"Content-Length: %d"
+                                      % len(SMUGGLED)) + SMUGGLED, (405,), True),
+    Case("a request then CONNECT", _get() + _head(b"CONNECT /t HTTP/1.1") + SMUGGLED,
+         (BACKEND, 405), True, (GET_T,)),
     # -- Host ------------------------------------------------------------------------------
     Case("HTTP/1.1 without Host", _get(host=False), (400,), True),
     Case("two Host headers", _get(b"/t", b"Host: other.example"), (400,), True),

@@ -152,6 +152,72 @@ class _InMemoryFraming:
         self.assertEqual([(r.method, r.path, r.status) for r in records],
                          [(b"POST", b"/v1/chat/completions", 400)])
 
+    def balancer(self) -> tuple[LoadBalancer, FakeUpstream, list[Any], ClientConnection]:
+        """A balancer, its upstream, the records it keeps and a client of its server."""
+        upstream = FakeUpstream()
+        lb = LoadBalancer(["127.0.0.1:8002"], reactor=Clock(), agent=upstream,
+                          probe_agent=FakeUpstream(), log_file="none")
+        records = keep_records(lb)
+        return lb, upstream, records, ClientConnection(self.server(lb))
+
+    def test_connect_is_405_allowing_the_other_methods_and_logged(self) -> None:
+        """A tunnel txlb never opens: 405 (as nginx), its Allow header, its log line."""
+        _, upstream, records, client = self.balancer()
+        client.send(b"CONNECT /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        (response,), rest = split_responses(client.transport.value())
+        status, headers, body = response
+        self.assertEqual(status, 405)
+        allowed = {m.strip() for m in headers[b"allow"].split(b",")}
+        self.assertIn(b"POST", allowed)
+        self.assertNotIn(b"CONNECT", allowed)
+        self.assertEqual(json.loads(body)["error"]["code"], 405)
+        self.assertEqual([(r.method, r.path, r.status) for r in records],
+                         [(b"CONNECT", b"/v1/models", 405)])
+        self.assertEqual(upstream.calls, [])
+
+    def test_the_asterisk_target_is_answered_and_logged(self) -> None:
+        """
+        ``OPTIONS *`` asks about the server: 200, answered here and logged like every
+        request; another method with ``*`` is a 405 allowing OPTIONS.  Neither is
+        forwarded, and the connection goes on.
+        """
+        _, upstream, records, client = self.balancer()
+        client.send(b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n"
+                    b"GET * HTTP/1.1\r\nHost: x\r\n\r\n")
+        (options, get), rest = split_responses(client.transport.value())
+        self.assertEqual((options[0], options[1][b"content-length"], options[2]),
+                         (200, b"0", b""))
+        self.assertEqual((get[0], get[1][b"allow"]), (405, b"OPTIONS"))
+        self.assertEqual(json.loads(get[2])["error"]["code"], 405)
+        self.assertEqual([(r.method, r.path, r.status, r.outcome) for r in records],
+                         [(b"OPTIONS", b"*", 200, "ok"), (b"GET", b"*", 405, "proxy_error")])
+        self.assertFalse(client.transport.disconnecting)
+        self.assertEqual(upstream.calls, [])
+
+    def test_no_answer_names_a_server_but_the_backends_own(self) -> None:
+        """
+        txlb adds no ``Server`` header (nginx's ``server_tokens off``) -- not to a
+        backend's answer without one, not to its own answers and refusals; a backend's own
+        is passed on.
+        """
+        _, upstream, _, client = self.balancer()
+        client.send(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = upstream.calls[0].respond(FakeResponse(200, length=2))
+        first.send(b"ok")
+        first.end()
+        client.send(b"GET /b HTTP/1.1\r\nHost: x\r\n\r\n")
+        second = upstream.calls[1].respond(
+            FakeResponse(200, [(b"Server", b"vllm/0.9")], length=2))
+        second.send(b"ok")
+        second.end()
+        client.send(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+                    b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n"
+                    b"GET /c HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n")
+        responses, _ = split_responses(client.transport.value())
+        self.assertEqual([(status, headers.get(b"server")) for status, headers, _ in responses],
+                         [(200, None), (200, b"vllm/0.9"), (200, None), (200, None),
+                          (400, None)])
+
     def test_data_after_a_refusal_is_never_parsed(self) -> None:
         """Bytes arriving after the 400 (before the close completes) are dropped."""
         clock = Clock()

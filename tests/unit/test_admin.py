@@ -208,6 +208,32 @@ class TokenTests(AdminTestCase):
         code, _ = self.call("GET", "/status", headers={"Authorization": "Bearer s3cret-token"})
         self.assertEqual(code, 200)
 
+    def test_two_authorization_headers_are_400_even_if_one_is_right(self) -> None:
+        """As on the main port: which of two would be the token?"""
+        for values in (["Bearer wrong", "Bearer s3cret-token"],
+                       ["Bearer s3cret-token", "Bearer s3cret-token"]):
+            code, error = self.call("GET", "/status", headers={"Authorization": values})
+            self.assertEqual((code, error["error"]["code"]), (400, 400), values)
+            code, _ = self.call("POST", f"/backends/{A}/drain",
+                                headers={"Authorization": values})
+            self.assertEqual(code, 400)
+        self.assertFalse(self.lb.pool.get(A).draining)  # type: ignore[union-attr]
+
+    def test_without_the_token_every_path_is_401_known_or_not(self) -> None:
+        """
+        No 404 or 405 before the token: they would tell whoever has none which routes
+        exist.  The dashboard's page alone is served (it asks for the token itself).
+        """
+        for method, path in [("GET", "/nothing-here"), ("POST", "/nothing-here"),
+                             ("GET", f"/backends/{A}/drain"), ("PUT", "/status"),
+                             ("DELETE", "/backends/127.0.0.1:1"), ("POST", "/")]:
+            code, error = self.call(method, path)
+            self.assertEqual((code, error["error"]["code"]), (401, 401), (method, path))
+        token = {"Authorization": "Bearer s3cret-token"}
+        self.assertEqual(self.call("GET", "/nothing-here", headers=token)[0], 404)
+        self.assertEqual(self.call("PUT", "/status", headers=token)[0], 405)
+        self.assertEqual(self.call("GET", "/")[0], 200)
+
 
 def sample(text: str, name: str, **labels: str) -> float:
     """The value of one sample in Prometheus text, matched by name and labels."""
@@ -415,6 +441,36 @@ class ValidationTests(AdminTestCase):
             code, error = self.call("POST", "/backends", {"backend": address})
             self.assertEqual((code, error["error"]["code"]), (400, 400), address)
         self.assertEqual(len(self.lb.pool), 2)
+
+    def test_added_models_and_names_are_bounded_as_learned_ones_are(self) -> None:
+        """
+        A backend's own /v1/models is held to 1,000 names of 512 characters; one added
+        through the API is held to the same, and its address to 300 characters.
+        """
+        too_long = " " * 400 + "127.0.0.1:8004"  # a host:port once stripped
+        for fields in ({"backend": "127.0.0.1:8004",
+                        "models": [f"m{i}" for i in range(1001)]},
+                       {"backend": "127.0.0.1:8004", "models": ["m" * 513]},
+                       {"backend": too_long}):
+            code, error = self.call("POST", "/backends", fields)
+            self.assertEqual((code, error["error"]["code"]), (400, 400), str(fields)[:80])
+        self.assertEqual(len(self.lb.pool), 2)
+        code, _ = self.call("POST", "/backends", {
+            "backend": "127.0.0.1:8004", "models": ["m" * 512, *(f"m{i}" for i in range(999))]})
+        self.assertEqual(code, 201)
+
+    def test_no_answer_names_the_admin_ports_software(self) -> None:
+        """No Server: TwistedWeb/... (the main port names none either), under any Site."""
+        for site in (_AdminSite(self.lb.admin_resource(), reactor=self.clock),
+                     Site(self.lb.admin_resource(), reactor=self.clock)):
+            for raw in (b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+                        b"GET /nothing HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+                        b"GET / HTTP/1.1\r\nHost: evil.example\r\n\r\n"):
+                client = ClientConnection(site)
+                client.send(raw)
+                response = client.response()
+                self.assertEqual(response.header(b"server"), [], (site, raw))
+                self.assertNotEqual(response.header(b"date"), [])
 
     def test_ipv6_literal_is_added(self) -> None:
         code, state = self.call("POST", "/backends", {"backend": "[::1]:8004"})

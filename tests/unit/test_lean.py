@@ -297,12 +297,14 @@ class RequestSemanticsTests(LeanTestCase):
         response.end()
         self.assertTrue(client.transport.value().endswith(b"\r\n0\r\n\r\n"))
 
-    def test_every_answer_has_date_and_server(self) -> None:
+    def test_every_answer_has_date_and_server_only_from_the_backend(self) -> None:
+        """A Date always; a Server only as the backend sent it (txlb names no software)."""
         client = self.client()
         client.send(GET)
         self.answer(0).end()
         names = {name.lower() for name, _ in client.response().headers}
-        self.assertLessEqual({b"date", b"server"}, names)
+        self.assertIn(b"date", names)
+        self.assertNotIn(b"server", names)
 
     def test_a_client_gone_mid_stream_stops_the_upstream(self) -> None:
         client = self.client()

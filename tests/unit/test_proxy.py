@@ -363,6 +363,19 @@ class StatusTests(ProxyTestCase):
         self.assertTrue(self.upstream.last.uri.endswith(b"/__lb_status"))
         return False
 
+    def test_local_answers_get_a_result_log_line(self) -> None:
+        """Every request gets its line, those txlb answers itself too (nothing forwarded)."""
+        from ..helpers import keep_records
+
+        records = keep_records(self.lb)
+        self.client().request(b"GET", b"/__lb_status")
+        self.client().request(b"GET", b"/v1/models", headers=[(b"X-Orid", b"o-1")])
+        self.assertEqual([(r.method, r.path, r.status, r.backend, r.outcome, r.orid_header)
+                          for r in records],
+                         [(b"GET", b"/__lb_status", 200, None, "ok", None),
+                          (b"GET", b"/v1/models", 200, None, "ok", b"o-1")])
+        self.assertEqual(self.upstream.calls, [])
+
     def test_lb_status_off_is_proxied_like_any_path(self) -> None:
         self.build(BACKENDS, lb_status="off")
         self.assertFalse(self.status_from("127.0.0.1"))
@@ -589,6 +602,31 @@ class EdgeCaseTests(ProxyTestCase):
         self.assertEqual(result.status, 502)
         self.assertEqual(json.loads(result.body)["error"]["code"], 502)
         self.assertEqual(result.header(b"x-from-backend"), [])
+        self.assertEqual(sum(self.active().values()), 0)
+
+    def test_content_length_no_client_could_hold_is_a_502(self) -> None:
+        """
+        A backend's Content-Length past 2**63-1 is a bad response: 502 before any of its
+        head, as nginx answers, rather than its head passed on and the connection cut.
+        """
+        from ..helpers import keep_records
+
+        records = keep_records(self.lb)
+        client = self.client()
+        client.request(b"GET", b"/thing")
+        response = FakeResponse(200, [(b"X-From-Backend", b"1")], length=10**23)
+        self.upstream.last.respond(response)
+        # at once, not after a head waiting for the first body bytes
+        self.assertTrue(client.transport.value().startswith(b"HTTP/1.1 502 "))
+        result = client.response()
+        # the failure table's bad-response row (its message; no retry, no blame)
+        self.assertRegex(json.loads(result.body)["error"]["message"],
+                         r"^bad response from backend 127\.0\.0\.1:800[23]$")
+        self.assertEqual(result.header(b"x-from-backend"), [])
+        self.assertNotIn(b"99999", client.transport.value())
+        self.assertTrue(result.complete)
+        (record,) = records
+        self.assertEqual((record.status, record.outcome), (502, "upstream_error"))
         self.assertEqual(sum(self.active().values()), 0)
 
     def test_fixed_length_silence_before_its_body_is_a_504(self) -> None:

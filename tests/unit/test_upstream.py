@@ -274,6 +274,27 @@ class ClientTests(unittest.TestCase):
                                 b"Content-Length: 2\r\n\r\nab")
         self.assertIsInstance(result[0].value, ResponseFailed)
 
+    def test_content_length_no_client_could_hold_is_a_bad_response(self) -> None:
+        """
+        A length past 2**63-1 (nginx's off_t) is no length: a bad response, refused before
+        any head reaches the client (passed on, the client would wait for a body that
+        never comes); 2**63-1 itself is a length like any other.
+        """
+        for value in (b"99999999999999999999999", b"%d" % 2**63):
+            result = self.send()
+            connection, transport = self.connect()
+            connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: " + value
+                                    + b"\r\n\r\nab")
+            self.assertIsInstance(result[0].value, ResponseFailed, value)
+            (reason,) = result[0].value.reasons
+            self.assertIsInstance(reason.value, BadResponse)
+            self.assertTrue(transport.disconnected)
+        result = self.send()
+        connection, _ = self.connect()
+        connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n"
+                                % (2**63 - 1))
+        self.assertEqual(result[0].length, 2**63 - 1)
+
     def test_lost_before_head_is_response_never_received(self) -> None:
         result = self.send()
         connection, _ = self.connect()

@@ -13,7 +13,9 @@ other site sends: a ``Host`` that is not this endpoint's own (DNS rebinding), an
 ``Origin`` that is not the request's own ``Host`` (a cross-origin page), and for requests
 that change state, the content types an HTML form or a "simple" fetch can send without a
 CORS preflight.  The body is capped, and every request is validated whole before anything
-changes.
+changes.  With a token, every request but the dashboard page itself (which asks for the
+token) needs it, whatever its path: an unknown path is 401 too, so the API's routes are not
+revealed to whoever has no token.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from werkzeug.exceptions import HTTPException
 from txlb._admin import ADMIN_MAX_BODY  # the largest body the API reads
 from txlb._admin.history import CAPACITY, SAMPLE_SECONDS, History
 from txlb._cluster.backend import Backend
+from txlb._cluster.models import MAX_MODEL_NAME, MAX_MODEL_NAMES
 from txlb._cluster.pool import Pool
 from txlb._config import ConfigError, _backend_item, parse_backend_address
 from txlb._records.metrics import Metrics
@@ -62,6 +65,13 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 #: Fields ``POST /backends`` accepts, mapped to the config file's backend table keys.
 _ADD_FIELDS = {"backend": "url", "url": "url", "weight": "weight", "max_conns": "max_conns",
                "models": "models"}
+
+#: The longest ``backend`` ``POST /backends`` reads: ``http://``, a 253-character DNS name
+#: (or a bracketed IPv6 address), ``:65535`` and a ``/`` fit in it, with room to spare.
+MAX_ADDRESS = 300
+
+#: The dashboard's page: served without the token, which the page itself asks for.
+_DASHBOARD = b"/"
 
 
 class AdminError(Exception):
@@ -155,16 +165,22 @@ class _Guard(Resource):
 
     isLeaf = True
 
-    def __init__(self, app: IResource, allowed_hosts: Iterable[str]) -> None:
+    def __init__(self, app: IResource, allowed_hosts: Iterable[str],
+                 authorize: Callable[[Request], None] = lambda request: None) -> None:
         super().__init__()
         self._app = app
         self._allowed = frozenset(allowed_hosts)
+        #: raises AdminError (401) for a request without the token, when one is set
+        self._authorize = authorize
 
     def allow(self, hosts: Iterable[str]) -> None:
         """A reload's ``--admin-hosts``, from the next request on."""
         self._allowed = frozenset(hosts)
 
     def render(self, request: Request) -> Any:
+        # twisted.web's Request names itself in Server (TwistedWeb/...) on every answer:
+        # under any Site, the admin port names no software, as the main port names none
+        request.responseHeaders.removeHeader(b"server")
         # No page may frame the dashboard either: a click on its drain button would be the
         # operator's own, Origin and all.
         request.setHeader(b"x-frame-options", b"DENY")
@@ -188,6 +204,12 @@ class _Guard(Resource):
             raise AdminError(400, "the request path is not UTF-8") from None
         host = self._check_host(request)
         self._check_origin(request, host)
+        if len(request.requestHeaders.getRawHeaders(b"authorization") or ()) > 1:
+            # as on the main port: which one would be the token?
+            raise AdminError(400, "the request has more than one Authorization header")
+        if not (request.path == _DASHBOARD and request.method in _SAFE_METHODS):
+            # before routing: an unknown path is 401 too, not a 404 saying it is unknown
+            self._authorize(request)
         if request.method not in _SAFE_METHODS:
             self._check_body(request)
 
@@ -249,6 +271,23 @@ class _Guard(Resource):
                 and media.endswith("+json"))):
             raise AdminError(415, "a request body must be JSON, sent with "
                                   "Content-Type: application/json")
+
+
+def _check_models(models: object) -> None:
+    """
+    The bounds a backend's own ``/v1/models`` is held to (:mod:`txlb._cluster.models`):
+    every name is matched per request and listed in every 404.  The rest of ``models``
+    (a list of non-empty strings) is checked with the config file's rules.
+    """
+    if not isinstance(models, list):
+        return
+    if len(models) > MAX_MODEL_NAMES:
+        raise AdminError(400, f"'models' lists {len(models)} names: at most "
+                              f"{MAX_MODEL_NAMES}")
+    for name in models:
+        if isinstance(name, str) and len(name) > MAX_MODEL_NAME:
+            raise AdminError(400, f"a model name is over {MAX_MODEL_NAME} characters: "
+                                  f"{name[:40]!r}...")
 
 
 def _dashboard_status(state: dict[str, object], backend: Backend, now: float
@@ -323,7 +362,7 @@ class Admin:
 
     def resource(self) -> IResource:
         """The admin API as a resource: the Klein app behind the request checks."""
-        guard = _Guard(self.app.resource(), self._allowed_hosts)
+        guard = _Guard(self.app.resource(), self._allowed_hosts, self._authorize)
         self._guards.append(guard)
         return guard
 
@@ -473,6 +512,9 @@ class Admin:
         address = fields.get("backend", fields.get("url"))
         if not isinstance(address, str):
             raise AdminError(400, "'backend' must be a \"host:port\" string")
+        if len(address) > MAX_ADDRESS:
+            raise AdminError(400, f"'backend' is over {MAX_ADDRESS} characters")
+        _check_models(fields.get("models"))
         table = {_ADD_FIELDS[name]: value for name, value in fields.items()}
         table["url"] = address
         try:

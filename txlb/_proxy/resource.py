@@ -73,10 +73,13 @@ class ProxyResource(Resource):
     def render(self, request: Request) -> object:
         request.defaultContentType = None
         path = local_path(request)
-        if self.local.answer(request, path):
+        started = self.clock.seconds()
+        answered = self.local.answer(request, path)
+        if answered is not None:
+            self._answered_locally(request, path, started, answered)
             return NOT_DONE_YET
         record = RequestRecord(
-            started=self.clock.seconds(),
+            started=started,
             method=request.method,
             path=path,
             orid_header=request.getHeader(b"x-orid"),
@@ -214,6 +217,27 @@ class ProxyResource(Resource):
         )
         record.answered_by_proxy(status, body)
         record.ended = record.started
+        self.context.observer.ended(record)
+
+    def _answered_locally(self, request: Request, path: bytes, started: float,
+                          body: bytes) -> None:
+        """
+        The result-log line of an answer txlb made itself (:mod:`txlb._proxy.local`):
+        every request gets one, ``/v1/models`` and ``OPTIONS *`` too.  A refusal among
+        them (405) ends as the other refusals do, ``proxy_error``.
+        """
+        record = RequestRecord(
+            started=started,
+            method=request.method,
+            path=path,
+            orid_header=request.getHeader(b"x-orid"),
+            request_body=b"",
+            needs=needs_of(self.context.observer),
+        )
+        record.answered_by_proxy(request.code, body)
+        if request.code >= 400:
+            record.outcome = "proxy_error"
+        record.ended = self.clock.seconds()
         self.context.observer.ended(record)
 
     def _refuse(self, request: Request, record: RequestRecord, status: int, message: str,

@@ -25,6 +25,7 @@ caller, exactly as :class:`~txlb._server.site.ProxyChannel` does:
 * ``Transfer-Encoding`` exactly ``chunked`` on HTTP/1.1 (else 400, or 501 for a coding
   before ``chunked``); ``Host`` required on HTTP/1.1, once, and valid; the target visible
   ASCII; HTTP/1.0 and 1.1 only;
+* ``CONNECT`` refused with 405, as :class:`~txlb._server.site.ProxyChannel` refuses it;
 * ``Connection`` read as a token list over every line (``keep-alive, close`` closes);
   HTTP/1.0 closes; a connection idle for 60 s (nothing received, no answer under way) is
   closed, as twisted.web closes it.
@@ -63,7 +64,6 @@ from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 from twisted.web.resource import IResource
 from twisted.web.server import NOT_DONE_YET
-from twisted.web.server import version as server_version
 from zope.interface import classImplements
 
 from txlb._compat import alpn_mutates_shared_context
@@ -72,6 +72,7 @@ from txlb._server.lean_request import LeanRequest
 from txlb._server.quiet import RepeatSummary
 from txlb._server.site import (
     CHUNKS_TOO_SMALL,
+    CONNECT_REFUSED,
     MAX_HEAD_BYTES,
     MAX_HEADERS,
     MAX_LINE,
@@ -542,6 +543,10 @@ class LeanChannel(Protocol):
                                              clientproto, headers)
         if head.host_lines == 0 and version == "1.1":
             self._refuse_now(400, "an HTTP/1.1 request must have a Host header")
+        if request.method == b"CONNECT":
+            # as ProxyChannel: no tunnel, and nothing after the head is read (llhttp would
+            # hand it over as the tunnel's bytes)
+            self._refuse_now(405, CONNECT_REFUSED)
         chunked = bool(head.codings)
         if parser.should_upgrade():
             head.upgrade = True
@@ -634,17 +639,10 @@ class LeanChannel(Protocol):
 
     def _dispatch(self, request: LeanRequest) -> None:
         headers = request.responseHeaders
-        headers.setRawHeaders(b"Server", [server_version])
+        # no Server: txlb names no software (nginx's server_tokens off); a backend's own
+        # Server header is passed on with the rest of its head
         headers.setRawHeaders(b"Date", [self.site.date.now()])
-        if request.uri == b"*":
-            # RFC 9110 9.3.7: "OPTIONS *" asks about the server, not a resource; answered
-            # here, as twisted.web answers it: 200, or 405 to any other method
-            if request.method != b"OPTIONS":
-                request.setResponseCode(405)
-                headers.setRawHeaders(b"Allow", [b"OPTIONS"])
-            headers.setRawHeaders(b"Content-Length", [b"0"])
-            request.finish()
-            return
+        # the "*" target ("OPTIONS *") too: the resource answers it, and logs it
         try:
             result = self.site.resource.render(request)
         except Exception:

@@ -34,6 +34,7 @@ for a second request nobody checked (request smuggling).  RFC 9112 §6.1-6.3 and
   0x80-0xB0 through): 400.
 * ``Connection`` is a comma-separated token list over every ``Connection`` line:
   ``keep-alive, close`` closes.
+* ``CONNECT``: 405 (txlb opens no tunnels; what follows its head is no request).
 
 Every such refusal has the OpenAI-style JSON body of :func:`txlb._proxy.errors.error_body`, says
 ``Connection: close``, closes the connection, and never reaches the proxy.
@@ -49,9 +50,10 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
-from twisted.web.http import HTTPChannel
+from twisted.web.http import HTTPChannel, datetimeToString
 from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
+from twisted.web.server import version as server_version
 
 from txlb._compat import parsed_request_line, unterminated_line
 from txlb._proxy.errors import error_body
@@ -61,6 +63,7 @@ log = Logger()
 
 _REASONS = {
     400: b"Bad Request",
+    405: b"Method Not Allowed",
     408: b"Request Timeout",
     413: b"Content Too Large",
     431: b"Request Header Fields Too Large",
@@ -89,9 +92,16 @@ _TOKEN_SEPARATORS = re.compile(rb"[\s,]+")
 # tests/unit/test_compat.py checks).
 
 
+#: What a 405 from the main port's servers allows (RFC 9110 15.5.6: a 405 says): every
+#: standard method but ``CONNECT``, which asks a proxy for a tunnel txlb never opens.
+ALLOWED_METHODS = b"GET, HEAD, POST, PUT, DELETE, OPTIONS, TRACE, PATCH"
+
+
 def _raw_response(status: int, body: bytes) -> bytes:
+    allow = b"Allow: %s\r\n" % ALLOWED_METHODS if status == 405 else b""
     return (b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-            b"Connection: close\r\n\r\n" % (status, _REASONS[status], len(body))) + body
+            b"%sConnection: close\r\n\r\n" % (status, _REASONS[status], len(body), allow)
+            ) + body
 
 
 def _codings(value: bytes) -> list[bytes]:
@@ -122,6 +132,9 @@ def chunks_too_small(spans: int, payload: int) -> bool:
     """A chunked body of ``spans`` data spans and ``payload`` bytes so far: refused?"""
     return spans > CHUNK_ALLOWANCE and payload < spans * MIN_AVERAGE_CHUNK
 
+
+#: The refusal of ``CONNECT`` on both servers.
+CONNECT_REFUSED = "CONNECT is not supported: txlb is a reverse proxy and opens no tunnels"
 
 # The rules above, by the names txlb._server.lean reads them with.
 VALID_HOST = _VALID_HOST
@@ -230,7 +243,7 @@ class ProxyChannel(HTTPChannel):
         self._cancel_deadline()
         missing_host = self._host_lines == 0
         self._reset_head()
-        _, target, version = parsed_request_line(self)
+        method, target, version = parsed_request_line(self)
         if target is not None and len(target.translate(None, _VISIBLE_ASCII)) != 0:
             # twisted.web lets DEL and bytes 0x80-0xB0 through; the backend's parser may not
             self.refuse(400, "the request target has bytes that are not visible ASCII")
@@ -238,6 +251,11 @@ class ProxyChannel(HTTPChannel):
         if missing_host and version == b"HTTP/1.1":
             self.refuse(400, "an HTTP/1.1 request must have a Host header")
             return  # nothing more: the refused request never reaches the proxy
+        if method == b"CONNECT":
+            # a tunnel, asked of a proxy: txlb opens none (nginx: 405), and what follows
+            # the head would be the tunnel's bytes, not a request -- nothing more is read
+            self.refuse(405, CONNECT_REFUSED)
+            return
         super().allHeadersReceived()
 
     def checkPersistence(self, request: Any, version: bytes) -> bool:
@@ -372,6 +390,33 @@ class LimitedRequest(Request):
             self._refuse(f"the request body is over the limit of {limit} bytes")
             return
         super().handleContentChunk(data)
+
+    def process(self) -> None:
+        """
+        As twisted.web's, except for the ``*`` target (``OPTIONS *``), which twisted.web
+        answers itself, unseen by the resource -- so with no result-log line.  Here the
+        resource answers it, as on the lean server (:mod:`txlb._server.lean`).
+        """
+        if self.path != b"*":
+            super().process()
+            return
+        self.site = self.channel.site  # type: ignore[attr-defined]  # a Site's channel
+        self.setHeader(b"Date", datetimeToString())
+        self.prepath, self.postpath = [], []
+        try:
+            self.render(self.site.getResourceFor(self))
+        except BaseException:
+            self.processingFailed(Failure())
+
+    def setHeader(self, name: bytes | str, value: bytes | str) -> None:
+        """
+        As twisted.web's, except for the ``Server: TwistedWeb/...`` its ``process`` puts
+        on every answer: txlb names no software (nginx's ``server_tokens off``), so an
+        answer has a ``Server`` header only when the backend sent one.
+        """
+        if name == b"Server" and value == server_version:
+            return
+        super().setHeader(name, value)
 
     def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
         if self._refused:

@@ -19,7 +19,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IConsumer, IPushProducer
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
-from twisted.web.client import ResponseDone
+from twisted.web.client import ResponseDone, ResponseFailed
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IBodyProducer, IResponse
@@ -27,7 +27,13 @@ from zope.interface import implementer
 
 from txlb._compat import response_connection_headers
 from txlb._proxy.headers import RawHeaders, connection_tokens, flatten
-from txlb._upstream.client import IRelayOwner, UpstreamResponse
+from txlb._upstream.client import (
+    MAX_CONTENT_LENGTH,
+    BadResponse,
+    IRelayOwner,
+    UpstreamResponse,
+    parse_content_length,
+)
 
 
 @implementer(IBodyProducer)
@@ -129,11 +135,31 @@ class AgentUpstream:
         uri = b"http://" + authority.encode("idna") + target
         producer = None if body is None else BytesProducer(body)
         sent: Deferred[Any] = self.agent.request(method, uri, outgoing, producer)
-        sent.addCallback(AgentResponse)
+        sent.addCallback(checked_response)
         return sent
 
     def close_idle(self) -> Deferred[None]:
         return succeed(None)
+
+
+def checked_response(response: IResponse) -> AgentResponse:
+    """
+    ``response`` for the proxy -- unless its length is no length (Agent takes any number:
+    ``Content-Length: 99999999999999999999999`` would reach the client, promising a body
+    that never comes): then it is closed and fails as :mod:`txlb._upstream.client` fails a
+    bad response head, so the client gets a 502 before any head.  A HEAD answer's
+    ``Content-Length`` stays in its headers (it describes the resource) and is checked too.
+    """
+    adapted = AgentResponse(response)
+    try:
+        if adapted.length is not None and adapted.length > MAX_CONTENT_LENGTH:
+            raise BadResponse(f"Content-Length {adapted.length} is over 2**63-1")
+        parse_content_length([value for name, value in adapted.headers
+                              if name == b"content-length"])
+    except BadResponse:
+        adapted.discard()
+        raise ResponseFailed([Failure()]) from None
+    return adapted
 
 
 def connection_named(response: IResponse) -> frozenset[bytes]:

@@ -74,6 +74,10 @@ _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _HEAD_CONTROLS = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 #: Longest chunk size line accepted (extensions included).
 MAX_CHUNK_LINE = 4096
+#: The largest ``Content-Length`` a backend may send (a signed 64-bit offset, nginx's
+#: ``off_t``): a larger one is no length any client could hold, and passing it on would
+#: promise the client a body that can never come -- a bad response (502), as nginx says.
+MAX_CONTENT_LENGTH = 2**63 - 1
 
 
 class BadResponse(Exception):
@@ -183,28 +187,44 @@ def parse_head(head: bytes) -> tuple[bytes, int, bytes, RawHeaders]:
     return version, int(code_bytes), status[2] if len(status) == 3 else b"", headers
 
 
+def parse_content_length(values: list[bytes]) -> int | None:
+    """
+    A response's ``Content-Length`` from its values (``None``: it sent none): ASCII digits
+    up to :data:`MAX_CONTENT_LENGTH`, the same number on every line.  Anything else makes
+    the response's end unknowable: :class:`BadResponse`.
+    """
+    length: int | None = None
+    for value in values:
+        if not value.isdigit():
+            raise BadResponse(f"bad Content-Length {value[:20]!r}")
+        number = int(value)
+        if number > MAX_CONTENT_LENGTH:
+            raise BadResponse(f"Content-Length {value[:24]!r} is over 2**63-1")
+        if length is not None and number != length:
+            raise BadResponse("conflicting Content-Length headers")
+        length = number
+    return length
+
+
 def _framing(version: bytes, code: int, method: bytes,
              headers: RawHeaders) -> tuple[str, int | None, bool]:
     """
     How the body is delimited -- ``"none"``, ``"length"``, ``"chunked"`` or ``"close"``
     -- its length when known, and whether the connection may carry another request.
     """
-    content_length: int | None = None
+    lengths: list[bytes] = []
     transfer_coding = b""
     keep_alive = version == b"HTTP/1.1"
     if code < 100:
         raise BadResponse(f"bad status code {code}")
     for name, value in headers:
         if name == b"content-length":
-            if not value.isdigit():
-                raise BadResponse(f"bad Content-Length {value[:20]!r}")
-            if content_length is not None and int(value) != content_length:
-                raise BadResponse("conflicting Content-Length headers")
-            content_length = int(value)
+            lengths.append(value)
         elif name == b"transfer-encoding":
             transfer_coding = value.rsplit(b",", 1)[-1].strip().lower()
         elif name == b"connection" and b"close" in value.lower():
             keep_alive = False
+    content_length = parse_content_length(lengths) if lengths else None
     if method == b"HEAD" or code in (204, 304) or code < 200:
         return "none", content_length, keep_alive
     if transfer_coding:
