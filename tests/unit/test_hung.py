@@ -416,6 +416,73 @@ class SingleBackendImpatientTests(ImpatientClientsTestCase):
         self.assertGreater(self.sent_to(only, after=1.0), 20)
 
 
+class UnansweredRunTests(SynchronousTestCase):
+    """How requests left unanswered add up, told to the detector directly."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.clock.advance(100)
+        self.lb = LoadBalancer(TWO, reactor=self.clock, agent=FakeUpstream(),
+                               probe_agent=FakeUpstream(), log_file="none")
+        self.hung = self.lb.hung
+        self.hung.startService()
+        self.addCleanup(self.hung.stopService)
+        backends = list(self.lb.pool)
+        self.silent, self.other = backends
+
+    def left(self, sent: float, left: float) -> None:
+        self.hung.left_unanswered(self.silent, sent, left)
+
+    def quiet(self, at: float) -> dict[Backend, tuple[float, int]]:
+        """The silences at ``at``, the other backend answering in 50 ms all along (the
+        clock moved in steps, so the detector's looks are on time)."""
+        while self.clock.seconds() < at:
+            self.clock.advance(min(STEP, at - self.clock.seconds()))
+        self.other.head_came(at, 0.05)
+        return {backend: (round(silent, 3), requests)
+                for backend, (silent, requests) in self.hung.quiet_for().items()}
+
+    def test_one_after_another_within_the_stall_is_one_silence(self) -> None:
+        self.left(100.0, 101.0)
+        self.left(102.2, 103.2)  # 1.2 s later: still the same silence
+        self.assertEqual(self.quiet(103.2), {self.silent: (3.2, 2)})
+
+    def test_a_longer_gap_starts_another(self) -> None:
+        self.left(100.0, 101.0)
+        self.left(102.5, 103.5)
+        self.assertEqual(self.quiet(103.5), {self.silent: (1.0, 1)})
+
+    def test_a_byte_since_ends_it(self) -> None:
+        self.left(100.0, 101.0)
+        self.silent.heard(101.1)
+        self.left(101.0, 102.0)  # counted from the byte on
+        self.assertEqual(self.quiet(102.0), {self.silent: (0.9, 1)})
+
+    def test_an_old_one_is_forgotten(self) -> None:
+        self.left(100.0, 101.0)
+        self.assertEqual(self.quiet(101.0 + self.hung.stall), {self.silent: (1.0, 1)})
+        self.assertEqual(self.quiet(101.01 + self.hung.stall), {})
+
+    def test_no_faster_answer_since_it_began_says_nothing(self) -> None:
+        self.other.head_came(100.0, 0.05)
+        self.left(100.5, 101.5)
+        self.clock.advance(1.5)
+        self.assertEqual(self.hung.quiet_for(), {})
+
+    def test_a_stall_of_txlb_itself_forgets_them(self) -> None:
+        """Clients that gave up while txlb was held up say nothing of the backends."""
+        self.left(100.0, 101.0)
+        self.assertEqual(self.quiet(101.0), {self.silent: (1.0, 1)})
+        self.clock.advance(1.0)  # one look, late
+        self.assertEqual(self.quiet(102.0), {})
+
+    def test_not_while_off(self) -> None:
+        self.hung.stopService()
+        self.left(100.0, 101.0)
+        self.hung.startService()
+        self.assertEqual(self.quiet(101.0), {})
+
+
 class ProbeTimeoutWhileFlowingTests(HungTestCase):
     """The active prober: a /health timeout while the backend's streams flow is busy-ness."""
 

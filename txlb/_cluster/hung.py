@@ -155,6 +155,8 @@ class HangDetector(Service):
         ``sent``: a silence of ``backend``'s as long as the request waited, counted once
         some other backend answered faster (see the module's docstring).
         """
+        if not self.running:
+            return  # off (--hung-after 0), or stopping
         since = self._quiet_since(backend)
         start = sent if since is None else max(sent, since)
         if start >= left:
