@@ -40,6 +40,7 @@ from txlb._config import OPTIONS, Config, build_config
 from txlb._discovery.membership import DnsMembership
 from txlb._discovery.resolver import system_resolver
 from txlb._proxy.context import ProxyContext
+from txlb._proxy.exchange import Exchange
 from txlb._proxy.resource import ProxyResource
 from txlb._records.bookkeeper import (
     Bookkeeper,
@@ -352,6 +353,10 @@ class LoadBalancer:
             # the bookkeeper's pool is this one: only another observer needs telling
             self.pool.on_down.append(observer.down)
         self.router.on_queue_wait = self.observer.waited
+        #: this process's requests in flight, which the hung-backend detector watches
+        live: set[Exchange] = set()
+        self.hung = HangDetector(self.pool, live, reactor, self.health.health_status,
+                                 stall=config.hung_after)
         context = ProxyContext(
             pool=self.pool,
             upstream=self.upstream,
@@ -364,6 +369,8 @@ class LoadBalancer:
             client_key=lambda request: client_key(request, config.rate_key),
             x_backend=config.x_backend,
             repeats=self.repeats,
+            live=live,
+            left_unanswered=self.hung.left_unanswered,
         )
         limiter = None
         if config.rate_limit is not None:
@@ -374,9 +381,6 @@ class LoadBalancer:
                                    affinity=config.affinity, rate_limiter=limiter,
                                    max_body=config.max_body, lb_status=config.lb_status,
                                    budgets=self.budgets)
-        self.hung = HangDetector(self.pool, context.live, reactor,
-                                 self.health.health_status,
-                                 stall=config.hung_after)
         #: the backends ``dns:``/``srv:`` names yield (resolved only where membership is
         #: owned: see :meth:`service`); the resolver is made when a name first needs one
         servers = config.resolver  # --resolver needs a restart: the servers at start

@@ -957,9 +957,10 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("outlier-cooldown", 30.0, parse_duration,
                "Seconds of the first outlier ejection; it grows with each repeat."),
     OptionSpec("hung-after", 1.25, parse_nonnegative_seconds,
-               "Seconds without a byte from any request in flight on a backend, while others "
-               "answer, that get it probed at once and marked down if its health path does "
-               "not answer within 1s (0: never)."),
+               "Seconds without a byte from a backend while it has requests -- in flight, or "
+               "left unanswered by clients who gave up -- and others answer, that get it "
+               "probed at once and marked down if its health path does not answer within 1s "
+               "(0: never)."),
     OptionSpec("slow-start", 0.0, parse_nonnegative_seconds,
                "Seconds over which a recovered backend's weight ramps from 1% to full."),
     OptionSpec("max-body", "64MiB", parse_size,

@@ -1,13 +1,16 @@
 """
 Hung-backend detection in the real ``twistd -n llmlb`` process, in front of simulated
 engines on real sockets: a backend that answers nothing (not even ``/health``) is out
-within 3 s under traffic; one whose ``/health`` hangs while its streams flow, or one slow
-to its first token while ``/health`` answers, stays in.  Each test prints its figure.
+within 3 s under traffic, also when it is a ``twistd vllm-sim`` process stopped with
+``SIGSTOP`` behind clients that give up after 1 s; one whose ``/health`` hangs while its
+streams flow, or one slow to its first token while ``/health`` answers, stays in.  Each
+test prints its figure.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from typing import Any
@@ -21,7 +24,8 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from txlb.testing import SimulatedVLLM
 
-from ..processes import Client, TwistdProcess, chat_body, wait_until
+from ..processes import Client, TwistdProcess, chat_body, header, wait_until
+from .test_faults import SimProcess
 
 JSON = {b"content-type": [b"application/json"]}
 
@@ -154,6 +158,86 @@ class HungIntegrationTests(TestCase):
         self.assertIn("but /health answers: slow, not hung", self.lb.output())
         print("\nslow first tokens, /health answering: in rotation after 6 s",
               file=sys.stderr)
+
+
+class ImpatientClientsTests(TestCase):
+    """A stopped engine behind clients that give up after 1 s, one request at a time."""
+
+    timeout = 90
+
+    async def test_a_stopped_engine_behind_impatient_clients_is_out_within_3s(self) -> None:
+        await self.stopped_out_within_3s()
+
+    async def test_the_same_with_workers(self) -> None:
+        """
+        Each worker judges from its own clients' requests, about half of them here, and
+        the supervisor takes its verdict: a worker may need one more request to the
+        stopped engine before its silence is long enough, so within 4 s.
+        """
+        await self.stopped_out_within_3s("--workers", "2", bound=4.0)
+
+    async def stopped_out_within_3s(self, *lb_args: str, bound: float = 3.0) -> None:
+        sims = [SimProcess(0, "--tokens-per-second", "200", "--ttft", "0.02")
+                for _ in range(2)]
+        for sim in sims:
+            self.addCleanup(sim.cleanup)
+        for sim in sims:
+            await sim.started()
+        stopped, other = sims
+        lb = TwistdProcess("--backends", ",".join(sim.key for sim in sims),
+                           "--shutdown-timeout", "1", *lb_args)
+        self.addCleanup(lb.stop)
+        await lb.started()
+        client = Client()
+        self.addCleanup(client.pool.closeCachedConnections)
+        #: (when sent, X-Backend or None when the client gave up after 1 s)
+        answers: list[tuple[float, str | None]] = []
+        done = False
+
+        async def one_at_a_time() -> None:
+            deadline = time.monotonic() + 40
+            while not done and time.monotonic() < deadline and len(answers) < 3000:
+                sent = time.monotonic()
+                fetch = defer.ensureDeferred(client.fetch(
+                    lb.url + "/v1/chat/completions", b"POST", chat_body(),
+                    {**JSON, b"x-sim-tokens": [b"5"]}))
+                fetch.addTimeout(1.0, reactor)
+                try:
+                    response, _ = await fetch
+                    answers.append((sent, header(response, b"x-backend")))
+                except Exception:
+                    answers.append((sent, None))
+
+        async def status() -> dict[str, bool]:
+            _, chunks = await client.fetch(lb.url + "/__lb_status")
+            return {b["backend"]: b["healthy"] for b in json.loads(chunks.body)["backends"]}
+
+        loops = [defer.ensureDeferred(one_at_a_time()) for _ in range(3)]
+        await wait_until(lambda: {key for _, key in answers} >= {stopped.key, other.key},
+                         timeout=20, what="both engines to answer")
+        stopped.process.send_signal(signal.SIGSTOP)
+        stop = time.monotonic()
+        try:
+            while (await status())[stopped.key]:
+                self.assertLess(time.monotonic() - stop, 10, lb.output())
+                await deferLater(reactor, 0.02)
+            detected = time.monotonic() - stop
+            counted = len(answers)
+            await wait_until(lambda: len(answers) >= counted + 30, timeout=20,
+                             what="30 more requests")
+        finally:
+            done = True
+            await defer.gatherResults(loops)
+            stopped.process.send_signal(signal.SIGCONT)
+        gave_up = sum(1 for sent, key in answers if sent > stop and key is None)
+        after = [key for sent, key in answers if sent > stop + detected]
+        self.assertLess(detected, bound, lb.output())
+        self.assertIn("hung: no byte from any of", lb.output())
+        # from the verdict on, every request goes to the other engine and is answered
+        self.assertEqual(set(after), {other.key})
+        print(f"\nSIGSTOPped vllm-sim behind 1 s clients{' '.join(('', *lb_args))}: "
+              f"out in {detected:.2f}s "
+              f"({gave_up} requests given up on)", file=sys.stderr)
 
 
 async def _pause(seconds: float) -> None:

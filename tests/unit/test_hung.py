@@ -17,15 +17,19 @@ from txlb._cluster.backend import Backend
 from ..helpers import ClientConnection, FakeResponse, FakeUpstream
 
 THREE = ["127.0.0.1:8002", "127.0.0.1:8003", "127.0.0.1:8004"]
+TWO = THREE[:2]
 STEP = 0.05
 
 
 class HungTestCase(SynchronousTestCase):
+    #: the fleet of each test
+    backends = THREE
+
     def setUp(self) -> None:
         self.clock = Clock()
         self.upstream = FakeUpstream()
         self.probes = FakeUpstream()
-        self.lb = LoadBalancer(THREE, reactor=self.clock, agent=self.upstream,
+        self.lb = LoadBalancer(self.backends, reactor=self.clock, agent=self.upstream,
                                probe_agent=self.probes, rng=random.Random(3),
                                log_file="none", retries=0)
         self.lb.hung.startService()
@@ -34,8 +38,8 @@ class HungTestCase(SynchronousTestCase):
         self.reasons: list[str] = []
         self.lb.pool.on_down.append(lambda backend, reason: self.reasons.append(reason))
         #: the body of each stream the test drives, by the backend it went to
-        self.streams: dict[str, list[FakeResponse]] = {key: [] for key in THREE}
-        self.waiting: dict[str, list[Any]] = {key: [] for key in THREE}
+        self.streams: dict[str, list[FakeResponse]] = {key: [] for key in self.backends}
+        self.waiting: dict[str, list[Any]] = {key: [] for key in self.backends}
 
     def backend(self, key: str) -> Backend:
         backend = self.lb.pool.get(key)
@@ -225,6 +229,258 @@ class HungTests(HungTestCase):
         lb = LoadBalancer(THREE, reactor=self.clock, agent=self.upstream,
                           probe_agent=self.probes, log_file="none", hung_after=0)
         self.assertNotIn(lb.hung, list(lb.service()))  # type: ignore[call-overload]
+
+
+class ImpatientClientsTestCase(HungTestCase):
+    """
+    Clients that send one request at a time and leave when no byte came within their
+    ``patience`` (an interactive feature's 1 s timeout): a stopped engine never holds a
+    request long enough for the in-flight silence alone to reach ``--hung-after``.
+    """
+
+    backends = TWO
+
+    def setUp(self) -> None:
+        super().setUp()
+        #: per client slot: its connection, the call upstream, the backend, when it was sent
+        self.slots: list[tuple[ClientConnection, Any, str, float] | None] = []
+        #: (when, backend) of every request the clients sent
+        self.sent: list[tuple[float, str]] = []
+
+    def impatient(self, seconds: float, patience: float, answering: set[str],
+                  clients: int = 3, answer_probes: int | None = None,
+                  answer_after: float = STEP, flowing_slowly: frozenset[str] = frozenset(),
+                  ) -> float | None:
+        """
+        ``clients`` clients, one request each at a time, for ``seconds``: a backend of
+        ``answering`` answers each request it gets ``answer_after`` seconds after it was
+        sent (head, a token, the end); the others send nothing, and a client that got no
+        byte within ``patience`` leaves and sends its next request.  The streams opened
+        before (:meth:`open_streams`) send a token every step on ``answering`` backends,
+        every half second on ``flowing_slowly`` ones (a decode batch slowed by prefills).
+        Probes are answered with ``answer_probes`` (None: never).  Returns the clock's
+        time when a backend first went down (or None).
+        """
+        if len(self.slots) < clients:
+            self.slots += [None] * (clients - len(self.slots))
+        end = self.clock.seconds() + seconds
+        down_at = None
+        answered = len(self.probes.calls)
+        while self.clock.seconds() < end:
+            for index, slot in enumerate(self.slots):
+                if slot is None:
+                    client, key = self.post()
+                    self.slots[index] = (client, self.upstream.last, key, self.clock.seconds())
+                    self.sent.append((self.clock.seconds(), key))
+            steps = round(self.clock.seconds() / STEP)
+            for key in answering | (flowing_slowly if steps % 10 == 0 else set()):
+                for stream in self.streams[key]:  # streams opened before
+                    stream.send(b'data: {"x": 1}\n\n')
+            self.clock.advance(STEP)
+            now = self.clock.seconds()
+            for index, slot in enumerate(self.slots):
+                assert slot is not None
+                client, call, key, sent = slot
+                if key in answering and now - sent >= answer_after - 1e-9:
+                    response = call.respond(FakeResponse(
+                        200, [(b"Content-Type", b"text/event-stream")]))
+                    response.send(b'data: {"x": 1}\n\n')
+                    response.end()
+                    self.slots[index] = None
+                elif now - sent >= patience - 1e-9:
+                    client.disconnect()
+                    self.slots[index] = None
+            if answer_probes is not None:
+                for probe in self.probes.calls[answered:]:
+                    if not probe.deferred.called:
+                        probe.respond(FakeResponse(answer_probes, length=0)).end()
+                answered = len(self.probes.calls)
+            if down_at is None and not all(b.healthy for b in self.lb.pool):
+                down_at = now
+        return down_at
+
+    def sent_to(self, key: str, after: float) -> int:
+        return sum(1 for when, got in self.sent if got == key and when > after)
+
+
+class ImpatientClientTests(ImpatientClientsTestCase):
+    def stopped_is_out_within_3s(self, patience: float, clients: int) -> None:
+        """Both answer, then one stops: out within 3 s of its last byte, new requests spared."""
+        stopped, other = TWO
+        self.impatient(2, patience, answering=set(TWO), clients=clients)
+        last_byte = self.backend(stopped).last_byte
+        assert last_byte is not None
+        down_at = self.impatient(5, patience, answering={other}, clients=clients)
+        assert down_at is not None, f"never ejected; probed {self.probed(stopped)} times"
+        self.assertLess(down_at - last_byte, 3.0)
+        self.assertEqual(self.backend(stopped).last_byte, last_byte)
+        self.assertEqual(self.backend(stopped).hung_ejections, 1)
+        self.assertIn("hung: no byte from any of", " ".join(self.reasons))
+        self.assertEqual(self.sent_to(stopped, after=down_at), 0)
+        self.assertTrue(self.backend(other).healthy)
+
+    def test_clients_leaving_after_1s_one_at_a_time(self) -> None:
+        self.stopped_is_out_within_3s(1.0, clients=3)
+
+    def test_clients_leaving_after_300ms_one_at_a_time(self) -> None:
+        self.stopped_is_out_within_3s(0.3, clients=3)
+
+    def test_clients_leaving_after_2s_one_at_a_time(self) -> None:
+        self.stopped_is_out_within_3s(2.0, clients=3)
+
+    def test_a_single_client_leaving_after_1s(self) -> None:
+        self.stopped_is_out_within_3s(1.0, clients=1)
+
+    def test_a_single_client_leaving_after_300ms(self) -> None:
+        self.stopped_is_out_within_3s(0.3, clients=1)
+
+    def test_slow_engine_whose_other_streams_flow_stays_in(self) -> None:
+        """
+        SGLang during long prefills: its new requests get no byte for 4 s (their clients
+        leave after 1 s), its /health times out, but the streams it already has keep
+        flowing: alive, never suspected.
+        """
+        slow, other = TWO
+        self.impatient(1, 1.0, answering=set(TWO))
+        self.open_streams(4)
+        self.assertTrue(self.streams[slow])
+        self.assertIsNone(self.impatient(30, 1.0, answering={other}, clients=3,
+                                         flowing_slowly=frozenset({slow})))
+        self.assertTrue(self.backend(slow).healthy)
+        self.assertGreater(self.sent_to(slow, after=2.0), 10)
+        self.assertEqual(self.probed(slow), 0)
+
+    def test_slow_engine_whose_health_answers_stays_in(self) -> None:
+        """Its new requests all left unanswered, no other stream, /health answers: slow."""
+        slow, other = TWO
+        self.impatient(1, 1.0, answering=set(TWO))
+        self.assertIsNone(self.impatient(10, 1.0, answering={other}, answer_probes=200))
+        self.assertTrue(self.backend(slow).healthy)
+        self.assertGreaterEqual(self.probed(slow), 3)
+
+    def test_nobody_answering_accuses_nobody(self) -> None:
+        """No backend answers within the clients' 1 s: the cause is shared, or the clients
+        too impatient for this fleet; their leaving says nothing of one backend."""
+        self.impatient(10, 1.0, answering=set())
+        self.assertEqual(len(self.probes.calls), 0)
+        self.assertTrue(all(b.healthy for b in self.lb.pool))
+
+    def test_answers_elsewhere_not_much_faster_say_nothing(self) -> None:
+        """
+        The other backend's heads take 0.5 s: a client leaving after 1 s waited only twice
+        that, which says nothing of the silent one (it may be a little slower).  Much less
+        time means 4 times less (the detector's factor).
+        """
+        silent, other = TWO
+        self.impatient(2, 1.0, answering=set(TWO), answer_after=0.5)
+        self.assertIsNone(self.impatient(10, 1.0, answering={other}, answer_after=0.5))
+        self.assertEqual(self.probed(silent), 0)
+
+    def test_answers_elsewhere_only_before_say_nothing(self) -> None:
+        """
+        The other backend answered fast once, but no new request of its gets a head now
+        either (its old streams flow): clients leaving one backend unanswered say nothing
+        when no one else answers new requests meanwhile -- sending them all elsewhere
+        would not answer them sooner.
+        """
+        silent, other = TWO
+        self.impatient(2, 1.0, answering=set(TWO))
+        self.open_streams(4)
+        for stream in self.streams[silent]:  # the silent one's streams end
+            stream.end()
+        self.streams[silent].clear()
+        # the other answers no new request from here; the silent one stops half a second later
+        self.impatient(0.5, 1.0, answering={silent}, flowing_slowly=frozenset({other}))
+        self.assertIsNone(self.impatient(10, 1.0, answering=set(),
+                                         flowing_slowly=frozenset({other})))
+        self.assertEqual(self.probed(silent), 0)
+
+
+class SingleBackendImpatientTests(ImpatientClientsTestCase):
+    """One backend: nothing to compare its silence with."""
+
+    backends = THREE[:1]
+
+    def test_a_silent_only_backend_is_left_to_the_prober(self) -> None:
+        """
+        Its clients leave after 1 s with nothing, but no other backend answers faster: the
+        cause may as well be shared (the network, txlb, prompts too long for such clients),
+        and taking the only backend out would turn waits into errors.  Not probed, not
+        ejected by the detector; the prober's ``--fall`` decides.
+        """
+        only = self.backends[0]
+        self.impatient(1, 1.0, answering={only})
+        self.assertIsNone(self.impatient(10, 1.0, answering=set()))
+        self.assertTrue(self.backend(only).healthy)
+        self.assertEqual(len(self.probes.calls), 0)
+        self.assertGreater(self.sent_to(only, after=1.0), 20)
+
+
+class UnansweredRunTests(SynchronousTestCase):
+    """How requests left unanswered add up, told to the detector directly."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.clock.advance(100)
+        self.lb = LoadBalancer(TWO, reactor=self.clock, agent=FakeUpstream(),
+                               probe_agent=FakeUpstream(), log_file="none")
+        self.hung = self.lb.hung
+        self.hung.startService()
+        self.addCleanup(self.hung.stopService)
+        backends = list(self.lb.pool)
+        self.silent, self.other = backends
+
+    def left(self, sent: float, left: float) -> None:
+        self.hung.left_unanswered(self.silent, sent, left)
+
+    def quiet(self, at: float) -> dict[Backend, tuple[float, int]]:
+        """The silences at ``at``, the other backend answering in 50 ms all along (the
+        clock moved in steps, so the detector's looks are on time)."""
+        while self.clock.seconds() < at:
+            self.clock.advance(min(STEP, at - self.clock.seconds()))
+        self.other.head_came(at, 0.05)
+        return {backend: (round(silent, 3), requests)
+                for backend, (silent, requests) in self.hung.quiet_for().items()}
+
+    def test_one_after_another_within_the_stall_is_one_silence(self) -> None:
+        self.left(100.0, 101.0)
+        self.left(102.2, 103.2)  # 1.2 s later: still the same silence
+        self.assertEqual(self.quiet(103.2), {self.silent: (3.2, 2)})
+
+    def test_a_longer_gap_starts_another(self) -> None:
+        self.left(100.0, 101.0)
+        self.left(102.5, 103.5)
+        self.assertEqual(self.quiet(103.5), {self.silent: (1.0, 1)})
+
+    def test_a_byte_since_ends_it(self) -> None:
+        self.left(100.0, 101.0)
+        self.silent.heard(101.1)
+        self.left(101.0, 102.0)  # counted from the byte on
+        self.assertEqual(self.quiet(102.0), {self.silent: (0.9, 1)})
+
+    def test_an_old_one_is_forgotten(self) -> None:
+        self.left(100.0, 101.0)
+        self.assertEqual(self.quiet(101.0 + self.hung.stall), {self.silent: (1.0, 1)})
+        self.assertEqual(self.quiet(101.01 + self.hung.stall), {})
+
+    def test_no_faster_answer_since_it_began_says_nothing(self) -> None:
+        self.other.head_came(100.0, 0.05)
+        self.left(100.5, 101.5)
+        self.clock.advance(1.5)
+        self.assertEqual(self.hung.quiet_for(), {})
+
+    def test_a_stall_of_txlb_itself_forgets_them(self) -> None:
+        """Clients that gave up while txlb was held up say nothing of the backends."""
+        self.left(100.0, 101.0)
+        self.assertEqual(self.quiet(101.0), {self.silent: (1.0, 1)})
+        self.clock.advance(1.0)  # one look, late
+        self.assertEqual(self.quiet(102.0), {})
+
+    def test_not_while_off(self) -> None:
+        self.hung.stopService()
+        self.left(100.0, 101.0)
+        self.hung.startService()
+        self.assertEqual(self.quiet(101.0), {})
 
 
 class ProbeTimeoutWhileFlowingTests(HungTestCase):

@@ -87,6 +87,11 @@ class Backend:
     #: when the last byte (head or body) of a proxied response came from it, in this
     #: process: what the hung-backend detector (txlb._cluster.hung) and the prober read
     _last_byte: float | None = None
+    #: when the last response head came from it in this process, and how long heads take
+    #: here (an average of send-to-head times): the hung-backend detector weighs a
+    #: client that left unanswered elsewhere against these
+    _last_head: float | None = None
+    _head_wait: float | None = None
     _hung_ejections: int = 0
     #: the first two distinct client keys of the current 5xx streak (two are all it needs)
     _streak_clients: tuple[str, ...] = ()
@@ -129,6 +134,12 @@ class Backend:
     def heard(self, at: float) -> None:
         """A byte of a proxied response (head or body) arrived from it at ``at``."""
         self._last_byte = at
+
+    def head_came(self, at: float, waited: float) -> None:
+        """A proxied response's head arrived at ``at``, ``waited`` seconds after its try
+        was sent."""
+        self._last_byte = self._last_head = at
+        self._head_wait = _ewma(self._head_wait, waited)
 
     # -- what the proxy's answers teach --------------------------------------------------
 
@@ -436,6 +447,14 @@ class Backend:
         return self._last_byte
 
     @property
+    def last_head(self) -> float | None:
+        return self._last_head
+
+    @property
+    def head_wait(self) -> float | None:
+        return self._head_wait
+
+    @property
     def hung_ejections(self) -> int:
         return self._hung_ejections
 
@@ -599,6 +618,11 @@ class Lease:
     def heard(self, at: float) -> None:
         """A byte of the response arrived from the backend (the hung detector reads it)."""
         self.backend.heard(at)
+
+    def head_came(self, at: float, waited: float) -> None:
+        """The response's head arrived, ``waited`` seconds after the request was sent (the
+        hung detector reads both)."""
+        self.backend.head_came(at, waited)
 
     def withdraw(self) -> bool:
         """

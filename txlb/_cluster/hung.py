@@ -13,7 +13,13 @@ looks, every :data:`TICK` seconds, at this process's requests in flight on each 
    it has requests in flight, counted from the last byte or from when the oldest of those
    requests was sent, whichever is later -- and longer than ``factor`` times the backend's
    own time-to-first-byte average, so a backend whose answers always take long is judged by
-   its own pace;
+   its own pace.  A request whose client left before any byte came counts too, for the
+   time it waited (:meth:`HangDetector.left_unanswered`): clients that give up after a
+   second never keep a request in flight for ``stall``, yet a run of them, one after
+   another, is as long a silence -- but only when some other healthy backend answered (its
+   response head) since that request was sent, ``factor`` times faster than the request
+   waited on average, so a fleet where everything is slow, or clients that leave sooner
+   than anyone answers, accuse nobody;
 2. **not everyone**: some other healthy backend is not quiet in the same way (if all are,
    the cause is shared -- the network, or txlb itself -- and ejecting would help nothing);
 3. **confirmed**: an immediate probe of the health path gets no 200 within
@@ -27,8 +33,9 @@ continued, a wedged engine recovering) and finish them, and failing them early w
 false alarm into lost work; they end as any request does, at the latest with 504 after
 ``--read-timeout``.
 
-The per-chunk cost on the data path is one method call (``Lease.heard``); the
-rest runs on the timer, only while requests are in flight.
+The per-chunk cost on the data path is one method call (``Lease.heard``); a client that
+leaves unanswered costs one look at the other backends; the rest runs on the timer, only
+while requests are in flight or such a run of silence is recent.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+import attrs
 from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet import error as neterror
@@ -73,6 +81,22 @@ class InFlight(Protocol):
     def backend(self) -> Backend: ...
 
 
+@attrs.define
+class _Unanswered:
+    """
+    One backend's run of requests whose clients left with no byte from it, one following
+    another within ``stall``: from ``start`` to ``end``, ``requests`` of them, which waited
+    ``waited`` seconds in all.  ``since`` is the backend's last byte (or cleared suspicion)
+    the run was counted from: a byte after it ends the run.
+    """
+
+    since: float | None
+    start: float
+    end: float
+    waited: float
+    requests: int = 1
+
+
 class HangDetector(Service):
     """
     Marks down a backend that stopped answering every request it has (see the module's
@@ -98,6 +122,8 @@ class HangDetector(Service):
         self._probing: dict[Backend, Deferred[Any]] = {}
         #: a probe answered at this time: quiet is counted again from here
         self._cleared: dict[Backend, float] = {}
+        #: each backend's latest run of requests left unanswered by their clients
+        self._unanswered: dict[Backend, _Unanswered] = {}
 
     def startService(self) -> None:
         super().startService()
@@ -113,12 +139,71 @@ class HangDetector(Service):
         for pending in list(self._probing.values()):
             pending.cancel()
 
+    # -- what clients that left say -----------------------------------------------------
+
+    def _quiet_since(self, backend: Backend) -> float | None:
+        """Since when silence counts: the backend's last byte, or the last time a probe
+        cleared it, whichever is later."""
+        last, cleared = backend.last_byte, self._cleared.get(backend)
+        if last is None or cleared is None:
+            return cleared if last is None else last
+        return max(last, cleared)
+
+    def left_unanswered(self, backend: Backend, sent: float, left: float) -> None:
+        """
+        A client left at ``left`` with no byte from ``backend`` for its request, sent at
+        ``sent``: a silence of ``backend``'s as long as the request waited, counted once
+        some other backend answered faster (see the module's docstring).
+        """
+        if not self.running:
+            return  # off (--hung-after 0), or stopping
+        since = self._quiet_since(backend)
+        start = sent if since is None else max(sent, since)
+        if start >= left:
+            return  # a byte came from it meanwhile (another request's): alive
+        run = self._unanswered.get(backend)
+        if run is not None and run.since == since and start <= run.end + self.stall:
+            run.start = min(run.start, start)
+            run.end = max(run.end, left)
+            run.waited += left - sent
+            run.requests += 1
+        else:
+            self._unanswered[backend] = _Unanswered(since, start, left, left - sent)
+
+    def _answered_faster(self, backend: Backend, run: _Unanswered) -> bool:
+        """
+        Whether some other healthy backend's response head came during ``run`` (since its
+        start), and its heads take ``factor`` times less than the run's requests waited
+        on average: they were left unanswered where an answer was due.
+        """
+        waited = run.waited / run.requests
+        for other in self.pool:
+            if other is backend or not other.healthy:
+                continue
+            head, pace = other.last_head, other.head_wait
+            if head is not None and pace is not None and head >= run.start \
+                    and pace * self.factor <= waited:
+                return True
+        return False
+
+    def _recent_run(self, backend: Backend, now: float) -> _Unanswered | None:
+        """``backend``'s run of requests left unanswered, if it still counts: no byte since
+        it began, and its last request left within ``stall``."""
+        run = self._unanswered.get(backend)
+        if run is None:
+            return None
+        if run.since != self._quiet_since(backend) or now - run.end > self.stall:
+            del self._unanswered[backend]
+            return None
+        return run
+
     # -- the look ---------------------------------------------------------------------------
 
     def quiet_for(self) -> dict[Backend, tuple[float, int]]:
         """
-        Per backend with requests in flight here: how long it has sent no byte, and how
-        many requests it has.
+        Per backend with requests in flight here, or a recent run of requests their
+        clients left unanswered: how long it has sent no byte while it had requests, and
+        how many requests that silence spans.
         """
         oldest: dict[Backend, float] = {}
         count: dict[Backend, int] = {}
@@ -133,8 +218,21 @@ class HangDetector(Service):
         now = self.clock.seconds()
         quiet = {}
         for backend, since in oldest.items():
-            start = max(since, backend.last_byte or since, self._cleared.get(backend, since))
-            quiet[backend] = (now - start, count[backend])
+            quiet_since = self._quiet_since(backend)
+            start = since if quiet_since is None else max(since, quiet_since)
+            requests = count[backend]
+            run = self._recent_run(backend, now)
+            if run is not None and run.end + self.stall >= start \
+                    and self._answered_faster(backend, run):
+                start = min(start, run.start)
+                requests += run.requests
+            quiet[backend] = (now - start, requests)
+        for backend in list(self._unanswered):
+            if backend in quiet:
+                continue
+            run = self._recent_run(backend, now)
+            if run is not None and self._answered_faster(backend, run):
+                quiet[backend] = (run.end - run.start, run.requests)
         return quiet
 
     def threshold(self, backend: Backend) -> float:
@@ -156,12 +254,15 @@ class HangDetector(Service):
         self._last_tick = now
         if late:
             # txlb itself was stalled (a long GC, a stopped process): what the backends
-            # sent meanwhile is still unread in the sockets, so silence says nothing yet
+            # sent meanwhile is still unread in the sockets, so silence says nothing yet,
+            # and neither do the clients that gave up meanwhile
+            self._unanswered.clear()
             return
-        if len(self._cleared) > len(self.pool):
+        if len(self._cleared) > len(self.pool) or len(self._unanswered) > len(self.pool):
             # forget backends removed since
             current = set(self.pool)
             self._cleared = {b: t for b, t in self._cleared.items() if b in current}
+            self._unanswered = {b: r for b, r in self._unanswered.items() if b in current}
         quiet = self.quiet_for()
         suspects = [b for b, (silent, _) in quiet.items()
                     if silent >= self.threshold(b) and b.healthy]

@@ -16,7 +16,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.web.server import Request
 
-from txlb._cluster.backend import Lease
+from txlb._cluster.backend import Backend, Lease
 from txlb._cluster.pool import Pool
 from txlb._records.observer import IRequestObserver, NullObserver
 from txlb._scheduling.ratelimit import client_key
@@ -44,6 +44,9 @@ class ProxyContext:
     #: who sent a request, for the outlier streak's "two clients at least"
     client_key: Callable[[Request], str] = client_key
     live: set[Exchange] = attrs.field(factory=set)
+    #: told ``(backend, sent, left)`` when a client left before any byte of its backend's
+    #: answer came: what the hung-backend detector weighs beside the requests in flight
+    left_unanswered: Callable[[Backend, float, float], object] = lambda *_: None
     #: who gets ``X-Backend``/``X-Backend-Port``: ``on``, ``loopback`` or ``off``
     x_backend: str = "on"
     #: per-request warnings, one line per kind a minute (``None``: every one logged)

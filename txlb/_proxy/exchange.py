@@ -200,7 +200,8 @@ class Exchange:
 
     def _got_response(self, response: UpstreamResponse) -> None:
         self._upstream = None
-        self.lease.heard(self._now())
+        now = self._now()
+        self.lease.head_came(now, now - self._last_activity)  # the try's send time until now
         self.context.observer.answered(self.lease.backend, response.code,
                                        self._blamed(response.code))
         if FAILURES[answered(response.code)].retried and self._can_retry():
@@ -405,6 +406,11 @@ class Exchange:
         if self.state == "ended":
             return
         self.client_gone = True
+        if self.state == "waiting" and not self.lease.released:
+            # the try was sent and no byte of it came: evidence of a backend's silence
+            # that leaves the requests in flight with the client
+            self.context.left_unanswered(self.lease.backend, self._last_activity,
+                                         self._now())
         self._end(FAILURES[Kind.CLIENT_GONE].outcome)
 
     def abort(self, reason: str) -> None:
