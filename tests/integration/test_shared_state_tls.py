@@ -48,11 +48,11 @@ class TLSSharedStateTests(TestCase):
     def url(self, ca: Path) -> str:
         return f"rediss://:{PASSWORD}@127.0.0.1:{self.redis.port}/0?ca={ca}"
 
-    async def replica(self, url: str, *args: str) -> TwistdProcess:
+    async def replica(self, url: str, *args: str, config: str | None = None) -> TwistdProcess:
+        backends = ("--config", config) if config else ("--backends", ",".join(self.fleet.keys))
         process = TwistdProcess("--admin", "tcp:0:interface=127.0.0.1",
                                 "--health-interval", "0.5", "--shutdown-timeout", "2",
-                                "--backends", ",".join(self.fleet.keys),
-                                "--shared-state", url, *args)
+                                *backends, "--shared-state", url, *args)
         self.addCleanup(lambda: defer.ensureDeferred(process.stop()))
         await process.started()
         return process
@@ -90,3 +90,29 @@ class TLSSharedStateTests(TestCase):
             shown = process.output() + json.dumps(await self.status(process))
             self.assertNotIn(PASSWORD, shown)
             self.assertIn(f"rediss://:***@127.0.0.1:{self.redis.port}/0", shown)
+
+    async def test_a_freed_slot_wakes_the_other_replica_over_tls_with_a_private_ca(self) -> None:
+        """
+        The wake-up's subscription is a second connection: it must trust the URL's ``ca``
+        as the first does (it used the system's CAs, so a private CA left it unsubscribed
+        and every queued request waited for the next poll).
+        """
+        import os
+
+        self.fleet = Fleet(self, 1, tokens_per_second=20)
+        config = os.path.abspath(self.mktemp())
+        with open(config, "w") as handle:
+            handle.write(f'backends = [{{url = "http://{self.fleet.keys[0]}", '
+                         "max_conns = 1}]\n")
+        a = await self.replica(self.url(self.cert), config=config)
+        b = await self.replica(self.url(self.cert), config=config)
+        for process in (a, b):
+            await wait_until(lambda p=process: "shared state: connected" in p.output(),
+                             timeout=10, what="the replica to reach Redis over TLS")
+        for _ in range(3):
+            _, stream = await self.open_stream(a, tokens=8)
+            waiting = defer.ensureDeferred(self.small_request(b))
+            await stream.done
+            self.assertEqual((await waiting)[0], 200)
+        slots = (await self.status(b))["shared_state"]["slots"]
+        self.assertGreaterEqual(slots["wakes_heard"], 3, slots)

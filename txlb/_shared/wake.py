@@ -99,11 +99,10 @@ class FreedChannel:
         factory.protocol = Subscriber
         factory.password, factory.username = self.spec.password, self.spec.username
         factory.initialDelay, factory.maxDelay = 0.25, 2.0
-        tls: Any = None
-        if self.spec.tls:
-            from twisted.internet.ssl import optionsForClientTLS
+        from txlb._shared.link import client_tls
 
-            tls = optionsForClientTLS(self.spec.host)
+        # the same trust as the link's own connection: the URL's ``ca`` if it names one
+        tls: Any = client_tls(self.spec) if self.spec.tls else None
         factory.startConnecting(txredisapi._makeEndpoint(
             self.spec.host, self.spec.port, 1.0, tls))
         self._factory = factory
