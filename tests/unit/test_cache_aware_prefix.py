@@ -248,3 +248,25 @@ class ChainTests(SynchronousTestCase):
                        {"secret": b"k" * 65}):
             with self.assertRaises(ValueError):
                 PrefixHasher(**kwargs)  # type: ignore[arg-type]
+
+
+class WorkBudgetTests(SynchronousTestCase):
+    """The renderer draws the pieces it looks at from the request's work budget."""
+
+    def test_empty_pieces_cost_at_most_the_budget(self) -> None:
+        from txlb._scheduling.work import STEPS, WorkBudget
+
+        body = {"messages": [{"role": "user", "content": [{"text": ""}] * 64}] * 4096}
+        budget = WorkBudget()
+        PrefixHasher(secret=b"k" * 32).key(body, "m", budget)
+        self.assertEqual(budget.steps, 0)  # 262,144 pieces; STEPS looked at, no more
+        self.assertLess(STEPS, 4096 * 64)
+
+    def test_an_ordinary_prompt_gives_back_what_it_did_not_use(self) -> None:
+        from txlb._scheduling.work import STEPS, WorkBudget
+
+        budget = WorkBudget()
+        body = {"messages": [{"role": "user", "content": "hello " * 100}]}
+        hasher = PrefixHasher(secret=b"k" * 32)
+        self.assertEqual(hasher.key(body, "m", budget), hasher.key(body, "m"))
+        self.assertGreater(budget.steps, STEPS - 10)

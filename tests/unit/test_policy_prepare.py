@@ -121,8 +121,8 @@ class Counting(CacheAware):
         self.hashed: list[bool] = []
         key = self.hasher.key
 
-        def counted(body: Any, model: Any) -> tuple[list[int], int]:
+        def counted(body: Any, model: Any, budget: Any = None) -> tuple[list[int], int]:
             self.hashed.append(self.locked)
-            return key(body, model)
+            return key(body, model, budget)
 
         self.hasher.key = counted  # type: ignore[method-assign]

@@ -160,3 +160,124 @@ class ProxyFillsTheRequestTests(SynchronousTestCase):
         self.assertIsNone(seen.json)
         self.assertIsNone(seen.prompt())
         self.assertEqual(seen.body, b"not json")
+
+
+def _long_conversation() -> dict[str, Any]:
+    """An ordinary long request: over the parse budget, model and stream after messages."""
+    tools = [{"type": "function", "function": {
+        "name": f"tool_{i}", "description": "Looks something up. " * 4,
+        "parameters": {"type": "object", "required": ["q"],
+                       "properties": {"q": {"type": "string"}, "k": {"type": "integer"}}}}}
+        for i in range(20)]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are helpful. " * 50}]
+    for turn in range(300):
+        messages.append({"role": "user", "content": f"question {turn} é " + "words " * 150})
+        messages.append({"role": "assistant", "content": [
+            {"type": "text", "text": f"answer {turn} " + "more " * 100}]})
+    return {"messages": messages, "model": "m", "tools": tools, "stream": True,
+            "max_tokens": 300, "n": 2, "user": "u-1",
+            "chat_template_kwargs": {"enable_thinking": True}}
+
+
+class LargeBodyTests(SynchronousTestCase):
+    """A body over the parse budget: read as far as routing needs, routed as before."""
+
+    def test_an_ordinary_long_request_has_the_key_and_estimate_of_a_whole_parse(self) -> None:
+        from txlb._scheduling.budgets import estimate_tokens
+        from txlb._scheduling.prefix import PrefixHasher
+        from txlb._scheduling.work import WorkBudget, read_json
+
+        body = json.dumps(_long_conversation()).encode()
+        budget = WorkBudget()
+        self.assertGreater(len(body), budget.json_bytes)
+        reading = read_json(body, budget)
+        self.assertTrue(reading.partial)
+        whole = json.loads(body)
+        hasher = PrefixHasher(secret=b"k" * 32)
+        self.assertEqual(hasher.key(reading.json, "m", budget), hasher.key(whole, "m"))
+        self.assertEqual(hasher.key(whole, "m")[1], 256 * 256)  # the whole key budget
+        path = b"/v1/chat/completions"
+        self.assertEqual(estimate_tokens(body, reading.json, path, 256),
+                         estimate_tokens(body, whole, path, 256))
+        assert reading.json is not None
+        for name in ("model", "stream", "max_tokens", "n", "user", "chat_template_kwargs"):
+            self.assertEqual(reading.json[name], whole[name], name)
+
+    def test_a_small_body_is_parsed_whole(self) -> None:
+        from txlb._scheduling.work import WorkBudget, read_json
+
+        body = json.dumps(_long_conversation()["messages"][:3]).encode()
+        body = b'{"model": "m", "messages": ' + body + b"}"
+        reading = read_json(body, WorkBudget())
+        self.assertFalse(reading.partial)
+        self.assertEqual(reading.json, json.loads(body))
+
+
+class HostileBodyTests(SynchronousTestCase):
+    """What the proxy builds of a hostile body is bounded, and its model is still read."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.upstream = FakeUpstream()
+        self.policy = Recording()
+        lb = LoadBalancer(["127.0.0.1:8002"], reactor=self.clock, agent=self.upstream,
+                          probe_agent=FakeUpstream(), policy=self.policy, log_file="none")
+        self.site = Site(lb.resource(), reactor=self.clock)
+
+    def post(self, body: bytes) -> RoutingRequest:
+        ClientConnection(self.site).request(b"POST", b"/v1/chat/completions", body=body)
+        (seen,) = self.policy.seen
+        self.assertEqual(self.upstream.calls[0].body, body)  # forwarded byte for byte
+        return seen
+
+    def test_fifty_thousand_parts_are_not_all_built(self) -> None:
+        parts = [{"type": "text", "text": f"part {i}"} for i in range(50_000)]
+        seen = self.post(json.dumps({"messages": [{"role": "user", "content": parts}],
+                                     "model": "m", "stream": True}).encode())
+        self.assertEqual(seen.model, "m")
+        assert seen.json is not None
+        self.assertIs(seen.json["stream"], True)
+        read = seen.json["messages"][0]["content"]
+        self.assertLessEqual(len(read), 4096)
+        self.assertEqual(read[:2], parts[:2])
+
+    def test_a_hundred_thousand_messages_are_not_all_built(self) -> None:
+        messages = [{"role": "user", "content": f"hi {i}"} for i in range(100_000)]
+        seen = self.post(json.dumps({"messages": messages, "model": "m",
+                                     "max_tokens": 7}).encode())
+        self.assertEqual(seen.model, "m")
+        assert seen.json is not None
+        self.assertEqual(seen.json["max_tokens"], 7)
+        self.assertLessEqual(len(seen.json["messages"]), 4096)
+        self.assertEqual(seen.json["messages"][0], messages[0])
+
+    def test_the_parse_spends_at_most_its_bytes(self) -> None:
+        from txlb._scheduling.work import WorkBudget, read_json
+
+        tools = [{"type": "function", "function": {"name": f"f{i}", "description": "d" * 200}}
+                 for i in range(5_000)]
+        budget = WorkBudget()
+        reading = read_json(json.dumps({"model": "m", "tools": tools}).encode(), budget)
+        assert reading.json is not None
+        read = json.dumps(reading.json["tools"], separators=(",", ":")).encode()
+        self.assertLessEqual(len(read), budget.json_bytes)
+        self.assertGreater(len(read), budget.json_bytes // 2)
+
+    def test_an_alias_rewrites_only_the_model_of_a_large_body(self) -> None:
+        path = self.mktemp()
+        with open(path, "w") as handle:
+            handle.write('log-file = "none"\nbackends = ["127.0.0.1:8002"]\n'
+                         '[[routes]]\nmodel = "alias"\nto = { "real" = 1 }\n')
+        from txlb import build_config
+
+        lb = LoadBalancer(config=build_config({"config": path}, {}), reactor=self.clock,
+                          agent=self.upstream, probe_agent=FakeUpstream(), policy=self.policy)
+        messages = [{"role": "user", "content": f"hi {i}"} for i in range(30_000)]
+        body = {"messages": messages, "model": "alias", "stream": False}
+        ClientConnection(Site(lb.resource(), reactor=self.clock)).request(
+            b"POST", b"/v1/chat/completions", body=json.dumps(body).encode())
+        (seen,) = self.policy.seen
+        self.assertEqual(seen.model, "real")
+        sent = self.upstream.calls[0].body
+        self.assertEqual(seen.body, sent)
+        self.assertEqual(json.loads(sent), dict(body, model="real"))

@@ -7,7 +7,6 @@ model and session, ask the router for a backend, and hand it to an
 
 from __future__ import annotations
 
-import json
 import math
 
 from twisted.internet.defer import CancelledError
@@ -24,11 +23,12 @@ from txlb._proxy.incoming import local_path, read_body
 from txlb._proxy.local import LocalAnswers
 from txlb._records.needs import Needs
 from txlb._records.observer import IRequestObserver
-from txlb._records.summary import RequestRecord, parse_json_object
+from txlb._records.summary import RequestRecord
 from txlb._scheduling.budgets import TokenBudgets
 from txlb._scheduling.ratelimit import RateLimiter
 from txlb._scheduling.request import RoutingRequest
 from txlb._scheduling.router import Router, RoutingError
+from txlb._scheduling.work import WorkBudget, read_json
 
 log = Logger()
 
@@ -147,16 +147,20 @@ class ProxyResource(Resource):
         What the request is routed by: the model it names (after alias resolution,
         rewriting the body for the backend), its session key for affinity, its client key,
         and the body with the one parse of it made here.  A body that is not a JSON object
-        is forwarded untouched and routes like a request without a model.
+        is forwarded untouched and routes like a request without a model.  The body is read
+        within the request's :class:`~txlb._scheduling.work.WorkBudget`: a large one only as
+        far as routing and the result log need (:func:`~txlb._scheduling.work.read_json`).
         """
-        body = parse_json_object(record.request_body)
+        budget = WorkBudget()
+        reading = read_json(record.request_body, budget)
+        body = reading.json
         model = named = None
         if body is not None and isinstance(body.get("model"), str):
             model = named = body["model"]
             target = self.router.resolve(model)
             if target != model:
+                record.request_body = reading.with_model(target, record.request_body)
                 body["model"] = model = target
-                record.request_body = json.dumps(body).encode("utf-8")
         # a class's models match the name the client sent or, for an alias, its target
         models = [m for m in (named, model) if m is not None]
         priority = self.router.classes.resolve(request, record.path, models)
@@ -169,7 +173,8 @@ class ProxyResource(Resource):
             session = value.decode("utf-8", "replace") if value else None
         return RoutingRequest(model=model, session=session,
                               client=self.context.client_key(request),
-                              priority=priority, body=record.request_body, json=body)
+                              priority=priority, body=record.request_body, json=body,
+                              budget=budget)
 
     def _forward(self, request: Request, record: RequestRecord, lease: Lease,
                  routing: RoutingRequest) -> None:

@@ -23,7 +23,8 @@ its blocks.
 The work per request is bounded whatever the body: rendering stops after
 ``max_blocks * block_chars`` characters (the rest of a long prompt cannot change which
 backend holds its beginning) or :data:`STEPS_PER_CHAR` looks per character of that budget
-(so pieces that render nothing still cost; :data:`MAX_STEPS` at most), nesting deeper
+(so pieces that render nothing still cost; :data:`MAX_STEPS` at most, and no more than
+the request's :class:`~txlb._scheduling.work.WorkBudget` grants), nesting deeper
 than :data:`MAX_DEPTH` and lists longer than :data:`MAX_ITEMS` are cut, and a shape the
 renderer does not know contributes its canonical JSON (within the same budget) or
 nothing.  Nothing here raises on a hostile body.
@@ -34,6 +35,8 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
+
+from txlb._scheduling.work import WorkBudget
 
 #: Characters per block: about 64 tokens at the usual ~4 characters per token -- four of
 #: vLLM's 16-token blocks, fine enough that a 1,000-token system prompt spans ~16 blocks.
@@ -70,10 +73,10 @@ class _Renderer:
     pieces looked at (:data:`MAX_STEPS` at most); then stops by raising.
     """
 
-    def __init__(self, limit: int, media_key: bytes) -> None:
+    def __init__(self, limit: int, media_key: bytes, steps: int | None = None) -> None:
         self.limit = limit
         self.size = 0
-        self.steps = min(limit * STEPS_PER_CHAR, MAX_STEPS)
+        self.steps = min(limit * STEPS_PER_CHAR, MAX_STEPS) if steps is None else steps
         self.pieces: list[str] = []
         self._media_key = media_key
 
@@ -208,12 +211,17 @@ class _Renderer:
 
 
 def render(body: Mapping[str, object], model: str | None, limit: int,
-           media_key: bytes = b"") -> str:
+           media_key: bytes = b"", budget: WorkBudget | None = None) -> str:
     """
     What a chat template renders first, for ``body`` (the parsed JSON object), at most
-    ``limit`` characters.  ``model`` is the model after any ``[[routes]]`` rewrite.
+    ``limit`` characters.  ``model`` is the model after any ``[[routes]]`` rewrite.  With a
+    request's ``budget``, the pieces looked at are drawn from it (what is left unspent goes
+    back); without one, ``limit x STEPS_PER_CHAR`` (:data:`MAX_STEPS` at most).
     """
-    out = _Renderer(limit, media_key)
+    granted = None
+    if budget is not None:
+        granted = budget.draw(min(limit * STEPS_PER_CHAR, MAX_STEPS))
+    out = _Renderer(limit, media_key, granted)
     try:
         out.text(f"<|model|>{model or ''}")
         for key in ("tools", "chat_template_kwargs"):
@@ -238,6 +246,8 @@ def render(body: Mapping[str, object], model: str | None, limit: int,
         pass
     except (RecursionError, TypeError, ValueError):  # a shape nobody foresaw: stop there
         pass
+    if budget is not None and granted is not None:
+        budget.steps += max(0, out.steps)  # the unspent steps go back
     return "".join(out.pieces)
 
 
@@ -261,9 +271,11 @@ class PrefixHasher:
         self._media_key = hashlib.blake2b(self._secret, digest_size=32,
                                           person=b"txlb-media").digest()
 
-    def render(self, body: Mapping[str, object], model: str | None) -> str:
-        """The rendered prefix, capped at ``max_blocks`` whole blocks."""
-        return render(body, model, self.block_chars * self.max_blocks, self._media_key)
+    def render(self, body: Mapping[str, object], model: str | None,
+               budget: WorkBudget | None = None) -> str:
+        """The rendered prefix, capped at ``max_blocks`` whole blocks (and ``budget``)."""
+        return render(body, model, self.block_chars * self.max_blocks, self._media_key,
+                      budget)
 
     def chain(self, text: str) -> list[int]:
         """The chain of ``text``'s whole blocks: ``[h_1, ..., h_n]`` (64-bit each)."""
@@ -278,10 +290,14 @@ class PrefixHasher:
             hashes.append(int.from_bytes(previous, "big"))
         return hashes
 
-    def key(self, body: Mapping[str, object] | None, model: str | None) -> tuple[list[int], int]:
-        """A body's chain and the number of characters rendered (0 for no JSON object)."""
+    def key(self, body: Mapping[str, object] | None, model: str | None,
+            budget: WorkBudget | None = None) -> tuple[list[int], int]:
+        """
+        A body's chain and the number of characters rendered (0 for no JSON object), its
+        rendering drawn from the request's ``budget`` when given.
+        """
         if body is None:
             return [], 0
-        text = self.render(body, model)
+        text = self.render(body, model, budget)
         return self.chain(text), len(text)
 

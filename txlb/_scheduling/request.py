@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import attrs
 
 from txlb._config_classes import DEFAULT_CLASS
+from txlb._scheduling.work import WorkBudget
 
 
 @attrs.frozen
@@ -35,6 +36,9 @@ class RoutingRequest:
     body: bytes = attrs.field(default=b"", repr=False)
     #: the body parsed as a JSON object, when it is one (the parse the proxy made anyway)
     json: Mapping[str, object] | None = attrs.field(default=None, repr=False, eq=False)
+    #: the work routing may still spend on the body (:mod:`txlb._scheduling.work`): the
+    #: bytes :attr:`json` was read within, the steps the routing key may render
+    budget: WorkBudget = attrs.field(factory=WorkBudget, repr=False, eq=False)
     #: what a policy worked out from this request (a cache-aware policy's block chain),
     #: kept for the request's life -- its queue wait, its retries -- so that it is worked
     #: out once; keyed by whoever stored it, and never part of the request's identity

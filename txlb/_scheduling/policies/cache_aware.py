@@ -141,7 +141,8 @@ class CacheAware(Policy):
             return [], 0
         key = request.memo.get(self.hasher)
         if key is None:
-            key = request.memo[self.hasher] = self.hasher.key(request.json, request.model)
+            key = request.memo[self.hasher] = self.hasher.key(request.json, request.model,
+                                                              request.budget)
         return key  # type: ignore[return-value]
 
     def choose(self, candidates: Sequence[Backend],
