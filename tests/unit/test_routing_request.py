@@ -203,6 +203,40 @@ class LargeBodyTests(SynchronousTestCase):
         for name in ("model", "stream", "max_tokens", "n", "user", "chat_template_kwargs"):
             self.assertEqual(reading.json[name], whole[name], name)
 
+    def test_a_long_prompt_is_read_as_its_beginning_and_keyed_as_a_whole_parse(self) -> None:
+        """
+        One 4 MB string (a pasted document): its first 256 KiB are read, cut where the
+        prefix is still a string -- escapes, surrogate pairs and UTF-8 never split -- and
+        the routing key, which renders the first 64 KiB, is the whole parse's.
+        """
+        import tracemalloc
+
+        from txlb._scheduling.prefix import PrefixHasher
+        from txlb._scheduling.work import WorkBudget, read_json
+
+        hasher = PrefixHasher(secret=b"k" * 32)
+        for piece in ("a", "é", "\n", "\U0001f600", 'q"', "\\"):
+            content = ("x" * 7 + piece) * 500_000
+            whole = {"model": "m", "messages": [{"role": "user", "content": content}]}
+            body = json.dumps(whole, ensure_ascii=piece != "é").encode()
+            budget = WorkBudget()
+            tracemalloc.start()
+            try:
+                reading = read_json(body, budget)
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            # bounded by the budget (a str of 4-byte characters at worst), never the body
+            self.assertLess(peak, 8 * budget.json_bytes, piece)
+            self.assertLess(peak, len(body) // 2, piece)
+            assert reading.json is not None
+            read = reading.json["messages"][0]["content"]
+            self.assertTrue(content.startswith(read), piece)
+            self.assertGreater(len(read), budget.json_bytes // 16, piece)
+            self.assertLessEqual(len(read), budget.json_bytes, piece)
+            self.assertEqual(hasher.key(reading.json, "m", WorkBudget()),
+                             hasher.key(whole, "m"), piece)
+
     def test_a_small_body_is_parsed_whole(self) -> None:
         from txlb._scheduling.work import WorkBudget, read_json
 

@@ -23,6 +23,7 @@ aside: see :meth:`BodyReading.with_model`).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -111,6 +112,9 @@ _Prefix = msgspec.defstruct(
     array_like=True)
 _ITEMS = msgspec.json.Decoder(_Prefix)
 _NOT_READ = object()
+_STRING = msgspec.json.Decoder(str)
+#: a body that is a JSON object, whatever whitespace comes first (matched, never copied)
+_OBJECT_START = re.compile(rb"[ \t\r\n]*\{")
 
 
 def read_json(body: bytes, budget: WorkBudget) -> BodyReading:
@@ -121,7 +125,7 @@ def read_json(body: bytes, budget: WorkBudget) -> BodyReading:
     """
     if len(body) <= budget.json_bytes:
         return BodyReading(parse_json_object(body))
-    if body.lstrip()[:1] != b"{":
+    if _OBJECT_START.match(body) is None:
         return BodyReading(None)
     try:
         top = _TOP.decode(body)
@@ -194,4 +198,23 @@ def _bounded(raw: msgspec.Raw, room: list[int], depth: int) -> object:
             if value is not _NOT_READ:
                 read[key] = value
         return read
-    return _exact(raw)  # a long string: parsed at C speed, and the renderer cuts it
+    if first == b'"':
+        return _string_prefix(raw, room)
+    return _exact(raw)  # a number or literal too long to fit: parsed whole, at C speed
+
+
+def _string_prefix(raw: msgspec.Raw, room: list[int]) -> object:
+    """
+    A string too long for ``room``: its first ``room[0]`` bytes, as a string.  Parsed whole,
+    a 60 MiB prompt was copied three times over (and held as a string as long as the
+    request) for a routing key that renders its first 64 KiB.  The cut backs off until the
+    prefix is a string (not inside an escape, a surrogate pair or a UTF-8 sequence).
+    """
+    limit, room[0] = max(room[0], 0), 0
+    view = memoryview(raw)
+    for cut in range(min(limit, len(view) - 1), max(limit - 16, 1), -1):
+        try:
+            return _STRING.decode(bytes(view[:cut]) + b'"')
+        except msgspec.DecodeError:
+            continue
+    return _NOT_READ
