@@ -56,6 +56,12 @@ class Sink(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if self.need > 0 and not self.buffer:  # body bytes: counted, never buffered
+            taken = min(self.need, len(data))
+            self.need -= taken
+            data = data[taken:]
+            if self.need:
+                return
         self.buffer += data
         while True:
             if self.need < 0:
