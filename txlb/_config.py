@@ -889,7 +889,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("backends", DEFAULT_BACKENDS, parse_backends,
                "Comma-separated host:port or http://host:port backends; dns:NAME:PORT "
                "(every A/AAAA address of NAME) and srv:_service._proto.NAME (SRV records) "
-               "are re-resolved on their TTL.", "LB_BACKENDS"),
+               "are re-resolved on their TTL. The default applies only without --config: "
+               "a config file must have a backends key (backends = [] for none).",
+               "LB_BACKENDS"),
     OptionSpec("health-interval", 10.0, parse_duration,
                "Seconds between active probes of each backend.", "LB_HC_INTERVAL"),
     OptionSpec("health-path", "/health", parse_path, "Path probed on each backend."),
