@@ -406,10 +406,12 @@ class LoadBalancer:
         """
         return self.reloader.apply(new_config)
 
-    def reload_from_source(self, trigger: str | None = None) -> int:
+    def reload_from_source(self, trigger: str | None = None) -> Deferred[int]:
         """
         Re-read the config file (with the command line and environment as started), as
-        SIGHUP does; ``trigger`` names who asked in the log line.
+        SIGHUP does; ``trigger`` names who asked in the log line.  The file is read off
+        the reactor thread, so this is a Deferred: the new generation, or a failure with
+        :class:`~txlb._reload.ReloadRefused` (already logged).
         """
         return self.reloader.reload_from_source(trigger)
 

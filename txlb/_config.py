@@ -18,6 +18,7 @@ import os
 import random
 import re
 import secrets
+import stat
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -90,7 +91,10 @@ def _number(option: str, value: object) -> float:
     if isinstance(value, bool):
         raise ConfigError(f"--{option}: {value!r} is not a number")
     if isinstance(value, int | float):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int past a float's range
+            raise ConfigError(f"--{option}: {value!r} is too large") from None
     try:
         return float(str(value).strip())
     except ValueError:
@@ -259,7 +263,9 @@ def parse_backends(option: str, value: object) -> tuple[BackendSpec | DnsBackend
     else:
         raise ConfigError(f"--{option}: {value!r} is not a list of backends")
     specs = tuple(_member_item(option, item) for item in items)
-    if not specs:
+    if not specs and not isinstance(value, list):
+        # the config file's explicit ``backends = []`` is a fleet the admin API or DNS
+        # fills; an empty --backends / LB_BACKENDS is a mistake
         raise ConfigError(f"--{option}: {value!r} names no backend")
     seen: set[str] = set()
     for spec in specs:
@@ -874,6 +880,8 @@ class OptionSpec:
 
 
 DEFAULT_BACKENDS = ",".join(f"127.0.0.1:{port}" for port in range(8002, 8010))
+#: the default fleet in words, for the refusal of a config file that names no backends
+_DEFAULT_FLEET = "127.0.0.1:8002-8009"
 
 OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("listen", "tcp:8000", parse_listen,
@@ -881,7 +889,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("backends", DEFAULT_BACKENDS, parse_backends,
                "Comma-separated host:port or http://host:port backends; dns:NAME:PORT "
                "(every A/AAAA address of NAME) and srv:_service._proto.NAME (SRV records) "
-               "are re-resolved on their TTL.", "LB_BACKENDS"),
+               "are re-resolved on their TTL. The default applies only without --config: "
+               "a config file must have a backends key (backends = [] for none).",
+               "LB_BACKENDS"),
     OptionSpec("health-interval", 10.0, parse_duration,
                "Seconds between active probes of each backend.", "LB_HC_INTERVAL"),
     OptionSpec("health-path", "/health", parse_path, "Path probed on each backend."),
@@ -1104,38 +1114,107 @@ def did_you_mean(word: str, known: Iterable[str]) -> str:
     return f" (did you mean {name!r}?)" if name else ""
 
 
+#: The largest ``--config`` file txlb reads: a real one is a few kilobytes (10,000 backend
+#: tables are about 1 MiB), so anything past this is a mistake and refused rather than read
+#: and parsed at length.
+MAX_CONFIG_BYTES = 4 * 1024**2
+
+
 def read_toml(path: str) -> dict[str, Any]:
-    """Read the ``--config`` file, turning every way it can fail into a ConfigError."""
+    """
+    Read the ``--config`` file, turning every way it can fail into a ConfigError.
+
+    Only a regular file is read: the path is opened without blocking (a FIFO's open
+    would wait for a writer) and the opened file itself is checked, so a FIFO, a device
+    or a directory is refused, never waited on, however the path changes meanwhile.  At
+    most :data:`MAX_CONFIG_BYTES` are read.  What the file holds may make the parser
+    fail in three ways besides invalid TOML -- bytes that are not UTF-8, arrays or inline
+    tables nested past Python's recursion limit, an integer too long to convert -- and
+    each is the same one-line refusal.
+    """
     try:
-        with open(path, "rb") as handle:
-            data = tomllib.load(handle)
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as error:
         raise ConfigError(f"--config: cannot read {path!r}: {error.strerror}") from None
+    try:
+        mode = os.fstat(descriptor).st_mode
+        if not stat.S_ISREG(mode):
+            raise ConfigError(f"--config: {path!r} is not a regular file "
+                              f"({_file_kind(mode)})")
+        raw = _read_at_most(descriptor, MAX_CONFIG_BYTES + 1)
+    except OSError as error:
+        raise ConfigError(f"--config: cannot read {path!r}: {error.strerror}") from None
+    finally:
+        os.close(descriptor)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"--config: {path!r} is larger than "
+                          f"{MAX_CONFIG_BYTES // 1024**2} MiB")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise ConfigError(f"--config: {path!r} is not UTF-8 text: byte "
+                          f"0x{raw[error.start]:02x} on line {line}") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"--config: {path!r} is not valid TOML: {error}") from None
-    return data
+    except RecursionError:
+        raise ConfigError(f"--config: {path!r} is not valid TOML: arrays or inline tables "
+                          "nested too deeply") from None
+    except ValueError as error:  # an integer past Python's digit limit
+        raise ConfigError(f"--config: {path!r} is not valid TOML: {error}") from None
+
+
+def _read_at_most(descriptor: int, limit: int) -> bytes:
+    """Up to ``limit`` bytes of an open file, fewer only at its end."""
+    chunks: list[bytes] = []
+    left = limit
+    while left > 0:
+        chunk = os.read(descriptor, min(left, 1024**2))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _file_kind(mode: int) -> str:
+    """What a path that is not a regular file is, in a word."""
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((word for test, word in kinds if test(mode)), "not a file")
 
 
 def build_config(
     command_line: Mapping[str, object | None],
     environ: Mapping[str, str] | None = None,
+    file_values: Mapping[str, Any] | None = None,
 ) -> Config:
     """
     Merge the sources in precedence order: command line > environment > TOML > default.
 
     ``command_line`` maps long option names (``"health-interval"``) to the value given on
     the command line, or ``None`` when it was not given; it may also hold ``"config"``.
+    ``file_values`` is that file as :func:`read_toml` already read it (a reload reads it
+    off the reactor thread); without it the file is read here.
+
+    The default fleet (``127.0.0.1:8002``-``8009``) is for a start with nothing
+    configured: a config file that has no ``backends`` key, with no ``--backends`` or
+    ``LB_BACKENDS`` either, is refused -- it is what a truncated save leaves, and
+    reloading it would send every request to whatever listens on those local ports.
     """
     env = os.environ if environ is None else environ
     config_path = command_line.get("config") or env.get("LB_CONFIG")
-    file_values: dict[str, Any] = {}
+    in_file: dict[str, Any] = {}
     if config_path:
-        file_values = read_toml(str(config_path))
-        for key in sorted(set(file_values) & PLANNED_KEYS):
+        in_file = dict(read_toml(str(config_path)) if file_values is None else file_values)
+        for key in sorted(set(in_file) & PLANNED_KEYS):
             warnings.warn(f"{config_path}: {key!r} is not supported by this version of "
                           "txlb yet and is ignored", stacklevel=2)
-            del file_values[key]
-        unknown = sorted(set(file_values) - set(_BY_NAME))
+            del in_file[key]
+        unknown = sorted(set(in_file) - set(_BY_NAME))
         if unknown:
             raise ConfigError(f"--config: unknown key {unknown[0]!r} in {config_path}"
                               f"{did_you_mean(unknown[0], _BY_NAME)}")
@@ -1146,11 +1225,17 @@ def build_config(
         label = spec.name
         if given is None and spec.env and spec.env in env:
             given, label = env[spec.env], f"{spec.name} (from {spec.env})"
-        if given is None and spec.name in file_values:
-            given, label = file_values[spec.name], f"{spec.name} (from {config_path})"
+        if given is None and spec.name in in_file:
+            given, label = in_file[spec.name], f"{spec.name} (from {config_path})"
         if given is None:
             given = spec.default
         values[spec.attribute] = None if given is None else spec.parse(label, given)
+    if (config_path and "backends" not in in_file and command_line.get("backends") is None
+            and "LB_BACKENDS" not in env):
+        raise ConfigError(f"--config: {config_path} has no 'backends' key: list the "
+                          "backends there (backends = [] for a fleet the admin API "
+                          "fills) or give --backends; the default fleet "
+                          f"({_DEFAULT_FLEET}) is used only without a config file")
     values["backends"], values["dns_backends"] = split_backends(values["backends"])
     config = Config(**values)
     check_workers(config)

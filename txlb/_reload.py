@@ -26,14 +26,18 @@ left as it runs; the rest is applied.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import attrs
-from twisted.internet.interfaces import IReactorTime
-from twisted.logger import Logger
+from twisted.internet.defer import Deferred, fail, maybeDeferred
+from twisted.internet.interfaces import IReactorThreads, IReactorTime
+from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger, LogLevel
+from twisted.python.failure import Failure
 
 from txlb._cluster.backend import Backend
 from txlb._cluster.outlier import OutlierRule
@@ -93,18 +97,30 @@ class ConfigSource:
 
     def read(self) -> Config:
         """The config a start would build now; raises :class:`ConfigError`."""
-        return build_config(self.command_line, self.environ)
+        return self.load().config
 
-    def gives_user_key(self) -> bool:
+    def load(self) -> Loaded:
         """
-        Whether ``log-user-key`` is set (environment or file), rather than drawn at random
-        for ``--log-user hash``: a reload keeps the running random key, or every reload
-        would give the same user another digest.
+        Read the file (once) and build the config from it; raises :class:`ConfigError`.
+        It touches nothing of a running balancer, so a reload runs it off the reactor
+        thread.
         """
-        if "LB_LOG_USER_KEY" in self.environ:
-            return True
         path = self.path
-        return path is not None and "log-user-key" in read_toml(path)
+        values = read_toml(path) if path is not None else {}
+        config = build_config(self.command_line, self.environ, file_values=values)
+        # whether log-user-key is set (environment or file), rather than drawn at random
+        # for --log-user hash: a reload keeps the running random key, or every reload
+        # would give the same user another digest
+        gives = "LB_LOG_USER_KEY" in self.environ or "log-user-key" in values
+        return Loaded(config, gives)
+
+
+@attrs.frozen
+class Loaded:
+    """A config read from its source, and whether that source set ``log-user-key``."""
+
+    config: Config
+    gives_user_key: bool
 
 
 @attrs.define
@@ -348,14 +364,27 @@ def _reload(trigger: str | None) -> str:
     return "reload" if trigger is None else f"reload ({trigger})"
 
 
+_T = TypeVar("_T")
+
+
 class Reloader:
     """
     One balancer's reloads: reads its :class:`ConfigSource`, refuses a bad config with
     one log line, applies a good one, and counts generations.
 
-    Reloads never overlap: one asked for while another is being applied (a reconfigured
-    part that asks for one, a second SIGHUP handled in between) runs once after it, with
-    the file as it is then; several asked for meanwhile are one.
+    The file is read and parsed off the reactor thread (the reactor's thread pool, when
+    the clock is a reactor that has one): a slow disk or a large file delays only the
+    reload, never the ports.  The config is planned and applied on the reactor thread.
+
+    Reloads never overlap.  One asked for while another is read or applied (a second
+    SIGHUP, a ``POST /reload``, a reconfigured part asking) waits, and all that wait are
+    one more reload, read after it, with the file as it is then: a storm of SIGHUPs is
+    two reloads, not thousands.  A config given to :meth:`apply` while one is applied is
+    applied after it.
+
+    Each outcome is logged as one line, through the balancer's repeat summary: the same
+    refusal, or the same config applied again, within a minute is counted and summarised
+    in one line rather than written each time; a different one is logged at once.
     """
 
     def __init__(self, lb: LoadBalancer, source: ConfigSource | None,
@@ -363,39 +392,85 @@ class Reloader:
         self._lb = lb
         self.source = source
         self._clock = clock
+        #: where the file is read: the reactor's thread pool, or (a Clock) right here
+        self._threads = clock if IReactorThreads.providedBy(clock) else None
         self.generation = ConfigGeneration(clock.seconds(),
                                            source.path if source is not None else None)
+        self._reading = False
         self._applying = False
-        #: asked for while one was being applied: re-read the file / apply this config after
-        self._again = False
+        #: asked for while one was read or applied: one more reload after it, whose
+        #: result each of these is given, and the trigger its line names
+        self._waiting: list[Deferred[int]] = []
+        self._waiting_trigger: str | None = None
+        #: a config given while one was being applied: apply this after
         self._next: tuple[Config, bool] | None = None
         #: told of every applied config (the supervisor sends it to its workers)
         self.on_applied: list[Callable[[Config], object]] = []
 
-    def reload_from_source(self, trigger: str | None = None) -> int:
+    def reload_from_source(self, trigger: str | None = None) -> Deferred[int]:
         """
-        Re-read the config and apply it; the new generation.  Raises
+        Re-read the config and apply it: the new generation, or a failure with
         :class:`ReloadRefused` (already logged) when it is not applied.  ``trigger`` says
         what asked (``SIGHUP``, ``POST /reload``) in the one line logged.
         """
         source = self.source
         if source is None or source.path is None:
-            raise self._refuse(ReloadRefused(
+            return fail(self._refuse(ReloadRefused(
                 f"{_reload(trigger)} refused: txlb was started without --config, so there "
-                "is no file to re-read", status=409))
-        if self._applying:
-            self._again = True
-            return self.generation.generation
+                "is no file to re-read", status=409)))
+        if self._reading or self._applying:
+            if not self._waiting:
+                self._waiting_trigger = trigger
+            waiter: Deferred[int] = Deferred()
+            self._waiting.append(waiter)
+            return waiter
+        self._reading = True
+        reading = self._off_thread(source.load)
+        return reading.addBoth(self._loaded, trigger)
+
+    def _off_thread(self, work: Callable[[], _T]) -> Deferred[_T]:
+        threads = self._threads
+        if threads is None:
+            return maybeDeferred(work)
+        return deferToThreadPool(threads, threads.getThreadPool(), work)
+
+    def _loaded(self, result: Loaded | Failure, trigger: str | None) -> int:
+        """Back on the reactor thread with what the file gave: apply it, or refuse."""
+        self._reading = False
         try:
-            config = source.read()
+            if isinstance(result, Failure):
+                if result.check(ConfigError):
+                    raise self._refuse(ReloadRefused(
+                        self._still_running(trigger, str(result.value))))
+                # txlb's bug, not the file's: loud, whole, and refused like a bad file so
+                # the running config stays and the refusal is counted
+                log.failure("{reload}: reading the config failed", result,
+                            reload=_reload(trigger))
+                raise self._refuse(ReloadRefused(self._still_running(
+                    trigger, "txlb could not read its config (see txlb's log)"), status=500))
+            config = result.config
             running = self._lb.config
             if (config.log_user == running.log_user == "hash"
-                    and not source.gives_user_key()):
+                    and not result.gives_user_key):
                 config = attrs.evolve(config, log_user_key=running.log_user_key)
-        except ConfigError as error:
-            raise self._refuse(ReloadRefused(self._still_running(trigger, str(error)))) \
-                from None
-        return self.apply(config, trigger=trigger)
+            return self.apply(config, trigger=trigger)
+        finally:
+            self._run_waiting()
+
+    def _run_waiting(self) -> None:
+        """The one reload asked for meanwhile, now that none runs: each asker told."""
+        if self._reading or self._applying or not self._waiting:
+            return
+        waiting, self._waiting = self._waiting, []
+
+        def tell(result: int | Failure) -> None:
+            for waiter in waiting:
+                if isinstance(result, Failure):
+                    waiter.errback(result)
+                else:
+                    waiter.callback(result)
+
+        self.reload_from_source(self._waiting_trigger).addBoth(tell)
 
     def apply(self, config: Config, membership: bool = True,
               trigger: str | None = None) -> int:
@@ -408,55 +483,62 @@ class Reloader:
             return self.generation.generation
         self._applying = True
         try:
-            try:
-                plan = plan_reload(self._lb, config, membership)
-            except ReloadRefused as refused:
-                raise self._refuse(ReloadRefused(
-                    self._still_running(trigger, refused.message))) from None
-            if plan.restart_only:
-                log.warn("{reload}: {names} cannot change without a restart and keep "
-                         "their running values; the rest is applied",
-                         reload=_reload(trigger), names=", ".join(plan.restart_only))
-            try:
-                apply_reload(self._lb, plan)
-            except Exception:
-                # txlb's bug, not the file's: say so, whole, and that it is half applied
-                log.failure("{reload}: applying generation {generation} failed part-way",
-                            reload=_reload(trigger),
-                            generation=self.generation.generation + 1)
-                raise self._refuse(ReloadRefused(
-                    f"{_reload(trigger)} failed part-way (see txlb's log)", status=500)) \
-                    from None
-            self.generation.applied(self._clock.seconds())
-            self._lb.metrics.reloaded(True, self.generation.generation)
-            log.info("{reload}: generation {generation} applied ({count} backends, policy "
-                     "{policy})", reload=_reload(trigger),
-                     generation=self.generation.generation,
-                     count=len(plan.config.backends), policy=plan.config.policy)
-            for listener in list(self.on_applied):
-                try:
-                    listener(plan.config)
-                except Exception:
-                    log.failure("telling of the new config failed")
+            self._apply(config, membership, trigger)
         finally:
             self._applying = False
-        pending, self._next = self._next, None
-        again, self._again = self._again, False
-        try:
-            if again:
-                return self.reload_from_source(trigger)
+            pending, self._next = self._next, None
             if pending is not None:
-                return self.apply(*pending, trigger=trigger)
-        except ReloadRefused:
-            pass  # logged; the one just applied runs
+                with contextlib.suppress(ReloadRefused):  # logged; the one before runs
+                    self.apply(*pending, trigger=trigger)
+            self._run_waiting()
         return self.generation.generation
+
+    def _apply(self, config: Config, membership: bool, trigger: str | None) -> None:
+        try:
+            plan = plan_reload(self._lb, config, membership)
+        except ReloadRefused as refused:
+            raise self._refuse(ReloadRefused(
+                self._still_running(trigger, refused.message))) from None
+        repeats = self._lb.repeats
+        if plan.restart_only:
+            repeats.emit(("reload restart-only", trigger, plan.restart_only), log,
+                         LogLevel.warn, "{reload}: {names} cannot change without a restart "
+                         "and keep their running values; the rest is applied",
+                         reload=_reload(trigger), names=", ".join(plan.restart_only))
+        try:
+            apply_reload(self._lb, plan)
+        except Exception:
+            # txlb's bug, not the file's: say so, whole, and that it is half applied
+            log.failure("{reload}: applying generation {generation} failed part-way",
+                        reload=_reload(trigger),
+                        generation=self.generation.generation + 1)
+            raise self._refuse(ReloadRefused(
+                f"{_reload(trigger)} failed part-way (see txlb's log)", status=500)) \
+                from None
+        self.generation.applied(self._clock.seconds())
+        self._lb.metrics.reloaded(True, self.generation.generation)
+        # the same config applied again is one kind: a storm of reloads of one file is
+        # summarised; a reload that changes something is a line at once
+        repeats.emit(("reload applied", trigger, hash(plan.config)), log, LogLevel.info,
+                     "{reload}: generation {generation} applied ({count} backends, "
+                     "policy {policy})", reload=_reload(trigger),
+                     generation=self.generation.generation,
+                     count=len(plan.config.backends), policy=plan.config.policy)
+        for listener in list(self.on_applied):
+            try:
+                listener(plan.config)
+            except Exception:
+                log.failure("telling of the new config failed")
 
     def _still_running(self, trigger: str | None, why: str) -> str:
         return (f"{_reload(trigger)} refused, still running generation "
                 f"{self.generation.generation}: {why}")
 
     def _refuse(self, refused: ReloadRefused) -> ReloadRefused:
-        log.error("{refusal}", refusal=refused.message)
+        # the same refusal again (a storm of SIGHUPs on one broken file) is counted in
+        # one summary line a minute; every one is counted in the metric and /status
+        self._lb.repeats.emit(("reload refused", refused.message), log, LogLevel.error,
+                              "{refusal}", refusal=refused.message)
         self.generation.refused(refused.message)
         self._lb.metrics.reloaded(False, self.generation.generation)
         return refused

@@ -8,7 +8,6 @@ on the command line" from "not given" and apply the precedence rule
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import re
@@ -23,6 +22,7 @@ from twisted.internet import endpoints
 from twisted.internet.error import CannotListenError
 from twisted.logger import Logger
 from twisted.python import usage
+from twisted.python.failure import Failure
 from twisted.web.server import Site
 
 from txlb._admin import ADMIN_MAX_BODY
@@ -198,8 +198,11 @@ class _ReloadOnHangup(Service):
 
     def _reload(self) -> None:
         self._pending = False
-        with contextlib.suppress(ReloadRefused):  # logged as its one line already
-            self._balancer.reload_from_source("SIGHUP")
+        self._balancer.reload_from_source("SIGHUP").addErrback(self._not_applied)
+
+    def _not_applied(self, failure: Failure) -> None:
+        if not failure.check(ReloadRefused):  # a refusal is logged as its one line already
+            log.failure("reload (SIGHUP) failed", failure)
 
 
 class _AdminSite(Site):

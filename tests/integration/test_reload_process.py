@@ -163,6 +163,69 @@ class ReloadProcessTests(TestCase):
         self.assertEqual(await self.backend_of_new_requests(lb, 4), {first.key, second.key})
         self.assertIsNone(lb.process.poll())
 
+    async def refused_count(self, lb: TwistdProcess) -> float:
+        response, chunks = await self.client.fetch(lb.admin_url + "/metrics")
+        self.assertEqual(response.code, 200)
+        [line] = [line for line in chunks.body.decode().splitlines()
+                  if line.startswith('txlb_config_reload_total{result="refused"}')]
+        return float(line.split()[-1])
+
+    @defer.inlineCallbacks
+    def test_a_file_that_cannot_be_parsed_or_names_no_backends_is_refused_and_counted(
+            self) -> Any:
+        yield defer.ensureDeferred(self._unparsable_files())
+
+    async def _unparsable_files(self) -> None:
+        (first,) = await self.sims(1)
+        lb = await self.start(first.key)
+        cases = (
+            ("SIGHUP", b'log-file = "none"\nadmin-token = "\xff"\n' +
+             backends_toml(first.key).encode(), "is not UTF-8 text"),
+            ("POST /reload", b"retries = " + b"[" * 5000, "nested too deeply"),
+            ("SIGHUP", b'log-file = "none"\nretries = 1\n', "has no 'backends' key"),
+            ("POST /reload", b'log-file = "none"\n', "has no 'backends' key"),
+        )
+        for count, (trigger, raw, words) in enumerate(cases, start=1):
+            self.config.write_bytes(raw)
+            if trigger == "SIGHUP":
+                os.kill(lb.pid, signal.SIGHUP)
+                await wait_until(lambda c=count: lb.output().count(" refused, still running")
+                                 >= c, what=f"refusal {count}")
+            else:
+                code, answer = await self.admin(lb, b"POST", "/reload")
+                self.assertEqual(code, 400, answer)
+                self.assertIn(words, answer["error"]["message"])
+            code, status = await self.admin(lb, b"GET", "/status")
+            self.assertEqual(status["config"]["generation"], 1)
+            self.assertIn(f"reload ({trigger}) refused", status["config"]["last_error"])
+            self.assertIn(words, status["config"]["last_error"])
+            self.assertEqual(await self.refused_count(lb), count)
+            # the running backends still serve, not 127.0.0.1:8002-8009
+            self.assertEqual(await self.backend_of_new_requests(lb, 2), {first.key})
+        output = lb.output()
+        self.assertNotIn("Traceback", output)
+        self.assertEqual(output.count(" refused, still running generation 1"), len(cases),
+                         output)
+        self.assertIsNone(lb.process.poll())
+
+    def test_a_file_that_cannot_be_parsed_is_one_line_at_start(self) -> None:
+        path = Path(self.mktemp()).resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        env = clean_environment()
+        for raw, words in ((b'backends = ["\xff"]\n', "not UTF-8 text"),
+                           (b"retries = " + b"{a = " * 5000, "nested too deeply"),
+                           (b'policy = "p2c"\n', "has no 'backends' key")):
+            path.write_bytes(raw)
+            for command in ([sys.executable, "-m", "txlb.check", str(path)],
+                            twistd_command("--config", str(path), "--listen", "tcp:0")):
+                done = subprocess.run(command, capture_output=True, text=True, env=env,
+                                      cwd=ROOT, timeout=60, check=False)
+                output = done.stdout + done.stderr
+                self.assertEqual(done.returncode, 2, output)
+                self.assertIn(words, output)
+                self.assertNotIn("Traceback", output)
+                self.assertEqual(len(output.strip().splitlines()), 1, output)
+
     @defer.inlineCallbacks
     def test_with_workers_every_worker_and_a_respawned_one_take_the_reload(self) -> Any:
         yield defer.ensureDeferred(self._workers())

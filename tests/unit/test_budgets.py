@@ -143,12 +143,13 @@ class TableTests(SynchronousTestCase):
     def test_the_config_file_table(self) -> None:
         path = self.mktemp()
         with open(path, "w") as handle:
-            handle.write('[[budgets]]\nname = "per-ip"\nkey = "ip"\n'
+            handle.write('backends = ["h:1"]\n[[budgets]]\nname = "per-ip"\nkey = "ip"\n'
                          'tokens_per_minute = 1000\n')
         config = build_config({"config": path}, environ={})
         self.assertEqual([spec.name for spec in config.budgets], ["per-ip"])
         with open(path, "w") as handle:
-            handle.write('[[budgets]]\nname = "per-ip"\nkey = "ip"\ntokens_per_minut = 1\n')
+            handle.write('backends = ["h:1"]\n[[budgets]]\nname = "per-ip"\nkey = "ip"\n'
+                         'tokens_per_minut = 1\n')
         with self.assertRaises(ConfigError):
             build_config({"config": path}, environ={})
 

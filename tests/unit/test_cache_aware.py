@@ -494,7 +494,8 @@ class OptionTests(SynchronousTestCase):
         os.close(handle)
         self.addCleanup(os.remove, path)
         with open(path, "w") as toml:
-            toml.write('policy = "cache-aware"\ncache-block = 128\ncache-entries = 9000\n')
+            toml.write('backends = ["h:1"]\npolicy = "cache-aware"\ncache-block = 128\n'
+                       'cache-entries = 9000\n')
         config = build_config({"config": path}, {"LB_CACHE_ENTRIES": "3000",
                                                  "LB_CACHE_LOAD": "1.5"})
         self.assertEqual((config.cache_block, config.cache_entries, config.cache_load),

@@ -59,7 +59,8 @@ class BuildConfigTests(SynchronousTestCase):
 
     def test_precedence(self) -> None:
         """command line > environment > config file > default"""
-        path = self.write('health-interval = 3\nread-timeout = 40\nfall = 7\n')
+        path = self.write('backends = ["h:1"]\nhealth-interval = 3\nread-timeout = 40\n'
+                          'fall = 7\n')
         env = {"LB_HC_INTERVAL": "4", "LB_CONFIG": path}
         config = build_config({"health-interval": None, "read-timeout": "50"}, env)
         self.assertEqual(config.health_interval, 4.0)   # env beats file
@@ -119,7 +120,7 @@ class BuildConfigTests(SynchronousTestCase):
         from txlb import _config
 
         self.patch(_config, "PLANNED_KEYS", frozenset({"teleport"}))
-        path = self.write('teleport = 2\nfall = 4\n')
+        path = self.write('teleport = 2\nfall = 4\nbackends = []\n')
         config = build_config({"config": path}, NONE)
         self.assertEqual(config.fall, 4)
         warnings = self.flushWarnings()
@@ -129,7 +130,8 @@ class BuildConfigTests(SynchronousTestCase):
     def test_workers(self) -> None:
         self.assertEqual(build_config({}, NONE).workers, 1)
         self.assertEqual(build_config({"workers": "2"}, NONE).workers, 2)
-        self.assertEqual(build_config({"config": self.write("workers = 3\n")}, NONE).workers, 3)
+        path = self.write('workers = 3\nbackends = ["h:1"]\n')
+        self.assertEqual(build_config({"config": path}, NONE).workers, 3)
         config = build_config({"workers": "2", "listen": "tcp6:0:interface=\\:\\:1"}, NONE)
         self.assertEqual(config.workers, 2)
         self.assertRejected({"workers": "0"}, "--workers", "'0'", "at least 1")
@@ -154,6 +156,85 @@ class BuildConfigTests(SynchronousTestCase):
                             "backends.weight", "0")
         self.assertRejected({"config": self.write('[[backends]]\nurl = "h:1"\nmodels = "m"')},
                             "backends.models", "'m'")
+
+    def test_bytes_that_are_not_utf8_are_a_one_line_refusal(self) -> None:
+        path = self.mktemp()
+        with open(path, "wb") as handle:
+            handle.write(b'backends = ["h:1"]\nadmin-token = "\xff"\n')
+        self.assertRejected({"config": path}, "--config", "not UTF-8", "0xff", "line 2")
+
+    def test_nesting_past_the_recursion_limit_is_a_one_line_refusal(self) -> None:
+        for opening in ("[", "{a = "):
+            path = self.write('backends = ["h:1"]\nx = ' + opening * 5000)
+            self.assertRejected({"config": path}, "--config", "nested too deeply")
+
+    def test_an_integer_past_pythons_digit_limit_is_a_one_line_refusal(self) -> None:
+        path = self.write('backends = ["h:1"]\nfall = ' + "7" * 5000)
+        self.assertRejected({"config": path}, "--config", "not valid TOML", "digits")
+
+    def test_a_number_past_a_floats_range_names_its_option(self) -> None:
+        path = self.write('backends = ["h:1"]\nread-timeout = 1' + "0" * 400)
+        self.assertRejected({"config": path}, "--read-timeout", "too large")
+
+    def test_a_path_that_is_not_a_regular_file_is_refused_without_opening_it(self) -> None:
+        fifo = self.mktemp()
+        os.mkfifo(fifo)  # an open for reading would wait for a writer forever
+        self.assertRejected({"config": fifo}, "--config", "not a regular file", "a FIFO")
+        directory = self.mktemp()
+        os.mkdir(directory)
+        self.assertRejected({"config": directory}, "not a regular file", "a directory")
+        self.assertRejected({"config": os.devnull}, "not a regular file", "device")
+
+    def test_a_file_past_the_size_bound_is_refused_unread(self) -> None:
+        from txlb._config import MAX_CONFIG_BYTES
+
+        path = self.write('backends = ["h:1"]\n' + "#" * MAX_CONFIG_BYTES)
+        self.assertRejected({"config": path}, "--config", "larger than 4 MiB")
+        # one byte under the bound is read
+        exactly = self.write('backends = ["h:1"]\n' + "#" * (
+            MAX_CONFIG_BYTES - len('backends = ["h:1"]\n')))
+        self.assertEqual(len(build_config({"config": exactly}, NONE).backends), 1)
+
+
+class BackendsKeyTests(SynchronousTestCase):
+    """The default fleet is for a start with nothing configured, never for a file."""
+
+    def write(self, text: str) -> str:
+        path = self.mktemp()
+        with open(path, "w") as handle:
+            handle.write(text)
+        return path
+
+    def test_a_file_without_a_backends_key_is_refused(self) -> None:
+        path = self.write("retries = 1\n")
+        error = self.assertRaises(ConfigError, build_config, {"config": path}, NONE)
+        self.assertIn("has no 'backends' key", str(error))
+        self.assertNotIn("\n", str(error))
+        error = self.assertRaises(ConfigError, build_config, {}, {"LB_CONFIG": path})
+        self.assertIn("has no 'backends' key", str(error))
+
+    def test_an_empty_file_is_refused(self) -> None:
+        error = self.assertRaises(ConfigError, build_config, {"config": self.write("")}, NONE)
+        self.assertIn("has no 'backends' key", str(error))
+
+    def test_an_explicit_empty_list_is_an_empty_fleet(self) -> None:
+        config = build_config({"config": self.write("backends = []\n")}, NONE)
+        self.assertEqual((config.backends, config.dns_backends), ((), ()))
+
+    def test_backends_from_the_command_line_or_environment_count(self) -> None:
+        path = self.write("retries = 1\n")
+        config = build_config({"config": path, "backends": "h:1"}, NONE)
+        self.assertEqual([b.key for b in config.backends], ["h:1"])
+        config = build_config({"config": path}, {"LB_BACKENDS": "h:2"})
+        self.assertEqual([b.key for b in config.backends], ["h:2"])
+
+    def test_an_empty_backends_option_is_still_refused(self) -> None:
+        for given, environ in (({"backends": ""}, NONE), ({}, {"LB_BACKENDS": ","})):
+            error = self.assertRaises(ConfigError, build_config, given, environ)
+            self.assertIn("names no backend", str(error))
+
+    def test_without_a_file_the_default_fleet_applies(self) -> None:
+        self.assertEqual(len(build_config({}, NONE).backends), 8)
 
 
 class OptionsTests(SynchronousTestCase):

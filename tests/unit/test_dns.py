@@ -673,12 +673,12 @@ class ReloadTests(SynchronousTestCase):
 
     def test_a_reload_keeps_the_addresses_of_a_name_it_still_lists(self) -> None:
         self.write('"dns:one.example:8000"')
-        self.lb.reload_from_source()
+        self.successResultOf(self.lb.reload_from_source())
         self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000"])
 
     def test_a_reload_starts_a_new_name_and_stops_a_gone_one(self) -> None:
         self.write('"dns:two.example:8000", "10.0.9.1:8000"')
-        self.lb.reload_from_source()
+        self.successResultOf(self.lb.reload_from_source())
         self.assertEqual(self.live(), ["10.0.0.5:8000", "10.0.9.1:8000"])
         asked = len(self.resolver.asked)
         self.clock.advance(30)
@@ -688,12 +688,12 @@ class ReloadTests(SynchronousTestCase):
     def test_a_reload_applies_a_table_s_settings_to_every_address(self) -> None:
         self.path.write_text('log-file = "none"\n[[backends]]\nurl = "dns:one.example:8000"'
                              '\nmax_conns = 7\n')
-        self.lb.reload_from_source()
+        self.successResultOf(self.lb.reload_from_source())
         self.assertEqual({b.spec.max_conns for b in self.lb.pool if not b.removing}, {7})
 
     def test_the_file_takes_over_an_address_it_lists(self) -> None:
         self.write('"dns:one.example:8000", "10.0.0.1:8000"')
-        self.lb.reload_from_source()
+        self.successResultOf(self.lb.reload_from_source())
         self.assertFalse(self.lb.dns.owns("10.0.0.1:8000"))
         self.resolver.serve("one.example", "10.0.0.2")
         self.clock.advance(30)

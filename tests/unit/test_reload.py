@@ -9,13 +9,18 @@ flight is one the test holds open and finishes when it chooses.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from treq.testing import StubTreq
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorThreads
 from twisted.internet.task import Clock
 from twisted.logger import formatEvent, globalLogPublisher
+from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
+from zope.interface import implementer
 
 from txlb import LoadBalancer
 from txlb._config import Config, build_config
@@ -61,7 +66,14 @@ class ReloadTestCase(SynchronousTestCase):
         self.path.write_text('log-file = "none"\nretries = 0\n' + text)
 
     def reload(self) -> int:
-        return self.lb.reload_from_source()
+        """A reload on the Clock: the file is read at once, so it has its result."""
+        return self.successResultOf(self.lb.reload_from_source())
+
+    def refused(self, trigger: str | None = None) -> ReloadRefused:
+        """A reload that must be refused: its refusal."""
+        failure = self.failureResultOf(self.lb.reload_from_source(trigger), ReloadRefused)
+        assert isinstance(failure.value, ReloadRefused)
+        return failure.value
 
     def lines(self, level: str | None = None) -> list[str]:
         return [formatEvent(e) for e in self.events
@@ -244,7 +256,7 @@ class RoutingTests(ReloadTestCase):
         lb = LoadBalancer(config=self.source.read(), source=self.source, reactor=self.clock,
                           agent=self.upstream, probe_agent=self.probes, policy=mine)
         self.rewrite('policy = "p2c"\n' + self.first)
-        lb.reload_from_source()
+        self.successResultOf(lb.reload_from_source())
         self.assertIs(lb.router.policy, mine)
 
 
@@ -354,7 +366,7 @@ class SettingsTests(ReloadTestCase):
         lb = LoadBalancer(config=self.source.read(), source=self.source, reactor=reactor,
                           probe_agent=self.probes)
         self.rewrite("connect-timeout = 1.5\n" + self.first)
-        lb.reload_from_source()
+        self.successResultOf(lb.reload_from_source())
         client = ClientConnection(lb.site())
         client.request(b"GET", b"/")
         self.assertEqual(reactor.tcpClients[-1][3], 1.5)
@@ -414,13 +426,16 @@ class RegistryTests(ReloadTestCase):
 
 
 class RefusalTests(ReloadTestCase):
-    def assert_refused_and_kept(self, text: str, words: str) -> None:
+    def assert_refused_and_kept(self, text: str | bytes, words: str) -> None:
         before = self.lb.config
         backends = list(self.lb.pool)
-        self.path.write_text(text)
-        with self.assertRaises(ReloadRefused) as caught:
-            self.reload()
-        self.assertIn(words, caught.exception.message)
+        if isinstance(text, bytes):
+            self.path.write_bytes(text)
+        else:
+            self.path.write_text(text)
+        refused = self.refused()
+        self.assertIn(words, refused.message)
+        self.assertEqual(refused.status, 400)
         self.assertIs(self.lb.config, before)
         self.assertEqual(list(self.lb.pool), backends)
         errors = self.lines("error")
@@ -429,7 +444,9 @@ class RefusalTests(ReloadTestCase):
         self.assertIn("still running generation 1", errors[0])
         status = self.lb.reloader.generation.status()
         self.assertEqual((status["generation"], status["last_error"]),
-                         (1, caught.exception.message))
+                         (1, refused.message))
+        self.assertIn('txlb_config_reload_total{result="refused"} 1.0',
+                      self.lb.metrics.exposition().decode())
 
     def test_bad_toml(self) -> None:
         self.assert_refused_and_kept("retries = [\n", "is not valid TOML")
@@ -444,19 +461,63 @@ class RefusalTests(ReloadTestCase):
 
     def test_an_unreadable_file(self) -> None:
         self.path.unlink()
-        with self.assertRaises(ReloadRefused) as caught:
-            self.reload()
-        self.assertIn("cannot read", caught.exception.message)
+        self.assertIn("cannot read", self.refused().message)
         self.assertEqual(len(self.lb.pool), 2)
+
+    def test_a_byte_that_is_not_utf8(self) -> None:
+        self.assert_refused_and_kept(b'retries = 1\nadmin-token = "\xfe"\n' +
+                                     self.first.encode(), "is not UTF-8 text")
+
+    def test_arrays_nested_5000_deep(self) -> None:
+        self.assert_refused_and_kept(self.first + "retries = " + "[" * 5000,
+                                     "nested too deeply")
+
+    def test_inline_tables_nested_5000_deep(self) -> None:
+        self.assert_refused_and_kept(self.first + "retries = " + "{a = " * 5000,
+                                     "nested too deeply")
+
+    def test_a_file_without_backends_keeps_the_running_ones(self) -> None:
+        """What a truncated save leaves is no fleet of 127.0.0.1:8002-8009."""
+        self.assert_refused_and_kept('log-file = "none"\nretries = 0\n',
+                                     "has no 'backends' key")
+
+    def test_an_empty_file(self) -> None:
+        self.assert_refused_and_kept("", "has no 'backends' key")
+
+    def test_a_fifo_is_refused_without_waiting_for_a_writer(self) -> None:
+        self.path.unlink()
+        os.mkfifo(self.path)
+        self.assertIn("not a regular file (a FIFO)", self.refused().message)
+        self.assertEqual([b.key for b in self.lb.pool], [A, B])
+
+    def test_a_file_past_the_size_bound(self) -> None:
+        self.assert_refused_and_kept(self.first + "#" * (4 * 1024**2), "larger than 4 MiB")
+
+    def test_an_explicit_empty_list_empties_the_fleet(self) -> None:
+        self.rewrite("backends = []\n")
+        self.assertEqual(self.reload(), 2)
+        self.assertEqual([b.key for b in self.lb.pool], [])
+
+    def test_a_bug_reading_the_file_is_loud_refused_and_counted(self) -> None:
+        from unittest.mock import patch
+
+        with patch("txlb._reload.build_config", side_effect=RuntimeError("bug")):
+            refused = self.refused()
+        self.assertEqual(refused.status, 500)
+        self.assertIn("see txlb's log", refused.message)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+        self.assertEqual(self.lb.reloader.generation.last_error, refused.message)
+        self.assertIn('txlb_config_reload_total{result="refused"} 1.0',
+                      self.lb.metrics.exposition().decode())
+        self.assertEqual(self.reload(), 2)  # nothing stays stuck
 
     def test_a_policy_that_cannot_be_built_changes_nothing(self) -> None:
         from unittest.mock import patch
 
         self.rewrite('policy = "p2c"\nqueue-timeout = 3\n' + backend_tables((C, 1, 0, [])))
-        with patch("txlb._reload.make_policy", side_effect=RuntimeError("no GPU")), \
-                self.assertRaises(ReloadRefused) as caught:
-            self.reload()
-        self.assertIn("no GPU", caught.exception.message)
+        with patch("txlb._reload.make_policy", side_effect=RuntimeError("no GPU")):
+            refused = self.refused()
+        self.assertIn("no GPU", refused.message)
         self.assertEqual((self.lb.router.queue_timeout, [b.key for b in self.lb.pool]),
                          (30, [A, B]))
 
@@ -464,17 +525,16 @@ class RefusalTests(ReloadTestCase):
         from unittest.mock import patch
 
         self.rewrite("queue-timeout = 3\n" + self.first)
-        with patch.object(self.lb.router, "retune", side_effect=RuntimeError("bug")), \
-                self.assertRaises(ReloadRefused) as caught:
-            self.lb.reload_from_source("POST /reload")
-        self.assertEqual(caught.exception.status, 500)
-        self.assertIn("failed part-way", caught.exception.message)
+        with patch.object(self.lb.router, "retune", side_effect=RuntimeError("bug")):
+            refused = self.refused("POST /reload")
+        self.assertEqual(refused.status, 500)
+        self.assertIn("failed part-way", refused.message)
         self.assertEqual(self.lb.reloader.generation.generation, 1)
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
 
     def test_a_refusal_is_counted_and_a_later_reload_applies(self) -> None:
         self.path.write_text("nonsense = [")
-        self.assertRaises(ReloadRefused, self.reload)
+        self.refused()
         self.rewrite(self.first)
         self.assertEqual(self.reload(), 2)
         self.assertIsNone(self.lb.reloader.generation.last_error)
@@ -486,9 +546,8 @@ class RefusalTests(ReloadTestCase):
     def test_without_a_config_file_there_is_nothing_to_reload(self) -> None:
         lb = LoadBalancer([A], reactor=self.clock, agent=FakeUpstream(),
                           probe_agent=FakeUpstream(), log_file="none")
-        with self.assertRaises(ReloadRefused) as caught:
-            lb.reload_from_source()
-        self.assertEqual(caught.exception.status, 409)
+        failure = self.failureResultOf(lb.reload_from_source(), ReloadRefused)
+        self.assertEqual(failure.value.status, 409)
 
 
 class RestartOnlyTests(ReloadTestCase):
@@ -534,6 +593,7 @@ class OverlapTests(ReloadTestCase):
     def test_a_reload_asked_for_while_one_applies_runs_once_after_it(self) -> None:
         lb = self.lb
         calls: list[int] = []
+        asked: list[Deferred[int]] = []
         test = self
 
         class AsksAgain:
@@ -541,12 +601,14 @@ class OverlapTests(ReloadTestCase):
                 calls.append(lb.reloader.generation.generation)
                 if len(calls) == 1:
                     test.rewrite("queue-timeout = 6\n" + test.first)
-                    lb.reload_from_source()  # merged into one more, after this one
-                    lb.reload_from_source()
+                    # merged into one more, after this one
+                    asked.extend([lb.reload_from_source(), lb.reload_from_source()])
+                    test.assertNoResult(asked[0])
 
         lb.reconfigurable.append(AsksAgain())
         self.rewrite("queue-timeout = 5\n" + self.first)
-        self.assertEqual(self.reload(), 3)
+        self.reload()
+        self.assertEqual([self.successResultOf(d) for d in asked], [3, 3])
         self.assertEqual(len(calls), 2)
         self.assertEqual(lb.router.queue_timeout, 6)
 
@@ -563,6 +625,167 @@ class OverlapTests(ReloadTestCase):
         lb.reconfigurable.append(GivesAnother())
         self.assertEqual(lb.reload(build_config({"backends": B, "log-file": "none"}, {})), 3)
         self.assertEqual((lb.router.queue_timeout, [b.key for b in lb.pool]), (9, [A]))
+
+
+@implementer(IReactorThreads)
+class ThreadedClock(Clock):
+    """
+    A Clock with a thread pool the test runs by hand: what runs "in a thread" waits in
+    :attr:`work` until :meth:`run_threads`, and what a thread hands back to the reactor
+    waits in :attr:`from_thread` until :meth:`run_reactor_turn`.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.work: list[tuple[Any, Any]] = []
+        self.from_thread: list[tuple[Any, tuple[Any, ...]]] = []
+        self.on_reactor_thread = True
+
+    def getThreadPool(self) -> ThreadedClock:
+        return self
+
+    def callInThreadWithCallback(self, on_result: Any, f: Any, *args: Any,
+                                 **kwargs: Any) -> None:
+        self.work.append((on_result, lambda: f(*args, **kwargs)))
+
+    def callInThread(self, f: Any, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError
+
+    def suggestThreadPoolSize(self, size: int) -> None:
+        raise NotImplementedError
+
+    def callFromThread(self, f: Any, *args: Any, **kwargs: Any) -> None:
+        self.from_thread.append((lambda *a: f(*a, **kwargs), args))
+
+    def run_threads(self) -> None:
+        work, self.work = self.work, []
+        self.on_reactor_thread = False
+        try:
+            for on_result, call in work:
+                try:
+                    result = call()
+                except BaseException:
+                    on_result(False, Failure())
+                else:
+                    on_result(True, result)
+        finally:
+            self.on_reactor_thread = True
+
+    def run_reactor_turn(self) -> None:
+        calls, self.from_thread = self.from_thread, []
+        for f, args in calls:
+            f(*args)
+
+
+class OffThreadTests(ReloadTestCase):
+    """With a reactor that has a thread pool, the file is read in it."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.clock = ThreadedClock()
+        self.lb = LoadBalancer(config=self.source.read(), source=self.source,
+                               reactor=self.clock, agent=self.upstream,
+                               probe_agent=self.probes)
+        self.reads: list[bool] = []  # for each read: whether on the reactor thread
+        read = ConfigSource.load
+
+        def load(source: ConfigSource) -> Any:
+            self.reads.append(self.clock.on_reactor_thread)
+            return read(source)
+
+        self.patch(ConfigSource, "load", load)
+        self.applied: list[bool] = []
+        self.lb.reconfigurable.append(self)  # type: ignore[arg-type]
+
+    def reconfigure(self, config: Config) -> None:
+        self.applied.append(self.clock.on_reactor_thread)
+
+    def test_the_file_is_read_in_the_thread_pool_and_applied_on_the_reactor(self) -> None:
+        self.rewrite(backend_tables((A, 1, 0, []), (C, 1, 0, [])))
+        reloaded = self.lb.reload_from_source()
+        self.assertNoResult(reloaded)
+        self.assertEqual((self.reads, len(self.clock.work)), ([], 1))  # nothing read yet
+        self.clock.run_threads()
+        self.assertEqual(self.reads, [False])
+        self.assertEqual([b.key for b in self.lb.pool], [A, B])  # not applied in the thread
+        self.clock.run_reactor_turn()
+        self.assertEqual(self.successResultOf(reloaded), 2)
+        self.assertEqual((self.applied, [b.key for b in self.lb.pool]), ([True], [A, C]))
+
+    def test_a_bad_file_read_in_the_pool_is_refused_on_the_reactor(self) -> None:
+        self.path.write_bytes(b"retries = " + b"[" * 5000)
+        reloaded = self.lb.reload_from_source("SIGHUP")
+        self.clock.run_threads()
+        self.clock.run_reactor_turn()
+        refused = self.failureResultOf(reloaded, ReloadRefused).value
+        self.assertIn("nested too deeply", str(refused))
+        self.assertEqual(self.lb.reloader.generation.last_error, str(refused))
+
+    def test_reloads_asked_for_while_one_is_read_are_one_more(self) -> None:
+        first = self.lb.reload_from_source()
+        storm = [self.lb.reload_from_source("SIGHUP") for _ in range(1000)]
+        self.assertEqual(len(self.clock.work), 1)  # one read at a time
+        self.rewrite("queue-timeout = 7\n" + self.first)  # written after the first read began
+        self.clock.run_threads()
+        self.clock.run_reactor_turn()
+        self.assertEqual(self.successResultOf(first), 2)
+        for waiting in storm:
+            self.assertNoResult(waiting)
+        self.assertEqual(len(self.clock.work), 1)  # the one more, reading the file as now
+        self.clock.run_threads()
+        self.clock.run_reactor_turn()
+        self.assertEqual({self.successResultOf(waiting) for waiting in storm}, {3})
+        self.assertEqual((len(self.reads), self.lb.router.queue_timeout), (2, 7))
+        self.assertEqual(self.clock.work, [])
+
+    def test_a_refusal_of_the_merged_reload_reaches_every_asker(self) -> None:
+        first = self.lb.reload_from_source()
+        waiting = [self.lb.reload_from_source() for _ in range(3)]
+        self.clock.run_threads()
+        self.path.write_text("retries = [")
+        self.clock.run_reactor_turn()
+        self.successResultOf(first)
+        self.clock.run_threads()
+        self.clock.run_reactor_turn()
+        for each in waiting:
+            self.failureResultOf(each, ReloadRefused)
+
+
+class StormLogTests(ReloadTestCase):
+    """Many reloads write a line each kind a minute, and a summary; each is counted."""
+
+    def test_the_same_config_applied_again_and_again_is_one_line_and_a_summary(self) -> None:
+        for _ in range(100):
+            self.reload()
+        applied = [line for line in self.lines() if "applied" in line]
+        self.assertEqual(len(applied), 1, applied)
+        self.clock.advance(60)
+        applied = [line for line in self.lines() if "applied" in line]
+        self.assertEqual(len(applied), 2, applied)
+        self.assertIn("99 more like this in the last 60s", applied[1])
+        self.assertIn('txlb_config_reload_total{result="ok"} 100.0',
+                      self.lb.metrics.exposition().decode())
+
+    def test_a_config_that_changes_something_is_a_line_at_once(self) -> None:
+        self.reload()
+        self.rewrite("queue-timeout = 4\n" + self.first)
+        self.reload()
+        applied = [line for line in self.lines() if "applied" in line]
+        self.assertEqual(len(applied), 2, applied)
+        self.assertIn("generation 3 applied", applied[1])
+
+    def test_the_same_refusal_again_and_again_is_one_line_and_a_summary(self) -> None:
+        self.path.write_bytes(b"\xff")
+        for _ in range(100):
+            self.refused("SIGHUP")
+        self.assertEqual(len(self.lines("error")), 1)
+        self.clock.advance(60)
+        errors = self.lines("error")
+        self.assertEqual(len(errors), 2, errors)
+        self.assertIn("not UTF-8 text", errors[1])
+        self.assertIn("99 more like this in the last 60s", errors[1])
+        self.assertIn('txlb_config_reload_total{result="refused"} 100.0',
+                      self.lb.metrics.exposition().decode())
 
 
 class AdminReloadTests(ReloadTestCase):
@@ -587,6 +810,17 @@ class AdminReloadTests(ReloadTestCase):
         code, body = self.post()
         self.assertEqual(code, 400)
         self.assertIn("is not valid TOML", body["error"]["message"])
+
+    def test_a_file_that_cannot_be_parsed_or_names_no_backends_is_400(self) -> None:
+        for raw in (b'backends = ["\xff"]\n', b"retries = " + b"[" * 5000,
+                    b'log-file = "none"\n'):
+            self.path.write_bytes(raw)
+            code, body = self.post()
+            self.assertEqual(code, 400, body)
+            self.assertIn("refused, still running generation 1", body["error"]["message"])
+        self.assertEqual([b.key for b in self.lb.pool], [A, B])
+        self.assertIn('txlb_config_reload_total{result="refused"} 3.0',
+                      self.lb.metrics.exposition().decode())
 
     def test_without_a_file_it_is_409(self) -> None:
         lb = LoadBalancer([A], reactor=self.clock, agent=FakeUpstream(),

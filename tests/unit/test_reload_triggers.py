@@ -114,6 +114,23 @@ class HangupTests(SynchronousTestCase):
         self.assertIn("not valid TOML", self.lb.reloader.generation.last_error or "")
 
 
+    def test_a_file_that_cannot_be_parsed_is_refused_in_one_line(self) -> None:
+        handler = self.installed()
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        for raw, words in ((b'backends = ["\xff"]\n', "not UTF-8 text"),
+                           (b"retries = " + b"{a = " * 5000, "nested too deeply")):
+            self.path.write_bytes(raw)
+            handler(signal.SIGHUP, None)
+            self.reactor.run_thread_calls()
+            self.reactor.advance(0)  # nothing raised out of the reactor's turn
+            self.assertIn(words, self.lb.reloader.generation.last_error or "")
+        lines = [formatEvent(event) for event in events]
+        self.assertEqual(len(lines), 2, lines)
+        self.assertEqual(self.lb.reloader.generation.generation, 1)
+
+
 class CheckTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.path = Path(self.mktemp())
@@ -149,6 +166,25 @@ class CheckTests(SynchronousTestCase):
         code, _, err = self.run_check(str(self.path), environ={"LB_HC_INTERVAL": "-3"})
         self.assertEqual(code, 2)
         self.assertIn("LB_HC_INTERVAL", err)
+
+    def test_a_file_without_backends_fails_the_check(self) -> None:
+        self.path.write_text('policy = "p2c"\n')  # a truncated save
+        code, out, err = self.run_check(str(self.path))
+        self.assertEqual((code, out, err.count("\n")), (2, "", 1))
+        self.assertIn("has no 'backends' key", err)
+        code, out, _ = self.run_check(str(self.path), "--backends", A)
+        self.assertEqual((code, out), (0, f"OK: {self.path} (1 backend, policy p2c)\n"))
+        self.path.write_text("backends = []\n")
+        code, out, _ = self.run_check(str(self.path))
+        self.assertEqual((code, out), (0, f"OK: {self.path} (0 backends, policy least-conn)\n"))
+
+    def test_a_file_that_cannot_be_decoded_or_parsed_fails_in_one_line(self) -> None:
+        for raw, words in ((b'backends = ["\xff"]\n', "not UTF-8 text"),
+                           (b"retries = " + b"[" * 5000, "nested too deeply")):
+            self.path.write_bytes(raw)
+            code, out, err = self.run_check(str(self.path))
+            self.assertEqual((code, out, err.count("\n")), (2, "", 1), err)
+            self.assertIn(words, err)
 
     def test_an_unreadable_file(self) -> None:
         code, _, err = self.run_check(str(self.path))

@@ -52,7 +52,7 @@ class SupervisorPassesItOnTests(SynchronousTestCase):
         transports = [StringTransport() for _ in reactor.spawned]
         for (worker, _), transport in zip(reactor.spawned, transports, strict=True):
             worker.transport = transport
-        self.assertRaises(ReloadRefused, sup.balancer.reload_from_source)  # no --config
+        self.failureResultOf(sup.balancer.reload_from_source(), ReloadRefused)  # no --config
         for transport in transports:
             self.assertEqual([m for m in sent(transport) if isinstance(m, Reload)], [])
 

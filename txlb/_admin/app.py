@@ -28,10 +28,11 @@ import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from importlib import resources
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import unquote_to_bytes
 
 from klein import Klein
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -322,7 +323,7 @@ class Admin:
                  allowed_hosts: Iterable[str] = (),
                  history: History | None = None,
                  describe: Callable[[Backend], Mapping[str, object]] = lambda backend: {},
-                 reload: Callable[[], int] | None = None,
+                 reload: Callable[[], Deferred[int]] | None = None,
                  config_status: Callable[[], dict[str, object]] | None = None,
                  ) -> None:
         self.pool = pool
@@ -469,21 +470,27 @@ class Admin:
         return self._metrics.exposition()
 
     @app.route("/reload", methods=["POST"])
-    def reload(self, request: Request) -> bytes:
+    def reload(self, request: Request) -> Deferred[bytes]:
         """
         Re-read the config file and apply it, as SIGHUP does: the new generation, or the
-        refusal's one line (400: the new config is invalid; 409: there is no file).
+        refusal's one line (400: the new config is invalid; 409: there is no file).  The
+        answer waits for the file to be read (off the reactor thread) and applied.
         """
         self._authorize(request)
         if self._reload is None:
             raise AdminError(409, "this balancer cannot reload its configuration")
-        try:
-            generation = self._reload()
-        except ConfigError as refused:  # txlb._reload.ReloadRefused, logged already
-            raise AdminError(getattr(refused, "status", 400), str(refused)) from None
-        config = self._config_status() if self._config_status is not None else {}
-        return _json(request, 200, {"reloaded": True, "generation": generation,
-                                    "config": config})
+
+        def applied(generation: int) -> bytes:
+            config = self._config_status() if self._config_status is not None else {}
+            return _json(request, 200, {"reloaded": True, "generation": generation,
+                                        "config": config})
+
+        def refused(failure: Failure) -> NoReturn:
+            failure.trap(ConfigError)  # txlb._reload.ReloadRefused, logged already
+            error = failure.value
+            raise AdminError(getattr(error, "status", 400), str(error))
+
+        return self._reload().addCallbacks(applied, refused)
 
     @app.route("/backends/<string:key>/drain", methods=["POST"])
     def drain(self, request: Request, key: str) -> bytes:
