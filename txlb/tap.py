@@ -161,6 +161,19 @@ class _CleanExitOnSignals(Service):
             self._reactor.stop()
 
 
+def _quiet_signal_wakeup() -> None:
+    """
+    The reactor's signal wake-up pipe, told not to warn when it is full: Python writes a byte
+    to it for every signal, and under a storm of them printed five lines of "Exception
+    ignored when trying to write to the signal wakeup fd" for each one it could not write
+    -- to standard error, where no repeat summary reaches.  A full pipe wakes the reactor
+    all the same, and every signal's handler still runs.
+    """
+    descriptor = signal.set_wakeup_fd(-1)
+    if descriptor != -1:
+        signal.set_wakeup_fd(descriptor, warn_on_full_buffer=False)
+
+
 class _ReloadOnHangup(Service):
     """
     ``kill -HUP``: re-read the config file and apply it (see :mod:`txlb._reload`).
@@ -170,12 +183,20 @@ class _ReloadOnHangup(Service):
     ``reactor.callFromThread``: a signal arrives between any two bytecodes, the reload must
     run in the reactor's turn like everything else -- one that came during start-up runs
     in its first turn.  Several HUPs before that turn are one reload.
+
+    The handler returns at once while an earlier HUP is still on its way to the reactor: a
+    HUP arriving while the handler runs runs the handler again, nested, and a storm of
+    them (``while true; do kill -HUP``) nested it until a ``RecursionError`` broke
+    whatever the reactor was doing.  Once running, the reactor's signal wake-up pipe stops
+    warning when it is full (:func:`_quiet_signal_wakeup`).
     """
 
     def __init__(self, reactor: Any, balancer: LoadBalancer) -> None:
         self._reactor = reactor
         self._balancer = balancer
         self._pending = False
+        #: a HUP is handed to the reactor and not yet taken in its turn
+        self._signalled = False
 
     def startService(self) -> None:
         super().startService()
@@ -183,14 +204,19 @@ class _ReloadOnHangup(Service):
 
     def _install(self) -> None:
         signal.signal(signal.SIGHUP, self._hangup)
+        self._reactor.callWhenRunning(_quiet_signal_wakeup)
         source = self._balancer.reloader.source
         if source is not None and source.path is not None:
             log.info("kill -HUP {pid} re-reads {path}", pid=os.getpid(), path=source.path)
 
     def _hangup(self, number: int, frame: object) -> None:
+        if self._signalled:
+            return  # one is on its way: this HUP is the same reload
+        self._signalled = True
         self._reactor.callFromThread(self._requested)
 
     def _requested(self) -> None:
+        self._signalled = False
         if self._pending:
             return
         self._pending = True

@@ -138,6 +138,31 @@ class ReloadProcessTests(TestCase):
                          (2, None))
 
     @defer.inlineCallbacks
+    def test_a_storm_of_hangups_is_a_few_lines_and_breaks_nothing(self) -> Any:
+        yield defer.ensureDeferred(self._storm())
+
+    async def _storm(self) -> None:
+        (first,) = await self.sims(1)
+        lb = await self.start(first.key)
+        before = len(lb.output().splitlines())
+        # another process sends SIGHUP as fast as it can for 4 s (bounded in time)
+        storm = subprocess.Popen([sys.executable, "-c", (
+            "import os, signal, sys, time\n"
+            "end = time.monotonic() + 4\n"
+            "while time.monotonic() < end:\n"
+            f"    os.kill({lb.pid}, signal.SIGHUP)\n")])
+        self.addCleanup(lambda: storm.poll() is None and storm.kill())
+        await wait_until(lambda: storm.poll() is not None, timeout=20, what="the storm")
+        await wait_until(lambda: "generation 2 applied" in lb.output(), what="a reload")
+        code, status = await self.admin(lb, b"GET", "/status")
+        self.assertEqual(code, 200)
+        self.assertEqual(await self.backend_of_new_requests(lb, 2), {first.key})
+        said = lb.output().splitlines()[before:]
+        self.assertLess(len(said), 10, said)  # hundreds of thousands of HUPs
+        for word in ("Traceback", "RecursionError", "Exception ignored", "critical"):
+            self.assertNotIn(word, lb.output())
+
+    @defer.inlineCallbacks
     def test_a_broken_file_is_refused_and_post_reload_applies_a_good_one(self) -> Any:
         yield defer.ensureDeferred(self._broken_then_good())
 

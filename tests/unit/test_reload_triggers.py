@@ -75,6 +75,28 @@ class HangupTests(SynchronousTestCase):
         self.reactor.advance(0)
         self.assertEqual((len(self.lb.pool), self.lb.reloader.generation.generation), (2, 2))
 
+    def test_a_hangup_during_the_handler_returns_at_once(self) -> None:
+        """A signal arriving while the handler runs runs it again, nested: not deeper."""
+        handler = self.installed()
+        depth = [0, 0]
+        hand_over = self.reactor.callFromThread
+
+        def nested_signal(f: Any, *args: Any) -> None:
+            depth[0] += 1
+            depth[1] = max(depth)
+            if depth[0] < 50:
+                handler(signal.SIGHUP, None)  # another HUP, between two bytecodes
+            hand_over(f, *args)
+            depth[0] -= 1
+
+        self.reactor.callFromThread = nested_signal  # type: ignore[method-assign]
+        handler(signal.SIGHUP, None)
+        self.assertEqual(depth[1], 1)  # before: 50 deep, and a storm overflowed the stack
+        self.assertEqual(len(self.reactor.from_thread), 1)
+        self.reactor.run_thread_calls()
+        handler(signal.SIGHUP, None)  # taken in the reactor's turn: the next one counts
+        self.assertEqual(len(self.reactor.from_thread), 1)
+
     def test_the_handler_only_hands_over_to_the_reactor(self) -> None:
         handler = self.installed()
         self.path.write_text(f'log-file = "none"\nbackends = ["{A}", "{B}"]\n')
