@@ -62,6 +62,9 @@ class DocsMatchOptionsTests(SynchronousTestCase):
                  | options_of(python, "-m", "bench.prefix")
                  | options_of(python, "-m", "bench.policies")
                  | options_of(python, "-m", "bench.shared_state")
+                 | options_of(python, "-m", "bench.body_memory")
+                 | options_of(python, "-m", "bench.hostile_json")
+                 | options_of(python, "-m", "bench.hostile_redis")
                  | {"--index"}  # txlb._workers.main, as it shows in ps
                  | OTHER_PROGRAMS | MISTYPED_ON_PURPOSE)
         unknown = sorted({f"{path.name}: {option}" for path in DOCS
