@@ -21,6 +21,7 @@ from twisted.web.server import NOT_DONE_YET
 from txlb import LoadBalancer
 from txlb._proxy.incoming import read_body
 from txlb._server.lean import LeanSite
+from txlb._server.site import ProxySite
 
 from ..helpers import ClientConnection, FakeResponse, FakeUpstream, keep_records
 from . import test_reload
@@ -228,6 +229,46 @@ class BodyMemoryTests(SynchronousTestCase):
         self.assertIn(b"chunks are too small", response.body)
         self.assertTrue(client.transport.disconnecting)
         self.assertEqual(self.reader.bodies, [])
+
+    def test_one_large_chunk_buys_no_run_of_tiny_ones(self) -> None:
+        """The pace is judged per window of chunks, not averaged over the whole body."""
+        for site in (self.site, self.twisted_site()):
+            client = ClientConnection(site)
+            client.send(b"POST /t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                        + b"100000\r\n" + b"a" * 0x100000 + b"\r\n")
+            client.send(b"1\r\nb\r\n" * 3000)  # a window and more
+            response = client.response()
+            self.assertEqual(response.status, 400, site)
+            self.assertIn(b"chunks are too small", response.body)
+
+    def test_extensions_are_framing_however_the_reads_fall(self) -> None:
+        """
+        Reads of 30 KB of chunk extensions and 16 bytes of data each: a read that held a
+        byte of data once excused all the framing in it.
+        """
+        client = ClientConnection(self.site)
+        client.send(b"POST /t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        read = b"10;" + b"e" * 30_000 + b"\r\n" + b"d" * 16 + b"\r\n"
+        for _ in range(20):
+            client.send(read)
+            if client.transport.value():
+                break
+        response = client.response()
+        self.assertEqual(response.status, 400)
+        self.assertIn(b"malformed request body framing", response.body)
+        self.assertEqual(self.reader.bodies, [])
+
+    def test_framing_in_proportion_to_the_payload_is_fine(self) -> None:
+        """Chunks of 64 bytes with a 40-byte extension each: framing under the payload."""
+        client = ClientConnection(self.site)
+        chunk = b"40;name=" + b"v" * 32 + b"\r\n" + b"p" * 64 + b"\r\n"
+        client.send(b"POST /t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    + chunk * 5000 + b"0\r\n\r\n")
+        self.assertEqual(client.response().status, 200)
+        self.assertEqual(self.reader.bodies, [b"p" * 64 * 5000])
+
+    def twisted_site(self) -> ProxySite:
+        return ProxySite(self.reader, max_body=64 << 20, reactor=Clock())
 
     def test_chunks_of_a_line_each_are_fine(self) -> None:
         """A client's generator yielding a short line at a time is far above the floor."""

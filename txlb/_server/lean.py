@@ -15,10 +15,10 @@ caller, exactly as :class:`~txlb._server.site.ProxyChannel` does:
   (slowloris; the empty lines llhttp skips before a request line count), then 408;
 * ``--max-body``: 413 the moment ``Content-Length`` or a chunked body so far exceeds it,
   without buffering past it and with no ``100 Continue`` for a refused body; a chunked
-  body's trailers are dropped, and its framing (size lines, extensions, trailers) may run
-  16 KiB past the last chunk data before it is 400 (httptools buffers a trailer whole);
+  body's trailers are dropped, and its framing (size lines, extensions, trailers) may be
+  at most its payload plus 16 KiB before it is 400 (httptools buffers a trailer whole);
   a body is held as one buffer of its payload (:meth:`_Head.add_body`), and a chunked body
-  of chunks too small to be worth their parse is 400 (:func:`~txlb._server.site.chunks_too_small`);
+  of chunks too small to be worth their parse is 400 (:class:`~txlb._server.site.ChunkPace`);
 * ``Host`` and ``Expect`` read without the whitespace after them (llhttp strips only the
   whitespace before a value);
 * a request line or header line over 16 KiB: 431; a head over 16 KiB or 500 headers in all: 400;
@@ -79,7 +79,7 @@ from txlb._server.site import (
     TOKEN_SEPARATORS,
     VALID_HOST,
     VISIBLE_ASCII,
-    chunks_too_small,
+    ChunkPace,
     codings,
     log_slow_head,
     raw_response,
@@ -92,10 +92,12 @@ log = Logger(namespace="txlb._server.site")
 #: memory one slow or hostile client can hold, whatever its reads look like.
 _HEAD_BUFFER_LIMIT = 4 * MAX_HEAD_BYTES + 65536
 
-#: Bytes of a chunked body's framing (chunk-size lines, extensions, trailers) that may arrive
-#: without a chunk or its data being read: llhttp reads them without buffering, but httptools
-#: buffers a trailer until its line ends, and nothing else bounds them after the head
-#: (twisted.web refuses a chunk-size line over 1 KiB and trailers over 64 KiB).
+#: Bytes of a chunked body's framing (chunk-size lines, extensions, trailers) beyond its
+#: payload: a body's framing may be at most its payload and this much more.  llhttp reads
+#: extensions without buffering, but httptools buffers a trailer until its line ends, and
+#: nothing else bounds them after the head (twisted.web refuses a chunk-size line over
+#: 1 KiB and trailers over 64 KiB).  Counted over the whole body, not per read: a read with
+#: one byte of data in it must not excuse 60 KiB of extensions.
 _FRAMING_LIMIT = MAX_HEAD_BYTES
 
 #: A read is parsed this much at a time once a request in it is complete (_feed_bounded).
@@ -133,7 +135,7 @@ class _Head:
 
     __slots__ = ("url", "headers", "size", "count", "host_lines", "codings",
                  "content_length", "connection", "expect", "body", "body_size",
-                 "spans", "request", "version", "upgrade")
+                 "framing", "pace", "request", "version", "upgrade")
 
     def __init__(self) -> None:
         self.url = b""
@@ -149,8 +151,10 @@ class _Head:
         #: whole body so far in one buffer (see :meth:`add_body`)
         self.body: bytes | BytesIO = b""
         self.body_size = 0
-        #: spans of body data llhttp handed over (a chunk, or the part of one in a read)
-        self.spans = 0
+        #: a chunked body's bytes on the wire that were not payload, so far
+        self.framing = 0
+        #: the pace of a chunked body's chunks (``None``: the body is not chunked)
+        self.pace: ChunkPace | None = None
         #: set when the head is complete
         self.request: LeanRequest | None = None
         self.version = b""
@@ -166,7 +170,6 @@ class _Head:
         and a join of millions of them when it ended.
         """
         self.body_size += len(data)
-        self.spans += 1
         body = self.body
         if isinstance(body, bytes):
             if not body:
@@ -225,8 +228,6 @@ class LeanChannel(Protocol):
         self._reading_paused = False
         self._head_buffered = 0
         #: bytes read into a chunked body since llhttp last reached a chunk or its data
-        self._framing = 0
-        self._chunk_seen = False
         #: the part of a read not parsed yet: it follows a request waiting for its turn
         self._held = b""
         self._continue_sent = False
@@ -291,6 +292,9 @@ class LeanChannel(Protocol):
             data = self._check_request_line(data)
             if not data:
                 return
+        # a chunked body under way: what of this read is not its payload is its framing
+        before = self._head
+        payload = before.body_size if before is not None and before.pace is not None else -1
         try:
             if len(data) <= _FEED_SLICE:
                 self._feed(data)  # the usual read: one call less
@@ -307,15 +311,11 @@ class LeanChannel(Protocol):
                 self._head_buffered += len(data)
                 if self._head_buffered > _HEAD_BUFFER_LIMIT:
                     self.refuse(431, "request header fields too large")
-            elif head is not None and head.codings and not self._closing:
+            elif head is before and payload >= 0 and head is not None and not self._closing:
                 # a chunked body: its framing bytes are bounded too (_FRAMING_LIMIT)
-                if self._chunk_seen:
-                    self._chunk_seen = False
-                    self._framing = 0
-                else:
-                    self._framing += len(data)
-                    if self._framing > _FRAMING_LIMIT:
-                        self.refuse(400, "malformed request body framing")
+                head.framing += len(data) - (head.body_size - payload)
+                if head.framing > _FRAMING_LIMIT + head.body_size:
+                    self.refuse(400, "malformed request body framing")
             elif (head is None and self._deadline is None and self._upgrading is None
                   and self._current is None and not self._queue and not self._closing
                   and not data.strip(b"\r\n")):
@@ -458,7 +458,6 @@ class LeanChannel(Protocol):
     def on_message_begin(self) -> None:
         self._head = _Head()
         self._head_buffered = 0
-        self._framing = 0
         self._continue_sent = False
 
     def on_url(self, url: bytes) -> None:
@@ -548,6 +547,8 @@ class LeanChannel(Protocol):
             # hand it over as the tunnel's bytes)
             self._refuse_now(405, CONNECT_REFUSED)
         chunked = bool(head.codings)
+        if chunked:
+            head.pace = ChunkPace()
         if parser.should_upgrade():
             head.upgrade = True
             if chunked:
@@ -574,15 +575,15 @@ class LeanChannel(Protocol):
             self._maybe_continue()
 
     # No on_chunk_header / on_chunk_complete: httptools calls only the callbacks a protocol
-    # has, and each is a Python call per chunk.  A chunk's data reaching on_body is what
-    # resets the framing bound (_FRAMING_LIMIT); a chunk of no data is the last one.
+    # has, and each is a Python call per chunk.  The framing is bounded per read, in
+    # _receive, by what of the read was not payload.
 
     def on_body(self, data: bytes) -> None:
         head = self._head
         assert head is not None
-        self._chunk_seen = True
         head.add_body(data)
-        if head.codings and chunks_too_small(head.spans, head.body_size):
+        pace = head.pace
+        if pace is not None and pace.too_small(head.body_size):
             self._refuse_now(400, CHUNKS_TOO_SMALL)
         limit = self.site.max_body
         if limit and head.body_size > limit:

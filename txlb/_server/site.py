@@ -116,21 +116,42 @@ MAX_LINE = 16384
 MAX_HEAD_BYTES = 16384
 MAX_HEADERS = 500
 
-#: A chunked body is refused once it has had more than this many spans of data (a chunk,
-#: or the part of a chunk one read holds) ...
+#: A chunked body is refused when any run of this many spans of data (a chunk, or the part
+#: of a chunk one read holds) and one more ...
 CHUNK_ALLOWANCE = 1024
-#: ... averaging fewer payload bytes than this: its framing costs more to parse than its
+#: ... averages fewer payload bytes than this: its framing costs more to parse than its
 #: payload is worth (``2\r\nab\r\n``, 7 bytes on the wire for 2 of body, is a Python
 #: call per chunk on either server).  Real clients send chunks of kilobytes; a client's
 #: generator yielding a line at a time is far above it.
 MIN_AVERAGE_CHUNK = 16
 CHUNKS_TOO_SMALL = (f"the request body's chunks are too small (an average under "
-                    f"{MIN_AVERAGE_CHUNK} bytes over more than {CHUNK_ALLOWANCE} chunks)")
+                    f"{MIN_AVERAGE_CHUNK} bytes over {CHUNK_ALLOWANCE} chunks)")
 
 
-def chunks_too_small(spans: int, payload: int) -> bool:
-    """A chunked body of ``spans`` data spans and ``payload`` bytes so far: refused?"""
-    return spans > CHUNK_ALLOWANCE and payload < spans * MIN_AVERAGE_CHUNK
+class ChunkPace:
+    """
+    How fast a chunked body's payload comes per span, judged one window of spans at a
+    time: a running average over the whole body would let one large chunk buy the right
+    to send tens of thousands of tiny ones after it.
+    """
+
+    __slots__ = ("spans", "mark")
+
+    def __init__(self) -> None:
+        #: spans in the current window
+        self.spans = 0
+        #: the payload the body had when the window began
+        self.mark = 0
+
+    def too_small(self, payload: int) -> bool:
+        """One more span, the body now ``payload`` bytes in all: refuse it?"""
+        self.spans += 1
+        if self.spans <= CHUNK_ALLOWANCE:
+            return False
+        if payload - self.mark < CHUNK_ALLOWANCE * MIN_AVERAGE_CHUNK:
+            return True
+        self.spans, self.mark = 0, payload
+        return False
 
 
 #: The refusal of ``CONNECT`` on both servers.
@@ -357,8 +378,8 @@ class LimitedRequest(Request):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._body_seen = 0
-        self._spans = 0
-        self._chunked = False
+        #: the pace of a chunked body's chunks (``None``: the body is not chunked)
+        self._pace: ChunkPace | None = None
         self._refused = False
 
     @property
@@ -374,15 +395,16 @@ class LimitedRequest(Request):
             self._refuse(f"the request body ({length} bytes) is over the limit of "
                          f"{limit} bytes")
             return
-        self._chunked = length is None  # twisted.web's channel: None only when chunked
+        if length is None:  # twisted.web's channel says None only for a chunked body
+            self._pace = ChunkPace()
         super().gotLength(length)
 
     def handleContentChunk(self, data: bytes) -> None:
         if self._refused:
             return
         self._body_seen += len(data)
-        self._spans += 1
-        if self._chunked and chunks_too_small(self._spans, self._body_seen):
+        pace = self._pace
+        if pace is not None and pace.too_small(self._body_seen):
             self._refuse(CHUNKS_TOO_SMALL, status=400)
             return
         limit = self._max_body
