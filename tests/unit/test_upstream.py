@@ -9,6 +9,7 @@ client -> backend bytes) to pin what the pass-through promises the client.
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 from hypothesis import given, settings
@@ -104,6 +105,37 @@ class ClientTests(unittest.TestCase):
             b"POST", b"/v1/x?a=1", b"127.0.0.1:8002", [(b"x-forwarded-for", b"10.0.0.1")],
             body))
         self.assertIs(writes[1], body)
+
+    def test_an_idle_connection_the_backend_closed_unseen_is_not_reused(self) -> None:
+        """
+        The backend's FIN is queued on the socket but the reactor has not read it yet: the
+        request goes on a new connection, not onto one that would fail under it.
+        """
+        for peeked, reused in ((b"", False), (b"H", False), (ConnectionResetError(), False),
+                               (BlockingIOError(), True)):
+            client = UpstreamClient(MemoryReactorClock(), connect_timeout=5)
+            self.client, self.reactor = client, client._reactor  # type: ignore[attr-defined]
+            result = self.send(method=b"GET", body=None)
+            connection, transport = self.connect()
+            connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            result[0].deliver(Owner(), raw=True)
+            self.assertEqual(client.idle_count("127.0.0.1", 8002), 1)
+
+            class Socket:
+                def recv(self, size: int, flags: int, answer: Any = peeked) -> bytes:
+                    self.flags = flags
+                    if isinstance(answer, Exception):
+                        raise answer
+                    return answer
+
+            transport.socket = Socket()  # type: ignore[attr-defined]
+            transport.clear()
+            self.send(method=b"GET", body=None)
+            self.assertEqual(len(self.reactor.tcpClients), 1 if reused else 2, peeked)
+            self.assertEqual(bool(transport.value()), reused, peeked)
+            self.assertEqual(transport.disconnecting, not reused, peeked)
+            flags = transport.socket.flags  # type: ignore[attr-defined]
+            self.assertEqual(flags, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # never taken
 
     def test_no_body_no_content_length(self) -> None:
         self.assertNotIn(b"Content-Length", request_head(b"GET", b"/", b"h", [], None))

@@ -30,6 +30,7 @@ What it keeps from Agent, because the proxy's guarantees depend on it:
 from __future__ import annotations
 
 import re
+import socket
 from collections.abc import Callable
 from typing import Any
 from typing import Protocol as TypingProtocol
@@ -237,6 +238,30 @@ def _framing(version: bytes, code: int, method: bytes,
     if content_length is not None:
         return ("none" if content_length == 0 else "length"), content_length, keep_alive
     return "close", None, False
+
+
+def has_spoken(transport: Any) -> bool:
+    """
+    Whether an idle connection's backend closed it, or sent something, that the reactor has
+    not read yet: a peek at its socket (one system call, nothing taken).  A backend's idle
+    close that reaches txlb in the same turn as a new request is otherwise found only once
+    the request is written -- and if txlb is slow to read it, later than the resend window
+    (:mod:`txlb._upstream.resend`) allows, so the client would get a 502 for a request no
+    backend ever saw.  A transport without a socket (TLS, tests) is taken as it is.
+    """
+    peek = getattr(getattr(transport, "socket", None), "recv", None)
+    if peek is None:
+        return False
+    try:
+        peek(1, _PEEK)
+    except BlockingIOError:
+        return False  # nothing waiting: the connection is as it was left
+    except OSError:
+        return True
+    return True  # the end of the stream, or bytes nobody asked for
+
+
+_PEEK = socket.MSG_PEEK | socket.MSG_DONTWAIT
 
 
 class _Attempt:
@@ -695,8 +720,11 @@ class UpstreamClient:
                 transport: Any = connection.transport
                 if (connection.state == "idle" and transport is not None
                         and not transport.disconnecting):
-                    connection.send(attempt)
-                    return
+                    if not has_spoken(transport):
+                        connection.send(attempt)
+                        return
+                    connection.state = "closed"  # closed (or babbling) while it sat idle
+                    transport.loseConnection()
         factory = _ConnectFactory(self, attempt)
         attempt.connector = self._reactor.connectTCP(attempt.host, attempt.port, factory,
                                                      timeout=self._connect_timeout)
