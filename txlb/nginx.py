@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -532,8 +533,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.stderr.write(f"python -m txlb.nginx: error: {error}\n")
         raise SystemExit(2) from None
     if prefix:
-        sys.stderr.write(f"wrote {path}; start it with: nginx -p {os.path.dirname(path)} "
-                         f"-c {path} -g 'daemon off;'\n")
+        quoted = shlex.quote(path)
+        sys.stderr.write(f"wrote {path}; start it with: nginx -p "
+                         f"{shlex.quote(os.path.dirname(path))} -c {quoted} "
+                         f"-g 'daemon off;'\n")
     else:
         sys.stdout.write(text)
 
