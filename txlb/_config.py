@@ -869,6 +869,8 @@ class OptionSpec:
     help: str | Callable[[], str]
     env: str | None = None
     cli: bool = True
+    #: the default as ``--help`` shows it, where its value does not read well (a list, none)
+    shown_default: str | None = None
 
     @property
     def attribute(self) -> str:
@@ -891,7 +893,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
                "(every A/AAAA address of NAME) and srv:_service._proto.NAME (SRV records) "
                "are re-resolved on their TTL. The default applies only without --config: "
                "a config file must have a backends key (backends = [] for none).",
-               "LB_BACKENDS"),
+               "LB_BACKENDS",
+               shown_default="the eight backends 127.0.0.1:8002 to 127.0.0.1:8009"),
     OptionSpec("health-interval", 10.0, parse_duration,
                "Seconds between active probes of each backend.", "LB_HC_INTERVAL"),
     OptionSpec("health-path", "/health", parse_path, "Path probed on each backend."),
@@ -980,7 +983,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("rate-limit", None, parse_rate,
                "Requests per client key, e.g. '100/s' or '600/m' (token bucket)."),
     OptionSpec("rate-burst", None, parse_count,
-               "Bucket size: requests a key may send at once (default: one second's worth)."),
+               "Bucket size: requests a key may send at once.",
+               shown_default="one second's worth of --rate-limit"),
     OptionSpec("rate-key", "ip", parse_rate_key,
                "What a client is: 'ip', 'token' (the bearer token, never logged) or "
                "'header:NAME'."),
@@ -1009,12 +1013,14 @@ OPTIONS: tuple[OptionSpec, ...] = (
                "Priority class of a request that names none and matches no class.",
                "LB_DEFAULT_CLASS"),
     OptionSpec("resolver", (), parse_resolver,
-               "DNS servers for dns:/srv: backends, HOST[:PORT] comma-separated (default: "
-               "the system's /etc/resolv.conf).", "LB_RESOLVER"),
+               "DNS servers for dns:/srv: backends, HOST[:PORT] comma-separated.",
+               "LB_RESOLVER", shown_default="the system's, from /etc/resolv.conf"),
     OptionSpec("shared-state", None, parse_shared_state,
                "Redis URL the replicas of a fleet share in-flight counts, drains, "
-               "membership and rate buckets through: redis://[:PASSWORD@]HOST:PORT/DB, "
-               "rediss:// for TLS, ?password_file=PATH (never logged).", "LB_SHARED_STATE"),
+               "membership and rate buckets through: "
+               "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] (rediss:// for TLS; ?ca=PATH for "
+               "a private CA, ?password_file=PATH, ?prefix=NAME; the password is never "
+               "shown).", "LB_SHARED_STATE", shown_default="none (one replica alone)"),
 )
 
 _BY_NAME = {spec.name: spec for spec in OPTIONS}

@@ -47,7 +47,7 @@ log = Logger()
 def _describe(name: str) -> str:
     spec = next(s for s in OPTIONS if s.name == name)
     env = f" [env {spec.env}]" if spec.env else ""
-    default = "none" if spec.default == () else spec.default
+    default = spec.shown_default or ("none" if spec.default in ((), None) else spec.default)
     return f"{spec.help_text} Default: {default}.{env}"
 
 

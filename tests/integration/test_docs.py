@@ -73,6 +73,33 @@ class DocsMatchOptionsTests(SynchronousTestCase):
         self.assertEqual(unknown, [], "--options in the docs that no program takes")
 
 
+class HelpReadsWellTests(SynchronousTestCase):
+    """``twistd llmlb --help`` says what docs/usage.md says, in words an operator reads."""
+
+    def setUp(self) -> None:
+        done = subprocess.run([*twistd_command(), "--help"], capture_output=True, text=True,
+                              timeout=60, env=clean_environment(), cwd=ROOT)
+        self.help = done.stdout
+
+    def test_no_python_none_and_no_default_said_twice(self) -> None:
+        self.assertNotIn("Default: None", self.help)
+        flat = " ".join(self.help.split())
+        for option in re.findall(r"--[a-z0-9-]+=.*?(?= --[a-z0-9-]+[= ]|$)", flat):
+            self.assertLessEqual(option.lower().count("default:"), 1, option)
+
+    def test_no_address_is_cut_across_lines(self) -> None:
+        lines = [line.strip() for line in self.help.splitlines()]
+        for line, after in zip(lines, lines[1:], strict=False):
+            cut = re.search(r"\d[\d.:]*$", line) and re.match(r"[\d.:]", after)
+            self.assertFalse(cut, f"{line!r} / {after!r}")
+
+    def test_the_shared_state_url_is_written_as_in_usage(self) -> None:
+        usage = (ROOT / "docs" / "usage.md").read_text()
+        form = "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]"
+        self.assertIn(form, usage)
+        self.assertIn(form, " ".join(self.help.split()))
+
+
 class DocsSpeakToUsersTests(SynchronousTestCase):
     """The docs describe txlb to its users, not the project's internal material."""
 
