@@ -180,9 +180,12 @@ def parse_listen(option: str, value: object) -> str:
         # the global one here would install the default reactor before twistd's
         # --reactor, or an embedder's own, had the chance.
         serverFromString(_PARSE_ONLY, text)
-    except Exception as error:  # the parser raises ValueError, KeyError, TypeError...
+    except Exception:  # the parser raises ValueError, KeyError, TypeError...
+        # Twisted's own words are Python's (invalid literal for int()...): say what is meant
         raise ConfigError(
-            f"--{option}: {value!r} is not a Twisted endpoint ({error!s})"
+            f"--{option}: {value!r} is not a port or a Twisted endpoint (a port number, "
+            "'tcp:PORT:interface=ADDRESS', 'ssl:PORT:privateKey=KEY.pem:certKey=CERT.pem' "
+            "or 'unix:PATH')"
         ) from None
     return text
 
@@ -206,6 +209,11 @@ def parse_backend_address(option: str, value: str) -> BackendSpec:
         or "#" in text
         or parts.username
     ):
+        if parts.scheme == "http" and parts.path not in ("", "/") and parts.netloc:
+            raise ConfigError(
+                f"--{option}: {value!r} has a path; give the server alone, "
+                f"'http://{parts.netloc}' (txlb forwards each request's own path, /v1/... "
+                "included)")
         raise ConfigError(f"--{option}: {value!r} is not host:port or http://host:port")
     host = parts.hostname
     if not is_host_name(host):
@@ -413,9 +421,15 @@ def _backend_item(option: str, item: object) -> BackendSpec:
     where = f"the backend table for {url!r}" if isinstance(url, str) else "a backend table"
     unknown = sorted(set(item) - _BACKEND_TABLE_KEYS, key=str)
     if unknown:
-        raise ConfigError(f"backends: unknown key {unknown[0]!r} in {where}"
-                          f"{did_you_mean(str(unknown[0]), _BACKEND_TABLE_KEYS)}; a backend table "
-                          f"takes {', '.join(sorted(_BACKEND_TABLE_KEYS))}")
+        first = str(unknown[0])
+        # TOML puts every key after a [[backends]] header into that table: a top-level
+        # option written below the tables lands here
+        hint = (f" ({first!r} is a top-level option: TOML reads every key after a "
+                "[[backends]] header as part of that table, so write top-level keys before "
+                "the first [[backends]])") if first in _BY_NAME else ""
+        raise ConfigError(f"backends: unknown key {first!r} in {where}"
+                          f"{did_you_mean(first, _BACKEND_TABLE_KEYS)}; a backend table "
+                          f"takes {', '.join(sorted(_BACKEND_TABLE_KEYS))}{hint}")
     if "url" not in item:
         raise ConfigError("backends: a backend table has no 'url' (add url = "
                           "\"http://host:port\")")

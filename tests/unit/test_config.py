@@ -196,6 +196,37 @@ class BuildConfigTests(SynchronousTestCase):
         self.assertEqual(len(build_config({"config": exactly}, NONE).backends), 1)
 
 
+class MistakeWordingTests(SynchronousTestCase):
+    """The mistakes new users make are answered with what to write instead."""
+
+    def refusal(self, options: dict[str, str]) -> str:
+        with self.assertRaises(ConfigError) as raised:
+            build_config(options, NONE)
+        return str(raised.exception)
+
+    def test_a_pasted_base_url_is_told_to_drop_its_path(self) -> None:
+        said = self.refusal({"backends": "http://127.0.0.1:8002/v1"})
+        self.assertIn("has a path; give the server alone, 'http://127.0.0.1:8002'", said)
+
+    def test_a_bad_endpoint_is_said_in_txlbs_words_not_pythons(self) -> None:
+        for option in ("listen", "admin"):
+            said = self.refusal({option: "tcp:abc"})
+            self.assertNotIn("invalid literal", said)
+            self.assertIn(f"--{option}: 'tcp:abc' is not a port or a Twisted endpoint", said)
+            self.assertIn("tcp:PORT:interface=ADDRESS", said)
+
+    def test_a_top_level_key_after_the_backend_tables_says_where_it_belongs(self) -> None:
+        path = self.mktemp()
+        with open(path, "w") as handle:
+            handle.write('[[backends]]\nurl = "http://127.0.0.1:8002"\npolicy = "p2c"\n')
+        said = self.refusal({"config": path})
+        self.assertIn("'policy' is a top-level option", said)
+        self.assertIn("write top-level keys before the first [[backends]]", said)
+        with open(path, "w") as handle:  # a typo of a table key gets no such hint
+            handle.write('[[backends]]\nurl = "http://127.0.0.1:8002"\nwieght = 2\n')
+        self.assertNotIn("top-level", self.refusal({"config": path}))
+
+
 class BackendsKeyTests(SynchronousTestCase):
     """The default fleet is for a start with nothing configured, never for a file."""
 
