@@ -519,11 +519,15 @@ class Reloader:
         self._lb.metrics.reloaded(True, self.generation.generation)
         # the same config applied again is one kind: a storm of reloads of one file is
         # summarised; a reload that changes something is a line at once
+        # a worker's config names no backends: its pool is the supervisor's to fill, so it
+        # says so rather than "0 backends", which at 3 a.m. reads as an emptied pool
+        count = (f"{len(plan.config.backends)} backends" if membership
+                 else "the supervisor's backends")
         repeats.emit(("reload applied", trigger, hash(plan.config)), log, LogLevel.info,
-                     "{reload}: generation {generation} applied ({count} backends, "
+                     "{reload}: generation {generation} applied ({count}, "
                      "policy {policy})", reload=_reload(trigger),
                      generation=self.generation.generation,
-                     count=len(plan.config.backends), policy=plan.config.policy)
+                     count=count, policy=plan.config.policy)
         for listener in list(self.on_applied):
             try:
                 listener(plan.config)

@@ -160,6 +160,24 @@ class MembershipTests(ReloadTestCase):
         self.assertIs(self.lb.pool.get(A), backend)
 
 
+class AppliedLineTests(ReloadTestCase):
+    def test_a_worker_says_its_backends_are_the_supervisors_not_none(self) -> None:
+        """A --workers worker's config names no backends: '0 backends' read as emptied."""
+        import attrs
+
+        config = attrs.evolve(self.lb.config, backends=(), policy="p2c")
+        self.lb.reloader.apply(config, membership=False, trigger="the supervisor")
+        applied = [line for line in self.lines() if "applied" in line]
+        self.assertEqual(applied, ["reload (the supervisor): generation 2 applied "
+                                   "(the supervisor's backends, policy p2c)"])
+        self.assertEqual(len(self.lb.pool), 2)  # and they are still there
+
+    def test_a_reload_says_how_many_backends_it_applied(self) -> None:
+        self.reload()
+        self.assertIn("generation 2 applied (2 backends, policy least-conn)",
+                      " ".join(self.lines()))
+
+
 class BackendSettingsTests(ReloadTestCase):
     first = backend_tables((A, 1, 2, []))
 
