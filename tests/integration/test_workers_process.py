@@ -184,13 +184,15 @@ class WorkersProcessTests(TestCase):
             self.assertTrue(stream.clean)
 
         # one result log, one whole line per request, written by the supervisor alone
-        expected = 8 + len(served)
+        # (the streams, the requests that found both workers, and the /__lb_status answer)
+        expected = 8 + len(served) + 1
         await wait_until(lambda: len(self.log_lines()) == expected, what="every log line")
         lines = self.log_lines()
         self.assertEqual(len(lines), expected)
         for line in lines:
             self.assertRegex(line, LOG_LINE)
-        self.assertEqual(sum(" finish=stop ctok=" in line for line in lines), expected)
+        self.assertEqual(sum(" finish=stop ctok=" in line for line in lines), expected - 1)
+        self.assertEqual(sum(" /__lb_status " in line for line in lines), 1)
         self.assertTrue(self.log_path.read_text().endswith("\n"))
         _, metrics = await self.client.fetch(self.lb.admin_url + "/metrics")
         counted = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.body.decode().splitlines()
