@@ -208,6 +208,33 @@ class TokenTests(AdminTestCase):
         code, _ = self.call("GET", "/status", headers={"Authorization": "Bearer s3cret-token"})
         self.assertEqual(code, 200)
 
+    def test_every_route_of_the_app_is_behind_the_token(self) -> None:
+        """
+        Enumerated from the app itself, so a route added tomorrow is checked too: each
+        answers 401 without the token and changes nothing, and something else with it --
+        but the dashboard page, which asks for the token itself.
+        """
+        rules = list(Admin.app.url_map.iter_rules())
+        self.assertGreaterEqual(len(rules), 9)
+        checked = []
+        for rule in rules:
+            path = re.sub(r"<[^>]*>", A, rule.rule)
+            for method in sorted(rule.methods - {"HEAD", "OPTIONS"}):
+                before = [(b.key, b.draining) for b in self.lb.pool]
+                body = {"backend": "127.0.0.1:9999"} if method == "POST" else None
+                code, _ = self.call(method, path, body)
+                if (method, rule.rule) == ("GET", "/"):
+                    self.assertEqual(code, 200)
+                    continue
+                self.assertEqual(code, 401, (method, path))
+                self.assertEqual([(b.key, b.draining) for b in self.lb.pool], before)
+                code, _ = self.call(method, path, body,
+                                    headers={"Authorization": f"Bearer {self.token}"})
+                self.assertNotEqual(code, 401, (method, path))
+                checked.append((method, rule.rule))
+        self.assertIn(("POST", "/reload"), checked)
+        self.assertIn(("DELETE", "/backends/<string:key>"), checked)
+
     def test_two_authorization_headers_are_400_even_if_one_is_right(self) -> None:
         """As on the main port: which of two would be the token?"""
         for values in (["Bearer wrong", "Bearer s3cret-token"],
