@@ -396,6 +396,96 @@ class ImpatientClientTests(ImpatientClientsTestCase):
         self.assertEqual(self.probed(silent), 0)
 
 
+class ClientsCannotAccuseTests(ImpatientClientsTestCase):
+    """
+    What clients alone can do to a healthy engine, choosing when to leave, which backend
+    (least-conn puts a request where none is in flight, and ``X-Backend`` says where it
+    went) and what the other backend answers: none of it is a silence of the engine's.
+    """
+
+    backends = TWO
+
+    def attack(self, seconds: float, answer_probes: int | None) -> float | None:
+        """
+        One client, again and again: a request that least-conn puts on the target; while
+        it waits, four that go to the other backend and get a 400 head in 2 ms each; the
+        client leaves after 28 ms, before the target could answer, and pauses 0.3 s.  A
+        request that goes to the other backend first gets a 200 head in 5 ms.  Probes are
+        answered with ``answer_probes`` (None: never).  Returns when a backend first went
+        down (or None).
+        """
+        target, other = TWO
+        end = self.clock.seconds() + seconds
+        answered = 0
+        down_at = None
+        while self.clock.seconds() < end:
+            client, key = self.post()
+            call = self.upstream.last
+            if key == other:
+                self.clock.advance(0.005)
+                call.respond(FakeResponse(200, [(b"Content-Type", b"text/event-stream")])).end()
+            else:
+                for _ in range(4):  # the target has one in flight: these go elsewhere
+                    _, got = self.post()
+                    self.assertEqual(got, other)
+                    self.clock.advance(0.002)
+                    self.upstream.last.respond(FakeResponse(400, length=0)).end()
+                self.clock.advance(0.02)
+                client.disconnect()
+            for _ in range(6):
+                self.clock.advance(STEP)
+                if answer_probes is not None:
+                    for probe in self.probes.calls[answered:]:
+                        if not probe.deferred.called:
+                            probe.respond(FakeResponse(answer_probes, length=0)).end()
+                    answered = len(self.probes.calls)
+                if down_at is None and not all(b.healthy for b in self.lb.pool):
+                    down_at = self.clock.seconds()
+        return down_at
+
+    def test_short_waits_far_apart_never_get_it_probed(self) -> None:
+        """
+        The target has never answered here; each of its requests waits 28 ms, a thirtieth
+        of the time: no silence of 1.25 s, however long this goes on -- not even one probe,
+        although its /health would answer.
+        """
+        target, _ = TWO
+        self.attack(20, answer_probes=200)
+        self.assertGreater(self.backend(target).requests, 20)
+        self.assertEqual(self.probed(target), 0)
+
+    def test_leaving_before_its_usual_first_byte_with_fast_errors_elsewhere(self) -> None:
+        """
+        The target's heads take 0.3 s, its /health is slow (does not answer in 1 s): its
+        clients leave after 28 ms, long before an answer was due, and the other's 400s in
+        2 ms say nothing of how fast an engine answers.  Not ejected, not probed.
+        """
+        target, other = TWO
+        for _ in range(10):  # warm: the target answers in 0.3 s, the other in 0.05 s
+            _, key = self.post()
+            call = self.upstream.last
+            self.clock.advance(0.3 if key == target else STEP)
+            response = call.respond(FakeResponse(200, [(b"Content-Type", b"text/event-stream")]))
+            response.send(b'data: {"x": 1}\n\n')
+            response.end()
+        self.assertAlmostEqual(self.backend(target).head_wait or 0, 0.3)
+        self.assertIsNone(self.attack(10, answer_probes=None))
+        self.assertEqual(self.reasons, [])
+        self.assertEqual(self.probed(target), 0)
+
+    def test_back_to_back_but_before_4_times_its_usual_first_byte(self) -> None:
+        """
+        The target's heads take 0.3 s; clients keep a request on it all the time, each
+        leaving after 0.5 s, while the other answers 200s in 50 ms: 4 times its own pace
+        (1.2 s) is when an answer is due, so none of them is evidence.
+        """
+        target, other = TWO
+        self.impatient(3, 2.0, answering=set(TWO), answer_after=0.3)
+        self.assertIsNone(self.impatient(10, 0.5, answering={other}))
+        self.assertGreater(self.sent_to(target, after=3.0), 10)
+        self.assertEqual(self.probed(target), 0)
+
+
 class SingleBackendImpatientTests(ImpatientClientsTestCase):
     """One backend: nothing to compare its silence with."""
 
@@ -416,6 +506,23 @@ class SingleBackendImpatientTests(ImpatientClientsTestCase):
         self.assertGreater(self.sent_to(only, after=1.0), 20)
 
 
+class HeadPaceTests(SynchronousTestCase):
+    """What a response head teaches of a backend's pace (``Backend.head_came``)."""
+
+    def test_any_head_is_a_byte_only_a_success_sets_the_pace(self) -> None:
+        from txlb._config import BackendSpec
+
+        backend = Backend(BackendSpec("127.0.0.1", 8002))
+        backend.head_came(10.0, 0.3, 200)
+        backend.head_came(11.0, 0.002, 400)  # an error head, at once
+        backend.head_came(12.0, 0.001, 503)
+        self.assertEqual(backend.last_byte, 12.0)  # alive: a byte is a byte
+        self.assertEqual((backend.last_head, backend.head_wait), (10.0, 0.3))
+        backend.head_came(13.0, 0.1, 206)
+        self.assertEqual(backend.last_head, 13.0)
+        self.assertAlmostEqual(backend.head_wait or 0, 0.3 + 0.2 * (0.1 - 0.3))
+
+
 class UnansweredRunTests(SynchronousTestCase):
     """How requests left unanswered add up, told to the detector directly."""
 
@@ -429,6 +536,9 @@ class UnansweredRunTests(SynchronousTestCase):
         self.addCleanup(self.hung.stopService)
         backends = list(self.lb.pool)
         self.silent, self.other = backends
+        # both answered before: the silent one's heads take 0.1 s, the other's 0.05 s
+        self.silent.head_came(99.0, 0.1, 200)
+        self.other.head_came(99.0, 0.05, 200)
 
     def left(self, sent: float, left: float) -> None:
         self.hung.left_unanswered(self.silent, sent, left)
@@ -438,14 +548,71 @@ class UnansweredRunTests(SynchronousTestCase):
         clock moved in steps, so the detector's looks are on time)."""
         while self.clock.seconds() < at:
             self.clock.advance(min(STEP, at - self.clock.seconds()))
-        self.other.head_came(at, 0.05)
+        self.other.head_came(at, 0.05, 200)
         return {backend: (round(silent, 3), requests)
                 for backend, (silent, requests) in self.hung.quiet_for().items()}
 
     def test_one_after_another_within_the_stall_is_one_silence(self) -> None:
         self.left(100.0, 101.0)
         self.left(102.2, 103.2)  # 1.2 s later: still the same silence
-        self.assertEqual(self.quiet(103.2), {self.silent: (3.2, 2)})
+        self.assertEqual(self.quiet(103.2)[self.silent][1], 2)
+
+    def test_the_gaps_between_them_are_not_silence(self) -> None:
+        """From 101 to 102.2 nobody asked it anything: 2 s of silence, not 3.2."""
+        self.left(100.0, 101.0)
+        self.left(102.2, 103.2)
+        self.assertEqual(self.quiet(103.2), {self.silent: (2.0, 2)})
+
+    def test_overlapping_ones_count_their_union(self) -> None:
+        """Three clients at once, and one that waited across two others: the time the
+        backend had one waiting at least."""
+        self.left(100.0, 101.0)
+        self.left(100.5, 101.5)
+        self.left(102.0, 102.5)  # after a gap
+        self.left(99.5, 103.0)  # sent first, left last: covers the gap too
+        self.assertEqual(self.quiet(103.0), {self.silent: (3.5, 4)})
+
+    def test_a_silence_spread_thin_is_none(self) -> None:
+        """Two half-second waits 1.1 s apart: it had one waiting less than half of those
+        2.1 s, so the second starts a silence of its own rather than adding up."""
+        self.left(100.0, 100.5)
+        self.left(101.6, 102.1)
+        self.assertEqual(self.quiet(102.1), {self.silent: (0.5, 1)})
+        self.left(102.2, 102.7)  # right after: the same silence again
+        self.assertEqual(self.quiet(102.7), {self.silent: (1.0, 2)})
+
+    def test_one_that_left_before_its_due_time_says_nothing(self) -> None:
+        """Its heads take 0.1 s: a client that left after 0.3 s left before 4 times that,
+        however many such clients, one after another."""
+        at = 100.0
+        for _ in range(10):
+            self.left(at, at + 0.3)
+            at += 0.3
+        self.assertEqual(self.quiet(at), {})
+        self.left(at, at + 0.4)  # 4 times its pace: that one counts
+        self.assertEqual(self.quiet(at + 0.4), {self.silent: (0.4, 1)})
+
+    def test_before_it_ever_answered_the_fastest_others_pace_is_due(self) -> None:
+        """A backend with no answer here yet: due when 4 times the other's 0.05 s is."""
+        lb = LoadBalancer(TWO, reactor=self.clock, agent=FakeUpstream(),
+                          probe_agent=FakeUpstream(), log_file="none")
+        cold, other = list(lb.pool)
+        lb.hung.startService()
+        self.addCleanup(lb.hung.stopService)
+        self.assertIsNone(lb.hung.due(cold))  # nobody answered: nothing to judge by
+        other.head_came(99.0, 0.05, 200)
+        self.assertEqual(lb.hung.due(cold), 0.2)
+        cold.head_came(99.5, 0.5, 200)
+        self.assertEqual(lb.hung.due(cold), 2.0)  # its own, once it has one
+
+    def test_error_heads_elsewhere_are_no_faster_answer(self) -> None:
+        """The other answers only 400s in 2 ms now: not an answer the silent one owed."""
+        self.clock.advance(1.0)
+        self.left(100.0, 101.0)
+        self.other.head_came(101.0, 0.002, 400)
+        self.assertEqual(self.hung.quiet_for(), {})
+        self.other.head_came(101.0, 0.05, 200)
+        self.assertEqual(self.hung.quiet_for(), {self.silent: (1.0, 1)})
 
     def test_a_longer_gap_starts_another(self) -> None:
         self.left(100.0, 101.0)
@@ -464,7 +631,7 @@ class UnansweredRunTests(SynchronousTestCase):
         self.assertEqual(self.quiet(101.01 + self.hung.stall), {})
 
     def test_no_faster_answer_since_it_began_says_nothing(self) -> None:
-        self.other.head_came(100.0, 0.05)
+        self.other.head_came(100.0, 0.05, 200)
         self.left(100.5, 101.5)
         self.clock.advance(1.5)
         self.assertEqual(self.hung.quiet_for(), {})

@@ -87,9 +87,11 @@ class Backend:
     #: when the last byte (head or body) of a proxied response came from it, in this
     #: process: what the hung-backend detector (txlb._cluster.hung) and the prober read
     _last_byte: float | None = None
-    #: when the last response head came from it in this process, and how long heads take
-    #: here (an average of send-to-head times): the hung-backend detector weighs a
-    #: client that left unanswered elsewhere against these
+    #: when the last successful (2xx) response head came from it in this process, and how
+    #: long such heads take here (an average of send-to-head times): the hung-backend
+    #: detector judges a client that left unanswered against these, its own and the
+    #: other backends'.  An error head is a byte (``_last_byte``) but no pace: a 400 in
+    #: 2 ms says nothing of how fast the engine answers a request it generates for.
     _last_head: float | None = None
     _head_wait: float | None = None
     _hung_ejections: int = 0
@@ -135,11 +137,16 @@ class Backend:
         """A byte of a proxied response (head or body) arrived from it at ``at``."""
         self._last_byte = at
 
-    def head_came(self, at: float, waited: float) -> None:
-        """A proxied response's head arrived at ``at``, ``waited`` seconds after its try
-        was sent."""
-        self._last_byte = self._last_head = at
-        self._head_wait = _ewma(self._head_wait, waited)
+    def head_came(self, at: float, waited: float, status: int) -> None:
+        """
+        A proxied response's head of ``status`` arrived at ``at``, ``waited`` seconds after
+        its try was sent: a byte whatever the status; a successful one also sets the pace
+        (:attr:`last_head`, :attr:`head_wait`).
+        """
+        self._last_byte = at
+        if 200 <= status < 300:
+            self._last_head = at
+            self._head_wait = _ewma(self._head_wait, waited)
 
     # -- what the proxy's answers teach --------------------------------------------------
 
@@ -448,10 +455,12 @@ class Backend:
 
     @property
     def last_head(self) -> float | None:
+        """When its last successful (2xx) response head came, in this process."""
         return self._last_head
 
     @property
     def head_wait(self) -> float | None:
+        """How long its successful (2xx) response heads take, on average, from sending."""
         return self._head_wait
 
     @property
@@ -619,10 +628,10 @@ class Lease:
         """A byte of the response arrived from the backend (the hung detector reads it)."""
         self.backend.heard(at)
 
-    def head_came(self, at: float, waited: float) -> None:
-        """The response's head arrived, ``waited`` seconds after the request was sent (the
-        hung detector reads both)."""
-        self.backend.head_came(at, waited)
+    def head_came(self, at: float, waited: float, status: int) -> None:
+        """The response's head of ``status`` arrived, ``waited`` seconds after the request
+        was sent (the hung detector reads them)."""
+        self.backend.head_came(at, waited, status)
 
     def withdraw(self) -> bool:
         """

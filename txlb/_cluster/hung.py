@@ -13,13 +13,25 @@ looks, every :data:`TICK` seconds, at this process's requests in flight on each 
    it has requests in flight, counted from the last byte or from when the oldest of those
    requests was sent, whichever is later -- and longer than ``factor`` times the backend's
    own time-to-first-byte average, so a backend whose answers always take long is judged by
-   its own pace.  A request whose client left before any byte came counts too, for the
-   time it waited (:meth:`HangDetector.left_unanswered`): clients that give up after a
-   second never keep a request in flight for ``stall``, yet a run of them, one after
-   another, is as long a silence -- but only when some other healthy backend answered (its
-   response head) since that request was sent, ``factor`` times faster than the request
-   waited on average, so a fleet where everything is slow, or clients that leave sooner
-   than anyone answers, accuse nobody;
+   its own pace.  A request whose client left before any byte came counts too
+   (:meth:`HangDetector.left_unanswered`): clients that give up after a second never keep
+   a request in flight for ``stall``, yet a run of them, one after another, is as long a
+   silence.  Such evidence is weighed so that leaving never makes a backend look more
+   silent than staying would have (a client chooses when it leaves, where least-conn puts
+   its request, and what the other backends answer):
+
+   - a request counts only if it waited past its due time, ``factor`` times the backend's
+     own usual time to a successful head (before it ever answered here, the fastest other
+     backend's): a client that left sooner left before an answer was due;
+   - the silence is the time the backend had at least one such request waiting (the union
+     of their waits), not the span from the first to the last: a gap in which it was asked
+     nothing is not silence; and the run ends when they covered less than
+     :data:`DENSITY` of the time since the first, so a request now and then never adds up;
+   - another healthy backend must have answered (a successful head) since the run began,
+     its successful heads taking ``factor`` times less than the run's requests waited on
+     average, so a fleet where everything is slow, or clients that leave sooner than
+     anyone answers, accuse nobody.  Only 2xx heads set a pace: a 400 in 2 ms says nothing
+     of how fast an engine answers a request it generates for (any head is still a byte);
 2. **not everyone**: some other healthy backend is not quiet in the same way (if all are,
    the cause is shared -- the network, or txlb itself -- and ejecting would help nothing);
 3. **confirmed**: an immediate probe of the health path gets no 200 within
@@ -67,6 +79,9 @@ STALL = 1.25
 PROBE_TIMEOUT = 1.0
 #: A backend is quiet only after this many times its own time-to-first-byte average.
 TTFB_FACTOR = 4.0
+#: Requests left unanswered add up to one silence only while at least one of them was
+#: waiting this fraction of the time since the first: not a request now and then.
+DENSITY = 0.5
 
 
 class InFlight(Protocol):
@@ -85,16 +100,46 @@ class InFlight(Protocol):
 class _Unanswered:
     """
     One backend's run of requests whose clients left with no byte from it, one following
-    another within ``stall``: from ``start`` to ``end``, ``requests`` of them, which waited
-    ``waited`` seconds in all.  ``since`` is the backend's last byte (or cleared suspicion)
-    the run was counted from: a byte after it ends the run.
+    another within ``stall``: ``requests`` of them, waiting between ``start`` and ``end``,
+    for ``waited`` seconds in all.  ``silent`` is how long it had at least one of them
+    waiting -- the union of their waits, the gaps between them left out: a gap is time
+    nobody asked the backend anything, not silence.  ``since`` is the backend's last byte
+    (or cleared suspicion) the run was counted from: a byte after it ends the run.
     """
 
     since: float | None
     start: float
     end: float
     waited: float
+    silent: float
     requests: int = 1
+
+    def covers(self, start: float, end: float) -> bool:
+        """
+        Whether, with one more request silent from ``start`` to ``end``, the run still had
+        one waiting at least half the time since it began (:data:`DENSITY`): a silence
+        spread thin -- a request now and then, asked nothing in between -- is not one.
+        """
+        silent = joined(self.silent, self.end, start, end)
+        return silent >= DENSITY * (max(self.end, end) - min(self.start, start))
+
+    def add(self, start: float, end: float, waited: float) -> None:
+        """One more request, silent from ``start`` to ``end``, which waited ``waited``."""
+        self.silent = joined(self.silent, self.end, start, end)
+        self.start = min(self.start, start)
+        self.end = max(self.end, end)
+        self.waited += waited
+        self.requests += 1
+
+
+def joined(silent: float, until: float, start: float, end: float) -> float:
+    """
+    The length of a union of intervals, ``silent`` long and ending at ``until``, with one
+    more, ``start`` to ``end``: exact when the new one begins after the others end or covers
+    them, never more than the truth otherwise (gaps before ``until`` that it fills are not
+    known here) -- too little silence accuses nobody, too much would.
+    """
+    return max(silent + max(0.0, end - max(start, until)), end - start)
 
 
 class HangDetector(Service):
@@ -149,32 +194,54 @@ class HangDetector(Service):
             return cleared if last is None else last
         return max(last, cleared)
 
+    def due(self, backend: Backend) -> float | None:
+        """
+        How long a request may wait for ``backend``'s first byte before its silence is
+        evidence: ``factor`` times the backend's own usual time to a successful head -- a
+        client that leaves sooner left before an answer was due -- or, before it answered
+        any here, ``factor`` times the fastest other healthy backend's.  ``None`` with no
+        pace to judge by (nothing answered yet, or no other backend).
+        """
+        pace = backend.head_wait
+        if pace is None:
+            paces = [other.head_wait for other in self.pool if other is not backend
+                     and other.healthy and other.head_wait is not None]
+            if not paces:
+                return None
+            pace = min(paces)
+        return self.factor * pace
+
     def left_unanswered(self, backend: Backend, sent: float, left: float) -> None:
         """
         A client left at ``left`` with no byte from ``backend`` for its request, sent at
-        ``sent``: a silence of ``backend``'s as long as the request waited, counted once
-        some other backend answered faster (see the module's docstring).
+        ``sent``: a silence of ``backend``'s as long as the request waited, if it waited
+        past :meth:`due`, counted once some other backend answered faster (see the module's
+        docstring).
         """
         if not self.running:
             return  # off (--hung-after 0), or stopping
+        due = self.due(backend)
+        if due is None or left - sent < due:
+            return  # it left before an answer was due: says nothing of the backend
         since = self._quiet_since(backend)
         start = sent if since is None else max(sent, since)
         if start >= left:
             return  # a byte came from it meanwhile (another request's): alive
         run = self._unanswered.get(backend)
-        if run is not None and run.since == since and start <= run.end + self.stall:
-            run.start = min(run.start, start)
-            run.end = max(run.end, left)
-            run.waited += left - sent
-            run.requests += 1
+        if run is not None and run.since == since and start <= run.end + self.stall \
+                and run.covers(start, left):
+            run.add(start, left, left - sent)
         else:
-            self._unanswered[backend] = _Unanswered(since, start, left, left - sent)
+            self._unanswered[backend] = _Unanswered(since, start, left, left - sent,
+                                                    left - start)
 
     def _answered_faster(self, backend: Backend, run: _Unanswered) -> bool:
         """
-        Whether some other healthy backend's response head came during ``run`` (since its
-        start), and its heads take ``factor`` times less than the run's requests waited
-        on average: they were left unanswered where an answer was due.
+        Whether some other healthy backend's successful response head came during ``run``
+        (since its start), and its successful heads take ``factor`` times less than the
+        run's requests waited on average: they were left unanswered where an answer was
+        due.  Error heads do not count: a fast 400 says nothing of how fast an engine
+        answers a request it generates for.
         """
         waited = run.waited / run.requests
         for other in self.pool:
@@ -202,8 +269,8 @@ class HangDetector(Service):
     def quiet_for(self) -> dict[Backend, tuple[float, int]]:
         """
         Per backend with requests in flight here, or a recent run of requests their
-        clients left unanswered: how long it has sent no byte while it had requests, and
-        how many requests that silence spans.
+        clients left unanswered: how long it has sent no byte while it had requests
+        waiting, and how many requests that silence spans.
         """
         oldest: dict[Backend, float] = {}
         count: dict[Backend, int] = {}
@@ -220,19 +287,20 @@ class HangDetector(Service):
         for backend, since in oldest.items():
             quiet_since = self._quiet_since(backend)
             start = since if quiet_since is None else max(since, quiet_since)
-            requests = count[backend]
+            silent, requests = now - start, count[backend]
             run = self._recent_run(backend, now)
             if run is not None and run.end + self.stall >= start \
-                    and self._answered_faster(backend, run):
-                start = min(start, run.start)
+                    and run.covers(start, now) and self._answered_faster(backend, run):
+                # the requests waiting now continue the run: the time it had one waiting
+                silent = joined(run.silent, run.end, start, now)
                 requests += run.requests
-            quiet[backend] = (now - start, requests)
+            quiet[backend] = (silent, requests)
         for backend in list(self._unanswered):
             if backend in quiet:
                 continue
             run = self._recent_run(backend, now)
             if run is not None and self._answered_faster(backend, run):
-                quiet[backend] = (run.end - run.start, run.requests)
+                quiet[backend] = (run.silent, run.requests)
         return quiet
 
     def threshold(self, backend: Backend) -> float:

@@ -201,7 +201,8 @@ class Exchange:
     def _got_response(self, response: UpstreamResponse) -> None:
         self._upstream = None
         now = self._now()
-        self.lease.head_came(now, now - self._last_activity)  # the try's send time until now
+        # the try's send time until now; only a 2xx head sets the backend's pace
+        self.lease.head_came(now, now - self._last_activity, response.code)
         self.context.observer.answered(self.lease.backend, response.code,
                                        self._blamed(response.code))
         if FAILURES[answered(response.code)].retried and self._can_retry():
