@@ -31,10 +31,17 @@ for a second request nobody checked (request smuggling).  RFC 9112 §6.1-6.3 and
   control character in a header value: 400, as llhttp answers on the lean server
   (:mod:`txlb._server.lean`).
 * A request target with a byte that is not visible ASCII (twisted.web lets DEL and
-  0x80-0xB0 through): 400.
+  0x80-0xB0 through), or one that is no path, no absolute URL and not exactly ``*``
+  (``*?a=b`` is not ``*``): 400.
+* A chunked body's trailers are dropped, but a trailer line that is not a field line (a
+  bare CR or LF, a control character, obs-fold, a name that is no token) or that says
+  ``Content-Length``, ``Transfer-Encoding`` or ``Connection`` is 400, as llhttp refuses
+  it: twisted.web reads trailer lines only at CRLF, so a request pipelined behind
+  ``X-T: 1\\n\\r\\n`` was taken for a trailer.
 * ``Connection`` is a comma-separated token list over every ``Connection`` line:
   ``keep-alive, close`` closes.
-* ``CONNECT``: 405 (txlb opens no tunnels; what follows its head is no request).
+* ``CONNECT``: 405 (txlb opens no tunnels; what follows its head is no request); in another
+  case (``connect``): 400, as llhttp refuses it.
 
 Every such refusal has the OpenAI-style JSON body of :func:`txlb._proxy.errors.error_body`, says
 ``Connection: close``, closes the connection, and never reaches the proxy.
