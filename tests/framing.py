@@ -73,6 +73,12 @@ SMUGGLED = _get(b"/smuggled")
 CHUNKED_HELLO = b"5\r\nhello\r\n0\r\n\r\n"
 GET_T = Sent(b"GET", b"/t")
 POST_HELLO = Sent(b"POST", b"/t", b"hello")
+GET_NEXT = Sent(b"GET", b"/next")
+
+
+def _trailers(section: bytes) -> bytes:
+    """A chunked POST of ``hello`` whose trailer section (after the last chunk) is this."""
+    return _post(b"Transfer-Encoding: chunked") + b"5\r\nhello\r\n0\r\n" + section
 
 CASES: tuple[Case, ...] = (
     # -- well framed: forwarded, connection kept (or closed when asked) -------------------
@@ -182,6 +188,37 @@ CASES: tuple[Case, ...] = (
          + b"f" * 40 + b"\r\n" + b"x" * 2048, (413,), True),
     Case("chunks too small: 1,025 chunks of one byte", _post(b"Transfer-Encoding: chunked")
          + b"1\r\na\r\n" * 1025 + b"0\r\n\r\n", (400,), True),
+    # -- trailers: dropped, but refused as llhttp refuses them -----------------------------
+    Case("trailers with a tab, bytes over 0x7F and a Host are dropped, then a request",
+         _trailers("X-T: a\tb\u2028\r\nHost: other.example\r\n\r\n".encode())
+         + _get(b"/next"), (BACKEND, BACKEND), False, (POST_HELLO, GET_NEXT)),
+    Case("a trailer ended by a bare LF does not swallow the next request",
+         _trailers(b"X-T: 1\n\r\n") + SMUGGLED, (400,), True),
+    Case("a bare LF ending the trailer section", _trailers(b"X-T: 1\r\n\n") + SMUGGLED,
+         (400,), True),
+    Case("a bare LF opening the trailer section", _trailers(b"\n\r\n") + SMUGGLED,
+         (400,), True),
+    Case("a trailer line with a bare LF, the rest never sent", _trailers(b"X-T: 1\nX"),
+         (400,), True),
+    Case("bare CR in a trailer", _trailers(b"X-T: a\rb\r\n\r\n") + SMUGGLED, (400,), True),
+    Case("NUL in a trailer", _trailers(b"X-T: a\x00b\r\n\r\n") + SMUGGLED, (400,), True),
+    Case("ESC in a trailer", _trailers(b"X-T: a\x1bb\r\n\r\n") + SMUGGLED, (400,), True),
+    Case("DEL in a trailer name", _trailers(b"X-\x7fT: 1\r\n\r\n") + SMUGGLED, (400,),
+         True),
+    Case("obs-fold in the trailers", _trailers(b"X-T: 1\r\n folded\r\n\r\n") + SMUGGLED,
+         (400,), True),
+    Case("space before a trailer's colon", _trailers(b"X-T : 1\r\n\r\n") + SMUGGLED,
+         (400,), True),
+    Case("a trailer without a colon", _trailers(b"X-T\r\n\r\n") + SMUGGLED, (400,), True),
+    Case("a trailer with an empty name", _trailers(b": 1\r\n\r\n") + SMUGGLED, (400,), True),
+    Case("Content-Length as a trailer", _trailers(b"Content-Length: 5\r\n\r\n") + SMUGGLED,
+         (400,), True),
+    Case("Transfer-Encoding as a trailer",
+         _trailers(b"transfer-encoding: chunked\r\n\r\n") + SMUGGLED, (400,), True),
+    Case("Connection as a trailer", _trailers(b"Connection: close\r\n\r\n") + SMUGGLED,
+         (400,), True),
+    Case("Proxy-Connection as a trailer",
+         _trailers(b"Proxy-Connection: keep-alive\r\n\r\n") + SMUGGLED, (400,), True),
     Case("a thousand small chunks are fine", _post(b"Transfer-Encoding: chunked")
          + b"1\r\na\r\n" * 1000 + b"0\r\n\r\n", (BACKEND,), False,
          (Sent(b"POST", b"/t", b"a" * 1000),)),
@@ -222,12 +259,35 @@ CASES: tuple[Case, ...] = (
     Case("leading empty lines, then two spaces", b"\r\n\r\nGET  /t HTTP/1.1\r\nHost: x\r\n\r\n",
          (400,), True),
     Case("non-token method", b"G(T /t HTTP/1.1\r\nHost: x\r\n\r\n", (400,), True),
+    # -- the request target: a path, an absolute URL, or * alone --------------------------
+    Case("an absolute URL as the target", _get(b"http://lb.example/t"), (BACKEND,), False,
+         (GET_T,)),
+    Case("a target that is no path", _get(b"t") + SMUGGLED, (400,), True),
+    Case("* with a query is not the * target", _head(b"OPTIONS *?a=b HTTP/1.1") + SMUGGLED,
+         (400,), True),
+    Case("* followed by more", _head(b"OPTIONS ** HTTP/1.1") + SMUGGLED, (400,), True),
+    # -- requests txlb answers itself, then a pipelined one --------------------------------
+    Case("a body on a request txlb answers, then a pipelined request",
+         _get(b"/__lb_status", b"Content-Length: 3") + b"abc" + _get(b"/next"),
+         (200, BACKEND), False, (GET_NEXT,)),
+    Case("a chunked body on GET /v1/models, then a pipelined request",
+         _get(b"/v1/models", b"Transfer-Encoding: chunked") + CHUNKED_HELLO + _get(b"/next"),
+         (200, BACKEND), False, (GET_NEXT,)),
+    Case("OPTIONS * with a body, then a pipelined request",
+         _head(b"OPTIONS * HTTP/1.1", b"Content-Length: 3") + b"abc" + _get(b"/next"),
+         (200, BACKEND), False, (GET_NEXT,)),
+    Case("POST * with a body, then a pipelined request",
+         _head(b"POST * HTTP/1.1", b"Content-Length: 3") + b"abc" + _get(b"/next"),
+         (405, BACKEND), False, (GET_NEXT,)),
     # -- CONNECT: a tunnel txlb never opens; what follows its head is no request ----------
     Case("CONNECT with a path", _head(b"CONNECT /t HTTP/1.1") + SMUGGLED, (405,), True),
     Case("CONNECT to an authority", _head(b"CONNECT lb.example:443 HTTP/1.1") + SMUGGLED,
          (405,), True),
     Case("CONNECT with a body", _head(b"CONNECT /t HTTP/1.1", b"Content-Length: %d"
                                       % len(SMUGGLED)) + SMUGGLED, (405,), True),
+    Case("connect in lowercase", _head(b"connect /t HTTP/1.1") + SMUGGLED, (400,), True),
+    Case("Connect to an authority", _head(b"Connect lb.example:443 HTTP/1.1") + SMUGGLED,
+         (400,), True),
     Case("a request then CONNECT", _get() + _head(b"CONNECT /t HTTP/1.1") + SMUGGLED,
          (BACKEND, 405), True, (GET_T,)),
     # -- Host ------------------------------------------------------------------------------

@@ -12,9 +12,13 @@ from typing import Any
 # txlb subclasses it to silence its log lines (txlb._server.quiet.QuietConnectionPool).
 from twisted.web.client import _HTTP11ClientFactory as HTTP11ClientFactory
 
+# The chunked body decoder of twisted.web's server, private to twisted.web.http; read by
+# chunked_trailer.
+from twisted.web.http import _ChunkedTransferDecoder
+
 __all__ = ["BAD_REQUEST_HOOK", "CONNECTOR_MAKE_TRANSPORT", "EPOLL_REACTOR_INTERNALS",
            "HTTP11ClientFactory", "POOL_FACTORY_ATTRIBUTE", "adopt_listening_port",
-           "parsed_request_line", "port_logger", "response_connection_headers",
+           "chunked_trailer", "parsed_request_line", "port_logger", "response_connection_headers",
            "set_port_logger", "tcp_endpoint_address", "unsent_bytes", "write_buffer_empty",
            "write_disconnected"]
 
@@ -106,6 +110,31 @@ def unterminated_line(receiver: object) -> bytes:
     """
     buffered = getattr(receiver, "_buffer", b"")
     return buffered if isinstance(buffered, bytes) else b""
+
+
+def chunked_trailer(channel: object) -> tuple[list[bytearray], bytearray] | None:
+    """
+    The trailer section an ``HTTPChannel`` has read of the chunked request body it is
+    decoding: its whole lines so far (each without its CRLF, in order), and what it holds
+    of a line not ended yet; ``None`` when no chunked body is being read, or its decoder is
+    not past the last chunk yet.  Both are the decoder's own buffers: read them, never
+    change them.
+
+    Why: twisted.web drops trailers unchecked and ends them at the first empty line ended
+    by CRLF, so a bare LF, a control character or a ``Content-Length`` there is taken in
+    silently where llhttp (the lean server) refuses it -- and a request pipelined behind
+    ``X-T: 1\\n\\r\\n`` is swallowed as trailers.  ``ProxyChannel`` checks the section as
+    it arrives and before the request goes on.  The channel's decoder is in
+    ``_transferDecoder``; a ``_ChunkedTransferDecoder`` says in ``state`` (``TRAILER``,
+    then ``FINISHED``) that it is past the last chunk, and keeps the trailer lines in
+    ``_trailerHeaders`` and the rest in ``_buffer``.
+    """
+    decoder = getattr(channel, "_transferDecoder", None)
+    if not isinstance(decoder, _ChunkedTransferDecoder):
+        return None
+    if decoder.state not in ("TRAILER", "FINISHED"):
+        return None
+    return decoder._trailerHeaders, decoder._buffer
 
 
 def port_logger(port: object) -> Any:

@@ -28,6 +28,7 @@ from txlb._compat import (
     POOL_FACTORY_ATTRIBUTE,
     HTTP11ClientFactory,
     adopt_listening_port,
+    chunked_trailer,
     parsed_request_line,
     port_logger,
     response_connection_headers,
@@ -201,6 +202,48 @@ class ChannelTests(TestCase):
         self.assertEqual(unterminated_line(channel), b"")
         channel.dataReceived(b"GET / HTTP/1.1\r\nHost: x\nX-A")
         self.assertEqual(unterminated_line(channel), b"Host: x\nX-A")
+
+    def test_chunked_trailer_is_what_the_decoder_read_past_the_last_chunk(self) -> None:
+        channel, _ = self.channel()
+        self.assertIsNone(chunked_trailer(channel))
+        channel.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked"
+                             b"\r\n\r\n5\r\nhello\r\n")
+        self.assertIsNone(chunked_trailer(channel))  # chunks still to come
+        channel.dataReceived(b"0\r\nX-A: 1\r\nX-B: 2\r\nX-")
+        section = chunked_trailer(channel)
+        assert section is not None
+        lines, unended = section
+        self.assertEqual(([bytes(line) for line in lines], bytes(unended)),
+                         ([b"X-A: 1", b"X-B: 2"], b"X-"))
+        channel.dataReceived(b"C: 3\n")  # a bare LF ends no line for twisted.web
+        section = chunked_trailer(channel)
+        assert section is not None
+        self.assertEqual((len(section[0]), bytes(section[1])), (2, b"X-C: 3\n"))
+
+    def test_chunked_trailer_is_still_read_when_the_body_ends(self) -> None:
+        """allContentReceived sees the whole section, before the decoder is dropped."""
+        seen: list[Any] = []
+
+        class _Ending(_Hooked):
+            def allContentReceived(self) -> None:
+                section = chunked_trailer(self)
+                seen.append(section and ([bytes(line) for line in section[0]],
+                                         bytes(section[1])))
+                super().allContentReceived()
+
+        channel = _Ending()
+        transport = StringTransport()
+        channel.makeConnection(transport)
+        self.addCleanup(channel.connectionLost, Failure(ConnectionError()))
+        channel.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked"
+                             b"\r\n\r\n0\r\nX-A: 1\r\n\r\n")
+        self.assertEqual(seen, [([b"X-A: 1"], b"")])
+        self.assertIsNone(chunked_trailer(channel))  # the next request has no decoder yet
+
+    def test_chunked_trailer_is_none_for_a_content_length_body(self) -> None:
+        channel, _ = self.channel()
+        channel.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\nab")
+        self.assertIsNone(chunked_trailer(channel))
 
     def test_bad_request_hook_is_what_a_malformed_request_calls(self) -> None:
         self.assertEqual(BAD_REQUEST_HOOK, _Hooked._respondToBadRequestAndDisconnect.__name__)

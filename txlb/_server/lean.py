@@ -73,9 +73,12 @@ from txlb._server.quiet import RepeatSummary
 from txlb._server.site import (
     CHUNKS_TOO_SMALL,
     CONNECT_REFUSED,
+    CONNECTION_FIELDS,
+    CONNECTION_TRAILER,
     MAX_HEAD_BYTES,
     MAX_HEADERS,
     MAX_LINE,
+    TARGET_REFUSED,
     TOKEN_SEPARATORS,
     VALID_HOST,
     VISIBLE_ASCII,
@@ -83,6 +86,7 @@ from txlb._server.site import (
     codings,
     log_slow_head,
     raw_response,
+    valid_target_form,
 )
 
 log = Logger(namespace="txlb._server.site")
@@ -474,7 +478,13 @@ class LeanChannel(Protocol):
         head = self._head
         assert head is not None
         if head.request is not None:
-            return  # a trailer: dropped, as twisted.web drops them (_FRAMING_LIMIT bounds them)
+            # a trailer: dropped, as twisted.web drops them (_FRAMING_LIMIT bounds them);
+            # llhttp refuses a malformed one, or Content-Length and Transfer-Encoding, and
+            # closes after the answer when one says Connection: close -- refused instead,
+            # as lb.site() refuses it, rather than taking the next request for a fault
+            if name.lower() in CONNECTION_FIELDS:
+                self._refuse_now(400, CONNECTION_TRAILER)
+            return
         line = len(name) + len(value) + 2
         if line > MAX_LINE:
             self._refuse_now(431, "request header fields too large")
@@ -546,6 +556,9 @@ class LeanChannel(Protocol):
             # as ProxyChannel: no tunnel, and nothing after the head is read (llhttp would
             # hand it over as the tunnel's bytes)
             self._refuse_now(405, CONNECT_REFUSED)
+        if not valid_target_form(target):
+            # llhttp takes "*?a=b" (and "**") for a target: it is not "*" (RFC 9112 3.2.4)
+            self._refuse_now(400, TARGET_REFUSED)
         chunked = bool(head.codings)
         if chunked:
             head.pace = ChunkPace()

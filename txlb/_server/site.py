@@ -31,10 +31,17 @@ for a second request nobody checked (request smuggling).  RFC 9112 §6.1-6.3 and
   control character in a header value: 400, as llhttp answers on the lean server
   (:mod:`txlb._server.lean`).
 * A request target with a byte that is not visible ASCII (twisted.web lets DEL and
-  0x80-0xB0 through): 400.
+  0x80-0xB0 through), or one that is no path, no absolute URL and not exactly ``*``
+  (``*?a=b`` is not ``*``): 400.
+* A chunked body's trailers are dropped, but a trailer line that is not a field line (a
+  bare CR or LF, a control character, obs-fold, a name that is no token) or that says
+  ``Content-Length``, ``Transfer-Encoding`` or ``Connection`` is 400, as llhttp refuses
+  it: twisted.web reads trailer lines only at CRLF, so a request pipelined behind
+  ``X-T: 1\\n\\r\\n`` was taken for a trailer.
 * ``Connection`` is a comma-separated token list over every ``Connection`` line:
   ``keep-alive, close`` closes.
-* ``CONNECT``: 405 (txlb opens no tunnels; what follows its head is no request).
+* ``CONNECT``: 405 (txlb opens no tunnels; what follows its head is no request); in another
+  case (``connect``): 400, as llhttp refuses it.
 
 Every such refusal has the OpenAI-style JSON body of :func:`txlb._proxy.errors.error_body`, says
 ``Connection: close``, closes the connection, and never reaches the proxy.
@@ -55,7 +62,7 @@ from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 from twisted.web.server import version as server_version
 
-from txlb._compat import parsed_request_line, unterminated_line
+from txlb._compat import chunked_trailer, parsed_request_line, unterminated_line
 from txlb._proxy.errors import error_body
 from txlb._server.quiet import RepeatSummary
 
@@ -80,6 +87,39 @@ _CONTROLS = bytes([*range(0x01, 0x09), *range(0x0B, 0x0D), *range(0x0E, 0x20), 0
 
 #: What a request target may hold (RFC 9112 §3.2: URI characters, all visible ASCII).
 _VISIBLE_ASCII = bytes(range(0x21, 0x7F))
+
+#: RFC 9110 5.6.2's token, the characters of a field name.
+_TCHAR = rb"!#$%&'*+.^_`|~0-9A-Za-z-"
+#: What a field value may hold, as llhttp reads one: tabs, spaces, visible ASCII and bytes
+#: over 0x7F (obs-text) -- no other control character, no bare CR or LF.
+_VALUE_CHARS = rb"\t\x20-\x7e\x80-\xff"
+#: A whole trailer line, without its CRLF: a field line, as in the head (RFC 9112 7.1.2).
+_TRAILER_LINE = re.compile(rb"([%s]+):[%s]*" % (_TCHAR, _VALUE_CHARS))
+#: What arrived of a trailer line not ended yet, before its colon and after it: a CR may
+#: only be the last byte so far (the CR of its CRLF).
+_TRAILER_NAME_PART = re.compile(rb"[%s]*(?::[%s]*)?\r?" % (_TCHAR, _VALUE_CHARS))
+_TRAILER_VALUE_PART = re.compile(rb"[%s]*\r?" % _VALUE_CHARS)
+#: Trailer fields llhttp refuses, as a second length of a body whose length is known.
+_FRAMING_FIELDS = frozenset({b"content-length", b"transfer-encoding"})
+#: Trailer fields that would change the connection once the body is read: llhttp closes
+#: after a trailer saying ``close``, twisted.web drops it.  Refused on both servers.
+CONNECTION_FIELDS = frozenset({b"connection", b"proxy-connection"})
+CONNECTION_TRAILER = "a trailer may not say how the connection is used (Connection)"
+
+#: RFC 9112 3.2: absolute-form's scheme and ``://``.
+_ABSOLUTE_FORM = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*://")
+#: The refusal of a target that is no path, no absolute URL and not exactly ``*``.
+TARGET_REFUSED = "the request target must be a path, an absolute URL or exactly *"
+
+
+def valid_target_form(target: bytes) -> bool:
+    """
+    Whether ``target`` is in origin-form (``/...``), absolute-form (``http://...``) or
+    asterisk-form -- which is ``*`` alone (RFC 9112 3.2.4): ``*?a=b`` is no form at all,
+    and must not be taken for ``*``.  (Authority-form is CONNECT's, refused before.)
+    """
+    return target[:1] == b"/" or target == b"*" or _ABSOLUTE_FORM.match(target) is not None
+
 
 #: ``Connection`` tokens are comma-separated (RFC 9110 §7.6.1); whitespace separates too,
 #: as twisted.web reads it, so that every spelling that could mean "close" closes.
@@ -178,12 +218,20 @@ class ProxyChannel(HTTPChannel):
         self._awaiting_head = True
         self._head_deadline: IDelayedCall | None = None
         self._closing = False
+        #: how deep in dataReceived: twisted.web calls it again from within itself when a
+        #: request answered during a read lets the next one be parsed
+        self._receiving = 0
         self._reset_head()
 
     def _reset_head(self) -> None:
-        """What the framing checks remember of the head being parsed."""
+        """What the framing checks remember of the head (and trailers) being parsed."""
         self._host_lines = 0
         self._transfer_codings: list[bytes] = []
+        #: trailer lines already checked; how much of the line not ended yet was, and
+        #: whether its colon was among it
+        self._trailer_lines = 0
+        self._trailer_checked = 0
+        self._trailer_value = False
 
     def connectionMade(self) -> None:
         super().connectionMade()
@@ -199,11 +247,68 @@ class ProxyChannel(HTTPChannel):
             return  # refused: whatever follows is never parsed, so never forwarded
         if self._awaiting_head and self._head_deadline is None:
             self._head_deadline = self.callLater(self.header_timeout, self._head_too_slow)
-        super().dataReceived(data)
+        self._receiving += 1
+        try:
+            super().dataReceived(data)
+        finally:
+            self._receiving -= 1
+        if self._receiving:
+            # called from within itself (a request answered during the read, the next one
+            # handed back to be parsed): the line buffer still holds whole lines the outer
+            # call has yet to parse, so only the outer call can tell an unended line
+            return
         if self._awaiting_head and not self._closing and b"\n" in unterminated_line(self):
             # a line of the head ended by a bare LF: twisted.web would wait for a CRLF that
             # never comes; refused at once, as llhttp (the lean server) refuses it
             self.refuse(400, "a line of the request head ends without CR")
+
+    def rawDataReceived(self, data: bytes) -> None:
+        super().rawDataReceived(data)
+        if not self._closing:
+            self._check_trailers()
+
+    def allContentReceived(self) -> None:
+        if not self._check_trailers():
+            return  # refused: the request never reaches the resource
+        super().allContentReceived()
+
+    def _check_trailers(self) -> bool:
+        """
+        Refuse a chunked body's trailer section that llhttp, the lean server's parser,
+        refuses: a line that is not a field line (a bare CR or LF, NUL or another control
+        character, obs-fold, a name that is not a token), ``Content-Length`` or
+        ``Transfer-Encoding``, ``Connection``.  twisted.web drops trailers unchecked and
+        reads lines only at CRLF: ``X-T: 1\\n\\r\\n`` followed by a pipelined request
+        made that request a trailer, where a parser ending lines at LF sees a request.
+        Checked as the bytes arrive (each only once) and before the request goes on.
+        Returns ``False`` once refused.
+        """
+        section = chunked_trailer(self)
+        if section is None:
+            return True
+        lines, partial = section
+        if len(lines) > self._trailer_lines:
+            for line in lines[self._trailer_lines:]:
+                field = _TRAILER_LINE.fullmatch(line)
+                name = field.group(1).lower() if field is not None else b""
+                if field is None or name in _FRAMING_FIELDS:
+                    return self.refuse(400, "malformed request body framing")
+                if name in CONNECTION_FIELDS:
+                    return self.refuse(400, CONNECTION_TRAILER)
+            self._trailer_lines = len(lines)
+            self._trailer_checked, self._trailer_value = 0, False  # a new line begins
+        arrived = partial[self._trailer_checked:]
+        part = _TRAILER_VALUE_PART if self._trailer_value else _TRAILER_NAME_PART
+        if partial[:1] == b":" or not part.fullmatch(arrived):
+            return self.refuse(400, "malformed request body framing")
+        if not self._trailer_value and b":" in arrived:
+            self._trailer_value = True
+            if bytes(partial[:partial.index(b":")]).lower() in _FRAMING_FIELDS:
+                # llhttp refuses a second length as soon as its name is read
+                return self.refuse(400, "malformed request body framing")
+        # a CR last is checked again with what follows it (a CRLF ends the line)
+        self._trailer_checked = len(partial) - partial.endswith(b"\r")
+        return True
 
     def lineReceived(self, line: bytes) -> None:
         if self._awaiting_head and line[:1] in (b" ", b"\t") and not self._closing:
@@ -276,6 +381,15 @@ class ProxyChannel(HTTPChannel):
             # a tunnel, asked of a proxy: txlb opens none (nginx: 405), and what follows
             # the head would be the tunnel's bytes, not a request -- nothing more is read
             self.refuse(405, CONNECT_REFUSED)
+            return
+        if method is not None and method.upper() == b"CONNECT":
+            # methods are case-sensitive (RFC 9110 9.1): "connect" is no CONNECT here, but
+            # a backend reading it as one would take what follows for a tunnel's bytes;
+            # llhttp (the lean server) refuses it as an unknown method
+            self.refuse(400, "malformed request line or headers")
+            return
+        if target is not None and not valid_target_form(target):
+            self.refuse(400, TARGET_REFUSED)
             return
         super().allHeadersReceived()
 
