@@ -103,6 +103,9 @@ CASES: tuple[Case, ...] = (
          (BACKEND,), False, (GET_T,)),
     Case("obs-fold is refused", _get(b"/t", b"X-Folded: one", b" two") + SMUGGLED,
          (400,), True),
+    Case("Proxy-Connection: close closes after the answer",
+         _get(b"/t", b"Proxy-Connection: close") + _get(b"/next"), (BACKEND,), True,
+         (GET_T,)),
     Case("Connection: close", _get(b"/t", b"Connection: close"), (BACKEND,), True,
          (GET_T,)),
     Case("Connection: keep-alive,close", _get(b"/t", b"Connection: keep-alive,close")

@@ -512,7 +512,9 @@ class LeanChannel(Protocol):
                 head.content_length = int(value)  # llhttp let only digits through, once
             except ValueError:
                 self._refuse_now(400, "malformed request line or headers")
-        elif lowered == b"connection":
+        elif lowered == b"connection" or lowered == b"proxy-connection":
+            # llhttp reads Proxy-Connection as Connection: a close in it ends the connection
+            # after this answer (and nothing after it is parsed), on both servers
             head.connection.append(value)
         elif lowered == b"expect" and head.expect is None:
             head.expect = value.rstrip(b" \t")

@@ -398,9 +398,13 @@ class ProxyChannel(HTTPChannel):
         Keep the connection open unless the client asked to close it, reading every
         ``Connection`` line as a token list (twisted.web reads only the first line, split
         on spaces, so ``keep-alive,close`` would stay open).  HTTP/1.0 always closes.
+        ``Proxy-Connection`` (an old client's word for the same thing, which llhttp reads
+        as ``Connection``) closes too, as on the main port.
         """
+        headers = request.requestHeaders
         tokens = {token.lower()
-                  for value in request.requestHeaders.getRawHeaders(b"connection", [])
+                  for name in (b"connection", b"proxy-connection")
+                  for value in headers.getRawHeaders(name, [])
                   for token in _TOKEN_SEPARATORS.split(value) if token}
         if version == b"HTTP/1.1" and b"close" not in tokens:
             return True
