@@ -96,6 +96,20 @@ class TextLineTests(SynchronousTestCase):
         self.assertEqual(summary.clen, 11)
         self.assertEqual(summary.preview, "图片显示一位年长的男性")
 
+    def test_a_stream_is_read_as_one_by_its_type_or_by_its_first_event(self) -> None:
+        """
+        Either says it: a text/event-stream that opens with a comment (': ping'), or SSE
+        events sent under another Content-Type (an engine that does not set it).
+        """
+        from txlb._records.summary import parse_completion
+
+        events = sse(delta(content="hi"), delta(finish="stop"))
+        for body, content_type in ((b": ping\n\n" + events, b"text/event-stream"),
+                                   (events, None), (events, b"application/json")):
+            read = parse_completion(body, content_type)
+            self.assertEqual((read.stream, "".join(read.content), read.finish),
+                             (True, "hi", "stop"), (body[:8], content_type))
+
     def test_completions_endpoint_text(self) -> None:
         stream = sse({"choices": [{"index": 0, "text": "abc", "finish_reason": None}]},
                      {"choices": [{"index": 0, "text": "def", "finish_reason": "stop"}]})
@@ -634,6 +648,17 @@ class LongStreamTests(SynchronousTestCase):
 
     def events(self) -> list[bytes]:
         return [self.CHUNK] * (CAPTURE_LIMIT // len(self.CHUNK) + 3000) + [self.END]
+
+    def test_past_the_capture_the_tail_is_its_last_tail_limit_bytes(self) -> None:
+        """The bound is exact: chunks that add up to it leave it full, never a chunk over."""
+        past = record(content_type=b"application/octet-stream")  # kept raw
+        past.capture(b"x" * CAPTURE_LIMIT)
+        quarter = TAIL_LIMIT // 4
+        for n in range(8):
+            past.capture(bytes([65 + n]) * quarter)
+        self.assertEqual(past.tail_size, TAIL_LIMIT)
+        self.assertEqual(b"".join(past.tail), b"".join(
+            bytes([65 + n]) * quarter for n in range(4, 8)))
 
     def check(self, long: RequestRecord) -> None:
         self.assertTrue(long.truncated)
