@@ -258,6 +258,27 @@ class BodyMemoryTests(SynchronousTestCase):
         self.assertIn(b"malformed request body framing", response.body)
         self.assertEqual(self.reader.bodies, [])
 
+    def test_a_read_held_behind_a_waiting_request_is_not_framing(self) -> None:
+        """
+        Over TLS a read can arrive while reading is paused (every record of one socket
+        read is handed on): one answer held, one request queued, a chunked body begun.
+        The part of the read held back unparsed was counted as framing, then again when
+        parsed, and a client's chunk of 32 KiB was refused.
+        """
+        from ..unit.test_review_lean import _Hold
+
+        held = _Hold()
+        site = LeanSite(held, max_body=1 << 20, header_timeout=5, reactor=Clock())
+        client = ClientConnection(site)
+        get = b"GET /1 HTTP/1.1\r\nHost: x\r\n\r\n"
+        client.send(get + get + b"POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked"
+                    b"\r\n\r\n8000\r\n" + b"a" * 100)
+        client.send(b"a" * (0x8000 - 100) + b"\r\n0\r\n\r\n")
+        for _ in range(2):  # the answers before it, then it is parsed and in line
+            held.rendered[-1].finish()
+        self.assertEqual(len(held.rendered), 3, client.transport.value())
+        self.assertEqual(held.rendered[2].content.read(), b"a" * 0x8000)
+
     def test_framing_in_proportion_to_the_payload_is_fine(self) -> None:
         """Chunks of 64 bytes with a 40-byte extension each: framing under the payload."""
         client = ClientConnection(self.site)

@@ -317,7 +317,9 @@ class LeanChannel(Protocol):
                     self.refuse(431, "request header fields too large")
             elif head is before and payload >= 0 and head is not None and not self._closing:
                 # a chunked body: its framing bytes are bounded too (_FRAMING_LIMIT)
-                head.framing += len(data) - (head.body_size - payload)
+                # what of the read was parsed (a part held back behind a waiting request
+                # is counted when it is parsed) and was not payload
+                head.framing += len(data) - len(self._held) - (head.body_size - payload)
                 if head.framing > _FRAMING_LIMIT + head.body_size:
                     self.refuse(400, "malformed request body framing")
             elif (head is None and self._deadline is None and self._upgrading is None
