@@ -21,12 +21,32 @@ TWO = THREE[:2]
 STEP = 0.05
 
 
+class TurnClock(Clock):
+    """
+    A Clock that runs, at each advance, only the calls due when it began, as the reactor
+    runs its timed calls once a turn: a call scheduled from one of them waits for the next
+    advance -- the reads of a turn come between.
+    """
+
+    def advance(self, amount: float) -> None:
+        self.rightNow += amount
+        due = sorted((call for call in self.calls if call.getTime() <= self.seconds()),
+                     key=lambda call: call.getTime())
+        for call in due:
+            if call in self.calls:
+                self.calls.remove(call)
+                call.called = 1
+                call.func(*call.args, **call.kw)
+
+
 class HungTestCase(SynchronousTestCase):
     #: the fleet of each test
     backends = THREE
+    #: the reactor's time
+    clock_factory: Any = Clock
 
     def setUp(self) -> None:
-        self.clock = Clock()
+        self.clock = self.clock_factory()
         self.upstream = FakeUpstream()
         self.probes = FakeUpstream()
         self.lb = LoadBalancer(self.backends, reactor=self.clock, agent=self.upstream,
@@ -718,3 +738,25 @@ class RobustnessTests(HungTestCase):
         self.clock.advance(0.25)
         self.assertEqual(len(calls), 2)
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 2)
+
+
+class LateTurnTests(HungTestCase):
+    clock_factory = TurnClock
+
+    def test_a_probe_answered_while_txlb_was_held_up_clears_it(self) -> None:
+        """
+        txlb itself held up past the probe's 1 s (a long collection, a heavy request): the
+        engine's 200 is in the socket, unread, when the time runs out.  The verdict waits a
+        turn, whose reads take it: slow, not hung.
+        """
+        self.open_streams(6)
+        quiet = THREE[0]
+        self.flow(1, flowing=set(THREE))
+        while not self.probes.calls:
+            self.flow(STEP, flowing=set(THREE[1:]))
+        (probe,) = self.probes.calls
+        self.clock.advance(1.5)  # one late turn: the timers due run ...
+        if not probe.deferred.called:  # (given up already, the answer would go unread)
+            probe.respond(FakeResponse(200, length=0)).end()  # ... then its reads
+        self.clock.advance(0)
+        self.assertTrue(self.backend(quiet).healthy, self.reasons)

@@ -353,7 +353,28 @@ class HangDetector(Service):
             probe = self.probe(backend)
         except Exception:
             probe = defer.fail()
-        probe.addTimeout(self.probe_timeout, self.clock)
+        # the probe's time runs out one reactor turn after probe_timeout: a reactor held up
+        # past it (a long collection, a heavy request) has the answer unread in its socket
+        # yet, and the turn's reads take it before the verdict (as ``check`` ignores a late
+        # tick); on a Clock the turn is the same advance
+        clock = self.clock
+        pending: list[Any] = []
+
+        def give_up() -> None:
+            pending.clear()
+            probe.cancel()  # a head that came with no body end is cancelled too (chained)
+
+        pending.append(clock.callLater(
+            self.probe_timeout,
+            lambda: pending.__setitem__(0, clock.callLater(0, give_up))))
+
+        def stop_timer(result: object) -> object:
+            for call in pending:
+                if call.active():
+                    call.cancel()
+            return result
+
+        probe.addBoth(stop_timer)
         self._probing[backend] = probe
         started = self.clock.seconds()
 
@@ -395,10 +416,9 @@ class HangDetector(Service):
 
 def timed_out(failure: Failure) -> bool:
     """
-    Whether a probe given ``addTimeout`` failed by running out of time.  Twisted's Agent
-    turns the cancellation into ``ResponseNeverReceived([CancelledError])`` (or
-    ``ResponseFailed`` once the head came), which ``addTimeout`` does not translate into
-    its ``TimeoutError``.
+    Whether a probe failed by running out of time (cancelled when it did, see
+    :meth:`HangDetector._confirm`).  Twisted's Agent turns the cancellation into
+    ``ResponseNeverReceived([CancelledError])`` (or ``ResponseFailed`` once the head came).
     """
     if failure.check(defer.TimeoutError, neterror.TimeoutError, defer.CancelledError):
         return True

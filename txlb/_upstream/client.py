@@ -247,7 +247,9 @@ def has_spoken(transport: Any) -> bool:
     close that reaches txlb in the same turn as a new request is otherwise found only once
     the request is written -- and if txlb is slow to read it, later than the resend window
     (:mod:`txlb._upstream.resend`) allows, so the client would get a 502 for a request no
-    backend ever saw.  A transport without a socket (TLS, tests) is taken as it is.
+    backend ever saw.  txlb reaches backends over plain TCP (``connectTCP``); a transport
+    without a socket (in tests) is taken as it is.  Over TLS the raw socket would show
+    records the TLS layer has not read (a session ticket) and waste a good connection.
     """
     peek = getattr(getattr(transport, "socket", None), "recv", None)
     if peek is None:
