@@ -10,7 +10,6 @@ tests run the whole balancer in memory.
 from __future__ import annotations
 
 import ipaddress
-import math
 import random
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -33,7 +32,6 @@ from txlb._admin.history import History, HistoryService
 from txlb._cluster.backend import Backend
 from txlb._cluster.health import HealthChecker
 from txlb._cluster.hung import HangDetector
-from txlb._cluster.outlier import OutlierRule
 from txlb._cluster.pool import Pool
 from txlb._cluster.store import IBackendStore, IInFlightCounts, LocalStore
 from txlb._config import OPTIONS, Config, build_config
@@ -55,15 +53,14 @@ from txlb._records.metrics import Metrics
 from txlb._records.needs import Needs
 from txlb._records.observer import IRequestObserver
 from txlb._records.resultlog import ResultLog, open_result_log
-from txlb._records.summary import Summary, privacy_of
+from txlb._records.summary import Privacy, Summary
 from txlb._reload import ConfigSource, Reconfigurable, Reloader
-from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.budgets import TokenBudgets
 from txlb._scheduling.classes import PriorityClasses
 from txlb._scheduling.policies import IPolicy
 from txlb._scheduling.policies.registry import make_policy
-from txlb._scheduling.ratelimit import RateLimiter, client_key
-from txlb._scheduling.router import ModelRoute, Router
+from txlb._scheduling.ratelimit import rate_limiter_for
+from txlb._scheduling.router import Router
 from txlb._server.lean import LeanSite
 from txlb._server.quiet import QuietConnectionPool, RepeatSummary
 from txlb._server.site import ProxySite
@@ -116,7 +113,7 @@ class _LifecycleService(Service):
     def stopService(self) -> Deferred[None]:
         super().stopService()
         balancer = self._balancer
-        balancer.proxy.shutting_down = True
+        balancer.proxy.shut_down()
         in_flight = balancer.pool.in_flight
         if in_flight:
             log.info("shutting down: waiting up to {timeout:g}s for {count} requests in flight",
@@ -260,7 +257,6 @@ class LoadBalancer:
                 # quiet: two "Starting/Stopping factory" lines per probe would flood the log
                 pool=QuietConnectionPool(reactor, persistent=False),
             )
-        self.privacy = privacy_of(config)
         #: per-request warnings, summarised per kind: one line a minute each, not per request
         self.repeats = RepeatSummary(reactor)
         self.result_log = open_result_log(
@@ -271,9 +267,9 @@ class LoadBalancer:
         if store is None and config.shared_state is not None:
             store = RedisStore(config.shared_state, reactor)
         self.store = store if store is not None else LocalStore(counts=inflight)
-        self.pool = Pool(config.backends, clock=reactor, outliers=OutlierRule(
-            consecutive_5xx=config.outlier_5xx, base_cooldown=config.outlier_cooldown),
-            slow_start=config.slow_start, store=self.store)
+        self.pool = Pool(config.backends, clock=reactor, store=self.store)
+        # the outlier rule and slow start, before any backend ramps
+        self.pool.reconfigure(config)
         self.metrics = Metrics(self.pool)
         if isinstance(self.store, RedisStore):
             # marks other replicas saved reach the pool; a slot they freed wakes the queue
@@ -283,7 +279,6 @@ class LoadBalancer:
             self.slots = SharedSlots(self.store, self.pool.capacity_changed)
             self.pool.gate = self.slots
             self.metrics.registry.register(self.slots.collector())
-        retry_after = max(1, math.ceil(config.health_interval))
         #: whether the policy is the one ``--policy`` names (a reload may replace it),
         #: not an embedder's own object (which a reload keeps)
         self.owns_policy = policy is None
@@ -299,18 +294,7 @@ class LoadBalancer:
         #: the priority classes: how a request's class is found and how each class waits;
         #: ``reconfigure(config)`` changes them in place, the queue keeps its waiters
         self.classes = PriorityClasses(config)
-        self.router = Router(
-            self.pool,
-            self.policy,
-            reactor,
-            queue_timeout=config.queue_timeout,
-            retry_after=retry_after,
-            forward_unknown_models=config.unknown_model == "forward",
-            routes={r.model: ModelRoute(r.model, r.targets) for r in config.routes},
-            affinity=BoundedLoadRing() if config.affinity else None,
-            rng=rng,
-            classes=self.classes,
-        )
+        self.router = Router(self.pool, self.policy, reactor, rng=rng, classes=self.classes)
         self.history = History(reactor, self._current_backends,
                                lambda: self.router.queue_length)
         self.metrics.state.queue_length = lambda: self.router.queue_length
@@ -333,7 +317,7 @@ class LoadBalancer:
         self.budgets = TokenBudgets(config, self.store.token_levels(reactor))
         self.metrics.watch_budgets(self.budgets)
         #: every finished request is summarised once, for these consumers (in this order)
-        self.summaries = SummaryFeed(self.privacy, [
+        self.summaries = SummaryFeed(consumers=[
             pool_results(self.pool),
             policy_learns(self.pool, self.policy),
             budget_reconciles(self.budgets),
@@ -362,24 +346,13 @@ class LoadBalancer:
             upstream=self.upstream,
             clock=reactor,
             read_timeout=config.read_timeout,
-            send_timeout=config.send_timeout,
-            retries=config.retries,
-            retry_window=config.retry_window,
             observer=self.observer,
-            client_key=lambda request: client_key(request, config.rate_key),
-            x_backend=config.x_backend,
             repeats=self.repeats,
             live=live,
             left_unanswered=self.hung.left_unanswered,
         )
-        limiter = None
-        if config.rate_limit is not None:
-            burst = config.rate_burst or max(1, math.ceil(config.rate_limit))
-            limiter = RateLimiter(self.store.rate_buckets(config.rate_limit, burst, reactor),
-                                  config.rate_key)
-        self.proxy = ProxyResource(self.router, context, retry_after=retry_after,
-                                   affinity=config.affinity, rate_limiter=limiter,
-                                   max_body=config.max_body, lb_status=config.lb_status,
+        limiter, _ = rate_limiter_for(config, self.store, reactor)
+        self.proxy = ProxyResource(self.router, context, rate_limiter=limiter,
                                    budgets=self.budgets)
         #: the backends ``dns:``/``srv:`` names yield (resolved only where membership is
         #: owned: see :meth:`service`); the resolver is made when a name first needs one
@@ -387,15 +360,47 @@ class LoadBalancer:
         self.dns = DnsMembership(self.pool, config, resolver, reactor,
                                  on_added=self.health.probe_soon,
                                  make_resolver=lambda: system_resolver(servers, reactor))
-        #: the sites and admin APIs built so far: a reload retunes them too
+        #: the sites built so far (:meth:`main_factory`, :meth:`site`)
         self.sites: list[ProxySite | LeanSite] = []
-        self.admins: list[Any] = []
-        #: other runtime parts that take a reloaded config themselves, each
-        #: ``reconfigure(config)`` after the balancer's own parts have taken it
-        self.reconfigurable: list[Reconfigurable] = [self.classes, self.budgets, self.dns]
+        #: every part made from the config, each told a reloaded one by its
+        #: ``reconfigure(config)``, in this order: the one road from a config to the running
+        #: parts, at start-up (:meth:`_take`) and on every reload (:mod:`txlb._reload`).
+        #: The sites and admin APIs join it as they are built; an embedder's or a worker's
+        #: own parts may too.
+        self.reconfigurable: list[Reconfigurable] = [
+            self.pool, self.router, self.health, self.hung, context, self.upstream,
+            self.proxy, self.summaries, self.classes, self.budgets, self.dns]
+        if self.result_log is not None:
+            self.reconfigurable.append(self.result_log)
+        for part in self.reconfigurable:
+            if part not in (self.pool, self.classes, self.budgets, self.dns):
+                part.reconfigure(config)  # those four were made from the config above
         #: reloads (``kill -HUP``, ``POST /reload``): ``source`` is where the config is
         #: read again (the command line and environment as started, the file as it is now)
         self.reloader = Reloader(self, source, reactor)
+
+    @property
+    def privacy(self) -> Privacy:
+        """What the result log keeps of a request's content and user (``--log-*``)."""
+        return self.summaries.privacy
+
+    def _take(self, part: Reconfigurable) -> None:
+        """A part built after start-up: made to the running config, and told each reload's."""
+        part.reconfigure(self.config)
+        self.reconfigurable.append(part)
+
+    def use_policy(self, policy: IPolicy) -> None:
+        """
+        Route by ``policy`` from the next request on (a reload's new ``--policy``): the
+        router chooses with it, it learns from the answers, the health checks read the
+        engine metrics it needs, and the fleet's shared index hashes with its key.
+        """
+        self.policy = policy
+        self.router.use_policy(policy)
+        self.health.scrape_engines(bool(policy.needs_engine_metrics))
+        if self.shared_index is not None:
+            self.shared_index.attach()
+        self.summaries.replace(policy_learns(self.pool, policy))
 
     def reload(self, new_config: Config) -> int:
         """
@@ -456,15 +461,16 @@ class LoadBalancer:
                 extra.update(extra_status())
             return extra
 
-        admin = Admin(self.pool, self.metrics, self.config.admin_token,
+        # its token and allowed hosts are the config's: _take below
+        admin = Admin(self.pool, self.metrics, None,
                       on_added=self.health.probe_soon, clock=self.reactor,
-                      extra_status=status, allowed_hosts=self.config.admin_hosts,
+                      extra_status=status,
                       history=self.history,
                       # the policy of the moment: a reload may replace it
                       describe=lambda backend: self.policy.describe(backend),
                       reload=lambda: self.reload_from_source("POST /reload"),
                       config_status=self.reloader.generation.status)
-        self.admins.append(admin)
+        self._take(admin)
         return admin.resource()
 
     def main_factory(self) -> LeanSite:
@@ -474,10 +480,9 @@ class LoadBalancer:
         per request).  What ``twistd llmlb``, its ``--workers`` and ``txlb.demo`` listen
         with; a reload retunes its ``--max-body`` and ``--header-timeout``.
         """
-        factory = LeanSite(self.proxy, max_body=self.config.max_body,
-                           header_timeout=self.config.header_timeout,
-                           on_refused=self.proxy.log_refused, reactor=self.reactor,
+        factory = LeanSite(self.proxy, on_refused=self.proxy.log_refused, reactor=self.reactor,
                            repeats=self.repeats)
+        self._take(factory)
         self.sites.append(factory)
         return factory
 
@@ -487,10 +492,9 @@ class LoadBalancer:
         rules as :meth:`main_factory` -- for an embedder who wants a ``Site`` object (to
         wrap, or to serve with other twisted.web machinery).
         """
-        site = ProxySite(self.proxy, max_body=self.config.max_body,
-                         header_timeout=self.config.header_timeout,
-                         on_refused=self.proxy.log_refused, reactor=self.reactor,
+        site = ProxySite(self.proxy, on_refused=self.proxy.log_refused, reactor=self.reactor,
                          repeats=self.repeats)
+        self._take(site)
         self.sites.append(site)
         return site
 

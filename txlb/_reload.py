@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -40,16 +39,10 @@ from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 
 from txlb._cluster.backend import Backend
-from txlb._cluster.outlier import OutlierRule
 from txlb._config import BackendSpec, Config, ConfigError, build_config, read_toml
-from txlb._records.bookkeeper import policy_learns
-from txlb._records.summary import privacy_of
-from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.policies import IPolicy, PolicyFactory
 from txlb._scheduling.policies.registry import find_factory, make_policy
-from txlb._scheduling.ratelimit import RateLimiter, TokenBuckets, client_key
-from txlb._scheduling.router import ModelRoute
-from txlb._upstream.client import UpstreamClient
+from txlb._scheduling.ratelimit import RateLimiter, TokenBuckets, rate_burst, rate_limiter_for
 
 if TYPE_CHECKING:
     from txlb._balancer import LoadBalancer
@@ -213,21 +206,7 @@ def _policy(lb: LoadBalancer, config: Config) -> IPolicy:
 
 def _limiter(lb: LoadBalancer, config: Config) -> tuple[RateLimiter | None, bool]:
     """The rate limiter after the reload, and whether its buckets take new parameters."""
-    if config.rate_limit is None:
-        return None, False
-    burst = config.rate_burst or max(1, math.ceil(config.rate_limit))
-    running = lb.proxy.rate_limiter
-    if running is None:
-        return RateLimiter(lb.store.rate_buckets(config.rate_limit, burst, lb.reactor),
-                           config.rate_key), False
-    buckets = running.buckets
-    old = lb.config
-    old_burst = old.rate_burst or max(1, math.ceil(old.rate_limit or 1))
-    retune = (config.rate_limit, burst) != (old.rate_limit, old_burst)
-    if retune and not isinstance(buckets, TokenBuckets):
-        # a shared store's buckets: new ones of the new parameters
-        buckets, retune = lb.store.rate_buckets(config.rate_limit, burst, lb.reactor), False
-    return RateLimiter(buckets, config.rate_key), retune
+    return rate_limiter_for(config, lb.store, lb.reactor, lb.proxy.rate_limiter, lb.config)
 
 
 def plan_reload(lb: LoadBalancer, new: Config, membership: bool = True) -> _Plan:
@@ -273,8 +252,6 @@ def apply_reload(lb: LoadBalancer, plan: _Plan) -> None:
     """Make ``plan`` so: nothing here refuses (see the module docstring)."""
     config = plan.config
     pool = lb.pool
-    pool.retune(OutlierRule(consecutive_5xx=config.outlier_5xx,
-                            base_cooldown=config.outlier_cooldown), config.slow_start)
     for backend in plan.kept:
         pool.keep(backend)
     for backend, spec in plan.respecified:
@@ -292,59 +269,14 @@ def apply_reload(lb: LoadBalancer, plan: _Plan) -> None:
 
     if plan.policy is not lb.policy:
         log.info("policy {old} replaced by {new}", old=lb.config.policy, new=config.policy)
-        lb.policy = plan.policy
-        if lb.shared_index is not None:  # the new policy hashes with the fleet's key now
-            lb.shared_index.attach()
-        lb.summaries.replace(policy_learns(pool, plan.policy))
-    retry_after = max(1, math.ceil(config.health_interval))
-    router = lb.router
-    affinity = None
-    if config.affinity:
-        affinity = router.affinity if router.affinity is not None else BoundedLoadRing()
-    router.retune(policy=plan.policy,
-                  routes={r.model: ModelRoute(r.model, r.targets) for r in config.routes},
-                  queue_timeout=config.queue_timeout, retry_after=retry_after,
-                  forward_unknown_models=config.unknown_model == "forward",
-                  affinity=affinity)
-    lb.health.retune(interval=config.health_interval, timeout=config.health_timeout,
-                     path=config.health_path, rise=config.rise, fall=config.fall,
-                     scrape_engine_queue=bool(plan.policy.needs_engine_metrics))
-    if config.hung_after:
-        lb.hung.stall = config.hung_after
-
-    context = lb.proxy.context
-    context.read_timeout = config.read_timeout
-    context.send_timeout = config.send_timeout
-    context.retries = config.retries
-    context.retry_window = config.retry_window
-    context.x_backend = config.x_backend
-    rate_key = config.rate_key
-    context.client_key = lambda request: client_key(request, rate_key)
-    if isinstance(lb.upstream, UpstreamClient):
-        lb.upstream.retune(config.connect_timeout)
-
-    proxy = lb.proxy
+        lb.use_policy(plan.policy)
     if plan.retune_buckets and plan.limiter is not None:
-        burst = config.rate_burst or max(1, math.ceil(config.rate_limit or 1))
         buckets = plan.limiter.buckets
         assert isinstance(buckets, TokenBuckets)
-        buckets.retune(config.rate_limit or 1.0, burst)
-    proxy.rate_limiter = plan.limiter
-    proxy.max_body = config.max_body
-    proxy.retry_after = retry_after
-    proxy.affinity = config.affinity
-    proxy.local.lb_status = config.lb_status
-    for site in lb.sites:
-        site.max_body = config.max_body
-        site.header_timeout = config.header_timeout
+        buckets.retune(config.rate_limit or 1.0, rate_burst(config))
+    lb.proxy.limit_rate(plan.limiter)
 
-    lb.privacy = privacy_of(config)
-    lb.summaries.keep_private(lb.privacy)
-    if lb.result_log is not None:
-        lb.result_log.retune(config.log_format, config.log_max_bytes, config.log_backups)
-    for admin in lb.admins:
-        admin.retune(config.admin_token, config.admin_hosts)
-
+    # every part takes the new config: the same road as at start-up (lb.reconfigurable)
     lb.config = config
     for part in list(lb.reconfigurable):
         try:

@@ -543,7 +543,7 @@ class RefusalTests(ReloadTestCase):
         from unittest.mock import patch
 
         self.rewrite("queue-timeout = 3\n" + self.first)
-        with patch.object(self.lb.router, "retune", side_effect=RuntimeError("bug")):
+        with patch.object(self.lb.proxy, "limit_rate", side_effect=RuntimeError("bug")):
             refused = self.refused("POST /reload")
         self.assertEqual(refused.status, 500)
         self.assertIn("failed part-way", refused.message)

@@ -46,7 +46,7 @@ from txlb._admin.history import CAPACITY, SAMPLE_SECONDS, History
 from txlb._cluster.backend import Backend
 from txlb._cluster.models import MAX_MODEL_NAME, MAX_MODEL_NAMES
 from txlb._cluster.pool import Pool
-from txlb._config import ConfigError, _backend_item, parse_backend_address
+from txlb._config import Config, ConfigError, _backend_item, parse_backend_address
 from txlb._records.metrics import Metrics
 
 log = Logger()
@@ -347,13 +347,13 @@ class Admin:
         self._config_status = config_status
         self._guards: list[_Guard] = []
 
-    def retune(self, token: str | None, allowed_hosts: Iterable[str]) -> None:
+    def reconfigure(self, config: Config) -> None:
         """
-        A reload's ``--admin-token`` and ``--admin-hosts``, from the next request on: a
+        ``config``'s ``--admin-token`` and ``--admin-hosts``, from the next request on: a
         token can be rotated without a restart.
         """
+        token, self._allowed_hosts = config.admin_token, tuple(config.admin_hosts)
         self._token = token.encode("utf-8") if token else None
-        self._allowed_hosts = tuple(allowed_hosts)
         for guard in self._guards:
             guard.allow(self._allowed_hosts)
 

@@ -37,6 +37,7 @@ from txlb._cluster.backend import Backend
 from txlb._cluster.engines import prometheus_sum
 from txlb._cluster.hung import timed_out
 from txlb._cluster.pool import Pool
+from txlb._config import Config
 from txlb._upstream.words import describe_failure
 
 __all__ = ["HealthChecker", "prometheus_sum"]
@@ -158,6 +159,16 @@ class HealthChecker(Service):
             self._loop.stop()
         for pending in list(self._probing.values()):
             pending.cancel()
+
+    def reconfigure(self, config: Config) -> None:
+        """``config``'s probes: interval, timeout, path, rise and fall (see :meth:`retune`)."""
+        self.retune(interval=config.health_interval, timeout=config.health_timeout,
+                    path=config.health_path, rise=config.rise, fall=config.fall,
+                    scrape_engine_queue=self.scrape_engine_queue)
+
+    def scrape_engines(self, scrape: bool) -> None:
+        """Whether probes read engine ``/metrics`` too: what the policy of the moment needs."""
+        self.scrape_engine_queue = scrape
 
     def retune(self, *, interval: float, timeout: float, path: str, rise: int, fall: int,
                scrape_engine_queue: bool) -> None:

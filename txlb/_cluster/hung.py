@@ -68,6 +68,7 @@ from twisted.web.client import ResponseFailed, ResponseNeverReceived
 
 from txlb._cluster.backend import Backend
 from txlb._cluster.pool import Pool
+from txlb._config import Config
 
 log = Logger()
 
@@ -169,6 +170,14 @@ class HangDetector(Service):
         self._cleared: dict[Backend, float] = {}
         #: each backend's latest run of requests left unanswered by their clients
         self._unanswered: dict[Backend, _Unanswered] = {}
+
+    def reconfigure(self, config: Config) -> None:
+        """
+        ``config``'s ``--hung-after``, judged from the next tick on.  Turning detection on or
+        off needs a restart (the service runs or not): ``0`` keeps the running stall.
+        """
+        if config.hung_after:
+            self.stall = config.hung_after
 
     def startService(self) -> None:
         super().startService()

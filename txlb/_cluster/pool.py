@@ -25,7 +25,7 @@ from txlb._cluster.backend import Backend, Lease
 from txlb._cluster.models import MAX_MODEL_NAME, MAX_MODEL_NAMES, learn
 from txlb._cluster.outlier import OutlierRule, fleet_can_spare, judge_answer
 from txlb._cluster.store import IBackendStore, IInFlightCounts, LocalStore
-from txlb._config import BackendSpec
+from txlb._config import BackendSpec, Config
 from txlb._records.escape import escape
 
 log = Logger()
@@ -275,6 +275,11 @@ class Pool:
             log.info("backend {backend} stays: {why}", backend=backend.key, why=why)
             self._marked(backend)
             self._changed()
+
+    def reconfigure(self, config: Config) -> None:
+        """``config``'s outlier rule (``--outlier-5xx``, ``--outlier-cooldown``) and slow start."""
+        self.retune(OutlierRule(consecutive_5xx=config.outlier_5xx,
+                                base_cooldown=config.outlier_cooldown), config.slow_start)
 
     def retune(self, outliers: OutlierRule, slow_start: float) -> None:
         """

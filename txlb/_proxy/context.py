@@ -8,6 +8,7 @@ hands it to each :class:`~txlb._proxy.exchange.Exchange`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ from twisted.web.server import Request
 
 from txlb._cluster.backend import Backend, Lease
 from txlb._cluster.pool import Pool
+from txlb._config import Config
 from txlb._records.observer import IRequestObserver, NullObserver
 from txlb._scheduling.ratelimit import client_key
 from txlb._server.quiet import RepeatSummary
@@ -51,6 +53,18 @@ class ProxyContext:
     x_backend: str = "on"
     #: per-request warnings, one line per kind a minute (``None``: every one logged)
     repeats: RepeatSummary | None = None
+
+    def reconfigure(self, config: Config) -> None:
+        """
+        ``config``'s timeouts, retries, ``X-Backend`` exposure and ``--rate-key`` (who a
+        client is, for the outlier streak), for the exchanges that start from now on.
+        """
+        self.read_timeout = config.read_timeout
+        self.send_timeout = config.send_timeout
+        self.retries = config.retries
+        self.retry_window = config.retry_window
+        self.x_backend = config.x_backend
+        self.client_key = functools.partial(client_key, kind=config.rate_key)
 
 
 @attrs.frozen

@@ -14,6 +14,7 @@ import json
 
 from twisted.web.server import Request
 
+from txlb._config import Config
 from txlb._proxy.errors import error_body, write_body
 from txlb._proxy.incoming import exposed_to
 from txlb._scheduling.router import Router
@@ -39,6 +40,10 @@ class LocalAnswers:
         #: who ``GET /__lb_status`` answers: ``on``, ``loopback`` or ``off`` (the others'
         #: requests for it are proxied like any other path)
         self.lb_status = lb_status
+
+    def reconfigure(self, config: Config) -> None:
+        """``config``'s ``--lb-status``, from the next request on."""
+        self.lb_status = config.lb_status
 
     def answer(self, request: Request, path: bytes) -> bytes | None:
         """

@@ -16,6 +16,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from txlb._cluster.backend import Lease
+from txlb._config import Config
 from txlb._proxy.context import ProxyContext, RetryPlan
 from txlb._proxy.errors import error_body, write_body
 from txlb._proxy.exchange import Exchange
@@ -27,7 +28,7 @@ from txlb._records.summary import RequestRecord
 from txlb._scheduling.budgets import TokenBudgets
 from txlb._scheduling.ratelimit import RateLimiter
 from txlb._scheduling.request import RoutingRequest
-from txlb._scheduling.router import Router, RoutingError
+from txlb._scheduling.router import Router, RoutingError, retry_after_of
 from txlb._scheduling.work import WorkBudget, read_json
 
 log = Logger()
@@ -65,6 +66,25 @@ class ProxyResource(Resource):
         self.retry_after = max(1, math.ceil(retry_after))
         self.affinity = affinity
         self.shutting_down = False
+
+    def reconfigure(self, config: Config) -> None:
+        """
+        ``config``'s ``--max-body``, ``--affinity``, ``--lb-status`` and ``Retry-After``,
+        from the next request on.  The rate limiter is a reload's to plan (its buckets may
+        be shared): :meth:`limit_rate`.
+        """
+        self.max_body = config.max_body
+        self.retry_after = retry_after_of(config)
+        self.affinity = config.affinity
+        self.local.reconfigure(config)
+
+    def limit_rate(self, limiter: RateLimiter | None) -> None:
+        """Admit by ``limiter`` from the next request on (``None``: no rate limit)."""
+        self.rate_limiter = limiter
+
+    def shut_down(self) -> None:
+        """Refuse every new request from now on (each kept-alive connection is closed)."""
+        self.shutting_down = True
 
     @property
     def live(self) -> set[Exchange]:

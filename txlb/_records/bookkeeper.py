@@ -26,11 +26,19 @@ from zope.interface import implementer
 
 from txlb._cluster.backend import Backend
 from txlb._cluster.pool import Pool
+from txlb._config import Config
 from txlb._records.metrics import Metrics
 from txlb._records.needs import Needs
 from txlb._records.observer import IRequestObserver
 from txlb._records.outcome import RequestOutcome
-from txlb._records.summary import KEEP_ALL, Privacy, RequestRecord, Summary, summarize
+from txlb._records.summary import (
+    KEEP_ALL,
+    Privacy,
+    RequestRecord,
+    Summary,
+    privacy_of,
+    summarize,
+)
 from txlb._scheduling.budgets import TokenBudgets
 from txlb._scheduling.policies import IPolicy
 from txlb._scheduling.request import RoutingRequest
@@ -115,8 +123,17 @@ class SummaryFeed:
         self._consumers.append(consumer)
 
     def keep_private(self, privacy: Privacy) -> None:
-        """A reload's ``--log-content``, ``--log-user`` and ``--log-error-body``."""
+        """What summaries keep of a request's content and its user from now on."""
         self._privacy = privacy
+
+    def reconfigure(self, config: Config) -> None:
+        """``config``'s ``--log-content``, ``--log-user`` and ``--log-error-body``."""
+        self.keep_private(privacy_of(config))
+
+    @property
+    def privacy(self) -> Privacy:
+        """What summaries keep of a request's content and its user."""
+        return self._privacy
 
     def ended(self, record: RequestRecord) -> None:
         """A request finished here: summarise it, if anyone reads summaries, and feed them."""

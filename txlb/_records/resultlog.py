@@ -24,6 +24,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.logfile import LogFile
 
+from txlb._config import Config
 from txlb._records.fields import FIELDS, json_formatter, text_formatter
 from txlb._records.summary import Summary
 
@@ -80,6 +81,10 @@ class ResultLog:
         self._next_check = 0.0
         self._identity: tuple[int, int] | None = None
         self._open()
+
+    def reconfigure(self, config: Config) -> None:
+        """``config``'s ``--log-format``, ``--log-max-bytes`` and ``--log-backups``."""
+        self.retune(config.log_format, config.log_max_bytes, config.log_backups)
 
     def retune(self, fmt: str, max_bytes: int, backups: int) -> None:
         """

@@ -16,12 +16,17 @@ import hashlib
 import ipaddress
 import math
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.web.server import Request
 from zope.interface import implementer
 
 from txlb._cluster.store import IRateBuckets
+
+if TYPE_CHECKING:
+    from txlb._cluster.store import IBackendStore
+    from txlb._config import Config
 
 #: Live buckets kept at most; a bucket costs roughly 100 bytes.
 MAX_KEYS = 100_000
@@ -155,3 +160,31 @@ class RateLimiter:
         """``None`` if the request may go, else the whole seconds for ``Retry-After``."""
         wait = self.buckets.take(self.client_key(request))
         return None if wait <= 0 else max(1, math.ceil(wait))
+
+
+def rate_burst(config: Config) -> int:
+    """``--rate-burst``, or by default the rate's own second's worth (at least one)."""
+    return config.rate_burst or max(1, math.ceil(config.rate_limit or 1))
+
+
+def rate_limiter_for(config: Config, store: IBackendStore, clock: IReactorTime,
+                     running: RateLimiter | None = None, old: Config | None = None,
+                     ) -> tuple[RateLimiter | None, bool]:
+    """
+    The rate limiter ``config`` asks for (``None`` without ``--rate-limit``), and whether
+    its buckets are ``running``'s, to retune to the new rate and burst in place (what
+    each client has taken is kept).  At start there is none running; a reload passes
+    the running limiter and the ``old`` config.  A shared store's buckets are never
+    retuned in place: new ones of the new parameters.
+    """
+    if config.rate_limit is None:
+        return None, False
+    burst = rate_burst(config)
+    if running is None or old is None:
+        return RateLimiter(store.rate_buckets(config.rate_limit, burst, clock),
+                           config.rate_key), False
+    buckets = running.buckets
+    retune = (config.rate_limit, burst) != (old.rate_limit, rate_burst(old))
+    if retune and not isinstance(buckets, TokenBuckets):
+        buckets, retune = store.rate_buckets(config.rate_limit, burst, clock), False
+    return RateLimiter(buckets, config.rate_key), retune

@@ -17,6 +17,7 @@ all full is passed over, so it never holds up one (of any class) whose backends 
 
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -79,6 +80,14 @@ class _Waiter:
     queued: bool = False
     #: its slot is being confirmed by the pool's gate (--shared-state's max_conns)
     confirming: bool = False
+
+
+def retry_after_of(config: Config) -> int:
+    """
+    ``Retry-After`` of a 503 that no backend could take: the next round of health
+    probes, in whole seconds, at least one -- when a backend may be back.
+    """
+    return max(1, math.ceil(config.health_interval))
 
 
 class Router:
@@ -487,23 +496,30 @@ class Router:
                 continue
             self._serve(waiter, lease, starving)
 
-    def retune(self, *, policy: IPolicy, routes: Mapping[str, ModelRoute],
-               queue_timeout: float, retry_after: int, forward_unknown_models: bool,
-               affinity: BoundedLoadRing | None) -> None:
+    def reconfigure(self, config: Config) -> None:
         """
-        A reloaded config's routing.  Requests already queued keep their place; their
-        deadlines are the priority classes' to recompute (:meth:`_regroup`).
+        ``config``'s routing: model routes, ``--unknown-model``, ``--affinity``, the queue
+        timeout and ``Retry-After``.  Requests already queued keep their place; their
+        deadlines are the priority classes' to recompute (:meth:`_regroup`).  An affinity
+        ring kept on keeps what it has placed.
         """
-        self.policy = policy
-        self._prepares = IPreparesRequests.providedBy(policy)
-        self.routes = dict(routes)
-        self.retry_after = retry_after
-        self.forward_unknown_models = forward_unknown_models
-        self.affinity = affinity
+        self.routes = {route.model: ModelRoute(route.model, route.targets)
+                       for route in config.routes}
+        self.retry_after = retry_after_of(config)
+        self.forward_unknown_models = config.unknown_model == "forward"
+        if not config.affinity:
+            self.affinity = None
+        elif self.affinity is None:
+            self.affinity = BoundedLoadRing()
         # the queued requests' deadlines follow when the priority classes take the same
         # config (PriorityClasses.reconfigure, one of lb.reconfigurable): each class's
         # timeout falls back to --queue-timeout, and the classes' change regroups the queue
-        self.queue_timeout = queue_timeout
+        self.queue_timeout = config.queue_timeout
+
+    def use_policy(self, policy: IPolicy) -> None:
+        """Choose with ``policy`` from the next request on (a reload's new ``--policy``)."""
+        self.policy = policy
+        self._prepares = IPreparesRequests.providedBy(policy)
 
     def _regroup(self) -> None:
         """

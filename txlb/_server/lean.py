@@ -67,6 +67,7 @@ from twisted.web.server import NOT_DONE_YET
 from zope.interface import classImplements
 
 from txlb._compat import alpn_mutates_shared_context
+from txlb._config import Config
 from txlb._proxy.errors import error_body
 from txlb._server.lean_request import LeanRequest
 from txlb._server.quiet import RepeatSummary
@@ -828,6 +829,11 @@ class LeanSite(ServerFactory):
             reactor = default_reactor
         self.clock: IReactorTime = reactor
         self.date = _DateCache(self.clock)
+
+    def reconfigure(self, config: Config) -> None:
+        """``config``'s ``--max-body`` and ``--header-timeout``, from the next request on."""
+        self.max_body = config.max_body
+        self.header_timeout = config.header_timeout
 
     def buildProtocol(self, addr: Any) -> LeanChannel:
         return LeanChannel(self)

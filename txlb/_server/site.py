@@ -63,6 +63,7 @@ from twisted.web.server import Request, Site
 from twisted.web.server import version as server_version
 
 from txlb._compat import chunked_trailer, parsed_request_line, unterminated_line
+from txlb._config import Config
 from txlb._proxy.errors import error_body
 from txlb._server.quiet import RepeatSummary
 
@@ -617,6 +618,11 @@ class ProxySite(Site):
         self.header_timeout = header_timeout
         self.on_refused = on_refused
         self.repeats = repeats
+
+    def reconfigure(self, config: Config) -> None:
+        """``config``'s ``--max-body`` and ``--header-timeout``, from the next request on."""
+        self.max_body = config.max_body
+        self.header_timeout = config.header_timeout
 
     def buildProtocol(self, addr: Any) -> Any:
         channel = super().buildProtocol(addr)

@@ -26,6 +26,7 @@ from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IBodyProducer, IResponse
 from zope.interface import implementer
 
 from txlb._compat import response_connection_headers
+from txlb._config import Config
 from txlb._proxy.headers import RawHeaders, connection_tokens, flatten
 from txlb._upstream.client import (
     MAX_CONTENT_LENGTH,
@@ -125,6 +126,9 @@ class AgentUpstream:
 
     def __init__(self, agent: IAgent) -> None:
         self.agent = agent
+
+    def reconfigure(self, config: Config) -> None:
+        """Nothing to take: the embedder's agent has its own timeouts."""
 
     def send(self, host: str, port: int, method: bytes, target: bytes,
              headers: RawHeaders, body: bytes | None) -> Deferred[UpstreamResponse]:

@@ -45,6 +45,7 @@ from twisted.web.client import RequestTransmissionFailed, ResponseFailed, Respon
 from zope.interface import implementer
 
 from txlb._compat import unsent_bytes
+from txlb._config import Config
 from txlb._proxy.headers import RawHeaders
 from txlb._upstream.resend import may_send_again
 
@@ -689,9 +690,9 @@ class UpstreamClient:
         self._idle: dict[tuple[str, int], list[UpstreamConnection]] = {}
         self._host_headers: dict[tuple[str, int], bytes] = {}
 
-    def retune(self, connect_timeout: float) -> None:
-        """A reload's ``--connect-timeout``, for the connections opened from now on."""
-        self._connect_timeout = connect_timeout
+    def reconfigure(self, config: Config) -> None:
+        """``config``'s ``--connect-timeout``, for the connections opened from now on."""
+        self._connect_timeout = config.connect_timeout
 
     def send(self, host: str, port: int, method: bytes, target: bytes,
              headers: RawHeaders, body: bytes | None) -> Deferred[UpstreamResponse]:
