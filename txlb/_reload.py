@@ -262,7 +262,7 @@ def apply_reload(lb: LoadBalancer, plan: _Plan) -> None:
         pool.remove(backend)
     new_backends = []
     for spec in plan.added:
-        new_backends.append(pool.add(spec, ramp=True))
+        new_backends.append(pool.add(spec, ramp=True, origin="config"))
         log.info("backend {backend} added by the new config (weight {weight}, max_conns "
                  "{max_conns})", backend=spec.key, weight=spec.weight,
                  max_conns=spec.max_conns)
