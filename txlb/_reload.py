@@ -45,7 +45,15 @@ from txlb._scheduling.policies.registry import find_factory, make_policy
 from txlb._scheduling.ratelimit import RateLimiter, TokenBuckets, rate_burst, rate_limiter_for
 
 if TYPE_CHECKING:
-    from txlb._balancer import LoadBalancer
+    import random
+
+    from txlb._cluster.health import HealthChecker
+    from txlb._cluster.pool import Pool
+    from txlb._cluster.store import IBackendStore
+    from txlb._discovery.membership import DnsMembership
+    from txlb._proxy.resource import ProxyResource
+    from txlb._records.metrics import Metrics
+    from txlb._server.quiet import RepeatSummary
 
 log = Logger()
 
@@ -64,6 +72,33 @@ class Reconfigurable(Protocol):
 
     def reconfigure(self, config: Config) -> None:
         """Take ``config`` (whole, validated) in place, keeping the live state."""
+
+
+class LoadBalancer(Protocol):
+    """
+    What a reload reads and changes of a balancer (:class:`txlb.LoadBalancer` is the
+    one), declared here so that this module needs nothing of the balancer's own: the
+    balancer builds its :class:`Reloader`, not the other way round.
+    """
+
+    config: Config
+    #: whether ``policy`` is ``--policy``'s (a reload may replace it), not an embedder's
+    owns_policy: bool
+    policy: IPolicy
+    reactor: IReactorTime
+    rng: random.Random | None
+    pool: Pool
+    dns: DnsMembership
+    store: IBackendStore
+    proxy: ProxyResource
+    health: HealthChecker
+    metrics: Metrics
+    repeats: RepeatSummary
+    #: every part made from the config: each is told the new one
+    reconfigurable: list[Reconfigurable]
+
+    def use_policy(self, policy: IPolicy) -> None:
+        """Route by ``policy`` from the next request on."""
 
 
 @attrs.frozen
