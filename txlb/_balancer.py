@@ -297,8 +297,7 @@ class LoadBalancer:
         self.router = Router(self.pool, self.policy, reactor, rng=rng, classes=self.classes)
         self.history = History(reactor, self._current_backends,
                                lambda: self.router.queue_length)
-        self.metrics.state.queue_length = lambda: self.router.queue_length
-        self.metrics.state.queue_classes = self.router.queue_lengths
+        self.metrics.count_queue(lambda: self.router.queue_length, self.router.queue_lengths)
         self.health = HealthChecker(
             self.pool,
             probe_agent,
@@ -336,7 +335,7 @@ class LoadBalancer:
         if observer is not None:
             # the bookkeeper's pool is this one: only another observer needs telling
             self.pool.on_down.append(observer.down)
-        self.router.on_queue_wait = self.observer.waited
+        self.router.tell_waits(self.observer.waited)
         #: this process's requests in flight, which the hung-backend detector watches
         live: set[Exchange] = set()
         self.hung = HangDetector(self.pool, live, reactor, self.health.health_status,
@@ -401,6 +400,19 @@ class LoadBalancer:
         if self.shared_index is not None:
             self.shared_index.attach()
         self.summaries.replace(policy_learns(self.pool, policy))
+
+    def configure_parts(self, config: Config) -> None:
+        """
+        Run on ``config`` from now on (a reload's, validated and planned): every part of
+        :attr:`reconfigurable` takes it, in order, as each took the first at start-up.  A
+        part that raises keeps its own settings, logged; the others take theirs.
+        """
+        self.config = config
+        for part in list(self.reconfigurable):
+            try:
+                part.reconfigure(config)
+            except Exception:
+                log.failure("{part} could not take the new config", part=part)
 
     def reload(self, new_config: Config) -> int:
         """

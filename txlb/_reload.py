@@ -100,6 +100,9 @@ class LoadBalancer(Protocol):
     def use_policy(self, policy: IPolicy) -> None:
         """Route by ``policy`` from the next request on."""
 
+    def configure_parts(self, config: Config) -> None:
+        """Run on ``config``: every part of :attr:`reconfigurable` takes it."""
+
 
 @attrs.frozen
 class ConfigSource:
@@ -311,14 +314,8 @@ def apply_reload(lb: LoadBalancer, plan: _Plan) -> None:
         buckets.retune(config.rate_limit or 1.0, rate_burst(config))
     lb.proxy.limit_rate(plan.limiter)
 
-    # every part takes the new config: the same road as at start-up (lb.reconfigurable)
-    lb.config = config
-    for part in list(lb.reconfigurable):
-        try:
-            part.reconfigure(config)
-        except Exception:
-            # its own settings stay as they were; everything else is applied
-            log.failure("{part} could not take the new config", part=part)
+    # every part takes the new config: the same road as at start-up
+    lb.configure_parts(config)
     for backend in new_backends:
         try:
             lb.health.probe_soon(backend)

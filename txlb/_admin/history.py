@@ -121,6 +121,10 @@ class History:
         self._errors = 0
         self._since = clock.seconds()
 
+    def count_queue(self, queued: Callable[[], int]) -> None:
+        """Where the samples' ``queued`` is read from (under ``--workers``: every worker's)."""
+        self.queued = queued
+
     def observe(self, summary: Summary, answered: bool = True) -> None:
         """Count one finished request (called for every request: counters only)."""
         self._requests += 1

@@ -62,6 +62,12 @@ class PoolCollector:
         self.queue_classes: Callable[[], Mapping[str, int]] | None = None
         self._version = _version()
 
+    def count_queue(self, length: Callable[[], int] | None,
+                    classes: Callable[[], Mapping[str, int]] | None) -> None:
+        """Where ``txlb_queue_length`` (in all, and per class when known) is read from."""
+        self.queue_length = length
+        self.queue_classes = classes
+
     def describe(self) -> list[Metric]:
         return []  # dynamic label sets: nothing to pre-register
 
@@ -190,6 +196,9 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.state = PoolCollector(pool)
         self.registry.register(self.state)
+        #: where txlb_queue_length is read from: the router's queue, or under --workers
+        #: every worker's (:meth:`PoolCollector.count_queue`)
+        self.count_queue = self.state.count_queue
         self._scraped = _WithoutCreated(self.registry)
         self.requests = Counter(
             "txlb_requests", "Finished requests by backend, method and status class.",

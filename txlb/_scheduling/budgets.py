@@ -364,6 +364,12 @@ class TokenBudgets:
         self.on_refused: Callable[[str], object] | None = None
         self.reconfigure(config)
 
+    def report_to(self, spent: Callable[[Sequence[Where], float, int], object],
+                  refused: Callable[[str], object]) -> None:
+        """Tell ``spent`` of every change this process makes, ``refused`` of every refusal."""
+        self.on_spent = spent
+        self.on_refused = refused
+
     @property
     def specs(self) -> tuple[BudgetSpec, ...]:
         return self._specs

@@ -141,6 +141,14 @@ class Router:
         self.on_queue_length: Callable[[int], object] = lambda length: None
         pool.on_change.append(self._dispatch)
 
+    def tell_waits(self, told: Callable[[float], object]) -> None:
+        """Tell ``told`` each queued request's wait, when it ends (served or expired)."""
+        self.on_queue_wait = told
+
+    def tell_queue_length(self, told: Callable[[int], object]) -> None:
+        """Tell ``told`` the queue's length whenever it changes (a worker publishes it)."""
+        self.on_queue_length = told
+
     # -- models ---------------------------------------------------------------------------
 
     def resolve(self, model: str) -> str:

@@ -243,9 +243,8 @@ class WorkerSupervisor(Service):
         # a reload (SIGHUP, POST /reload) reaches this process: pass it on to the workers
         balancer.reloader.on_applied.append(self.reconfigure)
         # the queues are the workers', not this process's router's (always empty)
-        balancer.history.queued = self.queued
-        balancer.metrics.state.queue_length = self.queued
-        balancer.metrics.state.queue_classes = None  # each worker's own; not published
+        balancer.history.count_queue(self.queued)
+        balancer.metrics.count_queue(self.queued, None)  # the classes: each worker's own
         #: --shared-state: the workers' scripts run here, on the host's one Redis link
         self.relay: ScriptRelay | None = None
         self._scan: HostScan | None = None

@@ -318,12 +318,13 @@ class SupervisorLink(Protocol):
         # ... and settles the token budgets of the requests it admitted, telling the
         # supervisor (and through it the other workers) what it took and gave back
         forwarder.summaries.add(budget_reconciles(balancer.budgets))
-        balancer.budgets.on_spent = lambda buckets, amount, charged: self.report(
-            Spent([list(where) for where in buckets], amount, charged))
-        balancer.budgets.on_refused = lambda name: self.report(BudgetRefused(name))
+        balancer.budgets.report_to(
+            spent=lambda buckets, amount, charged: self.report(
+                Spent([list(where) for where in buckets], amount, charged)),
+            refused=lambda name: self.report(BudgetRefused(name)))
         balancer.reconfigurable.append(_ForwardedBooks(balancer, forwarder))
         balancer.pool.mirror(hello.state)
-        balancer.router.on_queue_length = shared.set_waiters
+        balancer.router.tell_queue_length(shared.set_waiters)
         services = self.services = SequentialService()
         balancer.service(health_checks=False).setServiceParent(services)
         AdoptedPort(self.reactor, LISTEN_FD, hello.family,
