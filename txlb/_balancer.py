@@ -528,8 +528,8 @@ class LoadBalancer:
             self.dns.setServiceParent(services)
             # the dashboard's history is kept where every request is counted once
             HistoryService(self.history).setServiceParent(services)
-        if self.config.hung_after:
-            # in every process that proxies: it judges from this process's own traffic
-            self.hung.setServiceParent(services)
+        # in every process that proxies: it judges from this process's own traffic (while
+        # --hung-after is not 0, which a reload may change)
+        self.hung.setServiceParent(services)
         _LifecycleService(self).setServiceParent(services)
         return services

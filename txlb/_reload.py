@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import attrs
 from twisted.internet.defer import Deferred, fail, maybeDeferred
@@ -206,19 +206,13 @@ class _Plan:
 
 def restart_only_changes(old: Config, new: Config) -> tuple[str, ...]:
     """The options, as ``--name``, that differ but need a restart to change."""
-    names = [f"--{name.replace('_', '-')}" for name in RESTART_ONLY
-             if getattr(old, name) != getattr(new, name)]
-    if bool(old.hung_after) != bool(new.hung_after):
-        names.append("--hung-after (turned on or off)")
-    return tuple(names)
+    return tuple(f"--{name.replace('_', '-')}" for name in RESTART_ONLY
+                 if getattr(old, name) != getattr(new, name))
 
 
 def _keep_restart_only(old: Config, new: Config) -> Config:
     """``new`` with the values that cannot change now kept as they run."""
-    kept: dict[str, Any] = {name: getattr(old, name) for name in RESTART_ONLY}
-    if bool(old.hung_after) != bool(new.hung_after):
-        kept["hung_after"] = old.hung_after
-    return attrs.evolve(new, **kept)
+    return attrs.evolve(new, **{name: getattr(old, name) for name in RESTART_ONLY})
 
 
 def _policy(lb: LoadBalancer, config: Config) -> IPolicy:

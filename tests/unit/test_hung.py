@@ -248,7 +248,12 @@ class HungTests(HungTestCase):
     def test_off(self) -> None:
         lb = LoadBalancer(THREE, reactor=self.clock, agent=self.upstream,
                           probe_agent=self.probes, log_file="none", hung_after=0)
-        self.assertNotIn(lb.hung, list(lb.service()))  # type: ignore[call-overload]
+        service = lb.service()
+        service.startService()
+        self.addCleanup(service.stopService)
+        self.assertTrue(lb.hung.running)
+        self.assertFalse(lb.hung.watching)
+        self.assertIsNone(lb.hung._loop)  # no tick is ever scheduled
 
 
 class ImpatientClientsTestCase(HungTestCase):

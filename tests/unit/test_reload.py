@@ -389,15 +389,21 @@ class SettingsTests(ReloadTestCase):
         client.request(b"GET", b"/")
         self.assertEqual(reactor.tcpClients[-1][3], 1.5)
 
-    def test_turning_the_hang_detector_on_or_off_needs_a_restart(self) -> None:
+    def test_the_hang_detector_turns_off_and_on_without_a_restart(self) -> None:
+        service = self.lb.service()
+        service.startService()
+        self.addCleanup(service.stopService)
+        self.assertTrue(self.lb.hung.watching)
         self.rewrite("hung-after = 0\nretry-window = 4\n" + self.first)
         self.reload()
-        (warning,) = self.lines("warn")
-        self.assertIn("--hung-after", warning)
-        self.assertEqual((self.lb.config.hung_after, self.lb.config.retry_window), (1.25, 4))
+        self.assertEqual(self.lines("warn"), [])
+        self.assertEqual((self.lb.config.hung_after, self.lb.config.retry_window), (0, 4))
+        self.assertFalse(self.lb.hung.watching)
+        self.assertEqual(self.lb.hung.stall, 0)
         self.rewrite("hung-after = 3\n" + self.first)
         self.reload()
         self.assertEqual((self.lb.config.hung_after, self.lb.hung.stall), (3, 3))
+        self.assertTrue(self.lb.hung.watching)
 
     def test_the_admin_token_can_be_rotated(self) -> None:
         admin = StubTreq(self.lb.admin_resource())

@@ -171,27 +171,42 @@ class HangDetector(Service):
         #: each backend's latest run of requests left unanswered by their clients
         self._unanswered: dict[Backend, _Unanswered] = {}
 
+    @property
+    def watching(self) -> bool:
+        """Whether it judges now: its service runs and ``--hung-after`` is not ``0``."""
+        return bool(self.running) and bool(self.stall)
+
     def reconfigure(self, config: Config) -> None:
         """
-        ``config``'s ``--hung-after``, judged from the next tick on.  Turning detection on or
-        off needs a restart (the service runs or not): ``0`` keeps the running stall.
+        ``config``'s ``--hung-after``, judged from the next tick on; ``0`` turns detection
+        off (its probes under way are called off) and another value back on.
         """
-        if config.hung_after:
-            self.stall = config.hung_after
+        self.stall = config.hung_after
+        if self.running:
+            self._watch()
 
     def startService(self) -> None:
         super().startService()
-        loop = self._loop = LoopingCall(self._check_safely)
-        loop.clock = self.clock
-        loop.start(self.tick, now=False).addErrback(
-            lambda failure: log.failure("the hung-backend check stopped", failure))
+        self._watch()
 
     def stopService(self) -> None:
         super().stopService()
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
-        for pending in list(self._probing.values()):
-            pending.cancel()
+        self._watch()
+
+    def _watch(self) -> None:
+        """Tick while :attr:`watching`; otherwise stop, calling off the probes under way."""
+        ticking = self._loop is not None and self._loop.running
+        if self.watching and not ticking:
+            loop = self._loop = LoopingCall(self._check_safely)
+            loop.clock = self.clock
+            loop.start(self.tick, now=False).addErrback(
+                lambda failure: log.failure("the hung-backend check stopped", failure))
+        elif not self.watching:
+            if ticking:
+                assert self._loop is not None
+                self._loop.stop()
+            for pending in list(self._probing.values()):
+                pending.cancel()
 
     # -- what clients that left say -----------------------------------------------------
 
@@ -227,7 +242,7 @@ class HangDetector(Service):
         past :meth:`due`, counted once some other backend answered faster (see the module's
         docstring).
         """
-        if not self.running:
+        if not self.watching:
             return  # off (--hung-after 0), or stopping
         due = self.due(backend)
         if due is None or left - sent < due:
@@ -397,7 +412,7 @@ class HangDetector(Service):
             judge(f"/health answered {code}")
 
         def failed(failure: Failure) -> None:
-            if not self.running:
+            if not self.watching:
                 return
             if timed_out(failure):
                 judge(f"/health did not answer in {self.probe_timeout:g}s")
