@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import re
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 import orjson
 
+from txlb._json_body import parse_json_object, stdlib_loads
 from txlb._records.escape import clip
 from txlb._records.needs import Needs
 from txlb._records.sse import EventSplitter, data_payload
@@ -280,55 +280,6 @@ class Summary:
     #: the priority class it was queued in; ``None`` for a request refused before its
     #: class was known (a rate limit, a bad target)
     priority: str | None = None
-
-
-def parse_json_object(body: bytes) -> dict[str, Any] | None:
-    """
-    ``body`` as a JSON object, or ``None`` if it is not one -- nor one nested too deep for
-    Python's recursive parser (RecursionError, not ValueError: a client or a backend
-    choosing the depth must not get past this).
-
-    Parsed by orjson (C, several times faster than the standard library on the bodies
-    txlb reads); what orjson refuses is read by Python's ``json`` as it always was
-    (:func:`_stdlib_loads`), so every body gets the outcome it had.
-    """
-    if not body or body.lstrip()[:1] != b"{":
-        return None
-    if _LONG_DIGITS in body.translate(_DIGITS):
-        # orjson reads an integer past 64 bits as a float: json keeps it whole (the
-        # alias rewriting writes the body again, an orid is the user's number)
-        return _stdlib_object(body)
-    try:
-        value = orjson.loads(body)
-    except ValueError:  # orjson.JSONDecodeError
-        return _stdlib_object(body)
-    return value if value.__class__ is dict else None
-
-
-#: every digit as ``0``, anything else as ``x``: a run of 19 zeros is an integer that may
-#: not fit in 64 bits (found at C speed, about a nanosecond a byte)
-_DIGITS = bytes(0x30 if 0x30 <= byte <= 0x39 else 0x78 for byte in range(256))
-_LONG_DIGITS = b"0" * 19
-
-
-def _stdlib_object(body: bytes) -> dict[str, Any] | None:
-    value = _stdlib_loads(body)
-    return value if value.__class__ is dict else None
-
-
-def _stdlib_loads(body: bytes) -> object:
-    """
-    ``body`` read by Python's ``json``, or ``None``: for what orjson refuses and ``json``
-    reads -- ``NaN`` and ``Infinity``, lone surrogates escaped in a string, nesting past
-    orjson's 1,024 levels -- and integers past 64 bits, which orjson reads as floats; so
-    that orjson changes no outcome.  (A stream's events are parsed by orjson alone: the
-    numbers a summary reads of them are counts, and a count past 64 bits is none either
-    way.)
-    """
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError):
-        return None
 
 
 def _int_or_none(value: object) -> int | None:
@@ -733,7 +684,7 @@ class StreamCapture:
         try:
             event = orjson.loads(payload)
         except ValueError:
-            event = _stdlib_loads(payload)
+            event = stdlib_loads(payload)
         if event.__class__ is dict:
             self._fold.add(event)
 
