@@ -43,7 +43,7 @@ from txlb._cluster.backend import Backend
 from txlb._cluster.outlier import OutlierRule
 from txlb._config import BackendSpec, Config, ConfigError, build_config, read_toml
 from txlb._records.bookkeeper import policy_learns
-from txlb._records.summary import privacy_of
+from txlb._records.privacy import privacy_of
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.policies import IPolicy, PolicyFactory
 from txlb._scheduling.policies.registry import find_factory, make_policy
