@@ -113,9 +113,13 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     + ("tests.integration.test_framing",),
     "_records/resultlog": _unit("test_resultlog", "test_regressions", "test_summary",
                                 "test_mutants", "test_mutants_resultlog"),
-    "_records/summary": _unit("test_summary", "test_prompt_tokens", "test_properties",
-                              "test_regressions", "test_resultlog", "test_mutants",
-                              "test_mutants_summary"),
+    **{f"_records/{name}": _unit("test_summary", "test_prompt_tokens", "test_properties",
+                                 "test_regressions", "test_resultlog", "test_mutants",
+                                 "test_mutants_summary")
+       for name in ("summary", "record", "capture", "privacy", "apis", "answers/completion",
+                    "answers/chat", "answers/responses", "answers/messages",
+                    "answers/embeddings")},
+    "_json_body": _unit("test_summary", "test_summary_stream", "test_routing_request"),
     "_records/fields": _unit("test_fields", "test_summary", "test_prompt_tokens",
                              "test_properties", "test_resultlog", "test_workers",
                              "test_classes", "test_mutants"),
@@ -334,10 +338,10 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "falls by the total, w; it is chosen, and nothing else changes"),
     ("_scheduling/policies/p2c", "NumberReplacer", "return candidates[ -1]",
      "reached only when there is one candidate"),
-    ("_records/summary", "ReplaceFalseWithTrue",
+    ("_records/record", "ReplaceFalseWithTrue",
      "tail: deque[bytes] = attrs.field(factory=deque, repr=True)",
      "only a RequestRecord's repr shows its tail, and nothing txlb writes uses that repr"),
-    ("_records/summary", "ReplaceFalseWithTrue", "count_events: bool = True",
+    ("_records/record", "ReplaceFalseWithTrue", "count_events: bool = True",
      "events are read only by a token budget's charge, for a request it reserved for, whose "
      "count_events the proxy sets to True: counting every other request's events costs "
      "time only"),
@@ -420,40 +424,43 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "stamped now"),
     ("_scheduling/policies/_ties", "NumberReplacer", "return tied[ -1]",
      "only reached when len(tied) == 1: [0] and [-1] are the same"),
-    ("_records/summary", "NumberReplacer", '.split(b";", 2)[0]',
+    ("_records/capture", "NumberReplacer", '.split(b";", 2)[0]',
      "the chunk size is the part before the first ';' either way"),
-    ("_records/summary", "NumberReplacer", "if end < 1:",
+    ("_records/capture", "NumberReplacer", "if end < 1:",
      "end is 0 only at position 0 with an empty size line, which int() refuses: the same "
      "break"),
-    ("_records/summary", "ReplaceComparisonOperator_Lt_LtE", "while position <= size:",
+    ("_records/capture", "ReplaceComparisonOperator_Lt_LtE", "while position <= size:",
      "at position == size find() returns -1: the same break"),
     ("_records/summary", "NumberReplacer", "tries: int =",
      "summarize always passes tries"),
-    ("_records/summary", "ReplaceComparisonOperator_Lt_LtE", "if end <= 0:",
+    ("_records/capture", "ReplaceComparisonOperator_Lt_LtE", "if end <= 0:",
      "end is 0 only at position 0 with an empty size line, which int() refuses: the same "
      "break"),
-    ("_records/summary", "NumberReplacer", "if length <= -1:",
+    ("_records/capture", "NumberReplacer", "if length <= -1:",
      "after the zero-size chunk only trailer lines follow (and the capture never holds that "
      "chunk: the client's side writes it), and a 'name: value' line never parses as a size"),
-    ("_records/summary", "NumberReplacer", "position = start + length + 1",
+    ("_records/capture", "NumberReplacer", "position = start + length + 1",
      "the byte skipped is the CR closing a chunk's data (the upstream client refuses any "
      "other framing, so the capture holds none): the next size line then starts with LF, "
      "which int() skips as whitespace"),
-    ("_records/summary", "AddNot", "if not TYPE_CHECKING:",
-     "the two imports serve annotations only (from __future__ import annotations): made at "
-     "run time they change nothing (no import cycle: the module still imports)"),
+    ("_records/record", "AddNot", "if not TYPE_CHECKING:",
+     "the import serves annotations only (from __future__ import annotations): made at "
+     "run time it changes nothing (no import cycle: the module still imports)"),
+    ("_records/privacy", "AddNot", "if not TYPE_CHECKING:",
+     "the import serves annotations only (from __future__ import annotations): made at "
+     "run time it changes nothing (no import cycle: the module still imports)"),
     ("_records/summary", "ReplaceTrueWithFalse", "empty: bool = False",
      "empty is written only for completions, for which summarize passes it"),
     ("_records/summary", "ReplaceFalseWithTrue", "stream: bool = True",
      "stream is written only for completions, for which summarize passes it, and read by "
      "time_per_output_token only beside completion_tokens, None for every other kind"),
-    ("_records/summary", "ReplaceFalseWithTrue", "attrs.field(default=None, repr=True)",
+    ("_records/record", "ReplaceFalseWithTrue", "attrs.field(default=None, repr=True)",
      "only a RequestRecord's repr shows its routing request: nothing txlb writes uses that "
      "repr (and the request body it was made from is in it either way)"),
     ("_records/summary", "NumberReplacer", "MAX_LINE = ",
      "the bound the other limits are chosen to keep: no code reads it, the tests check "
      "lines against it"),
-    ("_records/summary", "NumberReplacer", "ended: float =",
+    ("_records/record", "NumberReplacer", "ended: float =",
      "RequestRecord's default: every record is ended (by the exchange's _end, or by the "
      "resource for what it answers itself) before it is summarized"),
     ("_records/summary", "NumberReplacer", "clen: int =",
@@ -509,7 +516,7 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("_cluster/health", "ReplaceOrWithAnd", "if running is None and waiting is None:",
      "with one gauge missing, running + waiting raises TypeError, which the same errback "
      "turns into the same fallback (engine_depth None); only the debug message differs"),
-    ("_records/summary", "ReplaceComparisonOperator_LtE_Lt", "if length < 0:",
+    ("_records/capture", "ReplaceComparisonOperator_LtE_Lt", "if length < 0:",
      "after the zero-size chunk only trailer lines follow, and a 'name: value' line never "
      "parses as a chunk size: the walk stops with the same payload"),
     ("_cluster/health", "ReplaceTrueWithFalse", "gatherResults(extras, consumeErrors=False)",

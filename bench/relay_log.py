@@ -568,8 +568,9 @@ def log_cost_in_process(sim_port: int, tokens: int, workdir: Path, core: int | N
 
     from twisted.internet.task import Clock
 
+    from txlb._records.record import RequestRecord
     from txlb._records.resultlog import ResultLog
-    from txlb._records.summary import RequestRecord, summarize
+    from txlb._records.summary import summarize
 
     body = json.dumps({
         "model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}],

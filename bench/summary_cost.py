@@ -4,7 +4,7 @@ the end of a stream (``python -m bench.summary_cost``).
 
 A streamed chat answer of 1 KiB, 64 KiB and 512 KiB (vLLM-shaped events of ~250 bytes, one
 HTTP chunk each, ending with a ``usage`` event) is fed to a
-:class:`~txlb._records.summary.RequestRecord` as the proxy feeds it -- each read one chunk
+:class:`~txlb._records.record.RequestRecord` as the proxy feeds it -- each read one chunk
 in the backend's chunked framing, which the relay passes through -- then summarised:
 
 * **one-shot** -- the summary as txlb made it before it summarised streams as they pass

@@ -52,8 +52,9 @@ from txlb._records.bookkeeper import (
 from txlb._records.metrics import Metrics
 from txlb._records.needs import Needs
 from txlb._records.observer import IRequestObserver
+from txlb._records.privacy import Privacy
 from txlb._records.resultlog import ResultLog, open_result_log
-from txlb._records.summary import Privacy, Summary
+from txlb._records.summary import Summary
 from txlb._reload import ConfigSource, Reconfigurable, Reloader
 from txlb._scheduling.budgets import TokenBudgets
 from txlb._scheduling.classes import PriorityClasses

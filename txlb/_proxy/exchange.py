@@ -42,7 +42,7 @@ from txlb._proxy.failures import (
 from txlb._proxy.head import UpstreamHead, client_head, upstream_head
 from txlb._proxy.headers import flatten
 from txlb._proxy.incoming import exposed_to, framed_writer
-from txlb._records.summary import RequestRecord
+from txlb._records.record import RequestRecord
 from txlb._scheduling.router import RoutingError
 from txlb._upstream.client import UpstreamResponse
 from txlb._upstream.words import describe_failure

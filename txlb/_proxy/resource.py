@@ -24,7 +24,7 @@ from txlb._proxy.incoming import local_path, read_body
 from txlb._proxy.local import LocalAnswers
 from txlb._records.needs import Needs
 from txlb._records.observer import IRequestObserver
-from txlb._records.summary import RequestRecord
+from txlb._records.record import RequestRecord
 from txlb._scheduling.budgets import TokenBudgets
 from txlb._scheduling.ratelimit import RateLimiter
 from txlb._scheduling.request import RoutingRequest

@@ -1,7 +1,7 @@
 """
 The one bookkeeper: where each finished request is counted, once.
 
-A finished :class:`~txlb._records.summary.RequestRecord` is summarised once
+A finished :class:`~txlb._records.record.RequestRecord` is summarised once
 (:func:`~txlb._records.summary.summarize`) and the :class:`~txlb._records.summary.Summary`
 is handed to a declared list of :class:`SummaryConsumer`\\ s -- the pool's result and
 outlier accounting, the policy's ``observe``, the metrics, the dashboard's history, the
@@ -31,14 +31,9 @@ from txlb._records.metrics import Metrics
 from txlb._records.needs import Needs
 from txlb._records.observer import IRequestObserver
 from txlb._records.outcome import RequestOutcome
-from txlb._records.summary import (
-    KEEP_ALL,
-    Privacy,
-    RequestRecord,
-    Summary,
-    privacy_of,
-    summarize,
-)
+from txlb._records.privacy import KEEP_ALL, Privacy, privacy_of
+from txlb._records.record import RequestRecord
+from txlb._records.summary import Summary, summarize
 from txlb._scheduling.budgets import TokenBudgets
 from txlb._scheduling.policies import IPolicy
 from txlb._scheduling.request import RoutingRequest

@@ -29,8 +29,9 @@ from typing import Any
 
 import attrs
 
+from txlb._records.apis import CLASSIC_PATHS
 from txlb._records.escape import escape, escape_json
-from txlb._records.summary import CLASSIC_PATHS, Summary
+from txlb._records.summary import Summary
 
 #: The kinds of line: what :func:`~txlb._records.summary.summarize` found the request was.
 COMPLETION, EMBEDDING, ERROR, OTHER = "completion", "embedding", "error", "other"

@@ -3,7 +3,7 @@ What the readers of finished requests need of an answer, so that the proxy reads
 
 Every summary consumer (:mod:`txlb._records.bookkeeper`) declares one :class:`Needs`; the
 proxy asks its observer for the greatest of them when a request starts and the record
-captures and parses that much of the answer (:class:`~txlb._records.summary.RequestRecord`):
+captures and parses that much of the answer (:class:`~txlb._records.record.RequestRecord`):
 
 * :attr:`Needs.NOTHING` -- status, timings, outcome: no byte of the answer is kept;
 * :attr:`Needs.USAGE` -- also its token counts and whether it streamed: a stream's events

@@ -20,7 +20,7 @@ from txlb._records.needs import Needs
 
 if TYPE_CHECKING:
     from txlb._cluster.backend import Backend
-    from txlb._records.summary import RequestRecord
+    from txlb._records.record import RequestRecord
 
 
 class IRequestObserver(Interface):

@@ -4,7 +4,7 @@ split incrementally, so that nothing proportional to the whole answer is left fo
 
 :class:`EventSplitter` is fed the response bytes exactly as the proxy relays them (in the
 backend's chunked framing, or not) and hands each complete ``data:`` line's payload to a
-sink.  It reads the framing the way :func:`txlb._records.summary.dechunk` reads a whole
+sink.  It reads the framing the way :func:`txlb._records.capture.dechunk` reads a whole
 capture -- the same sizes accepted, the same point where a malformed or final chunk stops
 it -- so that a summary made as the chunks pass is the summary of the whole.  It keeps only
 the line (or chunk-size line) not yet complete: bounded by the capture it is fed.
@@ -104,7 +104,7 @@ class EventSplitter:
 
     def _unframe(self, data: bytes) -> None:
         """
-        Chunked framing, as :func:`~txlb._records.summary.dechunk` reads it: a size line
+        Chunked framing, as :func:`~txlb._records.capture.dechunk` reads it: a size line
         (hex, extensions after ``;``) ending in CRLF, that many bytes (a chunk the feed
         stops inside gives what came of it), two bytes skipped; a size that is not a
         positive hex number ends the body.

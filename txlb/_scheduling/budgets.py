@@ -36,8 +36,8 @@ from zope.interface import implementer
 
 from txlb._cluster.store import Bucket, ITokenLevels
 from txlb._config import BudgetSpec, Config
+from txlb._records.apis import API_PATHS
 from txlb._records.outcome import RequestOutcome
-from txlb._records.summary import API_PATHS
 from txlb._scheduling.ratelimit import client_key
 from txlb._scheduling.request import RoutingRequest
 

@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 import msgspec
 
-from txlb._records.summary import parse_json_object
+from txlb._json_body import parse_json_object
 
 #: Bytes of request body parsed whole; over it, what routing reads is parsed and the rest
 #: skipped.  256 KiB holds a 60k-token prompt, and the routing key renders at most 64 KiB.

@@ -22,7 +22,9 @@ from txlb._cluster.pool import Pool
 from txlb._records.bookkeeper import Bookkeeper, SummaryConsumer, SummaryFeed
 from txlb._records.needs import Needs
 from txlb._records.observer import IRequestObserver
-from txlb._records.summary import KEEP_ALL, Privacy, RequestRecord, Summary
+from txlb._records.privacy import KEEP_ALL, Privacy
+from txlb._records.record import RequestRecord
+from txlb._records.summary import Summary
 from txlb._scheduling.budgets import TokenBudgets
 from txlb._workers.wire import (
     Answer,
