@@ -44,7 +44,9 @@ RECORDS: dict[tuple[str, str], str] = {
     ("_proxy/resource.py", "request"): _TWISTED + " (Request.defaultContentType)",
     ("_records/metrics.py", "metric"): "a prometheus_client Metric family built right there",
     ("_records/resultlog.py", "sink"): _TWISTED + " (LogFile.rotateLength)",
-    ("_records/summary.py", "completion"): _RECORD + ": an answer's parsed counts",
+    ("_records/answers/chat.py", "completion"): _RECORD + ": an answer's parsed counts",
+    ("_records/answers/messages.py", "completion"): _RECORD + ": an answer's parsed counts",
+    ("_records/answers/responses.py", "completion"): _RECORD + ": an answer's parsed counts",
     ("_scheduling/budgets.py", "routing"): "RoutingRequest.memo, the slot declared for "
                                            "what admission leaves for routing",
     ("_scheduling/policies/cache_aware.py", "request"): "RoutingRequest.memo (see budgets)",
