@@ -33,9 +33,10 @@ from txlb._admin.history import History, HistoryService
 from txlb._cluster.backend import Backend
 from txlb._cluster.health import HealthChecker
 from txlb._cluster.hung import HangDetector
+from txlb._cluster.local_store import LocalStore
 from txlb._cluster.outlier import OutlierRule
 from txlb._cluster.pool import Pool
-from txlb._cluster.store import IBackendStore, IInFlightCounts, LocalStore
+from txlb._cluster.store import IBackendStore, IInFlightCounts
 from txlb._config import OPTIONS, Config, build_config
 from txlb._discovery.membership import DnsMembership
 from txlb._discovery.resolver import system_resolver

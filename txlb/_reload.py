@@ -40,6 +40,7 @@ from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 
 from txlb._cluster.backend import Backend
+from txlb._cluster.local_store import TokenBuckets
 from txlb._cluster.outlier import OutlierRule
 from txlb._config import BackendSpec, Config, ConfigError, build_config, read_toml
 from txlb._records.bookkeeper import policy_learns
@@ -47,7 +48,7 @@ from txlb._records.summary import privacy_of
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.policies import IPolicy, PolicyFactory
 from txlb._scheduling.policies.registry import find_factory, make_policy
-from txlb._scheduling.ratelimit import RateLimiter, TokenBuckets, client_key
+from txlb._scheduling.ratelimit import RateLimiter, client_key
 from txlb._scheduling.router import ModelRoute
 from txlb._upstream.client import UpstreamClient
 

@@ -1048,7 +1048,7 @@ class SharedDebtTests(SynchronousTestCase):
         A request that cost more than it reserved is paid in full across the fleet as in
         one process: the shared script's floor is the local buckets' (DEBT_WINDOWS).
         """
-        from txlb._scheduling.budgets import DEBT_WINDOWS
+        from txlb._cluster.store import DEBT_WINDOWS
         from txlb._shared import levels
 
         self.assertEqual(levels.DEBT, DEBT_WINDOWS)

@@ -395,7 +395,7 @@ class BudgetLevelsTests(SynchronousTestCase):
                           lines(worker.transport))
 
     def test_a_worker_takes_the_levels_and_ignores_what_is_no_bucket(self) -> None:
-        from txlb._scheduling.budgets import TokenLevels
+        from txlb._cluster.local_store import TokenLevels
 
         clock = Clock()
         levels = TokenLevels(clock)

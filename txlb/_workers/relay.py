@@ -36,7 +36,9 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from txlb._cluster.local_store import TokenLevels
 from txlb._cluster.store import (
+    DEBT_WINDOWS,
     IBackendMarks,
     IBackendStore,
     IInFlightCounts,
@@ -199,8 +201,6 @@ def take_levels(levels: ITokenLevels, message: Levels) -> int:
     that are no bucket (a capacity or rate not above 0, a level outside minus the debt
     bound and the capacity) are ignored.  How many were taken.
     """
-    from txlb._scheduling.budgets import DEBT_WINDOWS, TokenLevels
-
     if not isinstance(levels, TokenLevels):
         return 0
     taken = 0
@@ -231,6 +231,4 @@ class WorkerStore:
                                  self.relay.deciders)
 
     def token_levels(self, clock: IReactorTime) -> ITokenLevels:
-        from txlb._scheduling.budgets import TokenLevels  # scheduling imports the cluster
-
         return TokenLevels(clock)
