@@ -16,9 +16,9 @@ interface of its own so that each can live elsewhere:
 
 :class:`IBackendStore` gathers the three; :class:`txlb._cluster.local_store.LocalStore` (one
 process's memory) and :class:`txlb._shared.store.RedisStore` (``--shared-state``) implement
-it.  The
-:class:`~txlb._cluster.pool.Pool` calls the counts and the marks; the rate limiter calls the
-buckets.  A store shared between machines implements the same interfaces.
+it.  The :class:`~txlb._cluster.pool.Pool` calls the counts and the marks; the rate limiter
+calls the buckets.  A store shared between machines implements the same interfaces, and
+declares which optional parts it offers beyond them (:mod:`txlb._cluster.store_capabilities`).
 """
 
 from __future__ import annotations
