@@ -32,8 +32,18 @@ from txlb._admin.history import History, HistoryService
 from txlb._cluster.backend import Backend
 from txlb._cluster.health import HealthChecker
 from txlb._cluster.hung import HangDetector
+from txlb._cluster.local_store import LocalStore
 from txlb._cluster.pool import Pool
-from txlb._cluster.store import IBackendStore, IInFlightCounts, LocalStore
+from txlb._cluster.store import IBackendStore, IInFlightCounts
+from txlb._cluster.store_capabilities import (
+    IFleetPrefixIndex,
+    IFleetSlotGate,
+    IFleetWake,
+    IPrefixSharing,
+    ISlotGates,
+    IStoreReport,
+    IStoreService,
+)
 from txlb._config import OPTIONS, Config, build_config
 from txlb._discovery.membership import DnsMembership
 from txlb._discovery.resolver import system_resolver
@@ -65,9 +75,6 @@ from txlb._scheduling.router import Router
 from txlb._server.lean import LeanSite
 from txlb._server.quiet import QuietConnectionPool, RepeatSummary
 from txlb._server.site import ProxySite
-from txlb._shared.metrics import SharedStateCollector
-from txlb._shared.prefixes import SharedPrefixIndex
-from txlb._shared.slots import SharedSlots
 from txlb._shared.store import RedisStore
 from txlb._upstream.agent import AgentUpstream
 from txlb._upstream.client import Upstream, UpstreamClient
@@ -272,12 +279,18 @@ class LoadBalancer:
         # the outlier rule and slow start, before any backend ramps
         self.pool.reconfigure(config)
         self.metrics = Metrics(self.pool)
-        if isinstance(self.store, RedisStore):
+        # what the store offers beyond the seam (txlb._cluster.store_capabilities)
+        wake, report = IFleetWake(self.store, None), IStoreReport(self.store, None)
+        if wake is not None:
             # marks other replicas saved reach the pool; a slot they freed wakes the queue
-            self.store.attach(self.pool.refresh, self.pool.capacity_changed)
-            self.metrics.registry.register(SharedStateCollector(self.store))
-            # max_conns exact over the fleet, and the queue woken by others' releases
-            self.slots = SharedSlots(self.store, self.pool.capacity_changed)
+            wake.attach(self.pool.refresh, self.pool.capacity_changed)
+        if report is not None:
+            self.metrics.registry.register(report.collector())
+        #: max_conns exact over the fleet, and the queue woken by others' releases
+        self.slots: IFleetSlotGate | None = None
+        gates = ISlotGates(self.store, None)
+        if gates is not None:
+            self.slots = gates.slot_gate(self.pool.capacity_changed)
             self.pool.gate = self.slots
             self.metrics.registry.register(self.slots.collector())
         #: whether the policy is the one ``--policy`` names (a reload may replace it),
@@ -289,9 +302,10 @@ class LoadBalancer:
             policy if policy is not None else make_policy(config.policy, reactor, rng, config))
         #: with ``--shared-state``: the cache-aware index shared over the fleet (its key,
         #: its sends published and the others' applied); it follows a reload's new policy
-        self.shared_index: SharedPrefixIndex | None = None
-        if isinstance(self.store, RedisStore):
-            self.shared_index = SharedPrefixIndex(self.store, self.pool, lambda: self.policy)
+        self.shared_index: IFleetPrefixIndex | None = None
+        sharing = IPrefixSharing(self.store, None)
+        if sharing is not None:
+            self.shared_index = sharing.prefix_index(self.pool, lambda: self.policy)
         #: the priority classes: how a request's class is found and how each class waits;
         #: ``reconfigure(config)`` changes them in place, the queue keeps its waiters
         self.classes = PriorityClasses(config)
@@ -461,8 +475,11 @@ class LoadBalancer:
             extra: dict[str, object] = {"version": __version__}
             extra.update(budgets.status())
             extra.update(dns.status())
-            if isinstance(self.store, RedisStore):
-                shared = {**self.store.status(), "slots": self.slots.status()}
+            report = IStoreReport(self.store, None)
+            if report is not None:
+                shared = {**report.status()}
+                if self.slots is not None:
+                    shared["slots"] = self.slots.status()
                 if self.shared_index is not None:
                     shared["prefix_index"] = self.shared_index.status()
                 extra["shared_state"] = shared
@@ -519,9 +536,11 @@ class LoadBalancer:
         ``--workers`` worker's supervisor probes and resolves once for all of them).
         """
         services = SequentialService()
-        if isinstance(self.store, RedisStore):
+        store = IStoreService(self.store, None)
+        if store is not None:
             # first, so it stops last: the row shows the drain's requests until they end
-            self.store.service().setServiceParent(services)
+            store.service().setServiceParent(services)
+        if self.slots is not None:
             self.slots.service().setServiceParent(services)
         if health_checks:
             self.health.setServiceParent(services)  # stops last: probing goes on while draining

@@ -39,10 +39,11 @@ from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 
 from txlb._cluster.backend import Backend
+from txlb._cluster.local_store import TokenBuckets
 from txlb._config import BackendSpec, Config, ConfigError, build_config, read_toml
 from txlb._scheduling.policies import IPolicy, PolicyFactory
 from txlb._scheduling.policies.registry import find_factory, make_policy
-from txlb._scheduling.ratelimit import RateLimiter, TokenBuckets, rate_burst, rate_limiter_for
+from txlb._scheduling.ratelimit import RateLimiter, rate_burst, rate_limiter_for
 
 if TYPE_CHECKING:
     import random

@@ -16,16 +16,15 @@ from twisted.web.test.requesthelper import DummyRequest
 from zope.interface.verify import verifyObject
 
 from txlb import LoadBalancer, build_config
-from txlb._cluster.store import ITokenLevels
+from txlb._cluster.local_store import TokenLevels
+from txlb._cluster.store import DEBT_WINDOWS, ITokenLevels
 from txlb._config import MAX_BUDGET_TOKENS, ConfigError, parse_budgets, token_digest
 from txlb._records.outcome import RequestOutcome
 from txlb._records.summary import CAPTURE_LIMIT
 from txlb._scheduling.budgets import (
-    DEBT_WINDOWS,
     MAX_CHOICES,
     MAX_COUNT,
     Estimate,
-    TokenLevels,
     charge,
     estimate_tokens,
     go_duration,

@@ -14,7 +14,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import ResponseFailed
 
 from txlb import LoadBalancer, build_config
-from txlb._scheduling.ratelimit import TokenBuckets
+from txlb._cluster.local_store import TokenBuckets
 
 from ..helpers import ClientConnection, FakeResponse, FakeUpstream, keep_records
 

@@ -18,8 +18,9 @@ from zope.interface import implementer
 
 from txlb import BackendSpec, IPreparesRequests, Policy, Pool, RoutingRequest, build_config
 from txlb._cluster.backend import Backend
+from txlb._cluster.local_store import LocalStore
 from txlb._cluster.outlier import OutlierRule, fleet_can_spare, judge_answer
-from txlb._cluster.store import LocalStore, Marks, OwnMarks
+from txlb._cluster.store import Marks, OwnMarks
 from txlb._records.summary import RequestRecord
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.request import ANY_REQUEST

@@ -17,9 +17,10 @@ from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from txlb import BackendSpec
+from txlb._cluster.local_store import LocalStore
 from txlb._cluster.models import MAX_MODEL_NAMES
 from txlb._cluster.pool import Pool
-from txlb._cluster.store import LocalStore, Marks, OwnMarks
+from txlb._cluster.store import Marks, OwnMarks
 
 A = BackendSpec("127.0.0.1", 8002)
 B = BackendSpec("127.0.0.1", 8003)

@@ -26,7 +26,7 @@ from txlb._config_shared import SharedStateSpec, parse_shared_state
 from txlb._shared.counts import FleetCounts
 from txlb._shared.link import COMMAND_TIMEOUT, RedisLink
 from txlb._shared.marks import Entry, SharedMarks
-from txlb._shared.rate import SharedRateBuckets
+from txlb._shared.rate import RedisRateTakes, SharedRateBuckets
 from txlb._shared.replies import (
     MAX_BULK,
     MAX_DEPTH,
@@ -804,7 +804,7 @@ class RateTests(SynchronousTestCase):
         self.replicas = 3
 
     def buckets(self) -> SharedRateBuckets:
-        return SharedRateBuckets(self.link, "txlb", 30.0, 30, self.clock,
+        return SharedRateBuckets(RedisRateTakes(self.link, "txlb"), 30.0, 30, self.clock,
                                  lambda: self.replicas)
 
     def test_admits_at_once_and_takes_from_the_shared_bucket(self) -> None:
@@ -1048,7 +1048,7 @@ class SharedDebtTests(SynchronousTestCase):
         A request that cost more than it reserved is paid in full across the fleet as in
         one process: the shared script's floor is the local buckets' (DEBT_WINDOWS).
         """
-        from txlb._scheduling.budgets import DEBT_WINDOWS
+        from txlb._cluster.store import DEBT_WINDOWS
         from txlb._shared import levels
 
         self.assertEqual(levels.DEBT, DEBT_WINDOWS)

@@ -2,7 +2,7 @@
 ``--workers`` with ``--shared-state``, without a Redis: the supervisor as the host's one
 replica (txlb._shared.host: its row is its workers' sum, the other replicas' counts reach
 every worker's totals through the table's remote row), and the workers' rate-limit takes
-relayed through it (txlb._workers.relay), on a :class:`~twisted.internet.task.Clock`.
+made through it (txlb._workers.relay), on a :class:`~twisted.internet.task.Clock`.
 """
 
 from __future__ import annotations
@@ -11,20 +11,23 @@ import json
 import os
 from typing import Any
 
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
+from zope.interface import implementer
 
 from txlb import build_config
 from txlb._balancer import LoadBalancer
 from txlb._cluster.shared_counts import SharedCounts
+from txlb._cluster.store_capabilities import ISharedRateTakes
 from txlb._shared.host import SCAN_INTERVAL, HostCounts, HostScan
-from txlb._shared.rate import TAKE
+from txlb._shared.rate import TAKE, bucket_name
 from txlb._shared.store import FLUSH_DELAY, RedisStore
 from txlb._workers.relay import (
     RELAY_DELAY,
     RELAY_TIMEOUT,
-    ScriptRelay,
+    TakeRelay,
     WorkerRelay,
     WorkerStore,
     take_levels,
@@ -33,10 +36,10 @@ from txlb._workers.supervisor import WorkerSupervisor
 from txlb._workers.wire import (
     Levels,
     Message,
-    Ran,
-    Run,
     Shared,
     Spent,
+    Take,
+    Taken,
     WireError,
     decode,
     encode,
@@ -47,6 +50,8 @@ from .test_shared_state import SPEC, FakeRedis
 from .test_workers_supervisor import SpawningReactor
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
+#: a bucket's name as a worker sends it (a client key's digest)
+BUCKET = bucket_name("ip:10.0.0.9")
 
 
 def table(test: SynchronousTestCase, workers: int = 2) -> SharedCounts:
@@ -181,7 +186,7 @@ class RelayTests(SynchronousTestCase):
         self.clock = Clock()
         self.sent: list[Message] = []
         self.relay = WorkerRelay(self.sent.append, self.clock, workers=2)
-        self.store = WorkerStore(table(self), self.relay, "txlb")
+        self.store = WorkerStore(table(self), self.relay)
         self.buckets = self.store.rate_buckets(10.0, 10, self.clock)
 
     def test_a_take_is_decided_at_once_and_sent_to_the_supervisor(self) -> None:
@@ -189,13 +194,13 @@ class RelayTests(SynchronousTestCase):
         self.assertEqual(self.buckets.take("ip:1"), 0.0)
         self.assertEqual(self.sent, [])  # sent with the takes of the next few ms
         self.clock.advance(RELAY_DELAY)
-        (run,) = self.sent
-        assert isinstance(run, Run)
-        self.assertEqual((run.script, len(run.keys), run.args), (TAKE.sha, 1, ["10.0", "10"]))
-        self.assertTrue(run.keys[0].startswith("txlb:rate:"))
-        self.assertNotIn("ip:1", run.keys[0])  # digested, as a replica's own take
+        (take,) = self.sent
+        assert isinstance(take, Take)
+        self.assertEqual((take.rate, take.burst), (10.0, 10))
+        self.assertEqual(take.bucket, bucket_name("ip:1"))
+        self.assertNotIn("ip:1", take.bucket)  # digested, as a replica's own take
         # the fleet's bucket is empty: the answer sets the copy, the next take waits
-        self.relay.answered(Ran(run.id, "-10"))
+        self.relay.answered(Taken(take.id, True, -10.0))
         self.assertGreater(self.buckets.take("ip:1"), 0)
 
     def test_each_worker_refills_at_its_share_of_the_fleet(self) -> None:
@@ -212,7 +217,7 @@ class RelayTests(SynchronousTestCase):
         self.clock.advance(RELAY_DELAY - 0.001)
         self.assertEqual(self.sent, [])
         self.clock.advance(0.001)
-        self.assertEqual([m.id for m in self.sent if isinstance(m, Run)], [0, 1, 2, 3, 4])
+        self.assertEqual([m.id for m in self.sent if isinstance(m, Take)], [0, 1, 2, 3, 4])
 
     def test_redis_gone_nothing_is_sent_and_the_copy_decides(self) -> None:
         self.relay.update(False, 2)
@@ -226,83 +231,112 @@ class RelayTests(SynchronousTestCase):
         self.clock.advance(RELAY_TIMEOUT)
         self.assertEqual(self.relay.pending(), 0)
         self.assertEqual(getattr(self.buckets, "unshared", None), 1)
-        self.relay.answered(Ran(0, "5"))  # late: ignored
-        self.relay.answered(Ran(12345, "5"))  # never asked: ignored
+        self.relay.answered(Taken(0, True, 5.0))  # late: ignored
+        self.relay.answered(Taken(12345, True, 5.0))  # never asked: ignored
 
     def test_a_failed_run_counts_as_unshared(self) -> None:
         self.relay.update(True, 1)
         self.buckets.take("ip:1")
-        self.relay.answered(Ran(0, None))
+        self.relay.answered(Taken(0, False, None))
         self.assertEqual(getattr(self.buckets, "unshared", None), 1)
+
+    def test_an_answer_that_is_no_level_leaves_the_copy(self) -> None:
+        self.relay.update(True, 1)
+        self.buckets.take("ip:1")
+        self.relay.answered(Taken(0, True, None))
+        self.assertEqual(getattr(self.buckets, "unshared", None), 0)
 
     def test_pending_runs_are_bounded(self) -> None:
         relay = WorkerRelay(self.sent.append, self.clock, workers=1, max_pending=2)
         relay.update(True, 1)
         failures: list[Any] = []
         for _ in range(3):
-            relay.run(TAKE, ["txlb:rate:x"], ["1", "1"]).addErrback(failures.append)
+            relay.take(BUCKET, 1.0, 1).addErrback(failures.append)
         self.clock.advance(RELAY_DELAY)
         self.assertEqual((len(self.sent), len(failures)), (2, 1))  # the third: at once
         self.clock.advance(RELAY_TIMEOUT)
         self.assertEqual(len(failures), 3)
 
 
-class ScriptRelayTests(SynchronousTestCase):
+class TakeRelayTests(SynchronousTestCase):
     def setUp(self) -> None:
-        from txlb._shared.link import RedisLink
-
         self.clock = Clock()
         self.redis = FakeRedis()
-        self.link = RedisLink(SPEC, self.clock, self.redis)
-        self.link.call("PING", probe=True)
-        self.relay = ScriptRelay(self.link, "txlb")
+        self.store = RedisStore(SPEC, self.clock, self.redis, replica="host1")
+        self.store.link.call("PING", probe=True)
+        self.relay = TakeRelay(ISharedRateTakes(self.store))
 
-    def ran(self, message: Run) -> Ran:
-        answers: list[Ran] = []
-        self.relay.run(message).addCallback(answers.append)
+    def taken(self, message: Take, relay: TakeRelay | None = None) -> Taken:
+        answers: list[Taken] = []
+        (relay or self.relay).take(message).addCallback(answers.append)
         (answer,) = answers
         return answer
 
     def test_a_take_runs_on_the_hosts_link(self) -> None:
         self.redis.replies["EVALSHA"] = b"7.5"
-        answer = self.ran(Run(4, TAKE.sha, ["txlb:rate:abc"], ["10.0", "10"]))
-        self.assertEqual(answer, Ran(4, "7.5"))
+        answer = self.taken(Take(4, BUCKET, 10.0, 10))
+        self.assertEqual(answer, Taken(4, True, 7.5))
         self.assertEqual(self.redis.sent[-1],
-                         ("EVALSHA", TAKE.sha, 1, "txlb:rate:abc", "10.0", "10"))
+                         ("EVALSHA", TAKE.sha, 1, f"txlb:rate:{BUCKET}", "10.0", "10"))
 
     def test_anything_else_is_refused_without_reaching_redis(self) -> None:
         sent = len(self.redis.sent)
         for message in (
-            Run(1, "0" * 40, ["txlb:rate:abc"], ["1", "1"]),  # not a script we relay
-            Run(2, TAKE.sha, ["txlb:marks"], ["1", "1"]),  # a key outside its space
-            Run(3, TAKE.sha, ["other:rate:abc"], ["1", "1"]),  # another fleet's prefix
-            Run(4, TAKE.sha, ["txlb:rate:a", "txlb:rate:b"], ["1", "1"]),  # two keys
-            Run(5, TAKE.sha, ["txlb:rate:abc"], ["1"]),  # an argument short
+            Take(1, "marks", 1.0, 1),  # not a bucket's digest
+            Take(2, "txlb:marks", 1.0, 1),  # a key outside the buckets
+            Take(3, BUCKET.upper(), 1.0, 1),  # not a digest txlb makes
+            Take(4, BUCKET, 0.0, 1),  # no rate
+            Take(5, BUCKET, 1.0, 0),  # no burst
         ):
-            self.assertEqual(self.ran(message), Ran(message.id, None))
+            self.assertEqual(self.taken(message), Taken(message.id, False, None))
         self.assertEqual(len(self.redis.sent), sent)
         self.assertEqual(self.relay.refused, 5)
 
     def test_redis_gone_the_answer_says_so(self) -> None:
         self.redis.broken = True
-        self.link.call("PING", probe=True).addErrback(lambda failure: None)
-        self.assertEqual(self.ran(Run(9, TAKE.sha, ["txlb:rate:abc"], ["1", "1"])),
-                         Ran(9, None))
+        self.store.link.call("PING", probe=True).addErrback(lambda failure: None)
+        self.assertEqual(self.taken(Take(9, BUCKET, 1.0, 1)), Taken(9, False, None))
+
+    def test_an_answer_that_is_no_level_says_so(self) -> None:
+        self.redis.replies["EVALSHA"] = "x"
+        self.assertEqual(self.taken(Take(3, BUCKET, 1.0, 1)), Taken(3, True, None))
+
+    def test_any_store_that_shares_rate_buckets_serves_the_workers(self) -> None:
+        asked: list[tuple[str, float, int]] = []
+
+        @implementer(ISharedRateTakes)
+        class OtherStore:
+            def take_shared(self, bucket: str, rate: float, burst: int
+                            ) -> Deferred[float | None]:
+                asked.append((bucket, rate, burst))
+                return succeed(2.5)
+
+        relay = TakeRelay(ISharedRateTakes(OtherStore()))
+        self.assertEqual(self.taken(Take(6, BUCKET, 10.0, 10), relay), Taken(6, True, 2.5))
+        self.assertEqual(asked, [(BUCKET, 10.0, 10)])
+
+    def test_without_a_store_that_shares_them_no_take_is_answered(self) -> None:
+        self.assertEqual(self.taken(Take(7, BUCKET, 1.0, 1), TakeRelay(None)),
+                         Taken(7, False, None))
 
 
 class WireTests(SynchronousTestCase):
     def test_the_relay_messages_cross_the_pipe(self) -> None:
-        for message in (Run(1, TAKE.sha, ["txlb:rate:a"], ["1.0", "2"]), Ran(1, "3.5"),
-                        Ran(2, ["1", "2"]), Ran(3, None), Shared(True, 4)):
+        for message in (Take(1, BUCKET, 1.0, 2), Taken(1, True, 3.5), Taken(2, True, None),
+                        Taken(3, False, None), Shared(True, 4)):
             self.assertEqual(decode(encode(message)), message)
 
-    def test_oversized_or_mistyped_runs_are_refused(self) -> None:
+    def test_oversized_or_mistyped_takes_are_refused(self) -> None:
         for line in (
-            {"t": "run", "id": 1, "script": "x", "keys": ["k"] * 65, "args": []},
-            {"t": "run", "id": 1, "script": "x", "keys": ["k" * 257], "args": []},
-            {"t": "run", "id": -1, "script": "x", "keys": [], "args": []},
-            {"t": "run", "id": 1, "script": "x", "keys": [1], "args": []},
-            {"t": "ran", "id": 1, "reply": {"a": 1}},
+            {"t": "take", "id": 1, "bucket": "k" * 65, "rate": 1.0, "burst": 1},
+            {"t": "take", "id": 1, "bucket": "", "rate": 1.0, "burst": 1},
+            {"t": "take", "id": -1, "bucket": "k", "rate": 1.0, "burst": 1},
+            {"t": "take", "id": 1, "bucket": 1, "rate": 1.0, "burst": 1},
+            {"t": "take", "id": 1, "bucket": "k", "rate": "1", "burst": 1},
+            {"t": "take", "id": 1, "bucket": "k", "rate": 1.0, "burst": -1},
+            {"t": "take", "id": 1, "bucket": "k", "rate": 1.0, "burst": 1, "script": "x"},
+            {"t": "taken", "id": 1, "answered": True, "level": "3.5"},
+            {"t": "taken", "id": 1, "answered": 1, "level": None},
             {"t": "shared", "connected": 1, "replicas": 2},
         ):
             with self.assertRaises(WireError):
@@ -348,10 +382,12 @@ class SupervisorTests(SynchronousTestCase):
         self.assertIn({"t": "shared", "connected": True, "replicas": 3},
                       lines(first.transport))
         redis.replies["EVALSHA"] = b"4.0"
-        sup.received(first, [Run(7, TAKE.sha, ["txlb:rate:abc"], ["10.0", "10"])])
-        self.assertEqual(lines(first.transport)[-1], {"t": "ran", "id": 7, "reply": "4.0"})
-        sup.received(first, [Run(8, "f" * 40, ["txlb:rate:abc"], ["10.0", "10"])])
-        self.assertEqual(lines(first.transport)[-1], {"t": "ran", "id": 8, "reply": None})
+        sup.received(first, [Take(7, BUCKET, 10.0, 10)])
+        self.assertEqual(lines(first.transport)[-1],
+                         {"t": "taken", "id": 7, "answered": True, "level": 4.0})
+        sup.received(first, [Take(8, "f" * 40, 10.0, 10)])  # not a digest txlb makes
+        self.assertEqual(lines(first.transport)[-1],
+                         {"t": "taken", "id": 8, "answered": False, "level": None})
 
     def test_a_slot_freed_elsewhere_kicks_the_workers_that_wait(self) -> None:
         redis = FakeRedis()
@@ -395,7 +431,7 @@ class BudgetLevelsTests(SynchronousTestCase):
                           lines(worker.transport))
 
     def test_a_worker_takes_the_levels_and_ignores_what_is_no_bucket(self) -> None:
-        from txlb._scheduling.budgets import TokenLevels
+        from txlb._cluster.local_store import TokenLevels
 
         clock = Clock()
         levels = TokenLevels(clock)

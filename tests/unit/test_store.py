@@ -18,6 +18,7 @@ from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
 from txlb import BackendSpec, LoadBalancer
+from txlb._cluster.local_store import LocalStore, TokenBuckets, TokenLevels
 from txlb._cluster.pool import Pool
 from txlb._cluster.shared_counts import SharedCounts
 from txlb._cluster.store import (
@@ -26,13 +27,10 @@ from txlb._cluster.store import (
     IInFlightCounts,
     IRateBuckets,
     ITokenLevels,
-    LocalStore,
     Marks,
     OwnMarks,
 )
-from txlb._scheduling.budgets import TokenLevels
 from txlb._scheduling.policies.least_conn import LeastConnections
-from txlb._scheduling.ratelimit import TokenBuckets
 from txlb._scheduling.router import Router
 
 from ..helpers import ClientConnection, FakeUpstream

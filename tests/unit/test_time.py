@@ -14,8 +14,8 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from txlb import BackendSpec, LoadBalancer
+from txlb._cluster.local_store import TokenBuckets
 from txlb._cluster.pool import Pool
-from txlb._scheduling.ratelimit import TokenBuckets
 
 from ..helpers import FakeUpstream
 

@@ -11,14 +11,14 @@ interface of its own so that each can live elsewhere:
   implementation; without one, each backend's own counter is the count.
 * **marks** (:class:`IBackendMarks`): whether each backend is healthy, draining or being
   removed, so that an operator's drain or one balancer's verdict reaches the others.
-* **rate buckets** (:class:`IRateBuckets`): each client's ``--rate-limit`` tokens
-  (:class:`txlb._scheduling.ratelimit.TokenBuckets` is the local implementation), and the
-  token budgets' levels (:class:`ITokenLevels`; :class:`txlb._scheduling.budgets.TokenLevels`
-  locally).
+* **rate buckets** (:class:`IRateBuckets`): each client's ``--rate-limit`` tokens, and the
+  token budgets' levels (:class:`ITokenLevels`).
 
-:class:`IBackendStore` gathers the three; :class:`LocalStore` is the one used today.  The
-:class:`~txlb._cluster.pool.Pool` calls the counts and the marks; the rate limiter calls the
-buckets.  A store shared between machines implements the same interfaces.
+:class:`IBackendStore` gathers the three; :class:`txlb._cluster.local_store.LocalStore` (one
+process's memory) and :class:`txlb._shared.store.RedisStore` (``--shared-state``) implement
+it.  The :class:`~txlb._cluster.pool.Pool` calls the counts and the marks; the rate limiter
+calls the buckets.  A store shared between machines implements the same interfaces, and
+declares which optional parts it offers beyond them (:mod:`txlb._cluster.store_capabilities`).
 """
 
 from __future__ import annotations
@@ -131,6 +131,11 @@ class IRateBuckets(Interface):
 #: rate (tokens per second: the capacity over the window).
 Bucket = tuple[str, float, float]
 
+#: A token bucket's debt is at most this many windows' tokens (an hour for a minute's
+#: budget, 60 days for a day's): what a request cost is paid, but a backend's absurd
+#: ``usage`` does not lock a client out for years.  Every :class:`ITokenLevels` keeps it.
+DEBT_WINDOWS = 60
+
 
 class ITokenLevels(Interface):
     """
@@ -150,7 +155,7 @@ class ITokenLevels(Interface):
     def adjust(buckets: Sequence[Bucket], amount: float) -> None:
         """
         Give ``amount`` back to every bucket (a negative amount takes more), keeping each
-        between minus :data:`~txlb._scheduling.budgets.DEBT_WINDOWS` times its capacity
+        between minus :data:`DEBT_WINDOWS` times its capacity
         (a debt of at most that many windows) and its capacity.
         """
 
@@ -201,26 +206,3 @@ class OwnMarks:
 
     def members(self) -> Sequence[tuple[BackendSpec, Marks]]:
         return ()
-
-
-@implementer(IBackendStore)
-@attrs.define
-class LocalStore:
-    """
-    The store of one machine: marks and rate buckets in this process, in-flight counts in
-    this process or (``--workers``) in the shared-memory table given as ``counts``.
-    """
-
-    counts: IInFlightCounts | None = None
-    marks: IBackendMarks = attrs.field(factory=OwnMarks)
-
-    def rate_buckets(self, rate: float, burst: int, clock: IReactorTime) -> IRateBuckets:
-        # imported here: the buckets belong to scheduling, which imports the cluster
-        from txlb._scheduling.ratelimit import TokenBuckets
-
-        return TokenBuckets(rate, burst, clock)
-
-    def token_levels(self, clock: IReactorTime) -> ITokenLevels:
-        from txlb._scheduling.budgets import TokenLevels
-
-        return TokenLevels(clock)

@@ -19,35 +19,25 @@ as a debt the bucket pays off as it refills (an under-estimate).  Without ``usag
 estimate stands; see :func:`charge` for every case.
 
 The levels live behind :class:`~txlb._cluster.store.ITokenLevels`
-(:class:`TokenLevels` here, in this process's memory) so that a store shared between
-balancers can hold them instead.
+(:class:`~txlb._cluster.local_store.TokenLevels` in this process's memory) so that a store
+shared between balancers can hold them instead.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
-from twisted.internet.interfaces import IReactorTime
 from twisted.web.server import Request
-from zope.interface import implementer
 
+from txlb._cluster.local_store import TokenLevels
 from txlb._cluster.store import Bucket, ITokenLevels
 from txlb._config import BudgetSpec, Config
 from txlb._records.apis import API_PATHS
 from txlb._records.outcome import RequestOutcome
 from txlb._scheduling.ratelimit import client_key
 from txlb._scheduling.request import RoutingRequest
-
-#: Buckets kept at most (one per budget, window and client key; ~200 bytes each).
-MAX_KEYS = 100_000
-
-#: A bucket's debt is at most this many windows' tokens (an hour for a minute's budget,
-#: 60 days for a day's): what a request cost is paid, but a backend's absurd ``usage``
-#: does not lock a client out for years.
-DEBT_WINDOWS = 60
 
 #: Characters of request body per prompt token, for the estimate: OpenAI's rule of thumb
 #: for English text.  JSON's own syntax makes it err high, which reconciliation gives back.
@@ -61,109 +51,6 @@ MAX_CHOICES = 1024
 _SEP = "\x1f"
 
 _WINDOW_NAMES = {60.0: "minute", 86400.0: "day"}
-
-
-@implementer(ITokenLevels)
-class TokenLevels:
-    """
-    Every token bucket of this process, on an injected clock.
-
-    Memory stays bounded: a bucket that has refilled to its capacity is indistinguishable
-    from a new one and is dropped, and beyond ``max_keys`` buckets the one that will be full
-    again **soonest** is dropped -- never a spent one before those that are nearly full, so
-    a client cannot have its spent day forgotten by sending requests under many made-up
-    keys (each of those buckets is full again as soon as its request is settled; pushing a
-    spent bucket out would take ``max_keys`` keys that each spent more).  A min-heap of the
-    times buckets are full again finds both in O(log n) per change.
-    """
-
-    def __init__(self, clock: IReactorTime, max_keys: int = MAX_KEYS) -> None:
-        self._now = clock.seconds
-        self.max_keys = max_keys
-        # key -> (level, time of that level, time it is full again)
-        self._levels: dict[str, tuple[float, float, float]] = {}
-        # (time it is full again, key): one entry per store; an entry whose time is not
-        # its key's current one is stale, skipped when met and swept when they pile up
-        self._full_at: list[tuple[float, str]] = []
-
-    def __len__(self) -> int:
-        return len(self._levels)
-
-    def _current(self, bucket: Bucket, now: float) -> float:
-        key, capacity, rate = bucket
-        entry = self._levels.get(key)
-        if entry is None:
-            return capacity
-        level, stamp, _ = entry
-        return min(capacity, level + max(0.0, now - stamp) * rate)
-
-    def _store(self, bucket: Bucket, level: float, now: float) -> None:
-        key, capacity, rate = bucket
-        full_at = now + (capacity - level) / rate
-        self._levels[key] = (level, now, full_at)
-        heap = self._full_at
-        heapq.heappush(heap, (full_at, key))
-        if len(heap) > 2 * len(self._levels) + 64:
-            self._full_at = [(entry[2], name) for name, entry in self._levels.items()]
-            heapq.heapify(self._full_at)
-
-    def _evict(self, now: float) -> None:
-        levels, heap = self._levels, self._full_at
-        while heap:
-            full_at, key = heap[0]
-            entry = levels.get(key)
-            if entry is None or entry[2] != full_at:
-                heapq.heappop(heap)  # stale
-            elif full_at <= now or len(levels) >= self.max_keys:
-                heapq.heappop(heap)
-                del levels[key]
-            else:
-                break
-
-    def reserve(self, buckets: Sequence[Bucket], amount: float) -> float:
-        now = self._now()
-        self._evict(now)
-        levels = [self._current(bucket, now) for bucket in buckets]
-        wait = max(((amount - level) / bucket[2]
-                    for bucket, level in zip(buckets, levels, strict=True) if level < amount),
-                   default=0.0)
-        if wait > 0:
-            return wait
-        for bucket, level in zip(buckets, levels, strict=True):
-            self._store(bucket, level - amount, now)
-        return 0.0
-
-    def adjust(self, buckets: Sequence[Bucket], amount: float) -> None:
-        now = self._now()
-        self._evict(now)
-        for bucket in buckets:
-            # a debt is at most DEBT_WINDOWS windows' tokens: what a request really cost
-            # is paid in full (a one-window cap let a client whose requests each cost ten
-            # windows spend five times its budget), while a backend's absurd usage (2**62)
-            # does not lock a client out for years
-            capacity = bucket[1]
-            level = self._current(bucket, now) + amount
-            self._store(bucket, max(-DEBT_WINDOWS * capacity, min(capacity, level)), now)
-
-    def level(self, bucket: Bucket) -> float:
-        return self._current(bucket, self._now())
-
-    def held(self) -> list[str]:
-        """The keys of the buckets held (each below its capacity when last stored)."""
-        return list(self._levels)
-
-    def set_level(self, bucket: Bucket, level: float) -> None:
-        """
-        ``bucket`` holds ``level`` now (kept between minus :data:`DEBT_WINDOWS` capacities
-        and its capacity): a shared store's answer replacing this copy's level.
-        """
-        capacity = bucket[1]
-        self._store(bucket, max(-DEBT_WINDOWS * capacity, min(capacity, level)),
-                    self._now())
-
-    def forget(self, keep: Callable[[str], bool]) -> None:
-        for key in [key for key in self._levels if not keep(key)]:
-            del self._levels[key]  # its heap entries are stale now
 
 
 @attrs.frozen

@@ -4,10 +4,10 @@ Per-client token buckets (``--rate-limit``, ``--rate-burst``, ``--rate-key``).
 Each client key has a bucket of ``burst`` tokens refilled at ``rate`` per second; a request
 takes one token or is refused with 429 and a ``Retry-After`` saying when one will be there.
 
-Memory stays bounded however many distinct keys arrive: a bucket untouched long enough to
-be full again is indistinguishable from a new one, so it is dropped (checked from the
-least recently used end, O(1) per request), and beyond :data:`MAX_KEYS` live buckets the
-least recently used is dropped too (which only ever errs on the lenient side).
+The buckets live behind :class:`~txlb._cluster.store.IRateBuckets`: the in-memory ones
+(:class:`~txlb._cluster.local_store.TokenBuckets`, bounded in memory however many distinct
+keys arrive) or a store's shared between balancers.  What is here is the limiter itself
+and how a request names its client.
 """
 
 from __future__ import annotations
@@ -15,75 +15,17 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import math
-from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.web.server import Request
-from zope.interface import implementer
 
+from txlb._cluster.local_store import TokenBuckets
 from txlb._cluster.store import IRateBuckets
 
 if TYPE_CHECKING:
     from txlb._cluster.store import IBackendStore
     from txlb._config import Config
-
-#: Live buckets kept at most; a bucket costs roughly 100 bytes.
-MAX_KEYS = 100_000
-
-
-@implementer(IRateBuckets)
-class TokenBuckets:
-    """The buckets of all client keys, on an injected clock: the local rate store."""
-
-    def __init__(self, rate: float, burst: int, clock: IReactorTime,
-                 max_keys: int = MAX_KEYS) -> None:
-        self.rate = rate
-        self.burst = burst
-        self._now = clock.seconds
-        self.max_keys = max_keys
-        # key -> (tokens, time of last update), least recently used first
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
-        self._refill_time = burst / rate
-
-    def __len__(self) -> int:
-        return len(self._buckets)
-
-    def retune(self, rate: float, burst: int) -> None:
-        """
-        A reload's ``--rate-limit`` and ``--rate-burst``: every client keeps the tokens it
-        has (at most the new burst), refilled at the new rate from now on.
-        """
-        now = self._now()
-        for key, (tokens, stamp) in list(self._buckets.items()):
-            tokens = min(float(self.burst), tokens + max(0.0, now - stamp) * self.rate)
-            self._buckets[key] = (min(float(burst), tokens), now)
-        self.rate = rate
-        self.burst = burst
-        self._refill_time = burst / rate
-
-    def take(self, key: str) -> float:
-        """
-        Take a token for ``key``.  Returns 0 if allowed, else the seconds until a token
-        will be available.
-        """
-        now = self._now()
-        self._evict(now)
-        tokens, stamp = self._buckets.pop(key, (float(self.burst), now))
-        tokens = min(float(self.burst), tokens + max(0.0, now - stamp) * self.rate)
-        if tokens >= 1:
-            self._buckets[key] = (tokens - 1, now)
-            return 0.0
-        self._buckets[key] = (tokens, now)
-        return (1 - tokens) / self.rate
-
-    def _evict(self, now: float) -> None:
-        buckets = self._buckets
-        while buckets:
-            key, (_, stamp) = next(iter(buckets.items()))
-            if now - stamp < self._refill_time and len(buckets) < self.max_keys:
-                break
-            del buckets[key]
 
 
 def bearer_digest(request: Request) -> str | None:

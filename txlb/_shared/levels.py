@@ -17,12 +17,13 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from txlb._cluster.local_store import TokenLevels
 from txlb._cluster.store import Bucket, ITokenLevels
 from txlb._shared.link import RedisLink, Script
 from txlb._shared.replies import texts
 
 #: The deepest debt a shared bucket may fall into, in capacities: the same bound as the local
-#: buckets' (:data:`txlb._scheduling.budgets.DEBT_WINDOWS`; a test holds them equal), so a
+#: buckets' (:data:`txlb._cluster.store.DEBT_WINDOWS`; a test holds them equal), so a
 #: request that cost more than it reserved is paid in full across the fleet too.
 DEBT = 60
 
@@ -56,8 +57,6 @@ class SharedTokenLevels:
 
     def __init__(self, link: RedisLink, prefix: str, clock: IReactorTime,
                  replicas: Callable[[], int]) -> None:
-        from txlb._scheduling.budgets import TokenLevels  # scheduling imports the cluster
-
         self.link = link
         self.prefix = prefix
         self._replicas = replicas

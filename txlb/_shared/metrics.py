@@ -3,16 +3,29 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from txlb._shared.store import RedisStore
+from txlb._shared.link import RedisLink
+
+
+class ReportedStore(Protocol):
+    """
+    What the metrics read of their store (:class:`~txlb._shared.store.RedisStore`, which
+    builds the collector: named here, so this module need not import it).
+    """
+
+    link: RedisLink
+    replicas: int
+
+    def unshared(self) -> int: ...
 
 
 class SharedStateCollector:
     """``txlb_shared_state_up``, ``..._fallbacks_total``, ``..._replicas`` and more."""
 
-    def __init__(self, store: RedisStore) -> None:
+    def __init__(self, store: ReportedStore) -> None:
         self.store = store
 
     def describe(self) -> list[Metric]:

@@ -49,19 +49,20 @@ import secrets
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
+from txlb._cluster.store_capabilities import IFleetPrefixIndex
 from txlb._scheduling.policies.cache_aware import CacheAware
-from txlb._shared.link import Script
+from txlb._shared.link import RedisLink, Script
 from txlb._shared.replies import ARRAY_OR_NIL, TEXT
 
 if TYPE_CHECKING:
     from txlb._cluster.backend import Backend
     from txlb._cluster.pool import Pool
-    from txlb._shared.store import RedisStore
 
 log = Logger()
 
@@ -129,6 +130,22 @@ def encode_chain(chain: Sequence[int]) -> str:
     return struct.pack(f">{len(chain)}Q", *chain).hex()
 
 
+class PrefixStore(Protocol):
+    """
+    What the index uses of its store (:class:`~txlb._shared.store.RedisStore`, which builds
+    the index: named here, so this module need not import it).
+    """
+
+    link: RedisLink
+    replica: str
+    #: told at each poll; their commands go pipelined with it
+    on_poll: list[Callable[[], object]]
+
+    @property
+    def prefix(self) -> str: ...
+
+
+@implementer(IFleetPrefixIndex)
 class SharedPrefixIndex:
     """
     The fleet's key, this replica's sends published, the others' applied: see the module.
@@ -137,7 +154,7 @@ class SharedPrefixIndex:
     a :class:`CacheAware` one takes part.
     """
 
-    def __init__(self, store: RedisStore, pool: Pool, policy: Callable[[], object]) -> None:
+    def __init__(self, store: PrefixStore, pool: Pool, policy: Callable[[], object]) -> None:
         self.store = store
         self.pool = pool
         self.policy = policy

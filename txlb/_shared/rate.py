@@ -13,14 +13,18 @@ the same instant can overshoot.  docs/scale-out.md gives the measured figure.
 
 While Redis is unreachable the copies go on alone, each at ``rate / N`` with the last known
 ``N``: the fleet's limit holds as long as its traffic is spread evenly, and nothing waits.
+
+The copies take from the shared buckets through a :class:`RateTakes`, in the bucket's own
+terms (its name, rate and burst): the replica's :class:`RedisRateTakes`, or a ``--workers``
+worker's relay to its supervisor (txlb._workers.relay), which asks its store the same.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
@@ -28,21 +32,24 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from txlb._cluster.store import IRateBuckets
-from txlb._shared.link import Script
+from txlb._shared.link import RedisLink, Script
 from txlb._shared.replies import TEXT
 
 
-class ScriptLink(Protocol):
+class RateTakes(Protocol):
     """
-    Where the buckets run their script: the replica's :class:`~txlb._shared.link.RedisLink`,
+    Where the copies take from the fleet's buckets: the replica's :class:`RedisRateTakes`,
     or a ``--workers`` worker's relay through its supervisor (txlb._workers.relay).
     """
 
     @property
     def connected(self) -> bool: ...
 
-    def run(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Deferred[Any]:
-        ...
+    def take(self, bucket: str, rate: float, burst: int) -> Deferred[float | None]:
+        """
+        One token from the fleet's ``bucket``: its level after (``None``: an answer that
+        is no level); fails when the fleet's bucket did not answer.
+        """
 
 
 #: Buckets kept at most per replica (as :data:`txlb._scheduling.ratelimit.MAX_KEYS`).
@@ -66,15 +73,45 @@ return tostring(tokens)
 """, "the rate-limit script", TEXT)
 
 
+def level_of(reply: object) -> float | None:
+    """The level a :data:`TAKE` answered, as a number (``None`` for anything else)."""
+    if isinstance(reply, bytes):
+        reply = reply.decode("utf-8", "replace")
+    try:
+        return float(str(reply))
+    except ValueError:
+        return None
+
+
+class RedisRateTakes:
+    """The :class:`RateTakes` of a replica: :data:`TAKE` on its own link, under its prefix."""
+
+    def __init__(self, link: RedisLink, prefix: str) -> None:
+        self.link = link
+        self.prefix = prefix
+
+    @property
+    def connected(self) -> bool:
+        return self.link.connected
+
+    def take(self, bucket: str, rate: float, burst: int) -> Deferred[float | None]:
+        result = self.link.run(TAKE, [f"{self.prefix}:rate:{bucket}"], [repr(rate), str(burst)])
+        return result.addCallback(level_of)
+
+
+def bucket_name(key: str) -> str:
+    """The fleet's name of a client key's bucket: a digest (the key itself is not shared)."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
+
+
 @implementer(IRateBuckets)
 class SharedRateBuckets:
     """Every client key's bucket: a local copy admitting at once, the shared one in Redis."""
 
-    def __init__(self, link: ScriptLink, prefix: str, rate: float, burst: int,
+    def __init__(self, takes: RateTakes, rate: float, burst: int,
                  clock: IReactorTime, replicas: Callable[[], int],
                  max_keys: int = MAX_KEYS) -> None:
-        self.link = link
-        self.prefix = prefix
+        self.takes = takes
         self.rate = rate
         self.burst = burst
         self._now = clock.seconds
@@ -103,20 +140,17 @@ class SharedRateBuckets:
             self._copies[key] = (tokens, now)
             return (1 - tokens) / share
         self._copies[key] = (tokens - 1, now)
-        if self.link.connected:
+        if self.takes.connected:
             self._send(key)
         return 0.0
 
     def _send(self, key: str) -> None:
         self._unanswered[key] = self._unanswered.get(key, 0) + 1
-        bucket = f"{self.prefix}:rate:" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
-        result = self.link.run(TAKE, [bucket], [repr(self.rate), str(self.burst)])
+        result = self.takes.take(bucket_name(key), self.rate, self.burst)
 
-        def answered(level: object) -> None:
+        def answered(shared: float | None) -> None:
             left = self._settle(key)
-            try:
-                shared = float(str(level))
-            except ValueError:
+            if shared is None:
                 return
             if key in self._copies and -self.burst <= shared <= self.burst:
                 # the shared level, less the takes of ours it has not counted yet

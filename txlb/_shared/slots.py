@@ -31,17 +31,20 @@ A slot given back on a capped backend is announced on ``<prefix>:freed``
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from txlb._cluster.backend import Backend
-from txlb._shared.link import Script
+from txlb._cluster.store_capabilities import IFleetSlotGate
+from txlb._config_shared import SharedStateSpec
+from txlb._shared.counts import FleetCounts
+from txlb._shared.link import RedisLink, Script
 from txlb._shared.replies import integers
-from txlb._shared.store import RedisStore
 from txlb._shared.wake import FreedChannel
 
 #: ARGV: prefix, replica id, lease (ms), backend key, this replica's count of it (the
@@ -88,10 +91,32 @@ def _answer(reply: object) -> tuple[bool, int] | None:
     return bool(admitted), others
 
 
+class SlotStore(Protocol):
+    """
+    What the gate uses of its store (:class:`~txlb._shared.store.RedisStore`, which builds
+    the gate: named here, so this module need not import it).
+    """
+
+    spec: SharedStateSpec
+    link: RedisLink
+    counts: FleetCounts
+    replica: str
+    lease: int
+
+    @property
+    def prefix(self) -> str: ...
+
+    @property
+    def freed_channel(self) -> str: ...
+
+    def publish_freed(self, key: str) -> None: ...
+
+
+@implementer(IFleetSlotGate)
 class SharedSlots:
     """The pool's :class:`~txlb._cluster.pool.SlotGate` with ``--shared-state``."""
 
-    def __init__(self, store: RedisStore, wake: Callable[[], object]) -> None:
+    def __init__(self, store: SlotStore, wake: Callable[[], object]) -> None:
         self.store = store
         self.link = store.link
         self.counts = store.counts

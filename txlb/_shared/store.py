@@ -22,7 +22,7 @@ import os
 import secrets
 import socket
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, DeferredList, succeed
@@ -33,13 +33,28 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from txlb._cluster.store import IBackendStore, IRateBuckets, ITokenLevels
+from txlb._cluster.store_capabilities import (
+    IFleetPresence,
+    IFleetWake,
+    IPrefixSharing,
+    ISharedRateTakes,
+    ISlotGates,
+    IStoreReport,
+    IStoreService,
+)
 from txlb._config_shared import SharedStateSpec
 from txlb._shared.counts import FleetCounts
 from txlb._shared.levels import SharedTokenLevels
 from txlb._shared.link import Commands, RedisLink, Script
 from txlb._shared.marks import SharedMarks
-from txlb._shared.rate import SharedRateBuckets
+from txlb._shared.metrics import SharedStateCollector
+from txlb._shared.prefixes import SharedPrefixIndex
+from txlb._shared.rate import RedisRateTakes, SharedRateBuckets
 from txlb._shared.replies import INTEGER, SCAN_REPLY, texts
+from txlb._shared.slots import SharedSlots
+
+if TYPE_CHECKING:
+    from txlb._cluster.pool import Pool
 
 log = Logger()
 
@@ -196,9 +211,13 @@ def _pairs(items: Sequence[Any]) -> list[tuple[str, str]]:
     return list(zip(texts[0::2], texts[1::2], strict=False))
 
 
-@implementer(IBackendStore)
+@implementer(IBackendStore, IStoreService, IStoreReport, IFleetWake, ISlotGates,
+             IPrefixSharing, IFleetPresence, ISharedRateTakes)
 class RedisStore:
-    """Counts, marks, rate buckets and token budgets' levels shared through one Redis."""
+    """
+    Counts, marks, rate buckets and token budgets' levels shared through one Redis, and
+    every optional part of a store (:mod:`txlb._cluster.store_capabilities`).
+    """
 
     def __init__(self, spec: SharedStateSpec, clock: IReactorTime,
                  client: Commands | None = None, replica: str | None = None,
@@ -210,6 +229,8 @@ class RedisStore:
         self.interval = interval
         self.lease = lease
         self.link = RedisLink(spec, clock, client)
+        #: the ``--rate-limit`` takes on the shared buckets (this replica's, its workers')
+        self.rate_takes = RedisRateTakes(self.link, spec.prefix)
         #: this replica's row and the others' counts (a ``--workers`` supervisor passes
         #: its host's: :class:`txlb._shared.host.HostCounts`)
         self.counts = counts if counts is not None else FleetCounts()
@@ -247,7 +268,7 @@ class RedisStore:
     # -- IBackendStore ------------------------------------------------------------------
 
     def rate_buckets(self, rate: float, burst: int, clock: IReactorTime) -> IRateBuckets:
-        buckets = SharedRateBuckets(self.link, self.prefix, rate, burst, clock,
+        buckets = SharedRateBuckets(self.rate_takes, rate, burst, clock,
                                     lambda: self.replicas)
         self._buckets.append(buckets)
         del self._buckets[:-2]  # a reload's new buckets replace the old ones
@@ -263,7 +284,7 @@ class RedisStore:
         self._levels.append(levels)
         return levels
 
-    # -- wiring -------------------------------------------------------------------------
+    # -- the optional parts (txlb._cluster.store_capabilities) ----------------------------
 
     def attach(self, refresh: Callable[[], object], freed: Callable[[], object]) -> None:
         """The pool this store serves: ``refresh`` takes marks, ``freed`` wakes the queue."""
@@ -271,6 +292,26 @@ class RedisStore:
 
     def service(self) -> Service:
         return _PollService(self)
+
+    def collector(self) -> SharedStateCollector:
+        return SharedStateCollector(self)
+
+    def slot_gate(self, wake: Callable[[], object]) -> SharedSlots:
+        return SharedSlots(self, wake)
+
+    def prefix_index(self, pool: Pool, policy: Callable[[], object]) -> SharedPrefixIndex:
+        return SharedPrefixIndex(self, pool, policy)
+
+    def presence(self) -> tuple[bool, int]:
+        return self.link.connected, self.replicas
+
+    def watch(self, listener: Callable[[], object]) -> None:
+        self.link.on_up.append(listener)
+        self.link.on_down.append(listener)
+        self.on_polled.append(listener)
+
+    def take_shared(self, bucket: str, rate: float, burst: int) -> Deferred[float | None]:
+        return self.rate_takes.take(bucket, rate, burst)
 
     def start(self) -> None:
         self.link.start()

@@ -23,8 +23,10 @@ connect to it): its store publishes the host's in-flight counts -- the sum of th
 rows, looked at every few milliseconds (txlb._shared.host) -- and writes the other
 replicas' into the table's remote row, which every worker adds to its own totals; the marks
 (drains, membership, refusals) are the supervisor's pool's, which the workers mirror as
-always; a worker's ``--rate-limit`` takes reach Redis through the supervisor
-(txlb._workers.relay), and it is told whether Redis answers and how many replicas share it.
+always; a worker's ``--rate-limit`` takes reach the shared buckets through the supervisor
+(txlb._workers.relay), and it is told whether the shared state answers and how many replicas
+share it.  Each of these the supervisor asks its store for
+(txlb._cluster.store_capabilities), so any store that provides them serves the workers.
 
 A worker that dies is restarted (after a short pause, longer if it died young) and its row
 of the shared table is zeroed first, so a SIGKILLed worker's requests no longer count.  On
@@ -53,12 +55,12 @@ from twisted.python.failure import Failure
 from txlb._balancer import LoadBalancer
 from txlb._cluster.shared_counts import SharedCounts
 from txlb._cluster.store import Bucket
+from txlb._cluster.store_capabilities import IFleetPresence, IFleetWake, ISharedRateTakes
 from txlb._compat import tcp_endpoint_address
 from txlb._config import Config, ConfigError
 from txlb._shared.host import HostCounts, HostScan
 from txlb._shared.levels import SharedTokenLevels
-from txlb._shared.store import RedisStore
-from txlb._workers.relay import ScriptRelay
+from txlb._workers.relay import TakeRelay
 from txlb._workers.reports import WorkerReports
 from txlb._workers.wire import (
     MAX_SPENT_BUCKETS,
@@ -68,14 +70,14 @@ from txlb._workers.wire import (
     Levels,
     Lines,
     Log,
-    Ran,
     Ready,
     Reload,
-    Run,
     Shared,
     Spent,
     State,
     Stop,
+    Take,
+    Taken,
     WireError,
     config_blob,
     decode,
@@ -207,7 +209,7 @@ class WorkerProcess(ProcessProtocol):
                 log.warn("worker {index} sent a malformed message, ignored: {error}",
                          index=self.index, error=str(error))
                 continue
-            if isinstance(message, Hello | State | Reload | Kick | Stop | Shared | Ran | Levels):
+            if isinstance(message, Hello | State | Reload | Kick | Stop | Shared | Taken | Levels):
                 log.warn("worker {index} sent a message only a supervisor sends, ignored: "
                          "{kind}", index=self.index, kind=message.kind)
                 continue
@@ -245,18 +247,19 @@ class WorkerSupervisor(Service):
         # the queues are the workers', not this process's router's (always empty)
         balancer.history.count_queue(self.queued)
         balancer.metrics.count_queue(self.queued, None)  # the classes: each worker's own
-        #: --shared-state: the workers' scripts run here, on the host's one Redis link
-        self.relay: ScriptRelay | None = None
+        store = balancer.store
+        #: --shared-state: the workers' rate-limit takes, made here through the store
+        self.relay = TakeRelay(ISharedRateTakes(store, None))
         self._scan: HostScan | None = None
         self._last_shared: bytes | None = None
-        store = balancer.store
-        if isinstance(store, RedisStore):
-            self.relay = ScriptRelay(store.link, store.prefix)
+        #: whether the shared state answers and how many replicas share it, for the workers
+        self._presence = IFleetPresence(store, None)
+        if self._presence is not None:
+            self._presence.watch(self._push_shared)
+        self._wake = IFleetWake(store, None)
+        if self._wake is not None:
             # another replica freed a slot: the workers' queues look again
-            store.attach(balancer.pool.refresh, self._fleet_freed)
-            store.link.on_up.append(self._push_shared)
-            store.link.on_down.append(self._push_shared)
-            store.on_polled.append(self._push_shared)
+            self._wake.attach(balancer.pool.refresh, self._fleet_freed)
             if isinstance(store.counts, HostCounts):
                 self._scan = HostScan(store.counts, reactor)
                 # the workers' releases of max_conns slots, announced to the other replicas
@@ -337,7 +340,7 @@ class WorkerSupervisor(Service):
         # budget full (what the others spent is taken here as if it had spent it there)
         for where, short in self.balancer.budgets.deficits():
             worker.send(encode(Spent([list(where)], short, 0)))
-        if self.relay is not None:
+        if self._presence is not None:
             worker.send(self._shared_line())
 
     # -- state to the workers -------------------------------------------------------------
@@ -366,9 +369,8 @@ class WorkerSupervisor(Service):
             worker.send(line)
 
     def _shared_line(self) -> bytes:
-        store = self.balancer.store
-        assert isinstance(store, RedisStore)
-        return encode(Shared(store.link.connected, store.replicas))
+        assert self._presence is not None
+        return encode(Shared(*self._presence.presence()))
 
     def _push_shared(self) -> None:
         """Redis came or went, or a poll counted the replicas: the workers hear if it changed."""
@@ -381,10 +383,10 @@ class WorkerSupervisor(Service):
 
     def _host_freed(self, key: str, slots: int) -> None:
         """This host's workers freed ``slots`` of ``key``: announced if it has max_conns."""
-        store, backend = self.balancer.store, self.balancer.pool.get(key)
-        if isinstance(store, RedisStore) and backend is not None and backend.spec.max_conns:
+        wake, backend = self._wake, self.balancer.pool.get(key)
+        if wake is not None and backend is not None and backend.spec.max_conns:
             for _ in range(min(slots, backend.spec.max_conns)):
-                store.publish_freed(key)
+                wake.publish_freed(key)
 
     def _fleet_level(self, bucket: Bucket, level: float) -> None:
         """A budget bucket's level across the fleet: every worker's copy takes it (this turn)."""
@@ -426,8 +428,8 @@ class WorkerSupervisor(Service):
                              index=worker.index, pid=message.pid)
                 elif isinstance(message, Spent):
                     self._relay(worker, message)
-                elif isinstance(message, Run):
-                    self._run(worker, message)
+                elif isinstance(message, Take):
+                    self._take(worker, message)
                     continue
                 freed = worker.reports.apply(message) or freed
             except Exception:
@@ -443,12 +445,10 @@ class WorkerSupervisor(Service):
             if worker is not source:
                 worker.send(line)
 
-    def _run(self, worker: WorkerProcess, message: Run) -> None:
-        """A worker's shared script, on the host's Redis link; the answer goes back to it."""
-        if self.relay is None:
-            worker.send(encode(Ran(message.id, None)))
-            return
-        self.relay.run(message).addCallback(lambda ran: worker.send(encode(ran)))
+    def _take(self, worker: WorkerProcess, message: Take) -> None:
+        """A worker's rate-limit take, through the store; the answer goes back to it."""
+        self.relay.take(message).addCallback(
+            lambda taken: worker.send(encode(taken)))
 
     def _slots_freed(self, source: WorkerProcess | None) -> None:
         """Requests ended (or a worker died): wake the queues of the other workers."""

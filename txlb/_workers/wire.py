@@ -7,14 +7,16 @@ the backends), :class:`State` (the backends again, whenever the supervisor's poo
 :class:`Kick` (a slot was freed in another worker: look at your max_conns queue again),
 :class:`Stop`, :class:`Spent` (tokens another worker's budgets took or gave back), and with
 ``--shared-state`` :class:`Shared` (whether Redis answers, and how many replicas share it)
-:class:`Ran` (the answer to a worker's :class:`Run`) and :class:`Levels` (the fleet's levels of
-token-budget buckets, as Redis answered the supervisor).
+:class:`Taken` (the answer to a worker's :class:`Take`) and :class:`Levels` (the fleet's levels
+of token-budget buckets, as the shared state answered the supervisor).
 
 Worker to supervisor (the worker's file descriptor 3): what its proxy observed
 (:class:`Finished`, :class:`Answer`, :class:`Suspect`, :class:`Retry`, :class:`Wait`,
 :class:`Down`; see :class:`txlb._records.observer.IRequestObserver`), :class:`Ready`,
-its token budgets' :class:`Spent` and :class:`BudgetRefused`, and :class:`Run` (a shared
-script the supervisor runs on Redis for it: see txlb._workers.relay).
+its token budgets' :class:`Spent` and :class:`BudgetRefused`, and :class:`Take` (a
+``--rate-limit`` token the supervisor takes from the fleet's bucket for it, through its store:
+see txlb._workers.relay).  Every message says what it means in the balancer's terms, never
+how a store does it (no script, no key of Redis's), so any shared store serves the workers.
 On its standard output: :class:`Log`, one per log event.
 
 Every message is a JSON object whose ``t`` names its type, with one key per field --
@@ -167,26 +169,23 @@ class Spent:
     charged: int = _checked(_is_count)
 
 
-#: Keys and arguments one ``run`` message may carry, and the longest of each
-MAX_RUN_ITEMS = 64
-MAX_RUN_TEXT = 256
+#: The longest name of a fleet's rate bucket a ``take`` may carry (the names are digests)
+MAX_BUCKET_NAME = 64
 
 
-def _is_texts(value: object) -> bool:
-    return (isinstance(value, list) and len(value) <= MAX_RUN_ITEMS
-            and all(isinstance(item, str) and len(item) <= MAX_RUN_TEXT for item in value))
+def _is_bucket_name(value: object) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_BUCKET_NAME
 
 
-def _is_reply(value: object) -> bool:
-    return value is None or (isinstance(value, str) and len(value) <= MAX_RUN_TEXT) \
-        or _is_texts(value)
+def _is_level(value: object) -> bool:
+    return value is None or _is_seconds(value)
 
 
 @attrs.frozen
 class Shared:
     """
-    ``--shared-state`` as the supervisor sees it: whether Redis answers, and how many
-    replicas (hosts) share it.  Sent after :class:`Hello` and whenever either changed.
+    ``--shared-state`` as the supervisor sees it: whether the shared state answers, and how
+    many replicas (hosts) share it.  Sent after :class:`Hello` and whenever either changed.
     """
 
     kind: ClassVar[str] = "shared"
@@ -214,30 +213,36 @@ class Levels:
 
 
 @attrs.frozen
-class Ran:
-    """What Redis answered to the worker's :class:`Run` ``id`` (``None``: it failed)."""
+class Taken:
+    """
+    The fleet's answer to the worker's :class:`Take` ``id``: whether the shared state
+    answered at all, and the bucket's level after the take (``None``: an answer that is no
+    level, or none).
+    """
 
-    kind: ClassVar[str] = "ran"
+    kind: ClassVar[str] = "taken"
     id: int = _checked(_is_count)
-    reply: str | list[str] | None = _checked(_is_reply)
+    answered: bool = _checked(_is_bool)
+    level: float | None = _checked(_is_level)
 
 
 # -- worker to supervisor ---------------------------------------------------------------
 
 
 @attrs.frozen
-class Run:
+class Take:
     """
-    Run the shared script whose SHA1 is ``script`` with these keys and arguments on the
-    supervisor's Redis link, and answer :class:`Ran` ``id`` (the worker never waits: its
-    request was decided already on a local copy).
+    Take one token from the fleet's ``--rate-limit`` bucket named ``bucket`` (a client
+    key's digest) of ``rate`` tokens a second and ``burst`` at most, and answer
+    :class:`Taken` ``id`` (the worker never waits: its request was decided already on a
+    local copy).
     """
 
-    kind: ClassVar[str] = "run"
+    kind: ClassVar[str] = "take"
     id: int = _checked(_is_count)
-    script: str = _checked(_is_str)
-    keys: list[str] = _checked(_is_texts)
-    args: list[str] = _checked(_is_texts)
+    bucket: str = _checked(_is_bucket_name)
+    rate: float = _checked(_is_seconds)
+    burst: int = _checked(_is_count)
 
 
 @attrs.frozen
@@ -318,15 +323,16 @@ class Log:
     text: str = _checked(_is_str)
 
 
-ToWorker: TypeAlias = Hello | State | Reload | Kick | Stop | Spent | Shared | Ran | Levels
+ToWorker: TypeAlias = Hello | State | Reload | Kick | Stop | Spent | Shared | Taken | Levels
 FromWorker: TypeAlias = (Ready | Finished | Answer | Suspect | Retry | Wait | Down | Log
-                         | Spent | BudgetRefused | Run)
+                         | Spent | BudgetRefused | Take)
 Message: TypeAlias = ToWorker | FromWorker
 
 #: Every message type but :class:`Finished` (a list on the wire), by its ``t``.
 _TYPES: dict[str, type[Any]] = {
-    cls.kind: cls for cls in (Hello, State, Reload, Kick, Stop, Spent, Shared, Ran, Levels, Ready,
-                              Answer, Suspect, Retry, Wait, Down, BudgetRefused, Log, Run)
+    cls.kind: cls for cls in (Hello, State, Reload, Kick, Stop, Spent, Shared, Taken, Levels,
+                              Ready, Answer, Suspect, Retry, Wait, Down, BudgetRefused, Log,
+                              Take)
 }
 
 

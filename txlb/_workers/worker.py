@@ -12,8 +12,8 @@ backends) before anything else.  The worker then serves the socket with
   the table's lock, so least-connections and ``max_conns`` hold across all workers;
 * mirrors the supervisor's backends (health, drain, membership, models) as they change;
 * with ``--shared-state``, adds the other replicas' counts (the table's remote row, written
-  by the supervisor) to its own, and has the supervisor run its ``--rate-limit`` takes on
-  Redis (txlb._workers.relay): the worker itself never connects to Redis;
+  by the supervisor) to its own, and has the supervisor make its ``--rate-limit`` takes
+  through its store (txlb._workers.relay): the worker itself never connects to Redis;
 * reports what only the supervisor may act on, through its request observer
   (txlb._workers.reports): each finished request's summary (for the one result log and the
   metrics), backends' answers (outlier ejection), backends it found refusing or resetting
@@ -73,13 +73,13 @@ from txlb._workers.wire import (
     Lines,
     Log,
     Message,
-    Ran,
     Ready,
     Reload,
     Shared,
     Spent,
     State,
     Stop,
+    Taken,
     WireError,
     config_from,
     decode,
@@ -188,7 +188,7 @@ class SupervisorLink(Protocol):
         self.reactor = reactor
         self.index = index
         self.balancer: LoadBalancer | None = None
-        #: --shared-state: the supervisor runs this worker's shared scripts
+        #: --shared-state: the supervisor makes this worker's rate-limit takes
         self.relay: WorkerRelay | None = None
         self.services: IService | None = None
         self.exit_code = 0
@@ -269,7 +269,7 @@ class SupervisorLink(Protocol):
                     message.amount, message.charged)
             elif isinstance(message, Shared) and self.relay is not None:
                 self.relay.update(message.connected, message.replicas)
-            elif isinstance(message, Ran) and self.relay is not None:
+            elif isinstance(message, Taken) and self.relay is not None:
                 self.relay.answered(message)
             elif isinstance(message, Levels) and self.balancer is not None:
                 take_levels(self.balancer.budgets.levels, message)
@@ -311,7 +311,7 @@ class SupervisorLink(Protocol):
         else:
             relay = self.relay = WorkerRelay(self.report, self.reactor, hello.workers)
             balancer = LoadBalancer(config=config, reactor=self.reactor, observer=forwarder,
-                                    store=WorkerStore(shared, relay, spec.prefix))
+                                    store=WorkerStore(shared, relay))
         self.balancer = balancer
         # ... but this worker's policy learns from the requests it served itself.
         forwarder.summaries.add(policy_learns(balancer.pool, balancer.policy))
