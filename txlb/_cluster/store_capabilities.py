@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from twisted.application.service import IService
 from twisted.internet.defer import Deferred
-from zope.interface import Attribute, Interface
+from zope.interface import Interface
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
@@ -70,7 +70,8 @@ class IFleetSlotGate(Interface):
     balancer takes confirmed against every balancer's count.
     """
 
-    wake = Attribute("Runs the queue's dispatch when another balancer freed a slot.")
+    def wake_with(wake: Callable[[], object]) -> None:
+        """Run ``wake`` (a queue's dispatch) when another balancer freed a slot."""
 
     def needs(backend: Backend) -> bool:
         """Whether a slot on ``backend`` must be confirmed."""

@@ -45,6 +45,10 @@ class HostCounts(FleetCounts):
         #: that many (the supervisor announces them to the other replicas' queues)
         self.on_fell: Callable[[str, int], object] = lambda key, slots: None
 
+    def tell_fell(self, told: Callable[[str, int], object]) -> None:
+        """Tell ``told`` ``(backend, slots)`` whenever a published count fell."""
+        self.on_fell = told
+
     # -- slots: the table's --------------------------------------------------------------
 
     def register(self, key: str) -> int:

@@ -129,6 +129,10 @@ class SharedSlots:
         self.refused = 0
         self.unconfirmed = 0
 
+    def wake_with(self, wake: Callable[[], object]) -> None:
+        """Run ``wake`` when another replica freed a slot (a supervisor wakes its workers)."""
+        self.wake = wake
+
     # -- SlotGate -----------------------------------------------------------------------
 
     def needs(self, backend: Backend) -> bool:

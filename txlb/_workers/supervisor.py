@@ -183,6 +183,10 @@ class WorkerProcess(ProcessProtocol):
         self._log_lines = Lines()
         self._error_lines = Lines()
 
+    def serving(self) -> None:
+        """It said ``Ready``: its port is open and it serves."""
+        self.ready = True
+
     def connectionMade(self) -> None:
         assert self.transport is not None
         self.pid = self.transport.pid
@@ -263,11 +267,11 @@ class WorkerSupervisor(Service):
             if isinstance(store.counts, HostCounts):
                 self._scan = HostScan(store.counts, reactor)
                 # the workers' releases of max_conns slots, announced to the other replicas
-                store.counts.on_fell = self._host_freed
+                store.counts.tell_fell(self._host_freed)
             slots = getattr(balancer, "slots", None)
             if slots is not None:
                 # another replica announced a freed slot: the workers' queues look again
-                slots.wake = self._fleet_freed
+                slots.wake_with(self._fleet_freed)
         #: the fleet's budget levels, as Redis answered, to pass on this turn
         self._levels: dict[str, list[Any]] = {}
         self._levels_call: IDelayedCall | None = None
@@ -423,7 +427,7 @@ class WorkerSupervisor(Service):
         for message in messages:
             try:
                 if isinstance(message, Ready):
-                    worker.ready = True
+                    worker.serving()
                     log.info("worker {index} (pid {pid}) serving",
                              index=worker.index, pid=message.pid)
                 elif isinstance(message, Spent):
