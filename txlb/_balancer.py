@@ -39,8 +39,7 @@ from txlb._cluster.store import IBackendStore, IInFlightCounts, LocalStore
 from txlb._config import OPTIONS, Config, build_config
 from txlb._discovery.membership import DnsMembership
 from txlb._discovery.resolver import system_resolver
-from txlb._proxy.context import ProxyContext
-from txlb._proxy.exchange import Exchange
+from txlb._proxy.context import LiveExchange, ProxyContext
 from txlb._proxy.resource import ProxyResource
 from txlb._records.bookkeeper import (
     Bookkeeper,
@@ -354,7 +353,7 @@ class LoadBalancer:
             self.pool.on_down.append(observer.down)
         self.router.on_queue_wait = self.observer.waited
         #: this process's requests in flight, which the hung-backend detector watches
-        live: set[Exchange] = set()
+        live: set[LiveExchange] = set()
         self.hung = HangDetector(self.pool, live, reactor, self.health.health_status,
                                  stall=config.hung_after)
         context = ProxyContext(

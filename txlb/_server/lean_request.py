@@ -19,7 +19,7 @@ the first body bytes in one ``transport.write``.
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import ISSLTransport
@@ -27,8 +27,25 @@ from twisted.python.failure import Failure
 from twisted.web.http import NO_BODY_CODES, RESPONSES
 from twisted.web.http_headers import Headers
 
-if TYPE_CHECKING:
-    from txlb._server.lean import LeanChannel
+
+class RequestChannel(Protocol):
+    """
+    What a request needs of the connection it came on (:class:`txlb._server.lean.LeanChannel`):
+    its transport to write the answer to, and word of the answer's end and producer.
+    Declared here, below the channel, which builds requests and so knows them.
+    """
+
+    #: a TCP (or TLS, or UNIX) transport: a consumer, with ``getPeer`` and ``getHost``
+    transport: Any
+
+    def request_done(self, request: LeanRequest) -> None:
+        """``request`` has its whole answer."""
+
+    def register_request_producer(self, producer: Any) -> None:
+        """The answer's producer (``None``: none), paused while the client's socket is full."""
+
+    def loseConnection(self) -> None:
+        """Close once what is written has gone."""
 
 
 class LeanRequest:
@@ -40,9 +57,9 @@ class LeanRequest:
                  "defaultContentType", "_disconnected", "_notifications", "_no_body",
                  "__weakref__")
 
-    def __init__(self, channel: LeanChannel | None, method: bytes, uri: bytes,
+    def __init__(self, channel: RequestChannel | None, method: bytes, uri: bytes,
                  clientproto: bytes, headers: Headers) -> None:
-        self.channel: LeanChannel | None = channel
+        self.channel: RequestChannel | None = channel
         self.method = method
         self.uri = uri
         self.path = uri.partition(b"?")[0]
