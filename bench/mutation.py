@@ -108,8 +108,12 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
                                            "test_mutants_registry"),
     "_server/site": _unit("test_failover", "test_regressions", "test_proxy", "test_repeats",
                           "test_admin", "test_mutants", "test_mutants_site",
-                          # the lean server reads site's limits and rules (MAX_LINE, ...)
+                          # the lean server's tests hold both servers to the same refusals
                           "test_lean", "test_review_lean")
+    + ("tests.integration.test_framing",),
+    # the framing rules both servers share (MAX_LINE, ChunkPace, ...)
+    "_server/rules": _unit("test_lean", "test_review_lean", "test_mutants_site",
+                           "test_regressions", "test_proxy", "test_repeats")
     + ("tests.integration.test_framing",),
     "_records/resultlog": _unit("test_resultlog", "test_regressions", "test_summary",
                                 "test_mutants", "test_mutants_resultlog"),
@@ -353,7 +357,7 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "_CONTROLS = bytes([*range(0x01, 0x09), *range(0x0B, 0x0D), *range( 13, 0x20), 0x7F])",
      "adds CR (0x0D) to the control characters: headerReceived refuses a NUL, CR or LF in a "
      "value first, with the same 400, so the control-character check never sees a CR"),
-    ("_server/site", "NumberReplacer", "_VISIBLE_ASCII = bytes(range( 32, 0x7F))",
+    ("_server/rules", "NumberReplacer", "VISIBLE_ASCII = bytes(range( 32, 0x7F))",
      "a request target never holds a space (0x20): SP is the request line's delimiter, and "
      "twisted.web's _parseRequestLine refuses a line with more than two (400) before the "
      "target is checked"),

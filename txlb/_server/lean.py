@@ -70,7 +70,7 @@ from txlb._compat import alpn_mutates_shared_context
 from txlb._proxy.errors import error_body
 from txlb._server.lean_request import LeanRequest
 from txlb._server.quiet import RepeatSummary
-from txlb._server.site import (
+from txlb._server.rules import (
     CHUNKS_TOO_SMALL,
     CONNECT_REFUSED,
     CONNECTION_FIELDS,
