@@ -1,7 +1,7 @@
 """
 The main port's HTTP/1.1 server: llhttp (through ``httptools``, the C parser uvicorn -- and
 so vLLM's own API server -- uses) with the limits and framing rules of
-:mod:`txlb._server.site`, for a fraction of twisted.web's cost per request.
+:mod:`txlb._server.rules`, for a fraction of twisted.web's cost per request.
 
 twisted.web parses a request line by line in Python and builds a ``Request`` that does far
 more than a proxy needs; on the path LLM clients take that was the largest part of txlb's
@@ -9,28 +9,24 @@ CPU per request.  :class:`LeanChannel` hands the bytes to llhttp, which is stric
 second parser could read a request differently (``Content-Length`` with
 ``Transfer-Encoding``, a repeated ``Content-Length``, a bad chunk size, a bare CR or LF, a
 NUL, a space before a colon, obs-fold: 400), and checks itself what llhttp leaves to its
-caller, exactly as :class:`~txlb._server.site.ProxyChannel` does:
+caller, exactly as :class:`~txlb._server.site.ProxyChannel` does.  The checks of each part
+of a head as llhttp hands it over are :mod:`txlb._server.lean_head`'s; the channel checks
+what only the reads as a whole show:
 
 * ``--header-timeout``: a request's line and headers get that long from their first byte
-  (slowloris; the empty lines llhttp skips before a request line count), then 408;
-* ``--max-body``: 413 the moment ``Content-Length`` or a chunked body so far exceeds it,
-  without buffering past it and with no ``100 Continue`` for a refused body; a chunked
-  body's trailers are dropped, and its framing (size lines, extensions, trailers) may be
-  at most its payload plus 16 KiB before it is 400 (httptools buffers a trailer whole);
-  a body is held as one buffer of its payload (:meth:`_Head.add_body`), and a chunked body
-  of chunks too small to be worth their parse is 400 (:class:`~txlb._server.site.ChunkPace`);
-* ``Host`` and ``Expect`` read without the whitespace after them (llhttp strips only the
-  whitespace before a value);
-* a request line or header line over 16 KiB: 431; a head over 16 KiB or 500 headers in all: 400;
-* ``Transfer-Encoding`` exactly ``chunked`` on HTTP/1.1 (else 400, or 501 for a coding
-  before ``chunked``); ``Host`` required on HTTP/1.1, once, and valid; the target visible
-  ASCII; HTTP/1.0 and 1.1 only;
-* ``CONNECT`` refused with 405, as :class:`~txlb._server.site.ProxyChannel` refuses it;
-* ``Connection`` read as a token list over every line (``keep-alive, close`` closes);
-  HTTP/1.0 closes; a connection idle for 60 s (nothing received, no answer under way) is
-  closed, as twisted.web closes it.
+  (slowloris; the empty lines llhttp skips before a request line count), then 408; a head
+  still incomplete after some 128 KiB on the wire: 431;
+* a request line with more than one space between its parts: 400 (llhttp lets it through);
+* ``--max-body``: 413 the moment a body so far exceeds it, without buffering past it and
+  with no ``100 Continue`` for a refused body; a chunked body's framing (size lines,
+  extensions, trailers) may be at most its payload plus 16 KiB before it is 400 (httptools
+  buffers a trailer whole); a body is held as one buffer of its payload
+  (:meth:`~txlb._server.lean_head.RequestHead.add_body`), and a chunked body of chunks too
+  small to be worth their parse is 400 (:class:`~txlb._server.rules.ChunkPace`);
+* a connection idle for 60 s (nothing received, no answer under way) is closed, as
+  twisted.web closes it.
 
-Every refusal is :func:`txlb._server.site.refusal` (JSON body, ``Connection: close``), is
+Every refusal is :func:`txlb._server.rules.raw_response` (JSON body, ``Connection: close``), is
 reported to the factory's ``on_refused`` for the result log, closes the connection, and
 nothing after it is parsed.  Pipelined requests are answered in order, one at a time; a read
 is parsed no further than a request waiting behind the one being answered (the rest is held
@@ -68,25 +64,16 @@ from zope.interface import classImplements
 
 from txlb._compat import alpn_mutates_shared_context
 from txlb._proxy.errors import error_body
+from txlb._server.lean_head import MALFORMED_HEAD, Refused, RequestHead, parsed_method
 from txlb._server.lean_request import LeanRequest
 from txlb._server.quiet import RepeatSummary
 from txlb._server.rules import (
     CHUNKS_TOO_SMALL,
-    CONNECT_REFUSED,
-    CONNECTION_FIELDS,
-    CONNECTION_TRAILER,
+    LENGTH_UNKNOWABLE,
     MAX_HEAD_BYTES,
-    MAX_HEADERS,
     MAX_LINE,
-    TARGET_REFUSED,
-    TOKEN_SEPARATORS,
-    VALID_HOST,
-    VISIBLE_ASCII,
-    ChunkPace,
-    codings,
     log_slow_head,
     raw_response,
-    valid_target_form,
 )
 
 log = Logger(namespace="txlb._server.site")
@@ -115,10 +102,6 @@ _PIPELINE_DEPTH = 1
 IDLE_TIMEOUT = 60.0
 
 
-class _Refused(Exception):
-    """Raised from a parser callback to stop parsing: the request was refused."""
-
-
 class _Stop(Exception):
     """Raised from a parser callback to stop parsing: nothing after this request is read."""
 
@@ -132,64 +115,6 @@ class _Refusal:
         self.status = status
         self.body = body
         self.request = request
-
-
-class _Head:
-    """What the framing checks remember of the request being parsed."""
-
-    __slots__ = ("url", "headers", "size", "count", "host_lines", "codings",
-                 "content_length", "connection", "expect", "body", "body_size",
-                 "framing", "pace", "request", "version", "upgrade")
-
-    def __init__(self) -> None:
-        self.url = b""
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.size = 0
-        self.count = 0
-        self.host_lines = 0
-        self.codings: list[bytes] = []
-        self.content_length: int | None = None
-        self.connection: list[bytes] = []
-        self.expect: bytes | None = None
-        #: the body as it arrives: its first span alone, then (from a second span on) the
-        #: whole body so far in one buffer (see :meth:`add_body`)
-        self.body: bytes | BytesIO = b""
-        self.body_size = 0
-        #: a chunked body's bytes on the wire that were not payload, so far
-        self.framing = 0
-        #: the pace of a chunked body's chunks (``None``: the body is not chunked)
-        self.pace: ChunkPace | None = None
-        #: set when the head is complete
-        self.request: LeanRequest | None = None
-        self.version = b""
-        #: llhttp saw a request asking to switch protocols, and does not read its body
-        self.upgrade = False
-
-    def add_body(self, data: bytes) -> None:
-        """
-        ``data`` after the body so far.  The body is held as its bytes and no more: one
-        span as it came, and from a second span on one ``BytesIO`` that each span is
-        copied into.  A list of spans cost a bytes object and a list slot per span --
-        some 40 bytes for each 2-byte chunk of a chunked body, ~20 times its payload --
-        and a join of millions of them when it ended.
-        """
-        self.body_size += len(data)
-        body = self.body
-        if isinstance(body, bytes):
-            if not body:
-                self.body = data
-                return
-            self.body = body = BytesIO(body)
-            body.seek(0, 2)
-        body.write(data)
-
-    def take_body(self) -> bytes:
-        """
-        The whole body, given up by the head: ``BytesIO.getvalue`` hands over its buffer
-        without a copy, so a body is copied once in all between the read and the request.
-        """
-        body, self.body = self.body, b""
-        return body if isinstance(body, bytes) else body.getvalue()
 
 
 class _DateCache:
@@ -219,7 +144,7 @@ class LeanChannel(Protocol):
         self.factory = site
         self.header_timeout = site.header_timeout
         self._parser = HttpRequestParser(self)
-        self._head: _Head | None = None
+        self._head: RequestHead | None = None
         #: parsed requests (and at most one refusal, last) waiting for their turn
         self._queue: deque[LeanRequest | _Refusal] = deque()
         #: the request being answered
@@ -238,7 +163,7 @@ class LeanChannel(Protocol):
         #: the start of a request line not yet ended by CRLF (see _check_request_line)
         self._line: bytes | None = None
         #: a request asking to switch protocols whose body is still being read
-        self._upgrading: _Head | None = None
+        self._upgrading: RequestHead | None = None
         self._idle_timer: IDelayedCall | None = None
         self._last_active = 0.0
 
@@ -370,7 +295,7 @@ class LeanChannel(Protocol):
         self._line = None
         parts = line[start:end].split(b" ")
         if len(parts) != 3 or not all(parts):
-            self.refuse(400, "malformed request line or headers")
+            self.refuse(400, MALFORMED_HEAD)
             return b""
         return data
 
@@ -395,7 +320,10 @@ class LeanChannel(Protocol):
                     return
             except HttpParserCallbackError as error:
                 cause = error.__context__
-                if isinstance(cause, (_Refused, _Stop)):
+                if isinstance(cause, Refused):
+                    self.refuse(cause.status, cause.message)
+                    return
+                if isinstance(cause, _Stop):
                     return
                 if cause is not None:
                     raise cause from None
@@ -430,12 +358,11 @@ class LeanChannel(Protocol):
             self.refuse(413, f"the request body is over the limit of {limit} bytes")
         elif "transfer-encoding" in lowered and "content-length" not in lowered:
             # the words ProxyChannel's own check uses for the same refusal
-            self.refuse(400, "the request's final transfer coding must be chunked (and only "
-                             "once), or its length cannot be known")
+            self.refuse(400, LENGTH_UNKNOWABLE)
         elif self._head is not None and self._head.request is not None:
             self.refuse(400, "malformed request body framing")
         else:
-            self.refuse(400, "malformed request line or headers")
+            self.refuse(400, MALFORMED_HEAD)
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._closing = True
@@ -462,133 +389,30 @@ class LeanChannel(Protocol):
     # -- llhttp's callbacks ---------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        self._head = _Head()
+        self._head = RequestHead()
         self._head_buffered = 0
         self._continue_sent = False
 
     def on_url(self, url: bytes) -> None:
         head = self._head
         assert head is not None
-        head.url += url
-        if (len(head.url) > MAX_LINE - 24
-                # the request line's length, as twisted.web limits it: method, target and
-                # " HTTP/1.1", with their spaces
-                and len(self._parser_method()) + len(head.url) + 10 > MAX_LINE):
-            self._refuse_now(431, "request header fields too large")
+        head.add_url(url, self._parser)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         head = self._head
         assert head is not None
         if head.request is not None:
-            # a trailer: dropped, as twisted.web drops them (_FRAMING_LIMIT bounds them);
-            # llhttp refuses a malformed one, or Content-Length and Transfer-Encoding, and
-            # closes after the answer when one says Connection: close -- refused instead,
-            # as lb.site() refuses it, rather than taking the next request for a fault
-            if name.lower() in CONNECTION_FIELDS:
-                self._refuse_now(400, CONNECTION_TRAILER)
-            return
-        line = len(name) + len(value) + 2
-        if line > MAX_LINE:
-            self._refuse_now(431, "request header fields too large")
-        if not head.size:  # the request line counts towards the head's size, as twisted's
-            head.size = len(head.url) + 16
-        head.size += line
-        head.count += 1
-        if head.size > MAX_HEAD_BYTES or head.count > MAX_HEADERS:
-            self._refuse_now(400, "malformed request line or headers")
-        lowered = name.lower()
-        if lowered == b"host":
-            # RFC 9110 5.5: the whitespace around a value is not part of it (llhttp strips
-            # the leading whitespace only): "Host: x " is x, as on twisted.web
-            value = value.rstrip(b" \t")
-            head.host_lines += 1
-            if head.host_lines > 1:
-                self._refuse_now(400, "the request has more than one Host header")
-            if not VALID_HOST.fullmatch(value):
-                self._refuse_now(400, "the request's Host header is not a valid host")
-        elif lowered == b"transfer-encoding":
-            self._transfer_encoding(head, value)
-            value = b"chunked"
-        elif lowered == b"content-length":
-            try:
-                head.content_length = int(value)  # llhttp let only digits through, once
-            except ValueError:
-                self._refuse_now(400, "malformed request line or headers")
-        elif lowered == b"connection" or lowered == b"proxy-connection":
-            # llhttp reads Proxy-Connection as Connection: a close in it ends the connection
-            # after this answer (and nothing after it is parsed), on both servers
-            head.connection.append(value)
-        elif lowered == b"expect" and head.expect is None:
-            head.expect = value.rstrip(b" \t")
-        head.headers.append((name, value))
-
-    def _transfer_encoding(self, head: _Head, value: bytes) -> None:
-        """Exactly one coding, ``chunked``, over all lines, on HTTP/1.1 (as ProxyChannel)."""
-        head.codings += codings(value)
-        found = head.codings
-        if self._parser.get_http_version() != "1.1":
-            self._refuse_now(400, "Transfer-Encoding is not allowed in an HTTP/1.0 request")
-        if found == [b"chunked"]:
-            return
-        if not found or found[-1] != b"chunked" or b"chunked" in found[:-1]:
-            self._refuse_now(400, "the request's final transfer coding must be chunked "
-                                  "(and only once), or its length cannot be known")
-        self._refuse_now(501, "transfer codings other than chunked are not supported")
+            head.add_trailer(name)
+        else:
+            head.add_field(name, value, self._parser)
 
     def on_headers_complete(self) -> None:
         head = self._head
         assert head is not None
         self._cancel_deadline()
         self._head_buffered = 0
-        parser = self._parser
-        version = parser.get_http_version()
-        if version not in ("1.1", "1.0"):
-            self._refuse_now(400, "malformed request line or headers")
-        target = head.url
-        if len(target.translate(None, VISIBLE_ASCII)) != 0:
-            self._refuse_now(400, "the request target has bytes that are not visible ASCII")
-        head.version = clientproto = b"HTTP/1.1" if version == "1.1" else b"HTTP/1.0"
-        headers = Headers()
-        add = headers.addRawHeader
-        for name, value in head.headers:
-            add(name, value)
-        request = head.request = LeanRequest(self, parser.get_method(), target,
-                                             clientproto, headers)
-        if head.host_lines == 0 and version == "1.1":
-            self._refuse_now(400, "an HTTP/1.1 request must have a Host header")
-        if request.method == b"CONNECT":
-            # as ProxyChannel: no tunnel, and nothing after the head is read (llhttp would
-            # hand it over as the tunnel's bytes)
-            self._refuse_now(405, CONNECT_REFUSED)
-        if not valid_target_form(target):
-            # llhttp takes "*?a=b" (and "**") for a target: it is not "*" (RFC 9112 3.2.4)
-            self._refuse_now(400, TARGET_REFUSED)
-        chunked = bool(head.codings)
-        if chunked:
-            head.pace = ChunkPace()
-        if parser.should_upgrade():
-            head.upgrade = True
-            if chunked:
-                # llhttp leaves the body unread, and its chunks are not worth a second
-                # parser here: refused, where twisted.web would read and forward it
-                self._refuse_now(400, "a request asking to switch protocols may not "
-                                      "have a chunked body")
-        limit = self.site.max_body
-        length = head.content_length
-        if limit and length is not None and length > limit:
-            # no "100 Continue" for a body that is refused anyway
-            self._refuse_now(413, f"the request body ({length} bytes) is over the limit "
-                                  f"of {limit} bytes")
-        tokens = {token.lower() for value in head.connection
-                  for token in TOKEN_SEPARATORS.split(value) if token}
-        if version == "1.1" and b"close" not in tokens:
-            request.persistent = True
-        else:
-            request.persistent = False
-            if version == "1.1":
-                request.responseHeaders.setRawHeaders(b"Connection", [b"close"])
-        if (head.expect is not None and head.expect.lower() == b"100-continue"
-                and version == "1.1" and (chunked or length)):
+        head.start_request(self, self._parser, self.site.max_body)
+        if head.wants_continue():
             self._maybe_continue()
 
     # No on_chunk_header / on_chunk_complete: httptools calls only the callbacks a protocol
@@ -601,10 +425,10 @@ class LeanChannel(Protocol):
         head.add_body(data)
         pace = head.pace
         if pace is not None and pace.too_small(head.body_size):
-            self._refuse_now(400, CHUNKS_TOO_SMALL)
+            raise Refused(400, CHUNKS_TOO_SMALL)
         limit = self.site.max_body
         if limit and head.body_size > limit:
-            self._refuse_now(413, f"the request body is over the limit of {limit} bytes")
+            raise Refused(413, f"the request body is over the limit of {limit} bytes")
 
     def on_message_complete(self) -> None:
         head, self._head = self._head, None
@@ -614,7 +438,7 @@ class LeanChannel(Protocol):
             return
         self._complete(head)
 
-    def _complete(self, head: _Head) -> None:
+    def _complete(self, head: RequestHead) -> None:
         """``head``'s request is whole: in line for its answer."""
         request = head.request
         assert request is not None
@@ -705,9 +529,7 @@ class LeanChannel(Protocol):
         if (head is None or head.request is None or self._continue_sent or self._closing
                 or self._current is not None or self._queue or self.transport is None):
             return
-        if head.expect is None or head.expect.lower() != b"100-continue":
-            return
-        if head.version != b"HTTP/1.1" or not (head.codings or head.content_length):
+        if not head.wants_continue():
             return
         self._continue_sent = True
         self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -738,11 +560,6 @@ class LeanChannel(Protocol):
 
     # -- refusals -------------------------------------------------------------------------
 
-    def _refuse_now(self, status: int, message: str) -> None:
-        """From a parser callback: refuse, and stop llhttp."""
-        self.refuse(status, message)
-        raise _Refused()
-
     def refuse(self, status: int, message: str) -> None:
         """
         Answer ``status`` with a JSON error and close, after the answers to the requests
@@ -759,7 +576,7 @@ class LeanChannel(Protocol):
             # llhttp names a method (DELETE, its zero) even before it read one: only a
             # request line read as far as its target has a method to log
             parsed = head is not None and bool(head.url)
-            method = self._parser_method() if parsed else b"-"
+            method = parsed_method(self._parser) if parsed else b"-"
             url = head.url if head is not None and head.url else b"-"
             request = LeanRequest(None, method, url, b"HTTP/1.1", Headers())
             if head is not None:
@@ -770,13 +587,6 @@ class LeanChannel(Protocol):
         self._queue.append(_Refusal(status, error_body(status, message), request))
         if not self._advancing:
             self._advance()
-
-    def _parser_method(self) -> bytes:
-        try:
-            method = self._parser.get_method()
-        except Exception:  # not parsed yet
-            return b"-"
-        return method if isinstance(method, bytes) and method else b"-"
 
     def _write_refusal(self, refusal: _Refusal) -> None:
         self._closing = True
