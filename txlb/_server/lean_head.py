@@ -38,6 +38,7 @@ from txlb._server.rules import (
     CONNECT_REFUSED,
     CONNECTION_FIELDS,
     CONNECTION_TRAILER,
+    LENGTH_UNKNOWABLE,
     MAX_HEAD_BYTES,
     MAX_HEADERS,
     MAX_LINE,
@@ -65,6 +66,41 @@ class Refused(Exception):
         super().__init__(status, message)
         self.status = status
         self.message = message
+
+
+def request_line_so_far(before: bytes | None, data: bytes) -> tuple[bytes | None, bool]:
+    """
+    The request line that starts a read (``before``: what came of it in the reads before),
+    checked for what llhttp lets through and twisted.web does not: more than one space
+    between its three parts.  Only a line at the start of a read is seen whole here (a
+    pipelined one is not: txlb writes every request line upstream itself, so the spaces
+    never reach a backend either way).  Returns what to keep of the line while it is not
+    whole (``None``: it is whole, or past the limit, which is llhttp's to refuse, as 431)
+    and whether it is well formed so far.
+    """
+    line = (before or b"") + data
+    start = len(line) - len(line.lstrip(b"\r\n"))
+    end = line.find(b"\r\n", start)
+    if end < 0:
+        return (line if len(line) <= MAX_LINE else None), True
+    parts = line[start:end].split(b" ")
+    return None, len(parts) == 3 and all(parts)
+
+
+def malformed_refusal(reason: str, max_body: int, in_body: bool) -> tuple[int, str]:
+    """
+    The refusal of bytes llhttp refused for ``reason``: 400 -- or 413 for a length no limit
+    could allow.  ``in_body``: the head was whole, so the fault is the body's framing.
+    """
+    lowered = reason.lower()
+    if max_body and "overflow" in lowered:
+        return 413, f"the request body is over the limit of {max_body} bytes"
+    if "transfer-encoding" in lowered and "content-length" not in lowered:
+        # the words ProxyChannel's own check uses for the same refusal
+        return 400, LENGTH_UNKNOWABLE
+    if in_body:
+        return 400, "malformed request body framing"
+    return 400, MALFORMED_HEAD
 
 
 def parsed_method(parser: HttpRequestParser) -> bytes:
@@ -249,6 +285,21 @@ class RequestHead:
             self.body = body = BytesIO(body)
             body.seek(0, 2)
         body.write(data)
+
+    def add_counted_body(self, data: bytes) -> bytes | None:
+        """
+        Of ``data``, the part of a body llhttp left unread (a request asking to switch
+        protocols), by its ``Content-Length``: what follows the body once it is whole,
+        ``None`` while more of it is wanted.
+        """
+        length = self.content_length
+        assert length is not None
+        wanted = length - self.body_size
+        if wanted > 0 and data:
+            taken = data[:wanted]
+            self.add_body(taken)
+            data = data[len(taken):]
+        return None if self.body_size < length else data
 
     def take_body(self) -> bytes:
         """

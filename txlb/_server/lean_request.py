@@ -13,7 +13,8 @@ methods, ``startedWriting``, ``chunked`` and ``channel`` -- with twisted.web's s
 each (``write`` after ``finish`` raises, ``finish`` after the connection was lost raises,
 a disconnected client's writes are dropped, HEAD and 204/304 answers carry no body, an
 HTTP/1.1 answer without ``Content-Length`` is chunked), and writes the head together with
-the first body bytes in one ``transport.write``.
+the first body bytes in one ``transport.write``.  :class:`ProducerRelay` passes the
+client's flow control on to the producer of the answer being written.
 """
 
 from __future__ import annotations
@@ -223,3 +224,30 @@ class LeanRequest:
     def loseConnection(self) -> None:
         if self.channel is not None:
             self.channel.loseConnection()
+
+
+class ProducerRelay:
+    """
+    The producer a channel registers with its transport, once per connection: the client's
+    socket is full, or has room, and the producer of the answer being written (the
+    exchange, through :meth:`LeanRequest.registerProducer`) hears it; between answers
+    nobody does.
+    """
+
+    __slots__ = ("producer",)
+
+    def __init__(self) -> None:
+        #: the answer's producer (``None``: no answer is being written, or it has none)
+        self.producer: Any = None
+
+    def pauseProducing(self) -> None:
+        if self.producer is not None:
+            self.producer.pauseProducing()
+
+    def resumeProducing(self) -> None:
+        if self.producer is not None:
+            self.producer.resumeProducing()
+
+    def stopProducing(self) -> None:
+        if self.producer is not None:
+            self.producer.stopProducing()
