@@ -67,6 +67,10 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "_proxy/head": _unit("test_head", "test_proxy", "test_properties", "test_mutants"),
     "_upstream/client": _unit("test_upstream", "test_regressions", "test_mutants",
                               "test_mutants_upstream"),
+    "_upstream/connection": _unit("test_upstream", "test_regressions", "test_mutants",
+                                  "test_mutants_upstream"),
+    "_upstream/heads": _unit("test_upstream", "test_regressions", "test_mutants",
+                             "test_mutants_upstream", "test_proxy"),
     "_upstream/resend": _unit("test_upstream", "test_failures", "test_mutants_upstream"),
     "_cluster/backend": _unit("test_scheduling", "test_failover", "test_regressions",
                               "test_admin", "test_health", "test_mutants", "test_mutants_pool"),
@@ -174,12 +178,12 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
     KnownBug("retried answer read to the end (Agent)", "txlb/_upstream/agent.py",
              "        self.transport.stopProducing()  # type: ignore[attr-defined]\n",
              "        pass\n"),
-    KnownBug("retried answer read to the end (own client)", "txlb/_upstream/client.py",
+    KnownBug("retried answer read to the end (own client)", "txlb/_upstream/connection.py",
              '        """Abort: the body of a 502/503 that is retried elsewhere is not worth '
              'reading."""\n        self.abort()\n',
              '        """Read it to the end."""\n'
              "        self._owner = None\n"),
-    KnownBug("connection reused after bytes beyond the body", "txlb/_upstream/client.py",
+    KnownBug("connection reused after bytes beyond the body", "txlb/_upstream/connection.py",
              "            self._keep_alive = False  # bytes beyond the body: never reuse "
              "this connection\n",
              "            pass\n"),
@@ -235,7 +239,7 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("_proxy/resource", "NumberReplacer", 'self.affinity.split(":", 2)',
      "--affinity's header name is an HTTP token (parse_affinity), which has no colon: one "
      "split or two give the same name"),
-    ("_upstream/client", "NumberReplacer", "self._chunk_state == -1:",
+    ("_upstream/connection", "NumberReplacer", "self._chunk_state == -1:",
      "with the one-chunk fast path off, the general walk hands on the same bytes: only "
      "speed differs"),
     ("_cluster/pool", "NumberReplacer", "outliers: OutlierRule | None = None, slow_start: float =",
@@ -374,23 +378,23 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "it exactly when the 8-byte one does"),
     ("_proxy/resource", "NumberReplacer", "max_body: int =",
      "ProxyResource's default: the balancer always passes --max-body"),
-    ("_upstream/client", "ReplaceFalseWithTrue", 'return "close", None, True',
+    ("_upstream/heads", "ReplaceFalseWithTrue", 'return "close", None, True',
      "a close-delimited body ends with the connection (connectionLost), never in "
      "_complete, the only reader of keep_alive"),
-    ("_upstream/client", "ReplaceOrWithAnd", "isdigit() and code_bytes[0] == 48",
+    ("_upstream/heads", "ReplaceOrWithAnd", "isdigit() and code_bytes[0] == 48",
      "a status code with a leading 0 is below 100, which _framing refuses with the same "
      "BadResponse (only the message differs)"),
-    ("_upstream/client", "ReplaceComparisonOperator_Lt_LtE", "if len(_TITLE_CASE) <= 4096:",
+    ("_upstream/heads", "ReplaceComparisonOperator_Lt_LtE", "if len(_TITLE_CASE) <= 4096:",
      "_TITLE_CASE only memoizes _title: its bound changes how many header names are kept, "
      "never the casing written"),
-    ("_upstream/client", "ReplaceComparisonOperator_Lt_Gt", "if len(_TITLE_CASE) > 4096:",
+    ("_upstream/heads", "ReplaceComparisonOperator_Lt_Gt", "if len(_TITLE_CASE) > 4096:",
      "_TITLE_CASE only memoizes _title: never memoizing recomputes the same casing"),
-    ("_upstream/client", "AddNot", "if not len(_TITLE_CASE) < 4096:",
+    ("_upstream/heads", "AddNot", "if not len(_TITLE_CASE) < 4096:",
      "_TITLE_CASE only memoizes _title: never memoizing recomputes the same casing"),
-    ("_upstream/client", "NumberReplacer", "if len(_TITLE_CASE) < 409",
+    ("_upstream/heads", "NumberReplacer", "if len(_TITLE_CASE) < 409",
      "_TITLE_CASE only memoizes _title: its bound changes how many header names are kept, "
      "never the casing written"),
-    ("_upstream/client", "ReplaceFalseWithTrue", "            self._paused = True",
+    ("_upstream/connection", "ReplaceFalseWithTrue", "            self._paused = True",
      "resumeProducing leaving _paused set only makes a later resume call the transport's "
      "resumeProducing again while it is reading: nothing else pauses a backend socket, and "
      "resuming a reading (or aborted) transport changes nothing"),
@@ -406,13 +410,13 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "forget is only called for a pooled connection (by _expire, whose timer take() "
      "cancels, and by connectionLost and dataReceived in the idle state, which only a "
      "pooled connection is in): its list is non-empty and holds it"),
-    ("_upstream/client", "ReplaceOrWithAnd", "if attempt is None and attempt.deferred.called:",
+    ("_upstream/connection", "ReplaceOrWithAnd", "if attempt is None and attempt.deferred.called:",
      "in the head state the attempt is set and not yet called: everything that fires it "
      "(the head, _bad_head, a cancel through _Attempt._cancel) first takes the connection "
      "out of that state"),
-    ("_upstream/client", "NumberReplacer", "self._remaining = 1",
+    ("_upstream/connection", "NumberReplacer", "self._remaining = 1",
      "the _remaining a response leaves is never read: _head sets it before the next body"),
-    ("_upstream/client", "NumberReplacer", "self._remaining = -1",
+    ("_upstream/connection", "NumberReplacer", "self._remaining = -1",
      "the _remaining a response leaves is never read: _head sets it before the next body"),
     ("_scheduling/policies/weighted_random", "NumberReplacer", "weights=weights)[ -1]",
      "random.choices draws one element (k=1): [0] and [-1] are the same"),

@@ -71,7 +71,8 @@ from txlb._shared.prefixes import SharedPrefixIndex
 from txlb._shared.slots import SharedSlots
 from txlb._shared.store import RedisStore
 from txlb._upstream.agent import AgentUpstream
-from txlb._upstream.client import Upstream, UpstreamClient
+from txlb._upstream.client import UpstreamClient
+from txlb._upstream.interfaces import Upstream
 from txlb._version import __version__
 
 log = Logger()

@@ -22,7 +22,7 @@ from txlb._cluster.pool import Pool
 from txlb._records.observer import IRequestObserver, NullObserver
 from txlb._scheduling.ratelimit import client_key
 from txlb._server.quiet import RepeatSummary
-from txlb._upstream.client import Upstream
+from txlb._upstream.interfaces import Upstream
 
 
 class LiveExchange(InFlight, Protocol):

@@ -44,7 +44,7 @@ from txlb._proxy.headers import flatten
 from txlb._proxy.incoming import exposed_to, framed_writer
 from txlb._records.summary import RequestRecord
 from txlb._scheduling.router import RoutingError
-from txlb._upstream.client import UpstreamResponse
+from txlb._upstream.interfaces import UpstreamResponse
 from txlb._upstream.words import describe_failure
 
 #: the namespace operators see on these lines (worker logs name it): kept from before the
