@@ -64,6 +64,8 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
                              "test_prompt_tokens", "test_mutants", "test_mutants_exchange"),
     "_proxy/failures": _unit("test_failures", "test_proxy", "test_failover",
                              "test_regressions", "test_mutants", "test_mutants_failures"),
+    "_proxy/client_end": _unit("test_proxy", "test_proxy_wire", "test_failover",
+                               "test_regressions", "test_mutants_exchange"),
     "_proxy/head": _unit("test_head", "test_proxy", "test_properties", "test_mutants"),
     "_upstream/client": _unit("test_upstream", "test_regressions", "test_mutants",
                               "test_mutants_upstream"),
