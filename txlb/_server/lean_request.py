@@ -31,8 +31,9 @@ from twisted.web.http_headers import Headers
 
 class RequestChannel(Protocol):
     """
-    What a request needs of the connection it came on (:class:`txlb._server.lean.LeanChannel`):
-    its transport to write the answer to, and word of the answer's end and producer.
+    What a request needs of the connection it came on
+    (:class:`txlb._server.lean_channel.LeanChannel`): its transport to write the answer to,
+    and word of the answer's end and producer.
     Declared here, below the channel, which builds requests and so knows them.
     """
 
