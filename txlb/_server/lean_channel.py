@@ -68,6 +68,7 @@ from txlb._server.quiet import RepeatSummary
 from txlb._server.rules import (
     CHUNKS_TOO_SMALL,
     MAX_HEAD_BYTES,
+    MAX_LINE,
     log_slow_head,
     raw_response,
 )
@@ -387,7 +388,9 @@ class LeanChannel(Protocol):
     def on_url(self, url: bytes) -> None:
         head = self._head
         assert head is not None
-        head.add_url(url, self._parser)
+        head.url += url
+        if len(head.url) > MAX_LINE - 24:  # near the limit: the exact count (rare)
+            head.check_line_length(self._parser)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         head = self._head
@@ -403,7 +406,7 @@ class LeanChannel(Protocol):
         self._cancel_deadline()
         self._head_buffered = 0
         head.start_request(self, self._parser, self.site.max_body)
-        if head.wants_continue():
+        if head.expect is not None and head.wants_continue():
             self._maybe_continue()
 
     # No on_chunk_header / on_chunk_complete: httptools calls only the callbacks a protocol

@@ -145,13 +145,13 @@ class RequestHead:
 
     # -- the head, as llhttp hands it over ------------------------------------------------
 
-    def add_url(self, url: bytes, parser: HttpRequestParser) -> None:
-        """Part of the request target (llhttp may hand it over in pieces)."""
-        self.url += url
-        if (len(self.url) > MAX_LINE - 24
-                # the request line's length, as twisted.web limits it: method, target and
-                # " HTTP/1.1", with their spaces
-                and len(parsed_method(parser)) + len(self.url) + 10 > MAX_LINE):
+    def check_line_length(self, parser: HttpRequestParser) -> None:
+        """
+        The request line's length so far, as twisted.web limits it: method, target and
+        `` HTTP/1.1``, with their spaces (the channel asks only once the target alone
+        comes near the limit).
+        """
+        if len(parsed_method(parser)) + len(self.url) + 10 > MAX_LINE:
             raise Refused(431, "request header fields too large")
 
     def add_trailer(self, name: bytes) -> None:
