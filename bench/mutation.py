@@ -64,9 +64,15 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
                              "test_prompt_tokens", "test_mutants", "test_mutants_exchange"),
     "_proxy/failures": _unit("test_failures", "test_proxy", "test_failover",
                              "test_regressions", "test_mutants", "test_mutants_failures"),
+    "_proxy/client_end": _unit("test_proxy", "test_proxy_wire", "test_failover",
+                               "test_regressions", "test_mutants_exchange"),
     "_proxy/head": _unit("test_head", "test_proxy", "test_properties", "test_mutants"),
     "_upstream/client": _unit("test_upstream", "test_regressions", "test_mutants",
                               "test_mutants_upstream"),
+    "_upstream/connection": _unit("test_upstream", "test_regressions", "test_mutants",
+                                  "test_mutants_upstream"),
+    "_upstream/heads": _unit("test_upstream", "test_regressions", "test_mutants",
+                             "test_mutants_upstream", "test_proxy"),
     "_upstream/resend": _unit("test_upstream", "test_failures", "test_mutants_upstream"),
     "_cluster/backend": _unit("test_scheduling", "test_failover", "test_regressions",
                               "test_admin", "test_health", "test_mutants", "test_mutants_pool"),
@@ -108,8 +114,12 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
                                            "test_mutants_registry"),
     "_server/site": _unit("test_failover", "test_regressions", "test_proxy", "test_repeats",
                           "test_admin", "test_mutants", "test_mutants_site",
-                          # the lean server reads site's limits and rules (MAX_LINE, ...)
+                          # the lean server's tests hold both servers to the same refusals
                           "test_lean", "test_review_lean")
+    + ("tests.integration.test_framing",),
+    # the framing rules both servers share (MAX_LINE, ChunkPace, ...)
+    "_server/rules": _unit("test_lean", "test_review_lean", "test_mutants_site",
+                           "test_regressions", "test_proxy", "test_repeats")
     + ("tests.integration.test_framing",),
     "_records/resultlog": _unit("test_resultlog", "test_regressions", "test_summary",
                                 "test_mutants", "test_mutants_resultlog"),
@@ -174,12 +184,12 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
     KnownBug("retried answer read to the end (Agent)", "txlb/_upstream/agent.py",
              "        self.transport.stopProducing()  # type: ignore[attr-defined]\n",
              "        pass\n"),
-    KnownBug("retried answer read to the end (own client)", "txlb/_upstream/client.py",
+    KnownBug("retried answer read to the end (own client)", "txlb/_upstream/connection.py",
              '        """Abort: the body of a 502/503 that is retried elsewhere is not worth '
              'reading."""\n        self.abort()\n',
              '        """Read it to the end."""\n'
              "        self._owner = None\n"),
-    KnownBug("connection reused after bytes beyond the body", "txlb/_upstream/client.py",
+    KnownBug("connection reused after bytes beyond the body", "txlb/_upstream/connection.py",
              "            self._keep_alive = False  # bytes beyond the body: never reuse "
              "this connection\n",
              "            pass\n"),
@@ -235,7 +245,7 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("_proxy/resource", "NumberReplacer", 'self.affinity.split(":", 2)',
      "--affinity's header name is an HTTP token (parse_affinity), which has no colon: one "
      "split or two give the same name"),
-    ("_upstream/client", "NumberReplacer", "self._chunk_state == -1:",
+    ("_upstream/connection", "NumberReplacer", "self._chunk_state == -1:",
      "with the one-chunk fast path off, the general walk hands on the same bytes: only "
      "speed differs"),
     ("_cluster/pool", "NumberReplacer", "outliers: OutlierRule | None = None, slow_start: float =",
@@ -357,7 +367,7 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "_CONTROLS = bytes([*range(0x01, 0x09), *range(0x0B, 0x0D), *range( 13, 0x20), 0x7F])",
      "adds CR (0x0D) to the control characters: headerReceived refuses a NUL, CR or LF in a "
      "value first, with the same 400, so the control-character check never sees a CR"),
-    ("_server/site", "NumberReplacer", "_VISIBLE_ASCII = bytes(range( 32, 0x7F))",
+    ("_server/rules", "NumberReplacer", "VISIBLE_ASCII = bytes(range( 32, 0x7F))",
      "a request target never holds a space (0x20): SP is the request line's delimiter, and "
      "twisted.web's _parseRequestLine refuses a line with more than two (400) before the "
      "target is checked"),
@@ -374,23 +384,23 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "it exactly when the 8-byte one does"),
     ("_proxy/resource", "NumberReplacer", "max_body: int =",
      "ProxyResource's default: the balancer always passes --max-body"),
-    ("_upstream/client", "ReplaceFalseWithTrue", 'return "close", None, True',
+    ("_upstream/heads", "ReplaceFalseWithTrue", 'return "close", None, True',
      "a close-delimited body ends with the connection (connectionLost), never in "
      "_complete, the only reader of keep_alive"),
-    ("_upstream/client", "ReplaceOrWithAnd", "isdigit() and code_bytes[0] == 48",
+    ("_upstream/heads", "ReplaceOrWithAnd", "isdigit() and code_bytes[0] == 48",
      "a status code with a leading 0 is below 100, which _framing refuses with the same "
      "BadResponse (only the message differs)"),
-    ("_upstream/client", "ReplaceComparisonOperator_Lt_LtE", "if len(_TITLE_CASE) <= 4096:",
+    ("_upstream/heads", "ReplaceComparisonOperator_Lt_LtE", "if len(_TITLE_CASE) <= 4096:",
      "_TITLE_CASE only memoizes _title: its bound changes how many header names are kept, "
      "never the casing written"),
-    ("_upstream/client", "ReplaceComparisonOperator_Lt_Gt", "if len(_TITLE_CASE) > 4096:",
+    ("_upstream/heads", "ReplaceComparisonOperator_Lt_Gt", "if len(_TITLE_CASE) > 4096:",
      "_TITLE_CASE only memoizes _title: never memoizing recomputes the same casing"),
-    ("_upstream/client", "AddNot", "if not len(_TITLE_CASE) < 4096:",
+    ("_upstream/heads", "AddNot", "if not len(_TITLE_CASE) < 4096:",
      "_TITLE_CASE only memoizes _title: never memoizing recomputes the same casing"),
-    ("_upstream/client", "NumberReplacer", "if len(_TITLE_CASE) < 409",
+    ("_upstream/heads", "NumberReplacer", "if len(_TITLE_CASE) < 409",
      "_TITLE_CASE only memoizes _title: its bound changes how many header names are kept, "
      "never the casing written"),
-    ("_upstream/client", "ReplaceFalseWithTrue", "            self._paused = True",
+    ("_upstream/connection", "ReplaceFalseWithTrue", "            self._paused = True",
      "resumeProducing leaving _paused set only makes a later resume call the transport's "
      "resumeProducing again while it is reading: nothing else pauses a backend socket, and "
      "resuming a reading (or aborted) transport changes nothing"),
@@ -406,13 +416,13 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "forget is only called for a pooled connection (by _expire, whose timer take() "
      "cancels, and by connectionLost and dataReceived in the idle state, which only a "
      "pooled connection is in): its list is non-empty and holds it"),
-    ("_upstream/client", "ReplaceOrWithAnd", "if attempt is None and attempt.deferred.called:",
+    ("_upstream/connection", "ReplaceOrWithAnd", "if attempt is None and attempt.deferred.called:",
      "in the head state the attempt is set and not yet called: everything that fires it "
      "(the head, _bad_head, a cancel through _Attempt._cancel) first takes the connection "
      "out of that state"),
-    ("_upstream/client", "NumberReplacer", "self._remaining = 1",
+    ("_upstream/connection", "NumberReplacer", "self._remaining = 1",
      "the _remaining a response leaves is never read: _head sets it before the next body"),
-    ("_upstream/client", "NumberReplacer", "self._remaining = -1",
+    ("_upstream/connection", "NumberReplacer", "self._remaining = -1",
      "the _remaining a response leaves is never read: _head sets it before the next body"),
     ("_scheduling/policies/weighted_random", "NumberReplacer", "weights=weights)[ -1]",
      "random.choices draws one element (k=1): [0] and [-1] are the same"),

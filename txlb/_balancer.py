@@ -47,8 +47,7 @@ from txlb._cluster.store_capabilities import (
 from txlb._config import OPTIONS, Config, build_config
 from txlb._discovery.membership import DnsMembership
 from txlb._discovery.resolver import system_resolver
-from txlb._proxy.context import ProxyContext
-from txlb._proxy.exchange import Exchange
+from txlb._proxy.context import LiveExchange, ProxyContext
 from txlb._proxy.resource import ProxyResource
 from txlb._records.bookkeeper import (
     Bookkeeper,
@@ -77,7 +76,8 @@ from txlb._server.quiet import QuietConnectionPool, RepeatSummary
 from txlb._server.site import ProxySite
 from txlb._shared.store import RedisStore
 from txlb._upstream.agent import AgentUpstream
-from txlb._upstream.client import Upstream, UpstreamClient
+from txlb._upstream.client import UpstreamClient
+from txlb._upstream.interfaces import Upstream
 from txlb._version import __version__
 
 log = Logger()
@@ -352,7 +352,7 @@ class LoadBalancer:
             self.pool.on_down.append(observer.down)
         self.router.tell_waits(self.observer.waited)
         #: this process's requests in flight, which the hung-backend detector watches
-        live: set[Exchange] = set()
+        live: set[LiveExchange] = set()
         self.hung = HangDetector(self.pool, live, reactor, self.health.health_status,
                                  stall=config.hung_after)
         context = ProxyContext(

@@ -23,7 +23,8 @@ from txlb import BackendSpec, LoadBalancer, Pool
 from txlb._cluster.health import HealthChecker
 from txlb._records.resultlog import ResultLog
 from txlb._records.summary import RequestRecord, summarize
-from txlb._upstream.client import UpstreamClient, UpstreamConnection
+from txlb._upstream.client import UpstreamClient
+from txlb._upstream.connection import UpstreamConnection
 
 from ..helpers import ClientConnection, FakeResponse, FakeUpstream, keep_records
 
@@ -254,7 +255,7 @@ class UpstreamGuardTests(SynchronousTestCase):
         self.assertFalse(transport.disconnecting)
 
     def test_oversized_trailers_fail_the_body(self) -> None:
-        from txlb._upstream.client import MAX_HEAD_BYTES
+        from txlb._upstream.heads import MAX_HEAD_BYTES
 
         _, owner, transport = self.answer(
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n"

@@ -12,7 +12,8 @@ from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.server import NOT_DONE_YET
 
-from txlb._server.lean import LeanChannel, LeanSite
+from txlb._server.lean import LeanSite
+from txlb._server.lean_channel import LeanChannel
 
 CHUNKED = (b"POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
 

@@ -24,14 +24,9 @@ from twisted.web.server import Site
 from txlb import LoadBalancer
 from txlb._proxy.failures import FAILURES, Kind
 from txlb._records.summary import dechunk, summarize
-from txlb._upstream.client import (
-    IDLE_TIMEOUT,
-    BadResponse,
-    UpstreamClient,
-    UpstreamConnection,
-    parse_head,
-    request_head,
-)
+from txlb._upstream.client import IDLE_TIMEOUT, UpstreamClient
+from txlb._upstream.connection import UpstreamConnection
+from txlb._upstream.heads import BadResponse, parse_head, request_head
 from txlb._upstream.resend import RESEND_WINDOW, may_send_again
 
 from ..helpers import ClientConnection, FakeUpstream, keep_records, parse_response

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import attrs
 from twisted.internet.defer import Deferred
@@ -18,16 +18,25 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.web.server import Request
 
 from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.hung import InFlight
 from txlb._cluster.pool import Pool
 from txlb._config import Config
 from txlb._records.observer import IRequestObserver, NullObserver
 from txlb._scheduling.ratelimit import client_key
 from txlb._server.quiet import RepeatSummary
-from txlb._upstream.client import Upstream
+from txlb._upstream.interfaces import Upstream
 
-if TYPE_CHECKING:
-    from txlb._proxy.exchange import Exchange
 
+class LiveExchange(InFlight, Protocol):
+    """
+    What the proxy's set of requests in flight is read for: the hung-backend detector
+    watches each one's backend (:class:`~txlb._cluster.hung.InFlight`), and a shutdown whose
+    time ran out aborts them.  Declared here, below :mod:`txlb._proxy.exchange`, so that the
+    context every exchange is built with need not know the exchange.
+    """
+
+    def abort(self, reason: str) -> None:
+        """End the request from outside (shutdown)."""
 
 
 @attrs.define
@@ -45,7 +54,7 @@ class ProxyContext:
     observer: IRequestObserver = attrs.field(factory=NullObserver)
     #: who sent a request, for the outlier streak's "two clients at least"
     client_key: Callable[[Request], str] = client_key
-    live: set[Exchange] = attrs.field(factory=set)
+    live: set[LiveExchange] = attrs.field(factory=set)
     #: told ``(backend, sent, left)`` when a client left before any byte of its backend's
     #: answer came: what the hung-backend detector weighs beside the requests in flight
     left_unanswered: Callable[[Backend, float, float], object] = lambda *_: None

@@ -29,6 +29,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
 from txlb._cluster.backend import Backend, Lease
+from txlb._proxy.client_end import cut_answer, detach, finish_answer
 from txlb._proxy.context import ProxyContext, RetryPlan
 from txlb._proxy.errors import error_body, write_body
 from txlb._proxy.failures import (
@@ -44,7 +45,7 @@ from txlb._proxy.headers import flatten
 from txlb._proxy.incoming import exposed_to, framed_writer
 from txlb._records.record import RequestRecord
 from txlb._scheduling.router import RoutingError
-from txlb._upstream.client import UpstreamResponse
+from txlb._upstream.interfaces import UpstreamResponse
 from txlb._upstream.words import describe_failure
 
 #: the namespace operators see on these lines (worker logs name it): kept from before the
@@ -326,7 +327,7 @@ class Exchange:
             return  # we stopped it ourselves (client gone, timeout): already ended
         self._producer = None  # finished: stopping it now would kill a reusable connection
         if failure is None:
-            self._end("ok", self._finish_client)
+            self._end("ok", finish_answer)
             return
         if self.request.startedWriting:
             self._say(
@@ -386,7 +387,7 @@ class Exchange:
             self._say(("client-stalled",), LogLevel.info,
                       "client of a {backend} response read nothing for {timeout:g}s; "
                       "cutting it off", backend=backend.key, timeout=limit)
-            self._end(FAILURES[Kind.CLIENT_STALLED].outcome, self._cut_client)
+            self._end(FAILURES[Kind.CLIENT_STALLED].outcome, cut_answer)
             return
         silent = self._now() - self._last_activity
         if silent < self.read_timeout:
@@ -442,7 +443,7 @@ class Exchange:
             return
         rule = FAILURES[kind]
         if self.request.startedWriting or not isinstance(rule.status, int):
-            self._end(rule.outcome, self._cut_client)
+            self._end(rule.outcome, cut_answer)
         elif self.state == "relaying":  # the backend's headers may be half copied
             self._fail_before_body(rule.status, rule.message.format(**fields), rule.outcome)
         else:
@@ -454,7 +455,7 @@ class Exchange:
         answer's head waits for its body): the client can still get a proper error
         instead of a cut connection.
         """
-        self._detach()
+        detach(self.request)
         self.request.responseHeaders = Headers()
         self._fail(status, message, outcome)
 
@@ -464,11 +465,12 @@ class Exchange:
         body = error_body(status, message)
         self.record.answered_by_proxy(status, body)
         self._end(outcome, None if self.client_gone else
-                  lambda: write_body(self.request, status, body, retry_after))
+                  lambda request: write_body(request, status, body, retry_after))
 
     # -- every way out ----------------------------------------------------------------------
 
-    def _end(self, outcome: str, answer_client: Callable[[], object] | None = None) -> None:
+    def _end(self, outcome: str,
+             answer_client: Callable[[Request], object] | None = None) -> None:
         """
         Leave the exchange: release the slot, stop the watchdog, stop the upstream, give
         the client its ending (``answer_client``), and only then hand the record to the
@@ -493,7 +495,7 @@ class Exchange:
             producer, self._producer = self._producer, None
             producer.stopProducing()
         if answer_client is not None:
-            answer_client()
+            answer_client(self.request)
         self.record.outcome = outcome
         self.record.ended = self.clock.seconds()
         self.context.observer.ended(self.record)
@@ -507,28 +509,6 @@ class Exchange:
         self._last_activity = self._now()
         if self._watchdog is None or not self._watchdog.active():
             self._watchdog = self.clock.callLater(self.read_timeout, self._read_timed_out)
-
-    def _finish_client(self) -> None:
-        self._detach()
-        self.request.finish()
-
-    def _cut_client(self) -> None:
-        self._detach()
-        self._truncate_client()
-
-    def _detach(self) -> None:
-        """Unregister the exchange as the client's producer, if the client is still there."""
-        if self.request.channel is not None:
-            self.request.unregisterProducer()
-
-    def _truncate_client(self) -> None:
-        """
-        Close the client connection without the final chunk, so a failure after the head
-        was sent shows as a truncated response, never as a clean (fake) success.
-        """
-        channel = getattr(self.request, "channel", None)
-        if channel is not None and channel.transport is not None:
-            channel.transport.abortConnection()
 
     def _bug(self, failure: Failure) -> None:
         log.failure("unexpected error in the proxy", failure)

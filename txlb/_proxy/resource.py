@@ -17,7 +17,7 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from txlb._cluster.backend import Lease
 from txlb._config import Config
-from txlb._proxy.context import ProxyContext, RetryPlan
+from txlb._proxy.context import LiveExchange, ProxyContext, RetryPlan
 from txlb._proxy.errors import error_body, write_body
 from txlb._proxy.exchange import Exchange
 from txlb._proxy.incoming import local_path, read_body
@@ -87,7 +87,7 @@ class ProxyResource(Resource):
         self.shutting_down = True
 
     @property
-    def live(self) -> set[Exchange]:
+    def live(self) -> set[LiveExchange]:
         return self.context.live
 
     def render(self, request: Request) -> object:

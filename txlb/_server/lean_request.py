@@ -13,13 +13,14 @@ methods, ``startedWriting``, ``chunked`` and ``channel`` -- with twisted.web's s
 each (``write`` after ``finish`` raises, ``finish`` after the connection was lost raises,
 a disconnected client's writes are dropped, HEAD and 204/304 answers carry no body, an
 HTTP/1.1 answer without ``Content-Length`` is chunked), and writes the head together with
-the first body bytes in one ``transport.write``.
+the first body bytes in one ``transport.write``.  :class:`ProducerRelay` passes the
+client's flow control on to the producer of the answer being written.
 """
 
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import ISSLTransport
@@ -27,8 +28,26 @@ from twisted.python.failure import Failure
 from twisted.web.http import NO_BODY_CODES, RESPONSES
 from twisted.web.http_headers import Headers
 
-if TYPE_CHECKING:
-    from txlb._server.lean import LeanChannel
+
+class RequestChannel(Protocol):
+    """
+    What a request needs of the connection it came on
+    (:class:`txlb._server.lean_channel.LeanChannel`): its transport to write the answer to,
+    and word of the answer's end and producer.
+    Declared here, below the channel, which builds requests and so knows them.
+    """
+
+    #: a TCP (or TLS, or UNIX) transport: a consumer, with ``getPeer`` and ``getHost``
+    transport: Any
+
+    def request_done(self, request: LeanRequest) -> None:
+        """``request`` has its whole answer."""
+
+    def register_request_producer(self, producer: Any) -> None:
+        """The answer's producer (``None``: none), paused while the client's socket is full."""
+
+    def loseConnection(self) -> None:
+        """Close once what is written has gone."""
 
 
 class LeanRequest:
@@ -40,9 +59,9 @@ class LeanRequest:
                  "defaultContentType", "_disconnected", "_notifications", "_no_body",
                  "__weakref__")
 
-    def __init__(self, channel: LeanChannel | None, method: bytes, uri: bytes,
+    def __init__(self, channel: RequestChannel | None, method: bytes, uri: bytes,
                  clientproto: bytes, headers: Headers) -> None:
-        self.channel: LeanChannel | None = channel
+        self.channel: RequestChannel | None = channel
         self.method = method
         self.uri = uri
         self.path = uri.partition(b"?")[0]
@@ -206,3 +225,30 @@ class LeanRequest:
     def loseConnection(self) -> None:
         if self.channel is not None:
             self.channel.loseConnection()
+
+
+class ProducerRelay:
+    """
+    The producer a channel registers with its transport, once per connection: the client's
+    socket is full, or has room, and the producer of the answer being written (the
+    exchange, through :meth:`LeanRequest.registerProducer`) hears it; between answers
+    nobody does.
+    """
+
+    __slots__ = ("producer",)
+
+    def __init__(self) -> None:
+        #: the answer's producer (``None``: no answer is being written, or it has none)
+        self.producer: Any = None
+
+    def pauseProducing(self) -> None:
+        if self.producer is not None:
+            self.producer.pauseProducing()
+
+    def resumeProducing(self) -> None:
+        if self.producer is not None:
+            self.producer.resumeProducing()
+
+    def stopProducing(self) -> None:
+        if self.producer is not None:
+            self.producer.stopProducing()

@@ -55,7 +55,7 @@ from typing import Any
 
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import connectionDone
-from twisted.logger import Logger, LogLevel
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel, datetimeToString
 from twisted.web.resource import IResource
@@ -66,28 +66,27 @@ from txlb._compat import chunked_trailer, parsed_request_line, unterminated_line
 from txlb._config import Config
 from txlb._proxy.errors import error_body
 from txlb._server.quiet import RepeatSummary
+from txlb._server.rules import (
+    CHUNKS_TOO_SMALL,
+    CONNECT_REFUSED,
+    CONNECTION_FIELDS,
+    CONNECTION_TRAILER,
+    TARGET_REFUSED,
+    TOKEN_SEPARATORS,
+    VALID_HOST,
+    VISIBLE_ASCII,
+    ChunkPace,
+    codings,
+    log_slow_head,
+    raw_response,
+    transfer_coding_refusal,
+    valid_target_form,
+)
 
 log = Logger()
 
-_REASONS = {
-    400: b"Bad Request",
-    405: b"Method Not Allowed",
-    408: b"Request Timeout",
-    413: b"Content Too Large",
-    431: b"Request Header Fields Too Large",
-    501: b"Not Implemented",
-}
-
-#: RFC 3986 ``host [ ":" port ]``: an IP literal in brackets, or a reg-name / IPv4 address
-#: (unreserved, pct-encoded and sub-delims characters); anything else in ``Host`` is 400.
-_VALID_HOST = re.compile(
-    rb"(?:\[[A-Za-z0-9:._~%!$&'()*+,;=-]*\]|[A-Za-z0-9._~%!$&'()*+,;=-]*)(?::[0-9]*)?")
-
 #: Control characters a header value may not hold besides NUL, CR and LF (HTAB it may).
 _CONTROLS = bytes([*range(0x01, 0x09), *range(0x0B, 0x0D), *range(0x0E, 0x20), 0x7F])
-
-#: What a request target may hold (RFC 9112 §3.2: URI characters, all visible ASCII).
-_VISIBLE_ASCII = bytes(range(0x21, 0x7F))
 
 #: RFC 9110 5.6.2's token, the characters of a field name.
 _TCHAR = rb"!#$%&'*+.^_`|~0-9A-Za-z-"
@@ -102,108 +101,12 @@ _TRAILER_NAME_PART = re.compile(rb"[%s]*(?::[%s]*)?\r?" % (_TCHAR, _VALUE_CHARS)
 _TRAILER_VALUE_PART = re.compile(rb"[%s]*\r?" % _VALUE_CHARS)
 #: Trailer fields llhttp refuses, as a second length of a body whose length is known.
 _FRAMING_FIELDS = frozenset({b"content-length", b"transfer-encoding"})
-#: Trailer fields that would change the connection once the body is read: llhttp closes
-#: after a trailer saying ``close``, twisted.web drops it.  Refused on both servers.
-CONNECTION_FIELDS = frozenset({b"connection", b"proxy-connection"})
-CONNECTION_TRAILER = "a trailer may not say how the connection is used (Connection)"
-
-#: RFC 9112 3.2: absolute-form's scheme and ``://``.
-_ABSOLUTE_FORM = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*://")
-#: The refusal of a target that is no path, no absolute URL and not exactly ``*``.
-TARGET_REFUSED = "the request target must be a path, an absolute URL or exactly *"
-
-
-def valid_target_form(target: bytes) -> bool:
-    """
-    Whether ``target`` is in origin-form (``/...``), absolute-form (``http://...``) or
-    asterisk-form -- which is ``*`` alone (RFC 9112 3.2.4): ``*?a=b`` is no form at all,
-    and must not be taken for ``*``.  (Authority-form is CONNECT's, refused before.)
-    """
-    return target[:1] == b"/" or target == b"*" or _ABSOLUTE_FORM.match(target) is not None
-
-
-#: ``Connection`` tokens are comma-separated (RFC 9110 §7.6.1); whitespace separates too,
-#: as twisted.web reads it, so that every spelling that could mean "close" closes.
-_TOKEN_SEPARATORS = re.compile(rb"[\s,]+")
 
 
 # twisted.web private API: the request line being parsed is read through
 # txlb._compat.parsed_request_line; ProxyChannel overrides HTTPChannel's private
 # _respondToBadRequestAndDisconnect (txlb._compat.BAD_REQUEST_HOOK, whose existence
 # tests/unit/test_compat.py checks).
-
-
-#: What a 405 from the main port's servers allows (RFC 9110 15.5.6: a 405 says): every
-#: standard method but ``CONNECT``, which asks a proxy for a tunnel txlb never opens.
-ALLOWED_METHODS = b"GET, HEAD, POST, PUT, DELETE, OPTIONS, TRACE, PATCH"
-
-
-def _raw_response(status: int, body: bytes) -> bytes:
-    allow = b"Allow: %s\r\n" % ALLOWED_METHODS if status == 405 else b""
-    return (b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-            b"%sConnection: close\r\n\r\n" % (status, _REASONS[status], len(body), allow)
-            ) + body
-
-
-def _codings(value: bytes) -> list[bytes]:
-    """A ``Transfer-Encoding`` value as lowercase codings (empty list elements dropped)."""
-    return [c for c in (part.strip(b" \t").lower() for part in value.split(b",")) if c]
-
-
-#: The head limits both main-port servers apply (twisted.web's own, which ProxyChannel
-#: keeps; :mod:`txlb._server.lean` checks them itself, as llhttp has none): one line, the
-#: whole head, and the number of header lines.
-MAX_LINE = 16384
-MAX_HEAD_BYTES = 16384
-MAX_HEADERS = 500
-
-#: A chunked body is refused when any run of this many spans of data (a chunk, or the part
-#: of a chunk one read holds) and one more ...
-CHUNK_ALLOWANCE = 1024
-#: ... averages fewer payload bytes than this: its framing costs more to parse than its
-#: payload is worth (``2\r\nab\r\n``, 7 bytes on the wire for 2 of body, is a Python
-#: call per chunk on either server).  Real clients send chunks of kilobytes; a client's
-#: generator yielding a line at a time is far above it.
-MIN_AVERAGE_CHUNK = 16
-CHUNKS_TOO_SMALL = (f"the request body's chunks are too small (an average under "
-                    f"{MIN_AVERAGE_CHUNK} bytes over {CHUNK_ALLOWANCE} chunks)")
-
-
-class ChunkPace:
-    """
-    How fast a chunked body's payload comes per span, judged one window of spans at a
-    time: a running average over the whole body would let one large chunk buy the right
-    to send tens of thousands of tiny ones after it.
-    """
-
-    __slots__ = ("spans", "mark")
-
-    def __init__(self) -> None:
-        #: spans in the current window
-        self.spans = 0
-        #: the payload the body had when the window began
-        self.mark = 0
-
-    def too_small(self, payload: int) -> bool:
-        """One more span, the body now ``payload`` bytes in all: refuse it?"""
-        self.spans += 1
-        if self.spans <= CHUNK_ALLOWANCE:
-            return False
-        if payload - self.mark < CHUNK_ALLOWANCE * MIN_AVERAGE_CHUNK:
-            return True
-        self.spans, self.mark = 0, payload
-        return False
-
-
-#: The refusal of ``CONNECT`` on both servers.
-CONNECT_REFUSED = "CONNECT is not supported: txlb is a reverse proxy and opens no tunnels"
-
-# The rules above, by the names txlb._server.lean reads them with.
-VALID_HOST = _VALID_HOST
-VISIBLE_ASCII = _VISIBLE_ASCII
-TOKEN_SEPARATORS = _TOKEN_SEPARATORS
-raw_response = _raw_response
-codings = _codings
 
 
 class ProxyChannel(HTTPChannel):
@@ -340,7 +243,7 @@ class ProxyChannel(HTTPChannel):
             self._host_lines += 1
             if self._host_lines > 1:
                 return self.refuse(400, "the request has more than one Host header")
-            if not _VALID_HOST.fullmatch(value.strip(b" \t")):
+            if not VALID_HOST.fullmatch(value.strip(b" \t")):
                 return self.refuse(400, "the request's Host header is not a valid host")
         ok: bool = super().headerReceived(line)
         return ok
@@ -351,19 +254,13 @@ class ProxyChannel(HTTPChannel):
         other value is refused here, where twisted.web would take ``identity`` for "no body"
         and a later ``identity`` line after ``chunked`` for chunked.
         """
-        self._transfer_codings += _codings(value)
-        codings = self._transfer_codings
+        self._transfer_codings += codings(value)
         _, _, version = parsed_request_line(self)
-        if version != b"HTTP/1.1":
-            return self.refuse(400, "Transfer-Encoding is not allowed in an HTTP/1.0 "
-                                    "request")
-        if codings == [b"chunked"]:
-            ok: bool = super().headerReceived(b"Transfer-Encoding: chunked")
-            return ok
-        if not codings or codings[-1] != b"chunked" or b"chunked" in codings[:-1]:
-            return self.refuse(400, "the request's final transfer coding must be chunked "
-                                    "(and only once), or its length cannot be known")
-        return self.refuse(501, "transfer codings other than chunked are not supported")
+        refusal = transfer_coding_refusal(self._transfer_codings, version == b"HTTP/1.1")
+        if refusal is not None:
+            return self.refuse(*refusal)
+        ok: bool = super().headerReceived(b"Transfer-Encoding: chunked")
+        return ok
 
     def allHeadersReceived(self) -> None:
         self._awaiting_head = False
@@ -371,7 +268,7 @@ class ProxyChannel(HTTPChannel):
         missing_host = self._host_lines == 0
         self._reset_head()
         method, target, version = parsed_request_line(self)
-        if target is not None and len(target.translate(None, _VISIBLE_ASCII)) != 0:
+        if target is not None and len(target.translate(None, VISIBLE_ASCII)) != 0:
             # twisted.web lets DEL and bytes 0x80-0xB0 through; the backend's parser may not
             self.refuse(400, "the request target has bytes that are not visible ASCII")
             return
@@ -406,7 +303,7 @@ class ProxyChannel(HTTPChannel):
         tokens = {token.lower()
                   for name in (b"connection", b"proxy-connection")
                   for value in headers.getRawHeaders(name, [])
-                  for token in _TOKEN_SEPARATORS.split(value) if token}
+                  for token in TOKEN_SEPARATORS.split(value) if token}
         if version == b"HTTP/1.1" and b"close" not in tokens:
             return True
         if version == b"HTTP/1.1":
@@ -453,7 +350,7 @@ class ProxyChannel(HTTPChannel):
         if isinstance(request, LimitedRequest):
             request.refused(status, body)
         if self.transport is not None:
-            self.transport.write(_raw_response(status, body))
+            self.transport.write(raw_response(status, body))
             self.loseConnection()
         return False
 
@@ -469,26 +366,6 @@ class ProxyChannel(HTTPChannel):
         log_slow_head(log, self.transport.getPeer(),
                       getattr(getattr(self, "site", None), "repeats", None), self.header_timeout)
         self.refuse(408, f"request headers not received within {self.header_timeout:g}s")
-
-
-def log_slow_head(logger: Logger, address: Any, repeats: RepeatSummary | None,
-                  timeout: float) -> None:
-    """
-    Say that the client at ``address`` sent no whole request head within ``timeout`` -- as a
-    per-kind summary when the site has one: a client opening connections it never
-    completes must not cost a log line per connection.  Both servers (this module's and
-    :mod:`txlb._server.lean`) refuse such a head with 408 the same way.
-    """
-    message = "client {peer} sent no complete request head within {timeout:g}s"
-    host, port = getattr(address, "host", None), getattr(address, "port", None)
-    # host:port ([v6]:port), not the IPv4Address(type='TCP', ...) repr
-    peer = (str(address) if host is None else
-            f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-    if repeats is None:
-        logger.info(message, peer=peer, timeout=timeout)
-    else:
-        repeats.emit(("slow-head",), logger, LogLevel.info, message, peer=peer,
-                     timeout=timeout)
 
 
 class LimitedRequest(Request):
@@ -573,7 +450,7 @@ class LimitedRequest(Request):
             body = error_body(status, message)
             self.refused(status, body)
             if channel.transport is not None:
-                channel.transport.write(_raw_response(status, body))
+                channel.transport.write(raw_response(status, body))
                 channel.loseConnection()
 
     def refused(self, status: int, body: bytes) -> None:

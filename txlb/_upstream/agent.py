@@ -4,7 +4,7 @@ The proxy's upstream hop through any ``IAgent`` -- for embedders who pass their 
 
 ``twistd llmlb`` and ``LoadBalancer()`` without ``agent=`` use :mod:`txlb._upstream.client`, which
 passes chunked bodies through untouched; this adapter gives an Agent the same
-:class:`~txlb._upstream.client.Upstream` face, so the proxy has one code path for both.  Through
+:class:`~txlb._upstream.interfaces.Upstream` face, so the proxy has one code path for both.  Through
 an Agent the body arrives decoded, so it is never passed through raw.
 
 Backpressure still comes from Twisted's producer/consumer API: the response body's
@@ -28,13 +28,8 @@ from zope.interface import implementer
 from txlb._compat import response_connection_headers
 from txlb._config import Config
 from txlb._proxy.headers import RawHeaders, connection_tokens, flatten
-from txlb._upstream.client import (
-    MAX_CONTENT_LENGTH,
-    BadResponse,
-    IRelayOwner,
-    UpstreamResponse,
-    parse_content_length,
-)
+from txlb._upstream.heads import MAX_CONTENT_LENGTH, BadResponse, parse_content_length
+from txlb._upstream.interfaces import IRelayOwner, UpstreamResponse
 
 
 @implementer(IBodyProducer)
@@ -98,7 +93,7 @@ class _Discard(Protocol):
 
 
 class AgentResponse:
-    """An ``IResponse`` as an :class:`~txlb._upstream.client.UpstreamResponse`."""
+    """An ``IResponse`` as an :class:`~txlb._upstream.interfaces.UpstreamResponse`."""
 
     chunked = False
 
