@@ -36,7 +36,8 @@ from txlb._cluster.hung import HangDetector
 from txlb._cluster.outlier import OutlierRule
 from txlb._cluster.pool import Pool
 from txlb._cluster.store import IBackendStore, IInFlightCounts, LocalStore
-from txlb._config import OPTIONS, Config, build_config
+from txlb._config.config import Config, build_config
+from txlb._config.table import OPTIONS
 from txlb._discovery.membership import DnsMembership
 from txlb._discovery.resolver import system_resolver
 from txlb._proxy.context import ProxyContext

@@ -41,7 +41,10 @@ from twisted.python.failure import Failure
 
 from txlb._cluster.backend import Backend
 from txlb._cluster.outlier import OutlierRule
-from txlb._config import BackendSpec, Config, ConfigError, build_config, read_toml
+from txlb._config.backends import BackendSpec
+from txlb._config.config import Config, build_config
+from txlb._config.errors import ConfigError
+from txlb._config.toml_file import read_toml
 from txlb._records.bookkeeper import policy_learns
 from txlb._records.summary import privacy_of
 from txlb._scheduling.affinity import BoundedLoadRing

@@ -117,7 +117,7 @@ class BuildConfigTests(SynchronousTestCase):
         self.assertIn(f"--fall (from {path}): 0", str(error))
 
     def test_planned_keys_accepted_with_a_warning(self) -> None:
-        from txlb import _config
+        from txlb._config import config as _config
 
         self.patch(_config, "PLANNED_KEYS", frozenset({"teleport"}))
         path = self.write('teleport = 2\nfall = 4\nbackends = []\n')

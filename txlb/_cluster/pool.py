@@ -25,7 +25,7 @@ from txlb._cluster.backend import Backend, Lease
 from txlb._cluster.models import MAX_MODEL_NAME, MAX_MODEL_NAMES, learn
 from txlb._cluster.outlier import OutlierRule, fleet_can_spare, judge_answer
 from txlb._cluster.store import IBackendStore, IInFlightCounts, LocalStore
-from txlb._config import BackendSpec
+from txlb._config.backends import BackendSpec
 from txlb._records.escape import escape
 
 log = Logger()

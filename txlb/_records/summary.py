@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 import orjson
 
+from txlb._config.bounds import MAX_PREVIEW_CHARS
 from txlb._records.escape import clip
 from txlb._records.needs import Needs
 from txlb._records.sse import EventSplitter, data_payload
@@ -42,7 +43,6 @@ TAIL_LIMIT = 64 * 1024
 #: that can be asked for: 1,000 characters take at most 12,000 bytes escaped, which keeps a
 #: completion line under :data:`MAX_LINE`.
 PREVIEW_CHARS = 200
-MAX_PREVIEW_CHARS = 1000
 #: Request keys listed on an error line.
 MAX_REQ_KEYS = 64
 #: Bytes each value chosen by a client or a backend may take once escaped, in either

@@ -35,7 +35,8 @@ from twisted.web.server import Request
 from zope.interface import implementer
 
 from txlb._cluster.store import Bucket, ITokenLevels
-from txlb._config import BudgetSpec, Config
+from txlb._config.config import Config
+from txlb._config.limits import BudgetSpec
 from txlb._records.outcome import RequestOutcome
 from txlb._records.summary import API_PATHS
 from txlb._scheduling.ratelimit import client_key

@@ -33,7 +33,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from txlb._cluster.store import IBackendStore, IRateBuckets, ITokenLevels
-from txlb._config_shared import SharedStateSpec
+from txlb._config.shared import SharedStateSpec
 from txlb._shared.counts import FleetCounts
 from txlb._shared.levels import SharedTokenLevels
 from txlb._shared.link import Commands, RedisLink, Script

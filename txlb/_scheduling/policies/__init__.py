@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import random
 
     from txlb._cluster.backend import Backend
-    from txlb._config import Config
+    from txlb._config.config import Config
     from txlb._records.outcome import RequestOutcome
 
 

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from twisted.internet.interfaces import IReactorTime
 
     from txlb._cluster.backend import Backend
-    from txlb._config import Config
+    from txlb._config.config import Config
     from txlb._records.outcome import RequestOutcome
 
 #: The engine's KV cache usage (``vllm:kv_cache_usage_perc``) above which its matches stop

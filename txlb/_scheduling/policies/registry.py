@@ -28,7 +28,7 @@ from txlb._scheduling import policies
 from txlb._scheduling.policies import IPolicy, IPolicyFactory, PolicyFactory
 
 if TYPE_CHECKING:
-    from txlb._config import Config
+    from txlb._config.config import Config
 
 log = Logger()
 
