@@ -37,3 +37,7 @@ class OptionSpec:
         return self.help if isinstance(self.help, str) else self.help()
 
 
+    @property
+    def default_value(self) -> Any:
+        """The default as parsed, as a :class:`~txlb._config.config.Config` holds it."""
+        return None if self.default is None else self.parse(self.name, self.default)

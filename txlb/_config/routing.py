@@ -15,7 +15,6 @@ import attrs
 from twisted.internet.task import Clock
 
 from txlb._config.errors import ConfigError
-from txlb._config.values import parse_nonnegative_int, parse_number
 from txlb._scheduling.policies.registry import BUILT_IN, find_factory, policy_names
 
 
@@ -53,30 +52,6 @@ def parse_unknown_model(option: str, value: object) -> str:
     if text not in UNKNOWN_MODEL:
         raise ConfigError(f"--{option}: {value!r} is not '404' or 'forward'")
     return text
-
-
-def parse_cache_block(option: str, value: object) -> int:
-    """Characters per hashed block: a whole number from 16 to 65536."""
-    number = parse_nonnegative_int(option, value)
-    if not 16 <= number <= 65536:
-        raise ConfigError(f"--{option}: {value!r} must be from 16 to 65536 characters")
-    return number
-
-
-def parse_cache_entries(option: str, value: object) -> int:
-    """The index's cap in entries: a whole number, at least 1,000."""
-    number = parse_nonnegative_int(option, value)
-    if number < 1000:
-        raise ConfigError(f"--{option}: {value!r} must be at least 1000")
-    return number
-
-
-def parse_cache_load(option: str, value: object) -> float:
-    """The bounded-load factor: a number from 1 (strict balance) to 100."""
-    factor = parse_number(option, value)
-    if not 1.0 <= factor <= 100.0:
-        raise ConfigError(f"--{option}: {value!r} must be a number from 1 to 100")
-    return factor
 
 
 def parse_affinity(option: str, value: object) -> str | None:

@@ -42,9 +42,6 @@ from txlb._config.resultlog import (
 from txlb._config.routing import (
     describe_policies,
     parse_affinity,
-    parse_cache_block,
-    parse_cache_entries,
-    parse_cache_load,
     parse_policy,
     parse_routes,
     parse_unknown_model,
@@ -58,7 +55,7 @@ from txlb._config.values import (
     parse_path,
     parse_size,
 )
-from txlb._scheduling.policies.registry import DEFAULT_POLICY
+from txlb._scheduling.policies.registry import DEFAULT_POLICY, policy_options
 
 
 def _parse_fleet(option: str, value: object) -> tuple[BackendSpec | DnsBackendSpec, ...]:
@@ -135,16 +132,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
                "A request naming a model no backend lists: '404' (an OpenAI-style error, as "
                "vLLM answers) or 'forward' (to any backend by the policy, as nginx would).",
                "LB_UNKNOWN_MODEL"),
-    OptionSpec("cache-block", 256, parse_cache_block,
-               "--policy cache-aware: characters per hashed prompt block (16 to 65536; "
-               "256 is ~64 tokens).", "LB_CACHE_BLOCK"),
-    OptionSpec("cache-entries", 200_000, parse_cache_entries,
-               "--policy cache-aware: prompt blocks remembered over all backends "
-               "(1,000 or more; ~116 bytes each).", "LB_CACHE_ENTRIES"),
-    OptionSpec("cache-load", 1.25, parse_cache_load,
-               "--policy cache-aware: a backend above this many times its fair share of "
-               "the in-flight requests is passed over for its cache (as --affinity's 1.25).",
-               "LB_CACHE_LOAD"),
+    # each built-in policy's own options (--cache-block, ...), declared in its module
+    *policy_options(),
     OptionSpec("affinity", None, parse_affinity,
                "Session affinity: 'header:NAME' or 'user' (bounded-load consistent hashing)."),
     OptionSpec("routes", (), parse_routes,
