@@ -2,11 +2,12 @@
 One frozen :class:`Config`, built from the command line, the environment, a TOML file and
 the defaults, in that order of precedence.
 
-Every option is described once, in :data:`~txlb._config.table.OPTIONS`; validation
-happens before any port is opened, and every problem is a :class:`ConfigError` whose
-message names the option and the offending value -- the one line an operator sees when
-start-up refuses.  The checks that need the whole config (``--workers`` and ``--listen``,
-the classes and what names them) run here on the finished one.
+Every option is described once, in :data:`~txlb._config.table.OPTIONS` (its default
+included: a field's default here is the table's, parsed); validation happens before any
+port is opened, and every problem is a :class:`ConfigError` whose message names the option
+and the offending value -- the one line an operator sees when start-up refuses.  The checks
+that need the whole config (``--workers`` and ``--listen``, the classes and what names
+them) run here on the finished one.
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ from typing import Any
 import attrs
 
 from txlb._config.backends import BackendSpec, DnsBackendSpec, split_backends
-from txlb._config.classes import DEFAULT_CLASS, ClassSpec, built_in
+from txlb._config.classes import ClassSpec, built_in
 from txlb._config.errors import ConfigError, did_you_mean
 from txlb._config.limits import BudgetSpec
 from txlb._config.routing import RouteSpec
 from txlb._config.shared import SharedStateSpec
 from txlb._config.table import BY_NAME, DEFAULT_FLEET, OPTIONS
 from txlb._config.toml_file import read_toml
-from txlb._scheduling.policies.registry import DEFAULT_POLICY
+
+#: Each option's default as the field holds it: the table's, parsed once.
+_DEFAULT: dict[str, Any] = {spec.attribute: spec.default_value for spec in OPTIONS}
 
 #: Keys the contract defines whose features are still to come: a config file written for
 #: them is accepted (with a warning) rather than refused, so it keeps working on upgrade.
@@ -39,59 +42,59 @@ class Config:
     """Everything the balancer needs to start, validated.  Build with :func:`build_config`."""
 
     backends: tuple[BackendSpec, ...]
-    listen: str = "tcp:8000"
-    health_interval: float = 10.0
-    health_path: str = "/health"
-    health_timeout: float = 5.0
-    fall: int = 3
-    rise: int = 1
-    connect_timeout: float = 5.0
-    read_timeout: float = 300.0
-    send_timeout: float = 60.0
-    log_file: str = "lb_results.log"
-    log_max_bytes: int = 50 * 1024**2
-    log_backups: int = 3
-    log_format: str = "text"
-    log_content: int = 200
-    log_user: str = "keep"
-    log_user_key: str | None = attrs.field(default=None, repr=False)
-    log_error_body: int | None = None
-    admin: str = "tcp:8001:interface=127.0.0.1"
-    admin_token: str | None = None
-    admin_hosts: tuple[str, ...] = ()
-    shutdown_timeout: float = 30.0
-    policy: str = DEFAULT_POLICY
-    queue_timeout: float = 30.0
-    unknown_model: str = "404"
-    affinity: str | None = None
-    cache_block: int = 256
-    cache_entries: int = 200_000
-    cache_load: float = 1.25
-    routes: tuple[RouteSpec, ...] = ()
-    retries: int = 2
-    retry_window: float = 10.0
-    outlier_5xx: int = 5
-    outlier_cooldown: float = 30.0
-    hung_after: float = 1.25
-    slow_start: float = 0.0
-    max_body: int = 64 * 1024**2
-    header_timeout: float = 30.0
-    rate_limit: float | None = None
-    rate_burst: int | None = None
-    rate_key: str = "ip"
-    workers: int = 1
-    lb_status: str = "on"
-    x_backend: str = "on"
-    budgets: tuple[BudgetSpec, ...] = ()
-    budget_completion_estimate: int = 256
-    classes: tuple[ClassSpec, ...] = ()
-    priority_header: str | None = "X-Priority"
-    default_class: str = DEFAULT_CLASS
-    resolver: tuple[tuple[str, int], ...] = ()
+    listen: str = _DEFAULT["listen"]
+    health_interval: float = _DEFAULT["health_interval"]
+    health_path: str = _DEFAULT["health_path"]
+    health_timeout: float = _DEFAULT["health_timeout"]
+    fall: int = _DEFAULT["fall"]
+    rise: int = _DEFAULT["rise"]
+    connect_timeout: float = _DEFAULT["connect_timeout"]
+    read_timeout: float = _DEFAULT["read_timeout"]
+    send_timeout: float = _DEFAULT["send_timeout"]
+    log_file: str = _DEFAULT["log_file"]
+    log_max_bytes: int = _DEFAULT["log_max_bytes"]
+    log_backups: int = _DEFAULT["log_backups"]
+    log_format: str = _DEFAULT["log_format"]
+    log_content: int = _DEFAULT["log_content"]
+    log_user: str = _DEFAULT["log_user"]
+    log_user_key: str | None = attrs.field(default=_DEFAULT["log_user_key"], repr=False)
+    log_error_body: int | None = _DEFAULT["log_error_body"]
+    admin: str = _DEFAULT["admin"]
+    admin_token: str | None = _DEFAULT["admin_token"]
+    admin_hosts: tuple[str, ...] = _DEFAULT["admin_hosts"]
+    shutdown_timeout: float = _DEFAULT["shutdown_timeout"]
+    policy: str = _DEFAULT["policy"]
+    queue_timeout: float = _DEFAULT["queue_timeout"]
+    unknown_model: str = _DEFAULT["unknown_model"]
+    affinity: str | None = _DEFAULT["affinity"]
+    #: the built-in policies' own options, declared in their modules (cache_aware.py)
+    cache_block: int = _DEFAULT["cache_block"]
+    cache_entries: int = _DEFAULT["cache_entries"]
+    cache_load: float = _DEFAULT["cache_load"]
+    routes: tuple[RouteSpec, ...] = _DEFAULT["routes"]
+    retries: int = _DEFAULT["retries"]
+    retry_window: float = _DEFAULT["retry_window"]
+    outlier_5xx: int = _DEFAULT["outlier_5xx"]
+    outlier_cooldown: float = _DEFAULT["outlier_cooldown"]
+    hung_after: float = _DEFAULT["hung_after"]
+    slow_start: float = _DEFAULT["slow_start"]
+    max_body: int = _DEFAULT["max_body"]
+    header_timeout: float = _DEFAULT["header_timeout"]
+    rate_limit: float | None = _DEFAULT["rate_limit"]
+    rate_burst: int | None = _DEFAULT["rate_burst"]
+    rate_key: str = _DEFAULT["rate_key"]
+    workers: int = _DEFAULT["workers"]
+    lb_status: str = _DEFAULT["lb_status"]
+    x_backend: str = _DEFAULT["x_backend"]
+    budgets: tuple[BudgetSpec, ...] = _DEFAULT["budgets"]
+    budget_completion_estimate: int = _DEFAULT["budget_completion_estimate"]
+    classes: tuple[ClassSpec, ...] = _DEFAULT["classes"]
+    priority_header: str | None = _DEFAULT["priority_header"]
+    default_class: str = _DEFAULT["default_class"]
+    resolver: tuple[tuple[str, int], ...] = _DEFAULT["resolver"]
     #: the ``dns:``/``srv:`` entries of ``--backends`` (``backends`` holds the addresses)
     dns_backends: tuple[DnsBackendSpec, ...] = ()
-    shared_state: SharedStateSpec | None = None
-
+    shared_state: SharedStateSpec | None = _DEFAULT["shared_state"]
 
 
 def check_workers(config: Config) -> None:
