@@ -110,7 +110,8 @@ class PolicyFactory:
     option table -- command line, environment, config file and ``--help`` alike -- and
     ``build`` is called with ``(clock, rng, values)``, ``values`` mapping each option's
     attribute name (``cache_block``) to its value (its default when the policy is made
-    without a config).
+    without a config).  Only the built-in policies' options reach the table: each has its
+    typed field in ``Config``, which a plugin cannot add.
     """
 
     name: str
