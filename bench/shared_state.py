@@ -125,7 +125,7 @@ def confirm_times(redis: int, count: int) -> list[float]:
 
     from txlb._cluster.pool import Pool
     from txlb._config import BackendSpec
-    from txlb._config_shared import SharedStateSpec
+    from txlb._config.shared import SharedStateSpec
     from txlb._shared.slots import SharedSlots
     from txlb._shared.store import RedisStore
 

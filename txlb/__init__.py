@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from txlb._balancer import LoadBalancer
     from txlb._cluster.backend import Backend, Lease
     from txlb._cluster.pool import Pool
-    from txlb._config import BackendSpec, Config, ConfigError, build_config
+    from txlb._config.backends import BackendSpec
+    from txlb._config.config import Config, build_config
+    from txlb._config.errors import ConfigError
     from txlb._records.outcome import RequestOutcome
     from txlb._scheduling.policies import (
         IPolicy,
@@ -39,10 +41,10 @@ _EXPORTS = {
     "Lease": "._cluster.backend",
     "Pool": "._cluster.pool",
     "LoadBalancer": "._balancer",
-    "BackendSpec": "._config",
-    "Config": "._config",
-    "ConfigError": "._config",
-    "build_config": "._config",
+    "BackendSpec": "._config.backends",
+    "Config": "._config.config",
+    "ConfigError": "._config.errors",
+    "build_config": "._config.config",
     "IPolicy": "._scheduling.policies",
     "IPolicyFactory": "._scheduling.policies",
     "IPreparesRequests": "._scheduling.policies",

@@ -44,7 +44,8 @@ from txlb._cluster.store_capabilities import (
     IStoreReport,
     IStoreService,
 )
-from txlb._config import OPTIONS, Config, build_config
+from txlb._config.config import Config, build_config
+from txlb._config.table import OPTIONS
 from txlb._discovery.membership import DnsMembership
 from txlb._discovery.resolver import system_resolver
 from txlb._proxy.context import LiveExchange, ProxyContext

@@ -40,7 +40,10 @@ from twisted.python.failure import Failure
 
 from txlb._cluster.backend import Backend
 from txlb._cluster.local_store import TokenBuckets
-from txlb._config import BackendSpec, Config, ConfigError, build_config, read_toml
+from txlb._config.backends import BackendSpec
+from txlb._config.config import Config, build_config
+from txlb._config.errors import ConfigError
+from txlb._config.toml_file import read_toml
 from txlb._scheduling.policies import IPolicy, PolicyFactory
 from txlb._scheduling.policies.registry import find_factory, make_policy
 from txlb._scheduling.ratelimit import RateLimiter, rate_burst, rate_limiter_for

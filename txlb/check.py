@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from twisted.python import usage
 
-from txlb._config import Config
+from txlb._config.config import Config
 
 
 def verdict(config: Config, path: str | None) -> str:

@@ -24,7 +24,8 @@ from twisted.web.iweb import IResponse
 from twisted.web.server import Site
 
 from txlb._balancer import LoadBalancer
-from txlb._config import ConfigError, parse_listen
+from txlb._config.endpoints import parse_listen
+from txlb._config.errors import ConfigError
 from txlb._server.reactor import install_by_default
 from txlb._upstream.agent import BytesProducer
 from txlb.testing import SimulatedVLLM, listen_simulated

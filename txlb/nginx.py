@@ -25,7 +25,8 @@ from collections.abc import Sequence
 
 from twisted.python import usage
 
-from txlb._config import Config, ConfigError, build_config
+from txlb._config.config import Config, build_config
+from txlb._config.errors import ConfigError
 from txlb._scheduling.policies.registry import find_factory
 from txlb.tap import Options as LlmlbOptions
 

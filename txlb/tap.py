@@ -27,13 +27,10 @@ from twisted.web.server import Site
 
 from txlb._admin import ADMIN_MAX_BODY
 from txlb._balancer import LoadBalancer, SequentialService
-from txlb._config import (
-    OPTIONS,
-    Config,
-    ConfigError,
-    closest_name,
-    is_loopback_endpoint,
-)
+from txlb._config.config import Config
+from txlb._config.endpoints import is_loopback_endpoint
+from txlb._config.errors import ConfigError, closest_name
+from txlb._config.table import OPTIONS
 from txlb._reload import ConfigSource, ReloadRefused
 from txlb._server.heap import FreezeHeapOnStart
 from txlb._server.quiet import QuietAcceptErrors

@@ -28,7 +28,7 @@ from twisted.internet.task import Clock
 
 from txlb import LoadBalancer
 from txlb._config import build_config
-from txlb._config_shared import SharedStateSpec
+from txlb._config.shared import SharedStateSpec
 from txlb._scheduling.policies.cache_aware import CacheAware
 from txlb._scheduling.request import RoutingRequest
 from txlb._shared.prefixes import FLEET_KEY

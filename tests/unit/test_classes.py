@@ -10,7 +10,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.test.requesthelper import DummyRequest
 
 from txlb._config import ConfigError, build_config
-from txlb._config_classes import ClassSpec
+from txlb._config.classes import ClassSpec
 from txlb._records.summary import summarize
 from txlb._scheduling.classes import PriorityClasses
 

@@ -117,7 +117,7 @@ class BuildConfigTests(SynchronousTestCase):
         self.assertIn(f"--fall (from {path}): 0", str(error))
 
     def test_planned_keys_accepted_with_a_warning(self) -> None:
-        from txlb import _config
+        from txlb._config import config as _config
 
         self.patch(_config, "PLANNED_KEYS", frozenset({"teleport"}))
         path = self.write('teleport = 2\nfall = 4\nbackends = []\n')
@@ -397,6 +397,33 @@ class ImportCostTests(SynchronousTestCase):
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                               timeout=60, check=True)
         self.assertEqual(done.stdout.strip(), "[]", done.stderr)
+
+    def test_a_leaf_of_the_config_package_does_not_build_the_table(self) -> None:
+        """
+        The package re-exports its names on first use: importing ``bounds`` or ``errors``
+        (as the result summary and the policies do) loads neither the option table nor the
+        policy registry it reads, which import those modules themselves.
+        """
+        import subprocess
+        import sys
+
+        script = (
+            "import sys\n"
+            "import txlb._config.bounds, txlb._config.errors\n"
+            "print(sorted(m for m in ('txlb._config.table', 'txlb._config.config',"
+            " 'txlb._scheduling.policies.registry') if m in sys.modules))\n"
+            "from txlb._config import Config, ConfigError, build_config\n"
+            "print(Config.__module__, ConfigError.__module__, build_config.__module__)\n"
+        )
+        import txlb
+
+        # from the tree under test (trial runs in _trial_temp, whose path has no txlb)
+        tree = os.path.dirname(os.path.dirname(os.path.abspath(txlb.__file__)))
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=60, check=True, cwd=tree)
+        self.assertEqual(done.stdout.split("\n")[:2],
+                         ["[]", "txlb._config.config txlb._config.errors txlb._config.config"],
+                         done.stderr)
 
     def test_a_bad_endpoint_is_still_refused(self) -> None:
         with self.assertRaises(ConfigError) as caught:

@@ -170,7 +170,7 @@ class ParsingTests(SynchronousTestCase):
         self.assertIn("resolver", RESTART_ONLY)
 
     def test_the_admin_api_cannot_add_a_name(self) -> None:
-        from txlb._config import _backend_item
+        from txlb._config.table import backend_entry as _backend_item
 
         with self.assertRaises(ConfigError):
             _backend_item("backend", {"url": "dns:x.example:80"})

@@ -22,6 +22,7 @@ from zope.interface import implementer
 from txlb import PolicyFactory
 from txlb._config import build_config
 from txlb._scheduling.policies import IPolicy, IPolicyFactory, Policy, registry
+from txlb._scheduling.policies.cache_aware import OPTIONS as CACHE_OPTIONS
 from txlb._scheduling.policies.cache_aware import CacheAware
 from txlb._scheduling.policies.registry import make_policy, plugin_factories
 
@@ -69,14 +70,14 @@ class MakePolicyTests(SynchronousTestCase):
         assert isinstance(default, CacheAware)
         self.assertNotEqual(default.hasher.block_chars, 64)
 
-    def test_a_factory_taking_the_config_draws_from_the_given_rng(self) -> None:
+    def test_a_factory_with_options_draws_from_the_given_rng(self) -> None:
         given: list[random.Random] = []
 
-        def build(clock: IReactorTime, rng: random.Random, config: object) -> IPolicy:
+        def build(clock: IReactorTime, rng: random.Random, values: object) -> IPolicy:
             given.append(rng)
             return First()
 
-        factory = PolicyFactory("configured", build, takes_config=True)
+        factory = PolicyFactory("configured", build, options=CACHE_OPTIONS)
         config = build_config({}, {})
         self.patch(registry, "_BUILT_IN", {"configured": factory})
         rng = random.Random(5)

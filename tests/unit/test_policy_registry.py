@@ -36,6 +36,7 @@ from txlb._scheduling.policies.registry import (
     make_policy,
     plugin_factories,
     policy_names,
+    policy_options,
 )
 from txlb._scheduling.request import ANY_REQUEST, RoutingRequest
 from txlb.nginx import upstream_block
@@ -145,6 +146,22 @@ class RegistryTests(SynchronousTestCase):
     def test_help_lists_the_registry(self) -> None:
         (spec,) = [s for s in OPTIONS if s.name == "policy"]
         self.assertEqual(spec.help_text, "Backend choice: " + ", ".join(policy_names()) + ".")
+
+    def test_a_policy_s_own_options_come_from_its_module(self) -> None:
+        """
+        ``--cache-*`` are declared by ``cache_aware.py`` alone: the registry collects them
+        and the option table lists them where ``--help`` always had them.
+        """
+        from txlb._scheduling.policies import cache_aware
+
+        declared = policy_options()
+        self.assertEqual([spec.name for spec in declared],
+                         ["cache-block", "cache-entries", "cache-load"])
+        self.assertEqual(declared, cache_aware.factory.options)
+        names = [spec.name for spec in OPTIONS]
+        start = names.index("unknown-model") + 1
+        self.assertEqual(OPTIONS[start:start + len(declared)], declared)
+        self.assertEqual(names[start + len(declared)], "affinity")
 
     def test_nginx_reads_the_factory(self) -> None:
         for factory in BUILT_IN:

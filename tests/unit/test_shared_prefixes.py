@@ -18,7 +18,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from txlb import LoadBalancer
 from txlb._config import build_config
-from txlb._config_shared import SharedStateSpec
+from txlb._config.shared import SharedStateSpec
 from txlb._scheduling.policies.cache_aware import CacheAware
 from txlb._scheduling.request import RoutingRequest
 from txlb._shared.prefixes import (

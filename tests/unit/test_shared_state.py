@@ -22,7 +22,7 @@ from txlb import LoadBalancer
 from txlb._cluster.pool import Pool
 from txlb._cluster.store import Marks
 from txlb._config import BackendSpec, ConfigError, build_config
-from txlb._config_shared import SharedStateSpec, parse_shared_state
+from txlb._config.shared import SharedStateSpec, parse_shared_state
 from txlb._shared.counts import FleetCounts
 from txlb._shared.link import COMMAND_TIMEOUT, RedisLink
 from txlb._shared.marks import Entry, SharedMarks

@@ -46,7 +46,10 @@ from txlb._admin.history import CAPACITY, SAMPLE_SECONDS, History
 from txlb._cluster.backend import Backend
 from txlb._cluster.models import MAX_MODEL_NAME, MAX_MODEL_NAMES
 from txlb._cluster.pool import Pool
-from txlb._config import Config, ConfigError, _backend_item, parse_backend_address
+from txlb._config.backends import parse_backend_address
+from txlb._config.config import Config
+from txlb._config.errors import ConfigError
+from txlb._config.table import backend_entry as _backend_item
 from txlb._records.metrics import Metrics
 
 log = Logger()

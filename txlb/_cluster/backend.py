@@ -19,7 +19,7 @@ from twisted.internet.interfaces import IReactorTime
 
 from txlb._cluster.models import aliases_of
 from txlb._cluster.store import Marks
-from txlb._config import BackendSpec
+from txlb._config.backends import BackendSpec
 
 #: Weight of the newest sample in the latency averages shown in status.
 EWMA_ALPHA = 0.2

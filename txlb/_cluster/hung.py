@@ -68,7 +68,7 @@ from twisted.web.client import ResponseFailed, ResponseNeverReceived
 
 from txlb._cluster.backend import Backend
 from txlb._cluster.pool import Pool
-from txlb._config import Config
+from txlb._config.config import Config
 
 log = Logger()
 

@@ -26,7 +26,8 @@ from txlb._cluster.local_store import LocalStore
 from txlb._cluster.models import MAX_MODEL_NAME, MAX_MODEL_NAMES, learn
 from txlb._cluster.outlier import OutlierRule, fleet_can_spare, judge_answer
 from txlb._cluster.store import IBackendStore, IInFlightCounts
-from txlb._config import BackendSpec, Config
+from txlb._config.backends import BackendSpec
+from txlb._config.config import Config
 from txlb._records.escape import escape
 
 log = Logger()

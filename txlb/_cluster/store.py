@@ -29,7 +29,7 @@ import attrs
 from twisted.internet.interfaces import IReactorTime
 from zope.interface import Attribute, Interface, implementer
 
-from txlb._config import BackendSpec
+from txlb._config.backends import BackendSpec
 
 
 class IInFlightCounts(Interface):

@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 from twisted.names import dns
 
-from txlb._config import MAX_ADDRESSES_PER_NAME, BackendSpec, DnsBackendSpec, is_host_name
+from txlb._config.backends import MAX_ADDRESSES_PER_NAME, BackendSpec, DnsBackendSpec
+from txlb._config.hosts import is_host_name
 
 __all__ = ["MAX_ADDRESSES_PER_NAME", "Member", "Resolved"]
 

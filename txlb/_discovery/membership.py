@@ -38,7 +38,8 @@ from twisted.python.failure import Failure
 
 from txlb._cluster.backend import Backend
 from txlb._cluster.pool import Pool
-from txlb._config import BackendSpec, Config, DnsBackendSpec
+from txlb._config.backends import BackendSpec, DnsBackendSpec
+from txlb._config.config import Config
 from txlb._discovery.answers import (
     MAX_ADDRESSES_PER_NAME,
     Member,

@@ -18,7 +18,7 @@ from twisted.names.common import ResolverBase
 from twisted.names.error import DNSNameError, DNSQueryRefusedError, DNSServerError, DomainError
 from twisted.python.failure import Failure
 
-from txlb._config import DnsBackendSpec
+from txlb._config.backends import DnsBackendSpec
 from txlb._discovery.answers import Member, Resolved, address_records, capped, srv_targets
 
 #: seconds each query waits before it is sent again, then given up: 4 s at most per name

@@ -20,7 +20,7 @@ from twisted.web.server import Request
 from txlb._cluster.backend import Backend, Lease
 from txlb._cluster.hung import InFlight
 from txlb._cluster.pool import Pool
-from txlb._config import Config
+from txlb._config.config import Config
 from txlb._records.observer import IRequestObserver, NullObserver
 from txlb._scheduling.ratelimit import client_key
 from txlb._server.quiet import RepeatSummary

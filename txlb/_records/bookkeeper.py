@@ -26,7 +26,7 @@ from zope.interface import implementer
 
 from txlb._cluster.backend import Backend
 from txlb._cluster.pool import Pool
-from txlb._config import Config
+from txlb._config.config import Config
 from txlb._records.metrics import Metrics
 from txlb._records.needs import Needs
 from txlb._records.observer import IRequestObserver

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal
 import attrs
 
 if TYPE_CHECKING:
-    from txlb._config import Config
+    from txlb._config.config import Config
 
 #: Characters of content shown after ``|`` by default (``--log-content``); the most that can
 #: be asked for is :data:`~txlb._records.summary.MAX_PREVIEW_CHARS`.

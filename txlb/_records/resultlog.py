@@ -24,7 +24,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.logfile import LogFile
 
-from txlb._config import Config
+from txlb._config.config import Config
 from txlb._records.fields import FIELDS, json_formatter, text_formatter
 from txlb._records.summary import Summary
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import attrs
 
+from txlb._config.bounds import MAX_PREVIEW_CHARS
 from txlb._json_body import parse_json_object
 from txlb._records.answers.chat import parse_completion
 from txlb._records.answers.completion import int_or_none, is_stream, token_count
@@ -43,9 +44,6 @@ __all__ = [
     "parse_json_object", "privacy_of",
 ]
 
-#: The most characters of content ``--log-content`` may ask for: 1,000 characters take at
-#: most 12,000 bytes escaped, which keeps a completion line under :data:`MAX_LINE`.
-MAX_PREVIEW_CHARS = 1000
 #: Request keys listed on an error line.
 MAX_REQ_KEYS = 64
 #: Bytes each value chosen by a client or a backend may take once escaped, in either

@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 import attrs
 from twisted.web.server import Request
 
-from txlb._config import Config
-from txlb._config_classes import ClassSpec, class_specs
+from txlb._config.classes import ClassSpec
+from txlb._config.config import Config, class_specs
 from txlb._scheduling.ratelimit import bearer_digest
 
 #: Longest header value read as a class name (longer ones are no class).

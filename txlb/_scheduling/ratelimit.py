@@ -25,7 +25,7 @@ from txlb._cluster.store import IRateBuckets
 
 if TYPE_CHECKING:
     from txlb._cluster.store import IBackendStore
-    from txlb._config import Config
+    from txlb._config.config import Config
 
 
 def bearer_digest(request: Request) -> str | None:

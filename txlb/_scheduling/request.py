@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import attrs
 
-from txlb._config_classes import DEFAULT_CLASS
+from txlb._config.classes import DEFAULT_CLASS
 from txlb._scheduling.work import WorkBudget
 
 

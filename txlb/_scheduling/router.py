@@ -29,7 +29,7 @@ from twisted.logger import Logger
 
 from txlb._cluster.backend import Backend, Lease
 from txlb._cluster.pool import Pool
-from txlb._config import Config
+from txlb._config.config import Config
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.classes import PriorityClasses, QueueClass
 from txlb._scheduling.policies import IPolicy, IPreparesRequests

@@ -24,7 +24,7 @@ from twisted.web.resource import IResource
 from zope.interface import classImplements
 
 from txlb._compat import alpn_mutates_shared_context
-from txlb._config import Config
+from txlb._config.config import Config
 from txlb._server.lean_channel import DateCache, LeanChannel
 from txlb._server.quiet import RepeatSummary
 

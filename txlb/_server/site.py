@@ -63,7 +63,7 @@ from twisted.web.server import Request, Site
 from twisted.web.server import version as server_version
 
 from txlb._compat import chunked_trailer, parsed_request_line, unterminated_line
-from txlb._config import Config
+from txlb._config.config import Config
 from txlb._proxy.errors import error_body
 from txlb._server.quiet import RepeatSummary
 from txlb._server.rules import (

@@ -27,7 +27,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from txlb._config_shared import SharedStateSpec
+from txlb._config.shared import SharedStateSpec
 from txlb._shared.replies import ANY, ReplyRefused, Shape, bounded, preview
 
 log = Logger()
@@ -93,7 +93,7 @@ def client_tls(spec: SharedStateSpec) -> Any:
     """
     from twisted.internet.ssl import Certificate, optionsForClientTLS, trustRootFromCertificates
 
-    from txlb._config_shared import ca_certificates
+    from txlb._config.shared import ca_certificates
 
     if spec.ca is None:
         return optionsForClientTLS(spec.host)

@@ -33,7 +33,8 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from txlb._cluster.store import IBackendMarks, Marks
-from txlb._config import BackendSpec, is_host_name
+from txlb._config.backends import BackendSpec
+from txlb._config.hosts import is_host_name
 from txlb._discovery.answers import usable_address
 
 log = Logger()

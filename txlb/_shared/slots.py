@@ -41,7 +41,7 @@ from zope.interface import implementer
 
 from txlb._cluster.backend import Backend
 from txlb._cluster.store_capabilities import IFleetSlotGate
-from txlb._config_shared import SharedStateSpec
+from txlb._config.shared import SharedStateSpec
 from txlb._shared.counts import FleetCounts
 from txlb._shared.link import RedisLink, Script
 from txlb._shared.replies import integers

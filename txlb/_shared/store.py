@@ -42,7 +42,7 @@ from txlb._cluster.store_capabilities import (
     IStoreReport,
     IStoreService,
 )
-from txlb._config_shared import SharedStateSpec
+from txlb._config.shared import SharedStateSpec
 from txlb._shared.counts import FleetCounts
 from txlb._shared.levels import SharedTokenLevels
 from txlb._shared.link import Commands, RedisLink, Script

@@ -19,7 +19,7 @@ from typing import Any
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
-from txlb._config_shared import SharedStateSpec
+from txlb._config.shared import SharedStateSpec
 
 log = Logger()
 

@@ -57,7 +57,8 @@ from txlb._cluster.shared_counts import SharedCounts
 from txlb._cluster.store import Bucket
 from txlb._cluster.store_capabilities import IFleetPresence, IFleetWake, ISharedRateTakes
 from txlb._compat import tcp_endpoint_address
-from txlb._config import Config, ConfigError
+from txlb._config.config import Config
+from txlb._config.errors import ConfigError
 from txlb._shared.host import HostCounts, HostScan
 from txlb._shared.levels import SharedTokenLevels
 from txlb._workers.relay import TakeRelay

@@ -43,7 +43,7 @@ from typing import Any, ClassVar, TypeAlias
 
 import attrs
 
-from txlb._config import Config
+from txlb._config.config import Config
 from txlb._records.fields import from_wire, to_wire
 from txlb._records.summary import Summary
 

@@ -58,7 +58,7 @@ from zope.interface import implementer
 from txlb._balancer import LoadBalancer, SequentialService
 from txlb._cluster.shared_counts import SharedCounts
 from txlb._compat import adopt_listening_port
-from txlb._config import Config
+from txlb._config.config import Config
 from txlb._records.bookkeeper import budget_reconciles, policy_learns
 from txlb._records.privacy import privacy_of
 from txlb._server.heap import freeze_heap

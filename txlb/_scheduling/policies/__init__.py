@@ -16,7 +16,7 @@ policy learns from traffic arrives through :meth:`IPolicy.observe` and stays in 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from twisted.internet.interfaces import IReactorTime
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import random
 
     from txlb._cluster.backend import Backend
-    from txlb._config import Config
+    from txlb._config.option import OptionSpec
     from txlb._records.outcome import RequestOutcome
 
 
@@ -103,10 +103,15 @@ class PolicyFactory:
     """
     A policy under a name.  ``build`` is called with ``(clock, rng)``; it may be given as
     a dotted name (``"mypackage.policy.Fewest"``), imported only when the policy is made,
-    so that scanning plugins stays cheap -- as Twisted's own ``ServiceMaker`` does.  A
-    built-in policy with options of its own in :class:`~txlb.Config` says
-    ``takes_config=True`` and is built with ``(clock, rng, config)`` (``config`` is
-    ``None`` when the policy is made without one: its defaults).
+    so that scanning plugins stays cheap -- as Twisted's own ``ServiceMaker`` does.
+
+    A built-in policy with options of its own declares them in its module, as ``options``
+    (:class:`~txlb._config.option.OptionSpec` entries): the registry adds them to the
+    option table -- command line, environment, config file and ``--help`` alike -- and
+    ``build`` is called with ``(clock, rng, values)``, ``values`` mapping each option's
+    attribute name (``cache_block``) to its value (its default when the policy is made
+    without a config).  Only the built-in policies' options reach the table: each has its
+    typed field in ``Config``, which a plugin cannot add.
     """
 
     name: str
@@ -114,12 +119,23 @@ class PolicyFactory:
     summary: str = ""
     nginx: str | None = None
     rank: int = 100
-    takes_config: bool = False
+    options: tuple[OptionSpec, ...] = ()
+
+    @property
+    def takes_config(self) -> bool:
+        """Whether the policy reads options of its own: a change of them builds a new one."""
+        return bool(self.options)
 
     def __call__(self, clock: IReactorTime, rng: random.Random,
-                 config: Config | None = None) -> IPolicy:
+                 values: Mapping[str, Any] | None = None) -> IPolicy:
         build = namedAny(self.build) if isinstance(self.build, str) else self.build
-        policy = build(clock, rng, config) if self.takes_config else build(clock, rng)
+        if self.options:
+            given = values or {}
+            policy = build(clock, rng, {spec.attribute: given.get(spec.attribute,
+                                                                  spec.default_value)
+                                        for spec in self.options})
+        else:
+            policy = build(clock, rng)
         if not IPolicy.providedBy(policy):
             raise TypeError(f"policy {self.name!r}: {policy!r} does not provide IPolicy")
         return policy

@@ -30,11 +30,14 @@ import math
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from zope.interface import implementer
 
+from txlb._config.errors import ConfigError
+from txlb._config.option import OptionSpec
+from txlb._config.values import parse_nonnegative_int, parse_number
 from txlb._scheduling.policies import IPreparesRequests, Policy, PolicyFactory
 from txlb._scheduling.policies._ties import WeightedTies
 from txlb._scheduling.policies.least_conn import load
@@ -53,7 +56,6 @@ if TYPE_CHECKING:
     from twisted.internet.interfaces import IReactorTime
 
     from txlb._cluster.backend import Backend
-    from txlb._config import Config
     from txlb._records.outcome import RequestOutcome
 
 #: The engine's KV cache usage (``vllm:kv_cache_usage_perc``) above which its matches stop
@@ -62,6 +64,8 @@ KV_SATURATED = 0.9
 #: Predictions kept for requests in flight (an outcome that never comes -- a request
 #: refused after routing -- is forgotten when its request is, or past this many).
 MAX_PENDING = 65_536
+#: ``--cache-load``'s default: the bounded-load factor of ``--affinity``'s ring.
+DEFAULT_LOAD_FACTOR = 1.25
 
 
 def load_bound(backend: Backend, candidates: Sequence[Backend], factor: float) -> int:
@@ -101,7 +105,8 @@ class CacheAware(Policy):
                  max_blocks: int = DEFAULT_MAX_BLOCKS,
                  max_entries: int = DEFAULT_MAX_ENTRIES,
                  capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
-                 load_factor: float = 1.25, secret: bytes | None = None) -> None:
+                 load_factor: float = DEFAULT_LOAD_FACTOR,
+                 secret: bytes | None = None) -> None:
         if load_factor < 1.0:
             raise ValueError("the load factor must be at least 1")
         self.hasher = PrefixHasher(block_chars, max_blocks, secret)
@@ -255,12 +260,52 @@ class CacheAware(Policy):
         return {"prefix_cache": index.describe()}
 
 
-def build(clock: IReactorTime, rng: random.Random, config: Config | None) -> CacheAware:
+# -- its options: --cache-block, --cache-entries, --cache-load --------------------------
+
+
+def parse_cache_block(option: str, value: object) -> int:
+    """Characters per hashed block: a whole number from 16 to 65536."""
+    number = parse_nonnegative_int(option, value)
+    if not 16 <= number <= 65536:
+        raise ConfigError(f"--{option}: {value!r} must be from 16 to 65536 characters")
+    return number
+
+
+def parse_cache_entries(option: str, value: object) -> int:
+    """The index's cap in entries: a whole number, at least 1,000."""
+    number = parse_nonnegative_int(option, value)
+    if number < 1000:
+        raise ConfigError(f"--{option}: {value!r} must be at least 1000")
+    return number
+
+
+def parse_cache_load(option: str, value: object) -> float:
+    """The bounded-load factor: a number from 1 (strict balance) to 100."""
+    factor = parse_number(option, value)
+    if not 1.0 <= factor <= 100.0:
+        raise ConfigError(f"--{option}: {value!r} must be a number from 1 to 100")
+    return factor
+
+
+#: What the option table lists for this policy (after ``--unknown-model``, in this order).
+OPTIONS = (
+    OptionSpec("cache-block", DEFAULT_BLOCK_CHARS, parse_cache_block,
+               "--policy cache-aware: characters per hashed prompt block (16 to 65536; "
+               "256 is ~64 tokens).", "LB_CACHE_BLOCK"),
+    OptionSpec("cache-entries", DEFAULT_MAX_ENTRIES, parse_cache_entries,
+               "--policy cache-aware: prompt blocks remembered over all backends "
+               "(1,000 or more; ~116 bytes each).", "LB_CACHE_ENTRIES"),
+    OptionSpec("cache-load", DEFAULT_LOAD_FACTOR, parse_cache_load,
+               "--policy cache-aware: a backend above this many times its fair share of "
+               "the in-flight requests is passed over for its cache (as --affinity's 1.25).",
+               "LB_CACHE_LOAD"),
+)
+
+
+def build(clock: IReactorTime, rng: random.Random, values: Mapping[str, Any]) -> CacheAware:
     """The policy with ``--cache-block``, ``--cache-entries`` and ``--cache-load``."""
-    if config is None:
-        return CacheAware()
-    return CacheAware(block_chars=config.cache_block, max_entries=config.cache_entries,
-                      load_factor=config.cache_load)
+    return CacheAware(block_chars=values["cache_block"], max_entries=values["cache_entries"],
+                      load_factor=values["cache_load"])
 
 
 factory = PolicyFactory(
@@ -270,4 +315,4 @@ factory = PolicyFactory(
     nginx="least_conn;  # --policy cache-aware: nginx reads no request bodies, so it cannot "
           "route by the prompt's prefix; least_conn is what cache-aware does for prompts no "
           "backend holds",
-    rank=70, takes_config=True)
+    rank=70, options=OPTIONS)

@@ -28,10 +28,9 @@ from txlb._scheduling import policies
 from txlb._scheduling.policies import IPolicy, IPolicyFactory, PolicyFactory
 
 if TYPE_CHECKING:
-    from txlb._config import Config
+    from txlb._config.option import OptionSpec
 
 log = Logger()
-
 
 
 def built_in(package: ModuleType = policies) -> tuple[IPolicyFactory, ...]:
@@ -59,6 +58,15 @@ BUILT_IN: tuple[IPolicyFactory, ...] = built_in()
 DEFAULT_POLICY: str = BUILT_IN[0].name
 
 _BUILT_IN = {factory.name: factory for factory in BUILT_IN}
+
+
+def policy_options() -> tuple[OptionSpec, ...]:
+    """
+    The options the built-in policies declare (``cache-aware``'s ``--cache-*``), in the
+    policies' ``--help`` order: what the option table lists after ``--unknown-model``.
+    """
+    return tuple(spec for factory in BUILT_IN if isinstance(factory, PolicyFactory)
+                 for spec in factory.options)
 
 
 def plugin_factories(package: ModuleType | None = None) -> dict[str, IPolicyFactory]:
@@ -97,14 +105,18 @@ def find_factory(name: str) -> IPolicyFactory | None:
 
 
 def make_policy(name: str, clock: IReactorTime, rng: random.Random | None = None,
-                config: Config | None = None) -> IPolicy:
+                config: object | None = None) -> IPolicy:
     """
-    A new policy called ``name`` (one of :func:`policy_names`); one whose factory takes
-    the config (``takes_config``) reads its own options from ``config``.
+    A new policy called ``name`` (one of :func:`policy_names`).  One that declares options
+    of its own is given their values, each read from ``config`` (a
+    :class:`~txlb._config.config.Config`: an attribute per option) -- or their defaults,
+    without one.
     """
     factory = find_factory(name)
     if factory is None:
         raise KeyError(f"no policy called {name!r}; known: {', '.join(policy_names())}")
-    if isinstance(factory, PolicyFactory) and factory.takes_config:
-        return factory(clock, rng or random.Random(), config)
+    if isinstance(factory, PolicyFactory) and factory.options:
+        values = None if config is None else {
+            spec.attribute: getattr(config, spec.attribute) for spec in factory.options}
+        return factory(clock, rng or random.Random(), values)
     return factory(clock, rng or random.Random())

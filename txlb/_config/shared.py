@@ -1,10 +1,10 @@
 """
 ``--shared-state``: the Redis URL several replicas share their state through, parsed.
 
-Kept beside :mod:`txlb._config` so the URL's rules live in one small module.  The password
-is the one secret here: it never reaches a log line, ``/status`` or an error message --
-:attr:`SharedStateSpec.masked` is the only form of the URL anything shows, and every
-:class:`~txlb._config.ConfigError` below is worded without the value's password.
+The URL's rules in one small module.  The password is the one secret here: it never
+reaches a log line, ``/status`` or an error message -- :attr:`SharedStateSpec.masked` is
+the only form of the URL anything shows, and every :class:`ConfigError` below is worded
+without the value's password.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import re
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import attrs
+
+from txlb._config.errors import ConfigError
 
 #: Longest password file read (a password is a line; a mistaken path to a big file is
 #: refused rather than read whole).
@@ -58,13 +60,8 @@ class SharedStateSpec:
         return self.masked
 
 
-def _refuse(option: str, masked: str, why: str) -> ValueError:
-    from txlb._config import ConfigError
-
+def _refuse(option: str, masked: str, why: str) -> ConfigError:
     return ConfigError(f"--{option}: {masked!r} {why}")
-
-
-
 
 
 def _masked_text(text: str) -> str:

@@ -1,24 +1,22 @@
 """
-The ``[[classes]]`` table, ``--priority-header`` and ``--default-class``: parsed and checked.
+The ``[[classes]]`` table, ``--priority-header`` and ``--default-class``: parsed.
 
-Kept beside :mod:`txlb._config` (which reads it through :data:`~txlb._config.OPTIONS`) so
-that the priority classes' rules live in one small module.  Every problem is one
-:class:`~txlb._config.ConfigError` line naming the key and the value, as for every option.
+The priority classes' rules in one small module, read by the option table and, for
+:data:`DEFAULT_CLASS`, by the routing request.  Every problem is one :class:`ConfigError`
+line naming the key and the value, as for every option.
 
 A class's ``queue_timeout`` falls back to ``--queue-timeout``, so the one check that needs
 both -- ``starvation_age`` shorter than the class's queue timeout -- runs on the finished
-:class:`~txlb._config.Config` (:func:`check_classes`).
+:class:`~txlb._config.config.Config` (:func:`~txlb._config.config.check_classes`).
 """
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 import attrs
 
-if TYPE_CHECKING:
-    from txlb._config import Config
+from txlb._config.errors import ConfigError, did_you_mean
 
 #: The classes a fleet gets when its config file has no ``[[classes]]``, highest first.
 BUILT_IN_CLASSES = ("interactive", "default", "batch")
@@ -53,17 +51,11 @@ class ClassSpec:
     shed_at: int | None = None
 
 
-def _error(message: str) -> Exception:
-    from txlb._config import ConfigError
-
-    return ConfigError(message)
-
-
 def _seconds(key: str, name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not (
             0 < value < float("inf")):
-        raise _error(f"classes.{key}: {value!r} of class {name!r} is not a positive number "
-                     "of seconds")
+        raise ConfigError(f"classes.{key}: {value!r} of class {name!r} is not a positive number "
+                          "of seconds")
     return float(value)
 
 
@@ -71,48 +63,46 @@ def _strings(key: str, name: str, value: object) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
         # keys are not echoed: a key pasted there by mistake must not reach a log
         shown = "its value" if key == "keys" else repr(value)
-        raise _error(f"classes.{key}: {shown} of class {name!r} is not a list of "
-                     "non-empty strings")
+        raise ConfigError(f"classes.{key}: {shown} of class {name!r} is not a list of "
+                          "non-empty strings")
     return tuple(value)
 
 
 def _class_item(item: object, seen: set[str]) -> ClassSpec:
-    from txlb._config import did_you_mean
-
     if not isinstance(item, dict):
-        raise _error(f"classes: an entry ({type(item).__name__}) is not a table")
+        raise ConfigError(f"classes: an entry ({type(item).__name__}) is not a table")
     name = item.get("name")
     unknown = sorted(set(item) - set(_KEYS), key=str)
     if unknown:
         where = f"class {name!r}" if isinstance(name, str) else "a [[classes]] table"
-        raise _error(f"classes: unknown key {unknown[0]!r} in {where}"
-                     f"{did_you_mean(str(unknown[0]), _KEYS)}; a class takes "
-                     f"{', '.join(_KEYS)}")
+        raise ConfigError(f"classes: unknown key {unknown[0]!r} in {where}"
+                          f"{did_you_mean(str(unknown[0]), _KEYS)}; a class takes "
+                          f"{', '.join(_KEYS)}")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise _error(f"classes.name: {name!r} is not a class name (1-32 letters, digits, "
-                     "'_', '-', '.', starting with a letter or digit)")
+        raise ConfigError(f"classes.name: {name!r} is not a class name (1-32 letters, digits, "
+                          "'_', '-', '.', starting with a letter or digit)")
     if name.lower() in seen:
-        raise _error(f"classes.name: {name!r} is listed twice")
+        raise ConfigError(f"classes.name: {name!r} is listed twice")
     seen.add(name.lower())
     keys: list[str] = []
     for key in _strings("keys", name, item.get("keys", [])):
         match = _DIGEST.fullmatch(key.strip().lower())
         if match is None:
             # the value is not shown: a key pasted here by mistake must not reach a log
-            raise _error(f"classes.keys: entry {len(keys) + 1} of class {name!r} is not the "
-                         "sha256 of an API key in hex (printf %s \"$KEY\" | sha256sum); "
-                         "the key itself is never written in the config")
+            raise ConfigError(f"classes.keys: entry {len(keys) + 1} of class {name!r} is not the "
+                              "sha256 of an API key in hex (printf %s \"$KEY\" | sha256sum); "
+                              "the key itself is never written in the config")
         keys.append(match.group(1))
     paths = _strings("paths", name, item.get("paths", []))
     for path in paths:
         if not path.startswith("/") or any(c.isspace() for c in path):
-            raise _error(f"classes.paths: {path!r} of class {name!r} is not a URL path "
-                         "starting with '/'")
+            raise ConfigError(f"classes.paths: {path!r} of class {name!r} is not a URL path "
+                              "starting with '/'")
     shed_at = item.get("shed_at")
     if shed_at is not None and (isinstance(shed_at, bool) or not isinstance(shed_at, int)
                                 or shed_at < 0):
-        raise _error(f"classes.shed_at: {shed_at!r} of class {name!r} is not a whole number "
-                     "of waiting requests (0 or more)")
+        raise ConfigError(f"classes.shed_at: {shed_at!r} of class {name!r} is not a whole number "
+                          "of waiting requests (0 or more)")
     timeout = item.get("queue_timeout")
     age = item.get("starvation_age")
     return ClassSpec(
@@ -128,17 +118,17 @@ def parse_classes(option: str, value: object) -> tuple[ClassSpec, ...]:
     if isinstance(value, tuple) and not value:
         return ()
     if not isinstance(value, list) or not value:
-        raise _error(f"classes: {value!r} is not a list of [[classes]] tables")
+        raise ConfigError(f"classes: {value!r} is not a list of [[classes]] tables")
     if len(value) > MAX_CLASSES:
-        raise _error(f"classes: {len(value)} classes are more than {MAX_CLASSES}")
+        raise ConfigError(f"classes: {len(value)} classes are more than {MAX_CLASSES}")
     seen: set[str] = set()
     specs = tuple(_class_item(item, seen) for item in value)
     owners: dict[str, str] = {}
     for spec in specs:
         for key in spec.keys:
             if key in owners:
-                raise _error(f"classes.keys: the key {key[:12]}... is bound to both "
-                             f"{owners[key]!r} and {spec.name!r}")
+                raise ConfigError(f"classes.keys: the key {key[:12]}... is bound to both "
+                                  f"{owners[key]!r} and {spec.name!r}")
             owners[key] = spec.name
     return specs
 
@@ -149,20 +139,15 @@ def parse_priority_header(option: str, value: object) -> str | None:
     if text.lower() == "none":
         return None
     if not _HEADER.fullmatch(text):
-        raise _error(f"--{option}: {value!r} is not a header name or 'none'")
+        raise ConfigError(f"--{option}: {value!r} is not a header name or 'none'")
     return text
 
 
 def parse_class_name(option: str, value: object) -> str:
     text = str(value).strip()
     if not _NAME.fullmatch(text):
-        raise _error(f"--{option}: {value!r} is not a class name")
+        raise ConfigError(f"--{option}: {value!r} is not a class name")
     return text
-
-
-def class_specs(config: Config) -> tuple[ClassSpec, ...]:
-    """The classes in force: the file's, or the built-in three (see :func:`built_in`)."""
-    return config.classes or built_in(config.queue_timeout)
 
 
 def built_in(queue_timeout: float) -> tuple[ClassSpec, ...]:
@@ -174,31 +159,3 @@ def built_in(queue_timeout: float) -> tuple[ClassSpec, ...]:
     return (ClassSpec("interactive"),
             ClassSpec("default", starvation_age=queue_timeout / 2),
             ClassSpec("batch", starvation_age=queue_timeout / 2))
-
-
-def check_classes(config: Config) -> None:
-    """
-    What needs the whole config: the default class exists, starvation ages are short, and
-    every budget given for a class names one.
-    """
-    specs = class_specs(config)
-    for spec in specs:
-        timeout = spec.queue_timeout or config.queue_timeout
-        if spec.starvation_age is not None and spec.starvation_age >= timeout:
-            raise _error(f"classes.starvation_age: {spec.starvation_age:g}s of class "
-                         f"{spec.name!r} is not shorter than its queue timeout ({timeout:g}s):"
-                         " its requests would time out before the guard serves them")
-    names = [spec.name for spec in specs]
-    if config.default_class not in names:
-        from txlb._config import did_you_mean
-
-        raise _error(f"--default-class: {config.default_class!r} is not one of the classes "
-                     f"({', '.join(names)}){did_you_mean(config.default_class, names)}")
-    for budget in config.budgets:
-        # a budget for a class no request can be in would never apply, silently
-        if budget.priority is not None and budget.priority not in names:
-            from txlb._config import did_you_mean
-
-            raise _error(f"budgets.class: budget {budget.name!r} is for class "
-                         f"{budget.priority!r}, which is not one of the classes "
-                         f"({', '.join(names)}){did_you_mean(budget.priority, names)}")
