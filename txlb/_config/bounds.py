@@ -9,3 +9,5 @@ what the enforcing code could not honour, without the config importing that code
 #: characters take at most 12,000 bytes escaped, which keeps a completion line under the
 #: result log's longest line.
 MAX_PREVIEW_CHARS = 1000
+#: ``--log-content``'s default, which a summary made without a config keeps too
+DEFAULT_PREVIEW_CHARS = 200

@@ -16,6 +16,7 @@ from txlb._config.backends import (
     parse_backends,
     parse_resolver,
 )
+from txlb._config.bounds import DEFAULT_PREVIEW_CHARS
 from txlb._config.classes import (
     DEFAULT_CLASS,
     parse_class_name,
@@ -103,7 +104,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
                "Rotated result logs kept (<name>.1 is the newest)."),
     OptionSpec("log-format", "text", parse_log_format,
                "Result log format: 'text' (one line per request) or 'json' (JSON lines)."),
-    OptionSpec("log-content", 200, parse_log_content,
+    OptionSpec("log-content", DEFAULT_PREVIEW_CHARS, parse_log_content,
                "Characters of each answer kept after '|' in the result log (0: none, "
                "at most 1000)."),
     OptionSpec("log-user", "keep", parse_log_user,

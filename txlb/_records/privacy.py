@@ -9,16 +9,15 @@ the bookkeeper and the workers' forwarder, which need nothing else of the summar
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import attrs
 
-if TYPE_CHECKING:
-    from txlb._config.config import Config
+from txlb._config.bounds import DEFAULT_PREVIEW_CHARS
 
 #: Characters of content shown after ``|`` by default (``--log-content``); the most that can
-#: be asked for is :data:`~txlb._records.summary.MAX_PREVIEW_CHARS`.
-PREVIEW_CHARS = 200
+#: be asked for is :data:`~txlb._config.bounds.MAX_PREVIEW_CHARS`.
+PREVIEW_CHARS = DEFAULT_PREVIEW_CHARS
 #: What happens to an orid taken from the request body's ``user`` (often an e-mail address).
 UserMode = Literal["keep", "hash", "drop"]
 
@@ -48,8 +47,25 @@ class Privacy:
 KEEP_ALL = Privacy()
 
 
-def privacy_of(config: Config) -> Privacy:
-    """The :class:`Privacy` of a :class:`~txlb._config.Config`'s ``--log-*`` options."""
+class LogOptions(Protocol):
+    """
+    The ``--log-*`` options :func:`privacy_of` reads (a :class:`~txlb.Config` has them):
+    declared here so that the records need nothing of the config's table, which imports
+    the policies, which import the records.
+    """
+
+    @property
+    def log_content(self) -> int: ...
+    @property
+    def log_user(self) -> str: ...
+    @property
+    def log_user_key(self) -> str | None: ...
+    @property
+    def log_error_body(self) -> int | None: ...
+
+
+def privacy_of(config: LogOptions) -> Privacy:
+    """The :class:`Privacy` of a :class:`~txlb.Config`'s ``--log-*`` options."""
     key = config.log_user_key
     user: UserMode = "hash" if config.log_user == "hash" else (
         "drop" if config.log_user == "drop" else "keep")
