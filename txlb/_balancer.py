@@ -292,7 +292,7 @@ class LoadBalancer:
         gates = ISlotGates(self.store, None)
         if gates is not None:
             self.slots = gates.slot_gate(self.pool.capacity_changed)
-            self.pool.gate = self.slots
+            self.pool.use_gate(self.slots)
             self.metrics.registry.register(self.slots.collector())
         #: whether the policy is the one ``--policy`` names (a reload may replace it),
         #: not an embedder's own object (which a reload keeps)

@@ -55,9 +55,13 @@ RECORDS: dict[tuple[str, str], str] = {
     ("_scheduling/prefix.py", "budget"): _RECORD + ": a hashing budget",
     ("_scheduling/prefix_index.py", "index"): _RECORD + ": one backend's index",
     ("_scheduling/router.py", "waiter"): _RECORD + ": a queued request",
-    ("_server/lean.py", "head"): _RECORD + ": the request head being parsed",
-    ("_server/lean.py", "request"): "the LeanRequest this channel made and serves "
-                                    "(twisted.web's Request surface: content, channel, ...)",
+    ("_server/lean_channel.py", "head"): _RECORD + ": the request head being parsed",
+    ("_server/lean_channel.py", "request"): "the LeanRequest this channel made and serves "
+                                            "(twisted.web's Request surface: content, ...)",
+    ("_server/lean_channel.py", "self._relay"): _RECORD + ": which producer the client's "
+                                                "flow control goes to",
+    ("_server/lean_head.py", "request"): "the LeanRequest the head's checks decide on "
+                                         "(twisted.web's Request surface: persistent)",
     ("_server/site.py", "channel"): "the channel ProxySite.buildProtocol just built",
     ("_shared/link.py", "factory"): _TWISTED + " (a ReconnectingClientFactory it builds)",
     ("_shared/link.py", "txredisapi"): "the one patch of txredisapi's ClientService, "
@@ -68,6 +72,7 @@ RECORDS: dict[tuple[str, str], str] = {
     ("_shared/replies.py", "top"): _RECORD + ": the parser's stack frame",
     ("_shared/wake.py", "factory"): _TWISTED + " (a ReconnectingClientFactory it builds)",
     ("_upstream/client.py", "attempt"): _RECORD + ": one try's connection state",
+    ("_upstream/connection.py", "attempt"): _RECORD + ": one try's connection state",
     ("_upstream/client.py", "connection"): "the client's own UpstreamConnection's state, "
                                            "which its pool moves between idle and busy",
     ("testing.py", "request"): _TWISTED + " (Request.defaultContentType)",

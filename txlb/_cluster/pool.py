@@ -107,6 +107,14 @@ class Pool:
         # the configured fleet is in; any later save (a drain, a reload) is a change
         self.store.marks.configured()
 
+    def use_gate(self, gate: SlotGate | None) -> None:
+        """Confirm each slot on a backend with ``max_conns`` through ``gate`` from now on."""
+        self.gate = gate
+
+    def keep_when(self, keeps: Callable[[Backend], bool]) -> None:
+        """Ask ``keeps`` whether a backend the shared store removed stays here (see ``keeps``)."""
+        self.keeps = keeps
+
     def __iter__(self) -> Iterator[Backend]:
         return iter(list(self._backends.values()))
 

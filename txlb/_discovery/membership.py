@@ -127,7 +127,7 @@ class DnsMembership(Service):
         #: address -> name, for the addresses the names' last good answers put in rotation
         #: here (a removal another replica's DNS made does not take them out)
         self._yielded: dict[str, str] = {}
-        pool.keeps = self._keeps
+        pool.keep_when(self._keeps)
         self._take(config)
 
     # -- what the rest of the balancer asks ----------------------------------------------

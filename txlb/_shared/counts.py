@@ -42,6 +42,10 @@ class FleetCounts:
 
     # -- slots --------------------------------------------------------------------------
 
+    def tell_change(self, told: Callable[[], object]) -> None:
+        """Tell ``told`` once per change of this replica's counts (a store publishes them)."""
+        self.on_change = told
+
     def register(self, key: str) -> int:
         slot = self._slots.get(key)
         if slot is None:

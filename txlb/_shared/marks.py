@@ -173,6 +173,24 @@ class SharedMarks:
         #: unreadable fields and replies ignored
         self.garbled_total = 0
 
+    def tell_saved(self, told: Callable[[], object]) -> None:
+        """Tell ``told`` when a save left something to send (the store writes it)."""
+        self.on_saved = told
+
+    def take_unsent(self) -> dict[str, Entry | None]:
+        """What was saved and not yet sent, handed over to send (and no longer held)."""
+        unsent, self.unsent = self.unsent, {}
+        return unsent
+
+    def still_unsent(self, unsent: dict[str, Entry | None]) -> None:
+        """``unsent`` could not be sent: held again, under anything saved since."""
+        self.unsent = {**unsent, **self.unsent}
+
+    def take_claims(self) -> dict[str, Entry]:
+        """The configured backends' claims, handed over to write (and no longer held)."""
+        claims, self.claims = self.claims, {}
+        return claims
+
     # -- IBackendMarks ------------------------------------------------------------------
 
     def save(self, spec: BackendSpec, marks: Marks, reason: str = "",

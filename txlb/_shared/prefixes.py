@@ -202,14 +202,14 @@ class SharedPrefixIndex:
         if policy is self._attached:
             return
         if self._attached is not None:
-            self._attached.on_sent = None
+            self._attached.tell_sends(None)
         self._unsent.clear()
         self._unsent_blocks = 0
         if not isinstance(policy, CacheAware):
             self._attached = None
             return
         self._attached = policy
-        policy.on_sent = self._sent
+        policy.tell_sends(self._sent)
         if self._secret is not None:
             policy.use_secret(self._secret)
 

@@ -256,8 +256,8 @@ class RedisStore:
         #: told at each poll, right after its script is sent: their commands go on the same
         #: connection, pipelined with it (the shared cache-aware index's write and read)
         self.on_poll: list[Callable[[], object]] = []
-        self.counts.on_change = self._row_changed
-        self.marks.on_saved = self.marks_saved
+        self.counts.tell_change(self._row_changed)
+        self.marks.tell_saved(self.marks_saved)
         self.link.on_up.append(self._resync)
         self.link.on_down.append(self._fell_back)
 
@@ -501,17 +501,17 @@ class RedisStore:
             self.clock.callLater(FLUSH_DELAY, self._flush)
 
     def _write_marks(self) -> None:
-        unsent, self.marks.unsent = self.marks.unsent, {}
+        unsent = self.marks.take_unsent()
         if not unsent:
             return
         if not self.link.connected:
-            self.marks.unsent = {**unsent, **self.marks.unsent}
+            self.marks.still_unsent(unsent)
             return
         fields = [x for kv in self.marks.entries(unsent) for x in kv]
         written = self.link.run(WRITE, self._marks_keys(), fields)
 
         def lost(failure: Failure) -> None:
-            self.marks.unsent = {**unsent, **self.marks.unsent}
+            self.marks.still_unsent(unsent)
 
         written.addErrback(lost)
 
@@ -528,7 +528,7 @@ class RedisStore:
         removals the replicas hold, and never loses one to a replica starting after it);
         then our unsent marks, which win; then the whole hash.
         """
-        claims, self.marks.claims = self.marks.claims, {}
+        claims = self.marks.take_claims()
         fields = [x for kv in self.marks.entries({**self.marks.known(), **claims})
                   for x in kv]
         if fields:

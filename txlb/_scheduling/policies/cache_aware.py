@@ -120,6 +120,10 @@ class CacheAware(Policy):
 
     # -- sharing the index ----------------------------------------------------------------
 
+    def tell_sends(self, told: Callable[[Backend, Sequence[int]], object] | None) -> None:
+        """Tell ``told`` of every chain sent and where (``None``: no one)."""
+        self.on_sent = told
+
     def use_secret(self, secret: bytes) -> None:
         """
         Hash with ``secret`` from now on (the fleet's, so every replica names a prompt's
