@@ -34,16 +34,9 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
-from bench.policies import (
-    EXPERIMENTS,
-    RESULTS,
-    Engine,
-    Params,
-    Request,
-    make_workload,
-    percentile,
-    specs_for,
-)
+from bench.policies_run import EXPERIMENTS, specs_for
+from bench.provenance import RESULTS
+from bench.sim_engines import Engine, Params, Request, make_workload, percentile
 from txlb._cluster.backend import Lease
 from txlb._cluster.pool import Pool
 from txlb._config import Config
