@@ -63,7 +63,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -74,7 +73,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.harness import Child, Children, pinned, wait_for
+from bench.harness import Child, Children, pinned, stop_on_signals, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "relay_log.md"
@@ -657,11 +656,6 @@ def orchestrate(args: argparse.Namespace) -> str:
     return render(results, cost, sample, args, system_info(), pinning)
 
 
-def _terminate(signum: int, frame: object) -> None:
-    """SIGTERM/SIGHUP: unwind through the ``finally`` that stops the children."""
-    raise SystemExit(128 + signum)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
@@ -696,8 +690,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         run_load(args.port, args.concurrency, args.duration, args.tokens)
         return
     args.argv = argv
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGHUP, _terminate)
+    stop_on_signals()
     report = orchestrate(args)
     print()
     print(report)

@@ -1,4 +1,4 @@
-"""The Markdown report and the plots of ``python -m bench`` (from its raw results)."""
+"""The Markdown report and the plots of ``python -m bench relay`` (from its raw results)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """
-The proxy bench's chat path (``python -m bench``): what the load generator asks for is what
-the backend reads, even after a router re-serialised the body; hostile bodies get a 400; the
-events are the size and shape the report says; latencies split by phase as defined; rounds
-rotate the targets and wait for a quiet machine a bounded time; the headline table's ratios
-are computed within each round.
+The proxy bench's chat path (``python -m bench relay``): what the load generator asks for is
+what the backend reads, even after a router re-serialised the body; hostile bodies get a 400;
+the events are the size and shape the report says; latencies split by phase as defined;
+rounds rotate the targets and wait for a quiet machine a bounded time; the headline table's
+ratios are computed within each round.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from bench import backend, chat, chat_report, loadgen
-from bench.__main__ import chosen_targets
 from bench.chat import Instruction
+from bench.relay.targets import chosen_targets
 from bench.rounds import Quiet, rotated, wait_quiet
 
 
