@@ -19,7 +19,7 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from bench import backend, chat, chat_report, loadgen
+from bench import backend, chat, chat_report, loadgen_streams
 from bench.chat import Instruction
 from bench.relay.targets import chosen_targets
 from bench.rounds import Quiet, rotated, wait_quiet
@@ -186,9 +186,9 @@ class ClientTests(SynchronousTestCase):
         for step in (len(response), 7, 1):
             loop = asyncio.new_event_loop()
             try:
-                stats = loadgen.PacedStats()
+                stats = loadgen_streams.PacedStats()
                 latencies, received = array("q"), array("q")
-                client = loadgen.PacedClient(b"", stats, latencies, received,
+                client = loadgen_streams.PacedClient(b"", stats, latencies, received,
                                              loop.create_future())
                 client.now = 10_000
                 for at in range(0, len(response), step):
