@@ -28,7 +28,7 @@ class Scenario:
 
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("relay", "txlb against nginx and the Rust routers on the chat path: CPU per "
-             "chunk, latency, requests/s, memory", "bench.relay.run"),
+             "chunk, latency, requests/s, memory", "bench.relay"),
     Scenario("ab", "txlb at another git revision against this tree, side by side in one run",
              "bench.ab"),
     Scenario("workers", "--workers: txlb with 1 and with 2 worker processes, side by side",
