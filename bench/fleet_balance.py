@@ -63,6 +63,7 @@ from bench.sim_engines import (
     engine_capacity,
     lognormal_tokens,
     percentile,
+    run_to_the_end,
 )
 from txlb._cluster.backend import Lease
 from txlb._cluster.pool import Pool
@@ -395,11 +396,7 @@ def run_fleet(params: FleetParams, variant: Variant) -> FleetResult:
         d.addCallbacks(leased, refused, callbackArgs=(request,), errbackArgs=(request,))
 
     clock.callLater(workload.arrivals[0][0], arrive, 0)
-    while outstanding[0] > 0 or clock.calls:
-        if not clock.calls:
-            raise RuntimeError("simulation stalled with requests outstanding")
-        clock.rightNow = max(clock.rightNow, clock.calls[0].getTime())
-        clock.advance(0)
+    run_to_the_end(clock, outstanding)
 
     if any(any(row) for row in fleet.by_replica):
         raise RuntimeError("in-flight counts left over")

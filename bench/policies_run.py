@@ -26,6 +26,7 @@ from bench.sim_engines import (
     Request,
     make_workload,
     percentile,
+    run_to_the_end,
 )
 from txlb._cluster.backend import Lease
 from txlb._cluster.pool import Pool
@@ -188,12 +189,7 @@ def run(experiment: Experiment, policy_name: str, params: Params,
             clock.callLater(offset, scrape, pool)
     clock.callLater(workload.arrivals[0][0], arrive, 0)
 
-    # Jump straight to each next event: exact, whatever the float rounding of a delta.
-    while outstanding[0] > 0 or clock.calls:
-        if not clock.calls:
-            raise RuntimeError("simulation stalled with requests outstanding")
-        clock.rightNow = max(clock.rightNow, clock.calls[0].getTime())
-        clock.advance(0)
+    run_to_the_end(clock, outstanding)
 
     for pool in pools:
         leaked = [b.key for b in pool if b.active]

@@ -295,3 +295,16 @@ def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     rank = max(1, math.ceil(q / 100 * len(ordered)))
     return ordered[rank - 1]
+
+
+def run_to_the_end(clock: Clock, outstanding: list[int]) -> None:
+    """
+    Run a simulation on ``clock`` until no request is ``outstanding[0]`` and nothing is
+    scheduled, jumping straight to each next event: exact, whatever the float rounding of a
+    delta would have made of ``clock.advance(delta)``.
+    """
+    while outstanding[0] > 0 or clock.calls:
+        if not clock.calls:
+            raise RuntimeError("simulation stalled with requests outstanding")
+        clock.rightNow = max(clock.rightNow, clock.calls[0].getTime())
+        clock.advance(0)
