@@ -1,7 +1,7 @@
 """
 txlb at another git revision (A) against this tree (B), side by side in one run.
 
-Why: comparing two revisions with two separate ``python -m bench`` runs mixes the change with
+Why: comparing two revisions with two separate ``python -m bench relay`` runs mixes the change with
 whatever the machine was doing in between (another job, CPU steal, thermal state), which on
 a shared machine is often as large as the change.  Here both are measured in the same run,
 in alternating rounds (A, B, then B, A, ...), with the same backend, clients and pinning, so
@@ -33,7 +33,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -44,21 +43,19 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from bench.__main__ import (
-    FULL,
-    RESULTS,
-    Bench,
-    _terminate,
-    cpu_model,
-    cpu_steal,
-    loadavg,
+from bench.harness import (
+    HOST,
+    ROOT,
+    Children,
     log,
-    revision,
-    scenario_paced,
-    scenario_rps,
-    warm_up,
+    nofile_limit,
+    start_backend,
+    start_txlb,
+    stop_on_signals,
+    wait_for,
 )
-from bench.harness import HOST, ROOT, Children, nofile_limit, start_backend, start_txlb, wait_for
+from bench.provenance import RESULTS, cpu_model, cpu_steal, loadavg, revision
+from bench.relay.scenarios import FULL, Bench, scenario_paced, scenario_rps, warm_up
 
 #: (label, format) of each figure, in table order; "↓"/"↑": lower/higher is better.
 METRICS = (
@@ -171,8 +168,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--save", action="store_true", help="write bench/results/ab-NAME.md")
     parser.add_argument("--name", help="NAME for --save (default: the base revision)")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGHUP, _terminate)
+    stop_on_signals()
     multi = (os.cpu_count() or 1) >= 2 and shutil.which("taskset") is not None
     proxy_core, client_core = (0, 1) if multi else (None, None)
     config = replace(FULL, paced_seconds=args.seconds, rps_seconds=args.seconds)

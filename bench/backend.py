@@ -9,7 +9,7 @@ numbers are printed as one JSON line, ``{"ports": [...]}``, once all are listeni
 Endpoints (keep-alive as HTTP/1.1 does by default):
 
 ``POST /v1/chat/completions``
-    What every scenario of ``python -m bench`` sends: the body is read whole (sized or
+    What every scenario of ``python -m bench relay`` sends: the body is read whole (sized or
     chunked) and the last message's content says what to answer (:mod:`bench.chat`: a
     small ``chat.completion``, paced or bulk ``chat.completion.chunk`` events ending with a
     usage event and ``data: [DONE]``, or a large stream); anything else there is a ``400``.

@@ -2,7 +2,7 @@
 The chat path of the proxy bench: the request every LLM client sends, and what the backend
 answers, shared by :mod:`bench.loadgen` (the clients) and :mod:`bench.backend` (the server).
 
-Every scenario of ``python -m bench`` sends ``POST /v1/chat/completions`` with a small,
+Every scenario of ``python -m bench relay`` sends ``POST /v1/chat/completions`` with a small,
 realistic JSON body.  The Rust routers route only the OpenAI paths, drop the query string and
 re-serialise the body without the fields they do not know, so the backend takes its
 instruction from the one place every router passes on untouched: the last message's content.

@@ -1,5 +1,5 @@
 """
-The report of ``python -m bench``: the chat path through every target, every round.
+The report of ``python -m bench relay``: the chat path through every target, every round.
 
 The figures users compare balancers by, each per round and as a range over the rounds, with
 txlb's ratio to vllm-router and to nginx measured in the same round; the paced streams'

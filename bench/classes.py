@@ -34,15 +34,15 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
-from bench.policies import (
-    EXPERIMENTS,
-    RESULTS,
+from bench.policies_run import EXPERIMENTS, specs_for
+from bench.provenance import RESULTS
+from bench.sim_engines import (
     Engine,
     Params,
     Request,
     make_workload,
     percentile,
-    specs_for,
+    run_to_the_end,
 )
 from txlb._cluster.backend import Lease
 from txlb._cluster.pool import Pool
@@ -135,11 +135,7 @@ def run(params: Params, classes: bool, interactive_share: float = 0.2) -> ClassR
         d.addCallbacks(leased, refused, callbackArgs=(request,), errbackArgs=(request,))
 
     clock.callLater(workload.arrivals[0][0], arrive, 0)
-    while outstanding[0] > 0 or clock.calls:
-        if not clock.calls:
-            raise RuntimeError("simulation stalled with requests outstanding")
-        clock.rightNow = max(clock.rightNow, clock.calls[0].getTime())
-        clock.advance(0)
+    run_to_the_end(clock, outstanding)
     if any(b.active for b in pool) or router.queue_length:
         raise RuntimeError("slots or waiters left over")
     by_kind = {kind: [r for r, k in zip(requests, kinds, strict=True) if k == kind]

@@ -48,6 +48,22 @@ def nofile_limit() -> int:
     return soft
 
 
+def log(message: str) -> None:
+    """Progress line on stdout, flushed."""
+    print(message, flush=True)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM/SIGHUP: unwind through the ``finally`` that stops the children."""
+    raise SystemExit(128 + signum)
+
+
+def stop_on_signals() -> None:
+    """Make SIGTERM and SIGHUP unwind the bench, so its ``finally`` stops every child."""
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGHUP, _terminate)
+
+
 def _child_setup() -> None:
     """``preexec_fn``: the highest ``RLIMIT_NOFILE`` allowed (inherited by nginx's worker)."""
     nofile_limit()

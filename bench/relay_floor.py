@@ -4,7 +4,7 @@ The floor under any Python proxy's cost per streamed chunk: ``python -m bench.re
 What it measures: the CPU one process spends to relay one ~250-byte message from one TCP
 connection to another -- no HTTP, no parsing, no bookkeeping -- with the messages paced as
 an LLM's tokens are (N connections, 40 messages a second each, staggered), on loopback, the
-relay pinned to core 0 and the load generator to core 1 (as ``python -m bench`` pins them).
+relay pinned to core 0 and the load generator to core 1 (as ``python -m bench relay`` pins them).
 
 Three relays, in alternating rounds:
 

@@ -56,16 +56,10 @@ The table is printed and written to ``bench/results/relay_log.md``.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import datetime
 import json
 import os
-import platform
 import re
 import shutil
-import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -74,266 +68,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.harness import Child, Children, pinned, wait_for
+from bench.harness import (
+    HOST,
+    TWISTD,
+    Child,
+    Children,
+    cpu_seconds,
+    free_port,
+    pinned,
+    stop_on_signals,
+    wait_for,
+)
+from bench.relay_log_children import DRAIN_GRACE, MODEL, LoadStats, run_load, run_simulators
+from bench.relay_log_report import LogCost, Measurement, render, system_info
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
 RESULTS = ROOT / "bench" / "results" / "relay_log.md"
-TWISTD = str(Path(sys.executable).with_name("twistd"))
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-HOST = "127.0.0.1"
-MODEL = "sim-model"
-#: Seconds the generator waits for in-flight requests after the duration, before aborting.
-DRAIN_GRACE = 20.0
-#: Seconds allowed for a child process to report its port(s).
-
-# -- the simulators (child process) -----------------------------------------------------------
-
-
-def run_simulators(count: int, tokens_per_second: float, max_num_seqs: int) -> None:
-    """Serve ``count`` simulated vLLM backends in this process; print their ports as JSON."""
-    from twisted.internet import reactor
-
-    from txlb.testing import SimulatedVLLM, listen_simulated
-
-    ports = []
-    for _ in range(count):
-        sim = SimulatedVLLM(
-            reactor,
-            models=(MODEL,),
-            tokens_per_second=tokens_per_second,
-            ttft=0.05,
-            max_num_seqs=max_num_seqs,
-        )
-        ports.append(listen_simulated(reactor, sim, port=0).getHost().port)
-    print(json.dumps({"ports": ports}), flush=True)
-    reactor.run()  # type: ignore[attr-defined]
-
-
-# -- the load generator (child process) -------------------------------------------------------
-
-
-@dataclass
-class LoadStats:
-    """What the load generator saw; printed as JSON for the parent."""
-
-    started: int = 0
-    completed: int = 0
-    errors: int = 0
-    aborted: int = 0
-    events: int = 0
-    bytes: int = 0
-    wall: float = 0.0
-    cpu: float = 0.0
-
-
-class StreamClient(asyncio.Protocol):
-    """
-    One keep-alive HTTP/1.1 connection sending streaming completions back to back.
-
-    A small state machine over the raw bytes (head, chunk size, chunk data) rather than
-    an HTTP library, so the client spends as little CPU per event as it can.  Events are
-    counted as ``\\n\\n`` terminators in the de-chunked body, carrying one byte across
-    chunk boundaries so an event split between two chunks still counts once.
-    """
-
-    def __init__(self, request: bytes, stats: LoadStats, deadline: float,
-                 done: asyncio.Future[None]) -> None:
-        self.request = request
-        self.stats = stats
-        self.deadline = deadline
-        self.done = done
-        self.transport: asyncio.Transport | None = None
-        self.buffer = b""
-        self.state = "idle"
-        self.remaining = 0  # bytes left in the current chunk or fixed-length body
-        self.chunked = False
-        self.status = 0
-        self.last_newline = False
-        self.in_flight = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        self._send()
-
-    def _send(self) -> None:
-        assert self.transport is not None
-        if time.monotonic() >= self.deadline:
-            self._finish()
-            return
-        self.state = "head"
-        self.in_flight = True
-        self.last_newline = False
-        self.stats.started += 1
-        self.transport.write(self.request)
-
-    def _finish(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-        if not self.done.done():
-            self.done.set_result(None)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.in_flight:
-            self.in_flight = False
-            self.stats.errors += 1
-        if not self.done.done():
-            self.done.set_result(None)
-
-    def abort(self) -> None:
-        """Out of time: drop the request still in flight (it is counted as aborted)."""
-        if self.in_flight:
-            self.in_flight = False
-            self.stats.aborted += 1
-        if self.transport is not None:
-            self.transport.abort()
-
-    def _count(self, payload: bytes) -> None:
-        if not payload:
-            return
-        events = payload.count(b"\n\n")
-        if self.last_newline and payload[0] == 10:  # b"\n"
-            events += 1
-        self.last_newline = payload[-1] == 10
-        self.stats.events += events
-        self.stats.bytes += len(payload)
-
-    def _response_done(self) -> None:
-        self.in_flight = False
-        if self.status == 200:
-            self.stats.completed += 1
-        else:
-            self.stats.errors += 1
-        self._send()
-
-    def data_received(self, data: bytes) -> None:
-        buf = self.buffer + data if self.buffer else data
-        pos = 0
-        end = len(buf)
-        while pos < end:
-            state = self.state
-            if state == "data":
-                take = min(self.remaining, end - pos)
-                self._count(buf[pos : pos + take])
-                pos += take
-                self.remaining -= take
-                if self.remaining == 0:
-                    if self.chunked:
-                        self.state = "crlf"
-                    else:
-                        self._response_done()
-                continue
-            if state == "crlf":
-                if end - pos < 2:
-                    break
-                pos += 2
-                self.state = "size"
-                continue
-            if state == "size":
-                eol = buf.find(b"\r\n", pos)
-                if eol < 0:
-                    break
-                size = int(buf[pos:eol].split(b";", 1)[0], 16)
-                pos = eol + 2
-                if size:
-                    self.remaining = size
-                    self.state = "data"
-                else:
-                    self.state = "trailer"
-                continue
-            if state == "trailer":
-                eol = buf.find(b"\r\n", pos)
-                if eol < 0:
-                    break
-                empty = eol == pos
-                pos = eol + 2
-                if empty:  # the blank line after the (normally absent) trailers
-                    self._response_done()
-                continue
-            if state == "head":
-                eoh = buf.find(b"\r\n\r\n", pos)
-                if eoh < 0:
-                    break
-                head = buf[pos:eoh].decode("latin-1").lower().split("\r\n")
-                pos = eoh + 4
-                self.status = int(head[0].split(" ", 2)[1])
-                self.chunked = any(
-                    line.startswith("transfer-encoding:") and "chunked" in line for line in head
-                )
-                if self.chunked:
-                    self.state = "size"
-                    continue
-                length = next(
-                    (int(line.split(":", 1)[1]) for line in head
-                     if line.startswith("content-length:")),
-                    None,
-                )
-                if length is None:  # delimited by close: not expected from txlb
-                    self.state = "data"
-                    self.remaining = 1 << 62
-                elif length == 0:
-                    self._response_done()
-                else:
-                    self.state = "data"
-                    self.remaining = length
-                continue
-            # "idle": bytes with no request outstanding; discard them
-            pos = end
-        self.buffer = buf[pos:]
-
-
-async def generate_load(port: int, concurrency: int, duration: float, tokens: int) -> LoadStats:
-    """Keep ``concurrency`` streams in flight for ``duration`` seconds, then drain."""
-    body = json.dumps({
-        "model": MODEL,
-        "stream": True,
-        "messages": [{"role": "user", "content": "hi"}],
-    }).encode()
-    request = (
-        b"POST /v1/chat/completions HTTP/1.1\r\n"
-        b"Host: %s:%d\r\n"
-        b"Content-Type: application/json\r\n"
-        b"Accept: text/event-stream\r\n"
-        b"X-Sim-Tokens: %d\r\n"
-        b"Content-Length: %d\r\n\r\n%s"
-    ) % (HOST.encode(), port, tokens, len(body), body)
-    loop = asyncio.get_running_loop()
-    stats = LoadStats()
-    cpu0 = time.process_time()
-    start = time.monotonic()
-    deadline = start + duration
-    clients: list[StreamClient] = []
-    waits: list[asyncio.Future[None]] = []
-    for _ in range(concurrency):
-        done: asyncio.Future[None] = loop.create_future()
-        _, client = await loop.create_connection(
-            lambda d=done: StreamClient(request, stats, deadline, d), HOST, port
-        )
-        clients.append(client)
-        waits.append(done)
-    _, pending = await asyncio.wait(waits, timeout=duration + DRAIN_GRACE)
-    if pending:
-        for client in clients:
-            client.abort()
-        await asyncio.sleep(0.1)
-    stats.wall = time.monotonic() - start
-    stats.cpu = time.process_time() - cpu0
-    return stats
-
-
-def run_load(port: int, concurrency: int, duration: float, tokens: int) -> None:
-    stats = asyncio.run(generate_load(port, concurrency, duration, tokens))
-    print(json.dumps(stats.__dict__), flush=True)
-
-
-# -- the orchestrator -------------------------------------------------------------------------
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of ``pid`` (not its children), in seconds."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def count_lines(log: Path) -> int:
@@ -354,29 +106,11 @@ class Balancer:
     log: Path | None
 
 
-@dataclass
-class Measurement:
-    balancer: str
-    round: int
-    proxy_cpu: float
-    sim_cpu: float
-    load: LoadStats
-    log_lines: int | None  # lines the log grew by, log-on only
-
-    @property
-    def us_per_event(self) -> float:
-        return self.proxy_cpu / self.load.events * 1e6 if self.load.events else float("nan")
-
-    @property
-    def requests(self) -> int:
-        return self.load.started
-
-
 def measure(children: Children, balancer: Balancer, sims_pid: int, args: argparse.Namespace,
             round_: int, duration: float) -> Measurement:
     """One load run against ``balancer``; CPU deltas bracket the whole generator run."""
     lines_before = count_lines(balancer.log) if balancer.log else 0
-    proxy0, sims0 = cpu_seconds(balancer.child.process.pid), cpu_seconds(sims_pid)
+    proxy0, sims0 = cpu_seconds([balancer.child.process.pid]), cpu_seconds([sims_pid])
     load = children.spawn(
         f"load-{balancer.label}-{round_}",
         pinned(args.client_core, [
@@ -389,7 +123,7 @@ def measure(children: Children, balancer: Balancer, sims_pid: int, args: argpars
         load.process.wait(duration + DRAIN_GRACE + 15)
     finally:
         children.stop(load)
-    proxy1, sims1 = cpu_seconds(balancer.child.process.pid), cpu_seconds(sims_pid)
+    proxy1, sims1 = cpu_seconds([balancer.child.process.pid]), cpu_seconds([sims_pid])
     last = load.output.read_text().strip().splitlines()
     if load.process.returncode != 0 or not last:
         raise RuntimeError(f"load generator failed:\n{load.output.read_text()}")
@@ -399,13 +133,6 @@ def measure(children: Children, balancer: Balancer, sims_pid: int, args: argpars
         time.sleep(0.2)  # the last lines are written as the last requests end
         lines = count_lines(balancer.log) - lines_before
     return Measurement(balancer.label, round_, proxy1 - proxy0, sims1 - sims0, stats, lines)
-
-
-def free_port() -> int:
-    """A port nothing listens on right now (bind to 0, read it, release it)."""
-    with socket.socket() as probe:
-        probe.bind((HOST, 0))
-        return int(probe.getsockname()[1])
 
 
 def balancer_options(source: Path) -> set[str]:
@@ -441,118 +168,6 @@ def start_balancer(children: Children, label: str, backends: str, log: Path | No
     )
     wait_for(child, rf"starting on {port}\b")
     return Balancer(label, child, port, log)
-
-
-def _output(argv: Sequence[str]) -> str:
-    try:
-        return subprocess.run(list(argv), capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "?"
-
-
-def system_info() -> dict[str, str]:
-    return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "uname -a": _output(["uname", "-a"]),
-        "nproc": _output(["nproc"]),
-        "python": f"{platform.python_version()} ({sys.executable})",
-    }
-
-
-def revision(source: Path) -> str:
-    """`` at <commit>`` (``+ changes`` if the tree is dirty), or nothing outside git."""
-    head = _output(["git", "-C", str(source), "rev-parse", "--short", "HEAD"])
-    if not re.fullmatch(r"[0-9a-f]+", head):
-        return ""
-    dirty = _output(["git", "-C", str(source), "status", "--porcelain", "--", "txlb"])
-    return f" at {head}" + (" + uncommitted changes to txlb/" if dirty else "")
-
-
-def render(results: list[Measurement], cost: LogCost, sample: str, args: argparse.Namespace,
-           info: dict[str, str], pinning: str) -> str:
-    """The Markdown report: settings, one row per run, summary and log-line check."""
-    out = [
-        "# Result log cost on the relay path",
-        "",
-        *[f"- {key}: `{value}`" for key, value in info.items()],
-        f"- command: `{' '.join(['python -m bench.relay_log', *args.argv])}`",
-        f"- load: C={args.concurrency} streaming chat completions, X-Sim-Tokens: {args.tokens},"
-        f" {args.duration:g} s per run + drain, {args.rounds} rounds each, alternating",
-        f"- simulators: 4 backends in one process, {args.tokens_per_second:g} tokens/s per"
-        f" stream, max-num-seqs {args.max_num_seqs}",
-        f"- pinning: {pinning}",
-        f"- balancer source: `{args.source}`{revision(args.source)}",
-        "",
-        "| run | log | proxy CPU s | events | CPU µs/event | requests | events/s"
-        " | proxy CPU % | client-side CPU % | log lines |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for m in results:
-        load = m.load
-        client_cpu = (m.sim_cpu + load.cpu) / load.wall * 100
-        out.append(
-            f"| {m.round} | {m.balancer} | {m.proxy_cpu:.2f} | {load.events} |"
-            f" {m.us_per_event:.1f} | {m.requests} ({load.completed} ok, {load.errors} err,"
-            f" {load.aborted} aborted) | {load.events / load.wall:.0f} |"
-            f" {m.proxy_cpu / load.wall * 100:.0f} | {client_cpu:.0f} |"
-            f" {'-' if m.log_lines is None else m.log_lines} |"
-        )
-    by = {label: [m for m in results if m.balancer == label] for label in ("on", "off")}
-    per_event = {label: [m.us_per_event for m in ms] for label, ms in by.items()}
-    pooled = {
-        label: sum(m.proxy_cpu for m in ms) / sum(m.load.events for m in ms) * 1e6
-        for label, ms in by.items()
-    }
-    ratio = pooled["on"] / pooled["off"]
-    spread = {
-        label: (max(v) - min(v)) / statistics.mean(v) * 100 for label, v in per_event.items()
-    }
-    pair_ratios = [on / off for on, off in zip(per_event["on"], per_event["off"], strict=False)]
-    requests_on = sum(m.requests for m in by["on"])
-
-    def expect(us_per_request: float) -> float:
-        return 1 + us_per_request / cost.events / pooled["off"]
-
-    lines_on = sum(m.log_lines or 0 for m in by["on"])
-    out += [
-        "",
-        "| log | CPU µs/event (pooled) | per-run values | spread (max-min)/mean |",
-        "|---|---:|---|---:|",
-        *[
-            f"| {label} | {pooled[label]:.1f} | {', '.join(f'{v:.1f}' for v in per_event[label])}"
-            f" | {spread[label]:.1f} % |"
-            for label in ("on", "off")
-        ],
-        "",
-        f"**Ratio log on / log off, CPU µs per relayed event: {ratio:.3f}**"
-        f" ({(ratio - 1) * 100:+.1f} %); per round: "
-        + ", ".join(f"{r:.3f}" for r in pair_ratios)
-        + f" (median {statistics.median(pair_ratios):.3f}).",
-        "",
-        f"Cross-check, in process, pinned like the balancers, on one such response"
-        f" ({cost.events} events): `summarize` {cost.summarize_us:.0f} µs"
-        f" ({cost.summarize_us / cost.events:.2f} µs/event), `ResultLog.write` (format + write"
-        f" one line) {cost.write_us:.1f} µs ({cost.write_us / cost.events:.3f} µs/event)."
-        f" Expected ratio if only format + write is log-only: {expect(cost.write_us):.3f};"
-        f" if summarising is log-only too: {expect(cost.summarize_us + cost.write_us):.3f}.",
-        "",
-        f"Sample log line: `{sample[:200]}`",
-        "",
-        f"Log check (log-on balancer, measured runs): {requests_on} requests sent,"
-        f" {lines_on} lines written"
-        + (" -- one line per request." if requests_on == lines_on else " -- MISMATCH."),
-        "",
-    ]
-    return "\n".join(out)
-
-
-@dataclass
-class LogCost:
-    """In-process cost of the two per-request steps of the log, as a cross-check."""
-
-    summarize_us: float  # parse the captured response into a Summary
-    write_us: float  # format the line and write it to the file
-    events: int  # SSE events in the response
 
 
 def log_cost_in_process(sim_port: int, tokens: int, workdir: Path, core: int | None,
@@ -658,11 +273,6 @@ def orchestrate(args: argparse.Namespace) -> str:
     return render(results, cost, sample, args, system_info(), pinning)
 
 
-def _terminate(signum: int, frame: object) -> None:
-    """SIGTERM/SIGHUP: unwind through the ``finally`` that stops the children."""
-    raise SystemExit(128 + signum)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
@@ -697,8 +307,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         run_load(args.port, args.concurrency, args.duration, args.tokens)
         return
     args.argv = argv
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGHUP, _terminate)
+    stop_on_signals()
     report = orchestrate(args)
     print()
     print(report)

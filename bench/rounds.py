@@ -1,5 +1,5 @@
 """
-Quiet, alternating rounds for ``python -m bench --rounds N``.
+Quiet, alternating rounds for ``python -m bench relay --rounds N``.
 
 One run of every target is one round.  The machine is shared, so a single round says little:
 before each round the bench waits (a bounded time) for a quiet machine, and each round

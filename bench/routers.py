@@ -7,7 +7,7 @@ targets, never dependencies of txlb, so they live in a virtual environment of th
 ordinary ``python -m venv`` and ``pip``.  Delete the directory to start again.
 
 Both benches start them the same way (:func:`router_argv`): the proxy bench
-(``python -m bench``) and the cache-aware bench (``python -m bench.prefix``).
+(``python -m bench relay``) and the cache-aware bench (``python -m bench.prefix``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+#: the title ``bench/results/scale-out.md`` is made with, by whichever bench writes first
+SCALE_OUT_TITLE = "Scale-out: several txlb replicas in front of one fleet (simulation)"
+
 
 def _markers(name: str) -> tuple[str, str]:
     return f"<!-- begin {name} -->", f"<!-- end {name} -->"

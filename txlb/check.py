@@ -16,23 +16,12 @@ from collections.abc import Sequence
 
 from twisted.python import usage
 
-from txlb._config.config import Config
-
-
-def verdict(config: Config, path: str | None) -> str:
-    """The line a successful check prints."""
-    where = path if path is not None else "(no --config file: command line and environment)"
-    count = len(config.backends)
-    names = len(config.dns_backends)
-    resolved = f" and {names} DNS name{'s' if names != 1 else ''}" if names else ""
-    return (f"OK: {where} ({count} backend{'s' if count != 1 else ''}{resolved}, policy "
-            f"{config.policy})")
+from txlb._verdict import verdict
+from txlb.tap import Options
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Check the config named by ``argv`` (a file first, then any options); the exit code."""
-    from txlb.tap import Options  # the options' table, without starting anything
-
     args = list(sys.argv[1:] if argv is None else argv)
     if args and not args[0].startswith("-"):
         args[:1] = ["--config", args[0]]

@@ -36,6 +36,7 @@ from txlb._server.heap import FreezeHeapOnStart
 from txlb._server.quiet import QuietAcceptErrors
 from txlb._server.reactor import describe, install_by_default
 from txlb._server.site import LimitedRequest, ProxyChannel
+from txlb._verdict import verdict
 from txlb._version import __version__
 
 log = Logger()
@@ -113,8 +114,6 @@ class Options(usage.Options):
         except ConfigError as error:
             raise _BadValue(str(error)) from None
         if self["check"]:
-            from txlb.check import verdict
-
             sys.stdout.write(verdict(self.config, self.source.path) + "\n")
             raise SystemExit(0)
         if getattr(self, "parent", None) is not None:

@@ -16,7 +16,7 @@ The virtual-clock engine of the fleet-scale model: a vLLM engine with a prefix c
 * **Batch and decode.**  At most ``max_num_seqs`` requests hold a batch slot (prefilling or
   decoding; the rest wait FIFO); decoding runs at ``decode_rate x (1 - degradation x
   running / max_num_seqs)`` tokens/s per sequence (processor sharing, on a virtual token
-  clock: :class:`bench.policies.DecodeBatch`, shared with that module's engine).
+  clock: :class:`bench.sim_engines.DecodeBatch`, shared with that module's engine).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 from twisted.internet.task import Clock
 
-from bench.policies import DecodeBatch
+from bench.sim_engines import DecodeBatch
 from txlb.testing import BLOCK_TOKENS, CacheLease, PrefixCache, render_prompt
 from txlb.testing import block_chain as _block_chain
 

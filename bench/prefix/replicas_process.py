@@ -24,10 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.fleet_balance import PAGE_TITLE
 from bench.harness import HOST, ROOT, TWISTD, Children, free_port
 from bench.prefix.fleet import HITS, QUERIES, EngineShape, Fleet, scrape, simulator_options
-from bench.sections import replace_section
+from bench.sections import SCALE_OUT_TITLE, replace_section
 from bench.shared_state import start_redis
 
 RESULTS = ROOT / "bench" / "results"
@@ -116,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{platform.machine()}, {os.cpu_count()} cores, shared with other work): fresh "
             "simulated engines with a prefix cache, `twistd -n llmlb --policy cache-aware` "
             "replicas without and with `--shared-state` (one `redis-server`).", "", *lines])
-        replace_section(RESULTS / "scale-out.md", "prefix-processes", text, PAGE_TITLE)
+        replace_section(RESULTS / "scale-out.md", "prefix-processes", text, SCALE_OUT_TITLE)
         print(f"wrote {RESULTS / 'scale-out.md'}")
 
 

@@ -127,7 +127,7 @@ def verdict(results: Sequence[virtual.VirtualResult]) -> list[str]:
 
 
 def main(args: argparse.Namespace, command: str, out: Path) -> str:
-    from bench.sections import replace_section
+    from bench.sections import SCALE_OUT_TITLE, replace_section
 
     jobs = scenarios(args.workloads, args.engines[0], args.requests, args.load, args.seed,
                      args.replicas, args.index_refresh)
@@ -141,7 +141,6 @@ def main(args: argparse.Namespace, command: str, out: Path) -> str:
     results = virtual.run_all(jobs, args.jobs, progress)
     text = markdown(results, command, time.perf_counter() - started, args.requests,
                     args.engines[0], args.load, args.seed)
-    from bench.fleet_balance import PAGE_TITLE
 
-    replace_section(out / "scale-out.md", "prefix", text, PAGE_TITLE)
+    replace_section(out / "scale-out.md", "prefix", text, SCALE_OUT_TITLE)
     return text

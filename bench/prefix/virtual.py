@@ -50,6 +50,7 @@ from bench.prefix.engine_model import (
 )
 from bench.prefix.synced_index import SharedIndex, StaleView
 from bench.prefix.workloads import CHARS_PER_TOKEN, Options, PrefixRequest, generate
+from bench.sim_engines import run_to_the_end
 from txlb._cluster.backend import Backend, Lease
 from txlb._cluster.pool import Pool
 from txlb._config import BackendSpec
@@ -346,11 +347,7 @@ def run(scenario: Scenario, policy_name: str,
 
     clock.callLater(0, scrape)
     clock.callLater(times[0], arrive, 0)
-    while outstanding[0] > 0 or clock.calls:
-        if not clock.calls:
-            raise RuntimeError("simulation stalled with requests outstanding")
-        clock.rightNow = max(clock.rightNow, clock.calls[0].getTime())
-        clock.advance(0)
+    run_to_the_end(clock, outstanding)
     busy = [e.key for e in engines.values() if e.busy()]
     if busy:
         raise RuntimeError(f"requests left over on {busy}")

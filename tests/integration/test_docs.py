@@ -57,7 +57,7 @@ class DocsMatchOptionsTests(SynchronousTestCase):
         python = sys.executable
         known = (self.llmlb | options_of(twistd) | options_of(twistd, "vllm-sim")
                  | options_of(python, "-m", "txlb.nginx") | options_of(python, "-m", "txlb.demo")
-                 | options_of(python, "-m", "bench") | options_of(python, "-m", "bench.ab")
+                 | options_of(python, "-m", "bench", "relay") | options_of(python, "-m", "bench.ab")
                  | options_of(python, "-m", "bench.fuzz")
                  | options_of(python, "-m", "bench.prefix")
                  | options_of(python, "-m", "bench.policies")

@@ -1,9 +1,9 @@
 """
-The proxy bench's chat path (``python -m bench``): what the load generator asks for is what
-the backend reads, even after a router re-serialised the body; hostile bodies get a 400; the
-events are the size and shape the report says; latencies split by phase as defined; rounds
-rotate the targets and wait for a quiet machine a bounded time; the headline table's ratios
-are computed within each round.
+The proxy bench's chat path (``python -m bench relay``): what the load generator asks for is
+what the backend reads, even after a router re-serialised the body; hostile bodies get a 400;
+the events are the size and shape the report says; latencies split by phase as defined;
+rounds rotate the targets and wait for a quiet machine a bounded time; the headline table's
+ratios are computed within each round.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from bench import backend, chat, chat_report, loadgen
-from bench.__main__ import chosen_targets
+from bench import backend, chat, chat_report, loadgen_streams
 from bench.chat import Instruction
+from bench.relay.targets import chosen_targets
 from bench.rounds import Quiet, rotated, wait_quiet
 
 
@@ -186,9 +186,9 @@ class ClientTests(SynchronousTestCase):
         for step in (len(response), 7, 1):
             loop = asyncio.new_event_loop()
             try:
-                stats = loadgen.PacedStats()
+                stats = loadgen_streams.PacedStats()
                 latencies, received = array("q"), array("q")
-                client = loadgen.PacedClient(b"", stats, latencies, received,
+                client = loadgen_streams.PacedClient(b"", stats, latencies, received,
                                              loop.create_future())
                 client.now = 10_000
                 for at in range(0, len(response), step):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from twisted.internet.task import Clock
 from twisted.trial import unittest
 
-from bench.policies import ENGINE_CLASSES, Engine, Params, Request
+from bench.sim_engines import ENGINE_CLASSES, Engine, Params, Request
 from txlb.testing import BLOCK_TOKENS, block_chain
 
 FAST = ENGINE_CLASSES[0]

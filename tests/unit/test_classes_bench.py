@@ -8,7 +8,7 @@ from __future__ import annotations
 from twisted.trial.unittest import SynchronousTestCase
 
 from bench.classes import run
-from bench.policies import Params
+from bench.sim_engines import Params
 
 #: 4,000 requests (20% interactive, 80% batch) at 110% of the fleet's full-batch capacity
 FLOOD = Params(seed=1, requests=4000, load=1.1)

@@ -2,7 +2,7 @@
 Behaviours the docs promise that once had no test able to notice them break.
 
 Each test here was checked against a deliberate bug in the production code (the list is in
-``bench/mutation.py`` as ``KNOWN_BUGS``; ``python -m bench.mutation --known`` replays them):
+``bench/mutation_known.py`` as ``KNOWN_BUGS``; ``python -m bench.mutation --known`` replays them):
 it fails with the bug and passes without it.  Coverage said these lines ran; these tests
 say they do what they should.
 """

@@ -1,0 +1,1 @@
+"""``python -m bench relay``: txlb against the balancers users would pick instead."""
