@@ -27,7 +27,7 @@ from txlb._balancer import LoadBalancer
 from txlb._config import ConfigError, parse_listen
 from txlb._server.reactor import install_by_default
 from txlb._upstream.agent import BytesProducer
-from txlb.testing import SimulatedVLLM, listen_simulated
+from txlb.testing.engine import SimulatedVLLM, listen_simulated
 
 MODEL = "sim-model"
 
