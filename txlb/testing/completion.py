@@ -8,6 +8,7 @@ status and message vLLM answers with (:class:`BadRequest`).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Protocol
 
 from twisted.web.server import Request
@@ -17,14 +18,13 @@ from txlb.testing.generation import Generation, Simulator
 
 
 class Host(Simulator, Protocol):
-    """What checking a completion reads of its simulator (and the id it takes from it)."""
+    """What checking a completion reads of its simulator."""
 
     models: tuple[str, ...]
     engine_dead: bool
     max_model_len: int
     default_tokens: int
     reasoning_tokens: int
-    _next_id: int
 
 
 class BadRequest(Exception):
@@ -58,8 +58,12 @@ def count_words(value: object, depth: int = 0) -> int:
     return 0
 
 
-def parse_completion(sim: Host, request: Request, body: bytes, chat: bool) -> Generation:
-    """Validate a completion request the way vLLM does, in the same order."""
+def parse_completion(sim: Host, request: Request, body: bytes, chat: bool,
+                     take_id: Callable[[], int]) -> Generation:
+    """
+    Validate a completion request the way vLLM does, in the same order; ``take_id`` numbers
+    it (``chatcmpl-N``, ``cmpl-N``) once it is accepted, so a refused request takes no number.
+    """
     try:
         payload = json.loads(body)
     except ValueError as e:
@@ -143,7 +147,7 @@ def parse_completion(sim: Host, request: Request, body: bytes, chat: bool) -> Ge
     options = payload.get("stream_options")
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
 
-    sim._next_id += 1
+    number = take_id()
     return Generation(
         sim=sim,
         request=request,
@@ -155,7 +159,7 @@ def parse_completion(sim: Host, request: Request, body: bytes, chat: bool) -> Ge
         reasoning_count=sim.reasoning_tokens if thinking else 0,
         content_count=count,
         finish_reason=finish_reason,
-        ident=f"{'chatcmpl' if chat else 'cmpl'}-{sim._next_id}",
+        ident=f"{'chatcmpl' if chat else 'cmpl'}-{number}",
         created=int(sim._clock.seconds()),
         prompt=prompt,
     )

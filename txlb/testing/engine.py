@@ -317,7 +317,7 @@ class SimulatedVLLM:
 
     def _completion(self, request: Request, body: bytes, chat: bool) -> bytes | int:
         try:
-            generation = parse_completion(self, request, body, chat)
+            generation = parse_completion(self, request, body, chat, self._take_id)
         except BadRequest as e:
             return self._error(request, e.code, e.message)
         if generation.stream:
@@ -328,6 +328,11 @@ class SimulatedVLLM:
         self._queue.append(generation)
         self._pump()
         return NOT_DONE_YET
+
+    def _take_id(self) -> int:
+        """The next accepted completion's number."""
+        self._next_id += 1
+        return self._next_id
 
     def _bytes(self, request: Request) -> bytes | int:
         try:
