@@ -188,7 +188,7 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "overcount (the mutant only adds) triggers a recount that sets it exact and trims "
      "only what is really over the cap, so what the indexes hold is the same"),
     ("_scheduling/prefix", "ReplaceComparisonOperator_Lt_LtE", "if self.steps <= 0:",
-     "_feed's check (text()'s, the same line, is killed by test_mutants_cache_aware): _feed "
+     "_feed's check (text()'s, the same line, is killed by test_cache_aware_prefix): _feed "
      "appends no piece, and a _feed that takes the last look is always followed by "
      "its media's text(), which the spent budget refuses: the rendered text is the same"),
     ("_scheduling/prefix", "ReplaceComparisonOperator_GtE_Gt", "if size > room:",

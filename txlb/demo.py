@@ -28,7 +28,7 @@ from txlb._config.endpoints import parse_listen
 from txlb._config.errors import ConfigError
 from txlb._server.reactor import install_by_default
 from txlb._upstream.agent import BytesProducer
-from txlb.testing import SimulatedVLLM, listen_simulated
+from txlb.testing.engine import SimulatedVLLM, listen_simulated
 
 MODEL = "sim-model"
 

@@ -24,7 +24,7 @@ from twisted.application.internet import StreamServerEndpointService
 from twisted.internet.interfaces import IProtocolFactory, IReactorTime
 from twisted.python import usage
 
-from txlb.testing import SimulatedVLLM
+from txlb.testing.engine import SimulatedVLLM
 
 __all__ = ["Options", "makeService", "simulator_from_options"]
 

@@ -1,7 +1,8 @@
 """
-The cache-aware routing key (txlb._scheduling.prefix): what is rendered, in which order,
-how it is cut and hashed as a keyed chain, and that no body -- however hostile -- raises
-or costs more than the block budget.
+The cache-aware routing key (txlb._scheduling.prefix): what is rendered of every shape of
+body, in which order, to which budget of characters and looks and how deep; how it is cut
+and hashed as a keyed chain; and that no body -- however hostile -- raises or costs more
+than the block budget.
 """
 
 from __future__ import annotations
@@ -270,3 +271,142 @@ class WorkBudgetTests(SynchronousTestCase):
         hasher = PrefixHasher(secret=b"k" * 32)
         self.assertEqual(hasher.key(body, "m", budget), hasher.key(body, "m"))
         self.assertGreater(budget.steps, STEPS - 10)
+
+
+def nested(value: object, depth: int) -> object:
+    """``value`` inside ``depth`` lists."""
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+class RenderBudgetTests(SynchronousTestCase):
+    """What the hasher renders of a body: the budget of characters and looks, the depth."""
+
+    def test_the_looks_allowed_are_four_per_character_of_the_budget(self) -> None:
+        hasher = PrefixHasher(4, 8, SECRET)  # 32 characters, 128 looks
+        self.assertEqual(hasher.render({"prompt": ["a"] * 20}, None),
+                         "<|model|>\n<|prompt|>" + "a\n" * 6)
+        # 125 empty parts and one more: the 128th look renders, the 129th does not
+        body = {"messages": [{"role": "u", "content": [""] * 125 + ["X"]}]}
+        self.assertEqual(hasher.render(body, None), "<|model|>\n<|u|>X")
+        body = {"messages": [{"role": "u", "content": [""] * 126 + ["X"]}]}
+        self.assertEqual(hasher.render(body, None), "<|model|>\n<|u|>")
+
+    def test_a_media_part_costs_a_look_for_its_payload_and_one_for_its_name(self) -> None:
+        hasher = PrefixHasher(4, 8, SECRET)  # 128 looks
+        media = {"image_url": "u"}
+        body = {"messages": [{"role": "u", "content": [""] * 124 + [media]}]}
+        self.assertTrue(hasher.render(body, None).startswith("<|model|>\n<|u|><media:"))
+        body = {"messages": [{"role": "u", "content": [""] * 125 + [media]}]}
+        self.assertEqual(hasher.render(body, None), "<|model|>\n<|u|>")
+
+    def test_a_media_name_is_96_bits(self) -> None:
+        hasher = PrefixHasher(secret=SECRET)
+        body = {"messages": [{"role": "u", "content": [{"image_url": "u"}]}]}
+        self.assertRegex(hasher.render(body, None), r"^<\|model\|>\n<\|u\|><media:[0-9a-f]{24}>$")
+
+    def test_json_is_rendered_sixteen_levels_deep_and_no_deeper(self) -> None:
+        hasher = PrefixHasher(secret=SECRET)
+        self.assertIn("deep", hasher.render({"tools": nested("deep", 16)}, None))
+        self.assertNotIn("deeper", hasher.render({"tools": nested("deeper", 17)},
+                                                 None))
+        keyed: object = "deep"
+        for _ in range(16):
+            keyed = {"k": keyed}
+        self.assertIn("deep", hasher.render({"tools": keyed}, None))
+        self.assertNotIn("deep", hasher.render({"tools": {"k": keyed}}, None))
+
+    def test_media_is_named_by_its_payload_sixteen_levels_deep_and_no_deeper(self) -> None:
+        hasher = PrefixHasher(secret=SECRET)
+
+        def name(payload: object) -> str:
+            body = {"messages": [{"role": "user", "content": [{"image_url": payload}]}]}
+            return hasher.render(body, None)
+
+        self.assertNotEqual(name(nested("a", 16)), name(nested("b", 16)))
+        self.assertEqual(name(nested("a", 17)), name(nested("b", 17)))
+        one: object = "a"
+        other: object = "b"
+        for _ in range(16):
+            one, other = {"k": one}, {"k": other}
+        self.assertNotEqual(name(one), name(other))
+        self.assertEqual(name({"k": one}), name({"k": other}))
+
+    def test_the_smallest_blocks_and_secrets_are_allowed(self) -> None:
+        self.assertEqual(len(PrefixHasher(1, 1, b"k").chain("abc")), 1)
+        self.assertEqual(len(PrefixHasher(secret=b"k" * 64).chain("x" * 512)), 2)
+        for bad in ({"block_chars": 0}, {"max_blocks": 0}, {"secret": b""},
+                    {"secret": b"k" * 65}):
+            self.assertRaises(ValueError, PrefixHasher, **bad)
+
+
+class _Odd(dict):
+    """A message no JSON parser makes, whose lookups fail as ``error``."""
+
+    def __init__(self, error: type[BaseException]) -> None:
+        super().__init__(role="user")
+        self.error = error
+
+    def __contains__(self, key: object) -> bool:
+        raise self.error("odd")
+
+
+class BodyShapeTests(SynchronousTestCase):
+    """How each shape of a body is rendered."""
+
+    def setUp(self) -> None:
+        self.hasher = PrefixHasher(secret=SECRET)
+
+    def render(self, body: dict[str, Any]) -> str:
+        return self.hasher.render(body, None)
+
+    def test_json_literals(self) -> None:
+        self.assertEqual(self.render({"tools": [True, False, None, 1.5]}),
+                         "<|model|>\n<|tools|>[true,false,null,1.5,]")
+
+    def test_content_that_is_neither_text_nor_parts_is_its_json(self) -> None:
+        body: dict[str, Any] = {"messages": [{"role": "user", "content": {"a": "b"}}]}
+        self.assertEqual(self.render(body), "<|model|>\n<|user|>{a:b,}")
+        body = {"messages": [{"role": "user", "content": None}]}
+        self.assertEqual(self.render(body), "<|model|>\n<|user|>")
+
+    def test_messages_that_are_not_a_list(self) -> None:
+        self.assertEqual(self.render({"messages": {"x": "y"}}), "<|model|>{x:y,}")
+        self.assertEqual(self.render({"messages": None}), "<|model|>")
+
+    def test_a_message_that_is_not_an_object_does_not_end_the_conversation(self) -> None:
+        body = {"messages": ["hello", {"role": "user", "content": "hi"}]}
+        self.assertEqual(self.render(body), "<|model|>hello\n<|user|>hi")
+
+    def test_a_responses_item_without_content_is_its_json(self) -> None:
+        body = {"input": [{"type": "function_call", "name": "f"},
+                          {"type": "message", "content": "c"}, {"role": "user"}]}
+        self.assertEqual(self.render(body),
+                         "<|model|>\n<|input|>\n<|message|><name>f{name:f,type:function_call,}"
+                         "\n<|message|>c\n<|user|>")
+
+    def test_a_prompt_of_token_ids_and_other_items(self) -> None:
+        self.assertEqual(self.render({"prompt": [1, 2, True, {"a": 1}, "s"]}),
+                         "<|model|>\n<|prompt|>1 2 true{a:1,}s\n")
+        self.assertEqual(self.render({"prompt": {"a": 1}}), "<|model|>\n<|prompt|>{a:1,}")
+        self.assertEqual(self.render({"prompt": None}), "<|model|>\n<|prompt|>")
+
+    def test_only_the_first_4096_items_of_a_list_are_looked_at(self) -> None:
+        hasher = PrefixHasher(4096, 4, SECRET)
+        text = hasher.render({"prompt": [str(n % 10) for n in range(4097)]}, None)
+        self.assertEqual(text.count("\n"), 4096 + 1)
+
+    def test_media_is_named_by_its_first_mebibyte(self) -> None:
+        def name(payload: str) -> str:
+            body = {"messages": [{"role": "user", "content": [{"image_url": payload}]}]}
+            return self.render(body)
+
+        head = "x" * ((1 << 20) - 1)
+        self.assertNotEqual(name(head + "a" + "z"), name(head + "b" + "z"))
+        self.assertEqual(name(head + "a" + "y"), name(head + "a" + "z"))
+
+    def test_a_shape_nobody_foresaw_stops_the_rendering_there(self) -> None:
+        for error in (RecursionError, TypeError, ValueError):
+            body = {"messages": [{"role": "user", "content": "hi"}, _Odd(error)]}
+            self.assertEqual(self.render(body), "<|model|>\n<|user|>hi\n<|user|>")

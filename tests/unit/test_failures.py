@@ -1,7 +1,8 @@
 """
 The failure table: the code's rules, how failures are classified, and the docs' table
 (docs/reliability.md, "The failure table") read and compared with the code's, so the two
-cannot drift.
+cannot drift; and how a connection failure is put in words on the result log's ``error=``
+(written for ``_proxy/failures``' full mutation run).
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ from txlb._proxy.failures import (
     Rule,
     answered,
     classify,
+    failure_words,
     provoked_by_request,
     standard_json_object,
 )
 from txlb._records.summary import RequestRecord
 from txlb._upstream.resend import RESEND_WINDOW, may_send_again
+from txlb._upstream.words import describe_failure
 
 from ..helpers import keep_records
 from .test_proxy import BACKENDS, ProxyTestCase
@@ -205,3 +208,26 @@ class ExchangeObeysTheTableTests(ProxyTestCase):
         key = self.upstream.last.uri.split(b"/")[2].decode()
         self.upstream.last.fail(ValueError("odd"))
         self.assertFalse({b.key: b for b in self.lb.pool}[key].healthy)
+
+
+class WrapperWordingTests(SynchronousTestCase):
+    """Mutants of ``_proxy/failures`` that survived its full run."""
+
+    def test_a_wrapper_is_worded_by_its_first_reason(self) -> None:
+        """
+        Twisted's wrapper lists every reason, the cause first: the words name the cause,
+        not what followed from it (the connection also closing).
+        """
+        first = Failure(neterror.ConnectionRefusedError())
+        wrapper = Failure(RequestTransmissionFailed([first, Failure(neterror.ConnectionDone())]))
+        self.assertEqual(failure_words(wrapper), "connection lost while sending the request "
+                                                 f"({describe_failure(first)})")
+        self.assertNotEqual(describe_failure(first),
+                            describe_failure(Failure(neterror.ConnectionDone())))
+
+    def test_a_wrapper_whose_first_reason_is_a_failure_says_it_was_sending(self) -> None:
+        """Only the first reason decides; what else the wrapper lists does not matter."""
+        first = Failure(neterror.ConnectionLost())
+        wrapper = Failure(RequestTransmissionFailed([first, "not a failure"]))
+        self.assertTrue(failure_words(wrapper).startswith(
+            "connection lost while sending the request ("))

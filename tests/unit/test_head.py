@@ -98,3 +98,14 @@ class ClientHeadTests(SynchronousTestCase):
 
     def test_status_kept(self) -> None:
         self.assertEqual(self.head(418).status, 418)
+
+
+class AbsoluteFormTests(SynchronousTestCase):
+    """Mutants of ``_proxy/head`` that survived its full run (mutation-full/)."""
+
+    def test_an_absolute_form_target_keeps_a_url_inside_its_query(self) -> None:
+        """Only the first ``://`` is the scheme's: a redirect URL in the query is data."""
+        from txlb._proxy.head import origin_form
+
+        self.assertEqual(origin_form(b"http://h:8000/cb?next=http://x/y"),
+                         b"/cb?next=http://x/y")

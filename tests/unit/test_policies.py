@@ -1,7 +1,8 @@
 """
-Each policy on its own: least-connections' choices, and the contract every built-in policy
+Each policy on its own: least-connections' choices, the contract every built-in policy
 keeps (:class:`PolicyContract`, one test class per policy module -- a new policy's test
-class can inherit it too).  Their other behaviour is tested in test_scheduling.
+class can inherit it too), and the choices of p2c, peak-EWMA and queue-depth at their edges
+(:class:`PolicyChoiceTests`).  Their other behaviour is tested in test_scheduling.
 """
 
 from __future__ import annotations
@@ -13,7 +14,15 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
-from txlb import BackendSpec, IPolicy, LeastConnections, Pool, RequestOutcome, RoutingRequest
+from txlb import (
+    BackendSpec,
+    IPolicy,
+    LeastConnections,
+    Pool,
+    RequestOutcome,
+    RoutingRequest,
+)
+from txlb._cluster.backend import Backend
 from txlb._scheduling.policies import (
     IPolicyFactory,
     least_conn,
@@ -234,3 +243,63 @@ class QueueDepthContractTests(PolicyContract, SynchronousTestCase):
         policy = self.make()
         self.assertEqual({policy.choose([drained, empty]).key for _ in range(2)},
                          {drained.key, empty.key})  # a tie: they take turns
+
+
+class PolicyChoiceTests(SynchronousTestCase):
+    def backends(self, *weights: int) -> list[Backend]:
+        return [Backend(BackendSpec("127.0.0.1", 8002 + n, weight=w))
+                for n, w in enumerate(weights)]
+
+    def test_p2c_gives_an_idle_heavier_backend_its_share(self) -> None:
+        import random
+
+        from txlb._scheduling.policies.p2c import PowerOfTwoChoices
+
+        policy = PowerOfTwoChoices(random.Random(4))
+        heavy, light = self.backends(3, 1)
+        picks = [policy.choose([heavy, light]) for _ in range(400)]
+        self.assertGreater(picks.count(heavy), 250)  # ties go to the first drawn (3:1)
+
+    def test_latency_prefers_the_heavier_of_equal_backends(self) -> None:
+        from txlb._scheduling.policies.peak_ewma import PeakEwmaLatency
+
+        policy = PeakEwmaLatency(Clock())
+        light, heavy = self.backends(1, 2)
+        for backend in (light, heavy):
+            policy.sample(backend, 0.5)
+            backend.counted(1)
+        self.assertIs(policy.choose([light, heavy]), heavy)
+
+    def test_latency_without_decay_takes_the_last_sample(self) -> None:
+        from txlb._scheduling.policies.peak_ewma import PeakEwmaLatency
+
+        policy = PeakEwmaLatency(Clock(), decay=0)
+        (backend,) = self.backends(1)
+        policy.sample(backend, 2.0)
+        policy.sample(backend, 1.0)
+        self.assertEqual(policy.estimate(backend), 1.0)
+
+    def test_every_policy_provides_the_interface(self) -> None:
+        from zope.interface.verify import verifyObject
+
+        from txlb._scheduling.policies import IPolicy
+        from txlb._scheduling.policies.registry import BUILT_IN, make_policy
+
+        for name in (factory.name for factory in BUILT_IN):
+            self.assertTrue(verifyObject(IPolicy, make_policy(name, Clock(), None)), name)
+
+    def test_queue_depth_prefers_the_emptier_engine(self) -> None:
+        from txlb._scheduling.policies.registry import make_policy
+
+        policy = make_policy("queue-depth", Clock(), None)
+        empty, busy = (Backend(BackendSpec("127.0.0.1", p), engine_depth=depth)
+                       for p, depth in ((8002, 0.0), (8003, 0.5)))
+        self.assertEqual({policy.choose([empty, busy]).key for _ in range(4)}, {empty.key})
+
+    def test_p2c_with_one_candidate(self) -> None:
+        import random
+
+        from txlb._scheduling.policies.p2c import PowerOfTwoChoices
+
+        (only,) = [Backend(BackendSpec("127.0.0.1", 8002))]
+        self.assertIs(PowerOfTwoChoices(random.Random(1)).choose([only]), only)

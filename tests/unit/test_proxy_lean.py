@@ -19,12 +19,12 @@ from txlb import LoadBalancer
 from ..helpers import FakeUpstream, keep_records
 from ..wire import WireUpstream
 from . import (
+    test_exchange,
     test_failover,
-    test_mutants_exchange,
-    test_mutants_resource,
-    test_mutants_site,
     test_proxy,
     test_proxy_wire,
+    test_resource,
+    test_site,
 )
 
 #: Tests that build their own twisted.web ``Site`` and so have no lean form.
@@ -115,13 +115,13 @@ for _suite in (test_proxy.ForwardingTests, test_proxy.StreamingTests,
     globals()[_suite.__name__ + "LeanOverTheWire"] = _lean(
         _suite, LeanWireMixin, "LeanOverTheWire", test_proxy_wire.AGENT_ONLY)
 # the main port's own channel rules and the resource's, behind the lean server
-for _suite in (test_mutants_site.ChannelTests,
-               test_mutants_resource.QueuedClientLeavesTests,
-               test_mutants_resource.UserAffinityTests,
-               test_mutants_resource.RefusedTargetTests,
-               test_mutants_resource.ShutdownTimeoutTests,
-               test_mutants_resource.ClassByModelTests):
+for _suite in (test_site.ChannelTests,
+               test_resource.QueuedClientLeavesTests,
+               test_resource.UserAffinityTests,
+               test_resource.RefusedTargetTests,
+               test_resource.ShutdownTimeoutTests,
+               test_resource.ClassByModelTests):
     globals()[_suite.__name__ + "Lean"] = _lean(_suite, FailoverLeanMixin)
-ChunkedPassThroughTestsLean = _lean(test_mutants_exchange.ChunkedPassThroughTests,
+ChunkedPassThroughTestsLean = _lean(test_exchange.ChunkedPassThroughTests,
                                     FailoverLeanWireMixin)
 del _suite

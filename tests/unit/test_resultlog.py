@@ -1,4 +1,9 @@
-"""The result-log writer: rotation, and a log that fails without failing anything else."""
+"""
+The result-log writer: its text and JSON lines, rotation, and a log that fails without
+failing anything else -- when a failed log is tried again (and says so once), a log moved
+away, what a reload changes of it, standard output unbuffered and left open.  Several were
+written for ``_records/resultlog``'s full mutation run.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +13,16 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from twisted.internet.task import Clock
 from twisted.logger import LogLevel, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.server import Site
 
-from txlb import LoadBalancer
+from txlb import (
+    LoadBalancer,
+)
 from txlb._records.escape import escape
 from txlb._records.resultlog import RETRY_SECONDS, ResultLog, format_text, open_result_log
 from txlb._records.summary import MAX_LINE, MAX_ORID, RequestRecord, summarize
@@ -335,3 +343,213 @@ class RecipeTests(SynchronousTestCase):
                 self.assertEqual(result.stdout, log.splitlines(keepends=True)[0], block)
             else:
                 self.assertEqual(result.stdout, expected, block)
+
+
+class FormatAndRecoveryTests(SynchronousTestCase):
+    """The result log's formats and its recovery after a failed write."""
+
+    def summary(self, **fields: Any) -> Any:
+        from txlb._records.summary import summarize
+
+        record = RequestRecord(started=1.0, method=b"POST", path=b"/v1/completions",
+                               orid_header=None, request_body=b'{"max_tokens": 9}',
+                               backend="127.0.0.1:8002", status=200, ended=2.5,
+                               content_type=b"application/json")
+        record.capture(b'{"choices": [{"text": "hi"}]}')
+        import attrs
+
+        return attrs.evolve(summarize(record), **fields)
+
+    def test_text_line_fields(self) -> None:
+        from txlb._records.resultlog import format_text
+
+        line = format_text(self.summary())
+        self.assertIn(" finish=- ctok=-/9 thinking=False think=False empty=False clen=2 ",
+                      line)
+        line = format_text(self.summary(finish="stop", completion_tokens=2, think=True))
+        self.assertIn(" finish=stop ctok=2/9 thinking=False think=True ", line)
+
+    def test_json_line_fields(self) -> None:
+        from txlb._records.resultlog import format_json
+
+        plain = json.loads(format_json(self.summary()))
+        self.assertNotIn("trunc", plain)
+        self.assertNotIn("tries", plain)
+        from datetime import datetime
+        self.assertEqual(datetime.fromisoformat(plain["time"]).timestamp(), 2.5, plain["time"])
+        marked = json.loads(format_json(self.summary(truncated=True, tries=2)))
+        self.assertEqual((marked["trunc"], marked["tries"]), (True, 2))
+
+    def test_a_failed_write_recovers_and_says_so_once(self) -> None:
+        from pathlib import Path
+
+        from twisted.logger import globalLogPublisher
+
+        from txlb._records.resultlog import RETRY_SECONDS, ResultLog
+
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        path = Path(self.mktemp())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        clock = Clock()
+        log = ResultLog(str(path), max_bytes=10**7, backups=1, fmt="text", clock=clock)
+        self.addCleanup(log.close)
+        sink: Any = log._sink
+
+        def full(data: bytes) -> None:
+            raise OSError(28, "No space left on device")
+
+        original, sink.write = sink.write, full
+        log.write(self.summary())
+        self.assertEqual(log.dropped, 1)
+        sink.write = original
+        clock.advance(RETRY_SECONDS)
+        for _ in range(3):
+            log.write(self.summary())
+        self.assertEqual(log.written, 3)
+        self.assertEqual(len(path.read_text().splitlines()), 3)
+        again = [e for e in events if "writable again" in str(e.get("log_format", ""))]
+        self.assertEqual(len(again), 1)
+
+    def test_standard_output_is_written_unbuffered(self) -> None:
+        import os
+        import tempfile
+
+        from txlb._records.resultlog import ResultLog
+
+        with tempfile.TemporaryFile() as captured:
+            saved = os.dup(1)
+            os.dup2(captured.fileno(), 1)
+            try:
+                log = ResultLog("-", max_bytes=0, backups=0, fmt="text", clock=Clock())
+                log.write(self.summary())
+                captured.seek(0)
+                written = captured.read()  # before close: nothing held in a buffer
+                log.close()
+            finally:
+                os.dup2(saved, 1)
+                os.close(saved)
+        self.assertEqual(written.count(b"\n"), 1)
+        self.assertIn(b"status=200", written)
+
+    def test_a_formatter_bug_loses_the_line_not_the_request(self) -> None:
+        from pathlib import Path
+
+        from txlb._records.resultlog import ResultLog
+
+        path = Path(self.mktemp())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log = ResultLog(str(path), max_bytes=10**7, backups=1, fmt="text", clock=Clock())
+        self.addCleanup(log.close)
+
+        def broken(summary: object) -> str:
+            raise KeyError("a formatter bug")
+
+        log.format = broken
+        log.write(self.summary())
+        self.assertEqual(len(self.flushLoggedErrors(KeyError)), 1)
+
+    def test_text_line_says_tries_only_when_retried(self) -> None:
+        from txlb._records.resultlog import format_text
+
+        self.assertNotIn("tries=", format_text(self.summary()))
+        self.assertIn(" tries=2", format_text(self.summary(tries=2)))
+
+    def test_a_log_moved_away_is_reopened_at_its_path(self) -> None:
+        from pathlib import Path
+
+        from txlb._records.resultlog import RETRY_SECONDS, ResultLog
+
+        directory = Path(self.mktemp())
+        directory.mkdir(parents=True)
+        path = directory / "lb_results.log"
+        clock = Clock()
+        log = ResultLog(str(path), max_bytes=10**7, backups=1, fmt="text", clock=clock)
+        self.addCleanup(log.close)
+        summary = self.summary()
+        log.write(summary)
+        path.rename(directory / "moved.log")  # logrotate's move,
+        path.write_text("")  # and its create: another file at the same path
+        clock.advance(RETRY_SECONDS)
+        log.write(summary)
+        self.assertEqual(len(path.read_text().splitlines()), 1)
+        self.assertEqual(len((directory / "moved.log").read_text().splitlines()), 1)
+        clock.advance(RETRY_SECONDS)
+        log.write(summary)  # unchanged file: kept open, appended to
+        self.assertEqual(len(path.read_text().splitlines()), 2)
+
+
+class RetryAndReloadTests(SynchronousTestCase):
+    """Mutants of ``_records/resultlog`` that survived its full run."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.clock.advance(1000)  # a process that has run a while
+        self.directory = Path(self.mktemp()).resolve()
+        self.directory.mkdir()
+        self.path = self.directory / "lb_results.log"
+
+    def test_a_failed_log_is_tried_again_every_five_seconds(self) -> None:
+        """
+        Not on every request (a failing disk must not cost each one an open), and not
+        less often than the documented 5 s: lines written before that are dropped, the
+        first one after it is written.
+        """
+        log = ResultLog(str(self.path), 10_000_000, 3, "text", self.clock)
+        self.addCleanup(log.close)
+        shutil.rmtree(self.directory)
+        self.clock.advance(5)
+        log.write(summarize(a_record(0)))  # fails: tried again 5 s from now
+        self.directory.mkdir()
+        self.clock.advance(4.9)
+        log.write(summarize(a_record(1)))
+        self.assertEqual((log.written, log.dropped), (0, 2))
+        self.clock.advance(0.1)
+        log.write(summarize(a_record(2)))
+        self.assertEqual((log.written, log.dropped), (1, 2))
+        self.assertEqual(len(self.path.read_text().splitlines()), 1)
+
+    def test_a_moved_file_is_noticed_within_five_seconds_not_at_every_line(self) -> None:
+        log = ResultLog(str(self.path), 10_000_000, 3, "text", self.clock)
+        self.addCleanup(log.close)
+        self.clock.advance(5)
+        log.write(summarize(a_record(0)))  # checked: still the file at the path
+        self.path.rename(self.directory / "moved.log")  # an operator's (or logrotate's) move
+        log.write(summarize(a_record(1)))  # within 5 s of that check: into the moved file
+        self.assertFalse(self.path.exists())
+        self.clock.advance(5)
+        log.write(summarize(a_record(2)))  # checked: a new file at the path
+        self.assertEqual(len(self.path.read_text().splitlines()), 1)
+        self.assertEqual(len((self.directory / "moved.log").read_text().splitlines()), 2)
+
+    def test_a_reload_rotates_at_the_new_size(self) -> None:
+        log = ResultLog(str(self.path), 10_000_000, 3, "text", self.clock)
+        self.addCleanup(log.close)
+        log.retune("text", 200, 2)
+        for n in range(10):
+            log.write(summarize(a_record(n)))
+        self.assertTrue((self.directory / "lb_results.log.1").exists())
+        self.assertFalse((self.directory / "lb_results.log.3").exists())  # 2 backups kept
+        self.assertLessEqual(self.path.stat().st_size, 200 + 100)
+
+    def test_standard_output_stays_open_after_the_log_closes(self) -> None:
+        """``--log-file -`` writes to descriptor 1, which is the process's, not the log's."""
+        read_end, write_end = os.pipe()
+        saved = os.dup(1)
+        os.dup2(write_end, 1)
+        try:
+            log = ResultLog("-", 10_000_000, 3, "text", self.clock)
+            log.retune("json", 1000, 1)  # a reload with standard output: nothing to rotate
+            log.write(summarize(a_record(0)))
+            log.close()
+            os.fstat(1)  # raises if closing the log closed descriptor 1
+            os.write(1, b"still open\n")
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+            os.close(write_end)
+        with os.fdopen(read_end, "rb") as pipe:
+            written = pipe.read().decode()
+        self.assertIn('"/v1/models/0"', written)
+        self.assertTrue(written.endswith("still open\n"))

@@ -23,8 +23,8 @@ TXLB = Path(__file__).resolve().parents[2] / "txlb"
 
 #: Modules whose ``clock`` is annotated otherwise, and why.
 OTHER_CLOCKS = {
-    "testing.py": "a typing Protocol of IReactorTime's seconds/callLater, so the public "
-                  "testing module type-checks without the zope plugin",
+    "testing/filler.py": "a typing Protocol of IReactorTime's seconds/callLater, so the public "
+                         "testing package type-checks without the zope plugin",
 }
 
 

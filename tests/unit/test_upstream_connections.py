@@ -1,12 +1,14 @@
 """
-Tests written for the survivors of the full mutation run of ``_upstream/client``
-(``bench/results/mutation-full/_upstream-client.json``): each pins something the proxy
-promises about the hop to the backends (docs/reliability.md, "Upstream connections") that
-the rest of the suite ran but never checked -- the documented limits to the byte and the
-second, keep-alive reuse, the idle-close race, and the words an operator reads.
+The hop to the backends through txlb's own client (:mod:`txlb._upstream.client`): what the
+proxy promises about it (docs/reliability.md, "Upstream connections") -- the documented
+limits to the byte and the second, keep-alive reuse and closing idle connections, the
+idle-close race, the Host header, and the words an operator reads.  (The client's protocol
+itself is tests.unit.test_upstream.)
 
-The limits are written out here (4 s, 256, 50 ms, 64 KiB, 4 KiB), not imported: a test that
-reads the constant it checks moves with it.
+Written for the survivors of the full mutation run of ``_upstream/client``
+(``bench/results/mutation-full/_upstream-client.json``).  The limits are written out here
+(4 s, 256, 50 ms, 64 KiB, 4 KiB), not imported: a test that reads the constant it checks
+moves with it.
 """
 
 from __future__ import annotations
@@ -307,3 +309,35 @@ class ErrorWordsTests(_ClientTestCase):
         line = b"X Model: " + b"m" * 100
         self.assertEqual(self.words(b"HTTP/1.1 200 OK\r\n" + line + b"\r\n\r\n"),
                          f"bad header line {line[:80]!r}")
+
+
+class CloseIdleAndHostHeaderTests(SynchronousTestCase):
+    def test_close_idle_closes_every_pooled_connection(self) -> None:
+        reactor = MemoryReactorClock()
+        client = UpstreamClient(reactor, connect_timeout=5)
+        transports = []
+        for port in (8002, 8003):
+            result: list[Any] = []
+            client.send("127.0.0.1", port, b"GET", b"/", [], None).addBoth(result.append)
+            _, _, factory, _, _ = reactor.tcpClients[-1]
+            protocol = factory.buildProtocol(None)
+            transport = StringTransport()
+            protocol.makeConnection(transport)
+            protocol.dataReceived(b"HTTP/1.1 204 No Content\r\n\r\n")
+            result[0].deliver(Owner(), raw=False)
+            transports.append(transport)
+        self.assertEqual(client.idle_count("127.0.0.1", 8002), 1)
+        client.close_idle()
+        self.assertTrue(all(t.disconnecting for t in transports))
+        self.assertEqual(client.idle_count("127.0.0.1", 8003), 0)
+
+    def test_a_host_that_is_no_valid_idna_name_still_gets_a_host_header(self) -> None:
+        reactor = MemoryReactorClock()
+        client = UpstreamClient(reactor, connect_timeout=5)
+        host = "a" * 64 + ".example"  # a label over 63 characters: not IDNA
+        client.send(host, 8002, b"GET", b"/", [], None)
+        _, _, factory, _, _ = reactor.tcpClients[-1]
+        protocol = factory.buildProtocol(None)
+        transport = StringTransport()
+        protocol.makeConnection(transport)
+        self.assertIn(b"\r\nHost: " + host.encode() + b":8002\r\n", transport.value())

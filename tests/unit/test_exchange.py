@@ -1,14 +1,18 @@
 """
-What the per-request exchange does -- the behaviour the survivors of
-``_proxy/exchange``'s full mutation run showed no test pinned down: the read watchdog
-after data came or a paused client resumed, the retry window on a clock far from 0, the
-failover's count of tries and its refusal, the client key a 5xx is held against, the
-result log's first byte and chunked framing, the warnings of a failed try, the body of a
-request sent on, and a capacity listener that fails.
+The per-request exchange (:mod:`txlb._proxy.exchange`): the read watchdog after data came or
+a paused client resumed, the send timeout of a paused client, a stream the transport stops,
+the retry window (at its edge, and on a clock far from 0), the failover's count of tries and
+its refusal, the client key a 5xx is held against, the result log's first byte and chunked
+framing, the warnings of a failed try, the body of a request sent on, a capacity listener
+that fails, and an internal error before the head.
+
+Most were written for the survivors of ``_proxy/exchange``'s full mutation run
+(bench/results/mutation.md): behaviour the rest of the suite ran but never checked.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from twisted.internet import error as neterror
@@ -21,8 +25,9 @@ from txlb._proxy.exchange import Exchange
 from txlb._records.summary import summarize
 from txlb._scheduling.router import RoutingError
 
-from ..helpers import FakeResponse
+from ..helpers import FakeResponse, ObserverTap
 from .test_failover import THREE, FailoverTestCase
+from .test_proxy import ProxyTestCase
 from .test_proxy_wire import FailoverWireMixin
 
 
@@ -390,3 +395,61 @@ class UnwritableHeadTests(ExchangeTestCase):
         self.assertEqual(self.records[-1].outcome, "proxy_error")
         self.assertEqual(self.lb.pool.in_flight, 0)
         self.assertEqual(len(self.flushLoggedErrors(TypeError)), 1)
+
+
+class RelayToTheClientTests(ProxyTestCase):
+    def test_send_timeout_counts_from_the_pause(self) -> None:
+        """A paused client is cut ``send_timeout`` after it stopped reading, not sooner."""
+        self.build(["127.0.0.1:8002"], read_timeout=5, send_timeout=60)
+        client = self.client()
+        client.request(b"GET", b"/stream")
+        response = self.upstream.last.respond(FakeResponse(200))
+        response.send(b"a")
+        self.clock.advance(1)
+        client.transport.producer.pauseProducing()  # at t=1
+        self.clock.advance(59.5)  # t=60.5: read watchdog fired at 5, re-armed for the pause
+        self.assertFalse(client.transport.disconnected)
+        self.clock.advance(1)  # t=61.5: 60 s since the pause
+        self.assertTrue(client.transport.disconnected)
+
+    def test_the_transport_stopping_the_stream_stops_the_backend(self) -> None:
+        client = self.client()
+        client.request(b"GET", b"/stream")
+        response = self.upstream.last.respond(FakeResponse(200))
+        response.send(b"a")
+        client.transport.producer.stopProducing()  # what a TCP transport does on loss
+        self.assertTrue(response.transport.stopped)
+
+    def test_internal_error_before_the_head_is_a_502(self) -> None:
+        def explode(*_: object) -> None:
+            raise RuntimeError("a bookkeeping bug")
+
+        context = self.lb.proxy.context
+        context.observer = ObserverTap(context.observer, answered=explode)
+        client = self.client()
+        client.request(b"GET", b"/v1/x")
+        self.upstream.last.respond(FakeResponse(200, length=0)).end()
+        answer = client.response()
+        self.assertEqual(answer.status, 502)
+        self.assertEqual(json.loads(answer.body)["error"]["message"], "internal proxy error")
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+
+    def test_default_send_timeout_is_60s(self) -> None:
+        self.assertEqual(self.lb.proxy.context.send_timeout, 60.0)
+
+
+class RetryWindowBoundaryTests(FailoverTestCase):
+    def test_no_new_try_once_the_window_has_passed_exactly(self) -> None:
+        self.build(retry_window=2)
+        client = self.post()
+        self.clock.advance(2)
+        self.upstream.calls[0].fail(neterror.ConnectionRefusedError())
+        self.assertEqual(len(self.upstream.calls), 1)
+        self.assertEqual(client.response().status, 502)
+
+    def test_a_try_just_inside_the_window(self) -> None:
+        self.build(retry_window=2)
+        self.post()
+        self.clock.advance(1.9)
+        self.upstream.calls[0].fail(neterror.ConnectionRefusedError())
+        self.assertEqual(len(self.upstream.calls), 2)

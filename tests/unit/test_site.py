@@ -1,9 +1,11 @@
 """
-Tests written to kill the mutants of ``txlb/_server/site.py`` that survived
-``python -m bench.mutation`` (bench/results/mutation-full/_server-site.json): each pins what
-a client or an operator sees of the main port's channel -- its framing checks, its refusals
-and their bodies, the head deadline, TCP_NODELAY -- and of the 413 an embedder's own channel
-gives.
+The main port's twisted.web channel (:mod:`txlb._server.site`): what a client or an operator
+sees of it -- its framing checks, its refusals and their bodies, the head deadline (the
+configured one, and on every request of a connection), TCP_NODELAY, ``ProxySite``'s
+defaults -- and of the 413 an embedder's own channel gives.
+
+Written to kill the mutants of ``txlb/_server/site.py`` that survived ``python -m
+bench.mutation`` (bench/results/mutation-full/_server-site.json).
 """
 
 from __future__ import annotations
@@ -299,3 +301,64 @@ class RefuseContractTests(FailoverTestCase):
         self.assertIs(channel.refuse(431, "second"), False)
         raw = client.transport.value()
         self.assertEqual((raw.count(b"HTTP/1.1"), _error(raw)["message"]), (1, "first"))
+
+
+class HeadDeadlineAndDefaultsTests(FailoverTestCase):
+    def test_the_head_deadline_is_the_configured_one(self) -> None:
+        self.build(header_timeout=10)
+        client = self.client()
+        client.send(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        self.clock.advance(9.5)
+        self.assertFalse(client.transport.disconnecting)
+        self.clock.advance(1)
+        self.assertTrue(client.transport.value().startswith(b"HTTP/1.1 408 "))
+        self.assertEqual(json.loads(client.response().body)["error"]["code"], 408)
+
+    def test_a_refused_body_says_413_in_its_json_too(self) -> None:
+        self.build(max_body="1KiB")
+        client = self.client()
+        client.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n")
+        self.assertEqual(json.loads(client.response().body)["error"]["code"], 413)
+        self.assertEqual(self.records[-1].status, 413)
+
+    def test_the_next_request_on_a_connection_gets_a_deadline_too(self) -> None:
+        self.build(header_timeout=10)
+        client = self.client()
+        client.request(b"GET", b"/one")
+        self.answer(0, 200)
+        client.transport.clear()
+        client.send(b"GET /two HTTP/1.1\r\nHost: x\r\n")  # and no more
+        self.clock.advance(11)
+        self.assertTrue(client.transport.value().startswith(b"HTTP/1.1 408 "))
+        self.assertEqual(len(self.upstream.calls), 1)
+
+    def test_proxy_site_defaults(self) -> None:
+        """No body limit and a 30 s head deadline unless told otherwise."""
+        from twisted.internet.address import IPv4Address
+        from twisted.web.resource import Resource
+
+        from txlb._server.site import ProxySite
+
+        class Ok(Resource):
+            isLeaf = True
+
+            def render(self, request: Any) -> bytes:
+                return b"ok"
+
+        site = ProxySite(Ok(), reactor=Clock())
+        self.assertEqual(site.max_body, 0)
+        channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 1))
+        self.assertEqual(channel.header_timeout, 30.0)
+        client = ClientConnection(site)
+        client.request(b"POST", b"/", body=b"x" * 100_000)  # max_body 0: no limit
+        self.assertEqual(client.response().status, 200)
+        # the request class in a Site that sets no limit at all: no limit either
+        from twisted.web.server import Site
+
+        from txlb._server.site import LimitedRequest
+
+        plain = Site(Ok(), reactor=Clock())
+        plain.requestFactory = LimitedRequest
+        client = ClientConnection(plain)
+        client.request(b"POST", b"/", body=b"x" * 100)
+        self.assertEqual(client.response().status, 200)

@@ -1,11 +1,13 @@
 """
-Tests written for the survivors of the full mutation run of ``_records/summary``
-(``bench/results/mutation-full/_records-summary.json``): what a result-log line says, to
-the documented limit (docs/result-log.md, "Limits"), for answers the rest of the suite never
-sent -- odd but possible shapes, streams told apart from plain answers, privacy options.
+What a result-log line says of an answer (:mod:`txlb._records.summary`), to the documented
+limit (docs/result-log.md, "Limits"), for answers the rest of the suite never sent -- odd but
+possible shapes, chunked captures, several choices, streams told apart from plain answers,
+privacy options.
 
-The limits are written out here (512 KiB, 1,000 characters, 32 / 2,048 / 64 / 64 bytes,
-8 KiB), not imported: a test that reads the constant it checks moves with it.
+Written for the survivors of the full mutation run of ``_records/summary``
+(``bench/results/mutation-full/_records-summary.json``).  The limits are written out here
+(512 KiB, 1,000 characters, 32 / 2,048 / 64 / 64 bytes, 8 KiB), not imported: a test that
+reads the constant it checks moves with it.
 """
 
 from __future__ import annotations
@@ -190,3 +192,41 @@ class PrivacyOptionTests(SynchronousTestCase):
     def test_the_user_key_is_never_in_a_repr(self) -> None:
         """A Privacy may be logged or shown in a traceback: the HMAC key must not be."""
         self.assertNotIn("sekrit", repr(Privacy(user="hash", user_key=b"sekrit")))
+
+
+class DechunkAndChoiceTests(SynchronousTestCase):
+    def test_dechunk(self) -> None:
+        from txlb._records.summary import dechunk
+
+        self.assertEqual(dechunk(b"1\r\na\r\n10\r\n" + b"b" * 16 + b"\r\n2;x=1\r\ncc\r\n0\r\n\r\n"),
+                         b"a" + b"b" * 16 + b"cc")
+        self.assertEqual(dechunk(b"1\r\na\r\n"), b"a")
+        self.assertEqual(dechunk(b"zz\r\nbad\r\n"), b"")
+        self.assertEqual(dechunk(b"1\r\na\r\n5"), b"a")  # capture cut in a size line
+
+    def test_only_the_first_choice_counts(self) -> None:
+        from txlb._records.summary import summarize
+
+        record = RequestRecord(started=0.0, method=b"POST", path=b"/v1/chat/completions",
+                               orid_header=None, request_body=b'{"n": 2}',
+                               backend="127.0.0.1:8002", status=200, ended=1.0,
+                               content_type=b"application/json")
+        record.capture(json.dumps({"choices": [
+            {"index": 0, "message": {"content": "one"}, "finish_reason": "stop"},
+            {"index": 1, "message": {"content": "second choice"}},
+            "not a choice",
+        ]}).encode())
+        summary = summarize(record)
+        self.assertEqual((summary.preview, summary.clen), ("one", 3))
+
+    def test_an_sse_answer_that_opens_with_a_comment(self) -> None:
+        from txlb._records.summary import summarize
+
+        record = RequestRecord(started=0.0, method=b"POST", path=b"/v1/chat/completions",
+                               orid_header=None, request_body=b"{}",
+                               backend="127.0.0.1:8002", status=200, ended=1.0,
+                               content_type=b"text/event-stream")
+        record.capture(b': ping\n\ndata: {"choices": [{"index": 0, "delta": {"content": "hi"},'
+                       b' "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n')
+        summary = summarize(record)
+        self.assertEqual((summary.finish, summary.preview), ("stop", "hi"))

@@ -1,9 +1,12 @@
 """
-What the main port's resource does around admission -- the behaviour the survivors of
-``_proxy/resource``'s full mutation run showed no test pinned down: the queue wait of a
-client that leaves while queued, user affinity over a body that is not JSON, the path
-logged for a refused request whose target is not a path, and the shutdown timeout ending
-every request still in flight.
+What the main port's resource (:mod:`txlb._proxy.resource`) does around admission, and what
+it answers itself: the queue wait of a client that leaves while queued, user affinity over a
+body that is not JSON, the path logged for a refused request whose target is not a path, the
+shutdown timeout ending every request still in flight, classes matched by model, the status
+and model list, a request while shutting down, and a body forwarded byte for byte.
+
+Written for the behaviour the survivors of ``_proxy/resource``'s full mutation run showed no
+test pinned down.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from txlb._config import build_config
 
 from ..helpers import ClientConnection, FakeResponse
 from .test_failover import FailoverTestCase
+from .test_proxy import ProxyTestCase
 
 
 class QueuedClientLeavesTests(FailoverTestCase):
@@ -99,3 +103,40 @@ class ClassByModelTests(FailoverTestCase):
             self.answer(n, 200)
             self.assertEqual(self.records[-1].routing.priority,
                              klass or "default", model)
+
+
+class MainPortAnswerTests(ProxyTestCase):
+    """What the main port answers itself, and what it forwards untouched."""
+
+    def test_status_and_models_answer_200(self) -> None:
+        for path in (b"/__lb_status", b"/v1/models"):
+            client = self.client()
+            client.request(b"GET", path)
+            self.assertEqual(client.response().status, 200, path)
+
+    def test_a_request_while_shutting_down_is_refused_and_its_connection_closed(self) -> None:
+        """
+        503 with Retry-After (the health interval, rounded up, never under 1 s), then the
+        kept-alive connection is closed so the client goes elsewhere.
+        """
+        self.build(["127.0.0.1:8002"], health_interval=1)
+        self.lb.proxy.shutting_down = True
+        client = self.client()
+        client.request(b"GET", b"/v1/models/x")
+        answer = client.response()
+        self.assertEqual((answer.status, answer.header(b"retry-after")), (503, [b"1"]))
+        self.assertTrue(client.transport.disconnecting)
+        self.assertEqual(self.upstream.calls, [])
+
+    def test_body_forwarded_byte_for_byte_when_the_model_is_no_alias(self) -> None:
+        body = b'{"model":"m","prompt":"x",  "n":1}'
+        client = self.client()
+        client.request(b"POST", b"/v1/completions", body=body)
+        self.assertEqual(self.upstream.last.body, body)
+
+    def test_absolute_form_with_only_a_query(self) -> None:
+        client = self.client()
+        client.send(b"GET http://lb.example?x=1 HTTP/1.1\r\nHost: lb.example\r\n\r\n")
+        self.assertTrue(self.upstream.last.uri.endswith(b":8002/?x=1")
+                        or self.upstream.last.uri.endswith(b":8003/?x=1"),
+                        self.upstream.last.uri)

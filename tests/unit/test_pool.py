@@ -1,10 +1,14 @@
 """
-What the pool tells its listeners and its log, and how a worker's pool follows its
-supervisor's -- the behaviour the survivors of ``_cluster/pool``'s full mutation run showed
-no test pinned down: ``on_update`` listeners are called, a failing listener stops no other,
-the log says what changed (and only when it changed), ``when_idle`` fires at once on an idle
-pool, a mirror removes what the supervisor no longer has, and a drain taken from the shared
-store leaves a healthy backend up.
+What the pool (:mod:`txlb._cluster.pool`) tells its listeners and its log, and how a worker's
+pool follows its supervisor's: ``on_update`` listeners are called, a failing listener stops
+no other, the log says what changed (and only when it changed), ``when_idle`` fires once
+nothing is in flight, a mirror removes what the supervisor no longer has, a removed backend
+leaves on refresh once this worker is done with it, a drain taken from the shared store
+leaves a healthy backend up, and a withdrawn slot leaves the counts as they were.
+
+Written for the behaviour the survivors of ``_cluster/pool``'s full mutation run showed no
+test pinned down.  :class:`RecordingSlots` and :class:`SharedTotals` stand in for the shared
+in-flight counts of ``--workers`` (tests.unit.test_backend uses them too).
 """
 
 from __future__ import annotations
@@ -307,3 +311,65 @@ class WithdrawnSlotTests(SynchronousTestCase):
         backend.counted(1, requests=0)
         pool.withdraw(refused)
         self.assertEqual(backend.requests, 0)
+
+
+class RecordingSlots:
+    """Records what a pool asks of its shared in-flight counts."""
+
+    def __init__(self) -> None:
+        self.assigned: list[tuple[str, int]] = []
+
+    def register(self, key: str) -> int:
+        return 7
+
+    def assign(self, key: str, slot: int) -> None:
+        self.assigned.append((key, slot))
+
+    def take(self, key: str) -> None:
+        pass
+
+    def give_back(self, key: str) -> None:
+        pass
+
+
+class SharedTotals(RecordingSlots):
+    """Shared counts as a worker's pool reads them back (``Pool.refresh``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = {7: 0}
+        self.own = 0
+        self.slot = lambda key: 7
+
+    def totals(self) -> dict[int, int]:
+        return self.counts
+
+    def started(self, key: str) -> int:
+        return 0
+
+    def mine(self, key: str) -> int:
+        return self.own
+
+
+class IdleAndRefreshTests(SynchronousTestCase):
+    def test_idle_is_when_nothing_is_in_flight(self) -> None:
+        pool = Pool((BackendSpec("127.0.0.1", 8002),))
+        backend = pool.get("127.0.0.1:8002")
+        first, second = pool.acquire(backend), pool.acquire(backend)
+        idle = pool.when_idle()
+        first.release()
+        self.assertNoResult(idle)
+        second.release()
+        self.successResultOf(idle)
+
+    def test_a_removed_backend_leaves_on_refresh_once_this_worker_is_done(self) -> None:
+        shared = SharedTotals()
+        pool = Pool((BackendSpec("127.0.0.1", 8002),), shared=shared)  # type: ignore[arg-type]
+        backend = pool.get("127.0.0.1:8002")
+        shared.counts[7] = shared.own = 1  # a request of this worker's is in flight
+        backend.leaving()
+        pool.refresh()
+        self.assertIs(pool.get("127.0.0.1:8002"), backend)
+        shared.counts[7] = shared.own = 0  # it ended (counted down in shared memory)
+        pool.refresh()
+        self.assertIsNone(pool.get("127.0.0.1:8002"))

@@ -1,27 +1,40 @@
 """
-Tests written against surviving mutants of ``txlb/_scheduling/router.py`` (see
-``bench/mutation.py``): each asserts what a client or an operator sees -- the queue wait a
-request's lease and the queue-wait metric carry, the 503's message, which waiter a freed
-slot goes to (the starvation guard, the precedence, waiters passed over), the slots given
-back or announced under ``--shared-state``'s exact ``max_conns``, the second take with
-``--workers``, a shutdown's refusals, ``/__lb_status``'s queue -- on a Clock far from 0
-(a queue's arrival times are the reactor's wall-clock seconds).
+The router (:mod:`txlb._scheduling.router`): what a client or an operator sees of its
+choices and its waiting queue -- the queue wait a request's lease and the queue-wait metric
+carry, the 503's message, which waiter a freed slot goes to (the starvation guard, the
+precedence, waiters passed over), the slots given back or announced under
+``--shared-state``'s exact ``max_conns``, the second take with ``--workers``, a shutdown's
+refusals, ``/__lb_status``'s queue, affinity without a session key, a policy's ``prepare``
+and failures, and the model list.  The queue runs on a Clock far from 0 (a queue's arrival
+times are the reactor's wall-clock seconds).
+
+Many of these tests were written against mutants that survived ``python -m bench.mutation``
+(bench/results/mutation.md): each pins a behaviour the rest of the suite ran but never checked.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import Any
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
+from zope.interface import implementer
 
+from txlb import IPreparesRequests, Policy, build_config
 from txlb._cluster.backend import Backend, Lease
 from txlb._cluster.pool import Pool
 from txlb._config import BackendSpec, Config
+from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.policies.least_conn import LeastConnections
-from txlb._scheduling.request import RoutingRequest
-from txlb._scheduling.router import Router, RoutingError
+from txlb._scheduling.request import ANY_REQUEST, RoutingRequest
+from txlb._scheduling.router import ModelRoute, Router, RoutingError
+
+from . import test_failover
+from .test_failover import FailoverTestCase
+from .test_proxy import ProxyTestCase
 
 #: where the tests' clocks start: the reactor's seconds are the wall clock's, never 0
 EPOCH = 1_700_000_000.0
@@ -102,7 +115,9 @@ class StrictClock(Clock):
         return super().callLater(delay, callable, *args, **kw)
 
 
-class RouterMutantTests(SynchronousTestCase):
+class WaitingQueueTests(SynchronousTestCase):
+    """Who waits, for how long, and which waiter a freed slot goes to."""
+
     def build(self, *specs: BackendSpec, gate: Gate | None = None,
               clock: Clock | None = None, shared: WorkerCounts | None = None) -> None:
         self.clock = clock if clock is not None else Clock()
@@ -378,3 +393,147 @@ class RouterMutantTests(SynchronousTestCase):
         self.lease(second)
         self.assertEqual(self.pool.in_flight, 3)
 
+
+class RefusalAndAliasTests(ProxyTestCase):
+    def test_an_empty_queue_reports_no_wait(self) -> None:
+        status = self.lb.router.queue_status()
+        self.assertEqual((status["length"], status["oldest_wait_s"]), (0, 0.0))
+
+    def test_503_names_the_model_or_says_this_request(self) -> None:
+        for backend in self.lb.pool:
+            self.lb.pool.mark_down(backend, "test")
+        for body, expected in ((b'{"model": "m"}', "model `m`"), (b"{}", "this request")):
+            client = self.client()
+            client.request(b"POST", b"/v1/completions", body=body)
+            answer = client.response()
+            self.assertEqual(answer.status, 503)
+            self.assertIn(expected, json.loads(answer.body)["error"]["message"])
+
+    def test_an_alias_routes_without_a_given_rng(self) -> None:
+        from txlb._scheduling.router import ModelRoute, Router
+
+        router = Router(self.lb.pool, self.lb.policy, self.clock, queue_timeout=1,
+                        retry_after=1, routes={"chat": ModelRoute("chat", (("m", 1),))})
+        self.assertEqual(router.resolve("chat"), "m")
+
+
+class AffinityAndQueueWaitTests(FailoverTestCase):
+    def test_requests_without_a_session_key_rotate(self) -> None:
+        self.build(affinity="header:X-Session")
+        seen = []
+        for n in range(3):
+            self.post()
+            seen.append(self.backend_of(n))
+            self.answer(n, 200)
+        self.assertEqual(sorted(seen), sorted(test_failover.THREE))
+
+    def test_queue_wait_is_reported_to_the_millisecond(self) -> None:
+        path = self.mktemp()
+        with open(path, "w") as handle:
+            handle.write('[[backends]]\nurl = "127.0.0.1:8002"\nmax_conns = 1\n')
+        self.build(config=build_config({"config": path, "log-file": "none"}, {}),
+                   backends=None)
+        self.post()
+        self.post()  # queued
+        self.clock.advance(1.23456)
+        self.assertEqual(self.lb.router.queue_status()["oldest_wait_s"], 1.235)
+
+
+@implementer(IPreparesRequests)
+class _CountsPrepares(Policy):
+    """Counts ``prepare`` calls and picks the first candidate."""
+
+    name = "counts-prepares"
+
+    def __init__(self) -> None:
+        self.prepared = 0
+
+    def prepare(self, request: RoutingRequest) -> None:
+        self.prepared += 1
+
+    def choose(self, candidates: Sequence[Backend],
+               request: RoutingRequest = ANY_REQUEST) -> Backend:
+        return candidates[0]
+
+
+class _FailingChoice(Policy):
+    name = "failing-choice"
+
+    def choose(self, candidates: Sequence[Backend],
+               request: RoutingRequest = ANY_REQUEST) -> Backend:
+        raise RuntimeError("the policy broke")
+
+
+class PrepareLogAndModelListTests(SynchronousTestCase):
+    """Mutants of ``_scheduling/router`` that survived its full run (mutation-full/)."""
+
+    def router(self, policy: Policy, *specs: BackendSpec,
+               affinity: bool = False) -> Router:
+        self.clock = Clock()
+        pool = Pool(specs or (BackendSpec("127.0.0.1", 8002),), clock=self.clock)
+        return Router(pool, policy, self.clock,
+                      affinity=BoundedLoadRing() if affinity else None)
+
+    def test_prepare_is_skipped_only_when_affinity_chooses(self) -> None:
+        """
+        Affinity routes a request with a session key by its hash, so the policy's
+        per-request work (hashing a whole prompt, for cache-aware) is wasted on it -- and
+        only on it: every other request must be prepared.
+        """
+        for affinity, session, prepared in ((False, None, 1), (False, "s", 1),
+                                            (True, None, 1), (True, "s", 0)):
+            policy = _CountsPrepares()
+            router = self.router(policy, affinity=affinity)
+            self.successResultOf(router.acquire(RoutingRequest(session=session))).release()
+            self.assertEqual(policy.prepared, prepared, (affinity, session))
+
+    def test_a_failing_policy_is_logged_once_a_minute_from_any_start(self) -> None:
+        router = self.router(_FailingChoice())
+        self.clock.advance(1000)  # a process that has run a while: the stamp is not 0
+
+        def fail_at(seconds: float) -> int:
+            self.clock.advance(seconds - self.clock.seconds())
+            self.successResultOf(router.acquire()).release()
+            return len(self.flushLoggedErrors(RuntimeError))
+
+        self.assertEqual(fail_at(1000), 1)
+        self.assertEqual(fail_at(1001), 0)
+        self.assertEqual(fail_at(1059.5), 0)  # still within the minute
+        self.assertEqual(fail_at(1060), 1)
+
+    def test_models_of_every_healthy_backend_are_listed_past_a_down_one(self) -> None:
+        router = self.router(_CountsPrepares(),
+                             BackendSpec("127.0.0.1", 8002, models=("a",)),
+                             BackendSpec("127.0.0.1", 8003, models=("b",)),
+                             BackendSpec("127.0.0.1", 8004, models=("c",)))
+        down = router.pool.get("127.0.0.1:8002")
+        assert down is not None
+        router.pool.mark_down(down, "refused")
+        listed = router.model_list()
+        self.assertEqual([entry["id"] for entry in listed["data"]], ["b", "c"])  # type: ignore[index]
+
+    def test_listed_models_txlb_describes_itself_have_the_openai_shape(self) -> None:
+        """
+        A model known only from the config, and an alias, are listed as OpenAI's API lists
+        a model: ``created`` 0 (no date is known), owned by txlb.
+        """
+        router = self.router(_CountsPrepares(),
+                             BackendSpec("127.0.0.1", 8002, models=("m",)))
+        router.routes = {"alias": ModelRoute("alias", (("m", 1),))}
+        self.assertEqual(router.model_list(), {"object": "list", "data": [
+            {"id": "alias", "object": "model", "created": 0, "owned_by": "txlb"},
+            {"id": "m", "object": "model", "created": 0, "owned_by": "txlb"}]})
+
+    def test_an_alias_in_a_configured_list_hides_no_model_after_it(self) -> None:
+        """
+        An alias is listed inside its model's entry, not as an entry of its own -- and
+        skipping it must not skip the models the config lists after it.
+        """
+        router = self.router(_CountsPrepares(),
+                             BackendSpec("127.0.0.1", 8002, models=("short", "other")))
+        backend = router.pool.get("127.0.0.1:8002")
+        assert backend is not None
+        router.pool.set_models(backend, [{"id": "long", "object": "model",
+                                          "aliases": ["short"]}])
+        listed = router.model_list()["data"]
+        self.assertEqual([entry["id"] for entry in listed], ["other"])  # type: ignore[attr-defined]
