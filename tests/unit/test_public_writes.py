@@ -75,7 +75,7 @@ RECORDS: dict[tuple[str, str], str] = {
     ("_upstream/connection.py", "attempt"): _RECORD + ": one try's connection state",
     ("_upstream/client.py", "connection"): "the client's own UpstreamConnection's state, "
                                            "which its pool moves between idle and busy",
-    ("testing.py", "request"): _TWISTED + " (Request.defaultContentType)",
+    ("testing/engine.py", "request"): _TWISTED + " (Request.defaultContentType)",
 }
 
 

@@ -381,7 +381,7 @@ class SimulatedVLLM:
             self._release(generation, completed=False)
         else:
             # Finished already (the disconnect raced the last write): nothing to free.
-            generation.client_gone = True
+            generation.client_left()
 
 
 def listen_simulated(

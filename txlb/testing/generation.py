@@ -119,6 +119,10 @@ class Generation:
         due = self.anchor_at + (self.emitted - self.anchor_index) / self.speed
         self.call = clock.callLater(max(0.0, due - clock.seconds()), self._step)
 
+    def client_left(self) -> None:
+        """The client went away after the generation ended: nothing more is written."""
+        self.client_gone = True
+
     def abort(self) -> None:
         """The client went away: stop the timer; the simulator frees the slot."""
         self.client_gone = True
