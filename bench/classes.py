@@ -44,7 +44,7 @@ from bench.policies import (
     percentile,
     specs_for,
 )
-from txlb._cluster.backend import Lease
+from txlb._cluster.lease import Lease
 from txlb._cluster.pool import Pool
 from txlb._config import Config
 from txlb._scheduling.classes import PriorityClasses
@@ -140,7 +140,7 @@ def run(params: Params, classes: bool, interactive_share: float = 0.2) -> ClassR
             raise RuntimeError("simulation stalled with requests outstanding")
         clock.rightNow = max(clock.rightNow, clock.calls[0].getTime())
         clock.advance(0)
-    if any(b.active for b in pool) or router.queue_length:
+    if any(b.counts.active for b in pool) or router.queue_length:
         raise RuntimeError("slots or waiters left over")
     by_kind = {kind: [r for r, k in zip(requests, kinds, strict=True) if k == kind]
                for kind in (INTERACTIVE, BATCH)}

@@ -66,7 +66,7 @@ from bench.policies import (
     lognormal_tokens,
     percentile,
 )
-from txlb._cluster.backend import Lease
+from txlb._cluster.lease import Lease
 from txlb._cluster.pool import Pool
 from txlb._cluster.store import IInFlightCounts
 from txlb._config import BackendSpec

@@ -50,6 +50,11 @@ def _unit(*names: str) -> tuple[str, ...]:
     return tuple(f"tests.unit.{name}" for name in names)
 
 
+#: what pins a backend and each of its parts (txlb/_cluster/backend*.py, slow_start, lease)
+_BACKEND_TESTS = ("test_scheduling", "test_failover", "test_regressions", "test_admin",
+                  "test_health", "test_mutants", "test_mutants_pool")
+
+
 #: Each core module (its path under txlb/, without .py) and the unit test modules that
 #: should catch its mutants (in-memory only: fast, deterministic; the integration suites
 #: would make each mutant cost minutes).
@@ -68,8 +73,17 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "_upstream/client": _unit("test_upstream", "test_regressions", "test_mutants",
                               "test_mutants_upstream"),
     "_upstream/resend": _unit("test_upstream", "test_failures", "test_mutants_upstream"),
-    "_cluster/backend": _unit("test_scheduling", "test_failover", "test_regressions",
-                              "test_admin", "test_health", "test_mutants", "test_mutants_pool"),
+    "_cluster/backend": _unit(*_BACKEND_TESTS),
+    "_cluster/backend_health": _unit(*_BACKEND_TESTS, "test_store", "test_reload"),
+    "_cluster/backend_verdicts": _unit(*_BACKEND_TESTS, "test_hung", "test_bookkeeper"),
+    "_cluster/backend_counts": _unit(*_BACKEND_TESTS, "test_policies", "test_shared_slots",
+                                     "test_workers"),
+    "_cluster/backend_pace": _unit(*_BACKEND_TESTS, "test_hung"),
+    "_cluster/backend_engine": _unit(*_BACKEND_TESTS, "test_engines", "test_mutants_health",
+                                     "test_workers"),
+    "_cluster/backend_models": _unit(*_BACKEND_TESTS, "test_models"),
+    "_cluster/slow_start": _unit(*_BACKEND_TESTS, "test_time", "test_dns"),
+    "_cluster/lease": _unit(*_BACKEND_TESTS, "test_shared_slots"),
     "_cluster/pool": _unit("test_scheduling", "test_failover", "test_regressions",
                            "test_admin", "test_health", "test_reload", "test_reload_workers",
                            "test_store", "test_shared_state", "test_shared_slots", "test_dns",
@@ -149,7 +163,7 @@ class KnownBug:
 #: The nine deliberate bugs that passed the whole suite before ``tests/unit/test_regressions``.
 #: ``--known`` applies each to a copy of the tree and checks the tests now fail.
 KNOWN_BUGS: tuple[KnownBug, ...] = (
-    KnownBug("lease released twice counts twice", "txlb/_cluster/backend.py",
+    KnownBug("lease released twice counts twice", "txlb/_cluster/lease.py",
              "        if not self._released:\n            self._released = True\n",
              "        if True:\n            self._released = True\n"),
     KnownBug("--max-body not enforced on lb.resource()", "txlb/_proxy/resource.py",
@@ -219,7 +233,7 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "that), and an HTTPChannel's transport is never set back to None: both forms abort"),
     ("_proxy/exchange", "NumberReplacer", "if status < 499:",
      "a 499 from the backend then also asks provoked_by_request and the client key (both "
-     "pure), but Backend.answered resets the streak for any status under 500 whatever the "
+     "pure), but Verdicts.answered resets the streak for any status under 500 whatever the "
      "client, and judge_answer returns None for it: the same outcome"),
     ("_proxy/resource", "ReplaceAndWithOr", "if budgets is not None or budgets.specs:",
      "the balancer always passes its TokenBudgets; with no [[budgets]] its admit returns "
@@ -236,7 +250,7 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "speed differs"),
     ("_cluster/pool", "NumberReplacer", "outliers: OutlierRule | None = None, slow_start: float =",
      "Pool's default: the balancer always passes --slow-start"),
-    ("_cluster/pool", "AddNot", "            if not backend.removing:",
+    ("_cluster/pool", "AddNot", "            if not backend.health.removing:",
      "in refresh and mirror the loop hands each backend to _forget_if_idle, which checks "
      "removing itself: the guard only saves the call (undrain's check, less indented, is "
      "not this one)"),
@@ -248,7 +262,7 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("_cluster/outlier", "NumberReplacer", "consecutive_5xx: int =",
      "OutlierRule's default: the balancer always passes --outlier-5xx's value"),
     ("_cluster/outlier", "NumberReplacer", "if status < 499 or client is None:",
-     "a 499 from a client resets the streak (Backend.answered) to 0, under any threshold: "
+     "a 499 from a client resets the streak (Verdicts.answered) to 0, under any threshold: "
      "the same None"),
     ("_scheduling/policies/least_conn", "NumberReplacer", "rank=",
      "the built-in ranks are 10 apart: one up or down keeps the --help order"),
@@ -519,11 +533,11 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("_cluster/health", "NumberReplacer", 'rest.split("}", 2)[1]',
      "the same token follows the first '}' either way unless a label value holds '}', "
      "and then neither parses as a number (the line is skipped)"),
-    ("_cluster/backend", "NumberReplacer", "slow_start: float =",
-     "Backend's default: every Backend txlb makes is made by the pool, which passes its "
-     "--slow-start"),
-    ("_cluster/backend", "ReplaceFalseWithTrue", "attrs.field(default=None, repr=True)",
-     "only a Backend's repr shows its clock: nothing txlb writes uses that repr (logs, "
+    ("_cluster/slow_start", "NumberReplacer", "_length: float =",
+     "SlowStart's default: every SlowStart txlb makes is made by the pool, which passes its "
+     "--slow-start (and without a clock, as a default SlowStart has, there is no ramp)"),
+    ("_cluster/slow_start", "ReplaceFalseWithTrue", "attrs.field(default=None, repr=True)",
+     "only a SlowStart's repr shows its clock: nothing txlb writes uses that repr (logs, "
      "status and metrics name a backend by its key)"),
 )
 

@@ -120,7 +120,7 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
-from txlb._cluster.backend import Lease
+from txlb._cluster.lease import Lease
 from txlb._cluster.pool import Pool
 from txlb._config import BackendSpec
 from txlb._records.outcome import RequestOutcome
@@ -576,7 +576,7 @@ def run(experiment: Experiment, policy_name: str, params: Params,
         clock.advance(0)
 
     for pool in pools:
-        leaked = [b.key for b in pool if b.active]
+        leaked = [b.key for b in pool if b.counts.active]
         if leaked:
             raise RuntimeError(f"in-flight counts left over on {leaked}")
     busy = [e.key for e in engines.values() if e.running or e.waiting or e._finishing]

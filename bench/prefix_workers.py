@@ -21,7 +21,8 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.backend import Backend
+from txlb._cluster.lease import Lease
 from txlb._cluster.pool import Pool
 from txlb._config import BackendSpec
 from txlb._records.outcome import RequestOutcome
@@ -75,7 +76,7 @@ def run(policies: Sequence[IPolicy], seed: int) -> tuple[float, int]:
         policy = policies[rng.randrange(len(policies))]
         backend = policy.choose(backends, request)
         lease = pool.acquire(backend)
-        most = max(most, backend.active)
+        most = max(most, backend.counts.active)
         chain, chars = ruler.hasher.key(body, "m")
         hit = engines[backend.key].serve(chain)
         tokens = chars // CHARS_PER_TOKEN

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from twisted.internet.task import Clock
 
 from bench.prefix.workloads import CHARS_PER_TOKEN, PrefixRequest
-from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.backend import Backend
+from txlb._cluster.lease import Lease
 from txlb._cluster.pool import Pool
 from txlb._config import BackendSpec
 from txlb._records.outcome import RequestOutcome

@@ -111,5 +111,5 @@ class IPv6BackendTests(TestCase):
         self.listen(revived, "::1", port=port_number)
         yield defer.ensureDeferred(wait_until(lambda: v6.healthy,
                                               what="the restarted [::1] backend marked up"))
-        self.assertTrue(self.backend(self.v4_key).healthy)
+        self.assertTrue(self.backend(self.v4_key).health.healthy)
         self.assertTrue(self.lb.health._loop is not None and self.lb.health._loop.running)

@@ -26,7 +26,8 @@ from txlb import (
     RoutingRequest,
 )
 from txlb._cluster import engines
-from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.backend import Backend
+from txlb._cluster.lease import Lease
 from txlb._config import ConfigError, build_config
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.policies import cache_aware
@@ -109,12 +110,12 @@ class MatchTests(SynchronousTestCase):
         held: list[Lease] = []
         for n in range(40):
             held.append(self.route(chat(prompt, f"burst {n}")))
-            in_flight = sum(b.active for b in self.backends)
+            in_flight = sum(b.counts.active for b in self.backends)
             for backend in self.backends:
                 # never above the bound as it stood when that request was placed
-                self.assertLessEqual(backend.active, math.ceil(1.25 * in_flight / 4))
+                self.assertLessEqual(backend.counts.active, math.ceil(1.25 * in_flight / 4))
         self.assertEqual({lease.backend for lease in held}, set(self.backends))
-        counts = sorted(b.active for b in self.backends)
+        counts = sorted(b.counts.active for b in self.backends)
         self.assertLessEqual(counts[-1], math.ceil(1.25 * 40 / 4))
 
     def test_an_idle_backend_takes_a_hot_prefix_the_others_hold(self) -> None:
@@ -201,7 +202,7 @@ class MatchTests(SynchronousTestCase):
                           for i, w in enumerate((1, 2, 3))))
         backends = list(pool)
         for backend, active in zip(backends, (3, 1, 4), strict=True):
-            backend.counted(active)
+            backend.counts.counted(active)
         for backend in backends:
             self.assertEqual(load_bound(backend, backends, 1.25),
                              ring.capacity(backend, backends))
@@ -583,7 +584,7 @@ class CounterFallbackTests(SynchronousTestCase):
         worker, (mirrored,) = fleet(1)
         supervisor.set_engine_depth(list(supervisor)[0], 1, 0, 0.5, (10.0, 20.0))
         worker.mirror(json.loads(json.dumps(supervisor.shared_state())))
-        self.assertEqual(mirrored.prefix_cache_counts, (10.0, 20.0))
+        self.assertEqual(mirrored.engine.prefix_cache_counts, (10.0, 20.0))
 
     def scenario(self, hits_per_round: float, reported: bool = False) -> dict[str, Any]:
         pool, backends = fleet(2)
@@ -638,8 +639,8 @@ class ProbedCountersTests(RecognitionTests):
     def test_the_prober_reads_the_counters_each_probe(self) -> None:
         self.build(BackendSpec("127.0.0.1", 8002), queue_depth=True)
         self.probe(VLLM_METRICS)
-        self.assertEqual(self.backend.prefix_cache_counts, (4500.0, 10000.0))
+        self.assertEqual(self.backend.engine.prefix_cache_counts, (4500.0, 10000.0))
         self.clock.advance(2)
         self.answer(b"/health", "")
         self.answer(b"/metrics", VLLM_METRICS.replace("4000.0", "6000.0"))
-        self.assertEqual(self.backend.prefix_cache_counts, (6500.0, 10000.0))
+        self.assertEqual(self.backend.engine.prefix_cache_counts, (6500.0, 10000.0))

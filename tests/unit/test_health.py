@@ -50,25 +50,25 @@ class HealthCheckerTests(SynchronousTestCase):
 
     def test_non_200_marks_down_at_once(self) -> None:
         self.answer(A, 503)
-        self.assertFalse(self.a.healthy)
-        self.assertEqual(self.a.last_probe_error, "health: HTTP 503")
+        self.assertFalse(self.a.health.healthy)
+        self.assertEqual(self.a.health.last_probe_error, "health: HTTP 503")
         self.answer(B, 200)
-        self.assertTrue(self.b.healthy)
+        self.assertTrue(self.b.health.healthy)
 
     def test_refused_marks_down_at_once(self) -> None:
         self.pending(A).fail(neterror.ConnectionRefusedError())
-        self.assertFalse(self.a.healthy)
+        self.assertFalse(self.a.health.healthy)
 
     def test_ambiguous_failures_need_fall_in_a_row(self) -> None:
         self.pending(A).fail(ResponseNeverReceived([Failure(neterror.ConnectionLost())]))
-        self.assertTrue(self.a.healthy)
+        self.assertTrue(self.a.health.healthy)
         self.clock.advance(2)
         self.clock.advance(1)  # timeout: no answer within 1 s
-        self.assertTrue(self.a.healthy)
-        self.assertEqual(self.a.last_probe_error, "health: no answer within 1s")
+        self.assertTrue(self.a.health.healthy)
+        self.assertEqual(self.a.health.last_probe_error, "health: no answer within 1s")
         self.clock.advance(1)  # third probe starts at t=4
         self.pending(A).fail(ResponseNeverReceived([Failure(neterror.ConnectionLost())]))
-        self.assertFalse(self.a.healthy)
+        self.assertFalse(self.a.health.healthy)
 
     def test_success_resets_the_fall_count(self) -> None:
         for _ in range(5):
@@ -76,16 +76,16 @@ class HealthCheckerTests(SynchronousTestCase):
             self.clock.advance(2)
             self.answer(A, 200)
             self.clock.advance(2)
-        self.assertTrue(self.a.healthy)
+        self.assertTrue(self.a.health.healthy)
 
     def test_rise_successes_bring_it_back(self) -> None:
         self.answer(A, 503)
         self.clock.advance(2)
         self.answer(A, 200)
-        self.assertFalse(self.a.healthy)  # rise=2
+        self.assertFalse(self.a.health.healthy)  # rise=2
         self.clock.advance(2)
         self.answer(A, 200)
-        self.assertTrue(self.a.healthy)
+        self.assertTrue(self.a.health.healthy)
 
     def test_hung_probe_stalls_nothing(self) -> None:
         """
@@ -130,7 +130,7 @@ class HealthCheckerTests(SynchronousTestCase):
         self.clock.advance(2)
         self.clock.advance(2)
         self.pending(A).fail(neterror.ConnectionRefusedError())
-        self.assertFalse(self.a.healthy)
+        self.assertFalse(self.a.health.healthy)
         # and the stalled reads were not left open: one connection per probe would pile up
         self.assertTrue(all(response.transport.stopped for response in stalled))
 
@@ -140,7 +140,7 @@ class HealthCheckerTests(SynchronousTestCase):
         count = len(self.agent.calls)
         self.clock.advance(100)
         self.assertEqual(len(self.agent.calls), count)
-        self.assertTrue(self.a.healthy and self.b.healthy)
+        self.assertTrue(self.a.health.healthy and self.b.health.healthy)
 
 
 class _RaisingAgent(FakeUpstream):
@@ -181,16 +181,16 @@ class ProbeErrorTests(SynchronousTestCase):
         self.assertEqual(len([c for c in self.agent.calls if b"8003/health" in c.uri]), 5)
         assert self.checker._loop is not None
         self.assertTrue(self.checker._loop.running)
-        self.assertTrue(self.pool.get(B.key).healthy)  # type: ignore[union-attr]
+        self.assertTrue(self.pool.get(B.key).health.healthy)  # type: ignore[union-attr]
 
     def test_the_raising_backend_counts_failed_probes(self) -> None:
         a = self.pool.get(A.key)
         assert a is not None
-        self.assertTrue(a.healthy)  # fall=2: one failure is not enough
-        self.assertIn("cannot build a request", a.last_probe_error or "")
+        self.assertTrue(a.health.healthy)  # fall=2: one failure is not enough
+        self.assertIn("cannot build a request", a.health.last_probe_error or "")
         self.answer_b()
         self.clock.advance(2)
-        self.assertFalse(a.healthy)
+        self.assertFalse(a.health.healthy)
         self.assertNotIn(A.key, [b.key for b in self.checker._probing])
 
 
@@ -217,6 +217,6 @@ class EngineScrapeFailureTests(SynchronousTestCase):
         scrape = self.agent.last
         self.assertTrue(scrape.uri.endswith(b"/metrics"))
         scrape.fail(neterror.ConnectionLost())
-        self.assertIsNone(self.backend.engine_depth)
+        self.assertIsNone(self.backend.engine.depth)
         # the worker processes mirror on this hook: without it they kept the stale depth
         self.assertEqual(len(updates), seen + 1)

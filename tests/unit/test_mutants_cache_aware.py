@@ -11,7 +11,8 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from txlb import BackendSpec, Pool, RequestOutcome, RoutingRequest
-from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.backend import Backend
+from txlb._cluster.lease import Lease
 from txlb._scheduling.policies import cache_aware
 from txlb._scheduling.policies.cache_aware import CacheAware
 from txlb._scheduling.prefix import PrefixHasher
@@ -81,7 +82,7 @@ class ChoiceTests(SynchronousTestCase):
         request = prompt("b", 4)
         policy.index.sent(home, self.chain(policy, request)[:2])
         self.busy(pool, home, 2)
-        self.assertLess(home.active, cache_aware.load_bound(home, [idle, home], 1.25))
+        self.assertLess(home.counts.active, cache_aware.load_bound(home, [idle, home], 1.25))
         self.assertIs(policy.choose([idle, home], request), idle)
 
     def test_a_one_block_match_is_a_gain(self) -> None:

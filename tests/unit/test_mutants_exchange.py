@@ -251,7 +251,7 @@ class BlameTests(ExchangeTestCase):
         for n in range(3):
             self.answer_bad(504, f"10.1.2.{n % 2 + 3}")
         assert self.bad is not None
-        self.assertFalse(self.bad.healthy)
+        self.assertFalse(self.bad.health.healthy)
 
     def test_the_5xx_is_held_against_the_key_taken_when_routed(self) -> None:
         """A reload changing --rate-key meanwhile does not change who sent it."""
@@ -261,7 +261,7 @@ class BlameTests(ExchangeTestCase):
         call.respond(FakeResponse(500, length=0)).end()
         backend = self.lb.pool.get(call.uri.split(b"/")[2].decode())
         assert backend is not None
-        self.assertEqual(backend.streak_clients, ("ip:10.1.2.3",))
+        self.assertEqual(backend.verdicts.streak_clients, ("ip:10.1.2.3",))
 
 
 class ResultLogTests(ExchangeTestCase):

@@ -90,7 +90,7 @@ class BodyLimitTests(_Prober):
         self.answer(b"/health")
         self.answer(b"/v1/models", MODELS)
         self.answer(b"/metrics", padded(VLLM, FOUR_MIB))
-        self.assertEqual(backend.engine, "vllm")
+        self.assertEqual(backend.engine.name, "vllm")
 
     def test_one_byte_more_is_a_failed_read(self) -> None:
         """Not an ``unknown`` engine either: a failed read, so it is looked for again."""
@@ -98,11 +98,11 @@ class BodyLimitTests(_Prober):
         self.answer(b"/health")
         self.answer(b"/v1/models", MODELS)
         self.answer(b"/metrics", padded(VLLM, FOUR_MIB + 1))
-        self.assertIsNone(backend.engine)
+        self.assertIsNone(backend.engine.name)
         self.clock.advance(2)
         self.answer(b"/health")
         self.answer(b"/metrics", VLLM)
-        self.assertEqual(backend.engine, "vllm")
+        self.assertEqual(backend.engine.name, "vllm")
 
 
 class MetricsStatusTests(_Prober):
@@ -117,11 +117,11 @@ class MetricsStatusTests(_Prober):
             backend = self.build(CONFIGURED, queue_depth=True)
             self.answer(b"/health")
             self.answer(b"/metrics", "busy", code=code)
-            self.assertIsNone(backend.engine, code)
+            self.assertIsNone(backend.engine.name, code)
             self.clock.advance(2)
             self.answer(b"/health")
             self.answer(b"/metrics", VLLM)
-            self.assertEqual((backend.engine, backend.engine_depth), ("vllm", 3.0), code)
+            self.assertEqual((backend.engine.name, backend.engine.depth), ("vllm", 3.0), code)
             self.checker.stopService()
 
     def test_other_answers_are_an_unknown_engine(self) -> None:
@@ -129,7 +129,7 @@ class MetricsStatusTests(_Prober):
             backend = self.build(CONFIGURED, queue_depth=True)
             self.answer(b"/health")
             self.answer(b"/metrics", "no", code=code)
-            self.assertEqual(backend.engine, UNKNOWN, code)
+            self.assertEqual(backend.engine.name, UNKNOWN, code)
             self.assertEqual(len(self.warnings), 1, code)
             self.assertIn(f"(HTTP {code})", self.warnings[0])
             for _ in range(2):
@@ -147,11 +147,11 @@ class QueueDepthTests(_Prober):
         backend = self.build(CONFIGURED, queue_depth=True)
         self.answer(b"/health")
         self.answer(b"/metrics", VLLM)
-        self.assertEqual((backend.engine, backend.engine_depth), ("vllm", 3.0))
+        self.assertEqual((backend.engine.name, backend.engine.depth), ("vllm", 3.0))
         self.clock.advance(2)
         self.answer(b"/health")
         self.answer(b"/metrics", "vllm:num_requests_running 4\nvllm:num_requests_waiting 6\n")
-        self.assertEqual(backend.engine_depth, 10.0)
+        self.assertEqual(backend.engine.depth, 10.0)
         self.assertEqual(self.warnings, [])
 
     def test_half_a_queue_is_no_queue(self) -> None:
@@ -163,8 +163,8 @@ class QueueDepthTests(_Prober):
             self.clock.advance(2)
             self.answer(b"/health")
             self.answer(b"/metrics", text)
-            self.assertIsNone(backend.engine_depth, text)
-            self.assertEqual(backend.engine, "vllm")
+            self.assertIsNone(backend.engine.depth, text)
+            self.assertEqual(backend.engine.name, "vllm")
             self.assertEqual(len(self.warnings), 1, text)
             self.assertIn("(vllm:num_requests_running or vllm:num_requests_waiting missing)",
                           self.warnings[0])
@@ -174,7 +174,7 @@ class QueueDepthTests(_Prober):
         backend = self.build(CONFIGURED, queue_depth=True)
         self.answer(b"/health")
         self.answer(b"/metrics", "process_cpu_seconds_total 3\nup 1\n")
-        self.assertEqual(backend.engine, UNKNOWN)
+        self.assertEqual(backend.engine.name, UNKNOWN)
         self.assertEqual(self.pool.status()["backends"][0]["engine"], UNKNOWN)  # type: ignore[index]
         self.assertEqual(len(self.warnings), 1)
         self.assertIn("(no metric name txlb knows)", self.warnings[0])
@@ -185,7 +185,7 @@ class QueueDepthTests(_Prober):
         for _ in range(3):
             self.answer(b"/health")
             self.pending(b"/metrics").fail(error)
-            self.assertIsNone(backend.engine_depth)
+            self.assertIsNone(backend.engine.depth)
             self.clock.advance(2)
         self.assertEqual(len(self.calls(b"/metrics")), 3)  # never read: looked for again
         self.assertEqual(len(self.warnings), 1)
@@ -199,12 +199,12 @@ class QueueDepthTests(_Prober):
         self.clock.advance(2)
         self.answer(b"/health")
         self.pending(b"/metrics").fail(neterror.ConnectionRefusedError())
-        self.assertIsNone(backend.engine_depth)
+        self.assertIsNone(backend.engine.depth)
         self.assertEqual(self.warnings, [])
         self.clock.advance(2)
         self.answer(b"/health")
         self.answer(b"/metrics", VLLM)
-        self.assertEqual(backend.engine_depth, 3.0)
+        self.assertEqual(backend.engine.depth, 3.0)
 
 
 class RecognitionTests(_Prober):
@@ -215,12 +215,12 @@ class RecognitionTests(_Prober):
         self.answer(b"/health")
         self.answer(b"/v1/models", MODELS)
         self.answer(b"/metrics", "busy", code=503)
-        self.assertIsNone(backend.engine)
+        self.assertIsNone(backend.engine.name)
         self.clock.advance(2)
         self.answer(b"/health")
         self.nothing_pending(b"/v1/models")  # learned: not asked again while it stays up
         self.answer(b"/metrics", VLLM)
-        self.assertEqual(backend.engine, "vllm")
+        self.assertEqual(backend.engine.name, "vllm")
         self.clock.advance(2)
         self.answer(b"/health")
         self.nothing_pending(b"/v1/models")
@@ -234,10 +234,10 @@ class RecognitionTests(_Prober):
         self.pool.mark_down(backend, "test")
         self.clock.advance(2)
         self.answer(b"/health")  # rise=1: up again, perhaps restarted as something else
-        self.assertTrue(backend.healthy)
+        self.assertTrue(backend.health.healthy)
         self.answer(b"/v1/models", MODELS.replace('"m"', '"n"'))
         self.answer(b"/metrics", LLAMACPP)
-        self.assertEqual(backend.engine, "llamacpp")
+        self.assertEqual(backend.engine.name, "llamacpp")
         self.assertEqual(backend.models, ("n",))
 
     def test_the_next_probe_waits_for_the_scrape(self) -> None:
@@ -257,22 +257,22 @@ class FailedProbeTests(_Prober):
     def test_stopping_the_prober_counts_no_failure(self) -> None:
         backend = self.build(CONFIGURED, fall=1)
         self.checker.stopService()  # cancels the probe under way
-        self.assertTrue(backend.healthy)
-        self.assertIsNone(backend.last_probe_error)
+        self.assertTrue(backend.health.healthy)
+        self.assertIsNone(backend.health.last_probe_error)
 
     def test_a_timeout_while_its_streams_flow_is_not_counted(self) -> None:
         """A byte heard the very moment the probe went out counts as flowing."""
         backend = self.build(CONFIGURED, fall=1)
-        backend.heard(self.clock.seconds())
+        backend.pace.heard(self.clock.seconds())
         self.clock.advance(1)  # the probe's timeout
-        self.assertTrue(backend.healthy)
-        self.assertIsNone(backend.last_probe_error)
+        self.assertTrue(backend.health.healthy)
+        self.assertIsNone(backend.health.last_probe_error)
 
     def test_a_refusal_while_its_streams_flow_is_counted(self) -> None:
         backend = self.build(CONFIGURED, fall=3)
-        backend.heard(self.clock.seconds())
+        backend.pace.heard(self.clock.seconds())
         self.pending(b"/health").fail(neterror.ConnectionRefusedError())
-        self.assertFalse(backend.healthy)
+        self.assertFalse(backend.health.healthy)
 
     def test_a_backend_whose_probe_cannot_be_built_stops_no_other(self) -> None:
         """

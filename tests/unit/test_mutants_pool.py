@@ -107,7 +107,7 @@ class LogLineTests(SynchronousTestCase):
         with logged() as lines:
             pool.keep(backend)
         self.assertIn("backend 127.0.0.1:8002 stays: the new config lists it", lines)
-        self.assertFalse(backend.removing)
+        self.assertFalse(backend.health.removing)
         lease.release()
         self.assertIs(pool.get(A.key), backend)
 
@@ -175,7 +175,7 @@ class MirrorTests(SynchronousTestCase):
         only_a = [state for state in supervisor.shared_state()
                   if state["spec"][1] == A.port]
         worker.mirror(only_a)
-        self.assertTrue(held.removing)  # draining here: its request runs on
+        self.assertTrue(held.health.removing)  # draining here: its request runs on
         self.assertIs(worker.get(B.key), held)
         lease.release()
         self.assertIsNone(worker.get(B.key))
@@ -199,8 +199,8 @@ class StoredMarksTests(SynchronousTestCase):
         pool.refresh()
         backend = pool.get(A.key)
         assert backend is not None
-        self.assertFalse(backend.removing)
-        self.assertFalse(backend.draining)
+        self.assertFalse(backend.health.removing)
+        self.assertFalse(backend.health.draining)
         self.assertEqual(marks.saved, [(A.key, Marks(healthy=True, draining=False,
                                                       removing=False))])
 
@@ -211,7 +211,7 @@ class StoredMarksTests(SynchronousTestCase):
         pool.refresh()
         backend = pool.get(A.key)
         assert backend is not None
-        self.assertTrue(backend.draining)
+        self.assertTrue(backend.health.draining)
 
     def test_a_failing_suspect_listener_stops_no_other(self) -> None:
         pool, marks = self.build()
@@ -229,18 +229,18 @@ class StoredMarksTests(SynchronousTestCase):
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
         backend = pool.get(A.key)
         assert backend is not None
-        self.assertTrue(backend.healthy)  # each replica's own probe decides
+        self.assertTrue(backend.health.healthy)  # each replica's own probe decides
 
     def test_a_stored_drain_leaves_a_healthy_backend_up(self) -> None:
         marks = StoredMarks()
         pool = Pool((A,), clock=Clock(), store=LocalStore(marks=marks))
         backend = pool.get(A.key)
         assert backend is not None
-        self.assertTrue(backend.healthy)
+        self.assertTrue(backend.health.healthy)
         marks.stored = [(A, Marks(healthy=True, draining=True, removing=False))]
         pool.refresh()
-        self.assertTrue(backend.draining)
-        self.assertTrue(backend.healthy)
+        self.assertTrue(backend.health.draining)
+        self.assertTrue(backend.health.healthy)
 
 
 class WithdrawnSlotTests(SynchronousTestCase):
@@ -250,12 +250,12 @@ class WithdrawnSlotTests(SynchronousTestCase):
         backend = pool.get(A.key)
         assert backend is not None
         running = pool.acquire(backend)
-        before = (backend.active, backend.requests)
+        before = (backend.counts.active, backend.counts.requests)
         pool.withdraw(pool.acquire(backend))
-        self.assertEqual((backend.active, backend.requests), before)
+        self.assertEqual((backend.counts.active, backend.counts.requests), before)
         self.assertEqual(pool.in_flight, 1)
         running.release()
-        self.assertEqual((backend.active, pool.in_flight), (0, 0))
+        self.assertEqual((backend.counts.active, pool.in_flight), (0, 0))
 
     def test_a_withdrawn_slot_is_not_counted_as_sent_since_the_scrape(self) -> None:
         """What queue-depth adds to the engine's last scrape: the requests sent since."""
@@ -263,9 +263,9 @@ class WithdrawnSlotTests(SynchronousTestCase):
         backend = pool.get(A.key)
         assert backend is not None
         pool.acquire(backend)
-        self.assertEqual(backend.started_since_scrape, 1)
+        self.assertEqual(backend.counts.started_since_scrape, 1)
         pool.withdraw(pool.acquire(backend))
-        self.assertEqual(backend.started_since_scrape, 1)
+        self.assertEqual(backend.counts.started_since_scrape, 1)
 
     def test_a_withdrawn_lease_cannot_be_released_or_withdrawn_again(self) -> None:
         pool = Pool((A,))
@@ -276,9 +276,9 @@ class WithdrawnSlotTests(SynchronousTestCase):
         pool.withdraw(refused)
         refused.release()  # a no-op: the slot is gone already
         self.assertFalse(refused.withdraw())
-        self.assertEqual((backend.active, pool.in_flight), (1, 1))
+        self.assertEqual((backend.counts.active, pool.in_flight), (1, 1))
         running.release()
-        self.assertEqual(backend.active, 0)
+        self.assertEqual(backend.counts.active, 0)
 
     def test_a_slot_taken_before_a_scrape_and_withdrawn_after_leaves_zero(self) -> None:
         """The scrape restarted the count: the withdrawn take is not in it, and never below 0."""
@@ -287,22 +287,22 @@ class WithdrawnSlotTests(SynchronousTestCase):
         assert backend is not None
         refused = pool.acquire(backend)
         pool.set_engine_depth(backend, 1, 0)
-        self.assertEqual(backend.started_since_scrape, 0)
+        self.assertEqual(backend.counts.started_since_scrape, 0)
         pool.withdraw(refused)
-        self.assertEqual(backend.started_since_scrape, 0)
+        self.assertEqual(backend.counts.started_since_scrape, 0)
         pool.acquire(backend)
         pool.acquire(backend)
         pool.withdraw(pool.acquire(backend))
-        self.assertEqual(backend.started_since_scrape, 2)
+        self.assertEqual(backend.counts.started_since_scrape, 2)
 
     def test_a_withdrawn_first_slot_leaves_no_request_counted(self) -> None:
         pool = Pool((A,))
         backend = pool.get(A.key)
         assert backend is not None
         pool.withdraw(pool.acquire(backend))
-        self.assertEqual((backend.active, backend.requests), (0, 0))
+        self.assertEqual((backend.counts.active, backend.counts.requests), (0, 0))
         # counts read back meanwhile (--workers' shared table) never go below nothing
         refused = pool.acquire(backend)
-        backend.counted(1, requests=0)
+        backend.counts.counted(1, requests=0)
         pool.withdraw(refused)
-        self.assertEqual(backend.requests, 0)
+        self.assertEqual(backend.counts.requests, 0)

@@ -16,7 +16,8 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.backend import Backend
+from txlb._cluster.lease import Lease
 from txlb._cluster.pool import Pool
 from txlb._config import BackendSpec, Config
 from txlb._scheduling.policies.least_conn import LeastConnections

@@ -16,7 +16,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from txlb import LoadBalancer
-from txlb._cluster.backend import Lease
+from txlb._cluster.lease import Lease
 from txlb._cluster.pool import Pool
 from txlb._config import BackendSpec, build_config
 from txlb._scheduling.policies.least_conn import LeastConnections
@@ -107,8 +107,8 @@ class SlotTests(SynchronousTestCase):
         assert backend is not None
         # as if never taken: no request started or finished, nobody told of a freed slot
         self.assertEqual((self.counts.mine(refused), self.counts.started(refused)), (0, 0))
-        self.assertEqual((backend.requests, backend.started_since_scrape,
-                          backend.finished_since_scrape), (0, 0, 0))
+        self.assertEqual((backend.counts.requests, backend.counts.started_since_scrape,
+                          backend.counts.finished_since_scrape), (0, 0, 0))
         self.assertEqual(self.counts.total(refused), 1)  # reads as full now
         self.assertEqual(changes, [])
         [_, (other, mine, _)] = self.redis.asked()
@@ -195,7 +195,7 @@ class SlotTests(SynchronousTestCase):
         self.pool.withdraw(lease)
         lease.release()
         self.pool.withdraw(lease)
-        self.assertEqual((self.counts.mine("h:1"), backend.active, self.pool.in_flight),
+        self.assertEqual((self.counts.mine("h:1"), backend.counts.active, self.pool.in_flight),
                          (0, 0, 0))
         self.clock.advance(FLUSH_DELAY)
         self.assertEqual(self.redis.published(), [])

@@ -750,7 +750,7 @@ class HeldThenResetTests(unittest.TestCase):
         # probed at once (the table's "probed at once"), and still in rotation
         self.assertEqual([c.uri for c in self.probes.calls][-1:],
                          [b"http://127.0.0.1:8002/health"])
-        self.assertTrue(all(b.healthy for b in self.lb.pool))
+        self.assertTrue(all(b.health.healthy for b in self.lb.pool))
         self.assertEqual(self.lb.pool.in_flight, 0)
 
     def test_closed_at_once_is_sent_again_and_answered(self) -> None:

@@ -207,16 +207,16 @@ class SupervisorTests(SynchronousTestCase):
         garbage, failing, hung, _ = list(sup.balancer.pool)
         for _ in range(10):  # 5xx to bodies that are not JSON: the worker sends None
             sup.received(worker, [Answer(garbage.key, 500, None)])
-        self.assertTrue(garbage.healthy)
-        self.assertEqual(garbage.errors_in_a_row, 0)
+        self.assertTrue(garbage.health.healthy)
+        self.assertEqual(garbage.verdicts.errors_in_a_row, 0)
         sup.received(worker, [Answer(failing.key, 500, "ip:10.0.0.1")] * 5)
-        self.assertTrue(failing.healthy)  # one client alone
+        self.assertTrue(failing.health.healthy)  # one client alone
         sup.received(worker, [Answer(failing.key, 500, "ip:10.0.0.2")])
-        self.assertFalse(failing.healthy)
-        self.assertEqual(failing.outlier_ejections, 1)
+        self.assertFalse(failing.health.healthy)
+        self.assertEqual(failing.verdicts.outlier_ejections, 1)
         sup.received(worker, [Down(hung.key, "hung: no byte from any of 2 requests")])
-        self.assertFalse(hung.healthy)
-        self.assertEqual(hung.hung_ejections, 1)
+        self.assertFalse(hung.health.healthy)
+        self.assertEqual(hung.verdicts.hung_ejections, 1)
 
     def test_the_queue_length_is_every_workers(self) -> None:
         """

@@ -21,9 +21,11 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import Clock
 from twisted.logger import Logger
 
-from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.backend import Backend
+from txlb._cluster.lease import Lease
 from txlb._cluster.models import MAX_MODEL_NAME, MAX_MODEL_NAMES, learn
 from txlb._cluster.outlier import OutlierRule, fleet_can_spare, judge_answer
+from txlb._cluster.slow_start import SlowStart
 from txlb._cluster.store import IBackendStore, IInFlightCounts, LocalStore
 from txlb._config import BackendSpec
 from txlb._records.escape import escape
@@ -130,13 +132,15 @@ class Pool:
         if self.shared is not None:
             self.shared.register(spec.key)  # raises ValueError when no slot is left
         up_since = self._now() if ramp and self.slow_start else None
-        backend = self._backends[spec.key] = Backend(spec, clock=self.clock,
-                                                     slow_start=self.slow_start,
-                                                     up_since=up_since)
+        backend = self._backends[spec.key] = self._new(spec, up_since)
         self._origins[spec.key] = origin
         self._marked(backend)
         self._changed()
         return backend
+
+    def _new(self, spec: BackendSpec, up_since: float | None = None) -> Backend:
+        """A backend on this pool's clock and ``--slow-start``."""
+        return Backend(spec, slow_start=SlowStart(self.clock, self.slow_start, up_since))
 
     def _changed(self) -> None:
         for listener in list(self.on_change):
@@ -159,13 +163,14 @@ class Pool:
         Drain ``backend`` and forget it once its last in-flight request ends (at once if
         idle), so removing a GPU never cuts a running generation.
         """
-        backend.leaving()
+        backend.health.leaving()
         self._marked(backend)
         self._forget_if_idle(backend)
         self._changed()
 
     def _forget_if_idle(self, backend: Backend) -> None:
-        if backend.removing and self._held(backend) == 0 and self.get(backend.key) is backend:
+        if (backend.health.removing and self._held(backend) == 0
+                and self.get(backend.key) is backend):
             del self._backends[backend.key]
             self.learned.discard(backend.key)
             self._origins.pop(backend.key, None)
@@ -182,7 +187,7 @@ class Pool:
 
     def _marked(self, backend: Backend, reason: str = "") -> None:
         """Added here or its marks changed here: the store keeps them for other balancers."""
-        self.store.marks.save(backend.spec, backend.marks, reason,
+        self.store.marks.save(backend.spec, backend.health.marks, reason,
                               origin=self._origins.get(backend.key))
 
     def _take_marks(self) -> bool:
@@ -201,41 +206,40 @@ class Pool:
                     continue
                 if self.shared is not None:
                     self.shared.register(spec.key)
-                backend = self._backends[spec.key] = Backend(spec, clock=self.clock,
-                                                             slow_start=self.slow_start)
+                backend = self._backends[spec.key] = self._new(spec)
                 log.info("backend {backend} added (from the shared store)",
                          backend=spec.key)
                 self.learned.add(spec.key)
                 changed = True
             kept = False
-            if stored.removing and not backend.removing:
+            if stored.removing and not backend.health.removing:
                 if self._operators(spec.key):
                     self.learned.discard(spec.key)  # an operator's: not DNS's to adopt
                 elif self.keeps(backend):  # not removed here (nor drained, as removing
                     # implies): its own drain and the entry's health apply
-                    stored = attrs.evolve(stored, removing=False, draining=backend.draining)
+                    stored = attrs.evolve(stored, removing=False, draining=backend.health.draining)
                     kept = True
-            if stored == backend.marks:
+            if stored == backend.health.marks:
                 if kept:
                     self._marked(backend)  # and it stays in the store too
                 continue
             changed = True
-            if stored.removing and not backend.removing:
-                backend.leaving()
-            elif stored.draining and not backend.removing:
-                backend.drain()
-            elif not backend.removing:
-                backend.undrain()
-            if stored.healthy is True and not backend.healthy:
+            if stored.removing and not backend.health.removing:
+                backend.health.leaving()
+            elif stored.draining and not backend.health.removing:
+                backend.health.drain()
+            elif not backend.health.removing:
+                backend.health.undrain()
+            if stored.healthy is True and not backend.health.healthy:
                 backend.came_up(self._now())
-            elif backend.healthy and stored.healthy is False:
+            elif backend.health.healthy and stored.healthy is False:
                 if self.on_suspect:
                     # one replica's refusal may be its own network's (a firewall on its
                     # host): each replica's own probe decides, or a refused replica and
                     # a reaching one would take the engine out and back everywhere in turn
                     suspects.append(backend)
                 else:
-                    backend.went_down()
+                    backend.health.went_down()
             log.info("backend {backend} is now {marks} (from the shared store)",
                      backend=backend.key, marks=stored)
             if kept:
@@ -271,7 +275,7 @@ class Pool:
 
     def keep(self, backend: Backend, why: str = "the new config lists it") -> None:
         """Call off the removal of ``backend`` (a reloaded config lists it again)."""
-        if backend.stays():
+        if backend.health.stays():
             log.info("backend {backend} stays: {why}", backend=backend.key, why=why)
             self._marked(backend)
             self._changed()
@@ -285,23 +289,23 @@ class Pool:
         if slow_start != self.slow_start:
             self.slow_start = slow_start
             for backend in self._backends.values():
-                backend.ramps_over(slow_start)
+                backend.slow_start.ramps_over(slow_start)
             self._changed()
 
     # -- operator state -----------------------------------------------------------------
 
     def drain(self, backend: Backend) -> None:
         """No new requests; in-flight ones finish.  Survives health changes."""
-        if backend.drain():
+        if backend.health.drain():
             log.info("backend {backend} draining ({active} in flight)",
-                     backend=backend.key, active=backend.active)
+                     backend=backend.key, active=backend.counts.active)
             self._marked(backend)
             self._changed()
 
     def undrain(self, backend: Backend) -> None:
-        if backend.removing:
+        if backend.health.removing:
             raise ValueError(f"backend {backend.key} is being removed")
-        if backend.undrain():
+        if backend.health.undrain():
             log.info("backend {backend} undrained", backend=backend.key)
             self._marked(backend)
             self._changed()
@@ -314,7 +318,7 @@ class Pool:
         choice, before anything else can run, so a burst cannot all see the same idle
         backend.
         """
-        backend.took_slot()
+        backend.counts.took_slot()
         if self.shared is not None:
             self.shared.take(backend.key)
         return Lease(backend, self._released)
@@ -332,7 +336,7 @@ class Pool:
         try:
             totals, slot = shared.totals(), shared.slot
             for backend in self._backends.values():
-                backend.counted(totals[slot(backend.key)])
+                backend.counts.counted(totals[slot(backend.key)])
             return choose(*args)
         finally:
             shared.unlock()
@@ -349,17 +353,17 @@ class Pool:
         if shared is not None:
             totals, slot = shared.totals(), shared.slot
             for backend in list(self._backends.values()):
-                backend.counted(totals[slot(backend.key)], shared.started(backend.key))
+                backend.counts.counted(totals[slot(backend.key)], shared.started(backend.key))
         if shared is not None or changed:
             for backend in list(self._backends.values()):
-                if backend.removing:
+                if backend.health.removing:
                     self._forget_if_idle(backend)
         if changed:
             self._changed()
 
     def _held(self, backend: Backend) -> int:
         """Requests in flight on ``backend`` that this process must wait for."""
-        return backend.active if self.shared is None else self.shared.mine(backend.key)
+        return backend.counts.active if self.shared is None else self.shared.mine(backend.key)
 
     def withdraw(self, lease: Lease) -> None:
         """
@@ -370,7 +374,7 @@ class Pool:
         if not lease.withdraw():
             return
         backend = lease.backend
-        backend.untook_slot()
+        backend.counts.untook_slot()
         if self.shared is not None:
             self.shared.untake(backend.key)
         self._forget_if_idle(backend)
@@ -409,12 +413,13 @@ class Pool:
     def record_result(self, backend: Backend, status: int, duration: float,
                       ttft: float | None) -> None:
         """Count a finished request's status class and fold its timings into the averages."""
-        backend.record_result(status, duration, ttft)
+        backend.counts.finished(status)
+        backend.pace.timed(duration, ttft)
 
     def record_prompt(self, backend: Backend, prompt_tokens: int,
                       cached_prompt_tokens: int | None) -> None:
         """An answer's prompt tokens, and those its engine served from its prefix cache."""
-        backend.prompt_counted(prompt_tokens, cached_prompt_tokens)
+        backend.counts.prompt_counted(prompt_tokens, cached_prompt_tokens)
 
     def record_answer(self, backend: Backend, status: int, client: str | None = "") -> None:
         """
@@ -434,13 +439,13 @@ class Pool:
         would take more than half the fleet out -- the detector judges from silence, and a
         silence shared by so many is more likely txlb's or the network's than theirs.
         """
-        if not backend.healthy:
+        if not backend.health.healthy:
             return
         if not fleet_can_spare(self._backends.values()):
             log.warn("backend {backend} looks hung but stays in: half the fleet is "
                      "already out ({reason})", backend=backend.key, reason=reason)
             return
-        backend.judged_hung()
+        backend.verdicts.judged_hung()
         self.mark_down(backend, reason)
 
     # -- what the prober learns ---------------------------------------------------------
@@ -457,19 +462,19 @@ class Pool:
                      "those get --unknown-model's answer", backend=backend.key,
                      dropped=learned.dropped, most=MAX_MODEL_NAMES, longest=MAX_MODEL_NAME)
         ids = learned.names
-        if ids != backend.learned_models:
+        if ids != backend.listing.names:
             # the names are the backend's to choose: escaped, so none can forge a log line
             log.info("backend {backend} serves {models}", backend=backend.key,
                      models=escape(", ".join(ids), "text") or "no model")
-        backend.learned(learned.entries, ids)
+        backend.listing.learned(learned.entries, ids)
         self._updated()
 
     def set_engine(self, backend: Backend, engine: str,
                    kv_cache: float | None = None) -> None:
         """The engine recognised from the backend's ``/metrics``, and its KV-cache usage."""
-        if engine != backend.engine:
+        if engine != backend.engine.name:
             log.info("backend {backend} runs {engine}", backend=backend.key, engine=engine)
-        backend.engine_seen(engine, kv_cache)
+        backend.engine.seen(engine, kv_cache)
         self._updated()
 
     def set_engine_depth(self, backend: Backend, running: float, waiting: float,
@@ -488,14 +493,14 @@ class Pool:
         rather than act on a stale figure.  Through the pool (not by writing the attribute)
         so that worker processes mirror the fallback too.
         """
-        if backend.engine_depth_lost():
+        if backend.engine.depth_lost():
             self._updated()
 
     # -- health -------------------------------------------------------------------------
 
     def mark_down(self, backend: Backend, reason: str) -> None:
         """Take a backend out of rotation now (definitive failure or passive ejection)."""
-        if backend.went_down():
+        if backend.health.went_down():
             log.warn("backend {backend} marked down: {reason}", backend=backend.key,
                      reason=reason)
             self._marked(backend, reason)
@@ -514,7 +519,7 @@ class Pool:
         A 200 from the health path: ``rise`` of these in a row bring a backend back --
         once the cool-down of an outlier ejection, if any, is over.
         """
-        passed = backend.probe_passed(self._now(), rise)
+        passed = backend.health.probe_passed(self._now(), rise)
         if passed:
             self.mark_up(backend)
         self._updated()
@@ -525,7 +530,7 @@ class Pool:
         down at once; ambiguous ones (timeout, reset) only after ``fall`` in a row, so one
         lost packet does not take a GPU out of rotation.
         """
-        failures = backend.probe_failed(reason)
+        failures = backend.health.probe_failed(reason)
         if definitive or failures >= fall:
             self.mark_down(backend, reason)
         self._updated()
@@ -537,14 +542,14 @@ class Pool:
         """Requests in flight that this process holds (its own, with shared counts)."""
         if self.shared is not None:
             return sum(self._held(backend) for backend in self._backends.values())
-        return sum(backend.active for backend in self._backends.values())
+        return sum(backend.counts.active for backend in self._backends.values())
 
     def status(self) -> dict[str, object]:
         """The body of ``GET /__lb_status``."""
         self.refresh()
         backends = list(self)
         return {
-            "healthy": sum(1 for b in backends if b.healthy),
+            "healthy": sum(1 for b in backends if b.health.healthy),
             "total": len(backends),
             "backends": [b.status() for b in backends],
         }
@@ -581,7 +586,7 @@ class Pool:
                 self.shared.assign(spec.key, state["slot"])
             backend = self._backends.get(spec.key)
             if backend is None:
-                backend = Backend(spec, clock=self.clock, slow_start=self.slow_start)
+                backend = self._new(spec)
                 self._backends[spec.key] = backend
             elif backend.spec != spec:
                 # reconfigured in the supervisor: in place, so the requests this worker
@@ -593,11 +598,11 @@ class Pool:
         known = set(order)
         for key, backend in list(self._backends.items()):
             if key not in known:
-                backend.leaving()
+                backend.health.leaving()
                 self._marked(backend)
                 order.append(key)
         self._backends = {key: self._backends[key] for key in order}
         for backend in list(self._backends.values()):
-            if backend.removing:
+            if backend.health.removing:
                 self._forget_if_idle(backend)
         self._changed()

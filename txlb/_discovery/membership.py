@@ -302,7 +302,8 @@ class DnsMembership(Service):
         backend = self._pool.get(key)
         if backend is None:
             return key not in self._suppressed
-        return backend.healthy and not backend.draining and not backend.removing
+        health = backend.health
+        return health.healthy and not health.draining and not health.removing
 
     def _desired(self) -> dict[str, tuple[str, BackendSpec]]:
         desired: dict[str, tuple[str, BackendSpec]] = {}
@@ -350,7 +351,7 @@ class DnsMembership(Service):
         self._yielded = {key: name for key, (name, _) in desired.items()}
         self._suppressed &= set(desired)  # left the answer: may join again when back
         self._leaving = {key for key in self._leaving
-                         if (b := pool.get(key)) is not None and b.removing}
+                         if (b := pool.get(key)) is not None and b.health.removing}
         for key, (name, spec) in desired.items():
             if key in self._static or key in self._suppressed:
                 continue
@@ -359,7 +360,7 @@ class DnsMembership(Service):
                 self._leaving.discard(key)
                 pool.keep(backend, why=f"{name} yields it again")
             elif key in self._owned:
-                if backend is None or backend.removing:
+                if backend is None or backend.health.removing:
                     # an operator removed it: that holds while the name still yields it
                     del self._owned[key]
                     self._suppressed.add(key)
@@ -374,7 +375,7 @@ class DnsMembership(Service):
                 # so ours owns it here (and removes it when the name stops yielding it)
                 log.info("backend {backend} (from the shared store) is {name}'s here too",
                          backend=key, name=name)
-                if backend.removing:
+                if backend.health.removing:
                     pool.keep(backend, why=f"{name} yields it here")
             else:
                 if not self._add(spec, name):
@@ -386,7 +387,7 @@ class DnsMembership(Service):
         for key in [key for key in self._owned if key not in desired]:
             name = self._owned.pop(key)
             backend = pool.get(key)
-            if backend is not None and not backend.removing:
+            if backend is not None and not backend.health.removing:
                 log.info("backend {backend} left {name}'s answer: draining it, removed "
                          "once idle", backend=key, name=name)
                 pool.remove(backend)

@@ -26,7 +26,8 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.backend import Backend
+from txlb._cluster.lease import Lease
 from txlb._cluster.pool import Pool
 from txlb._config import Config
 from txlb._scheduling.affinity import BoundedLoadRing
@@ -166,13 +167,14 @@ class Router:
         """``GET /v1/models``: the union over healthy backends, in OpenAI's list shape."""
         entries: dict[str, dict[str, object]] = {}
         for backend in self.pool:
-            if not backend.healthy:
+            if not backend.health.healthy:
                 continue
-            aliases = backend.aliases  # listed inside their model's entry, as the engine does
+            # listed inside their model's entry, as the engine does
+            aliases = backend.listing.aliases
             for model in backend.models or ():
                 if model in aliases:
                     continue
-                entry = backend.model_entries.get(model) or {
+                entry = backend.listing.entries.get(model) or {
                     "id": model, "object": "model", "created": 0, "owned_by": "txlb"}
                 entries.setdefault(model, dict(entry))
         for alias in self.routes:
@@ -338,13 +340,13 @@ class Router:
 
     def _serving(self, model: str | None, exclude: frozenset[str]) -> list[Backend]:
         return [b for b in self.pool
-                if b.key not in exclude and not b.removing
+                if b.key not in exclude and not b.health.removing
                 and (model is None or b.serves(model))]
 
     @staticmethod
     def _queue_worthy(serving: Sequence[Backend]) -> bool:
         """Worth waiting for: some backend is up and in rotation, only full."""
-        return any(b.healthy and not b.draining and b.spec.max_conns for b in serving)
+        return any(b.health.healthy and not b.health.draining and b.spec.max_conns for b in serving)
 
     def _take(self, serving: Sequence[Backend], request: RoutingRequest) -> Lease | None:
         # With --workers the pool reads the shared counts and holds the lock across
