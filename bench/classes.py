@@ -44,8 +44,8 @@ from bench.policies import (
     percentile,
     specs_for,
 )
-from txlb._cluster.lease import Lease
 from txlb._cluster.pool import Pool
+from txlb._cluster.slots import Lease
 from txlb._config import Config
 from txlb._scheduling.classes import PriorityClasses
 from txlb._scheduling.policies.registry import make_policy

@@ -66,8 +66,8 @@ from bench.policies import (
     lognormal_tokens,
     percentile,
 )
-from txlb._cluster.lease import Lease
 from txlb._cluster.pool import Pool
+from txlb._cluster.slots import Lease
 from txlb._cluster.store import IInFlightCounts
 from txlb._config import BackendSpec
 from txlb._scheduling.policies.registry import make_policy

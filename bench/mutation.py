@@ -50,7 +50,7 @@ def _unit(*names: str) -> tuple[str, ...]:
     return tuple(f"tests.unit.{name}" for name in names)
 
 
-#: what pins a backend and each of its parts (txlb/_cluster/backend*.py, slow_start, lease)
+#: what pins a backend and each of its parts (txlb/_cluster/backend*.py, slow_start)
 _BACKEND_TESTS = ("test_scheduling", "test_failover", "test_regressions", "test_admin",
                   "test_health", "test_mutants", "test_mutants_pool")
 
@@ -83,11 +83,15 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
                                      "test_workers"),
     "_cluster/backend_models": _unit(*_BACKEND_TESTS, "test_models"),
     "_cluster/slow_start": _unit(*_BACKEND_TESTS, "test_time", "test_dns"),
-    "_cluster/lease": _unit(*_BACKEND_TESTS, "test_shared_slots"),
     "_cluster/pool": _unit("test_scheduling", "test_failover", "test_regressions",
                            "test_admin", "test_health", "test_reload", "test_reload_workers",
                            "test_store", "test_shared_state", "test_shared_slots", "test_dns",
                            "test_hung", "test_models", "test_mutants", "test_mutants_pool"),
+    "_cluster/slots": _unit("test_scheduling", "test_failover", "test_regressions",
+                            "test_admin", "test_health", "test_reload", "test_reload_workers",
+                            "test_store", "test_shared_state", "test_shared_slots", "test_dns",
+                            "test_hung", "test_models", "test_mutants", "test_mutants_pool",
+                            "test_workers", "test_workers_supervisor"),
     "_cluster/outlier": _unit("test_failover", "test_regressions", "test_mutants"),
     "_cluster/models": _unit("test_models", "test_scheduling", "test_health", "test_mutants"),
     "_cluster/health": _unit("test_health", "test_regressions", "test_scheduling",
@@ -163,7 +167,7 @@ class KnownBug:
 #: The nine deliberate bugs that passed the whole suite before ``tests/unit/test_regressions``.
 #: ``--known`` applies each to a copy of the tree and checks the tests now fail.
 KNOWN_BUGS: tuple[KnownBug, ...] = (
-    KnownBug("lease released twice counts twice", "txlb/_cluster/lease.py",
+    KnownBug("lease released twice counts twice", "txlb/_cluster/slots.py",
              "        if not self._released:\n            self._released = True\n",
              "        if True:\n            self._released = True\n"),
     KnownBug("--max-body not enforced on lb.resource()", "txlb/_proxy/resource.py",

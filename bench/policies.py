@@ -120,8 +120,8 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
-from txlb._cluster.lease import Lease
 from txlb._cluster.pool import Pool
+from txlb._cluster.slots import Lease
 from txlb._config import BackendSpec
 from txlb._records.outcome import RequestOutcome
 from txlb._scheduling.policies import IPolicy

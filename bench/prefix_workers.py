@@ -22,8 +22,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from txlb._cluster.backend import Backend
-from txlb._cluster.lease import Lease
 from txlb._cluster.pool import Pool
+from txlb._cluster.slots import Lease
 from txlb._config import BackendSpec
 from txlb._records.outcome import RequestOutcome
 from txlb._scheduling.policies import IPolicy
@@ -75,7 +75,7 @@ def run(policies: Sequence[IPolicy], seed: int) -> tuple[float, int]:
         request = RoutingRequest(model="m", json=body)
         policy = policies[rng.randrange(len(policies))]
         backend = policy.choose(backends, request)
-        lease = pool.acquire(backend)
+        lease = pool.slots.acquire(backend)
         most = max(most, backend.counts.active)
         chain, chars = ruler.hasher.key(body, "m")
         hit = engines[backend.key].serve(chain)

@@ -21,8 +21,8 @@ from txlb._version import __version__ as __version__
 if TYPE_CHECKING:
     from txlb._balancer import LoadBalancer
     from txlb._cluster.backend import Backend
-    from txlb._cluster.lease import Lease
     from txlb._cluster.pool import Pool
+    from txlb._cluster.slots import Lease
     from txlb._config import BackendSpec, Config, ConfigError, build_config
     from txlb._records.outcome import RequestOutcome
     from txlb._scheduling.policies import (
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "Backend": "._cluster.backend",
-    "Lease": "._cluster.lease",
+    "Lease": "._cluster.slots",
     "Pool": "._cluster.pool",
     "LoadBalancer": "._balancer",
     "BackendSpec": "._config",

@@ -117,12 +117,12 @@ class _LifecycleService(Service):
         super().stopService()
         balancer = self._balancer
         balancer.proxy.shutting_down = True
-        in_flight = balancer.pool.in_flight
+        in_flight = balancer.pool.slots.in_flight
         if in_flight:
             log.info("shutting down: waiting up to {timeout:g}s for {count} requests in flight",
                      timeout=balancer.config.shutdown_timeout, count=in_flight)
         timer = balancer.reactor.callLater(balancer.config.shutdown_timeout, self._give_up)
-        idle = balancer.pool.when_idle()
+        idle = balancer.pool.slots.when_idle()
         idle.addCallback(lambda _: timer.cancel() if timer.active() else None)
         # Nothing in flight, so nothing will free a slot: answer whatever still waits.
         idle.addCallback(lambda _: balancer.router.abandon_queue(
@@ -135,7 +135,7 @@ class _LifecycleService(Service):
 
     def _give_up(self) -> None:
         log.warn("shutdown timeout: ending {count} requests still in flight",
-                 count=self._balancer.pool.in_flight)
+                 count=self._balancer.pool.slots.in_flight)
         self._balancer.router.abandon_queue("the balancer is shutting down")
         self._balancer.proxy.abort_all("the balancer is shutting down")
 
@@ -277,11 +277,11 @@ class LoadBalancer:
         self.metrics = Metrics(self.pool)
         if isinstance(self.store, RedisStore):
             # marks other replicas saved reach the pool; a slot they freed wakes the queue
-            self.store.attach(self.pool.refresh, self.pool.capacity_changed)
+            self.store.attach(self.pool.refresh, self.pool.slots.capacity_changed)
             self.metrics.registry.register(SharedStateCollector(self.store))
             # max_conns exact over the fleet, and the queue woken by others' releases
-            self.slots = SharedSlots(self.store, self.pool.capacity_changed)
-            self.pool.gate = self.slots
+            self.slots = SharedSlots(self.store, self.pool.slots.capacity_changed)
+            self.pool.slots.gate = self.slots
             self.metrics.registry.register(self.slots.collector())
         retry_after = max(1, math.ceil(config.health_interval))
         #: whether the policy is the one ``--policy`` names (a reload may replace it),

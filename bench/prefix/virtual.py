@@ -51,8 +51,8 @@ from bench.prefix.engine_model import (
 from bench.prefix.synced_index import SharedIndex, StaleView
 from bench.prefix.workloads import CHARS_PER_TOKEN, Options, PrefixRequest, generate
 from txlb._cluster.backend import Backend
-from txlb._cluster.lease import Lease
 from txlb._cluster.pool import Pool
+from txlb._cluster.slots import Lease
 from txlb._config import BackendSpec
 from txlb._records.outcome import RequestOutcome
 from txlb._scheduling.policies import IPolicy, Policy

@@ -153,7 +153,7 @@ class DrainTests(AdminTestCase):
         self.upstream.last.respond(FakeResponse(200, length=0)).end()
         self.assertTrue(client.response().complete)
         self.assertIsNone(self.lb.pool.get(A))
-        self.assertEqual(self.lb.pool.in_flight, 0)
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
         code, state = self.call("DELETE", f"/backends/{B}")  # idle: removed at once
         self.assertEqual((code, state["removed"]), (200, True))
         self.assertEqual(self.proxy().response().status, 503)

@@ -285,7 +285,7 @@ class JoinAndLeaveTests(MembershipTestCase):
         lb = self.start()
         leaving = lb.pool.get("10.0.0.2:8000")
         assert leaving is not None
-        lease = lb.pool.acquire(leaving)
+        lease = lb.pool.slots.acquire(leaving)
         self.resolver.serve("vllm.example", "10.0.0.1")
         self.clock.advance(30)
         self.assertTrue(leaving.health.removing)
@@ -297,7 +297,7 @@ class JoinAndLeaveTests(MembershipTestCase):
         lb = self.start()
         backend = lb.pool.get("10.0.0.2:8000")
         assert backend is not None
-        lease = lb.pool.acquire(backend)
+        lease = lb.pool.slots.acquire(backend)
         self.resolver.serve("vllm.example", "10.0.0.1")
         self.clock.advance(30)
         self.assertTrue(backend.health.removing)

@@ -68,7 +68,7 @@ class RetryTests(FailoverTestCase):
         self.assertEqual(response.header(b"x-backend"), [self.backend_of(1).encode()])
         self.assertEqual(self.records[-1].tries, 2)
         self.assertEqual(self.lb.metrics.registry.get_sample_value("txlb_retries_total"), 1)
-        self.assertEqual(self.lb.pool.in_flight, 0)
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
 
     def test_502_or_503_answer_is_discarded_and_retried(self) -> None:
         client = self.post()
@@ -163,7 +163,7 @@ class RetryTests(FailoverTestCase):
         self.upstream.calls[0].fail(neterror.ConnectionRefusedError())
         client.disconnect()
         self.assertTrue(self.upstream.calls[1].cancelled)
-        self.assertEqual(self.lb.pool.in_flight, 0)
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
 
 
 class OutlierTests(FailoverTestCase):

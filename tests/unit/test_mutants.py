@@ -296,8 +296,8 @@ class BackendFullRunTests(SynchronousTestCase):
 
     def test_requests_count_each_request_from_zero(self) -> None:
         self.assertEqual(self.backend.status()["requests"], 0)
-        self.pool.acquire(self.backend).release()
-        self.pool.acquire(self.backend)
+        self.pool.slots.acquire(self.backend).release()
+        self.pool.slots.acquire(self.backend)
         self.assertEqual(self.backend.status()["requests"], 2)
 
     def test_shared_counts_give_the_all_process_requests(self) -> None:
@@ -382,7 +382,7 @@ class BackendFullRunTests(SynchronousTestCase):
         self.assertEqual((len(self.updates), self.backend.engine.depth), (2, None))
 
     def test_two_leases_on_one_backend_are_two(self) -> None:
-        first, second = self.pool.acquire(self.backend), self.pool.acquire(self.backend)
+        first, second = self.pool.slots.acquire(self.backend), self.pool.slots.acquire(self.backend)
         self.assertNotEqual(first, second)
         self.assertEqual(len({first, second}), 2)
         self.assertIs(first.released, False)
@@ -815,8 +815,8 @@ class PoolMutantTests(SynchronousTestCase):
     def test_idle_is_when_nothing_is_in_flight(self) -> None:
         pool = Pool((BackendSpec("127.0.0.1", 8002),))
         backend = pool.get("127.0.0.1:8002")
-        first, second = pool.acquire(backend), pool.acquire(backend)
-        idle = pool.when_idle()
+        first, second = pool.slots.acquire(backend), pool.slots.acquire(backend)
+        idle = pool.slots.when_idle()
         first.release()
         self.assertNoResult(idle)
         second.release()

@@ -12,7 +12,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from txlb import BackendSpec, Pool, RequestOutcome, RoutingRequest
 from txlb._cluster.backend import Backend
-from txlb._cluster.lease import Lease
+from txlb._cluster.slots import Lease
 from txlb._scheduling.policies import cache_aware
 from txlb._scheduling.policies.cache_aware import CacheAware
 from txlb._scheduling.prefix import PrefixHasher
@@ -62,7 +62,7 @@ class ChoiceTests(SynchronousTestCase):
         return chain
 
     def busy(self, pool: Pool, backend: Backend, n: int) -> None:
-        self.leases += [pool.acquire(backend) for _ in range(n)]
+        self.leases += [pool.slots.acquire(backend) for _ in range(n)]
 
     def test_one_request_in_flight_is_not_busy_beside_an_idle_backend(self) -> None:
         """

@@ -215,7 +215,7 @@ class RetryTests(ExchangeTestCase):
         self.assertIn(b"no backend is available for this request", response.body)
         self.assertEqual(response.header(b"retry-after"), [b"7"])
         self.assertEqual(self.records[-1].outcome, "upstream_error")
-        self.assertEqual(self.lb.pool.in_flight, 0)
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
 
     def test_a_client_leaving_while_its_retry_waits(self) -> None:
         """The wait is cancelled; nothing is logged as an error, nothing answered."""
@@ -372,7 +372,7 @@ class CapacityListenerTests(ExchangeTestCase):
         self.assertEqual(self.records[-1].outcome, "ok")
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
         self.assertEqual(self.lb.proxy.live, set())
-        self.assertEqual(self.lb.pool.in_flight, 0)
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
 
 
 class UnwritableHeadTests(ExchangeTestCase):
@@ -388,5 +388,5 @@ class UnwritableHeadTests(ExchangeTestCase):
         self.assertTrue(response.transport.stopped)
         self.assertTrue(client.transport.disconnected)
         self.assertEqual(self.records[-1].outcome, "proxy_error")
-        self.assertEqual(self.lb.pool.in_flight, 0)
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
         self.assertEqual(len(self.flushLoggedErrors(TypeError)), 1)

@@ -102,7 +102,7 @@ class LogLineTests(SynchronousTestCase):
         with logged() as lines:
             pool.keep(backend)
         self.assertEqual([line for line in lines if "stays" in line], [])
-        lease = pool.acquire(backend)  # in flight: removing it waits for this request
+        lease = pool.slots.acquire(backend)  # in flight: removing it waits for this request
         pool.remove(backend)
         with logged() as lines:
             pool.keep(backend)
@@ -146,7 +146,7 @@ class IdleTests(SynchronousTestCase):
     def test_an_idle_pool_is_idle_at_once(self) -> None:
         pool = Pool((A,))
         fired: list[object] = []
-        pool.when_idle().addCallback(fired.append)
+        pool.slots.when_idle().addCallback(fired.append)
         self.assertEqual(fired, [None])
 
     def test_a_slot_given_back_unused_is_not_idle_while_another_runs(self) -> None:
@@ -154,10 +154,10 @@ class IdleTests(SynchronousTestCase):
         pool = Pool((A, B))
         a, b = pool.get(A.key), pool.get(B.key)
         assert a is not None and b is not None
-        running = pool.acquire(a)
+        running = pool.slots.acquire(a)
         fired: list[object] = []
-        pool.when_idle().addCallback(fired.append)
-        pool.withdraw(pool.acquire(b))
+        pool.slots.when_idle().addCallback(fired.append)
+        pool.slots.withdraw(pool.slots.acquire(b))
         self.assertEqual(fired, [])
         running.release()
         self.assertEqual(fired, [None])
@@ -171,7 +171,7 @@ class MirrorTests(SynchronousTestCase):
         self.assertEqual([b.key for b in worker], [A.key, B.key])
         held = worker.get(B.key)
         assert held is not None
-        lease = worker.acquire(held)
+        lease = worker.slots.acquire(held)
         only_a = [state for state in supervisor.shared_state()
                   if state["spec"][1] == A.port]
         worker.mirror(only_a)
@@ -249,34 +249,34 @@ class WithdrawnSlotTests(SynchronousTestCase):
         pool = Pool((A,))
         backend = pool.get(A.key)
         assert backend is not None
-        running = pool.acquire(backend)
+        running = pool.slots.acquire(backend)
         before = (backend.counts.active, backend.counts.requests)
-        pool.withdraw(pool.acquire(backend))
+        pool.slots.withdraw(pool.slots.acquire(backend))
         self.assertEqual((backend.counts.active, backend.counts.requests), before)
-        self.assertEqual(pool.in_flight, 1)
+        self.assertEqual(pool.slots.in_flight, 1)
         running.release()
-        self.assertEqual((backend.counts.active, pool.in_flight), (0, 0))
+        self.assertEqual((backend.counts.active, pool.slots.in_flight), (0, 0))
 
     def test_a_withdrawn_slot_is_not_counted_as_sent_since_the_scrape(self) -> None:
         """What queue-depth adds to the engine's last scrape: the requests sent since."""
         pool = Pool((A,))
         backend = pool.get(A.key)
         assert backend is not None
-        pool.acquire(backend)
+        pool.slots.acquire(backend)
         self.assertEqual(backend.counts.started_since_scrape, 1)
-        pool.withdraw(pool.acquire(backend))
+        pool.slots.withdraw(pool.slots.acquire(backend))
         self.assertEqual(backend.counts.started_since_scrape, 1)
 
     def test_a_withdrawn_lease_cannot_be_released_or_withdrawn_again(self) -> None:
         pool = Pool((A,))
         backend = pool.get(A.key)
         assert backend is not None
-        running = pool.acquire(backend)
-        refused = pool.acquire(backend)
-        pool.withdraw(refused)
+        running = pool.slots.acquire(backend)
+        refused = pool.slots.acquire(backend)
+        pool.slots.withdraw(refused)
         refused.release()  # a no-op: the slot is gone already
         self.assertFalse(refused.withdraw())
-        self.assertEqual((backend.counts.active, pool.in_flight), (1, 1))
+        self.assertEqual((backend.counts.active, pool.slots.in_flight), (1, 1))
         running.release()
         self.assertEqual(backend.counts.active, 0)
 
@@ -285,24 +285,24 @@ class WithdrawnSlotTests(SynchronousTestCase):
         pool = Pool((A,))
         backend = pool.get(A.key)
         assert backend is not None
-        refused = pool.acquire(backend)
+        refused = pool.slots.acquire(backend)
         pool.set_engine_depth(backend, 1, 0)
         self.assertEqual(backend.counts.started_since_scrape, 0)
-        pool.withdraw(refused)
+        pool.slots.withdraw(refused)
         self.assertEqual(backend.counts.started_since_scrape, 0)
-        pool.acquire(backend)
-        pool.acquire(backend)
-        pool.withdraw(pool.acquire(backend))
+        pool.slots.acquire(backend)
+        pool.slots.acquire(backend)
+        pool.slots.withdraw(pool.slots.acquire(backend))
         self.assertEqual(backend.counts.started_since_scrape, 2)
 
     def test_a_withdrawn_first_slot_leaves_no_request_counted(self) -> None:
         pool = Pool((A,))
         backend = pool.get(A.key)
         assert backend is not None
-        pool.withdraw(pool.acquire(backend))
+        pool.slots.withdraw(pool.slots.acquire(backend))
         self.assertEqual((backend.counts.active, backend.counts.requests), (0, 0))
         # counts read back meanwhile (--workers' shared table) never go below nothing
-        refused = pool.acquire(backend)
+        refused = pool.slots.acquire(backend)
         backend.counts.counted(1, requests=0)
-        pool.withdraw(refused)
+        pool.slots.withdraw(refused)
         self.assertEqual(backend.counts.requests, 0)

@@ -17,8 +17,8 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from txlb._cluster.backend import Backend
-from txlb._cluster.lease import Lease
 from txlb._cluster.pool import Pool
+from txlb._cluster.slots import Lease
 from txlb._config import BackendSpec, Config
 from txlb._scheduling.policies.least_conn import LeastConnections
 from txlb._scheduling.request import RoutingRequest
@@ -111,7 +111,7 @@ class RouterMutantTests(SynchronousTestCase):
         self.pool = Pool(specs or (BackendSpec("h", 1, max_conns=1),), clock=self.clock,
                          shared=shared)  # type: ignore[arg-type]
         if gate is not None:
-            self.pool.gate = gate
+            self.pool.slots.gate = gate
         self.router = Router(self.pool, LeastConnections(), self.clock, queue_timeout=30,
                              retry_after=1)
 
@@ -122,7 +122,7 @@ class RouterMutantTests(SynchronousTestCase):
 
     def hold(self, key: str = "h:1") -> Lease:
         """A slot taken outside the router (a request in flight)."""
-        return self.pool.acquire(self.backend(key))
+        return self.pool.slots.acquire(self.backend(key))
 
     def lease(self, result: Deferred[Lease]) -> Lease:
         lease: Lease = self.successResultOf(result)
@@ -261,7 +261,7 @@ class RouterMutantTests(SynchronousTestCase):
             self.router.acquire().addCallback(done)
         held.release()
         self.assertEqual(len(served), 2)
-        self.assertEqual((self.router.queue_length, self.pool.in_flight), (0, 1))
+        self.assertEqual((self.router.queue_length, self.pool.slots.in_flight), (0, 1))
 
     def test_a_shutdown_refuses_only_who_is_still_waiting(self) -> None:
         self.build()
@@ -336,7 +336,7 @@ class RouterMutantTests(SynchronousTestCase):
         result.cancel()
         self.failureResultOf(result, CancelledError)
         gate.answer(True)
-        self.assertEqual(self.pool.in_flight, 0)
+        self.assertEqual(self.pool.slots.in_flight, 0)
         self.assertEqual(len(gate.freed), 1)
 
     def test_four_refusals_in_a_row_queue_the_request(self) -> None:
@@ -377,5 +377,5 @@ class RouterMutantTests(SynchronousTestCase):
         gate.answer(True)
         self.lease(first)
         self.lease(second)
-        self.assertEqual(self.pool.in_flight, 3)
+        self.assertEqual(self.pool.slots.in_flight, 3)
 

@@ -288,7 +288,7 @@ class SettingsTests(ReloadTestCase):
                           context.retry_window), (7, 8, 4, 9))
         self.proxy()
         self.clock.advance(7.1)  # the new read timeout ends a silent backend's request
-        self.assertEqual(self.lb.pool.in_flight, 0)
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
 
     def test_a_new_health_interval_restarts_the_probe_loop(self) -> None:
         def health_probes(path: bytes) -> list[Any]:

@@ -97,7 +97,7 @@ class MirroredRespecificationTests(SynchronousTestCase):
         worker_pool.mirror(supervisor_pool.shared_state())
         backend = worker_pool.get("127.0.0.1:9")
         assert backend is not None
-        lease = worker_pool.acquire(backend)
+        lease = worker_pool.slots.acquire(backend)
         source = supervisor_pool.get("127.0.0.1:9")
         assert source is not None
         supervisor_pool.respecify(source, BackendSpec("127.0.0.1", 9, weight=4, max_conns=1))

@@ -101,10 +101,10 @@ class PolicyTests(SynchronousTestCase):
         pool.set_engine_depth(b, running=2, waiting=0)
         self.assertIs(policy.choose([a, b]), b)
         for _ in range(12):  # what this balancer sends after the scrape counts too
-            pool.acquire(b)
+            pool.slots.acquire(b)
         self.assertIs(policy.choose([a, b]), b)  # 2 + 12 < 15
-        pool.acquire(b)
-        pool.acquire(b)
+        pool.slots.acquire(b)
+        pool.slots.acquire(b)
         self.assertIs(policy.choose([a, b]), a)  # 2 + 14 > 15
         pool.set_engine_depth(b, running=0, waiting=0)  # new scrape: local count restarts
         self.assertEqual(b.counts.started_since_scrape, 0)
@@ -115,7 +115,7 @@ class PolicyTests(SynchronousTestCase):
         a, b = list(pool)
         pool.set_engine_depth(a, running=4, waiting=0)
         pool.set_engine_depth(b, running=3, waiting=0)
-        leases = [pool.acquire(b) for _ in range(3)]  # b: 3 + 3 = 6 > 4
+        leases = [pool.slots.acquire(b) for _ in range(3)]  # b: 3 + 3 = 6 > 4
         self.assertIs(QueueDepth().choose([a, b]), a)
         for lease in leases:
             lease.release()  # they ended: b is back to what its engine said

@@ -913,7 +913,7 @@ class StoreMarksTests(SynchronousTestCase):
         self.redis = FakeRedis()
         self.store = RedisStore(SPEC, self.clock, self.redis, replica="r1")
         self.pool = Pool((BackendSpec("h", 1),), clock=self.clock, store=self.store)
-        self.store.attach(self.pool.refresh, self.pool.capacity_changed)
+        self.store.attach(self.pool.refresh, self.pool.slots.capacity_changed)
         self.redis.scripts[POLL.sha] = ["2", "5"]
         self.redis.replies["HSCAN"] = ["0", [*entry("h:1", "r2")]]
         self.store.start()

@@ -34,7 +34,7 @@ from txlb._cluster.backend_health import Health
 from txlb._cluster.backend_models import ModelListing
 from txlb._cluster.backend_pace import Pace
 from txlb._cluster.backend_verdicts import Verdicts
-from txlb._cluster.lease import Lease
+from txlb._cluster.slots import Lease
 from txlb._cluster.slow_start import SlowStart
 
 TXLB = Path(__file__).resolve().parents[2] / "txlb"

@@ -243,7 +243,7 @@ class SharedStoreTests(SynchronousTestCase):
         self.assertEqual(other.slow_start.up_since, 5)  # its slow start counts from the news
 
     def test_a_removal_reaches_the_other_balancer_and_waits_for_its_requests(self) -> None:
-        lease = self.two.acquire(self.backend(self.two, A))
+        lease = self.two.slots.acquire(self.backend(self.two, A))
         self.one.remove(self.backend(self.one, A))
         self.assertIsNone(self.one.get(A))  # idle here: gone at once
         self.two.refresh()
@@ -280,7 +280,7 @@ class SharedStoreTests(SynchronousTestCase):
         self.assertTrue(self.backend(self.two, A).health.healthy)
 
     def test_counts_are_shared_so_max_conns_holds_across_balancers(self) -> None:
-        self.one.acquire(self.backend(self.one, B))  # B takes one request at most
+        self.one.slots.acquire(self.backend(self.one, B))  # B takes one request at most
         self.two.refresh()
         self.assertEqual(self.backend(self.two, B).counts.active, 1)
         self.assertEqual(self.backend(self.two, B).counts.requests, 1)

@@ -159,7 +159,8 @@ class SharedPoolTests(SynchronousTestCase):
         status = pools.workers[1].status()
         self.assertEqual([b["active"] for b in status["backends"]], [2, 2, 2, 2])  # type: ignore[index]
         # each worker waits only for its own requests when it stops
-        self.assertEqual((pools.workers[0].in_flight, pools.workers[1].in_flight), (4, 4))
+        self.assertEqual(
+            (pools.workers[0].slots.in_flight, pools.workers[1].slots.in_flight), (4, 4))
         for lease in leases[:4]:
             lease.release()
         self.assertEqual(pools.table.supervisor.row_status(0)["in_flight"], 2)
@@ -172,7 +173,7 @@ class SharedPoolTests(SynchronousTestCase):
         self.assertEqual(pools.table.supervisor.waiters(1), 1)
         first.release()
         self.assertNoResult(waiting)  # worker 1 cannot know yet ...
-        pools.workers[1].capacity_changed()  # ... until the supervisor kicks it
+        pools.workers[1].slots.capacity_changed()  # ... until the supervisor kicks it
         lease = self.successResultOf(waiting)
         self.assertEqual(lease.backend.key, KEYS[0])
         self.assertEqual(pools.table.supervisor.waiters(1), 0)
@@ -262,12 +263,12 @@ class SinglePoolTests(SynchronousTestCase):
     def test_without_shared_counts_nothing_changes(self) -> None:
         pool = Pool(specs(*KEYS[:2]))
         self.assertIsNone(pool.shared)
-        lease = pool.exclusive(pool.acquire, pool.get(KEYS[0]))
-        self.assertEqual((lease.backend.counts.active, pool.in_flight), (1, 1))
+        lease = pool.slots.exclusive(pool.slots.acquire, pool.get(KEYS[0]))
+        self.assertEqual((lease.backend.counts.active, pool.slots.in_flight), (1, 1))
         pool.refresh()  # a no-op: the attribute is the count
         self.assertEqual(lease.backend.counts.active, 1)
         lease.release()
-        self.assertEqual(pool.in_flight, 0)
+        self.assertEqual(pool.slots.in_flight, 0)
 
 
 class WireTests(SynchronousTestCase):

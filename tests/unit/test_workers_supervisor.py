@@ -104,7 +104,7 @@ class CrossWorkerQueueTests(SynchronousTestCase):
         held = self.successResultOf(pools.routers[0].acquire())
         shared = pools.table.supervisor
         kicks = []
-        real = pools.workers[1].exclusive
+        real = pools.workers[1].slots.exclusive
 
         def exclusive(choose: Any, *args: Any) -> Any:
             result = real(choose, *args)
@@ -114,11 +114,11 @@ class CrossWorkerQueueTests(SynchronousTestCase):
                     kicks.append(1)
             return result
 
-        self.patch(pools.workers[1], "exclusive", exclusive)
+        self.patch(pools.workers[1].slots, "exclusive", exclusive)
         waiting = pools.routers[1].acquire()
-        self.patch(pools.workers[1], "exclusive", real)
+        self.patch(pools.workers[1].slots, "exclusive", real)
         if kicks:
-            pools.routers[1].pool.capacity_changed()  # the kick arrives
+            pools.routers[1].pool.slots.capacity_changed()  # the kick arrives
         lease = self.successResultOf(waiting)
         self.assertEqual(lease.backend.key, KEYS[0])
         self.assertEqual(shared.waiters(1), 0)

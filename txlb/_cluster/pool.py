@@ -1,59 +1,36 @@
 """
 The :class:`Pool`: the ordered set of backends, and the one door to their state.
 
-Everything that changes a backend -- the proxy taking and releasing in-flight slots, the
-prober marking it up or down, an operator draining, adding or removing it -- goes through
-the Pool's methods, so the rules (a slot is released exactly once, a drained backend stays
-drained whatever its health, a removed backend leaves only once idle) live in one place,
-and every change reaches the listeners (the router's queue, the worker processes) that
-must hear of it.  What one backend is lives in :mod:`txlb._cluster.backend`; when its own
-answers eject it, in :mod:`txlb._cluster.outlier`.
+Everything that changes a backend -- the prober marking it up or down, an operator
+draining, adding or removing it, the proxy's answers -- goes through the Pool's methods, so
+the rules (a drained backend stays drained whatever its health, a removed backend leaves
+only once idle) live in one place, and every change reaches the listeners (the router's
+queue, the worker processes) that must hear of it.  The in-flight slots the proxy takes and
+gives back are the pool's :attr:`Pool.slots` (:mod:`txlb._cluster.slots`); what one backend
+is lives in :mod:`txlb._cluster.backend`; when its own answers eject it, in
+:mod:`txlb._cluster.outlier`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 import attrs
-from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import Clock
 from twisted.logger import Logger
 
 from txlb._cluster.backend import Backend
-from txlb._cluster.lease import Lease
 from txlb._cluster.models import MAX_MODEL_NAME, MAX_MODEL_NAMES, learn
 from txlb._cluster.outlier import OutlierRule, fleet_can_spare, judge_answer
+from txlb._cluster.slots import Slots
 from txlb._cluster.slow_start import SlowStart
 from txlb._cluster.store import IBackendStore, IInFlightCounts, LocalStore
 from txlb._config import BackendSpec
 from txlb._records.escape import escape
 
 log = Logger()
-
-_T = TypeVar("_T")
-
-
-class SlotGate(Protocol):
-    """
-    Confirms a slot the pool gave before the request goes out: ``--shared-state``'s exact
-    ``max_conns`` over every replica (:class:`txlb._shared.slots.SharedSlots`).  Without
-    one (a single process, ``--workers``) a slot is the pool's to give and nothing waits.
-    """
-
-    def needs(self, backend: Backend) -> bool:
-        """Whether a slot on ``backend`` must be confirmed (it has ``max_conns``, link up)."""
-
-    def confirm(self, backend: Backend) -> Deferred[bool]:
-        """
-        Whether the slot just taken on ``backend`` is within its ``max_conns`` over the
-        fleet; never fails (an unanswered confirmation admits on the local view).
-        """
-
-    def released(self, backend: Backend) -> None:
-        """A slot on ``backend`` was given back: tell the other replicas' queues."""
-
 
 class Pool:
     """The ordered set of backends, keyed by ``host:port``."""
@@ -73,12 +50,12 @@ class Pool:
         self.store: IBackendStore = store if store is not None else LocalStore(counts=shared)
         #: the counts shared with other worker processes, if any (``--workers``)
         self.shared: IInFlightCounts | None = self.store.counts
-        #: what confirms a slot on a backend with ``max_conns`` before it is used (set by
-        #: the balancer with ``--shared-state``); None: the pool's slot is final
-        self.gate: SlotGate | None = None
         self.outliers = outliers or OutlierRule()
         self._backends: dict[str, Backend] = {}
-        self._idle_waiters: list[Deferred[None]] = []
+        #: the in-flight slots on these backends (the router takes them, leases give them
+        #: back); a slot given back may let a removed backend go, and wakes waiting requests
+        self.slots = Slots(lambda: self._backends.values(), self.shared,
+                           self._forget_if_idle, self._changed)
         #: Called whenever backends change in a way that matters to waiting requests: a
         #: slot released, a backend up or down, drained, undrained, added or removed (the
         #: router's queue listens here instead of polling).
@@ -169,7 +146,7 @@ class Pool:
         self._changed()
 
     def _forget_if_idle(self, backend: Backend) -> None:
-        if (backend.health.removing and self._held(backend) == 0
+        if (backend.health.removing and self.slots.held(backend) == 0
                 and self.get(backend.key) is backend):
             del self._backends[backend.key]
             self.learned.discard(backend.key)
@@ -310,36 +287,7 @@ class Pool:
             self._marked(backend)
             self._changed()
 
-    # -- in-flight accounting -----------------------------------------------------------
-
-    def acquire(self, backend: Backend) -> Lease:
-        """
-        Take an in-flight slot.  Synchronous on purpose: the count rises at the moment of
-        choice, before anything else can run, so a burst cannot all see the same idle
-        backend.
-        """
-        backend.counts.took_slot()
-        if self.shared is not None:
-            self.shared.take(backend.key)
-        return Lease(backend, self._released)
-
-    def exclusive(self, choose: Callable[..., _T], *args: Any) -> _T:
-        """
-        Run ``choose`` (which reads the counts and takes a slot) so that no other process
-        sharing the counts can take one in between, on fresh counts.  Without shared
-        counts, just a call: one process's choice is already atomic.
-        """
-        shared = self.shared
-        if shared is None:
-            return choose(*args)
-        shared.lock()
-        try:
-            totals, slot = shared.totals(), shared.slot
-            for backend in self._backends.values():
-                backend.counts.counted(totals[slot(backend.key)])
-            return choose(*args)
-        finally:
-            shared.unlock()
+    # -- what answers teach -------------------------------------------------------------
 
     def refresh(self) -> None:
         """
@@ -349,66 +297,13 @@ class Pool:
         process with the local store.
         """
         changed = self._take_marks()
-        shared = self.shared
-        if shared is not None:
-            totals, slot = shared.totals(), shared.slot
-            for backend in list(self._backends.values()):
-                backend.counts.counted(totals[slot(backend.key)], shared.started(backend.key))
-        if shared is not None or changed:
+        self.slots.recount()
+        if self.shared is not None or changed:
             for backend in list(self._backends.values()):
                 if backend.health.removing:
                     self._forget_if_idle(backend)
         if changed:
             self._changed()
-
-    def _held(self, backend: Backend) -> int:
-        """Requests in flight on ``backend`` that this process must wait for."""
-        return backend.counts.active if self.shared is None else self.shared.mine(backend.key)
-
-    def withdraw(self, lease: Lease) -> None:
-        """
-        Give back a slot whose choice the :attr:`gate` refused, as if never taken: no
-        request was sent, so none finished (no release, no listener told of a freed slot:
-        the backend is as full as the refusal said).
-        """
-        if not lease.withdraw():
-            return
-        backend = lease.backend
-        backend.counts.untook_slot()
-        if self.shared is not None:
-            self.shared.untake(backend.key)
-        self._forget_if_idle(backend)
-        if self._idle_waiters and self.in_flight == 0:
-            waiters, self._idle_waiters = self._idle_waiters, []
-            for waiter in waiters:
-                waiter.callback(None)
-
-    def _released(self, backend: Backend) -> None:
-        if self.shared is not None:
-            self.shared.give_back(backend.key)
-        if self.gate is not None:
-            self.gate.released(backend)
-        self._forget_if_idle(backend)
-        self._changed()
-        if self._idle_waiters and self.in_flight == 0:
-            waiters, self._idle_waiters = self._idle_waiters, []
-            for waiter in waiters:
-                waiter.callback(None)
-
-    def capacity_changed(self) -> None:
-        """
-        Another process sharing the counts freed a slot: let waiting requests look again
-        (the router's queue listens on ``on_change``).
-        """
-        self._changed()
-
-    def when_idle(self) -> Deferred[None]:
-        """Fires once no request is in flight on any backend (at once if none is)."""
-        if self.in_flight == 0:
-            return succeed(None)
-        waiter: Deferred[None] = Deferred()
-        self._idle_waiters.append(waiter)
-        return waiter
 
     def record_result(self, backend: Backend, status: int, duration: float,
                       ttft: float | None) -> None:
@@ -536,13 +431,6 @@ class Pool:
         self._updated()
 
     # -- views --------------------------------------------------------------------------
-
-    @property
-    def in_flight(self) -> int:
-        """Requests in flight that this process holds (its own, with shared counts)."""
-        if self.shared is not None:
-            return sum(self._held(backend) for backend in self._backends.values())
-        return sum(backend.counts.active for backend in self._backends.values())
 
     def status(self) -> dict[str, object]:
         """The body of ``GET /__lb_status``."""

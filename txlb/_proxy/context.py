@@ -17,8 +17,8 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.web.server import Request
 
 from txlb._cluster.backend import Backend
-from txlb._cluster.lease import Lease
 from txlb._cluster.pool import Pool
+from txlb._cluster.slots import Lease
 from txlb._records.observer import IRequestObserver, NullObserver
 from txlb._scheduling.ratelimit import client_key
 from txlb._server.quiet import RepeatSummary

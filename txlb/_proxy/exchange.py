@@ -29,7 +29,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
 from txlb._cluster.backend import Backend
-from txlb._cluster.lease import Lease
+from txlb._cluster.slots import Lease
 from txlb._proxy.context import ProxyContext, RetryPlan
 from txlb._proxy.errors import error_body, write_body
 from txlb._proxy.failures import (

@@ -27,8 +27,8 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from txlb._cluster.backend import Backend
-from txlb._cluster.lease import Lease
 from txlb._cluster.pool import Pool
+from txlb._cluster.slots import Lease
 from txlb._config import Config
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.classes import PriorityClasses, QueueClass
@@ -223,7 +223,7 @@ class Router:
                      f"class `{klass.name}` is not queued", self.retry_after))
         waiter = _Waiter(model, request, exclude, self.clock.seconds(), klass)
         waiting = self._enqueue(waiter)
-        if self.pool.shared is not None and self.pool.gate is None:
+        if self.pool.shared is not None and self.pool.slots.gate is None:
             # With --workers, a slot freed in another worker wakes this queue only if the
             # supervisor sees it non-empty (published by _enqueue).  A slot freed between
             # the failed take above and that publication would wake nobody: so try once
@@ -240,7 +240,7 @@ class Router:
 
     def _unconfirmed(self, lease: Lease) -> bool:
         """Whether ``lease`` is tentative until the pool's gate confirms it."""
-        gate = self.pool.gate
+        gate = self.pool.slots.gate
         return gate is not None and gate.needs(lease.backend)
 
     def _confirm_then(self, lease: Lease, request: RoutingRequest,
@@ -251,7 +251,7 @@ class Router:
         in a row, the queue in any case.  Cancelling (the client left) gives back the
         slot whichever way the answer goes.
         """
-        assert self.pool.gate is not None
+        assert self.pool.slots.gate is not None
         current: list[Deferred[Lease]] = []
 
         def cancel(_: Deferred[Lease]) -> None:
@@ -265,17 +265,17 @@ class Router:
                 if admitted:
                     lease.release()
                 else:
-                    self.pool.withdraw(lease)
+                    self.pool.slots.withdraw(lease)
                 return
             if admitted:
                 result.callback(lease)
                 return
-            self.pool.withdraw(lease)
+            self.pool.slots.withdraw(lease)
             again = self._choose_again(request, exclude, refusals + 1)
             current.append(again)
             again.chainDeferred(result)
 
-        self.pool.gate.confirm(lease.backend).addCallback(answered)
+        self.pool.slots.gate.confirm(lease.backend).addCallback(answered)
         return result
 
     def _choose_again(self, request: RoutingRequest, exclude: frozenset[str],
@@ -296,7 +296,7 @@ class Router:
         waiter keeps its place (passed over by dispatches); refused, the slot goes back
         and the queue is served again.
         """
-        assert self.pool.gate is not None
+        assert self.pool.slots.gate is not None
         waiter.confirming = True
 
         def answered(admitted: bool) -> None:
@@ -306,15 +306,15 @@ class Router:
                 if admitted:
                     lease.release()
                 else:
-                    self.pool.withdraw(lease)
+                    self.pool.slots.withdraw(lease)
                 return
             if admitted:
                 self._serve(waiter, lease, starving)
                 return
-            self.pool.withdraw(lease)
+            self.pool.slots.withdraw(lease)
             self._dispatch()
 
-        self.pool.gate.confirm(lease.backend).addCallback(answered)
+        self.pool.slots.gate.confirm(lease.backend).addCallback(answered)
 
     def _serve(self, waiter: _Waiter, lease: Lease, starving: bool) -> None:
         """A queued request gets its slot."""
@@ -336,7 +336,7 @@ class Router:
         # workers take and release slots meanwhile): read the totals there, or a retry
         # would be made into a queue, or refused although a backend is free.
         serving = self._serving(self._routed(model), exclude)
-        return self.pool.exclusive(lambda: any(b.eligible for b in serving))
+        return self.pool.slots.exclusive(lambda: any(b.eligible for b in serving))
 
     def _serving(self, model: str | None, exclude: frozenset[str]) -> list[Backend]:
         return [b for b in self.pool
@@ -351,7 +351,7 @@ class Router:
     def _take(self, serving: Sequence[Backend], request: RoutingRequest) -> Lease | None:
         # With --workers the pool reads the shared counts and holds the lock across
         # processes for the choice and the slot; in one process this is a plain call.
-        return self.pool.exclusive(self._choose, serving, request)
+        return self.pool.slots.exclusive(self._choose, serving, request)
 
     def _choose(self, serving: Sequence[Backend], request: RoutingRequest) -> Lease | None:
         candidates = [b for b in serving if b.eligible]
@@ -361,7 +361,7 @@ class Router:
             chosen = self.affinity.choose(request.session, candidates)
         else:
             chosen = self._policy_choice(candidates, request)
-        return self.pool.acquire(chosen)
+        return self.pool.slots.acquire(chosen)
 
     def _prepare(self, request: RoutingRequest) -> None:
         """The policy's per-request work (:class:`IPreparesRequests`), outside the lock."""
