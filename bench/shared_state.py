@@ -135,7 +135,8 @@ def confirm_times(redis: int, count: int) -> list[float]:
         store = RedisStore(SharedStateSpec(HOST, redis), reactor, replica="bench")
         pool = Pool((BackendSpec("gpu", 1, max_conns=UNREACHED_MAX_CONNS),), clock=reactor,
                     store=store)
-        slots = pool.slots.gate = SharedSlots(store, lambda: None)
+        slots = SharedSlots(store, lambda: None)
+        pool.slots.confirm_with(slots)
         store.start()
         for _ in range(200):
             if store.link.connected:

@@ -281,7 +281,7 @@ class LoadBalancer:
             self.metrics.registry.register(SharedStateCollector(self.store))
             # max_conns exact over the fleet, and the queue woken by others' releases
             self.slots = SharedSlots(self.store, self.pool.slots.capacity_changed)
-            self.pool.slots.gate = self.slots
+            self.pool.slots.confirm_with(self.slots)
             self.metrics.registry.register(self.slots.collector())
         retry_after = max(1, math.ceil(config.health_interval))
         #: whether the policy is the one ``--policy`` names (a reload may replace it),

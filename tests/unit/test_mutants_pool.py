@@ -193,7 +193,7 @@ class StoredMarksTests(SynchronousTestCase):
     def test_a_removal_this_replica_keeps_is_written_back(self) -> None:
         """Its own DNS still yields it (``keeps``): it stays, and says so in the store."""
         pool, marks = self.build()
-        pool.keeps = lambda backend: True
+        pool.ask_before_store_removal(lambda backend: True)
         marks.saved.clear()
         marks.stored = [(A, Marks(healthy=True, draining=True, removing=True))]
         pool.refresh()
@@ -206,7 +206,7 @@ class StoredMarksTests(SynchronousTestCase):
 
     def test_a_stored_drain_applies_to_a_backend_this_replica_keeps(self) -> None:
         pool, marks = self.build()
-        pool.keeps = lambda backend: True
+        pool.ask_before_store_removal(lambda backend: True)
         marks.stored = [(A, Marks(healthy=True, draining=True, removing=False))]
         pool.refresh()
         backend = pool.get(A.key)

@@ -111,7 +111,7 @@ class RouterMutantTests(SynchronousTestCase):
         self.pool = Pool(specs or (BackendSpec("h", 1, max_conns=1),), clock=self.clock,
                          shared=shared)  # type: ignore[arg-type]
         if gate is not None:
-            self.pool.slots.gate = gate
+            self.pool.slots.confirm_with(gate)
         self.router = Router(self.pool, LeastConnections(), self.clock, queue_timeout=30,
                              retry_after=1)
 

@@ -70,7 +70,7 @@ class SlotTests(SynchronousTestCase):
                                for port in range(1, backends + 1)),
                          clock=self.clock, store=self.store)
         self.slots = SharedSlots(self.store, self.pool.slots.capacity_changed)
-        self.pool.slots.gate = self.slots
+        self.pool.slots.confirm_with(self.slots)
         self.router = Router(self.pool, LeastConnections(), self.clock, queue_timeout=30)
         if started:
             self.store.start()  # the first poll answers: the link is up

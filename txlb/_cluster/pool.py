@@ -71,7 +71,7 @@ class Pool:
         #: asked when the shared store removes a backend and the removal is not marked as
         #: an operator's: ``True`` keeps it here and says so in the store (this replica's
         #: own DNS still yields it; another replica's DNS letting it go is no reason)
-        self.keeps: Callable[[Backend], bool] = lambda backend: False
+        self._keeps: Callable[[Backend], bool] = lambda backend: False
         #: Called with a backend another balancer found refusing connections: probe it now
         #: (its own probe refused too takes it out here).  With no listener, the shared
         #: refusal takes it out at once.
@@ -118,6 +118,14 @@ class Pool:
     def _new(self, spec: BackendSpec, up_since: float | None = None) -> Backend:
         """A backend on this pool's clock and ``--slow-start``."""
         return Backend(spec, slow_start=SlowStart(self.clock, self.slow_start, up_since))
+
+    def ask_before_store_removal(self, keeps: Callable[[Backend], bool]) -> None:
+        """
+        Ask ``keeps`` before a removal the shared store made (not an operator's) applies
+        here: ``True`` keeps the backend (DNS membership: this replica's names still yield
+        it).
+        """
+        self._keeps = keeps
 
     def _changed(self) -> None:
         for listener in list(self.on_change):
@@ -192,7 +200,7 @@ class Pool:
             if stored.removing and not backend.health.removing:
                 if self._operators(spec.key):
                     self.learned.discard(spec.key)  # an operator's: not DNS's to adopt
-                elif self.keeps(backend):  # not removed here (nor drained, as removing
+                elif self._keeps(backend):  # not removed here (nor drained, as removing
                     # implies): its own drain and the entry's health apply
                     stored = attrs.evolve(stored, removing=False, draining=backend.health.draining)
                     kept = True

@@ -61,10 +61,20 @@ class Slots:
         self.shared = shared
         self._let_go = let_go
         self._changed = changed
-        #: what confirms a slot on a backend with ``max_conns`` before it is used (set by
-        #: the balancer with ``--shared-state``); None: the pool's slot is final
-        self.gate: SlotGate | None = None
+        self._gate: SlotGate | None = None
         self._idle_waiters: list[Deferred[None]] = []
+
+    def confirm_with(self, gate: SlotGate | None) -> None:
+        """Have ``gate`` confirm each slot on a capped backend (``--shared-state``)."""
+        self._gate = gate
+
+    @property
+    def gate(self) -> SlotGate | None:
+        """
+        What confirms a slot on a backend with ``max_conns`` before it is used (the
+        balancer's, with ``--shared-state``); ``None``: the pool's slot is final.
+        """
+        return self._gate
 
     def acquire(self, backend: Backend) -> Lease:
         """
@@ -125,8 +135,8 @@ class Slots:
     def _released(self, backend: Backend) -> None:
         if self.shared is not None:
             self.shared.give_back(backend.key)
-        if self.gate is not None:
-            self.gate.released(backend)
+        if self._gate is not None:
+            self._gate.released(backend)
         self._let_go(backend)
         self._changed()
         self._wake_if_idle()

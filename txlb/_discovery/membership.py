@@ -21,7 +21,7 @@ Who wins (docs/scale-out.md, "Membership from DNS"):
 * with shared state, an address another replica's DNS put in the store is adopted by this
   replica's name that yields it too (so this replica removes it when the name drops it),
   and another replica's removal of it is refused while a name here still yields it
-  (``Pool.keeps``) -- unless the store marks that removal as an operator's.
+  (``Pool.ask_before_store_removal``) -- unless the store marks that removal as an operator's.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class DnsMembership(Service):
         #: address -> name, for the addresses the names' last good answers put in rotation
         #: here (a removal another replica's DNS made does not take them out)
         self._yielded: dict[str, str] = {}
-        pool.keeps = self._keeps
+        pool.ask_before_store_removal(self._keeps)
         self._take(config)
 
     # -- what the rest of the balancer asks ----------------------------------------------
