@@ -224,7 +224,7 @@ class InProcessTests(TestCase):
         url = self.start(fleet, health_interval=0.2)
         fleet.sims[0].engine_dead = True
         dead = self.lb.pool.get(fleet.keys[0])
-        yield defer.ensureDeferred(wait_until(lambda: not dead.healthy,  # type: ignore[union-attr]
+        yield defer.ensureDeferred(wait_until(lambda: not dead.health.healthy,  # type: ignore[union-attr]
                                               what="dead engine marked down"))
         for _ in range(4):
             response, _ = yield defer.ensureDeferred(self.client.fetch(url + "/metrics"))
