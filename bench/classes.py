@@ -44,8 +44,8 @@ from bench.sim_engines import (
     percentile,
     run_to_the_end,
 )
-from txlb._cluster.backend import Lease
 from txlb._cluster.pool import Pool
+from txlb._cluster.slots import Lease
 from txlb._config import Config
 from txlb._scheduling.classes import PriorityClasses
 from txlb._scheduling.policies.registry import make_policy
@@ -136,7 +136,7 @@ def run(params: Params, classes: bool, interactive_share: float = 0.2) -> ClassR
 
     clock.callLater(workload.arrivals[0][0], arrive, 0)
     run_to_the_end(clock, outstanding)
-    if any(b.active for b in pool) or router.queue_length:
+    if any(b.counts.active for b in pool) or router.queue_length:
         raise RuntimeError("slots or waiters left over")
     by_kind = {kind: [r for r, k in zip(requests, kinds, strict=True) if k == kind]
                for kind in (INTERACTIVE, BATCH)}

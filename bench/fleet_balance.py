@@ -65,8 +65,8 @@ from bench.sim_engines import (
     percentile,
     run_to_the_end,
 )
-from txlb._cluster.backend import Lease
 from txlb._cluster.pool import Pool
+from txlb._cluster.slots import Lease
 from txlb._cluster.store import IInFlightCounts
 from txlb._config import BackendSpec
 from txlb._scheduling.policies.registry import make_policy

@@ -27,7 +27,7 @@ class KnownBug:
 #: The nine deliberate bugs that passed the whole suite before ``tests/unit/test_regressions``.
 #: ``--known`` applies each to a copy of the tree and checks the tests now fail.
 KNOWN_BUGS: tuple[KnownBug, ...] = (
-    KnownBug("lease released twice counts twice", "txlb/_cluster/backend.py",
+    KnownBug("lease released twice counts twice", "txlb/_cluster/slots.py",
              "        if not self._released:\n            self._released = True\n",
              "        if True:\n            self._released = True\n"),
     KnownBug("--max-body not enforced on lb.resource()", "txlb/_proxy/resource.py",
@@ -97,7 +97,7 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "that), and an HTTPChannel's transport is never set back to None: both forms abort"),
     ("_proxy/exchange", "NumberReplacer", "if status < 499:",
      "a 499 from the backend then also asks provoked_by_request and the client key (both "
-     "pure), but Backend.answered resets the streak for any status under 500 whatever the "
+     "pure), but Verdicts.answered resets the streak for any status under 500 whatever the "
      "client, and judge_answer returns None for it: the same outcome"),
     ("_proxy/resource", "ReplaceAndWithOr", "if budgets is not None or budgets.specs:",
      "the balancer always passes its TokenBudgets; with no [[budgets]] its admit returns "
@@ -114,7 +114,7 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "speed differs"),
     ("_cluster/pool", "NumberReplacer", "outliers: OutlierRule | None = None, slow_start: float =",
      "Pool's default: the balancer always passes --slow-start"),
-    ("_cluster/pool", "AddNot", "            if not backend.removing:",
+    ("_cluster/pool", "AddNot", "            if not backend.health.removing:",
      "in refresh and mirror the loop hands each backend to _forget_if_idle, which checks "
      "removing itself: the guard only saves the call (undrain's check, less indented, is "
      "not this one)"),
@@ -126,7 +126,7 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("_cluster/outlier", "NumberReplacer", "consecutive_5xx: int =",
      "OutlierRule's default: the balancer always passes --outlier-5xx's value"),
     ("_cluster/outlier", "NumberReplacer", "if status < 499 or client is None:",
-     "a 499 from a client resets the streak (Backend.answered) to 0, under any threshold: "
+     "a 499 from a client resets the streak (Verdicts.answered) to 0, under any threshold: "
      "the same None"),
     ("_scheduling/policies/least_conn", "NumberReplacer", "rank=",
      "the built-in ranks are 10 apart: one up or down keeps the --help order"),
@@ -400,10 +400,10 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("_cluster/health", "NumberReplacer", 'rest.split("}", 2)[1]',
      "the same token follows the first '}' either way unless a label value holds '}', "
      "and then neither parses as a number (the line is skipped)"),
-    ("_cluster/backend", "NumberReplacer", "slow_start: float =",
-     "Backend's default: every Backend txlb makes is made by the pool, which passes its "
-     "--slow-start"),
-    ("_cluster/backend", "ReplaceFalseWithTrue", "attrs.field(default=None, repr=True)",
-     "only a Backend's repr shows its clock: nothing txlb writes uses that repr (logs, "
+    ("_cluster/slow_start", "NumberReplacer", "_length: float =",
+     "SlowStart's default: every SlowStart txlb makes is made by the pool, which passes its "
+     "--slow-start (and without a clock, as a default SlowStart has, there is no ramp)"),
+    ("_cluster/slow_start", "ReplaceFalseWithTrue", "attrs.field(default=None, repr=True)",
+     "only a SlowStart's repr shows its clock: nothing txlb writes uses that repr (logs, "
      "status and metrics name a backend by its key)"),
 )

@@ -28,8 +28,8 @@ from bench.sim_engines import (
     percentile,
     run_to_the_end,
 )
-from txlb._cluster.backend import Lease
 from txlb._cluster.pool import Pool
+from txlb._cluster.slots import Lease
 from txlb._config import BackendSpec
 from txlb._records.outcome import RequestOutcome
 from txlb._scheduling.policies import IPolicy
@@ -192,7 +192,7 @@ def run(experiment: Experiment, policy_name: str, params: Params,
     run_to_the_end(clock, outstanding)
 
     for pool in pools:
-        leaked = [b.key for b in pool if b.active]
+        leaked = [b.key for b in pool if b.counts.active]
         if leaked:
             raise RuntimeError(f"in-flight counts left over on {leaked}")
     busy = [e.key for e in engines.values() if e.running or e.waiting or e._finishing]

@@ -21,8 +21,9 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.backend import Backend
 from txlb._cluster.pool import Pool
+from txlb._cluster.slots import Lease
 from txlb._config import BackendSpec
 from txlb._records.outcome import RequestOutcome
 from txlb._scheduling.policies import IPolicy
@@ -74,8 +75,8 @@ def run(policies: Sequence[IPolicy], seed: int) -> tuple[float, int]:
         request = RoutingRequest(model="m", json=body)
         policy = policies[rng.randrange(len(policies))]
         backend = policy.choose(backends, request)
-        lease = pool.acquire(backend)
-        most = max(most, backend.active)
+        lease = pool.slots.acquire(backend)
+        most = max(most, backend.counts.active)
         chain, chars = ruler.hasher.key(body, "m")
         hit = engines[backend.key].serve(chain)
         tokens = chars // CHARS_PER_TOKEN

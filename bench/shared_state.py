@@ -135,7 +135,8 @@ def confirm_times(redis: int, count: int) -> list[float]:
         store = RedisStore(SharedStateSpec(HOST, redis), reactor, replica="bench")
         pool = Pool((BackendSpec("gpu", 1, max_conns=UNREACHED_MAX_CONNS),), clock=reactor,
                     store=store)
-        slots = pool.gate = SharedSlots(store, lambda: None)
+        slots = SharedSlots(store, lambda: None)
+        pool.slots.confirm_with(slots)
         store.start()
         for _ in range(200):
             if store.link.connected:
@@ -144,7 +145,7 @@ def confirm_times(redis: int, count: int) -> list[float]:
         backend = pool.get("gpu:1")
         assert backend is not None and store.link.connected
         for _ in range(count):
-            lease = pool.acquire(backend)
+            lease = pool.slots.acquire(backend)
             began = time.perf_counter()
             admitted = await slots.confirm(backend)
             times.append(time.perf_counter() - began)

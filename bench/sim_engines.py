@@ -21,7 +21,7 @@ from typing import Generic, Protocol, TypeVar
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.task import Clock
 
-from txlb._cluster.backend import Lease
+from txlb._cluster.slots import Lease
 from txlb.testing import BLOCK_TOKENS, CacheLease, PrefixCache
 
 

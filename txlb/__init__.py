@@ -20,8 +20,9 @@ from txlb._version import __version__ as __version__
 
 if TYPE_CHECKING:
     from txlb._balancer import LoadBalancer
-    from txlb._cluster.backend import Backend, Lease
+    from txlb._cluster.backend import Backend
     from txlb._cluster.pool import Pool
+    from txlb._cluster.slots import Lease
     from txlb._config.backends import BackendSpec
     from txlb._config.config import Config, build_config
     from txlb._config.errors import ConfigError
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "Backend": "._cluster.backend",
-    "Lease": "._cluster.backend",
+    "Lease": "._cluster.slots",
     "Pool": "._cluster.pool",
     "LoadBalancer": "._balancer",
     "BackendSpec": "._config.backends",

@@ -123,12 +123,12 @@ class _LifecycleService(Service):
         super().stopService()
         balancer = self._balancer
         balancer.proxy.shut_down()
-        in_flight = balancer.pool.in_flight
+        in_flight = balancer.pool.slots.in_flight
         if in_flight:
             log.info("shutting down: waiting up to {timeout:g}s for {count} requests in flight",
                      timeout=balancer.config.shutdown_timeout, count=in_flight)
         timer = balancer.reactor.callLater(balancer.config.shutdown_timeout, self._give_up)
-        idle = balancer.pool.when_idle()
+        idle = balancer.pool.slots.when_idle()
         idle.addCallback(lambda _: timer.cancel() if timer.active() else None)
         # Nothing in flight, so nothing will free a slot: answer whatever still waits.
         idle.addCallback(lambda _: balancer.router.abandon_queue(
@@ -141,7 +141,7 @@ class _LifecycleService(Service):
 
     def _give_up(self) -> None:
         log.warn("shutdown timeout: ending {count} requests still in flight",
-                 count=self._balancer.pool.in_flight)
+                 count=self._balancer.pool.slots.in_flight)
         self._balancer.router.abandon_queue("the balancer is shutting down")
         self._balancer.proxy.abort_all("the balancer is shutting down")
 
@@ -284,15 +284,15 @@ class LoadBalancer:
         wake, report = IFleetWake(self.store, None), IStoreReport(self.store, None)
         if wake is not None:
             # marks other replicas saved reach the pool; a slot they freed wakes the queue
-            wake.attach(self.pool.refresh, self.pool.capacity_changed)
+            wake.attach(self.pool.refresh, self.pool.slots.capacity_changed)
         if report is not None:
             self.metrics.registry.register(report.collector())
         #: max_conns exact over the fleet, and the queue woken by others' releases
         self.slots: IFleetSlotGate | None = None
         gates = ISlotGates(self.store, None)
         if gates is not None:
-            self.slots = gates.slot_gate(self.pool.capacity_changed)
-            self.pool.use_gate(self.slots)
+            self.slots = gates.slot_gate(self.pool.slots.capacity_changed)
+            self.pool.slots.confirm_with(self.slots)
             self.metrics.registry.register(self.slots.collector())
         #: whether the policy is the one ``--policy`` names (a reload may replace it),
         #: not an embedder's own object (which a reload keeps)

@@ -265,10 +265,10 @@ def plan_reload(lb: LoadBalancer, new: Config, membership: bool = True) -> _Plan
             if spec is None:
                 if lb.dns.owns(backend.key):
                     continue  # a dns:/srv: name's: its reconfigure decides
-                if not backend.removing:
+                if not backend.health.removing:
                     removed.append(backend)
                 continue
-            if backend.removing:
+            if backend.health.removing:
                 kept.append(backend)
             if spec != backend.spec:
                 respecified.append((backend, spec))

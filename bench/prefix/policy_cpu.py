@@ -5,8 +5,8 @@ No network and no reactor: a :class:`~txlb._cluster.pool.Pool` of ``backends`` b
 the policy :func:`~txlb._scheduling.policies.registry.make_policy` builds, and for each
 workload request one ``RoutingRequest`` (body bytes and the parsed JSON, as the proxy
 builds it), ``prepare`` (for a policy that prepares requests, as the router calls it) and ``choose``
-(timed together as the choice), a slot taken with ``pool.acquire`` (so the policy sees load: at
-most ``in_flight`` requests are held, the oldest released first) and, when the slot is
+(timed together as the choice), a slot taken with ``pool.slots.acquire`` (so the policy sees
+load: at most ``in_flight`` requests are held, the oldest released first) and, when the slot is
 released, ``observe`` with the outcome the bookkeeper would give (prompt tokens at 4
 characters a token, a quarter of them cached).  Only the ``choose`` and ``observe`` calls
 are timed (``time.process_time_ns``, so other processes on the machine do not count);
@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from twisted.internet.task import Clock
 
 from bench.prefix.workloads import CHARS_PER_TOKEN, PrefixRequest
-from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.backend import Backend
 from txlb._cluster.pool import Pool
+from txlb._cluster.slots import Lease
 from txlb._config import BackendSpec
 from txlb._records.outcome import RequestOutcome
 from txlb._scheduling.policies import IPreparesRequests
@@ -72,7 +73,7 @@ def measure(policy_name: str, requests: Sequence[PrefixRequest], backends: int =
         backend = policy.choose(candidates, routed)
         choose_ns += time.process_time_ns() - started
         prompt = request.prompt_chars() // CHARS_PER_TOKEN
-        held.append((pool.acquire(backend), backend, RequestOutcome(
+        held.append((pool.slots.acquire(backend), backend, RequestOutcome(
             backend=backend.key, status=200, answered=True, ttfb=0.1, duration=1.0,
             prompt_tokens=prompt, cached_prompt_tokens=prompt // 4, routing=routed)))
     while held:

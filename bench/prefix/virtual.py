@@ -51,8 +51,9 @@ from bench.prefix.engine_model import (
 from bench.prefix.synced_index import SharedIndex, StaleView
 from bench.prefix.workloads import CHARS_PER_TOKEN, Options, PrefixRequest, generate
 from bench.sim_engines import run_to_the_end
-from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.backend import Backend
 from txlb._cluster.pool import Pool
+from txlb._cluster.slots import Lease
 from txlb._config import BackendSpec
 from txlb._records.outcome import RequestOutcome
 from txlb._scheduling.policies import IPolicy, Policy
@@ -71,7 +72,7 @@ SCRAPE_INTERVAL = 2.0
 def load_bound(backend: Backend, candidates: Sequence[Backend], factor: float) -> int:
     """``ceil(factor x backend's weight share of the in-flight, counting the new one)``."""
     total_weight = sum(b.effective_weight for b in candidates)
-    in_flight = sum(b.active for b in candidates) + 1
+    in_flight = sum(b.counts.active for b in candidates) + 1
     return math.ceil(factor * in_flight * backend.effective_weight / total_weight)
 
 
@@ -99,7 +100,7 @@ class Oracle(Policy):
     def choose(self, candidates: Sequence[Backend],
                request: RoutingRequest = ANY_REQUEST) -> Backend:
         chain, tokens = self._prompt(request)
-        room = [b for b in candidates if b.active < load_bound(b, candidates, self.factor)]
+        room = [b for b in candidates if b.counts.active < load_bound(b, candidates, self.factor)]
         pool = room or list(candidates)
         matches = {b.key: self.engines[b.key].cache.match(chain, tokens) for b in pool}
         best = max(matches.values())

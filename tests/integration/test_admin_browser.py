@@ -121,7 +121,7 @@ class AdminBrowserAttackTests(TestCase):
 
     def assertNothingChanged(self) -> None:
         self.assertEqual(sorted(b.key for b in self.lb.pool), sorted(self.fleet.keys))
-        self.assertEqual([b.key for b in self.lb.pool if b.draining], [])
+        self.assertEqual([b.key for b in self.lb.pool if b.health.draining], [])
 
     @defer.inlineCallbacks
     def test_cross_origin_forms_and_fetches_change_nothing(self) -> Any:

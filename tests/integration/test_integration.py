@@ -77,7 +77,7 @@ class InProcessTests(TestCase):
         return f"http://127.0.0.1:{port.getHost().port}"
 
     def in_flight(self) -> int:
-        return sum(b.active for b in self.lb.pool)
+        return sum(b.counts.active for b in self.lb.pool)
 
     @defer.inlineCallbacks
     def test_streamed_chat_completion(self) -> Any:
@@ -119,7 +119,7 @@ class InProcessTests(TestCase):
             url + "/v1/chat/completions", b"POST", chat_body(max_tokens=100000), JSON))
         self.assertEqual(response.code, 400)
         self.assertIn(b"maximum context length", chunks.body)
-        self.assertTrue(all(b.healthy for b in self.lb.pool))
+        self.assertTrue(all(b.health.healthy for b in self.lb.pool))
 
     @defer.inlineCallbacks
     def test_client_disconnect_mid_stream_aborts_generation(self) -> Any:
@@ -207,14 +207,14 @@ class InProcessTests(TestCase):
         self.assertEqual(response.code, 502)
         self.assertEqual(json.loads(chunks.body)["error"]["code"], 502)
         backend = next(iter(self.lb.pool))
-        self.assertFalse(backend.healthy)
+        self.assertFalse(backend.health.healthy)
         response, _ = yield defer.ensureDeferred(self.client.fetch(url + "/metrics"))
         self.assertEqual(response.code, 503)
         self.assertIsNotNone(header(response, b"retry-after"))
         # restarted on the same port: the prober brings it back by itself
         port = listen_simulated(reactor, fleet.sims[0], port=port_number)
         self.addCleanup(port.stopListening)
-        yield defer.ensureDeferred(wait_until(lambda: backend.healthy, what="recovery"))
+        yield defer.ensureDeferred(wait_until(lambda: backend.health.healthy, what="recovery"))
         response, _ = yield defer.ensureDeferred(self.client.fetch(url + "/metrics"))
         self.assertEqual(response.code, 200)
 
@@ -224,7 +224,7 @@ class InProcessTests(TestCase):
         url = self.start(fleet, health_interval=0.2)
         fleet.sims[0].engine_dead = True
         dead = self.lb.pool.get(fleet.keys[0])
-        yield defer.ensureDeferred(wait_until(lambda: not dead.healthy,  # type: ignore[union-attr]
+        yield defer.ensureDeferred(wait_until(lambda: not dead.health.healthy,  # type: ignore[union-attr]
                                               what="dead engine marked down"))
         for _ in range(4):
             response, _ = yield defer.ensureDeferred(self.client.fetch(url + "/metrics"))

@@ -79,11 +79,11 @@ class IPv6BackendTests(TestCase):
             lambda: self.probes_of(self.v6) >= 2 and self.probes_of(self.v4) >= 2,
             what="two probes of each backend"))
         v6 = self.backend(self.v6_key)
-        self.assertTrue(v6.healthy)
-        self.assertIsNone(v6.last_probe_error)
-        yield defer.ensureDeferred(wait_until(lambda: v6.learned_models is not None,
+        self.assertTrue(v6.health.healthy)
+        self.assertIsNone(v6.health.last_probe_error)
+        yield defer.ensureDeferred(wait_until(lambda: v6.listing.names is not None,
                                               what="the IPv6 backend's models learned"))
-        self.assertEqual(v6.learned_models, ("sim-model",))
+        self.assertEqual(v6.listing.names, ("sim-model",))
         # drain the IPv4 one: every request must now reach [::1]
         self.lb.pool.drain(self.backend(self.v4_key))
         for _ in range(3):
@@ -105,11 +105,11 @@ class IPv6BackendTests(TestCase):
                                               what="a first probe of [::1]"))
         port_number = self.v6_port.getHost().port
         yield self.v6_port.stopListening()
-        yield defer.ensureDeferred(wait_until(lambda: not v6.healthy,
+        yield defer.ensureDeferred(wait_until(lambda: not v6.health.healthy,
                                               what="the stopped [::1] backend marked down"))
         revived = SimulatedVLLM(reactor)
         self.listen(revived, "::1", port=port_number)
-        yield defer.ensureDeferred(wait_until(lambda: v6.healthy,
+        yield defer.ensureDeferred(wait_until(lambda: v6.health.healthy,
                                               what="the restarted [::1] backend marked up"))
-        self.assertTrue(self.backend(self.v4_key).healthy)
+        self.assertTrue(self.backend(self.v4_key).health.healthy)
         self.assertTrue(self.lb.health._loop is not None and self.lb.health._loop.running)

@@ -181,8 +181,8 @@ class NoDuplicateGenerationTests(TestCase):
         probes_before = probed.probes
         yield defer.ensureDeferred(wait_until(lambda: probed.probes > probes_before,
                                               what="an immediate probe of that backend"))
-        self.assertTrue(all(b.healthy for b in self.lb.pool))
-        self.assertEqual(sum(b.active for b in self.lb.pool), 0)
+        self.assertTrue(all(b.health.healthy for b in self.lb.pool))
+        self.assertEqual(sum(b.counts.active for b in self.lb.pool), 0)
 
     @defer.inlineCallbacks
     def test_a_post_held_on_a_reused_connection_then_reset_is_502_and_sent_once(
@@ -241,4 +241,4 @@ class NoDuplicateGenerationTests(TestCase):
         self.assertEqual(len(heads), 1)
         received = [r for r in sim.requests if r.path == b"/v1/chat/completions"]
         self.assertEqual([len(r.body) for r in received][-1], len(body))
-        self.assertEqual(sum(b.active for b in self.lb.pool), 0)
+        self.assertEqual(sum(b.counts.active for b in self.lb.pool), 0)

@@ -217,8 +217,8 @@ class DashboardBrowserTests(TestCase):
         self.assertEqual([row[0] for row in rows], keys)
         self.assertEqual({row[1] for row in rows}, {"up"})
         self.assertEqual(state_after, "draining")
-        self.assertTrue(lb.pool.get(keys[1]).draining)  # type: ignore[union-attr]
-        self.assertFalse(lb.pool.get(keys[0]).draining)  # type: ignore[union-attr]
+        self.assertTrue(lb.pool.get(keys[1]).health.draining)  # type: ignore[union-attr]
+        self.assertFalse(lb.pool.get(keys[0]).health.draining)  # type: ignore[union-attr]
         # the fleet's charts and every backend's sparklines are drawn, and they move
         first, later = charts
         self.assertGreater(later["samples"], first["samples"])

@@ -286,7 +286,7 @@ class RepeatedEventTests(SynchronousTestCase):
             lb.pool.record_answer(second, 500, client=f"10.0.0.{number % 2}")
         stays = [e for e in events if "stays in" in str(e.get("log_format"))]
         self.assertEqual(len(stays), 1)
-        self.assertTrue(second.healthy)
+        self.assertTrue(second.health.healthy)
 
 
 class BackendChosenTextTests(SynchronousTestCase):
@@ -310,5 +310,5 @@ class BackendChosenTextTests(SynchronousTestCase):
         self.assertNotIn("\n", lines[0])
         self.assertNotIn("\x1b", lines[0])
         self.assertIn("\\n", lines[0])
-        self.assertEqual(backend.learned_models,
+        self.assertEqual(backend.listing.names,
                          ("m\nbackend 127.0.0.1:8003 marked down: forged", "\x1b]0;pwned\x07"))

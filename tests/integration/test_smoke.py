@@ -213,9 +213,9 @@ class QueueDepthScrapeTests(TestCase):
         deep = lb.pool.get(fleet.keys[0])
         shallow = lb.pool.get(fleet.keys[1])
         yield defer.ensureDeferred(wait_until(
-            lambda: deep.engine_depth is not None and shallow.engine_depth is not None,
+            lambda: deep.engine.depth is not None and shallow.engine.depth is not None,
             timeout=15, what="both engines scraped"))
-        self.assertEqual((deep.engine_depth, shallow.engine_depth), (3, 0))
+        self.assertEqual((deep.engine.depth, shallow.engine.depth), (3, 0))
         site = reactor.listenTCP(0, Site(lb.resource()), interface="127.0.0.1")
         self.addCleanup(site.stopListening)
         client = Client()

@@ -118,8 +118,8 @@ class DrainTests(AdminTestCase):
         assert backend is not None
         self.lb.pool.mark_down(backend, "test")
         self.lb.pool.probe_succeeded(backend, rise=1)
-        self.assertTrue(backend.healthy)
-        self.assertTrue(backend.draining)
+        self.assertTrue(backend.health.healthy)
+        self.assertTrue(backend.health.draining)
         code, state = self.call("POST", f"/backends/{A}/undrain")
         self.assertEqual((code, state["draining"]), (200, False))
 
@@ -153,7 +153,7 @@ class DrainTests(AdminTestCase):
         self.upstream.last.respond(FakeResponse(200, length=0)).end()
         self.assertTrue(client.response().complete)
         self.assertIsNone(self.lb.pool.get(A))
-        self.assertEqual(self.lb.pool.in_flight, 0)
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
         code, state = self.call("DELETE", f"/backends/{B}")  # idle: removed at once
         self.assertEqual((code, state["removed"]), (200, True))
         self.assertEqual(self.proxy().response().status, 503)
@@ -202,7 +202,7 @@ class TokenTests(AdminTestCase):
             self.assertEqual(error["error"]["code"], 401)
         code, _ = self.call("POST", f"/backends/{A}/drain")
         self.assertEqual(code, 401)
-        self.assertFalse(self.lb.pool.get(A).draining)  # type: ignore[union-attr]
+        self.assertFalse(self.lb.pool.get(A).health.draining)  # type: ignore[union-attr]
         code, _ = self.call("GET", "/metrics")
         self.assertEqual(code, 401)
         code, _ = self.call("GET", "/status", headers={"Authorization": "Bearer s3cret-token"})
@@ -220,14 +220,14 @@ class TokenTests(AdminTestCase):
         for rule in rules:
             path = re.sub(r"<[^>]*>", A, rule.rule)
             for method in sorted(rule.methods - {"HEAD", "OPTIONS"}):
-                before = [(b.key, b.draining) for b in self.lb.pool]
+                before = [(b.key, b.health.draining) for b in self.lb.pool]
                 body = {"backend": "127.0.0.1:9999"} if method == "POST" else None
                 code, _ = self.call(method, path, body)
                 if (method, rule.rule) == ("GET", "/"):
                     self.assertEqual(code, 200)
                     continue
                 self.assertEqual(code, 401, (method, path))
-                self.assertEqual([(b.key, b.draining) for b in self.lb.pool], before)
+                self.assertEqual([(b.key, b.health.draining) for b in self.lb.pool], before)
                 code, _ = self.call(method, path, body,
                                     headers={"Authorization": f"Bearer {self.token}"})
                 self.assertNotEqual(code, 401, (method, path))
@@ -244,7 +244,7 @@ class TokenTests(AdminTestCase):
             code, _ = self.call("POST", f"/backends/{A}/drain",
                                 headers={"Authorization": values})
             self.assertEqual(code, 400)
-        self.assertFalse(self.lb.pool.get(A).draining)  # type: ignore[union-attr]
+        self.assertFalse(self.lb.pool.get(A).health.draining)  # type: ignore[union-attr]
 
     def test_without_the_token_every_path_is_401_known_or_not(self) -> None:
         """
@@ -329,7 +329,7 @@ class BrowserRequestTests(AdminTestCase):
 
     def assertUnchanged(self) -> None:
         self.assertEqual(sorted(b.key for b in self.lb.pool), [A, B])
-        self.assertEqual([b.key for b in self.lb.pool if b.draining], [])
+        self.assertEqual([b.key for b in self.lb.pool if b.health.draining], [])
 
     def test_form_content_types_get_415(self) -> None:
         for content_type in ("application/x-www-form-urlencoded", "multipart/form-data; "
@@ -529,7 +529,7 @@ class ValidationTests(AdminTestCase):
         response = client.response()
         self.assertEqual(response.status, 415)
         self.assertEqual(json.loads(response.body)["error"]["code"], 415)
-        self.assertFalse(self.lb.pool.get(A).draining)  # type: ignore[union-attr]
+        self.assertFalse(self.lb.pool.get(A).health.draining)  # type: ignore[union-attr]
 
     def test_an_ipv6_backend_is_found_however_its_key_is_spelt(self) -> None:
         """Added as ``[0:0::1]:8004`` it is ``[::1]:8004``; drain and remove find it by either."""
@@ -558,7 +558,7 @@ class ValidationTests(AdminTestCase):
         self.assertEqual(response.status, 400)
         self.assertEqual(json.loads(response.body)["error"]["code"], 400)
         self.assertTrue(client.transport.disconnecting)
-        self.assertFalse(self.lb.pool.get(A).draining)  # type: ignore[union-attr]
+        self.assertFalse(self.lb.pool.get(A).health.draining)  # type: ignore[union-attr]
 
     def test_a_path_that_is_not_utf8_gets_json_too(self) -> None:
         """Klein answered ``%ff`` in the path with a text/html 400 of its own."""

@@ -14,7 +14,9 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from txlb import BackendSpec, Pool
 from txlb._cluster.backend import Backend
+from txlb._cluster.backend_health import Health
 from txlb._cluster.local_store import LocalStore
+from txlb._cluster.slow_start import SlowStart
 from txlb._cluster.store import Marks, OwnMarks
 
 from .test_pool import RecordingSlots, SharedTotals
@@ -23,16 +25,16 @@ from .test_pool import RecordingSlots, SharedTotals
 class RampMirrorAndProbeCountTests(SynchronousTestCase):
     def test_slow_start_never_takes_a_backend_to_zero(self) -> None:
         clock = Clock()
-        backend = Backend(BackendSpec("127.0.0.1", 8002, weight=2), clock=clock,
-                          slow_start=10, healthy=False)
+        backend = Backend(BackendSpec("127.0.0.1", 8002, weight=2),
+                          health=Health(healthy=False), slow_start=SlowStart(clock, 10))
         clock.advance(100)
         backend.came_up(clock.seconds())
-        self.assertEqual(backend.ramp, 0.01)
+        self.assertEqual(backend.slow_start.ramp, 0.01)
         self.assertGreater(backend.effective_weight, 0)
         clock.advance(5)
-        self.assertEqual(backend.ramp, 0.5)
+        self.assertEqual(backend.slow_start.ramp, 0.5)
         clock.advance(50)
-        self.assertEqual(backend.ramp, 1.0)
+        self.assertEqual(backend.slow_start.ramp, 1.0)
 
     def test_a_worker_takes_the_supervisors_slots(self) -> None:
         supervisor = Pool((BackendSpec("127.0.0.1", 8002),), shared=RecordingSlots())  # type: ignore[arg-type]
@@ -44,7 +46,7 @@ class RampMirrorAndProbeCountTests(SynchronousTestCase):
         supervisor.mark_down(supervisor.get("127.0.0.1:8002"), "test")
         worker.mirror(supervisor.shared_state())
         mirrored = worker.get("127.0.0.1:8002")
-        self.assertEqual((mirrored.draining, mirrored.healthy), (True, False))
+        self.assertEqual((mirrored.health.draining, mirrored.health.healthy), (True, False))
         states: list[Any] = supervisor.shared_state()
         states[0]["slot"] = None
         worker_slots.assigned.clear()
@@ -56,7 +58,7 @@ class RampMirrorAndProbeCountTests(SynchronousTestCase):
         backend = pool.get("127.0.0.1:8002")
         for _ in range(3):
             pool.probe_succeeded(backend, rise=1)
-        self.assertEqual(backend.probes_ok, 3)
+        self.assertEqual(backend.health.probes_ok, 3)
         self.assertEqual(backend.detailed_status()["probes_ok"], 3)
 
 
@@ -76,33 +78,33 @@ class BackendCounterTests(SynchronousTestCase):
         self.assertEqual(heard, [("127.0.0.1:8002", "proxy: connection refused")])
 
     def test_probes_failed_counts_from_zero(self) -> None:
-        self.assertEqual(self.backend.probes_failed, 0)
+        self.assertEqual(self.backend.health.probes_failed, 0)
         for _ in range(2):
             self.pool.probe_failed(self.backend, "health: HTTP 503", definitive=True, fall=3)
         self.assertEqual(self.backend.detailed_status()["probes_failed"], 2)
 
     def test_latency_is_an_ewma_rounded_to_a_tenth_of_a_millisecond(self) -> None:
-        from txlb._cluster.backend import EWMA_ALPHA, _ewma
+        from txlb._cluster.backend_pace import EWMA_ALPHA, _ewma
 
         self.assertEqual(_ewma(None, 2.0), 2.0)
         self.assertAlmostEqual(_ewma(1.0, 3.0), 1.0 + EWMA_ALPHA * 2.0)
         self.assertAlmostEqual(_ewma(3.0, 1.0), 3.0 - EWMA_ALPHA * 2.0)
-        self.backend.record_result(200, 0.123456, None)
+        self.backend.pace.timed(0.123456, None)
         self.assertEqual(self.backend.detailed_status()["latency_ewma_s"], 0.1235)
 
     def test_the_5xx_count_starts_again_after_an_ejection(self) -> None:
         for number in range(self.pool.outliers.consecutive_5xx):  # a streak of two clients
             self.pool.record_answer(self.backend, 500, client=f"10.0.0.{number % 2}")
-        self.assertFalse(self.backend.healthy)
-        self.assertEqual(self.backend.errors_in_a_row, 0)
+        self.assertFalse(self.backend.health.healthy)
+        self.assertEqual(self.backend.verdicts.errors_in_a_row, 0)
 
     def test_a_passive_ejection_restarts_the_rise_count(self) -> None:
         self.pool.probe_succeeded(self.backend, rise=2)  # one good probe while up
         self.pool.mark_down(self.backend, "proxy: connection refused")
         self.pool.probe_succeeded(self.backend, rise=2)
-        self.assertFalse(self.backend.healthy)  # one success since the ejection, not two
+        self.assertFalse(self.backend.health.healthy)  # one success since the ejection, not two
         self.pool.probe_succeeded(self.backend, rise=2)
-        self.assertTrue(self.backend.healthy)
+        self.assertTrue(self.backend.health.healthy)
 
 
 class _SavedMarks(OwnMarks):
@@ -148,8 +150,8 @@ class BookkeepingTests(SynchronousTestCase):
 
     def test_requests_count_each_request_from_zero(self) -> None:
         self.assertEqual(self.backend.status()["requests"], 0)
-        self.pool.acquire(self.backend).release()
-        self.pool.acquire(self.backend)
+        self.pool.slots.acquire(self.backend).release()
+        self.pool.slots.acquire(self.backend)
         self.assertEqual(self.backend.status()["requests"], 2)
 
     def test_shared_counts_give_the_all_process_requests(self) -> None:
@@ -160,8 +162,8 @@ class BookkeepingTests(SynchronousTestCase):
         backend = pool.get("127.0.0.1:8002")
         pool.refresh()
         self.assertEqual(backend.status()["requests"], 5)
-        backend.counted(2)  # the in-flight total alone (taken under the lock)
-        self.assertEqual((backend.active, backend.status()["requests"]), (2, 5))
+        backend.counts.counted(2)  # the in-flight total alone (taken under the lock)
+        self.assertEqual((backend.counts.active, backend.status()["requests"]), (2, 5))
 
     def test_a_worker_restarts_its_local_counts_on_a_new_scrape_only(self) -> None:
         """
@@ -172,20 +174,22 @@ class BookkeepingTests(SynchronousTestCase):
 
         supervisor = Backend(BackendSpec("127.0.0.1", 8002))
         worker = Backend(BackendSpec("127.0.0.1", 8002))
-        self.assertEqual((worker.started_since_scrape, supervisor.engine_scrapes), (0, 0))
+        self.assertEqual((worker.counts.started_since_scrape, supervisor.engine.scrapes), (0, 0))
         supervisor.engine_scraped(4.0, None)
-        self.assertEqual(supervisor.engine_scrapes, 1)
+        self.assertEqual(supervisor.engine.scrapes, 1)
         worker.mirror(json.loads(json.dumps(supervisor.shared_state())))
-        worker.took_slot()
-        worker.took_slot()
-        worker.gave_slot()
+        worker.counts.took_slot()
+        worker.counts.took_slot()
+        worker.counts.gave_slot()
         worker.mirror(json.loads(json.dumps(supervisor.shared_state())))  # the same scrape
-        self.assertEqual((worker.started_since_scrape, worker.finished_since_scrape), (2, 1))
+        counts = worker.counts
+        self.assertEqual((counts.started_since_scrape, counts.finished_since_scrape), (2, 1))
         self.assertEqual(QueueDepth.depth(worker), 5.0)
         supervisor.engine_scraped(4.0, None)
-        self.assertEqual(supervisor.engine_scrapes, 2)
+        self.assertEqual(supervisor.engine.scrapes, 2)
         worker.mirror(json.loads(json.dumps(supervisor.shared_state())))
-        self.assertEqual((worker.started_since_scrape, worker.finished_since_scrape), (0, 0))
+        counts = worker.counts
+        self.assertEqual((counts.started_since_scrape, counts.finished_since_scrape), (0, 0))
         self.assertEqual(QueueDepth.depth(worker), 4.0)
 
     def test_the_shared_state_crosses_to_workers_as_json(self) -> None:
@@ -193,12 +197,12 @@ class BookkeepingTests(SynchronousTestCase):
         worker = Pool(())
         worker.mirror(json.loads(json.dumps(self.pool.shared_state())))
         mirrored = worker.get("127.0.0.1:8002")
-        self.assertEqual((mirrored.engine_depth, mirrored.engine_scrapes), (3, 1))
+        self.assertEqual((mirrored.engine.depth, mirrored.engine.scrapes), (3, 1))
 
     def test_the_streak_keeps_its_first_two_clients(self) -> None:
         for client in ("10.0.0.1", "10.0.0.2", "10.0.0.3"):
-            self.backend.answered(500, client)
-        self.assertEqual(self.backend.streak_clients, ("10.0.0.1", "10.0.0.2"))
+            self.backend.verdicts.answered(500, client)
+        self.assertEqual(self.backend.verdicts.streak_clients, ("10.0.0.1", "10.0.0.2"))
 
     def test_a_drain_is_saved_and_told_once(self) -> None:
         """Other balancers read the drain from the store; waiting requests hear of it."""
@@ -218,7 +222,7 @@ class BookkeepingTests(SynchronousTestCase):
         self.pool.mark_down(self.backend, "proxy: connection refused")
         for _ in range(3):
             self.pool.probe_succeeded(self.backend, rise=1)
-        self.assertTrue(self.backend.healthy)
+        self.assertTrue(self.backend.health.healthy)
         self.assertEqual(self.marks.saved[-1], ("127.0.0.1:8002", Marks(True, False, False)))
         self.assertEqual(len(self.changes), 2)  # down, up
         self.assertEqual(len([e for e in events if "back up" in formatEvent(e)]), 1)
@@ -229,25 +233,25 @@ class BookkeepingTests(SynchronousTestCase):
         self.assertEqual(self.updates, [])
         self.pool.set_engine_depth(self.backend, 1, 0)
         self.pool.forget_engine_depth(self.backend)
-        self.assertEqual((len(self.updates), self.backend.engine_depth), (2, None))
+        self.assertEqual((len(self.updates), self.backend.engine.depth), (2, None))
 
     def test_two_leases_on_one_backend_are_two(self) -> None:
-        first, second = self.pool.acquire(self.backend), self.pool.acquire(self.backend)
+        first, second = self.pool.slots.acquire(self.backend), self.pool.slots.acquire(self.backend)
         self.assertNotEqual(first, second)
         self.assertEqual(len({first, second}), 2)
         self.assertIs(first.released, False)
         first.release()
         self.assertIs(first.released, True)
-        self.assertEqual(self.backend.active, 1)
+        self.assertEqual(self.backend.counts.active, 1)
 
     def test_a_4xx_answer_ends_a_5xx_streak(self) -> None:
         needed = self.pool.outliers.consecutive_5xx
         for status in (499, 400):  # the top and the bottom of the 4xx class
             self.streak(needed - 1)
             self.pool.record_answer(self.backend, status, client="10.0.0.1")
-            self.assertEqual(self.backend.errors_in_a_row, 0)
+            self.assertEqual(self.backend.verdicts.errors_in_a_row, 0)
         self.streak(needed - 1)
-        self.assertTrue(self.backend.healthy)
+        self.assertTrue(self.backend.health.healthy)
 
     def streak(self, count: int) -> None:
         for number in range(count):
@@ -258,45 +262,45 @@ class BookkeepingTests(SynchronousTestCase):
         self.streak(needed - 1)
         self.pool.record_answer(self.backend, 200, client="10.0.0.1")
         self.streak(needed - 1)
-        self.assertTrue(self.backend.healthy)
+        self.assertTrue(self.backend.health.healthy)
         self.streak(1)
-        self.assertFalse(self.backend.healthy)
+        self.assertFalse(self.backend.health.healthy)
 
     def test_a_streak_after_coming_back_needs_the_full_count(self) -> None:
         self.streak(self.pool.outliers.consecutive_5xx)  # ejected: the cool-down follows
-        self.assertFalse(self.backend.healthy)
+        self.assertFalse(self.backend.health.healthy)
         self.pool.clock.advance(3600)  # type: ignore[attr-defined]
         self.pool.probe_succeeded(self.backend, rise=1)
-        self.assertTrue(self.backend.healthy)
+        self.assertTrue(self.backend.health.healthy)
         self.streak(self.pool.outliers.consecutive_5xx - 1)
-        self.assertTrue(self.backend.healthy)
+        self.assertTrue(self.backend.health.healthy)
         self.streak(1)
-        self.assertFalse(self.backend.healthy)
+        self.assertFalse(self.backend.health.healthy)
 
     def test_fall_counts_from_the_last_good_probe(self) -> None:
         for _ in range(2):
             self.pool.probe_failed(self.backend, "health: timeout", definitive=False, fall=3)
         self.pool.probe_succeeded(self.backend, rise=1)
-        self.assertEqual(self.backend.failures_in_a_row, 0)
+        self.assertEqual(self.backend.health.failures_in_a_row, 0)
         for _ in range(2):
             self.pool.probe_failed(self.backend, "health: timeout", definitive=False, fall=3)
-        self.assertEqual(self.backend.failures_in_a_row, 2)
-        self.assertTrue(self.backend.healthy)
+        self.assertEqual(self.backend.health.failures_in_a_row, 2)
+        self.assertTrue(self.backend.health.healthy)
         self.pool.probe_failed(self.backend, "health: timeout", definitive=False, fall=3)
-        self.assertFalse(self.backend.healthy)
+        self.assertFalse(self.backend.health.healthy)
 
     def test_rise_counts_from_the_last_failed_probe(self) -> None:
-        self.assertEqual(self.backend.successes_in_a_row, 0)
+        self.assertEqual(self.backend.health.successes_in_a_row, 0)
         self.pool.mark_down(self.backend, "proxy: connection refused")
         for _ in range(2):
             self.pool.probe_succeeded(self.backend, rise=3)
-        self.assertEqual(self.backend.successes_in_a_row, 2)
+        self.assertEqual(self.backend.health.successes_in_a_row, 2)
         self.pool.probe_failed(self.backend, "health: timeout", definitive=False, fall=3)
         for _ in range(2):
             self.pool.probe_succeeded(self.backend, rise=3)
-        self.assertFalse(self.backend.healthy)
+        self.assertFalse(self.backend.health.healthy)
         self.pool.probe_succeeded(self.backend, rise=3)
-        self.assertTrue(self.backend.healthy)
+        self.assertTrue(self.backend.health.healthy)
 
     def test_hung_ejections_are_counted_from_zero(self) -> None:
         self.assertEqual(self.backend.detailed_status()["hung_ejections"], 0)
@@ -305,4 +309,4 @@ class BookkeepingTests(SynchronousTestCase):
 
     def test_weight_is_the_configured_one(self) -> None:
         backend = Backend(BackendSpec("127.0.0.1", 8002, weight=3))
-        self.assertEqual((backend.weight, backend.effective_weight), (3, 3.0))
+        self.assertEqual((backend.spec.weight, backend.effective_weight), (3, 3.0))

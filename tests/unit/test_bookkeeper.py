@@ -122,8 +122,8 @@ class ConsumerTests(SynchronousTestCase):
         consume(a_summary(backend=B), True)  # no such backend (any more): ignored
         backend = pool.get(A)
         assert backend is not None
-        self.assertEqual(backend.responses, {"5xx": 1})
-        self.assertEqual(backend.ewma_duration, 0.5)
+        self.assertEqual(backend.counts.responses, {"5xx": 1})
+        self.assertEqual(backend.pace.ewma_duration, 0.5)
 
     def test_the_latency_policy_learns_answered_times_to_first_byte(self) -> None:
         pool = a_pool(A)
@@ -189,8 +189,8 @@ class BookkeeperTests(SynchronousTestCase):
         backend = self.backend(A)
         self.books.answered(backend, 500, "ip:10.0.0.1")
         self.books.answered(backend, 500, "ip:10.0.0.2")
-        self.assertFalse(backend.healthy)
-        self.assertEqual(backend.outlier_ejections, 1)
+        self.assertFalse(backend.health.healthy)
+        self.assertEqual(backend.verdicts.outlier_ejections, 1)
 
     def test_a_suspect_is_probed(self) -> None:
         self.books.suspect(self.backend(B))
@@ -208,18 +208,18 @@ class BookkeeperTests(SynchronousTestCase):
         backend = self.backend(A)
         self.books.down(backend, "proxy: connection refused", reporter="worker 1")
         self.books.down(backend, "proxy: connection refused", reporter="worker 0")
-        self.assertFalse(backend.healthy)
-        self.assertEqual(backend.ejections, 1)
-        self.assertEqual(backend.hung_ejections, 0)
+        self.assertFalse(backend.health.healthy)
+        self.assertEqual(backend.health.ejections, 1)
+        self.assertEqual(backend.verdicts.hung_ejections, 0)
 
     def test_a_hang_verdict_goes_through_the_half_the_fleet_guard(self) -> None:
         first, second, third = self.backend(A), self.backend(B), self.backend(C)
         self.books.down(first, "hung: no byte from any of 2 requests")
         self.books.down(second, "hung: no byte from any of 2 requests")
-        self.assertEqual((first.hung_ejections, second.hung_ejections), (1, 1))
+        self.assertEqual((first.verdicts.hung_ejections, second.verdicts.hung_ejections), (1, 1))
         self.books.down(third, "hung: no byte from any of 2 requests")
-        self.assertTrue(third.healthy)  # half the fleet is out already
-        self.assertEqual(third.hung_ejections, 0)
+        self.assertTrue(third.health.healthy)  # half the fleet is out already
+        self.assertEqual(third.verdicts.hung_ejections, 0)
 
 
 class WiringTests(SynchronousTestCase):
@@ -248,7 +248,7 @@ class WiringTests(SynchronousTestCase):
         self.assertEqual(lb.summaries.summarised, 1)
         backend = lb.pool.get(A)
         assert backend is not None
-        self.assertEqual(backend.responses, {"2xx": 1})
+        self.assertEqual(backend.counts.responses, {"2xx": 1})
         self.assertEqual(lb.metrics.registry.get_sample_value(
             "txlb_requests_total", {"backend": A, "method": "POST", "status_class": "2xx"}),
             1.0)
@@ -283,7 +283,7 @@ class WiringTests(SynchronousTestCase):
         self.assertEqual(lb.summaries.summarised, 0)  # the bookkeeper heard nothing
         backend = lb.pool.get(A)
         assert backend is not None
-        self.assertEqual(backend.responses, {})
+        self.assertEqual(backend.counts.responses, {})
         lb.router.on_queue_wait(0.5)
         lb.pool.mark_down(backend, "proxy: connection refused")
         self.assertEqual(heard[2:], [("waited", 0.5), ("down", "proxy: connection refused")])

@@ -26,7 +26,8 @@ from txlb import (
     RoutingRequest,
 )
 from txlb._cluster import engines
-from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.backend import Backend
+from txlb._cluster.slots import Lease
 from txlb._config import ConfigError, build_config
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.policies import cache_aware
@@ -86,7 +87,7 @@ class MatchTests(SynchronousTestCase):
 
     def route(self, request: RoutingRequest) -> Lease:
         chosen = self.policy.choose(self.backends, request)
-        return self.pool.acquire(chosen)
+        return self.pool.slots.acquire(chosen)
 
     def test_same_prefix_same_backend_while_under_the_bound(self) -> None:
         prompt = tenant_prompt(1)
@@ -97,7 +98,7 @@ class MatchTests(SynchronousTestCase):
             self.assertIs(lease.backend, home.backend)
             lease.release()
         # with the others busier too, still home while home is under ceil(1.25 x share)
-        others = [self.pool.acquire(b) for b in self.backends if b is not home.backend
+        others = [self.pool.slots.acquire(b) for b in self.backends if b is not home.backend
                   for _ in range(2)]
         held = [self.route(chat(prompt, f"busy {n}")) for n in range(2)]
         self.assertEqual({lease.backend for lease in held}, {home.backend})
@@ -109,12 +110,12 @@ class MatchTests(SynchronousTestCase):
         held: list[Lease] = []
         for n in range(40):
             held.append(self.route(chat(prompt, f"burst {n}")))
-            in_flight = sum(b.active for b in self.backends)
+            in_flight = sum(b.counts.active for b in self.backends)
             for backend in self.backends:
                 # never above the bound as it stood when that request was placed
-                self.assertLessEqual(backend.active, math.ceil(1.25 * in_flight / 4))
+                self.assertLessEqual(backend.counts.active, math.ceil(1.25 * in_flight / 4))
         self.assertEqual({lease.backend for lease in held}, set(self.backends))
-        counts = sorted(b.active for b in self.backends)
+        counts = sorted(b.counts.active for b in self.backends)
         self.assertLessEqual(counts[-1], math.ceil(1.25 * 40 / 4))
 
     def test_an_idle_backend_takes_a_hot_prefix_the_others_hold(self) -> None:
@@ -129,7 +130,7 @@ class MatchTests(SynchronousTestCase):
         held = []
         for backend in self.backends[:-1]:
             self.policy.index.sent(backend, self.policy.hasher.key(chat(prompt).json, "m")[0])
-            held += [self.pool.acquire(backend) for _ in range(3)]
+            held += [self.pool.slots.acquire(backend) for _ in range(3)]
         lease = self.route(chat(prompt, "next"))
         self.assertIs(lease.backend, idle)
         # it holds the prefix now too: the next ones go by the gain again, ties by least-conn
@@ -146,7 +147,7 @@ class MatchTests(SynchronousTestCase):
             for tenant in range(8):
                 request = chat(tenant_prompt(tenant), f"r{round_}", tools=TOOLS)
                 chosen = policy.choose(self.backends, request)
-                self.pool.acquire(chosen).release()
+                self.pool.slots.acquire(chosen).release()
                 if round_ == 0:
                     homes[tenant] = chosen
                 else:
@@ -160,7 +161,7 @@ class MatchTests(SynchronousTestCase):
         for tenant in range(8):
             chosen = self.policy.choose(self.backends,
                                         chat(tenant_prompt(tenant), "r", tools=TOOLS))
-            self.pool.acquire(chosen).release()
+            self.pool.slots.acquire(chosen).release()
             homes.add(chosen)
         self.assertEqual(len(homes), 1)
 
@@ -174,7 +175,7 @@ class MatchTests(SynchronousTestCase):
             request = chat(f"unique {n} {rng.random()} " + "x" * rng.randrange(0, 3000), "q")
             ours, theirs = mine.choose(backends, request), reference.choose(backends, request)
             self.assertIs(ours, theirs, f"request {n}")
-            held.append(pool.acquire(ours))
+            held.append(pool.slots.acquire(ours))
             if held and rng.random() < 0.5:
                 held.pop(rng.randrange(len(held))).release()
 
@@ -201,7 +202,7 @@ class MatchTests(SynchronousTestCase):
                           for i, w in enumerate((1, 2, 3))))
         backends = list(pool)
         for backend, active in zip(backends, (3, 1, 4), strict=True):
-            backend.counted(active)
+            backend.counts.counted(active)
         for backend in backends:
             self.assertEqual(load_bound(backend, backends, 1.25),
                              ring.capacity(backend, backends))
@@ -241,7 +242,7 @@ class LoopTests(SynchronousTestCase):
 
     def sent(self, request: RoutingRequest) -> Backend:
         backend = self.policy.choose(self.backends, request)
-        self.pool.acquire(backend).release()
+        self.pool.slots.acquire(backend).release()
         return backend
 
     def test_an_engine_that_evicted_corrects_the_index_and_loses_trust(self) -> None:
@@ -377,7 +378,7 @@ class LoopTests(SynchronousTestCase):
         def ask(tenant: int, n: int) -> Backend:
             request = chat(tenant_prompt(tenant), f"question {n}")
             chosen = policy.choose(backends, request)
-            pool.acquire(chosen).release()
+            pool.slots.acquire(chosen).release()
             cached = 800 if served.get(chosen.key + str(tenant)) else 0  # an engine's truth
             served[chosen.key + str(tenant)] = 1
             policy.observe(chosen, outcome(chosen, request, 820, cached))
@@ -529,7 +530,7 @@ class RandomisedTests(SynchronousTestCase):
             request = chat(rng.choice(prefixes), f"{step} " * rng.randrange(0, 40))
             chosen = policy.choose(candidates, request)
             self.assertIn(chosen, candidates)
-            held.append((pool.acquire(chosen), request))
+            held.append((pool.slots.acquire(chosen), request))
             if rng.random() < 0.3:
                 pool.set_engine_depth(rng.choice(backends), 1, 0, kv_cache=rng.random())
             while held and (len(held) > 20 or rng.random() < 0.4):
@@ -583,7 +584,7 @@ class CounterFallbackTests(SynchronousTestCase):
         worker, (mirrored,) = fleet(1)
         supervisor.set_engine_depth(list(supervisor)[0], 1, 0, 0.5, (10.0, 20.0))
         worker.mirror(json.loads(json.dumps(supervisor.shared_state())))
-        self.assertEqual(mirrored.prefix_cache_counts, (10.0, 20.0))
+        self.assertEqual(mirrored.engine.prefix_cache_counts, (10.0, 20.0))
 
     def scenario(self, hits_per_round: float, reported: bool = False) -> dict[str, Any]:
         pool, backends = fleet(2)
@@ -638,8 +639,8 @@ class ProbedCountersTests(RecognitionTests):
     def test_the_prober_reads_the_counters_each_probe(self) -> None:
         self.build(BackendSpec("127.0.0.1", 8002), queue_depth=True)
         self.probe(VLLM_METRICS)
-        self.assertEqual(self.backend.prefix_cache_counts, (4500.0, 10000.0))
+        self.assertEqual(self.backend.engine.prefix_cache_counts, (4500.0, 10000.0))
         self.clock.advance(2)
         self.answer(b"/health", "")
         self.answer(b"/metrics", VLLM_METRICS.replace("4000.0", "6000.0"))
-        self.assertEqual(self.backend.prefix_cache_counts, (6500.0, 10000.0))
+        self.assertEqual(self.backend.engine.prefix_cache_counts, (6500.0, 10000.0))

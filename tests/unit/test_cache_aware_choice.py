@@ -15,7 +15,8 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from txlb import BackendSpec, Pool, RequestOutcome, RoutingRequest
-from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.backend import Backend
+from txlb._cluster.slots import Lease
 from txlb._scheduling.policies import cache_aware
 from txlb._scheduling.policies.cache_aware import CacheAware
 
@@ -63,7 +64,7 @@ class ChoiceTests(SynchronousTestCase):
         return chain
 
     def busy(self, pool: Pool, backend: Backend, n: int) -> None:
-        self.leases += [pool.acquire(backend) for _ in range(n)]
+        self.leases += [pool.slots.acquire(backend) for _ in range(n)]
 
     def test_one_request_in_flight_is_not_busy_beside_an_idle_backend(self) -> None:
         """
@@ -83,7 +84,7 @@ class ChoiceTests(SynchronousTestCase):
         request = prompt("b", 4)
         policy.index.sent(home, self.chain(policy, request)[:2])
         self.busy(pool, home, 2)
-        self.assertLess(home.active, cache_aware.load_bound(home, [idle, home], 1.25))
+        self.assertLess(home.counts.active, cache_aware.load_bound(home, [idle, home], 1.25))
         self.assertIs(policy.choose([idle, home], request), idle)
 
     def test_a_one_block_match_is_a_gain(self) -> None:

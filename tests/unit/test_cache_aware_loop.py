@@ -90,7 +90,7 @@ class ThreadingTests(SynchronousTestCase):
         learned = {key: d["reports"] + d["unreported"] for key, d in described.items()}
         self.assertEqual(sorted(learned.values()), [0, 3])
         home = next(b for b in lb.pool if learned[b.key] == 3)
-        self.assertEqual(home.requests, 3)
+        self.assertEqual(home.counts.requests, 3)
         # the answers said nothing of cached tokens: the loop stays open, and says so
         self.assertEqual(described[home.key]["unreported"], 3)
 

@@ -246,7 +246,7 @@ class MembershipTestCase(SynchronousTestCase):
         return sorted(b.key for b in self.lb.pool)
 
     def live(self) -> list[str]:
-        return sorted(b.key for b in self.lb.pool if not b.removing)
+        return sorted(b.key for b in self.lb.pool if not b.health.removing)
 
     def lines(self, level: str | None = None) -> list[str]:
         return [formatEvent(e) for e in self.events
@@ -277,7 +277,7 @@ class JoinAndLeaveTests(MembershipTestCase):
         self.assertIn("10.0.0.3:8000", self.keys())
         joined = self.lb.pool.get("10.0.0.3:8000")
         assert joined is not None
-        self.assertLess(joined.ramp, 0.1)
+        self.assertLess(joined.slow_start.ramp, 0.1)
         self.assertIn("10.0.0.3:8000", [c.uri.split(b"/")[2].decode()
                                         for c in self.probes.calls])
 
@@ -285,10 +285,10 @@ class JoinAndLeaveTests(MembershipTestCase):
         lb = self.start()
         leaving = lb.pool.get("10.0.0.2:8000")
         assert leaving is not None
-        lease = lb.pool.acquire(leaving)
+        lease = lb.pool.slots.acquire(leaving)
         self.resolver.serve("vllm.example", "10.0.0.1")
         self.clock.advance(30)
-        self.assertTrue(leaving.removing)
+        self.assertTrue(leaving.health.removing)
         self.assertIn("10.0.0.2:8000", self.keys())  # a request still runs there
         lease.release()
         self.assertEqual(self.keys(), ["10.0.0.1:8000"])
@@ -297,13 +297,13 @@ class JoinAndLeaveTests(MembershipTestCase):
         lb = self.start()
         backend = lb.pool.get("10.0.0.2:8000")
         assert backend is not None
-        lease = lb.pool.acquire(backend)
+        lease = lb.pool.slots.acquire(backend)
         self.resolver.serve("vllm.example", "10.0.0.1")
         self.clock.advance(30)
-        self.assertTrue(backend.removing)
+        self.assertTrue(backend.health.removing)
         self.resolver.serve("vllm.example", "10.0.0.1", "10.0.0.2")
         self.clock.advance(30)
-        self.assertFalse(backend.removing)
+        self.assertFalse(backend.health.removing)
         lease.release()
         self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000"])
 
@@ -629,7 +629,7 @@ class WritersTests(MembershipTestCase):
         assert backend is not None
         lb.pool.drain(backend)
         self.clock.advance(300)
-        self.assertTrue(backend.draining)
+        self.assertTrue(backend.health.draining)
 
     def test_an_operator_s_removal_holds_until_the_address_leaves_dns(self) -> None:
         lb = self.start()
@@ -669,7 +669,7 @@ class ReloadTests(SynchronousTestCase):
         self.path.write_text(f'log-file = "none"\nbackends = [{backends}]\n')
 
     def live(self) -> list[str]:
-        return sorted(b.key for b in self.lb.pool if not b.removing)
+        return sorted(b.key for b in self.lb.pool if not b.health.removing)
 
     def test_a_reload_keeps_the_addresses_of_a_name_it_still_lists(self) -> None:
         self.write('"dns:one.example:8000"')
@@ -689,7 +689,7 @@ class ReloadTests(SynchronousTestCase):
         self.path.write_text('log-file = "none"\n[[backends]]\nurl = "dns:one.example:8000"'
                              '\nmax_conns = 7\n')
         self.successResultOf(self.lb.reload_from_source())
-        self.assertEqual({b.spec.max_conns for b in self.lb.pool if not b.removing}, {7})
+        self.assertEqual({b.spec.max_conns for b in self.lb.pool if not b.health.removing}, {7})
 
     def test_the_file_takes_over_an_address_it_lists(self) -> None:
         self.write('"dns:one.example:8000", "10.0.0.1:8000"')
@@ -969,7 +969,7 @@ class SharedStoreTests(SynchronousTestCase):
         self.pool.refresh()
 
     def live(self) -> list[str]:
-        return sorted(b.key for b in self.pool if not b.removing)
+        return sorted(b.key for b in self.pool if not b.health.removing)
 
     def in_pool(self) -> list[str]:
         return self.dns.status()["dns"][0]["in_pool"]  # type: ignore[index]
@@ -999,7 +999,7 @@ class SharedStoreTests(SynchronousTestCase):
         self.assertEqual(self.live(), ["10.0.0.1:8000", "10.0.0.2:8000"])
         backend = self.pool.get("10.0.0.2:8000")
         assert backend is not None
-        self.assertFalse(backend.draining)  # still in rotation
+        self.assertFalse(backend.health.draining)  # still in rotation
         self.assertFalse(self.marks.unsent["10.0.0.2:8000"].draining)
         self.assertFalse(self.marks.unsent["10.0.0.2:8000"].removing)  # and says so
         self.clock.advance(30)

@@ -131,8 +131,8 @@ class RecognitionTests(SynchronousTestCase):
     def test_recognised_at_first_sight_and_shown_in_status(self) -> None:
         self.build(A, queue_depth=False)
         self.probe(fixture("engines/sglang-metrics.txt"))
-        self.assertEqual(self.backend.engine, "sglang")
-        self.assertEqual(self.backend.kv_cache_usage, 0.42)
+        self.assertEqual(self.backend.engine.name, "sglang")
+        self.assertEqual(self.backend.engine.kv_cache_usage, 0.42)
         self.assertEqual(self.pool.status()["backends"][0]["engine"], "sglang")  # type: ignore[index]
         self.assertEqual(self.backend.detailed_status()["kv_cache_usage"], 0.42)
         self.clock.advance(2)
@@ -145,7 +145,7 @@ class RecognitionTests(SynchronousTestCase):
         self.pool.mark_down(self.backend, "test")
         self.clock.advance(2)
         self.probe(fixture("llamacpp/metrics.txt"))  # restarted as another engine
-        self.assertEqual(self.backend.engine, "llamacpp")
+        self.assertEqual(self.backend.engine.name, "llamacpp")
 
     def test_queue_depth_reads_each_engines_own_names(self) -> None:
         for name, depth, later in [
@@ -155,11 +155,11 @@ class RecognitionTests(SynchronousTestCase):
             self.build(A_MODELS, queue_depth=True)
             self.answer(b"/health", "")
             self.answer(b"/metrics", fixture(name))
-            self.assertEqual(self.backend.engine_depth, depth, name)
+            self.assertEqual(self.backend.engine.depth, depth, name)
             self.clock.advance(2)  # the next probes read the queue by the engine's names
             self.answer(b"/health", "")
             self.answer(b"/metrics", fixture(name).replace(*later))
-            self.assertEqual(self.backend.engine_depth, depth + 10, name)
+            self.assertEqual(self.backend.engine.depth, depth + 10, name)
             self.assertEqual(self.warnings, [])
             self.checker.stopService()
 
@@ -167,8 +167,8 @@ class RecognitionTests(SynchronousTestCase):
         self.build(A_MODELS, queue_depth=True)
         self.answer(b"/health", "")
         self.answer(b"/metrics", json.dumps({"error": {"code": 501}}), code=501)
-        self.assertEqual(self.backend.engine, UNKNOWN)
-        self.assertIsNone(self.backend.engine_depth)
+        self.assertEqual(self.backend.engine.name, UNKNOWN)
+        self.assertIsNone(self.backend.engine.depth)
         self.assertEqual(len(self.warnings), 1)
         self.assertIn("queue", self.warnings[0])
         for _ in range(3):
@@ -183,8 +183,8 @@ class RecognitionTests(SynchronousTestCase):
         self.answer(b"/health", "")
         self.answer(b"/metrics", "vllm:num_requests_running 1e308\n"
                                  "vllm:num_requests_waiting 1e308\n")
-        self.assertEqual(self.backend.engine, "vllm")
-        self.assertIsNone(self.backend.engine_depth)  # local counts, not an infinite queue
+        self.assertEqual(self.backend.engine.name, "vllm")
+        self.assertIsNone(self.backend.engine.depth)  # local counts, not an infinite queue
         status = json.dumps(self.backend.detailed_status())
         json.loads(status, parse_constant=lambda name: self.fail(f"{name} in /status"))
 
@@ -197,20 +197,20 @@ class RecognitionTests(SynchronousTestCase):
         for queue_depth, spec in ((True, A_MODELS), (False, A)):
             self.build(spec, queue_depth=queue_depth)
             self.probe("busy", code=503, models=not spec.models)
-            self.assertIsNone(self.backend.engine)
+            self.assertIsNone(self.backend.engine.name)
             # queue-depth cannot read this queue: said once, not at debug level
             self.assertEqual(len(self.warnings), queue_depth)
             self.clock.advance(2)
             self.probe(fixture("engines/vllm-metrics.txt"), models=False)
-            self.assertEqual(self.backend.engine, "vllm")
+            self.assertEqual(self.backend.engine.name, "vllm")
             if queue_depth:
-                self.assertEqual(self.backend.engine_depth, 9.0)
+                self.assertEqual(self.backend.engine.depth, 9.0)
             self.checker.stopService()
 
     def test_without_queue_depth_nothing_is_warned(self) -> None:
         self.build(A, queue_depth=False)
         self.probe("up 1\n")
-        self.assertEqual(self.backend.engine, UNKNOWN)
+        self.assertEqual(self.backend.engine.name, UNKNOWN)
         self.assertEqual(self.warnings, [])
 
     def test_configured_models_and_no_queue_depth_scrape_nothing(self) -> None:
@@ -229,4 +229,4 @@ class RecognitionTests(SynchronousTestCase):
         worker.mirror(self.pool.shared_state())
         mirrored = worker.get(A.key)
         assert mirrored is not None
-        self.assertEqual(mirrored.engine, "tgi")
+        self.assertEqual(mirrored.engine.name, "tgi")

@@ -220,7 +220,7 @@ class RetryTests(ExchangeTestCase):
         self.assertIn(b"no backend is available for this request", response.body)
         self.assertEqual(response.header(b"retry-after"), [b"7"])
         self.assertEqual(self.records[-1].outcome, "upstream_error")
-        self.assertEqual(self.lb.pool.in_flight, 0)
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
 
     def test_a_client_leaving_while_its_retry_waits(self) -> None:
         """The wait is cancelled; nothing is logged as an error, nothing answered."""
@@ -256,7 +256,7 @@ class BlameTests(ExchangeTestCase):
         for n in range(3):
             self.answer_bad(504, f"10.1.2.{n % 2 + 3}")
         assert self.bad is not None
-        self.assertFalse(self.bad.healthy)
+        self.assertFalse(self.bad.health.healthy)
 
     def test_the_5xx_is_held_against_the_key_taken_when_routed(self) -> None:
         """A reload changing --rate-key meanwhile does not change who sent it."""
@@ -266,7 +266,7 @@ class BlameTests(ExchangeTestCase):
         call.respond(FakeResponse(500, length=0)).end()
         backend = self.lb.pool.get(call.uri.split(b"/")[2].decode())
         assert backend is not None
-        self.assertEqual(backend.streak_clients, ("ip:10.1.2.3",))
+        self.assertEqual(backend.verdicts.streak_clients, ("ip:10.1.2.3",))
 
 
 class ResultLogTests(ExchangeTestCase):
@@ -377,7 +377,7 @@ class CapacityListenerTests(ExchangeTestCase):
         self.assertEqual(self.records[-1].outcome, "ok")
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
         self.assertEqual(self.lb.proxy.live, set())
-        self.assertEqual(self.lb.pool.in_flight, 0)
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
 
 
 class UnwritableHeadTests(ExchangeTestCase):
@@ -393,7 +393,7 @@ class UnwritableHeadTests(ExchangeTestCase):
         self.assertTrue(response.transport.stopped)
         self.assertTrue(client.transport.disconnected)
         self.assertEqual(self.records[-1].outcome, "proxy_error")
-        self.assertEqual(self.lb.pool.in_flight, 0)
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
         self.assertEqual(len(self.flushLoggedErrors(TypeError)), 1)
 
 

@@ -68,7 +68,7 @@ class RetryTests(FailoverTestCase):
         self.assertEqual(response.header(b"x-backend"), [self.backend_of(1).encode()])
         self.assertEqual(self.records[-1].tries, 2)
         self.assertEqual(self.lb.metrics.registry.get_sample_value("txlb_retries_total"), 1)
-        self.assertEqual(self.lb.pool.in_flight, 0)
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
 
     def test_502_or_503_answer_is_discarded_and_retried(self) -> None:
         client = self.post()
@@ -163,7 +163,7 @@ class RetryTests(FailoverTestCase):
         self.upstream.calls[0].fail(neterror.ConnectionRefusedError())
         client.disconnect()
         self.assertTrue(self.upstream.calls[1].cancelled)
-        self.assertEqual(self.lb.pool.in_flight, 0)
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
 
 
 class OutlierTests(FailoverTestCase):
@@ -189,22 +189,22 @@ class OutlierTests(FailoverTestCase):
     def test_consecutive_5xx_eject_for_a_growing_cooldown(self) -> None:
         self.five_hundred_from_bad(3)
         assert self.bad is not None
-        self.assertFalse(self.bad.healthy)
-        self.assertEqual(self.bad.ejected_until, 10)
+        self.assertFalse(self.bad.health.healthy)
+        self.assertEqual(self.bad.health.ejected_until, 10)
         self.lb.pool.probe_succeeded(self.bad, rise=1)  # /health is fine, but cooling down
-        self.assertFalse(self.bad.healthy)
+        self.assertFalse(self.bad.health.healthy)
         self.clock.advance(10)
         self.lb.pool.probe_succeeded(self.bad, rise=1)
-        self.assertTrue(self.bad.healthy)
+        self.assertTrue(self.bad.health.healthy)
         self.five_hundred_from_bad(3)
-        self.assertEqual(self.bad.ejected_until, 10 + 20)  # second ejection: twice as long
-        self.assertEqual(self.bad.outlier_ejections, 2)
+        self.assertEqual(self.bad.health.ejected_until, 10 + 20)  # second ejection: twice as long
+        self.assertEqual(self.bad.verdicts.outlier_ejections, 2)
 
     def test_a_good_answer_resets_the_count(self) -> None:
         assert self.bad is not None
         for n, status in enumerate((500, 500, 200, 500, 500)):
             self.lb.pool.record_answer(self.bad, status, f"ip:10.0.0.{n}")
-        self.assertTrue(self.bad.healthy)
+        self.assertTrue(self.bad.health.healthy)
 
     def test_garbage_bodies_never_eject(self) -> None:
         """
@@ -213,12 +213,12 @@ class OutlierTests(FailoverTestCase):
         """
         assert self.bad is not None
         self.five_hundred_from_bad(15, body=b"not json at all", peers=5)
-        self.assertTrue(self.bad.healthy)
-        self.assertEqual(self.bad.errors_in_a_row, 0)
+        self.assertTrue(self.bad.health.healthy)
+        self.assertEqual(self.bad.verdicts.errors_in_a_row, 0)
         self.five_hundred_from_bad(3, body=b"")  # a POST without a body: the same
-        self.assertTrue(self.bad.healthy)
+        self.assertTrue(self.bad.health.healthy)
         self.five_hundred_from_bad(3, body=b"[1, 2]")  # JSON, but not an object
-        self.assertTrue(self.bad.healthy)
+        self.assertTrue(self.bad.health.healthy)
 
     def test_json_only_python_accepts_never_ejects(self) -> None:
         """
@@ -232,16 +232,16 @@ class OutlierTests(FailoverTestCase):
                      b'{"prompt": "x", "t": 1e400}', b'{"prompt": "x", "t": 1' + b"0" * 400
                      + b'}', b'{"prompt": "\\ud800"}'):
             self.five_hundred_from_bad(6, body=body, peers=3)
-            self.assertTrue(self.bad.healthy, body)
-            self.assertEqual(self.bad.errors_in_a_row, 0, body)
+            self.assertTrue(self.bad.health.healthy, body)
+            self.assertEqual(self.bad.verdicts.errors_in_a_row, 0, body)
 
     def test_one_client_alone_never_ejects(self) -> None:
         """A streak of 5xx all caused by one client's requests is that client's doing."""
         assert self.bad is not None
         self.five_hundred_from_bad(15, peers=1)
-        self.assertTrue(self.bad.healthy)
+        self.assertTrue(self.bad.health.healthy)
         self.five_hundred_from_bad(3, peers=2)  # a second client: now it is the backend
-        self.assertFalse(self.bad.healthy)
+        self.assertFalse(self.bad.health.healthy)
 
     def test_the_client_key_follows_rate_key(self) -> None:
         """With ``--rate-key token`` two tokens from one address are two clients."""
@@ -256,7 +256,7 @@ class OutlierTests(FailoverTestCase):
                 call = self.upstream.last
                 status = 500 if call.uri.split(b"/")[2].decode() == THREE[0] else 200
                 call.respond(FakeResponse(status, length=0)).end()
-            self.assertEqual(bad.healthy, not ejected, rate_key)
+            self.assertEqual(bad.health.healthy, not ejected, rate_key)
 
     def test_outliers_never_take_the_last_healthy_ones(self) -> None:
         """Backends down on health count too: ejection stops at half the fleet out."""
@@ -266,17 +266,17 @@ class OutlierTests(FailoverTestCase):
         self.lb.pool.mark_down(second, "health")
         for n in range(5):
             self.lb.pool.record_answer(third, 500, f"ip:10.0.0.{n}")
-        self.assertTrue(third.healthy)
+        self.assertTrue(third.health.healthy)
 
     def test_never_more_than_half_the_fleet(self) -> None:
         good = self.lb.pool.get(THREE[1])
         assert self.bad is not None and good is not None
         for n in range(3):
             self.lb.pool.record_answer(self.bad, 503, f"ip:10.0.0.{n}")
-        self.assertFalse(self.bad.healthy)
+        self.assertFalse(self.bad.health.healthy)
         for n in range(10):
             self.lb.pool.record_answer(good, 503, f"ip:10.0.0.{n}")
-        self.assertTrue(good.healthy)  # 2 of 2 would be more than half
+        self.assertTrue(good.health.healthy)  # 2 of 2 would be more than half
 
 
 class SlowStartTests(FailoverTestCase):

@@ -207,7 +207,7 @@ class ExchangeObeysTheTableTests(ProxyTestCase):
         self.client().request(b"GET", b"/")
         key = self.upstream.last.uri.split(b"/")[2].decode()
         self.upstream.last.fail(ValueError("odd"))
-        self.assertFalse({b.key: b for b in self.lb.pool}[key].healthy)
+        self.assertFalse({b.key: b for b in self.lb.pool}[key].health.healthy)
 
 
 class WrapperWordingTests(SynchronousTestCase):

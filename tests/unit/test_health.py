@@ -61,25 +61,25 @@ class HealthCheckerTests(SynchronousTestCase):
 
     def test_non_200_marks_down_at_once(self) -> None:
         self.answer(A, 503)
-        self.assertFalse(self.a.healthy)
-        self.assertEqual(self.a.last_probe_error, "health: HTTP 503")
+        self.assertFalse(self.a.health.healthy)
+        self.assertEqual(self.a.health.last_probe_error, "health: HTTP 503")
         self.answer(B, 200)
-        self.assertTrue(self.b.healthy)
+        self.assertTrue(self.b.health.healthy)
 
     def test_refused_marks_down_at_once(self) -> None:
         self.pending(A).fail(neterror.ConnectionRefusedError())
-        self.assertFalse(self.a.healthy)
+        self.assertFalse(self.a.health.healthy)
 
     def test_ambiguous_failures_need_fall_in_a_row(self) -> None:
         self.pending(A).fail(ResponseNeverReceived([Failure(neterror.ConnectionLost())]))
-        self.assertTrue(self.a.healthy)
+        self.assertTrue(self.a.health.healthy)
         self.clock.advance(2)
         self.clock.advance(1)  # timeout: no answer within 1 s
-        self.assertTrue(self.a.healthy)
-        self.assertEqual(self.a.last_probe_error, "health: no answer within 1s")
+        self.assertTrue(self.a.health.healthy)
+        self.assertEqual(self.a.health.last_probe_error, "health: no answer within 1s")
         self.clock.advance(1)  # third probe starts at t=4
         self.pending(A).fail(ResponseNeverReceived([Failure(neterror.ConnectionLost())]))
-        self.assertFalse(self.a.healthy)
+        self.assertFalse(self.a.health.healthy)
 
     def test_success_resets_the_fall_count(self) -> None:
         for _ in range(5):
@@ -87,16 +87,16 @@ class HealthCheckerTests(SynchronousTestCase):
             self.clock.advance(2)
             self.answer(A, 200)
             self.clock.advance(2)
-        self.assertTrue(self.a.healthy)
+        self.assertTrue(self.a.health.healthy)
 
     def test_rise_successes_bring_it_back(self) -> None:
         self.answer(A, 503)
         self.clock.advance(2)
         self.answer(A, 200)
-        self.assertFalse(self.a.healthy)  # rise=2
+        self.assertFalse(self.a.health.healthy)  # rise=2
         self.clock.advance(2)
         self.answer(A, 200)
-        self.assertTrue(self.a.healthy)
+        self.assertTrue(self.a.health.healthy)
 
     def test_hung_probe_stalls_nothing(self) -> None:
         """
@@ -141,7 +141,7 @@ class HealthCheckerTests(SynchronousTestCase):
         self.clock.advance(2)
         self.clock.advance(2)
         self.pending(A).fail(neterror.ConnectionRefusedError())
-        self.assertFalse(self.a.healthy)
+        self.assertFalse(self.a.health.healthy)
         # and the stalled reads were not left open: one connection per probe would pile up
         self.assertTrue(all(response.transport.stopped for response in stalled))
 
@@ -151,7 +151,7 @@ class HealthCheckerTests(SynchronousTestCase):
         count = len(self.agent.calls)
         self.clock.advance(100)
         self.assertEqual(len(self.agent.calls), count)
-        self.assertTrue(self.a.healthy and self.b.healthy)
+        self.assertTrue(self.a.health.healthy and self.b.health.healthy)
 
 
 class _RaisingAgent(FakeUpstream):
@@ -192,16 +192,16 @@ class ProbeErrorTests(SynchronousTestCase):
         self.assertEqual(len([c for c in self.agent.calls if b"8003/health" in c.uri]), 5)
         assert self.checker._loop is not None
         self.assertTrue(self.checker._loop.running)
-        self.assertTrue(self.pool.get(B.key).healthy)  # type: ignore[union-attr]
+        self.assertTrue(self.pool.get(B.key).health.healthy)  # type: ignore[union-attr]
 
     def test_the_raising_backend_counts_failed_probes(self) -> None:
         a = self.pool.get(A.key)
         assert a is not None
-        self.assertTrue(a.healthy)  # fall=2: one failure is not enough
-        self.assertIn("cannot build a request", a.last_probe_error or "")
+        self.assertTrue(a.health.healthy)  # fall=2: one failure is not enough
+        self.assertIn("cannot build a request", a.health.last_probe_error or "")
         self.answer_b()
         self.clock.advance(2)
-        self.assertFalse(a.healthy)
+        self.assertFalse(a.health.healthy)
         self.assertNotIn(A.key, [b.key for b in self.checker._probing])
 
 
@@ -228,7 +228,7 @@ class EngineScrapeFailureTests(SynchronousTestCase):
         scrape = self.agent.last
         self.assertTrue(scrape.uri.endswith(b"/metrics"))
         scrape.fail(neterror.ConnectionLost())
-        self.assertIsNone(self.backend.engine_depth)
+        self.assertIsNone(self.backend.engine.depth)
         # the worker processes mirror on this hook: without it they kept the stale depth
         self.assertEqual(len(updates), seen + 1)
 
@@ -280,7 +280,7 @@ class ProberExtrasTests(SynchronousTestCase):
             call.respond(FakeResponse(
                 302, [(b"location", b"http://127.0.0.1:8002/elsewhere")], length=0)).end()
         self.assertEqual(len(agent.calls), 3)
-        self.assertIsNone(backend.engine_depth)
+        self.assertIsNone(backend.engine.depth)
 
     def test_probe_soon_probes_unless_a_probe_is_running(self) -> None:
         checker, agent, backend = self.checker(BackendSpec("127.0.0.1", 8002, models=("m",)))
@@ -304,7 +304,7 @@ class ProberExtrasTests(SynchronousTestCase):
 
     def test_engine_depth_is_running_plus_waiting(self) -> None:
         backend = self.scrape(b"vllm:num_requests_running 2\nvllm:num_requests_waiting 3\n")
-        self.assertEqual(backend.engine_depth, 5)
+        self.assertEqual(backend.engine.depth, 5)
 
     def test_engine_depth_needs_both_gauges(self) -> None:
         for text in (b"vllm:num_requests_running 2\n", b"vllm:num_requests_waiting 3\n"):
@@ -394,7 +394,7 @@ class BodyLimitTests(_Prober):
         self.answer(b"/health")
         self.answer(b"/v1/models", MODELS)
         self.answer(b"/metrics", padded(VLLM, FOUR_MIB))
-        self.assertEqual(backend.engine, "vllm")
+        self.assertEqual(backend.engine.name, "vllm")
 
     def test_one_byte_more_is_a_failed_read(self) -> None:
         """Not an ``unknown`` engine either: a failed read, so it is looked for again."""
@@ -402,11 +402,11 @@ class BodyLimitTests(_Prober):
         self.answer(b"/health")
         self.answer(b"/v1/models", MODELS)
         self.answer(b"/metrics", padded(VLLM, FOUR_MIB + 1))
-        self.assertIsNone(backend.engine)
+        self.assertIsNone(backend.engine.name)
         self.clock.advance(2)
         self.answer(b"/health")
         self.answer(b"/metrics", VLLM)
-        self.assertEqual(backend.engine, "vllm")
+        self.assertEqual(backend.engine.name, "vllm")
 
 
 class MetricsStatusTests(_Prober):
@@ -421,11 +421,11 @@ class MetricsStatusTests(_Prober):
             backend = self.build(CONFIGURED, queue_depth=True)
             self.answer(b"/health")
             self.answer(b"/metrics", "busy", code=code)
-            self.assertIsNone(backend.engine, code)
+            self.assertIsNone(backend.engine.name, code)
             self.clock.advance(2)
             self.answer(b"/health")
             self.answer(b"/metrics", VLLM)
-            self.assertEqual((backend.engine, backend.engine_depth), ("vllm", 3.0), code)
+            self.assertEqual((backend.engine.name, backend.engine.depth), ("vllm", 3.0), code)
             self.checker.stopService()
 
     def test_other_answers_are_an_unknown_engine(self) -> None:
@@ -433,7 +433,7 @@ class MetricsStatusTests(_Prober):
             backend = self.build(CONFIGURED, queue_depth=True)
             self.answer(b"/health")
             self.answer(b"/metrics", "no", code=code)
-            self.assertEqual(backend.engine, UNKNOWN, code)
+            self.assertEqual(backend.engine.name, UNKNOWN, code)
             self.assertEqual(len(self.warnings), 1, code)
             self.assertIn(f"(HTTP {code})", self.warnings[0])
             for _ in range(2):
@@ -451,11 +451,11 @@ class QueueDepthTests(_Prober):
         backend = self.build(CONFIGURED, queue_depth=True)
         self.answer(b"/health")
         self.answer(b"/metrics", VLLM)
-        self.assertEqual((backend.engine, backend.engine_depth), ("vllm", 3.0))
+        self.assertEqual((backend.engine.name, backend.engine.depth), ("vllm", 3.0))
         self.clock.advance(2)
         self.answer(b"/health")
         self.answer(b"/metrics", "vllm:num_requests_running 4\nvllm:num_requests_waiting 6\n")
-        self.assertEqual(backend.engine_depth, 10.0)
+        self.assertEqual(backend.engine.depth, 10.0)
         self.assertEqual(self.warnings, [])
 
     def test_half_a_queue_is_no_queue(self) -> None:
@@ -468,7 +468,7 @@ class QueueDepthTests(_Prober):
             self.answer(b"/health")
             self.answer(b"/metrics", text)
             self.assertIsNone(backend.engine_depth, text)
-            self.assertEqual(backend.engine, "vllm")
+            self.assertEqual(backend.engine.name, "vllm")
             self.assertEqual(len(self.warnings), 1, text)
             self.assertIn("(vllm:num_requests_running or vllm:num_requests_waiting missing)",
                           self.warnings[0])
@@ -478,7 +478,7 @@ class QueueDepthTests(_Prober):
         backend = self.build(CONFIGURED, queue_depth=True)
         self.answer(b"/health")
         self.answer(b"/metrics", "process_cpu_seconds_total 3\nup 1\n")
-        self.assertEqual(backend.engine, UNKNOWN)
+        self.assertEqual(backend.engine.name, UNKNOWN)
         self.assertEqual(self.pool.status()["backends"][0]["engine"], UNKNOWN)  # type: ignore[index]
         self.assertEqual(len(self.warnings), 1)
         self.assertIn("(no metric name txlb knows)", self.warnings[0])
@@ -489,7 +489,7 @@ class QueueDepthTests(_Prober):
         for _ in range(3):
             self.answer(b"/health")
             self.pending(b"/metrics").fail(error)
-            self.assertIsNone(backend.engine_depth)
+            self.assertIsNone(backend.engine.depth)
             self.clock.advance(2)
         self.assertEqual(len(self.calls(b"/metrics")), 3)  # never read: looked for again
         self.assertEqual(len(self.warnings), 1)
@@ -503,12 +503,12 @@ class QueueDepthTests(_Prober):
         self.clock.advance(2)
         self.answer(b"/health")
         self.pending(b"/metrics").fail(neterror.ConnectionRefusedError())
-        self.assertIsNone(backend.engine_depth)
+        self.assertIsNone(backend.engine.depth)
         self.assertEqual(self.warnings, [])
         self.clock.advance(2)
         self.answer(b"/health")
         self.answer(b"/metrics", VLLM)
-        self.assertEqual(backend.engine_depth, 3.0)
+        self.assertEqual(backend.engine.depth, 3.0)
 
 
 class RecognitionTests(_Prober):
@@ -519,12 +519,12 @@ class RecognitionTests(_Prober):
         self.answer(b"/health")
         self.answer(b"/v1/models", MODELS)
         self.answer(b"/metrics", "busy", code=503)
-        self.assertIsNone(backend.engine)
+        self.assertIsNone(backend.engine.name)
         self.clock.advance(2)
         self.answer(b"/health")
         self.nothing_pending(b"/v1/models")  # learned: not asked again while it stays up
         self.answer(b"/metrics", VLLM)
-        self.assertEqual(backend.engine, "vllm")
+        self.assertEqual(backend.engine.name, "vllm")
         self.clock.advance(2)
         self.answer(b"/health")
         self.nothing_pending(b"/v1/models")
@@ -538,10 +538,10 @@ class RecognitionTests(_Prober):
         self.pool.mark_down(backend, "test")
         self.clock.advance(2)
         self.answer(b"/health")  # rise=1: up again, perhaps restarted as something else
-        self.assertTrue(backend.healthy)
+        self.assertTrue(backend.health.healthy)
         self.answer(b"/v1/models", MODELS.replace('"m"', '"n"'))
         self.answer(b"/metrics", LLAMACPP)
-        self.assertEqual(backend.engine, "llamacpp")
+        self.assertEqual(backend.engine.name, "llamacpp")
         self.assertEqual(backend.models, ("n",))
 
     def test_the_next_probe_waits_for_the_scrape(self) -> None:
@@ -561,22 +561,22 @@ class FailedProbeTests(_Prober):
     def test_stopping_the_prober_counts_no_failure(self) -> None:
         backend = self.build(CONFIGURED, fall=1)
         self.checker.stopService()  # cancels the probe under way
-        self.assertTrue(backend.healthy)
-        self.assertIsNone(backend.last_probe_error)
+        self.assertTrue(backend.health.healthy)
+        self.assertIsNone(backend.health.last_probe_error)
 
     def test_a_timeout_while_its_streams_flow_is_not_counted(self) -> None:
         """A byte heard the very moment the probe went out counts as flowing."""
         backend = self.build(CONFIGURED, fall=1)
-        backend.heard(self.clock.seconds())
+        backend.pace.heard(self.clock.seconds())
         self.clock.advance(1)  # the probe's timeout
-        self.assertTrue(backend.healthy)
-        self.assertIsNone(backend.last_probe_error)
+        self.assertTrue(backend.health.healthy)
+        self.assertIsNone(backend.health.last_probe_error)
 
     def test_a_refusal_while_its_streams_flow_is_counted(self) -> None:
         backend = self.build(CONFIGURED, fall=3)
-        backend.heard(self.clock.seconds())
+        backend.pace.heard(self.clock.seconds())
         self.pending(b"/health").fail(neterror.ConnectionRefusedError())
-        self.assertFalse(backend.healthy)
+        self.assertFalse(backend.health.healthy)
 
     def test_a_backend_whose_probe_cannot_be_built_stops_no_other(self) -> None:
         """

@@ -43,7 +43,7 @@ class HistoryTests(SynchronousTestCase):
                                      outcome="upstream_error"))
         self.history.observe(summary(backend="-", status=503, ttft=None,
                                      outcome="proxy_error"))
-        self.pool[0].counted(3)
+        self.pool[0].counts.counted(3)
         self.queue = 2
         sample = self.tick()
         self.assertEqual(sample["rps"], 102.0)

@@ -112,7 +112,7 @@ class HungTestCase(SynchronousTestCase):
                     if not call.deferred.called:
                         call.respond(FakeResponse(answer_probes, length=0)).end()
                 answered = len(self.probes.calls)
-            if down_at is None and not all(b.healthy for b in self.lb.pool):
+            if down_at is None and not all(b.health.healthy for b in self.lb.pool):
                 down_at = elapsed
         return down_at
 
@@ -131,11 +131,11 @@ class HungTests(HungTestCase):
         assert down_at is not None
         self.assertLess(down_at, 3.0)
         backend = self.backend(hung)
-        self.assertFalse(backend.healthy)
-        self.assertEqual(backend.hung_ejections, 1)
+        self.assertFalse(backend.health.healthy)
+        self.assertEqual(backend.verdicts.hung_ejections, 1)
         self.assertIn("hung: no byte from any of 2 requests for", " ".join(self.reasons))
         self.assertEqual(self.probed(hung), 1)
-        self.assertTrue(all(self.backend(key).healthy for key in THREE[1:]))
+        self.assertTrue(all(self.backend(key).health.healthy for key in THREE[1:]))
         # new requests go elsewhere; those it has are left to finish or time out
         for _ in range(4):
             self.assertNotEqual(self.post()[1], hung)
@@ -160,7 +160,7 @@ class HungTests(HungTestCase):
                 if not call.deferred.called:
                     stalled.append(call.respond(FakeResponse(200)))  # a head, no body end
         self.flow(2, flowing=set(THREE[1:]))
-        self.assertFalse(self.backend(hung).healthy)
+        self.assertFalse(self.backend(hung).health.healthy)
         self.assertIn("/health did not answer in 1s", " ".join(self.reasons))
         self.assertTrue(stalled[0].transport.stopped)
 
@@ -172,7 +172,7 @@ class HungTests(HungTestCase):
         down_at = self.flow(5, flowing=set(THREE))
         assert down_at is not None
         self.assertLess(down_at, 3.0)
-        self.assertFalse(self.backend(hung).healthy)
+        self.assertFalse(self.backend(hung).health.healthy)
 
     def test_slow_prefill_while_its_other_streams_flow(self) -> None:
         """A long prefill stalls one request; its other streams flow: never suspected."""
@@ -190,7 +190,7 @@ class HungTests(HungTestCase):
         self.open_streams(3)
         slow = THREE[0]
         self.assertIsNone(self.flow(10, flowing=set(THREE[1:]), answer_probes=200))
-        self.assertTrue(self.backend(slow).healthy)
+        self.assertTrue(self.backend(slow).health.healthy)
         self.assertGreaterEqual(self.probed(slow), 3)
         self.assertLessEqual(self.probed(slow), 10 / 1.25)
 
@@ -206,7 +206,7 @@ class HungTests(HungTestCase):
         self.assertEqual(self.probed(slow), 1)
         self.streams[slow][0].send(b"data: {}\n\n")  # it was only slow
         self.assertIsNone(self.flow(0.9, flowing=set(THREE)))
-        self.assertTrue(self.backend(slow).healthy)
+        self.assertTrue(self.backend(slow).health.healthy)
 
     def test_all_silent_at_once_is_not_one_backends_fault(self) -> None:
         self.open_streams(3)
@@ -217,7 +217,7 @@ class HungTests(HungTestCase):
         """A backend whose first bytes take 2 s on average is quiet only after 8 s."""
         self.open_streams(2)
         slow = next(key for key in THREE if not self.streams[key])
-        self.backend(slow).record_result(200, 2.0, ttft=2.0)
+        self.backend(slow).pace.timed(2.0, ttft=2.0)
         self.open_waiting(slow)
         self.assertIsNone(self.flow(7.5, flowing=set(THREE)))
         self.assertEqual(self.probed(slow), 0)
@@ -233,7 +233,7 @@ class HungTests(HungTestCase):
         self.open_streams(3)
         self.lb.pool.mark_down(self.backend(THREE[1]), "health")
         self.flow(5, flowing={THREE[2]})
-        self.assertTrue(self.backend(THREE[0]).healthy)
+        self.assertTrue(self.backend(THREE[0]).health.healthy)
         self.assertEqual(self.probed(THREE[0]), 2)  # suspected twice in 5 s; it stays in
 
     def test_a_client_reading_slowly_is_not_backend_silence(self) -> None:
@@ -320,7 +320,7 @@ class ImpatientClientsTestCase(HungTestCase):
                     if not probe.deferred.called:
                         probe.respond(FakeResponse(answer_probes, length=0)).end()
                 answered = len(self.probes.calls)
-            if down_at is None and not all(b.healthy for b in self.lb.pool):
+            if down_at is None and not all(b.health.healthy for b in self.lb.pool):
                 down_at = now
         return down_at
 
@@ -333,16 +333,16 @@ class ImpatientClientTests(ImpatientClientsTestCase):
         """Both answer, then one stops: out within 3 s of its last byte, new requests spared."""
         stopped, other = TWO
         self.impatient(2, patience, answering=set(TWO), clients=clients)
-        last_byte = self.backend(stopped).last_byte
+        last_byte = self.backend(stopped).pace.last_byte
         assert last_byte is not None
         down_at = self.impatient(5, patience, answering={other}, clients=clients)
         assert down_at is not None, f"never ejected; probed {self.probed(stopped)} times"
         self.assertLess(down_at - last_byte, 3.0)
-        self.assertEqual(self.backend(stopped).last_byte, last_byte)
-        self.assertEqual(self.backend(stopped).hung_ejections, 1)
+        self.assertEqual(self.backend(stopped).pace.last_byte, last_byte)
+        self.assertEqual(self.backend(stopped).verdicts.hung_ejections, 1)
         self.assertIn("hung: no byte from any of", " ".join(self.reasons))
         self.assertEqual(self.sent_to(stopped, after=down_at), 0)
-        self.assertTrue(self.backend(other).healthy)
+        self.assertTrue(self.backend(other).health.healthy)
 
     def test_clients_leaving_after_1s_one_at_a_time(self) -> None:
         self.stopped_is_out_within_3s(1.0, clients=3)
@@ -371,7 +371,7 @@ class ImpatientClientTests(ImpatientClientsTestCase):
         self.assertTrue(self.streams[slow])
         self.assertIsNone(self.impatient(30, 1.0, answering={other}, clients=3,
                                          flowing_slowly=frozenset({slow})))
-        self.assertTrue(self.backend(slow).healthy)
+        self.assertTrue(self.backend(slow).health.healthy)
         self.assertGreater(self.sent_to(slow, after=2.0), 10)
         self.assertEqual(self.probed(slow), 0)
 
@@ -380,7 +380,7 @@ class ImpatientClientTests(ImpatientClientsTestCase):
         slow, other = TWO
         self.impatient(1, 1.0, answering=set(TWO))
         self.assertIsNone(self.impatient(10, 1.0, answering={other}, answer_probes=200))
-        self.assertTrue(self.backend(slow).healthy)
+        self.assertTrue(self.backend(slow).health.healthy)
         self.assertGreaterEqual(self.probed(slow), 3)
 
     def test_nobody_answering_accuses_nobody(self) -> None:
@@ -388,7 +388,7 @@ class ImpatientClientTests(ImpatientClientsTestCase):
         too impatient for this fleet; their leaving says nothing of one backend."""
         self.impatient(10, 1.0, answering=set())
         self.assertEqual(len(self.probes.calls), 0)
-        self.assertTrue(all(b.healthy for b in self.lb.pool))
+        self.assertTrue(all(b.health.healthy for b in self.lb.pool))
 
     def test_answers_elsewhere_not_much_faster_say_nothing(self) -> None:
         """
@@ -464,7 +464,7 @@ class ClientsCannotAccuseTests(ImpatientClientsTestCase):
                         if not probe.deferred.called:
                             probe.respond(FakeResponse(answer_probes, length=0)).end()
                     answered = len(self.probes.calls)
-                if down_at is None and not all(b.healthy for b in self.lb.pool):
+                if down_at is None and not all(b.health.healthy for b in self.lb.pool):
                     down_at = self.clock.seconds()
         return down_at
 
@@ -476,7 +476,7 @@ class ClientsCannotAccuseTests(ImpatientClientsTestCase):
         """
         target, _ = TWO
         self.attack(20, answer_probes=200)
-        self.assertGreater(self.backend(target).requests, 20)
+        self.assertGreater(self.backend(target).counts.requests, 20)
         self.assertEqual(self.probed(target), 0)
 
     def test_leaving_before_its_usual_first_byte_with_fast_errors_elsewhere(self) -> None:
@@ -493,7 +493,7 @@ class ClientsCannotAccuseTests(ImpatientClientsTestCase):
             response = call.respond(FakeResponse(200, [(b"Content-Type", b"text/event-stream")]))
             response.send(b'data: {"x": 1}\n\n')
             response.end()
-        self.assertAlmostEqual(self.backend(target).head_wait or 0, 0.3)
+        self.assertAlmostEqual(self.backend(target).pace.head_wait or 0, 0.3)
         self.assertIsNone(self.attack(10, answer_probes=None))
         self.assertEqual(self.reasons, [])
         self.assertEqual(self.probed(target), 0)
@@ -526,26 +526,26 @@ class SingleBackendImpatientTests(ImpatientClientsTestCase):
         only = self.backends[0]
         self.impatient(1, 1.0, answering={only})
         self.assertIsNone(self.impatient(10, 1.0, answering=set()))
-        self.assertTrue(self.backend(only).healthy)
+        self.assertTrue(self.backend(only).health.healthy)
         self.assertEqual(len(self.probes.calls), 0)
         self.assertGreater(self.sent_to(only, after=1.0), 20)
 
 
 class HeadPaceTests(SynchronousTestCase):
-    """What a response head teaches of a backend's pace (``Backend.head_came``)."""
+    """What a response head teaches of a backend's pace (``Pace.head_came``)."""
 
     def test_any_head_is_a_byte_only_a_success_sets_the_pace(self) -> None:
         from txlb._config import BackendSpec
 
         backend = Backend(BackendSpec("127.0.0.1", 8002))
-        backend.head_came(10.0, 0.3, 200)
-        backend.head_came(11.0, 0.002, 400)  # an error head, at once
-        backend.head_came(12.0, 0.001, 503)
-        self.assertEqual(backend.last_byte, 12.0)  # alive: a byte is a byte
-        self.assertEqual((backend.last_head, backend.head_wait), (10.0, 0.3))
-        backend.head_came(13.0, 0.1, 206)
-        self.assertEqual(backend.last_head, 13.0)
-        self.assertAlmostEqual(backend.head_wait or 0, 0.3 + 0.2 * (0.1 - 0.3))
+        backend.pace.head_came(10.0, 0.3, 200)
+        backend.pace.head_came(11.0, 0.002, 400)  # an error head, at once
+        backend.pace.head_came(12.0, 0.001, 503)
+        self.assertEqual(backend.pace.last_byte, 12.0)  # alive: a byte is a byte
+        self.assertEqual((backend.pace.last_head, backend.pace.head_wait), (10.0, 0.3))
+        backend.pace.head_came(13.0, 0.1, 206)
+        self.assertEqual(backend.pace.last_head, 13.0)
+        self.assertAlmostEqual(backend.pace.head_wait or 0, 0.3 + 0.2 * (0.1 - 0.3))
 
 
 class UnansweredRunTests(SynchronousTestCase):
@@ -562,8 +562,8 @@ class UnansweredRunTests(SynchronousTestCase):
         backends = list(self.lb.pool)
         self.silent, self.other = backends
         # both answered before: the silent one's heads take 0.1 s, the other's 0.05 s
-        self.silent.head_came(99.0, 0.1, 200)
-        self.other.head_came(99.0, 0.05, 200)
+        self.silent.pace.head_came(99.0, 0.1, 200)
+        self.other.pace.head_came(99.0, 0.05, 200)
 
     def left(self, sent: float, left: float) -> None:
         self.hung.left_unanswered(self.silent, sent, left)
@@ -573,7 +573,7 @@ class UnansweredRunTests(SynchronousTestCase):
         clock moved in steps, so the detector's looks are on time)."""
         while self.clock.seconds() < at:
             self.clock.advance(min(STEP, at - self.clock.seconds()))
-        self.other.head_came(at, 0.05, 200)
+        self.other.pace.head_came(at, 0.05, 200)
         return {backend: (round(silent, 3), requests)
                 for backend, (silent, requests) in self.hung.quiet_for().items()}
 
@@ -625,18 +625,18 @@ class UnansweredRunTests(SynchronousTestCase):
         lb.hung.startService()
         self.addCleanup(lb.hung.stopService)
         self.assertIsNone(lb.hung.due(cold))  # nobody answered: nothing to judge by
-        other.head_came(99.0, 0.05, 200)
+        other.pace.head_came(99.0, 0.05, 200)
         self.assertEqual(lb.hung.due(cold), 0.2)
-        cold.head_came(99.5, 0.5, 200)
+        cold.pace.head_came(99.5, 0.5, 200)
         self.assertEqual(lb.hung.due(cold), 2.0)  # its own, once it has one
 
     def test_error_heads_elsewhere_are_no_faster_answer(self) -> None:
         """The other answers only 400s in 2 ms now: not an answer the silent one owed."""
         self.clock.advance(1.0)
         self.left(100.0, 101.0)
-        self.other.head_came(101.0, 0.002, 400)
+        self.other.pace.head_came(101.0, 0.002, 400)
         self.assertEqual(self.hung.quiet_for(), {})
-        self.other.head_came(101.0, 0.05, 200)
+        self.other.pace.head_came(101.0, 0.05, 200)
         self.assertEqual(self.hung.quiet_for(), {self.silent: (1.0, 1)})
 
     def test_a_longer_gap_starts_another(self) -> None:
@@ -646,7 +646,7 @@ class UnansweredRunTests(SynchronousTestCase):
 
     def test_a_byte_since_ends_it(self) -> None:
         self.left(100.0, 101.0)
-        self.silent.heard(101.1)
+        self.silent.pace.heard(101.1)
         self.left(101.0, 102.0)  # counted from the byte on
         self.assertEqual(self.quiet(102.0), {self.silent: (0.9, 1)})
 
@@ -656,7 +656,7 @@ class UnansweredRunTests(SynchronousTestCase):
         self.assertEqual(self.quiet(101.01 + self.hung.stall), {})
 
     def test_no_faster_answer_since_it_began_says_nothing(self) -> None:
-        self.other.head_came(100.0, 0.05, 200)
+        self.other.pace.head_came(100.0, 0.05, 200)
         self.left(100.5, 101.5)
         self.clock.advance(1.5)
         self.assertEqual(self.hung.quiet_for(), {})
@@ -697,9 +697,9 @@ class ProbeTimeoutWhileFlowingTests(HungTestCase):
             answered = len(self.probes.calls)
             self.clock.advance(0.1)
             elapsed += 0.1
-        self.assertTrue(self.backend(busy).healthy)
+        self.assertTrue(self.backend(busy).health.healthy)
         self.assertGreaterEqual(self.probed(busy), 5)
-        self.assertEqual(self.backend(busy).failures_in_a_row, 0)
+        self.assertEqual(self.backend(busy).health.failures_in_a_row, 0)
 
     def test_health_timing_out_while_silent_still_counts(self) -> None:
         self.lb.health.startService()
@@ -707,7 +707,7 @@ class ProbeTimeoutWhileFlowingTests(HungTestCase):
         self.lb.hung.stopService()
         for _ in range(8):
             self.clock.advance(5)
-        self.assertFalse(any(b.healthy for b in self.lb.pool))
+        self.assertFalse(any(b.health.healthy for b in self.lb.pool))
 
 
 class TimedOutTests(SynchronousTestCase):
@@ -764,4 +764,4 @@ class LateTurnTests(HungTestCase):
         if not probe.deferred.called:  # (given up already, the answer would go unread)
             probe.respond(FakeResponse(200, length=0)).end()  # ... then its reads
         self.clock.advance(0)
-        self.assertTrue(self.backend(quiet).healthy, self.reasons)
+        self.assertTrue(self.backend(quiet).health.healthy, self.reasons)

@@ -67,18 +67,18 @@ class SlowMapTests(SynchronousTestCase):
 class EquivalenceTests(SynchronousTestCase):
     """An equivalent mutant is left out of the kill rate: the match must be exact."""
 
-    diff = ("--- a/txlb/_cluster/backend.py\n+++ b/txlb/_cluster/backend.py\n"
-            "@@ -87,2 +87,2 @@\n"
-            "-    slow_start: float = 0.0\n+    slow_start: float = 1.0\n")
+    diff = ("--- a/txlb/_cluster/slow_start.py\n+++ b/txlb/_cluster/slow_start.py\n"
+            "@@ -25,2 +25,2 @@\n"
+            "-    _length: float = 0.0\n+    _length: float = 1.0\n")
 
     def test_an_entry_matches_its_module_operator_and_mutated_line(self) -> None:
-        self.assertTrue(is_equivalent("_cluster/backend", "NumberReplacer", self.diff))
+        self.assertTrue(is_equivalent("_cluster/slow_start", "NumberReplacer", self.diff))
         self.assertFalse(is_equivalent("_cluster/pool", "NumberReplacer", self.diff))
-        self.assertFalse(is_equivalent("_cluster/backend", "AddNot", self.diff))
+        self.assertFalse(is_equivalent("_cluster/slow_start", "AddNot", self.diff))
 
     def test_the_line_the_mutant_removed_does_not_match(self) -> None:
-        removed_only = self.diff.replace("+    slow_start: float = 1.0\n", "")
-        self.assertFalse(is_equivalent("_cluster/backend", "NumberReplacer", removed_only))
+        removed_only = self.diff.replace("+    _length: float = 1.0\n", "")
+        self.assertFalse(is_equivalent("_cluster/slow_start", "NumberReplacer", removed_only))
 
 
 class ReplayTests(SynchronousTestCase):

@@ -23,6 +23,7 @@ from txlb import (
     RoutingRequest,
 )
 from txlb._cluster.backend import Backend
+from txlb._cluster.backend_engine import EngineReading
 from txlb._scheduling.policies import (
     IPolicyFactory,
     least_conn,
@@ -44,26 +45,26 @@ class LeastConnectionsTests(SynchronousTestCase):
         pool = pool_of(1, 1, 1)
         a, b, c = list(pool)
         for backend, active in ((a, 3), (b, 1), (c, 2)):
-            backend.counted(active)
+            backend.counts.counted(active)
         self.assertIs(LeastConnections().choose([a, b, c]), b)
 
     def test_ties_rotate(self) -> None:
         backends = list(pool_of(1, 1, 1, 1))
         policy = LeastConnections()
-        chosen = [policy.choose(backends).port for _ in range(8)]
+        chosen = [policy.choose(backends).spec.port for _ in range(8)]
         self.assertEqual(chosen, [9000, 9001, 9002, 9003] * 2)
 
     def test_rotation_skips_busier_backends(self) -> None:
         backends = list(pool_of(1, 1, 1))
-        backends[1].counted(1)
+        backends[1].counts.counted(1)
         policy = LeastConnections()
-        self.assertEqual([policy.choose(backends).port for _ in range(4)],
+        self.assertEqual([policy.choose(backends).spec.port for _ in range(4)],
                          [9000, 9002, 9000, 9002])
 
     def test_weight_divides_in_flight(self) -> None:
         heavy, light = list(pool_of(4, 1))
-        heavy.counted(3)
-        light.counted(1)  # 0.75 < 1
+        heavy.counts.counted(3)
+        light.counts.counted(1)  # 0.75 < 1
         self.assertIs(LeastConnections().choose([heavy, light]), heavy)
 
     def test_ipv6_key_is_bracketed(self) -> None:
@@ -191,11 +192,11 @@ class PeakEwmaContractTests(PolicyContract, SynchronousTestCase):
         policy = peak_ewma.PeakEwmaLatency(Clock())
         policy.sample(a, 0.1)
         policy.sample(b, 0.3)
-        a.counted(1)  # 0.1 * 2 < 0.3 * 1
+        a.counts.counted(1)  # 0.1 * 2 < 0.3 * 1
         self.assertEqual({policy.choose([a, b]).key for _ in range(3)}, {a.key})
-        a.counted(2)  # 0.1 * 3 = 0.3 * 1: a tie, which the fewer in flight wins
+        a.counts.counted(2)  # 0.1 * 3 = 0.3 * 1: a tie, which the fewer in flight wins
         self.assertEqual({policy.choose([a, b]).key for _ in range(3)}, {b.key})
-        a.counted(3)  # 0.1 * 4 > 0.3 * 1
+        a.counts.counted(3)  # 0.1 * 4 > 0.3 * 1
         self.assertEqual({policy.choose([a, b]).key for _ in range(3)}, {b.key})
 
     def test_a_zero_latency_sample(self) -> None:
@@ -226,20 +227,20 @@ class QueueDepthContractTests(PolicyContract, SynchronousTestCase):
 
     def test_unscraped_in_flight_is_divided_by_weight(self) -> None:
         heavy, light = list(pool_of(4, 1))
-        heavy.counted(3)
-        light.counted(1)  # 0.75 < 1
+        heavy.counts.counted(3)
+        light.counts.counted(1)  # 0.75 < 1
         self.assertIs(self.make().choose([heavy, light]), heavy)
 
     def test_more_ended_than_the_engine_held_counts_as_empty_not_below(self) -> None:
         pool = pool_of(1, 1)
         drained, empty = list(pool)
         for _ in range(3):
-            drained.took_slot()  # started before the scrape ...
+            drained.counts.took_slot()  # started before the scrape ...
         pool.set_engine_depth(drained, running=1, waiting=0)
         pool.set_engine_depth(empty, running=0, waiting=0)
         for _ in range(3):
-            drained.gave_slot()  # ... ended here since: 1 - 3 -> 0, not -2
-        self.assertEqual(drained.finished_since_scrape, 3)
+            drained.counts.gave_slot()  # ... ended here since: 1 - 3 -> 0, not -2
+        self.assertEqual(drained.counts.finished_since_scrape, 3)
         policy = self.make()
         self.assertEqual({policy.choose([drained, empty]).key for _ in range(2)},
                          {drained.key, empty.key})  # a tie: they take turns
@@ -267,7 +268,7 @@ class PolicyChoiceTests(SynchronousTestCase):
         light, heavy = self.backends(1, 2)
         for backend in (light, heavy):
             policy.sample(backend, 0.5)
-            backend.counted(1)
+            backend.counts.counted(1)
         self.assertIs(policy.choose([light, heavy]), heavy)
 
     def test_latency_without_decay_takes_the_last_sample(self) -> None:
@@ -292,7 +293,8 @@ class PolicyChoiceTests(SynchronousTestCase):
         from txlb._scheduling.policies.registry import make_policy
 
         policy = make_policy("queue-depth", Clock(), None)
-        empty, busy = (Backend(BackendSpec("127.0.0.1", p), engine_depth=depth)
+        empty, busy = (Backend(BackendSpec("127.0.0.1", p),
+                               engine=EngineReading(depth=depth))
                        for p, depth in ((8002, 0.0), (8003, 0.5)))
         self.assertEqual({policy.choose([empty, busy]).key for _ in range(4)}, {empty.key})
 

@@ -85,5 +85,5 @@ class RaisingPolicyTests(SynchronousTestCase):
         self.assertEqual(len(self.upstream.calls), 2)
         self.upstream.calls[1].respond(FakeResponse(200, length=0)).end()
         self.assertEqual(second.response().status, 200)
-        self.assertEqual(self.lb.pool.get("127.0.0.1:8002").active, 0)
+        self.assertEqual(self.lb.pool.get("127.0.0.1:8002").counts.active, 0)
         self.flushLoggedErrors(RuntimeError)

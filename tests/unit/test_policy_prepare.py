@@ -63,7 +63,7 @@ class PrepareTests(SynchronousTestCase):
                                policy=policy)
         self.site = Site(self.lb.resource(), reactor=self.clock)
         pool = self.lb.pool
-        exclusive = pool.exclusive
+        exclusive = pool.slots.exclusive
 
         def locked(fn: Callable[..., Any], *args: Any) -> Any:
             # what --workers' pool does: the choice runs under the workers' shared lock
@@ -74,7 +74,7 @@ class PrepareTests(SynchronousTestCase):
             finally:
                 policy.locked = False
 
-        pool.exclusive = locked  # type: ignore[method-assign]
+        pool.slots.exclusive = locked  # type: ignore[method-assign]
 
     def post(self, body: dict[str, object]) -> ClientConnection:
         client = ClientConnection(self.site)

@@ -228,7 +228,7 @@ IMPLEMENTATION = """
             self.clock = clock
 
         def choose(self, candidates, request=None):
-            return min(candidates, key=lambda b: b.requests)
+            return min(candidates, key=lambda b: b.counts.requests)
 
 
     def junk(clock, rng):
@@ -284,7 +284,7 @@ class PluginTests(SynchronousTestCase):
                           log_file="none", policy="test-fewest")
         self.assertEqual(lb.policy.name, "test-fewest")
         first, second = list(lb.pool)
-        first.counted(0, requests=5)
+        first.counts.counted(0, requests=5)
         self.assertIs(lb.policy.choose([first, second]), second)
 
     def test_a_plugin_policy_that_cannot_be_made_is_a_config_error(self) -> None:
@@ -357,7 +357,7 @@ class EmbedderPolicyTests(SynchronousTestCase):
         lb = self.build(policy=Broken())
         lb.bookkeeper.finished(summary())
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
-        self.assertEqual(lb.pool.get("127.0.0.1:8002").responses, {"2xx": 1})  # type: ignore
+        self.assertEqual(lb.pool.get("127.0.0.1:8002").counts.responses, {"2xx": 1})  # type: ignore
 
     def test_describe_is_shown_in_the_admin_status(self) -> None:
         policy = Learning()

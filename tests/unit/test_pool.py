@@ -107,12 +107,12 @@ class LogLineTests(SynchronousTestCase):
         with logged() as lines:
             pool.keep(backend)
         self.assertEqual([line for line in lines if "stays" in line], [])
-        lease = pool.acquire(backend)  # in flight: removing it waits for this request
+        lease = pool.slots.acquire(backend)  # in flight: removing it waits for this request
         pool.remove(backend)
         with logged() as lines:
             pool.keep(backend)
         self.assertIn("backend 127.0.0.1:8002 stays: the new config lists it", lines)
-        self.assertFalse(backend.removing)
+        self.assertFalse(backend.health.removing)
         lease.release()
         self.assertIs(pool.get(A.key), backend)
 
@@ -151,7 +151,7 @@ class IdleTests(SynchronousTestCase):
     def test_an_idle_pool_is_idle_at_once(self) -> None:
         pool = Pool((A,))
         fired: list[object] = []
-        pool.when_idle().addCallback(fired.append)
+        pool.slots.when_idle().addCallback(fired.append)
         self.assertEqual(fired, [None])
 
     def test_a_slot_given_back_unused_is_not_idle_while_another_runs(self) -> None:
@@ -159,10 +159,10 @@ class IdleTests(SynchronousTestCase):
         pool = Pool((A, B))
         a, b = pool.get(A.key), pool.get(B.key)
         assert a is not None and b is not None
-        running = pool.acquire(a)
+        running = pool.slots.acquire(a)
         fired: list[object] = []
-        pool.when_idle().addCallback(fired.append)
-        pool.withdraw(pool.acquire(b))
+        pool.slots.when_idle().addCallback(fired.append)
+        pool.slots.withdraw(pool.slots.acquire(b))
         self.assertEqual(fired, [])
         running.release()
         self.assertEqual(fired, [None])
@@ -176,11 +176,11 @@ class MirrorTests(SynchronousTestCase):
         self.assertEqual([b.key for b in worker], [A.key, B.key])
         held = worker.get(B.key)
         assert held is not None
-        lease = worker.acquire(held)
+        lease = worker.slots.acquire(held)
         only_a = [state for state in supervisor.shared_state()
                   if state["spec"][1] == A.port]
         worker.mirror(only_a)
-        self.assertTrue(held.removing)  # draining here: its request runs on
+        self.assertTrue(held.health.removing)  # draining here: its request runs on
         self.assertIs(worker.get(B.key), held)
         lease.release()
         self.assertIsNone(worker.get(B.key))
@@ -198,25 +198,25 @@ class StoredMarksTests(SynchronousTestCase):
     def test_a_removal_this_replica_keeps_is_written_back(self) -> None:
         """Its own DNS still yields it (``keeps``): it stays, and says so in the store."""
         pool, marks = self.build()
-        pool.keeps = lambda backend: True
+        pool.ask_before_store_removal(lambda backend: True)
         marks.saved.clear()
         marks.stored = [(A, Marks(healthy=True, draining=True, removing=True))]
         pool.refresh()
         backend = pool.get(A.key)
         assert backend is not None
-        self.assertFalse(backend.removing)
-        self.assertFalse(backend.draining)
+        self.assertFalse(backend.health.removing)
+        self.assertFalse(backend.health.draining)
         self.assertEqual(marks.saved, [(A.key, Marks(healthy=True, draining=False,
                                                       removing=False))])
 
     def test_a_stored_drain_applies_to_a_backend_this_replica_keeps(self) -> None:
         pool, marks = self.build()
-        pool.keeps = lambda backend: True
+        pool.ask_before_store_removal(lambda backend: True)
         marks.stored = [(A, Marks(healthy=True, draining=True, removing=False))]
         pool.refresh()
         backend = pool.get(A.key)
         assert backend is not None
-        self.assertTrue(backend.draining)
+        self.assertTrue(backend.health.draining)
 
     def test_a_failing_suspect_listener_stops_no_other(self) -> None:
         pool, marks = self.build()
@@ -234,18 +234,18 @@ class StoredMarksTests(SynchronousTestCase):
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
         backend = pool.get(A.key)
         assert backend is not None
-        self.assertTrue(backend.healthy)  # each replica's own probe decides
+        self.assertTrue(backend.health.healthy)  # each replica's own probe decides
 
     def test_a_stored_drain_leaves_a_healthy_backend_up(self) -> None:
         marks = StoredMarks()
         pool = Pool((A,), clock=Clock(), store=LocalStore(marks=marks))
         backend = pool.get(A.key)
         assert backend is not None
-        self.assertTrue(backend.healthy)
+        self.assertTrue(backend.health.healthy)
         marks.stored = [(A, Marks(healthy=True, draining=True, removing=False))]
         pool.refresh()
-        self.assertTrue(backend.draining)
-        self.assertTrue(backend.healthy)
+        self.assertTrue(backend.health.draining)
+        self.assertTrue(backend.health.healthy)
 
 
 class WithdrawnSlotTests(SynchronousTestCase):
@@ -254,63 +254,63 @@ class WithdrawnSlotTests(SynchronousTestCase):
         pool = Pool((A,))
         backend = pool.get(A.key)
         assert backend is not None
-        running = pool.acquire(backend)
-        before = (backend.active, backend.requests)
-        pool.withdraw(pool.acquire(backend))
-        self.assertEqual((backend.active, backend.requests), before)
-        self.assertEqual(pool.in_flight, 1)
+        running = pool.slots.acquire(backend)
+        before = (backend.counts.active, backend.counts.requests)
+        pool.slots.withdraw(pool.slots.acquire(backend))
+        self.assertEqual((backend.counts.active, backend.counts.requests), before)
+        self.assertEqual(pool.slots.in_flight, 1)
         running.release()
-        self.assertEqual((backend.active, pool.in_flight), (0, 0))
+        self.assertEqual((backend.counts.active, pool.slots.in_flight), (0, 0))
 
     def test_a_withdrawn_slot_is_not_counted_as_sent_since_the_scrape(self) -> None:
         """What queue-depth adds to the engine's last scrape: the requests sent since."""
         pool = Pool((A,))
         backend = pool.get(A.key)
         assert backend is not None
-        pool.acquire(backend)
-        self.assertEqual(backend.started_since_scrape, 1)
-        pool.withdraw(pool.acquire(backend))
-        self.assertEqual(backend.started_since_scrape, 1)
+        pool.slots.acquire(backend)
+        self.assertEqual(backend.counts.started_since_scrape, 1)
+        pool.slots.withdraw(pool.slots.acquire(backend))
+        self.assertEqual(backend.counts.started_since_scrape, 1)
 
     def test_a_withdrawn_lease_cannot_be_released_or_withdrawn_again(self) -> None:
         pool = Pool((A,))
         backend = pool.get(A.key)
         assert backend is not None
-        running = pool.acquire(backend)
-        refused = pool.acquire(backend)
-        pool.withdraw(refused)
+        running = pool.slots.acquire(backend)
+        refused = pool.slots.acquire(backend)
+        pool.slots.withdraw(refused)
         refused.release()  # a no-op: the slot is gone already
         self.assertFalse(refused.withdraw())
-        self.assertEqual((backend.active, pool.in_flight), (1, 1))
+        self.assertEqual((backend.counts.active, pool.slots.in_flight), (1, 1))
         running.release()
-        self.assertEqual(backend.active, 0)
+        self.assertEqual(backend.counts.active, 0)
 
     def test_a_slot_taken_before_a_scrape_and_withdrawn_after_leaves_zero(self) -> None:
         """The scrape restarted the count: the withdrawn take is not in it, and never below 0."""
         pool = Pool((A,))
         backend = pool.get(A.key)
         assert backend is not None
-        refused = pool.acquire(backend)
+        refused = pool.slots.acquire(backend)
         pool.set_engine_depth(backend, 1, 0)
-        self.assertEqual(backend.started_since_scrape, 0)
-        pool.withdraw(refused)
-        self.assertEqual(backend.started_since_scrape, 0)
-        pool.acquire(backend)
-        pool.acquire(backend)
-        pool.withdraw(pool.acquire(backend))
-        self.assertEqual(backend.started_since_scrape, 2)
+        self.assertEqual(backend.counts.started_since_scrape, 0)
+        pool.slots.withdraw(refused)
+        self.assertEqual(backend.counts.started_since_scrape, 0)
+        pool.slots.acquire(backend)
+        pool.slots.acquire(backend)
+        pool.slots.withdraw(pool.slots.acquire(backend))
+        self.assertEqual(backend.counts.started_since_scrape, 2)
 
     def test_a_withdrawn_first_slot_leaves_no_request_counted(self) -> None:
         pool = Pool((A,))
         backend = pool.get(A.key)
         assert backend is not None
-        pool.withdraw(pool.acquire(backend))
-        self.assertEqual((backend.active, backend.requests), (0, 0))
+        pool.slots.withdraw(pool.slots.acquire(backend))
+        self.assertEqual((backend.counts.active, backend.counts.requests), (0, 0))
         # counts read back meanwhile (--workers' shared table) never go below nothing
-        refused = pool.acquire(backend)
-        backend.counted(1, requests=0)
-        pool.withdraw(refused)
-        self.assertEqual(backend.requests, 0)
+        refused = pool.slots.acquire(backend)
+        backend.counts.counted(1, requests=0)
+        pool.slots.withdraw(refused)
+        self.assertEqual(backend.counts.requests, 0)
 
 
 class RecordingSlots:
@@ -355,8 +355,8 @@ class IdleAndRefreshTests(SynchronousTestCase):
     def test_idle_is_when_nothing_is_in_flight(self) -> None:
         pool = Pool((BackendSpec("127.0.0.1", 8002),))
         backend = pool.get("127.0.0.1:8002")
-        first, second = pool.acquire(backend), pool.acquire(backend)
-        idle = pool.when_idle()
+        first, second = pool.slots.acquire(backend), pool.slots.acquire(backend)
+        idle = pool.slots.when_idle()
         first.release()
         self.assertNoResult(idle)
         second.release()
@@ -367,7 +367,7 @@ class IdleAndRefreshTests(SynchronousTestCase):
         pool = Pool((BackendSpec("127.0.0.1", 8002),), shared=shared)  # type: ignore[arg-type]
         backend = pool.get("127.0.0.1:8002")
         shared.counts[7] = shared.own = 1  # a request of this worker's is in flight
-        backend.leaving()
+        backend.health.leaving()
         pool.refresh()
         self.assertIs(pool.get("127.0.0.1:8002"), backend)
         shared.counts[7] = shared.own = 0  # it ended (counted down in shared memory)

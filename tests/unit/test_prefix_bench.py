@@ -160,7 +160,7 @@ class ModelTests(SynchronousTestCase):
         oracle = Oracle(engines, {})
         request = RoutingRequest(json=body)
         self.assertIs(oracle.choose(backends, request), backends[1])
-        leases = [pool.acquire(backends[1]) for _ in range(3)]
+        leases = [pool.slots.acquire(backends[1]) for _ in range(3)]
         self.assertIs(oracle.choose(backends, request), backends[0])
         for lease in leases:
             lease.release()

@@ -39,7 +39,7 @@ class ProxyTestCase(SynchronousTestCase):
         return ClientConnection(self.site)
 
     def active(self) -> dict[str, int]:
-        return {b.key: b.active for b in self.lb.pool}
+        return {b.key: b.counts.active for b in self.lb.pool}
 
 
 class ForwardingTests(ProxyTestCase):
@@ -235,7 +235,7 @@ class ErrorTests(ProxyTestCase):
         self.assertEqual(client.response().status, 502)
         self.error_of(client)
         pool = {b.key: b for b in self.lb.pool}
-        self.assertFalse(pool[key].healthy)
+        self.assertFalse(pool[key].health.healthy)
         self.assertEqual(sum(self.active().values()), 0)
         # the next request avoids the ejected backend
         self.client().request(b"GET", b"/")
@@ -254,7 +254,7 @@ class ErrorTests(ProxyTestCase):
         )
         self.assertEqual(client.response().status, 502)
         self.assertEqual(len(self.upstream.calls), 1)
-        self.assertTrue(all(b.healthy for b in self.lb.pool))  # only a probe may eject
+        self.assertTrue(all(b.health.healthy for b in self.lb.pool))  # only a probe may eject
         self.assertEqual(sum(self.active().values()), 0)
 
     def test_reset_while_sending_is_retried_elsewhere_and_marks_down(self) -> None:
@@ -269,7 +269,7 @@ class ErrorTests(ProxyTestCase):
         self.assertEqual(self.upstream.last.body, b'{"model": "m"}')
         self.upstream.last.respond(FakeResponse(200, length=0)).end()
         self.assertEqual(client.response().status, 200)
-        self.assertEqual([b.key.encode() for b in self.lb.pool if not b.healthy], [first])
+        self.assertEqual([b.key.encode() for b in self.lb.pool if not b.health.healthy], [first])
 
     def test_other_failure_is_502_without_ejection(self) -> None:
         client = self.client()
@@ -277,7 +277,7 @@ class ErrorTests(ProxyTestCase):
         self.upstream.last.fail(ResponseFailed([Failure(ValueError("bad status line"))]))
         self.assertEqual(client.response().status, 502)
         self.error_of(client)
-        self.assertTrue(all(b.healthy for b in self.lb.pool))
+        self.assertTrue(all(b.health.healthy for b in self.lb.pool))
 
     def test_silent_backend_is_504_without_ejection(self) -> None:
         self.build(BACKENDS, read_timeout=30)
@@ -290,7 +290,7 @@ class ErrorTests(ProxyTestCase):
         self.assertEqual(client.response().status, 504)
         self.assertEqual(self.error_of(client)["type"], "gateway_timeout")
         self.assertTrue(call.cancelled)
-        self.assertTrue(all(b.healthy for b in self.lb.pool))
+        self.assertTrue(all(b.health.healthy for b in self.lb.pool))
         self.assertEqual(sum(self.active().values()), 0)
 
     def test_watchdog_reset_by_every_chunk(self) -> None:
@@ -505,7 +505,7 @@ class LeastConnectionsTests(ProxyTestCase):
         for _ in range(16):
             self.client().request(b"GET", b"/")
             self.upstream.last.respond(FakeResponse(200, length=0)).end()
-        counts = {b.key: b.requests for b in self.lb.pool}
+        counts = {b.key: b.counts.requests for b in self.lb.pool}
         self.assertEqual(counts, {key: 4 for key in backends})
 
 
@@ -711,7 +711,7 @@ class EdgeCaseTests(ProxyTestCase):
         self.upstream.last.fail(ResponseNeverReceived([Failure(neterror.ConnectionLost())]))
         self.assertEqual([c.uri for c in probes.calls], [b"http://" + key + b"/health"])
         probes.last.respond(FakeResponse(200, length=0)).end()
-        self.assertTrue(all(b.healthy for b in self.lb.pool))  # a stale pooled connection
+        self.assertTrue(all(b.health.healthy for b in self.lb.pool))  # a stale pooled connection
 
     def test_unknown_option_refused(self) -> None:
         self.assertRaises(TypeError, LoadBalancer, BACKENDS, reactor=self.clock,

@@ -39,18 +39,18 @@ class LeaseTests(SynchronousTestCase):
         pool = Pool((BackendSpec("127.0.0.1", 8002),))
         pool.on_change.append(lambda: changes.append(None))
         backend = pool.get("127.0.0.1:8002")
-        first = pool.acquire(backend)
-        second = pool.acquire(backend)
-        self.assertEqual(backend.active, 2)
+        first = pool.slots.acquire(backend)
+        second = pool.slots.acquire(backend)
+        self.assertEqual(backend.counts.active, 2)
         first.release()
         seen = len(changes)
         first.release()
         first.release()
-        self.assertEqual(backend.active, 1)
-        self.assertEqual(backend.finished_since_scrape, 1)
+        self.assertEqual(backend.counts.active, 1)
+        self.assertEqual(backend.counts.finished_since_scrape, 1)
         self.assertEqual(len(changes), seen)  # nobody is told twice of one freed slot
         second.release()
-        self.assertEqual(backend.active, 0)
+        self.assertEqual(backend.counts.active, 0)
 
 
 class ProxyCase(SynchronousTestCase):
@@ -305,8 +305,8 @@ class ProbeStatusTests(SynchronousTestCase):
             checker.startService()
             probe = [c for c in agent.calls if c.uri.endswith(b"/health")][0]
             probe.respond(FakeResponse(code, length=0)).end()
-            self.assertFalse(backend.healthy, f"HTTP {code} counted as healthy")
-            self.assertEqual(backend.last_probe_error, f"health: HTTP {code}")
+            self.assertFalse(backend.health.healthy, f"HTTP {code} counted as healthy")
+            self.assertEqual(backend.health.last_probe_error, f"health: HTTP {code}")
             checker.stopService()
 
     def test_200_is_healthy(self) -> None:
@@ -321,4 +321,4 @@ class ProbeStatusTests(SynchronousTestCase):
         self.addCleanup(checker.stopService)
         [c for c in agent.calls if c.uri.endswith(b"/health")][0].respond(
             FakeResponse(200, length=0)).end()
-        self.assertTrue(backend.healthy)
+        self.assertTrue(backend.health.healthy)

@@ -103,7 +103,7 @@ class MembershipTests(ReloadTestCase):
         self.assertEqual(self.reload(), 2)
         backend = self.lb.pool.get(C)
         assert backend is not None
-        self.assertEqual((backend.weight, backend.spec.max_conns, backend.models),
+        self.assertEqual((backend.spec.weight, backend.spec.max_conns, backend.models),
                          (3, 4, ("m",)))
         self.assertEqual([c.uri for c in self.probes.calls[probed:]],
                          [f"http://{C}/health".encode()])
@@ -115,7 +115,7 @@ class MembershipTests(ReloadTestCase):
         self.reload()
         backend = self.lb.pool.get(A)
         assert backend is not None
-        self.assertTrue(backend.removing)
+        self.assertTrue(backend.health.removing)
         for _ in range(3):
             self.proxy()
         self.assertEqual([self.backend_of(i) for i in (1, 2, 3)], [B, B, B])
@@ -136,8 +136,8 @@ class MembershipTests(ReloadTestCase):
         self.rewrite(backend_tables((A, 2, 0, []), (B, 1, 0, [])))
         self.reload()
         self.assertIs(self.lb.pool.get(A), backend)
-        self.assertTrue(backend.draining)
-        self.assertEqual(backend.weight, 2)
+        self.assertTrue(backend.health.draining)
+        self.assertEqual(backend.spec.weight, 2)
 
     def test_a_backend_added_at_runtime_and_absent_from_the_file_is_removed(self) -> None:
         admin = StubTreq(self.lb.admin_resource())
@@ -152,10 +152,10 @@ class MembershipTests(ReloadTestCase):
         backend = self.lb.pool.get(A)
         assert backend is not None
         self.lb.pool.remove(backend)
-        self.assertTrue(backend.removing)
+        self.assertTrue(backend.health.removing)
         self.reload()  # the file still lists A
         self.assertIs(self.lb.pool.get(A), backend)
-        self.assertFalse(backend.removing or backend.draining)
+        self.assertFalse(backend.health.removing or backend.health.draining)
         self.finish(0)
         self.assertIs(self.lb.pool.get(A), backend)
 
@@ -188,8 +188,8 @@ class BackendSettingsTests(ReloadTestCase):
         self.reload()
         self.assertIs(self.lb.pool.get(A), backend)
         assert backend is not None
-        self.assertEqual((backend.weight, backend.spec.max_conns, backend.models,
-                          backend.active), (5, 7, ("llama",), 1))
+        self.assertEqual((backend.spec.weight, backend.spec.max_conns, backend.models,
+                          backend.counts.active), (5, 7, ("llama",), 1))
 
     def test_a_lowered_max_conns_strands_no_request_in_flight(self) -> None:
         first, second = self.proxy(), self.proxy()
@@ -288,7 +288,7 @@ class SettingsTests(ReloadTestCase):
                           context.retry_window), (7, 8, 4, 9))
         self.proxy()
         self.clock.advance(7.1)  # the new read timeout ends a silent backend's request
-        self.assertEqual(self.lb.pool.in_flight, 0)
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
 
     def test_a_new_health_interval_restarts_the_probe_loop(self) -> None:
         def health_probes(path: bytes) -> list[Any]:
@@ -318,7 +318,7 @@ class SettingsTests(ReloadTestCase):
                          (2, 4, 60))
         backend = self.lb.pool.get(A)
         assert backend is not None
-        self.assertEqual(backend.slow_start, 60)
+        self.assertEqual(backend.slow_start.length, 60)
 
     def test_a_rate_limit_set_by_a_reload_applies(self) -> None:
         self.rewrite('rate-limit = "1/s"\nrate-burst = 1\n' + self.first)

@@ -97,15 +97,16 @@ class MirroredRespecificationTests(SynchronousTestCase):
         worker_pool.mirror(supervisor_pool.shared_state())
         backend = worker_pool.get("127.0.0.1:9")
         assert backend is not None
-        lease = worker_pool.acquire(backend)
+        lease = worker_pool.slots.acquire(backend)
         source = supervisor_pool.get("127.0.0.1:9")
         assert source is not None
         supervisor_pool.respecify(source, BackendSpec("127.0.0.1", 9, weight=4, max_conns=1))
         worker_pool.mirror(supervisor_pool.shared_state())
         self.assertIs(worker_pool.get("127.0.0.1:9"), backend)
-        self.assertEqual((backend.weight, backend.spec.max_conns, backend.active), (4, 1, 1))
+        self.assertEqual((backend.spec.weight, backend.spec.max_conns, backend.counts.active),
+                         (4, 1, 1))
         lease.release()
-        self.assertEqual(backend.active, 0)
+        self.assertEqual(backend.counts.active, 0)
 
 
 class SharedTableTests(SynchronousTestCase):

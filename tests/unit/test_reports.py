@@ -111,7 +111,7 @@ class WorkerReportsTests(SynchronousTestCase):
                                 status_class="2xx"), 1.0)
         backend = self.lb.pool.get(A)
         assert backend is not None
-        self.assertEqual(backend.responses, {"2xx": 1})
+        self.assertEqual(backend.counts.responses, {"2xx": 1})
 
     def test_events_reach_the_bookkeeper(self) -> None:
         for message in (Retry(), Retry(), Wait(2.0), Suspect(B), Down(A, "proxy: refused")):
@@ -121,7 +121,7 @@ class WorkerReportsTests(SynchronousTestCase):
         self.assertEqual(len(self.probes.calls), 1)  # B probed now
         backend = self.lb.pool.get(A)
         assert backend is not None
-        self.assertFalse(backend.healthy)
+        self.assertFalse(backend.health.healthy)
 
     def test_the_reporting_worker_is_named_in_the_log(self) -> None:
         events: list[dict[str, Any]] = []

@@ -81,7 +81,7 @@ class ShutdownTimeoutTests(FailoverTestCase):
         self.assertIn(b"shutting down", waiting.response().body)
         self.assertFalse(streaming.response().complete)  # cut short: it had begun
         self.assertEqual(sorted(r.outcome for r in self.records[-2:]), ["shutdown", "shutdown"])
-        self.assertEqual(self.lb.pool.in_flight, 0)
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
 
 
 

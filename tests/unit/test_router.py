@@ -24,8 +24,9 @@ from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer
 
 from txlb import IPreparesRequests, Policy, build_config
-from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.backend import Backend
 from txlb._cluster.pool import Pool
+from txlb._cluster.slots import Lease
 from txlb._config import BackendSpec, Config
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.policies.least_conn import LeastConnections
@@ -125,7 +126,7 @@ class WaitingQueueTests(SynchronousTestCase):
         self.pool = Pool(specs or (BackendSpec("h", 1, max_conns=1),), clock=self.clock,
                          shared=shared)  # type: ignore[arg-type]
         if gate is not None:
-            self.pool.gate = gate
+            self.pool.slots.confirm_with(gate)
         self.router = Router(self.pool, LeastConnections(), self.clock, queue_timeout=30,
                              retry_after=1)
 
@@ -136,7 +137,7 @@ class WaitingQueueTests(SynchronousTestCase):
 
     def hold(self, key: str = "h:1") -> Lease:
         """A slot taken outside the router (a request in flight)."""
-        return self.pool.acquire(self.backend(key))
+        return self.pool.slots.acquire(self.backend(key))
 
     def lease(self, result: Deferred[Lease]) -> Lease:
         lease: Lease = self.successResultOf(result)
@@ -275,7 +276,7 @@ class WaitingQueueTests(SynchronousTestCase):
             self.router.acquire().addCallback(done)
         held.release()
         self.assertEqual(len(served), 2)
-        self.assertEqual((self.router.queue_length, self.pool.in_flight), (0, 1))
+        self.assertEqual((self.router.queue_length, self.pool.slots.in_flight), (0, 1))
 
     def test_a_shutdown_refuses_only_who_is_still_waiting(self) -> None:
         self.build()
@@ -350,7 +351,7 @@ class WaitingQueueTests(SynchronousTestCase):
         result.cancel()
         self.failureResultOf(result, CancelledError)
         gate.answer(True)
-        self.assertEqual(self.pool.in_flight, 0)
+        self.assertEqual(self.pool.slots.in_flight, 0)
         self.assertEqual(len(gate.freed), 1)
 
     def test_four_refusals_in_a_row_queue_the_request(self) -> None:
@@ -391,7 +392,7 @@ class WaitingQueueTests(SynchronousTestCase):
         gate.answer(True)
         self.lease(first)
         self.lease(second)
-        self.assertEqual(self.pool.in_flight, 3)
+        self.assertEqual(self.pool.slots.in_flight, 3)
 
 
 class RefusalAndAliasTests(ProxyTestCase):

@@ -171,5 +171,5 @@ class SessionPinsTests(SynchronousTestCase):
         # a replica whose own counts put that engine over its bound passes the session on
         home = one.get(pins[0])
         assert home is not None
-        home.counted(50)
+        home.counts.counted(50)
         self.assertNotEqual(ring_one.choose(sessions[0], list(one)).key, pins[0])

@@ -47,12 +47,12 @@ class PolicyTests(SynchronousTestCase):
 
     def test_p2c_never_takes_the_busier_of_its_two(self) -> None:
         idle, busy = backends(1, 1)
-        busy.counted(10)
+        busy.counts.counted(10)
         policy = PowerOfTwoChoices(random.Random(1))
         self.assertEqual({policy.choose([idle, busy]).key for _ in range(50)}, {idle.key})
         three = backends(1, 1, 1)
         for backend, active in zip(three, (5, 0, 9), strict=True):
-            backend.counted(active)
+            backend.counts.counted(active)
         policy = PowerOfTwoChoices(random.Random(3))
         picks = Counter(policy.choose(three).key for _ in range(300))
         self.assertEqual(picks[three[2].key], 0)  # the busiest never wins a pair
@@ -83,14 +83,14 @@ class PolicyTests(SynchronousTestCase):
         policy = PeakEwmaLatency(Clock())
         policy.sample(a, 0.1)
         policy.sample(b, 0.15)
-        a.counted(3)  # 0.1 * 4 > 0.15 * 1
+        a.counts.counted(3)  # 0.1 * 4 > 0.15 * 1
         self.assertIs(policy.choose([a, b]), b)
-        a.counted(0)
+        a.counts.counted(0)
         policy = PeakEwmaLatency(Clock())
         policy.sample(a, 0.1)
         policy.sample(b, 0.1)
         self.assertEqual(policy.estimate(b), policy.estimate(a))
-        b.counted(1)  # equal latency: fewer in flight wins
+        b.counts.counted(1)  # equal latency: fewer in flight wins
         self.assertIs(policy.choose([a, b]), a)
 
     def test_queue_depth_uses_engine_counts(self) -> None:
@@ -101,13 +101,13 @@ class PolicyTests(SynchronousTestCase):
         pool.set_engine_depth(b, running=2, waiting=0)
         self.assertIs(policy.choose([a, b]), b)
         for _ in range(12):  # what this balancer sends after the scrape counts too
-            pool.acquire(b)
+            pool.slots.acquire(b)
         self.assertIs(policy.choose([a, b]), b)  # 2 + 12 < 15
-        pool.acquire(b)
-        pool.acquire(b)
+        pool.slots.acquire(b)
+        pool.slots.acquire(b)
         self.assertIs(policy.choose([a, b]), a)  # 2 + 14 > 15
         pool.set_engine_depth(b, running=0, waiting=0)  # new scrape: local count restarts
-        self.assertEqual(b.started_since_scrape, 0)
+        self.assertEqual(b.counts.started_since_scrape, 0)
         self.assertIs(policy.choose([a, b]), b)
 
     def test_queue_depth_subtracts_what_ended_since_the_scrape(self) -> None:
@@ -115,7 +115,7 @@ class PolicyTests(SynchronousTestCase):
         a, b = list(pool)
         pool.set_engine_depth(a, running=4, waiting=0)
         pool.set_engine_depth(b, running=3, waiting=0)
-        leases = [pool.acquire(b) for _ in range(3)]  # b: 3 + 3 = 6 > 4
+        leases = [pool.slots.acquire(b) for _ in range(3)]  # b: 3 + 3 = 6 > 4
         self.assertIs(QueueDepth().choose([a, b]), a)
         for lease in leases:
             lease.release()  # they ended: b is back to what its engine said
@@ -462,9 +462,9 @@ class AffinityTests(BalancerTestCase):
         peak = 0
         for n in range(40):
             self.post({"user": "hot"})
-            peak = max(peak, max(b.active for b in self.lb.pool))
+            peak = max(peak, max(b.counts.active for b in self.lb.pool))
             # the bound for the request just placed: ceil(1.25 * (n + 1) / 4)
-            self.assertLessEqual(max(b.active for b in self.lb.pool),
+            self.assertLessEqual(max(b.counts.active for b in self.lb.pool),
                                  -(-5 * (n + 1) // 16))
         self.assertLessEqual(peak, 13)  # ceil(1.25 * 40 / 4)
 

@@ -267,7 +267,7 @@ class SharingTests(SynchronousTestCase):
         where = self.spread_a()
         gone = self.b.pool.get(where)
         assert gone is not None
-        lease = self.b.pool.acquire(gone)  # a request still running: removed when it ends
+        lease = self.b.pool.slots.acquire(gone)  # a request still running: removed when it ends
         self.b.pool.remove(gone)
         self.assertIs(self.b.pool.get(where), gone)
         self.clock.advance(POLL_INTERVAL)

@@ -16,8 +16,8 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from txlb import LoadBalancer
-from txlb._cluster.backend import Lease
 from txlb._cluster.pool import Pool
+from txlb._cluster.slots import Lease
 from txlb._config import BackendSpec, build_config
 from txlb._scheduling.policies.least_conn import LeastConnections
 from txlb._scheduling.router import MAX_REFUSALS, Router, RoutingError
@@ -69,8 +69,8 @@ class SlotTests(SynchronousTestCase):
         self.pool = Pool(tuple(BackendSpec("h", port, max_conns=max_conns)
                                for port in range(1, backends + 1)),
                          clock=self.clock, store=self.store)
-        self.slots = SharedSlots(self.store, self.pool.capacity_changed)
-        self.pool.gate = self.slots
+        self.slots = SharedSlots(self.store, self.pool.slots.capacity_changed)
+        self.pool.slots.confirm_with(self.slots)
         self.router = Router(self.pool, LeastConnections(), self.clock, queue_timeout=30)
         if started:
             self.store.start()  # the first poll answers: the link is up
@@ -107,8 +107,8 @@ class SlotTests(SynchronousTestCase):
         assert backend is not None
         # as if never taken: no request started or finished, nobody told of a freed slot
         self.assertEqual((self.counts.mine(refused), self.counts.started(refused)), (0, 0))
-        self.assertEqual((backend.requests, backend.started_since_scrape,
-                          backend.finished_since_scrape), (0, 0, 0))
+        self.assertEqual((backend.counts.requests, backend.counts.started_since_scrape,
+                          backend.counts.finished_since_scrape), (0, 0, 0))
         self.assertEqual(self.counts.total(refused), 1)  # reads as full now
         self.assertEqual(changes, [])
         [_, (other, mine, _)] = self.redis.asked()
@@ -126,7 +126,7 @@ class SlotTests(SynchronousTestCase):
         self.assertNoResult(result)
         self.assertEqual(self.router.queue_length, 1)
         self.assertEqual(len(self.redis.asked()), 2)  # each backend asked once, then queued
-        self.assertEqual(self.pool.in_flight, 0)
+        self.assertEqual(self.pool.slots.in_flight, 0)
 
     def test_choosing_again_is_bounded(self) -> None:
         self.build(max_conns=1, backends=MAX_REFUSALS + 3)
@@ -180,33 +180,33 @@ class SlotTests(SynchronousTestCase):
         self.failureResultOf(result, CancelledError)
         self.redis.answer(1, 0)
         self.assertEqual(self.counts.mine(key), 0)
-        self.assertEqual(self.pool.in_flight, 0)
+        self.assertEqual(self.pool.slots.in_flight, 0)
         refused = self.router.acquire()
         refused.cancel()
         self.failureResultOf(refused, CancelledError)
         self.redis.answer(0, 1)
         self.assertEqual(len(self.redis.asked()), 2)  # gone: no other choice made
-        self.assertEqual(self.pool.in_flight, 0)
+        self.assertEqual(self.pool.slots.in_flight, 0)
 
     def test_a_withdrawn_slot_is_never_released(self) -> None:
         backend = self.pool.get("h:1")
         assert backend is not None
-        lease = self.pool.acquire(backend)
-        self.pool.withdraw(lease)
+        lease = self.pool.slots.acquire(backend)
+        self.pool.slots.withdraw(lease)
         lease.release()
-        self.pool.withdraw(lease)
-        self.assertEqual((self.counts.mine("h:1"), backend.active, self.pool.in_flight),
-                         (0, 0, 0))
+        self.pool.slots.withdraw(lease)
+        self.assertEqual(
+            (self.counts.mine("h:1"), backend.counts.active, self.pool.slots.in_flight), (0, 0, 0))
         self.clock.advance(FLUSH_DELAY)
         self.assertEqual(self.redis.published(), [])
 
     def test_a_withdrawn_slot_lets_shutdown_finish(self) -> None:
         backend = self.pool.get("h:1")
         assert backend is not None
-        lease = self.pool.acquire(backend)
-        idle = self.pool.when_idle()
+        lease = self.pool.slots.acquire(backend)
+        idle = self.pool.slots.when_idle()
         self.assertNoResult(idle)
-        self.pool.withdraw(lease)
+        self.pool.slots.withdraw(lease)
         self.successResultOf(idle)
 
     # -- the queue -------------------------------------------------------------------
@@ -226,11 +226,11 @@ class SlotTests(SynchronousTestCase):
         held.release()
         self.assertEqual(self.redis.asked()[-1], ("h:1", 1, 1))
         self.assertNoResult(waiting)
-        self.pool.capacity_changed()  # another dispatch meanwhile asks nothing more
+        self.pool.slots.capacity_changed()  # another dispatch meanwhile asks nothing more
         self.assertEqual(len(self.redis.asked()), 2)
         self.redis.answer(0, 1)  # another replica's waiter got it first
         self.assertNoResult(waiting)
-        self.assertEqual((self.router.queue_length, self.pool.in_flight), (1, 0))
+        self.assertEqual((self.router.queue_length, self.pool.slots.in_flight), (1, 0))
         # that replica ends its request and says so: the waiter looks again at once
         self.slots.channel.received("txlb:freed", b"r2 h:1")
         self.assertEqual(len(self.redis.asked()), 3)
@@ -252,7 +252,7 @@ class SlotTests(SynchronousTestCase):
         self.assertEqual(len(self.redis.asked()), 3)
         self.redis.answer(1, 0)
         self.assertEqual(self.lease(waiting).backend.key, held[0].backend.key)
-        self.assertEqual(self.pool.in_flight, 1)
+        self.assertEqual(self.pool.slots.in_flight, 1)
 
     def test_a_waiter_gone_while_confirming_gives_its_slot_back(self) -> None:
         held = self.fill()
@@ -261,7 +261,7 @@ class SlotTests(SynchronousTestCase):
         waiting.cancel()
         self.failureResultOf(waiting, CancelledError)
         self.redis.answer(1, 0)
-        self.assertEqual(self.pool.in_flight, 0)
+        self.assertEqual(self.pool.slots.in_flight, 0)
         self.clock.advance(FLUSH_DELAY)
         # both slots were confirmed in Redis and then freed: both announced
         self.assertEqual(self.redis.published(), [("txlb:freed", "r1 h:1")] * 2)
@@ -351,7 +351,7 @@ class WiringTests(SynchronousTestCase):
         config = build_config({"backends": "127.0.0.1:9",
                                "shared-state": "redis://h:1/0"}, environ={})
         lb = LoadBalancer(config=config, reactor=Clock())
-        self.assertIsInstance(lb.pool.gate, SharedSlots)
+        self.assertIsInstance(lb.pool.slots.gate, SharedSlots)
         from prometheus_client import generate_latest
 
         text = generate_latest(lb.metrics.registry).decode()
@@ -360,4 +360,4 @@ class WiringTests(SynchronousTestCase):
 
     def test_one_process_has_no_gate(self) -> None:
         lb = LoadBalancer(["127.0.0.1:9"], reactor=Clock())
-        self.assertIsNone(lb.pool.gate)
+        self.assertIsNone(lb.pool.slots.gate)

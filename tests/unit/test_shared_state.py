@@ -568,7 +568,7 @@ class MarksTests(SynchronousTestCase):
         self.pool.refresh()
         backend = self.pool.get("h:1")
         assert backend is not None
-        self.assertTrue(backend.draining)
+        self.assertTrue(backend.health.draining)
 
     def test_our_own_echo_is_not_applied_again(self) -> None:
         backend = self.pool.get("h:1")
@@ -594,8 +594,8 @@ class MarksTests(SynchronousTestCase):
         self.pool.mark_down(backend, "outlier: 5 consecutive 5xx")
         self.marks.read([entry("h:1", "other", draining=True)])
         self.pool.refresh()
-        self.assertFalse(backend.healthy)
-        self.assertTrue(backend.draining)
+        self.assertFalse(backend.health.healthy)
+        self.assertTrue(backend.health.draining)
 
     def test_a_refusal_elsewhere_takes_it_out_here(self) -> None:
         self.marks.read([entry("h:2", "other")], whole=True)
@@ -604,7 +604,7 @@ class MarksTests(SynchronousTestCase):
         self.pool.refresh()
         backend = self.pool.get("h:2")
         assert backend is not None
-        self.assertFalse(backend.healthy)
+        self.assertFalse(backend.health.healthy)
 
     def test_a_refusal_elsewhere_is_probed_here_before_it_takes_it_out(self) -> None:
         # replica A alone is refused (its own host's firewall); this replica reaches h:2
@@ -626,7 +626,7 @@ class MarksTests(SynchronousTestCase):
         for healthy in (False, True, False, True, False):  # A's probes, then B's, in turn
             self.marks.read([entry("h:2", "A", healthy=healthy)])
             self.pool.refresh()
-            self.assertTrue(backend.healthy)
+            self.assertTrue(backend.health.healthy)
         self.assertEqual(probed, ["h:2"] * 3)
         self.assertEqual(self.marks.unsent, {})  # nothing of ours to tell the others
         # refused here too: out here, and said so
@@ -635,7 +635,7 @@ class MarksTests(SynchronousTestCase):
         self.pool.refresh()
         self.marks.read([entry("h:2", "A", healthy=False)])
         self.pool.refresh()
-        self.assertFalse(backend.healthy)
+        self.assertFalse(backend.health.healthy)
 
     def test_added_and_removed_elsewhere(self) -> None:
         self.marks.read([entry("h:3", "other")])
@@ -688,7 +688,7 @@ class MarksTests(SynchronousTestCase):
         self.pool.refresh()
         backend = self.pool.get("h:1")
         assert backend is not None
-        self.assertTrue(backend.draining)
+        self.assertTrue(backend.health.draining)
         # ... and what this replica knows goes back to Redis, over the claim
         written = self.marks.unsent["h:1"]
         assert written is not None
@@ -763,7 +763,7 @@ class MarksTests(SynchronousTestCase):
         self.pool.refresh()
         backend = self.pool.get("h:1")
         assert backend is not None
-        self.assertTrue(backend.draining)
+        self.assertTrue(backend.health.draining)
         self.assertEqual(self.marks.status()["ignored"], 2)
 
     def test_removed_entries_never_crowd_out_a_live_one(self) -> None:
@@ -913,7 +913,7 @@ class StoreMarksTests(SynchronousTestCase):
         self.redis = FakeRedis()
         self.store = RedisStore(SPEC, self.clock, self.redis, replica="r1")
         self.pool = Pool((BackendSpec("h", 1),), clock=self.clock, store=self.store)
-        self.store.attach(self.pool.refresh, self.pool.capacity_changed)
+        self.store.attach(self.pool.refresh, self.pool.slots.capacity_changed)
         self.redis.scripts[POLL.sha] = ["2", "5"]
         self.redis.replies["HSCAN"] = ["0", [*entry("h:1", "r2")]]
         self.store.start()
@@ -930,7 +930,7 @@ class StoreMarksTests(SynchronousTestCase):
         self.assertFalse([c for c in self.redis.sent if c[0] == "HSCAN"])
         backend = self.pool.get("h:1")
         assert backend is not None
-        self.assertTrue(backend.draining)
+        self.assertTrue(backend.health.draining)
         self.clock.advance(0.1)  # version 7 read: nothing more to ask
         self.assertEqual(len(self.redis.ran(CHANGES)), 1)
 
@@ -942,7 +942,7 @@ class StoreMarksTests(SynchronousTestCase):
         self.assertEqual(len([c for c in self.redis.sent if c[0] == "HSCAN"]), 1)
         backend = self.pool.get("h:1")
         assert backend is not None
-        self.assertTrue(backend.draining)
+        self.assertTrue(backend.health.draining)
 
     def test_a_version_gone_back_writes_back_what_this_replica_knows(self) -> None:
         backend = self.pool.get("h:1")
@@ -960,7 +960,7 @@ class StoreMarksTests(SynchronousTestCase):
         restored = Entry.decode("h:1", fields["h:1"])
         assert restored is not None
         self.assertTrue(restored.draining)
-        self.assertTrue(backend.draining)
+        self.assertTrue(backend.health.draining)
 
     def test_one_read_at_a_time_in_pages(self) -> None:
         # a slow whole read must not have every poll meanwhile queue another behind it
@@ -989,7 +989,7 @@ class StoreMarksTests(SynchronousTestCase):
         self.clock.advance(0.1)
         backend = self.pool.get("h:1")
         assert backend is not None
-        self.assertTrue(backend.draining)
+        self.assertTrue(backend.health.draining)
         self.assertEqual(self.store.counts.total("h:1"), 0)
         self.assertTrue(self.store.link.connected)
 

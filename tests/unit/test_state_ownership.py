@@ -1,7 +1,8 @@
 """
 "No module writes another's state", checked so that it stays true.
 
-Backend, Lease and Pool state changes only through their methods: their fields are private
+Backend, Lease and Pool state changes only through their methods, and so does the state of a
+backend's parts (``backend.health``, ``backend.counts``...): their fields are private
 (``_active``...) behind read-only properties, which mypy enforces for public names.  This test
 walks every module of ``txlb/`` and fails on what mypy cannot see:
 
@@ -9,11 +10,12 @@ walks every module of ``txlb/`` and fails on what mypy cannot see:
   other than ``self``/``cls`` (``backend._active -= 1``), or of an item of one
   (``backend._responses[200] += 1``: the container is that object's state too), whether
   written as an assignment, a ``for``/``with`` target or a ``setattr`` (``object.__setattr__``);
-* outside ``txlb/_cluster``, an assignment to a backend's or lease's state by its public name
-  on an expression that names a backend or a lease (``self.backend.active -= 1``), in case a
-  setter is ever added back;
+* outside ``txlb/_cluster``, an assignment to a backend's, a part's or a lease's state by its
+  public name on an expression that names a backend or a lease anywhere along it
+  (``self.backend.counts.active -= 1``, ``backend.health = ...``), in case a setter is ever
+  added back;
 
-and checks that Backend and Lease declare no new public mutable field.
+and checks that Backend, its parts and Lease declare no new public mutable field.
 """
 
 from __future__ import annotations
@@ -25,7 +27,15 @@ from pathlib import Path
 import attrs
 from twisted.trial.unittest import SynchronousTestCase
 
-from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.backend import Backend
+from txlb._cluster.backend_counts import Counts
+from txlb._cluster.backend_engine import EngineReading
+from txlb._cluster.backend_health import Health
+from txlb._cluster.backend_models import ModelListing
+from txlb._cluster.backend_pace import Pace
+from txlb._cluster.backend_verdicts import Verdicts
+from txlb._cluster.slots import Lease
+from txlb._cluster.slow_start import SlowStart
 
 TXLB = Path(__file__).resolve().parents[2] / "txlb"
 
@@ -37,27 +47,49 @@ ALLOWED: dict[tuple[str, str], str] = {
         "conn is self, typed Any to reach tcp.Connection's attributes",
 }
 
-#: Public fields Backend and Lease may keep: those set at construction and changed, if at
-#: all, only by their own methods for a reload (``respecified``, ``ramps_over``); a
+#: A backend's parts, by the Backend field that holds each (set once, at construction).
+PARTS = {"health": Health, "verdicts": Verdicts, "counts": Counts, "pace": Pace,
+         "engine": EngineReading, "listing": ModelListing, "slow_start": SlowStart}
+
+#: Public fields Backend, its parts and Lease may keep: those set at construction and
+#: changed, if at all, only by their own methods for a reload (``respecified``); a
 #: policy's own state lives in the policy, keyed by backend.
-PUBLIC_FIELDS = {
-    Backend: {"spec", "clock", "slow_start"},
+PUBLIC_FIELDS: dict[type, set[str]] = {
+    Backend: {"spec", *PARTS},
     Lease: {"backend"},
+    SlowStart: {"clock"},
+    **{part: set() for part in PARTS.values() if part is not SlowStart},
 }
 
 
 def _state_names() -> frozenset[str]:
-    """What a backend or a lease exposes read-only: every property of theirs."""
+    """
+    What a backend, a part or a lease exposes read-only: every property of theirs, and
+    the Backend fields that hold the parts.
+    """
     return frozenset(
-        name for cls in (Backend, Lease) for name, value in vars(cls).items()
+        name for cls in PUBLIC_FIELDS for name, value in vars(cls).items()
         if isinstance(value, property)
-    )
+    ) | frozenset(PARTS)
 
 
 def _names_cluster_object(node: ast.expr) -> bool:
-    """Whether ``node`` reads like a backend or a lease (``backend``, ``self.lease.backend``)."""
-    last = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
-    return "backend" in last.lower() or "lease" in last.lower()
+    """
+    Whether ``node`` reads like a backend, a lease or a part of one: a name along it says
+    backend or lease (``backend``, ``self.lease.backend``, ``self.backend(key).health``).
+    """
+    names = []
+    spine: ast.expr | None = node
+    while spine is not None:  # down the chain it is read from, not into its arguments
+        if isinstance(spine, ast.Attribute):
+            names.append(spine.attr)
+            spine = spine.value
+        elif isinstance(spine, (ast.Call, ast.Subscript)):
+            spine = spine.func if isinstance(spine, ast.Call) else spine.value
+        else:
+            names.append(getattr(spine, "id", ""))
+            spine = None
+    return any("backend" in name.lower() or "lease" in name.lower() for name in names)
 
 
 def _setattr_call(node: ast.Call) -> bool:
@@ -168,8 +200,11 @@ class StateOwnershipTests(SynchronousTestCase):
             self.assertEqual(len(violations("_admin/app.py", line + "\n")), 1, line)
 
     def test_a_public_state_write_outside_the_cluster_is_caught(self) -> None:
-        for line in ("self.backend.active -= 1", "lease.waited = 2.0",
-                     "self.lease.backend.last_byte = now", "backend.healthy = False"):
+        for line in ("self.backend.counts.active -= 1", "lease.waited = 2.0",
+                     "self.lease.backend.pace.last_byte = now", "backend.health.healthy = False",
+                     # a part replaced whole, or reached through a call
+                     "backend.health = Health()", "self.backend(key).engine.depth = 3.0",
+                     "self.backends[0].counts.requests += 1"):
             [found] = violations("_proxy/exchange.py", line + "\n")
             self.assertIn("use the Pool's, Backend's or Lease's method", found)
 
@@ -177,10 +212,12 @@ class StateOwnershipTests(SynchronousTestCase):
         source = ("self._active = 1\ncls._count += 1\nrecord.backend = key\n"
                   "stats.requests += 1\nself.backend = backend\nself._counts[key] += 1\n"
                   "del self._waiting[0]\nobject.__setattr__(self, '_frozen', 1)\n"
-                  "record.fields['x'] = 1\nbackends[key] = backend\n")
+                  "record.fields['x'] = 1\nbackends[key] = backend\n"
+                  # a backend named in an index or an argument is not what is written
+                  "tallies[backend.key].requests += 1\nrows(backend).active = 0\n")
         self.assertEqual(violations("_proxy/resource.py", source), [])
 
-    def test_backend_and_lease_state_is_private(self) -> None:
+    def test_backend_part_and_lease_state_is_private(self) -> None:
         """A new field is private, with a read-only property, unless it is listed here."""
         for cls, allowed in PUBLIC_FIELDS.items():
             public = {field.name for field in attrs.fields(cls)
@@ -188,7 +225,21 @@ class StateOwnershipTests(SynchronousTestCase):
             self.assertEqual(public - allowed, set(), cls.__name__)
 
     def test_state_is_read_only_from_outside(self) -> None:
-        backend = Backend.__new__(Backend)
-        for name in ("active", "healthy", "draining", "last_byte", "engine_depth"):
+        from txlb._config import BackendSpec
+
+        backend = Backend(BackendSpec("127.0.0.1", 8002))
+        for part, name in (("counts", "active"), ("health", "healthy"), ("health", "draining"),
+                           ("pace", "last_byte"), ("engine", "depth"),
+                           ("verdicts", "errors_in_a_row"), ("listing", "names"),
+                           ("slow_start", "up_since")):
             with self.assertRaises(AttributeError):
-                setattr(backend, name, 1)
+                setattr(getattr(backend, part), name, 1)
+
+    def test_a_backend_keeps_its_parts(self) -> None:
+        """A part is changed by its methods, never swapped for another (it is set once)."""
+        from txlb._config import BackendSpec
+
+        backend = Backend(BackendSpec("127.0.0.1", 8002))
+        for name, part in PARTS.items():
+            with self.assertRaises(AttributeError):
+                setattr(backend, name, part())

@@ -195,7 +195,7 @@ class LocalStoreTests(SynchronousTestCase):
         pool.mark_down(a, "test")
         del changes[:]
         pool.refresh()
-        self.assertEqual((a.draining, a.healthy, changes), (True, False, []))
+        self.assertEqual((a.health.draining, a.health.healthy, changes), (True, False, []))
         self.assertEqual(OwnMarks().members(), ())
 
 
@@ -219,33 +219,33 @@ class SharedStoreTests(SynchronousTestCase):
 
     def test_a_drain_reaches_the_other_balancer(self) -> None:
         self.one.drain(self.backend(self.one, A))
-        self.assertFalse(self.backend(self.two, A).draining)
+        self.assertFalse(self.backend(self.two, A).health.draining)
         changes: list[None] = []
         self.two.on_change.append(lambda: changes.append(None))
         self.two.refresh()
-        self.assertTrue(self.backend(self.two, A).draining)
+        self.assertTrue(self.backend(self.two, A).health.draining)
         self.assertEqual(len(changes), 1)  # waiting requests look again
         self.one.undrain(self.backend(self.one, A))
         self.two.refresh()
-        self.assertFalse(self.backend(self.two, A).draining)
+        self.assertFalse(self.backend(self.two, A).health.draining)
 
     def test_a_health_verdict_reaches_the_other_balancer(self) -> None:
         self.one.mark_down(self.backend(self.one, A), "refused")
         self.two.refresh()
         other = self.backend(self.two, A)
-        self.assertFalse(other.healthy)
+        self.assertFalse(other.health.healthy)
         self.clock.advance(5)
         self.one.mark_up(self.backend(self.one, A))
         self.two.refresh()
-        self.assertTrue(other.healthy)
-        self.assertEqual(other.up_since, 5)  # its slow start counts from the news
+        self.assertTrue(other.health.healthy)
+        self.assertEqual(other.slow_start.up_since, 5)  # its slow start counts from the news
 
     def test_a_removal_reaches_the_other_balancer_and_waits_for_its_requests(self) -> None:
-        lease = self.two.acquire(self.backend(self.two, A))
+        lease = self.two.slots.acquire(self.backend(self.two, A))
         self.one.remove(self.backend(self.one, A))
         self.assertIsNone(self.one.get(A))  # idle here: gone at once
         self.two.refresh()
-        self.assertTrue(self.backend(self.two, A).removing)  # still busy there
+        self.assertTrue(self.backend(self.two, A).health.removing)  # still busy there
         lease.release()
         self.assertIsNone(self.two.get(A))
 
@@ -256,9 +256,9 @@ class SharedStoreTests(SynchronousTestCase):
         self.one.mark_down(added, "refused")
         self.two.refresh()
         other = self.backend(self.two, spec.key)
-        self.assertEqual((other.spec, other.healthy), (spec, False))
+        self.assertEqual((other.spec, other.health.healthy), (spec, False))
         self.assertEqual([b.key for b in self.two], [A, B, spec.key, "127.0.0.1:8005"])
-        self.assertTrue(self.backend(self.two, "127.0.0.1:8005").healthy)
+        self.assertTrue(self.backend(self.two, "127.0.0.1:8005").health.healthy)
 
     def test_a_healthy_newcomer_wakes_waiting_requests(self) -> None:
         self.one.add(BackendSpec("127.0.0.1", 8005))
@@ -275,13 +275,13 @@ class SharedStoreTests(SynchronousTestCase):
         self.assertIsNone(self.two.get(A))
         self.one.add(SPECS[0])  # an operator adds it again
         self.two.refresh()
-        self.assertTrue(self.backend(self.two, A).healthy)
+        self.assertTrue(self.backend(self.two, A).health.healthy)
 
     def test_counts_are_shared_so_max_conns_holds_across_balancers(self) -> None:
-        self.one.acquire(self.backend(self.one, B))  # B takes one request at most
+        self.one.slots.acquire(self.backend(self.one, B))  # B takes one request at most
         self.two.refresh()
-        self.assertEqual(self.backend(self.two, B).active, 1)
-        self.assertEqual(self.backend(self.two, B).requests, 1)
+        self.assertEqual(self.backend(self.two, B).counts.active, 1)
+        self.assertEqual(self.backend(self.two, B).counts.requests, 1)
         router = Router(self.two, LeastConnections(), self.clock)
         waiting = router.acquire(exclude=frozenset({A}))
         self.assertNoResult(waiting)  # B is full with the other balancer's request

@@ -68,9 +68,9 @@ class InjectedClockTests(SynchronousTestCase):
         pool.mark_down(backend, "test")
         clock.advance(100)
         pool.mark_up(backend)
-        self.assertEqual(backend.up_since, 100)
+        self.assertEqual(backend.slow_start.up_since, 100)
         clock.advance(5)
-        self.assertEqual(backend.ramp, 0.5)
+        self.assertEqual(backend.slow_start.ramp, 0.5)
 
     def test_a_pool_without_a_clock_stands_at_zero(self) -> None:
         pool = Pool((BackendSpec("127.0.0.1", 8002),))

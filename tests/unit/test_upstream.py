@@ -675,7 +675,7 @@ class PassThroughTests(unittest.TestCase):
         client.disconnect()
         self.assertTrue(backend_transport.disconnected)
         self.assertEqual(self.records[-1].outcome, "client_abort")
-        self.assertEqual(self.lb.pool.in_flight, 0)
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
 
     def test_backend_failing_mid_stream_truncates_the_client(self) -> None:
         client = ClientConnection(self.site)
@@ -745,8 +745,8 @@ class HeldThenResetTests(unittest.TestCase):
         # probed at once (the table's "probed at once"), and still in rotation
         self.assertEqual([c.uri for c in self.probes.calls][-1:],
                          [b"http://127.0.0.1:8002/health"])
-        self.assertTrue(all(b.healthy for b in self.lb.pool))
-        self.assertEqual(self.lb.pool.in_flight, 0)
+        self.assertTrue(all(b.health.healthy for b in self.lb.pool))
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
 
     def test_closed_at_once_is_sent_again_and_answered(self) -> None:
         """The idle-close race: the client never sees it."""

@@ -154,12 +154,13 @@ class SharedPoolTests(SynchronousTestCase):
             leases.append(self.successResultOf(pools.routers[turn % 2].acquire()))
         self.assertEqual(sorted(leases[i].backend.key for i in range(8)), sorted(KEYS * 2))
         pools.supervisor.refresh()
-        self.assertEqual([b.active for b in pools.supervisor], [2, 2, 2, 2])
-        self.assertEqual([b.requests for b in pools.supervisor], [2, 2, 2, 2])
+        self.assertEqual([b.counts.active for b in pools.supervisor], [2, 2, 2, 2])
+        self.assertEqual([b.counts.requests for b in pools.supervisor], [2, 2, 2, 2])
         status = pools.workers[1].status()
         self.assertEqual([b["active"] for b in status["backends"]], [2, 2, 2, 2])  # type: ignore[index]
         # each worker waits only for its own requests when it stops
-        self.assertEqual((pools.workers[0].in_flight, pools.workers[1].in_flight), (4, 4))
+        self.assertEqual(
+            (pools.workers[0].slots.in_flight, pools.workers[1].slots.in_flight), (4, 4))
         for lease in leases[:4]:
             lease.release()
         self.assertEqual(pools.table.supervisor.row_status(0)["in_flight"], 2)
@@ -172,7 +173,7 @@ class SharedPoolTests(SynchronousTestCase):
         self.assertEqual(pools.table.supervisor.waiters(1), 1)
         first.release()
         self.assertNoResult(waiting)  # worker 1 cannot know yet ...
-        pools.workers[1].capacity_changed()  # ... until the supervisor kicks it
+        pools.workers[1].slots.capacity_changed()  # ... until the supervisor kicks it
         lease = self.successResultOf(waiting)
         self.assertEqual(lease.backend.key, KEYS[0])
         self.assertEqual(pools.table.supervisor.waiters(1), 0)
@@ -189,8 +190,8 @@ class SharedPoolTests(SynchronousTestCase):
         worker = pools.workers[0]
         self.assertEqual([b.key for b in worker], [*KEYS[:3], "10.0.0.9:8000"])
         mirrored = {b.key: b for b in worker}
-        self.assertFalse(mirrored[KEYS[0]].healthy)
-        self.assertTrue(mirrored[KEYS[1]].draining)
+        self.assertFalse(mirrored[KEYS[0]].health.healthy)
+        self.assertTrue(mirrored[KEYS[1]].health.draining)
         self.assertEqual(mirrored[KEYS[2]].models, ("llama",))
         lease = self.successResultOf(pools.routers[0].acquire(RoutingRequest(model="llama")))
         self.assertEqual(lease.backend.key, KEYS[2])
@@ -198,7 +199,7 @@ class SharedPoolTests(SynchronousTestCase):
         sup.remove(sup.get(KEYS[2]))  # type: ignore[arg-type]
         self.assertIsNotNone(sup.get(KEYS[2]))  # in flight in a worker: not forgotten yet
         pools.sync()
-        self.assertTrue(worker.get(KEYS[2]).removing)  # type: ignore[union-attr]
+        self.assertTrue(worker.get(KEYS[2]).health.removing)  # type: ignore[union-attr]
         lease.release()
         self.assertIsNone(worker.get(KEYS[2]))
         sup.refresh()  # the supervisor looks again when a worker reports a finished request
@@ -214,17 +215,17 @@ class SharedPoolTests(SynchronousTestCase):
         pools = SharedPools(self, specs(KEYS[0]))
         lease = self.successResultOf(pools.routers[0].acquire())
         worker_backend = lease.backend
-        self.assertEqual(worker_backend.started_since_scrape, 1)
+        self.assertEqual(worker_backend.counts.started_since_scrape, 1)
         backend = pools.supervisor.get(KEYS[0])
         assert backend is not None
         pools.supervisor.set_engine_depth(backend, 3, 1)
         pools.sync()
-        self.assertEqual((worker_backend.engine_depth, worker_backend.started_since_scrape),
+        self.assertEqual((worker_backend.engine.depth, worker_backend.counts.started_since_scrape),
                          (4, 0))
         pools.sync()  # the same scrape again: nothing restarts
         lease.release()
         pools.sync()
-        self.assertEqual(worker_backend.finished_since_scrape, 1)
+        self.assertEqual(worker_backend.counts.finished_since_scrape, 1)
 
     def test_passive_down_is_reported_once(self) -> None:
         pools = SharedPools(self, specs(*KEYS[:2]))
@@ -262,12 +263,12 @@ class SinglePoolTests(SynchronousTestCase):
     def test_without_shared_counts_nothing_changes(self) -> None:
         pool = Pool(specs(*KEYS[:2]))
         self.assertIsNone(pool.shared)
-        lease = pool.exclusive(pool.acquire, pool.get(KEYS[0]))
-        self.assertEqual((lease.backend.active, pool.in_flight), (1, 1))
+        lease = pool.slots.exclusive(pool.slots.acquire, pool.get(KEYS[0]))
+        self.assertEqual((lease.backend.counts.active, pool.slots.in_flight), (1, 1))
         pool.refresh()  # a no-op: the attribute is the count
-        self.assertEqual(lease.backend.active, 1)
+        self.assertEqual(lease.backend.counts.active, 1)
         lease.release()
-        self.assertEqual(pool.in_flight, 0)
+        self.assertEqual(pool.slots.in_flight, 0)
 
 
 class WireTests(SynchronousTestCase):

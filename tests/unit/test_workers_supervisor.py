@@ -104,7 +104,7 @@ class CrossWorkerQueueTests(SynchronousTestCase):
         held = self.successResultOf(pools.routers[0].acquire())
         shared = pools.table.supervisor
         kicks = []
-        real = pools.workers[1].exclusive
+        real = pools.workers[1].slots.exclusive
 
         def exclusive(choose: Any, *args: Any) -> Any:
             result = real(choose, *args)
@@ -114,11 +114,11 @@ class CrossWorkerQueueTests(SynchronousTestCase):
                     kicks.append(1)
             return result
 
-        self.patch(pools.workers[1], "exclusive", exclusive)
+        self.patch(pools.workers[1].slots, "exclusive", exclusive)
         waiting = pools.routers[1].acquire()
-        self.patch(pools.workers[1], "exclusive", real)
+        self.patch(pools.workers[1].slots, "exclusive", real)
         if kicks:
-            pools.routers[1].pool.capacity_changed()  # the kick arrives
+            pools.routers[1].pool.slots.capacity_changed()  # the kick arrives
         lease = self.successResultOf(waiting)
         self.assertEqual(lease.backend.key, KEYS[0])
         self.assertEqual(shared.waiters(1), 0)
@@ -207,16 +207,16 @@ class SupervisorTests(SynchronousTestCase):
         garbage, failing, hung, _ = list(sup.balancer.pool)
         for _ in range(10):  # 5xx to bodies that are not JSON: the worker sends None
             sup.received(worker, [Answer(garbage.key, 500, None)])
-        self.assertTrue(garbage.healthy)
-        self.assertEqual(garbage.errors_in_a_row, 0)
+        self.assertTrue(garbage.health.healthy)
+        self.assertEqual(garbage.verdicts.errors_in_a_row, 0)
         sup.received(worker, [Answer(failing.key, 500, "ip:10.0.0.1")] * 5)
-        self.assertTrue(failing.healthy)  # one client alone
+        self.assertTrue(failing.health.healthy)  # one client alone
         sup.received(worker, [Answer(failing.key, 500, "ip:10.0.0.2")])
-        self.assertFalse(failing.healthy)
-        self.assertEqual(failing.outlier_ejections, 1)
+        self.assertFalse(failing.health.healthy)
+        self.assertEqual(failing.verdicts.outlier_ejections, 1)
         sup.received(worker, [Down(hung.key, "hung: no byte from any of 2 requests")])
-        self.assertFalse(hung.healthy)
-        self.assertEqual(hung.hung_ejections, 1)
+        self.assertFalse(hung.health.healthy)
+        self.assertEqual(hung.verdicts.hung_ejections, 1)
 
     def test_the_queue_length_is_every_workers(self) -> None:
         """

@@ -301,9 +301,9 @@ def _dashboard_status(state: dict[str, object], backend: Backend, now: float
     long an outlier ejection still lasts, and how far a slow start has ramped (1 = full
     weight).
     """
-    until = backend.ejected_until
+    until = backend.health.ejected_until
     state["ejected_for_s"] = round(until - now, 1) if until is not None and until > now else 0
-    state["slow_start_ramp"] = round(backend.ramp, 3)
+    state["slow_start_ramp"] = round(backend.slow_start.ramp, 3)
     return state
 
 
@@ -434,9 +434,9 @@ class Admin:
         summary["backends"] = [
             _dashboard_status(self._backend_status(backend), backend, now)
             for backend in backends]
-        summary["in_flight"] = sum(b.active for b in backends)
-        summary["requests"] = sum(b.requests for b in backends)
-        summary["draining"] = sum(1 for b in backends if b.draining)
+        summary["in_flight"] = sum(b.counts.active for b in backends)
+        summary["requests"] = sum(b.counts.requests for b in backends)
+        summary["draining"] = sum(1 for b in backends if b.health.draining)
         summary["uptime_s"] = round(self._clock.seconds() - self._started, 3)
         if self._config_status is not None:
             summary["config"] = self._config_status()

@@ -159,8 +159,8 @@ class History:
             tally = self._tallies.get(backend.key) or _Tally()
             mean = tally.ttfb_sum / tally.ttfb_count if tally.ttfb_count else None
             rows.append((backend.key, (
-                backend.active, tally.requests, _rounded(mean),
-                tally.server_errors, tally.errors, backend.engine_depth)))
+                backend.counts.active, tally.requests, _rounded(mean),
+                tally.server_errors, tally.errors, backend.engine.depth)))
         known = {backend.key for backend in backends}
         for key in [key for key in self._tallies if key not in known]:
             del self._tallies[key]
@@ -169,7 +169,7 @@ class History:
         sample = Sample(
             time=now, elapsed=elapsed, requests=self._requests,
             ttfb_p50=self._percentile(0.5), ttfb_p99=self._percentile(0.99),
-            in_flight=sum(backend.active for backend in backends), queued=self.queued(),
+            in_flight=sum(backend.counts.active for backend in backends), queued=self.queued(),
             server_errors=self._server_errors, errors=self._errors, backends=tuple(rows))
         self.samples.append(sample)
         self._buckets = [0] * len(self._buckets)

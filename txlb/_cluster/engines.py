@@ -15,8 +15,8 @@ from collections.abc import Iterable
 
 import attrs
 
-#: what :attr:`Backend.engine <txlb._cluster.backend.Backend.engine>` says of a backend whose
-#: ``/metrics`` holds no engine txlb knows (or that has none)
+#: what :attr:`EngineReading.name <txlb._cluster.backend_engine.EngineReading.name>` says of
+#: a backend whose ``/metrics`` holds no engine txlb knows (or that has none)
 UNKNOWN = "unknown"
 
 

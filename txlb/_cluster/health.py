@@ -243,7 +243,7 @@ class HealthChecker(Service):
             self.pool.probe_failed(backend, f"health: HTTP {code}", definitive=True,
                                    fall=self.fall)
             return None
-        was_down = not backend.healthy
+        was_down = not backend.health.healthy
         self.pool.probe_succeeded(backend, self.rise)
         # As its models are learned -- at first sight, and again whenever it comes back up
         # (it may have been restarted with another model, or another engine) -- learn
@@ -251,10 +251,10 @@ class HealthChecker(Service):
         # models are configured is looked at only when its queue is wanted: otherwise it
         # gets nothing from txlb but probes and traffic.  Both fetches at once: the next
         # probe waits for this one.
-        learning = not backend.spec.models and (backend.learned_models is None or was_down)
+        learning = not backend.spec.models and (backend.listing.names is None or was_down)
         # an engine not recognised yet (its /metrics failed) is looked for again
-        first_sight = (learning or (not backend.spec.models and backend.engine is None)
-                       or (self.scrape_engine_queue and (backend.engine is None or was_down)))
+        first_sight = (learning or (not backend.spec.models and backend.engine.name is None)
+                       or (self.scrape_engine_queue and (backend.engine.name is None or was_down)))
         extras = []
         if first_sight:
             extras.append(self._scrape_engine(backend, recognise=True))
@@ -304,7 +304,7 @@ class HealthChecker(Service):
         backend exporting no queue txlb knows is warned about once, not silently counted
         by local in-flight requests only.
         """
-        engine = _engines.BY_NAME.get(backend.engine or "")
+        engine = _engines.BY_NAME.get(backend.engine.name or "")
         if not recognise and engine is None:
             return defer.succeed(None)  # nothing to read there: local counts only
 
@@ -345,7 +345,7 @@ class HealthChecker(Service):
         def failed(failure: Failure) -> None:
             if self.scrape_engine_queue:
                 self.pool.forget_engine_depth(backend)
-                if backend.engine is None:
+                if backend.engine.name is None:
                     # never read at all: as silent a fallback as a /metrics without a queue
                     self._warn_no_queue(backend, "reading it failed: "
                                         + (failure.getErrorMessage() or "no answer"))
@@ -373,7 +373,7 @@ class HealthChecker(Service):
             reason = f"health: no answer within {self.timeout:g}s"
         else:
             reason = f"health: {describe_failure(failure)}"
-        if timeout and backend.last_byte is not None and backend.last_byte >= started:
+        if timeout and backend.pace.last_byte is not None and backend.pace.last_byte >= started:
             # Its streams flowed while /health said nothing: busy, not dead (SGLang's
             # /health times out during a long prefill).  Not a failure towards --fall.
             log.info("backend {backend}: {reason}, but its responses flow; not counted",

@@ -213,7 +213,7 @@ class HangDetector(Service):
     def _quiet_since(self, backend: Backend) -> float | None:
         """Since when silence counts: the backend's last byte, or the last time a probe
         cleared it, whichever is later."""
-        last, cleared = backend.last_byte, self._cleared.get(backend)
+        last, cleared = backend.pace.last_byte, self._cleared.get(backend)
         if last is None or cleared is None:
             return cleared if last is None else last
         return max(last, cleared)
@@ -226,10 +226,10 @@ class HangDetector(Service):
         any here, ``factor`` times the fastest other healthy backend's.  ``None`` with no
         pace to judge by (nothing answered yet, or no other backend).
         """
-        pace = backend.head_wait
+        pace = backend.pace.head_wait
         if pace is None:
-            paces = [other.head_wait for other in self.pool if other is not backend
-                     and other.healthy and other.head_wait is not None]
+            paces = [other.pace.head_wait for other in self.pool if other is not backend
+                     and other.health.healthy and other.pace.head_wait is not None]
             if not paces:
                 return None
             pace = min(paces)
@@ -269,9 +269,9 @@ class HangDetector(Service):
         """
         waited = run.waited / run.requests
         for other in self.pool:
-            if other is backend or not other.healthy:
+            if other is backend or not other.health.healthy:
                 continue
-            head, pace = other.last_head, other.head_wait
+            head, pace = other.pace.last_head, other.pace.head_wait
             if head is not None and pace is not None and head >= run.start \
                     and pace * self.factor <= waited:
                 return True
@@ -330,7 +330,7 @@ class HangDetector(Service):
     def threshold(self, backend: Backend) -> float:
         """The silence after which ``backend`` is suspect: ``stall``, or longer for a
         backend whose first bytes always take long."""
-        return max(self.stall, self.factor * (backend.ewma_ttft or 0.0))
+        return max(self.stall, self.factor * (backend.pace.ewma_ttft or 0.0))
 
     def _check_safely(self) -> None:
         """A LoopingCall stops for good on an exception: none may escape a look."""
@@ -357,13 +357,13 @@ class HangDetector(Service):
             self._unanswered = {b: r for b, r in self._unanswered.items() if b in current}
         quiet = self.quiet_for()
         suspects = [b for b, (silent, _) in quiet.items()
-                    if silent >= self.threshold(b) and b.healthy]
+                    if silent >= self.threshold(b) and b.health.healthy]
         if not suspects:
             return
         for backend in suspects:
             if backend in self._probing:
                 continue
-            if not any(other.healthy and other not in suspects
+            if not any(other.health.healthy and other not in suspects
                        and quiet.get(other, (0.0, 0))[0] < self.threshold(other)
                        for other in self.pool if other is not backend):
                 continue  # every backend is silent at once: not this one's fault
@@ -372,7 +372,7 @@ class HangDetector(Service):
     # -- the confirming probe ---------------------------------------------------------------
 
     def _confirm(self, backend: Backend, silent: float, requests: int) -> None:
-        last_byte = backend.last_byte
+        last_byte = backend.pace.last_byte
         try:
             probe = self.probe(backend)
         except Exception:
@@ -420,10 +420,10 @@ class HangDetector(Service):
                 judge(f"/health failed: {failure.getErrorMessage()}")
 
         def judge(probe_result: str) -> None:
-            if backend.last_byte != last_byte:
+            if backend.pace.last_byte != last_byte:
                 self._cleared[backend] = self.clock.seconds()
                 return  # it sent something while we probed: alive
-            if self.pool.get(backend.key) is not backend or not backend.healthy:
+            if self.pool.get(backend.key) is not backend or not backend.health.healthy:
                 return
             waited = silent + self.clock.seconds() - started
             # should it stay in (half the fleet out), suspect it again only after

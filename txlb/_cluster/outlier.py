@@ -42,7 +42,7 @@ def fleet_can_spare(backends: Iterable[Backend]) -> bool:
     fleet, since a fault shared by so many is more likely txlb's or the network's.
     """
     fleet = list(backends)
-    down = sum(1 for b in fleet if not b.healthy)
+    down = sum(1 for b in fleet if not b.health.healthy)
     return (down + 1) * 2 <= len(fleet)
 
 
@@ -57,19 +57,19 @@ def judge_answer(rule: OutlierRule, backend: Backend, status: int, client: str |
     ejects only once it spans two clients at least, so one client sending requests an
     engine chokes on cannot take a healthy backend out.
     """
-    count = backend.answered(status, client)
+    count = backend.verdicts.answered(status, client)
     if status < 500 or client is None:
         return None
     if not rule.consecutive_5xx or count < rule.consecutive_5xx:
         return None
-    if len(backend.streak_clients) < 2 or not backend.healthy:
+    if len(backend.verdicts.streak_clients) < 2 or not backend.health.healthy:
         return None
     if not fleet_can_spare(fleet):
         if count == rule.consecutive_5xx:  # once per run of 5xx
             log.warn("backend {backend} answered {count} 5xx in a row but stays in: "
                      "half the fleet is already out", backend=backend.key, count=count)
         return None
-    cooldown = rule.base_cooldown * min(backend.outlier_ejections + 1, MAX_COOLDOWN_FACTOR)
+    cooldown = rule.base_cooldown * min(backend.verdicts.outlier_ejections + 1, MAX_COOLDOWN_FACTOR)
     backend.ejected(now + cooldown)
     return (f"outlier: {count} 5xx answers in a row from "
             f"2 clients or more; ejected for {cooldown:g}s")

@@ -1,59 +1,38 @@
 """
 The :class:`Pool`: the ordered set of backends, and the one door to their state.
 
-Everything that changes a backend -- the proxy taking and releasing in-flight slots, the
-prober marking it up or down, an operator draining, adding or removing it -- goes through
-the Pool's methods, so the rules (a slot is released exactly once, a drained backend stays
-drained whatever its health, a removed backend leaves only once idle) live in one place,
-and every change reaches the listeners (the router's queue, the worker processes) that
-must hear of it.  What one backend is lives in :mod:`txlb._cluster.backend`; when its own
-answers eject it, in :mod:`txlb._cluster.outlier`.
+Everything that changes a backend -- the prober marking it up or down, an operator
+draining, adding or removing it, the proxy's answers -- goes through the Pool's methods, so
+the rules (a drained backend stays drained whatever its health, a removed backend leaves
+only once idle) live in one place, and every change reaches the listeners (the router's
+queue, the worker processes) that must hear of it.  The in-flight slots the proxy takes and
+gives back are the pool's :attr:`Pool.slots` (:mod:`txlb._cluster.slots`); what one backend
+is lives in :mod:`txlb._cluster.backend`; when its own answers eject it, in
+:mod:`txlb._cluster.outlier`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 import attrs
-from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import Clock
 from twisted.logger import Logger
 
-from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.backend import Backend
 from txlb._cluster.local_store import LocalStore
 from txlb._cluster.models import MAX_MODEL_NAME, MAX_MODEL_NAMES, learn
 from txlb._cluster.outlier import OutlierRule, fleet_can_spare, judge_answer
+from txlb._cluster.slots import Slots
+from txlb._cluster.slow_start import SlowStart
 from txlb._cluster.store import IBackendStore, IInFlightCounts
 from txlb._config.backends import BackendSpec
 from txlb._config.config import Config
 from txlb._records.escape import escape
 
 log = Logger()
-
-_T = TypeVar("_T")
-
-
-class SlotGate(Protocol):
-    """
-    Confirms a slot the pool gave before the request goes out: ``--shared-state``'s exact
-    ``max_conns`` over every replica (:class:`txlb._shared.slots.SharedSlots`).  Without
-    one (a single process, ``--workers``) a slot is the pool's to give and nothing waits.
-    """
-
-    def needs(self, backend: Backend) -> bool:
-        """Whether a slot on ``backend`` must be confirmed (it has ``max_conns``, link up)."""
-
-    def confirm(self, backend: Backend) -> Deferred[bool]:
-        """
-        Whether the slot just taken on ``backend`` is within its ``max_conns`` over the
-        fleet; never fails (an unanswered confirmation admits on the local view).
-        """
-
-    def released(self, backend: Backend) -> None:
-        """A slot on ``backend`` was given back: tell the other replicas' queues."""
-
 
 class Pool:
     """The ordered set of backends, keyed by ``host:port``."""
@@ -73,12 +52,12 @@ class Pool:
         self.store: IBackendStore = store if store is not None else LocalStore(counts=shared)
         #: the counts shared with other worker processes, if any (``--workers``)
         self.shared: IInFlightCounts | None = self.store.counts
-        #: what confirms a slot on a backend with ``max_conns`` before it is used (set by
-        #: the balancer with ``--shared-state``); None: the pool's slot is final
-        self.gate: SlotGate | None = None
         self.outliers = outliers or OutlierRule()
         self._backends: dict[str, Backend] = {}
-        self._idle_waiters: list[Deferred[None]] = []
+        #: the in-flight slots on these backends (the router takes them, leases give them
+        #: back); a slot given back may let a removed backend go, and wakes waiting requests
+        self.slots = Slots(lambda: self._backends.values(), self.shared,
+                           self._forget_if_idle, self._changed)
         #: Called whenever backends change in a way that matters to waiting requests: a
         #: slot released, a backend up or down, drained, undrained, added or removed (the
         #: router's queue listens here instead of polling).
@@ -94,7 +73,7 @@ class Pool:
         #: asked when the shared store removes a backend and the removal is not marked as
         #: an operator's: ``True`` keeps it here and says so in the store (this replica's
         #: own DNS still yields it; another replica's DNS letting it go is no reason)
-        self.keeps: Callable[[Backend], bool] = lambda backend: False
+        self._keeps: Callable[[Backend], bool] = lambda backend: False
         #: Called with a backend another balancer found refusing connections: probe it now
         #: (its own probe refused too takes it out here).  With no listener, the shared
         #: refusal takes it out at once.
@@ -106,14 +85,6 @@ class Pool:
             self.add(spec, origin="config")
         # the configured fleet is in; any later save (a drain, a reload) is a change
         self.store.marks.configured()
-
-    def use_gate(self, gate: SlotGate | None) -> None:
-        """Confirm each slot on a backend with ``max_conns`` through ``gate`` from now on."""
-        self.gate = gate
-
-    def keep_when(self, keeps: Callable[[Backend], bool]) -> None:
-        """Ask ``keeps`` whether a backend the shared store removed stays here (see ``keeps``)."""
-        self.keeps = keeps
 
     def __iter__(self) -> Iterator[Backend]:
         return iter(list(self._backends.values()))
@@ -140,13 +111,23 @@ class Pool:
         if self.shared is not None:
             self.shared.register(spec.key)  # raises ValueError when no slot is left
         up_since = self._now() if ramp and self.slow_start else None
-        backend = self._backends[spec.key] = Backend(spec, clock=self.clock,
-                                                     slow_start=self.slow_start,
-                                                     up_since=up_since)
+        backend = self._backends[spec.key] = self._new(spec, up_since)
         self._origins[spec.key] = origin
         self._marked(backend)
         self._changed()
         return backend
+
+    def _new(self, spec: BackendSpec, up_since: float | None = None) -> Backend:
+        """A backend on this pool's clock and ``--slow-start``."""
+        return Backend(spec, slow_start=SlowStart(self.clock, self.slow_start, up_since))
+
+    def ask_before_store_removal(self, keeps: Callable[[Backend], bool]) -> None:
+        """
+        Ask ``keeps`` before a removal the shared store made (not an operator's) applies
+        here: ``True`` keeps the backend (DNS membership: this replica's names still yield
+        it).
+        """
+        self._keeps = keeps
 
     def _changed(self) -> None:
         for listener in list(self.on_change):
@@ -169,13 +150,14 @@ class Pool:
         Drain ``backend`` and forget it once its last in-flight request ends (at once if
         idle), so removing a GPU never cuts a running generation.
         """
-        backend.leaving()
+        backend.health.leaving()
         self._marked(backend)
         self._forget_if_idle(backend)
         self._changed()
 
     def _forget_if_idle(self, backend: Backend) -> None:
-        if backend.removing and self._held(backend) == 0 and self.get(backend.key) is backend:
+        if (backend.health.removing and self.slots.held(backend) == 0
+                and self.get(backend.key) is backend):
             del self._backends[backend.key]
             self.learned.discard(backend.key)
             self._origins.pop(backend.key, None)
@@ -192,7 +174,7 @@ class Pool:
 
     def _marked(self, backend: Backend, reason: str = "") -> None:
         """Added here or its marks changed here: the store keeps them for other balancers."""
-        self.store.marks.save(backend.spec, backend.marks, reason,
+        self.store.marks.save(backend.spec, backend.health.marks, reason,
                               origin=self._origins.get(backend.key))
 
     def _take_marks(self) -> bool:
@@ -211,41 +193,40 @@ class Pool:
                     continue
                 if self.shared is not None:
                     self.shared.register(spec.key)
-                backend = self._backends[spec.key] = Backend(spec, clock=self.clock,
-                                                             slow_start=self.slow_start)
+                backend = self._backends[spec.key] = self._new(spec)
                 log.info("backend {backend} added (from the shared store)",
                          backend=spec.key)
                 self.learned.add(spec.key)
                 changed = True
             kept = False
-            if stored.removing and not backend.removing:
+            if stored.removing and not backend.health.removing:
                 if self._operators(spec.key):
                     self.learned.discard(spec.key)  # an operator's: not DNS's to adopt
-                elif self.keeps(backend):  # not removed here (nor drained, as removing
+                elif self._keeps(backend):  # not removed here (nor drained, as removing
                     # implies): its own drain and the entry's health apply
-                    stored = attrs.evolve(stored, removing=False, draining=backend.draining)
+                    stored = attrs.evolve(stored, removing=False, draining=backend.health.draining)
                     kept = True
-            if stored == backend.marks:
+            if stored == backend.health.marks:
                 if kept:
                     self._marked(backend)  # and it stays in the store too
                 continue
             changed = True
-            if stored.removing and not backend.removing:
-                backend.leaving()
-            elif stored.draining and not backend.removing:
-                backend.drain()
-            elif not backend.removing:
-                backend.undrain()
-            if stored.healthy is True and not backend.healthy:
+            if stored.removing and not backend.health.removing:
+                backend.health.leaving()
+            elif stored.draining and not backend.health.removing:
+                backend.health.drain()
+            elif not backend.health.removing:
+                backend.health.undrain()
+            if stored.healthy is True and not backend.health.healthy:
                 backend.came_up(self._now())
-            elif backend.healthy and stored.healthy is False:
+            elif backend.health.healthy and stored.healthy is False:
                 if self.on_suspect:
                     # one replica's refusal may be its own network's (a firewall on its
                     # host): each replica's own probe decides, or a refused replica and
                     # a reaching one would take the engine out and back everywhere in turn
                     suspects.append(backend)
                 else:
-                    backend.went_down()
+                    backend.health.went_down()
             log.info("backend {backend} is now {marks} (from the shared store)",
                      backend=backend.key, marks=stored)
             if kept:
@@ -281,7 +262,7 @@ class Pool:
 
     def keep(self, backend: Backend, why: str = "the new config lists it") -> None:
         """Call off the removal of ``backend`` (a reloaded config lists it again)."""
-        if backend.stays():
+        if backend.health.stays():
             log.info("backend {backend} stays: {why}", backend=backend.key, why=why)
             self._marked(backend)
             self._changed()
@@ -300,57 +281,28 @@ class Pool:
         if slow_start != self.slow_start:
             self.slow_start = slow_start
             for backend in self._backends.values():
-                backend.ramps_over(slow_start)
+                backend.slow_start.ramps_over(slow_start)
             self._changed()
 
     # -- operator state -----------------------------------------------------------------
 
     def drain(self, backend: Backend) -> None:
         """No new requests; in-flight ones finish.  Survives health changes."""
-        if backend.drain():
+        if backend.health.drain():
             log.info("backend {backend} draining ({active} in flight)",
-                     backend=backend.key, active=backend.active)
+                     backend=backend.key, active=backend.counts.active)
             self._marked(backend)
             self._changed()
 
     def undrain(self, backend: Backend) -> None:
-        if backend.removing:
+        if backend.health.removing:
             raise ValueError(f"backend {backend.key} is being removed")
-        if backend.undrain():
+        if backend.health.undrain():
             log.info("backend {backend} undrained", backend=backend.key)
             self._marked(backend)
             self._changed()
 
-    # -- in-flight accounting -----------------------------------------------------------
-
-    def acquire(self, backend: Backend) -> Lease:
-        """
-        Take an in-flight slot.  Synchronous on purpose: the count rises at the moment of
-        choice, before anything else can run, so a burst cannot all see the same idle
-        backend.
-        """
-        backend.took_slot()
-        if self.shared is not None:
-            self.shared.take(backend.key)
-        return Lease(backend, self._released)
-
-    def exclusive(self, choose: Callable[..., _T], *args: Any) -> _T:
-        """
-        Run ``choose`` (which reads the counts and takes a slot) so that no other process
-        sharing the counts can take one in between, on fresh counts.  Without shared
-        counts, just a call: one process's choice is already atomic.
-        """
-        shared = self.shared
-        if shared is None:
-            return choose(*args)
-        shared.lock()
-        try:
-            totals, slot = shared.totals(), shared.slot
-            for backend in self._backends.values():
-                backend.counted(totals[slot(backend.key)])
-            return choose(*args)
-        finally:
-            shared.unlock()
+    # -- what answers teach -------------------------------------------------------------
 
     def refresh(self) -> None:
         """
@@ -360,76 +312,24 @@ class Pool:
         process with the local store.
         """
         changed = self._take_marks()
-        shared = self.shared
-        if shared is not None:
-            totals, slot = shared.totals(), shared.slot
+        self.slots.recount()
+        if self.shared is not None or changed:
             for backend in list(self._backends.values()):
-                backend.counted(totals[slot(backend.key)], shared.started(backend.key))
-        if shared is not None or changed:
-            for backend in list(self._backends.values()):
-                if backend.removing:
+                if backend.health.removing:
                     self._forget_if_idle(backend)
         if changed:
             self._changed()
 
-    def _held(self, backend: Backend) -> int:
-        """Requests in flight on ``backend`` that this process must wait for."""
-        return backend.active if self.shared is None else self.shared.mine(backend.key)
-
-    def withdraw(self, lease: Lease) -> None:
-        """
-        Give back a slot whose choice the :attr:`gate` refused, as if never taken: no
-        request was sent, so none finished (no release, no listener told of a freed slot:
-        the backend is as full as the refusal said).
-        """
-        if not lease.withdraw():
-            return
-        backend = lease.backend
-        backend.untook_slot()
-        if self.shared is not None:
-            self.shared.untake(backend.key)
-        self._forget_if_idle(backend)
-        if self._idle_waiters and self.in_flight == 0:
-            waiters, self._idle_waiters = self._idle_waiters, []
-            for waiter in waiters:
-                waiter.callback(None)
-
-    def _released(self, backend: Backend) -> None:
-        if self.shared is not None:
-            self.shared.give_back(backend.key)
-        if self.gate is not None:
-            self.gate.released(backend)
-        self._forget_if_idle(backend)
-        self._changed()
-        if self._idle_waiters and self.in_flight == 0:
-            waiters, self._idle_waiters = self._idle_waiters, []
-            for waiter in waiters:
-                waiter.callback(None)
-
-    def capacity_changed(self) -> None:
-        """
-        Another process sharing the counts freed a slot: let waiting requests look again
-        (the router's queue listens on ``on_change``).
-        """
-        self._changed()
-
-    def when_idle(self) -> Deferred[None]:
-        """Fires once no request is in flight on any backend (at once if none is)."""
-        if self.in_flight == 0:
-            return succeed(None)
-        waiter: Deferred[None] = Deferred()
-        self._idle_waiters.append(waiter)
-        return waiter
-
     def record_result(self, backend: Backend, status: int, duration: float,
                       ttft: float | None) -> None:
         """Count a finished request's status class and fold its timings into the averages."""
-        backend.record_result(status, duration, ttft)
+        backend.counts.finished(status)
+        backend.pace.timed(duration, ttft)
 
     def record_prompt(self, backend: Backend, prompt_tokens: int,
                       cached_prompt_tokens: int | None) -> None:
         """An answer's prompt tokens, and those its engine served from its prefix cache."""
-        backend.prompt_counted(prompt_tokens, cached_prompt_tokens)
+        backend.counts.prompt_counted(prompt_tokens, cached_prompt_tokens)
 
     def record_answer(self, backend: Backend, status: int, client: str | None = "") -> None:
         """
@@ -449,13 +349,13 @@ class Pool:
         would take more than half the fleet out -- the detector judges from silence, and a
         silence shared by so many is more likely txlb's or the network's than theirs.
         """
-        if not backend.healthy:
+        if not backend.health.healthy:
             return
         if not fleet_can_spare(self._backends.values()):
             log.warn("backend {backend} looks hung but stays in: half the fleet is "
                      "already out ({reason})", backend=backend.key, reason=reason)
             return
-        backend.judged_hung()
+        backend.verdicts.judged_hung()
         self.mark_down(backend, reason)
 
     # -- what the prober learns ---------------------------------------------------------
@@ -472,19 +372,19 @@ class Pool:
                      "those get --unknown-model's answer", backend=backend.key,
                      dropped=learned.dropped, most=MAX_MODEL_NAMES, longest=MAX_MODEL_NAME)
         ids = learned.names
-        if ids != backend.learned_models:
+        if ids != backend.listing.names:
             # the names are the backend's to choose: escaped, so none can forge a log line
             log.info("backend {backend} serves {models}", backend=backend.key,
                      models=escape(", ".join(ids), "text") or "no model")
-        backend.learned(learned.entries, ids)
+        backend.listing.learned(learned.entries, ids)
         self._updated()
 
     def set_engine(self, backend: Backend, engine: str,
                    kv_cache: float | None = None) -> None:
         """The engine recognised from the backend's ``/metrics``, and its KV-cache usage."""
-        if engine != backend.engine:
+        if engine != backend.engine.name:
             log.info("backend {backend} runs {engine}", backend=backend.key, engine=engine)
-        backend.engine_seen(engine, kv_cache)
+        backend.engine.seen(engine, kv_cache)
         self._updated()
 
     def set_engine_depth(self, backend: Backend, running: float, waiting: float,
@@ -503,14 +403,14 @@ class Pool:
         rather than act on a stale figure.  Through the pool (not by writing the attribute)
         so that worker processes mirror the fallback too.
         """
-        if backend.engine_depth_lost():
+        if backend.engine.depth_lost():
             self._updated()
 
     # -- health -------------------------------------------------------------------------
 
     def mark_down(self, backend: Backend, reason: str) -> None:
         """Take a backend out of rotation now (definitive failure or passive ejection)."""
-        if backend.went_down():
+        if backend.health.went_down():
             log.warn("backend {backend} marked down: {reason}", backend=backend.key,
                      reason=reason)
             self._marked(backend, reason)
@@ -529,7 +429,7 @@ class Pool:
         A 200 from the health path: ``rise`` of these in a row bring a backend back --
         once the cool-down of an outlier ejection, if any, is over.
         """
-        passed = backend.probe_passed(self._now(), rise)
+        passed = backend.health.probe_passed(self._now(), rise)
         if passed:
             self.mark_up(backend)
         self._updated()
@@ -540,26 +440,19 @@ class Pool:
         down at once; ambiguous ones (timeout, reset) only after ``fall`` in a row, so one
         lost packet does not take a GPU out of rotation.
         """
-        failures = backend.probe_failed(reason)
+        failures = backend.health.probe_failed(reason)
         if definitive or failures >= fall:
             self.mark_down(backend, reason)
         self._updated()
 
     # -- views --------------------------------------------------------------------------
 
-    @property
-    def in_flight(self) -> int:
-        """Requests in flight that this process holds (its own, with shared counts)."""
-        if self.shared is not None:
-            return sum(self._held(backend) for backend in self._backends.values())
-        return sum(backend.active for backend in self._backends.values())
-
     def status(self) -> dict[str, object]:
         """The body of ``GET /__lb_status``."""
         self.refresh()
         backends = list(self)
         return {
-            "healthy": sum(1 for b in backends if b.healthy),
+            "healthy": sum(1 for b in backends if b.health.healthy),
             "total": len(backends),
             "backends": [b.status() for b in backends],
         }
@@ -596,7 +489,7 @@ class Pool:
                 self.shared.assign(spec.key, state["slot"])
             backend = self._backends.get(spec.key)
             if backend is None:
-                backend = Backend(spec, clock=self.clock, slow_start=self.slow_start)
+                backend = self._new(spec)
                 self._backends[spec.key] = backend
             elif backend.spec != spec:
                 # reconfigured in the supervisor: in place, so the requests this worker
@@ -608,11 +501,11 @@ class Pool:
         known = set(order)
         for key, backend in list(self._backends.items()):
             if key not in known:
-                backend.leaving()
+                backend.health.leaving()
                 self._marked(backend)
                 order.append(key)
         self._backends = {key: self._backends[key] for key in order}
         for backend in list(self._backends.values()):
-            if backend.removing:
+            if backend.health.removing:
                 self._forget_if_idle(backend)
         self._changed()

@@ -35,8 +35,8 @@ from txlb._config.backends import BackendSpec
 class IInFlightCounts(Interface):
     """
     In-flight counts shared by several processes.  With them, a backend's ``active`` is a
-    snapshot of the shared total, read before every choice (:meth:`Pool.exclusive
-    <txlb._cluster.pool.Pool.exclusive>`) and every status answer (:meth:`Pool.refresh
+    snapshot of the shared total, read before every choice (:meth:`Slots.exclusive
+    <txlb._cluster.slots.Slots.exclusive>`) and every status answer (:meth:`Pool.refresh
     <txlb._cluster.pool.Pool.refresh>`).
     """
 

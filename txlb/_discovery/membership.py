@@ -21,7 +21,7 @@ Who wins (docs/scale-out.md, "Membership from DNS"):
 * with shared state, an address another replica's DNS put in the store is adopted by this
   replica's name that yields it too (so this replica removes it when the name drops it),
   and another replica's removal of it is refused while a name here still yields it
-  (``Pool.keeps``) -- unless the store marks that removal as an operator's.
+  (``Pool.ask_before_store_removal``) -- unless the store marks that removal as an operator's.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class DnsMembership(Service):
         #: address -> name, for the addresses the names' last good answers put in rotation
         #: here (a removal another replica's DNS made does not take them out)
         self._yielded: dict[str, str] = {}
-        pool.keep_when(self._keeps)
+        pool.ask_before_store_removal(self._keeps)
         self._take(config)
 
     # -- what the rest of the balancer asks ----------------------------------------------
@@ -303,7 +303,8 @@ class DnsMembership(Service):
         backend = self._pool.get(key)
         if backend is None:
             return key not in self._suppressed
-        return backend.healthy and not backend.draining and not backend.removing
+        health = backend.health
+        return health.healthy and not health.draining and not health.removing
 
     def _desired(self) -> dict[str, tuple[str, BackendSpec]]:
         desired: dict[str, tuple[str, BackendSpec]] = {}
@@ -351,7 +352,7 @@ class DnsMembership(Service):
         self._yielded = {key: name for key, (name, _) in desired.items()}
         self._suppressed &= set(desired)  # left the answer: may join again when back
         self._leaving = {key for key in self._leaving
-                         if (b := pool.get(key)) is not None and b.removing}
+                         if (b := pool.get(key)) is not None and b.health.removing}
         for key, (name, spec) in desired.items():
             if key in self._static or key in self._suppressed:
                 continue
@@ -360,7 +361,7 @@ class DnsMembership(Service):
                 self._leaving.discard(key)
                 pool.keep(backend, why=f"{name} yields it again")
             elif key in self._owned:
-                if backend is None or backend.removing:
+                if backend is None or backend.health.removing:
                     # an operator removed it: that holds while the name still yields it
                     del self._owned[key]
                     self._suppressed.add(key)
@@ -375,7 +376,7 @@ class DnsMembership(Service):
                 # so ours owns it here (and removes it when the name stops yielding it)
                 log.info("backend {backend} (from the shared store) is {name}'s here too",
                          backend=key, name=name)
-                if backend.removing:
+                if backend.health.removing:
                     pool.keep(backend, why=f"{name} yields it here")
             else:
                 if not self._add(spec, name):
@@ -387,7 +388,7 @@ class DnsMembership(Service):
         for key in [key for key in self._owned if key not in desired]:
             name = self._owned.pop(key)
             backend = pool.get(key)
-            if backend is not None and not backend.removing:
+            if backend is not None and not backend.health.removing:
                 log.info("backend {backend} left {name}'s answer: draining it, removed "
                          "once idle", backend=key, name=name)
                 pool.remove(backend)

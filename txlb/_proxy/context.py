@@ -17,9 +17,10 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.web.server import Request
 
-from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.backend import Backend
 from txlb._cluster.hung import InFlight
 from txlb._cluster.pool import Pool
+from txlb._cluster.slots import Lease
 from txlb._config.config import Config
 from txlb._records.observer import IRequestObserver, NullObserver
 from txlb._scheduling.ratelimit import client_key

@@ -28,7 +28,8 @@ from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
-from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.backend import Backend
+from txlb._cluster.slots import Lease
 from txlb._proxy.client_end import cut_answer, detach, finish_answer
 from txlb._proxy.context import ProxyContext, RetryPlan
 from txlb._proxy.errors import error_body, write_body
@@ -139,7 +140,7 @@ class Exchange:
         try:
             head = self._head
             upstream = self._upstream = self.context.upstream.send(
-                backend.host, backend.port, head.method, head.target, head.headers, body)
+                backend.spec.host, backend.spec.port, head.method, head.target, head.headers, body)
         except Exception:
             # an Agent raises synchronously for a URI or method it rejects
             upstream = self._upstream = fail()
@@ -245,7 +246,7 @@ class Exchange:
         request = self.request
         backend = self.lease.backend
         head = client_head(response.code, request.method, response.headers, response.length,
-                           (backend.key, backend.port) if self._shows_backend() else None)
+                           (backend.key, backend.spec.port) if self._shows_backend() else None)
         self.record.status = response.code
         request.setResponseCode(response.code, response.phrase)
         out = request.responseHeaders
@@ -315,7 +316,7 @@ class Exchange:
             return
         # the watchdog reads it when it fires, the hung-backend detector the backend's
         now = self._last_activity = self._now()
-        self.lease.backend.heard(now)  # per chunk: straight to the backend
+        self.lease.backend.pace.heard(now)  # per chunk: straight to the backend
         record = self.record
         if record.first_byte is None:
             record.first_byte = now

@@ -15,7 +15,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
-from txlb._cluster.backend import Lease
+from txlb._cluster.slots import Lease
 from txlb._config.config import Config
 from txlb._proxy.context import LiveExchange, ProxyContext, RetryPlan
 from txlb._proxy.errors import error_body, write_body

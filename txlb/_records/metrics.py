@@ -105,23 +105,23 @@ class PoolCollector:
             "txlb_health_probes", "Health probes by result.", labels=["backend", "result"])
         for backend in backends:
             key = [backend.key]
-            gauges["in_flight"].add_metric(key, backend.active)
-            gauges["healthy"].add_metric(key, 1 if backend.healthy else 0)
-            gauges["draining"].add_metric(key, 1 if backend.draining else 0)
+            gauges["in_flight"].add_metric(key, backend.counts.active)
+            gauges["healthy"].add_metric(key, 1 if backend.health.healthy else 0)
+            gauges["draining"].add_metric(key, 1 if backend.health.draining else 0)
             gauges["max_conns"].add_metric(key, backend.spec.max_conns)
-            gauges["ejected"].add_metric(key, 0 if backend.ejected_until is None else 1)
-            ejections.add_metric(key, backend.ejections)
-            hung.add_metric(key, backend.hung_ejections)
-            outlier_ejections.add_metric(key, backend.outlier_ejections)
-            probes.add_metric([backend.key, "ok"], backend.probes_ok)
-            probes.add_metric([backend.key, "failed"], backend.probes_failed)
+            gauges["ejected"].add_metric(key, 0 if backend.health.ejected_until is None else 1)
+            ejections.add_metric(key, backend.health.ejections)
+            hung.add_metric(key, backend.verdicts.hung_ejections)
+            outlier_ejections.add_metric(key, backend.verdicts.outlier_ejections)
+            probes.add_metric([backend.key, "ok"], backend.health.probes_ok)
+            probes.add_metric([backend.key, "failed"], backend.health.probes_failed)
         yield from gauges.values()
         yield ejections
         yield hung
         yield outlier_ejections
         yield probes
         yield GaugeMetricFamily("txlb_backends_healthy", "Healthy backends.",
-                                value=sum(1 for b in backends if b.healthy))
+                                value=sum(1 for b in backends if b.health.healthy))
         # a gauge: no _total suffix, which Prometheus reserves for counters
         yield GaugeMetricFamily("txlb_backends", "Configured backends.", value=len(backends))
         if self.queue_length is not None:

@@ -48,7 +48,7 @@ class BoundedLoadRing:
     def capacity(self, backend: Backend, candidates: Sequence[Backend]) -> int:
         """The most in-flight requests ``backend`` may hold before passing sessions on."""
         total_weight = sum(b.effective_weight for b in candidates)
-        in_flight = sum(b.active for b in candidates) + 1  # counting the new request
+        in_flight = sum(b.counts.active for b in candidates) + 1  # counting the new request
         share = in_flight * backend.effective_weight / total_weight
         return math.ceil((1 + self.epsilon) * share)
 
@@ -64,9 +64,9 @@ class BoundedLoadRing:
                 continue
             seen.add(key)
             backend = by_key[key]
-            if backend.active < self.capacity(backend, candidates):
+            if backend.counts.active < self.capacity(backend, candidates):
                 return backend
             if len(seen) == len(by_key):
                 break
         # unreachable in practice (someone is always under ceil((1+e)*avg)); be safe
-        return min(candidates, key=lambda b: b.active / b.effective_weight)
+        return min(candidates, key=lambda b: b.counts.active / b.effective_weight)

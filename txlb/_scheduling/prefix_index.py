@@ -268,7 +268,7 @@ class FleetIndex:
         index = self._by_backend.get(backend)
         if index is None:
             index = self._by_backend[backend] = BackendIndex(self.default_capacity,
-                                                             backend.up_since)
+                                                             backend.slow_start.up_since)
         return index
 
     def match(self, backend: Backend, chain: Sequence[int]) -> int:
@@ -279,8 +279,8 @@ class FleetIndex:
         index = self._by_backend.get(backend)
         if index is None:
             return 0
-        if index.up_since != backend.up_since:
-            index.up_since = backend.up_since
+        if index.up_since != backend.slow_start.up_since:
+            index.up_since = backend.slow_start.up_since
             self._total -= index.started_again()
         return index.match(chain)
 

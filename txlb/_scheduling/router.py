@@ -27,8 +27,9 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from txlb._cluster.backend import Backend, Lease
+from txlb._cluster.backend import Backend
 from txlb._cluster.pool import Pool
+from txlb._cluster.slots import Lease
 from txlb._config.config import Config
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.classes import PriorityClasses, QueueClass
@@ -183,13 +184,14 @@ class Router:
         """``GET /v1/models``: the union over healthy backends, in OpenAI's list shape."""
         entries: dict[str, dict[str, object]] = {}
         for backend in self.pool:
-            if not backend.healthy:
+            if not backend.health.healthy:
                 continue
-            aliases = backend.aliases  # listed inside their model's entry, as the engine does
+            # listed inside their model's entry, as the engine does
+            aliases = backend.listing.aliases
             for model in backend.models or ():
                 if model in aliases:
                     continue
-                entry = backend.model_entries.get(model) or {
+                entry = backend.listing.entries.get(model) or {
                     "id": model, "object": "model", "created": 0, "owned_by": "txlb"}
                 entries.setdefault(model, dict(entry))
         for alias in self.routes:
@@ -238,7 +240,7 @@ class Router:
                      f"class `{klass.name}` is not queued", self.retry_after))
         waiter = _Waiter(model, request, exclude, self.clock.seconds(), klass)
         waiting = self._enqueue(waiter)
-        if self.pool.shared is not None and self.pool.gate is None:
+        if self.pool.shared is not None and self.pool.slots.gate is None:
             # With --workers, a slot freed in another worker wakes this queue only if the
             # supervisor sees it non-empty (published by _enqueue).  A slot freed between
             # the failed take above and that publication would wake nobody: so try once
@@ -255,7 +257,7 @@ class Router:
 
     def _unconfirmed(self, lease: Lease) -> bool:
         """Whether ``lease`` is tentative until the pool's gate confirms it."""
-        gate = self.pool.gate
+        gate = self.pool.slots.gate
         return gate is not None and gate.needs(lease.backend)
 
     def _confirm_then(self, lease: Lease, request: RoutingRequest,
@@ -266,7 +268,7 @@ class Router:
         in a row, the queue in any case.  Cancelling (the client left) gives back the
         slot whichever way the answer goes.
         """
-        assert self.pool.gate is not None
+        assert self.pool.slots.gate is not None
         current: list[Deferred[Lease]] = []
 
         def cancel(_: Deferred[Lease]) -> None:
@@ -280,17 +282,17 @@ class Router:
                 if admitted:
                     lease.release()
                 else:
-                    self.pool.withdraw(lease)
+                    self.pool.slots.withdraw(lease)
                 return
             if admitted:
                 result.callback(lease)
                 return
-            self.pool.withdraw(lease)
+            self.pool.slots.withdraw(lease)
             again = self._choose_again(request, exclude, refusals + 1)
             current.append(again)
             again.chainDeferred(result)
 
-        self.pool.gate.confirm(lease.backend).addCallback(answered)
+        self.pool.slots.gate.confirm(lease.backend).addCallback(answered)
         return result
 
     def _choose_again(self, request: RoutingRequest, exclude: frozenset[str],
@@ -311,7 +313,7 @@ class Router:
         waiter keeps its place (passed over by dispatches); refused, the slot goes back
         and the queue is served again.
         """
-        assert self.pool.gate is not None
+        assert self.pool.slots.gate is not None
         waiter.confirming = True
 
         def answered(admitted: bool) -> None:
@@ -321,15 +323,15 @@ class Router:
                 if admitted:
                     lease.release()
                 else:
-                    self.pool.withdraw(lease)
+                    self.pool.slots.withdraw(lease)
                 return
             if admitted:
                 self._serve(waiter, lease, starving)
                 return
-            self.pool.withdraw(lease)
+            self.pool.slots.withdraw(lease)
             self._dispatch()
 
-        self.pool.gate.confirm(lease.backend).addCallback(answered)
+        self.pool.slots.gate.confirm(lease.backend).addCallback(answered)
 
     def _serve(self, waiter: _Waiter, lease: Lease, starving: bool) -> None:
         """A queued request gets its slot."""
@@ -351,22 +353,22 @@ class Router:
         # workers take and release slots meanwhile): read the totals there, or a retry
         # would be made into a queue, or refused although a backend is free.
         serving = self._serving(self._routed(model), exclude)
-        return self.pool.exclusive(lambda: any(b.eligible for b in serving))
+        return self.pool.slots.exclusive(lambda: any(b.eligible for b in serving))
 
     def _serving(self, model: str | None, exclude: frozenset[str]) -> list[Backend]:
         return [b for b in self.pool
-                if b.key not in exclude and not b.removing
+                if b.key not in exclude and not b.health.removing
                 and (model is None or b.serves(model))]
 
     @staticmethod
     def _queue_worthy(serving: Sequence[Backend]) -> bool:
         """Worth waiting for: some backend is up and in rotation, only full."""
-        return any(b.healthy and not b.draining and b.spec.max_conns for b in serving)
+        return any(b.health.healthy and not b.health.draining and b.spec.max_conns for b in serving)
 
     def _take(self, serving: Sequence[Backend], request: RoutingRequest) -> Lease | None:
         # With --workers the pool reads the shared counts and holds the lock across
         # processes for the choice and the slot; in one process this is a plain call.
-        return self.pool.exclusive(self._choose, serving, request)
+        return self.pool.slots.exclusive(self._choose, serving, request)
 
     def _choose(self, serving: Sequence[Backend], request: RoutingRequest) -> Lease | None:
         candidates = [b for b in serving if b.eligible]
@@ -376,7 +378,7 @@ class Router:
             chosen = self.affinity.choose(request.session, candidates)
         else:
             chosen = self._policy_choice(candidates, request)
-        return self.pool.acquire(chosen)
+        return self.pool.slots.acquire(chosen)
 
     def _prepare(self, request: RoutingRequest) -> None:
         """The policy's per-request work (:class:`IPreparesRequests`), outside the lock."""

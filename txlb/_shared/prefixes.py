@@ -368,7 +368,7 @@ class SharedPrefixIndex:
                     and isinstance(item[1], str)):
                 backend = self.pool.get(item[0])
                 chain = decode_chain(item[1], max_blocks)
-            if backend is None or backend.removing or chain is None:
+            if backend is None or backend.health.removing or chain is None:
                 self.ignored += 1
                 continue
             policy.heard(backend, chain)

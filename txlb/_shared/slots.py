@@ -12,8 +12,8 @@ until :data:`ACQUIRE` says yes:
    replicas' rows (live: in ``<prefix>:replicas`` with a future score) and, if this
    replica's own count (the tentative slot included) plus theirs is within ``max_conns``,
    writes its own count into its row and answers yes;
-3. on no, the pool gives the slot back as if never taken (:meth:`Pool.withdraw
-   <txlb._cluster.pool.Pool.withdraw>`), the others' count the script read becomes the
+3. on no, the pool gives the slot back as if never taken (:meth:`Slots.withdraw
+   <txlb._cluster.slots.Slots.withdraw>`), the others' count the script read becomes the
    local view (the backend reads as full), and the router chooses again or queues.
 
 Two replicas' scripts run one after the other, and a yes is only given when the sum, every
@@ -114,13 +114,13 @@ class SlotStore(Protocol):
 
 @implementer(IFleetSlotGate)
 class SharedSlots:
-    """The pool's :class:`~txlb._cluster.pool.SlotGate` with ``--shared-state``."""
+    """The pool's :class:`~txlb._cluster.slots.SlotGate` with ``--shared-state``."""
 
     def __init__(self, store: SlotStore, wake: Callable[[], object]) -> None:
         self.store = store
         self.link = store.link
         self.counts = store.counts
-        #: runs the queue's dispatch (``pool.capacity_changed``)
+        #: runs the queue's dispatch (``pool.slots.capacity_changed``)
         self.wake = wake
         self.channel = FreedChannel(store.spec, store.freed_channel, store.replica,
                                     self.heard_freed)

@@ -245,7 +245,7 @@ class RedisStore:
         self._levels: list[SharedTokenLevels] = []
         #: told when other replicas' marks arrived (the pool takes them: ``pool.refresh``)
         self.on_marks: Callable[[], object] = lambda: None
-        #: told when another replica freed a slot (``pool.capacity_changed``)
+        #: told when another replica freed a slot (``pool.slots.capacity_changed``)
         self.on_freed: Callable[[], object] = lambda: None
         #: told after each poll that answered (a ``--workers`` supervisor tells its workers
         #: how many replicas there are)

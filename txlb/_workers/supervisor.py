@@ -410,7 +410,7 @@ class WorkerSupervisor(Service):
 
     def _fleet_freed(self) -> None:
         """Another replica freed a slot (or Redis went: the others' counts forgotten)."""
-        self.balancer.pool.capacity_changed()
+        self.balancer.pool.slots.capacity_changed()
         for worker in self.workers.values():
             if self.shared.waiters(worker.index) > 0:
                 worker.send(_KICK)

@@ -262,7 +262,7 @@ class SupervisorLink(Protocol):
             elif isinstance(message, Reload) and self.balancer is not None:
                 self._reload(message)
             elif isinstance(message, Kick) and self.balancer is not None:
-                self.balancer.pool.capacity_changed()
+                self.balancer.pool.slots.capacity_changed()
             elif isinstance(message, Spent) and self.balancer is not None:
                 self.balancer.budgets.spent_elsewhere(
                     [(name, window, client) for name, window, client in message.buckets],

@@ -7,7 +7,7 @@ ones and finds third parties' through Twisted's plugin system: a ``PolicyFactory
 ``twisted/plugins/*.py`` file on the path is a valid ``--policy`` value.
 
 A policy only chooses; it never changes backend state.  The caller takes the in-flight slot
-(:meth:`txlb._cluster.pool.Pool.acquire`) immediately after ``choose`` returns, in the same
+(:meth:`txlb._cluster.slots.Slots.acquire`) immediately after ``choose`` returns, in the same
 synchronous step, which is what keeps a burst of simultaneous requests spread out.  What a
 policy learns from traffic arrives through :meth:`IPolicy.observe` and stays in the policy
 (keyed by backend), so the backend's state is only what every policy shares.

@@ -75,7 +75,7 @@ def load_bound(backend: Backend, candidates: Sequence[Backend], factor: float) -
     -- the bound of ``--affinity``'s ring (:class:`txlb._scheduling.affinity.BoundedLoadRing`).
     """
     total_weight = sum(b.effective_weight for b in candidates)
-    in_flight = sum(b.active for b in candidates) + 1
+    in_flight = sum(b.counts.active for b in candidates) + 1
     return math.ceil(factor * in_flight * backend.effective_weight / total_weight)
 
 
@@ -167,7 +167,7 @@ class CacheAware(Policy):
         else:
             chosen, matched = self._by_gain(candidates, matches, len(chain))
         index = self.index.of(chosen)
-        index.counted(chosen.prefix_cache_counts, self.hasher.block_chars)
+        index.counted(chosen.engine.prefix_cache_counts, self.hasher.block_chars)
         expected = index.predicted(matched, self.hasher.block_chars)
         self.index.sent(chosen, chain)
         if self.on_sent is not None:
@@ -180,11 +180,11 @@ class CacheAware(Policy):
     def _by_gain(self, candidates: Sequence[Backend], matches: Sequence[int],
                  blocks: int) -> tuple[Backend, int]:
         under = [(b, m) for b, m in zip(candidates, matches, strict=True)
-                 if b.active < load_bound(b, candidates, self.load_factor)]
+                 if b.counts.active < load_bound(b, candidates, self.load_factor)]
         if not under:  # cannot happen (someone is under ceil(c x share)); be safe
             under = list(zip(candidates, matches, strict=True))
-        idle = [(b, m) for b, m in under if b.active == 0]
-        if idle and any(b.active > 1 for b in candidates):
+        idle = [(b, m) for b, m in under if b.counts.active == 0]
+        if idle and any(b.counts.active > 1 for b in candidates):
             # An idle backend beside busy ones takes the request, with or without the prefix:
             # otherwise a hot prefix held everywhere but there keeps it idle for good (each
             # holder stays under the bound as the fleet's in-flight grows), and the others
@@ -195,7 +195,7 @@ class CacheAware(Policy):
             index = self.index.get(backend)
             room = index.room if index is not None else self.index.default_capacity
             trust = index.trust if index is not None else 1.0
-            usage = backend.kv_cache_usage
+            usage = backend.engine.kv_cache_usage
             worth = 0.0 if usage is not None and usage >= KV_SATURATED else matched * trust
             overflow = max(0, blocks - matched - room)
             gains.append((backend, matched, worth - overflow, overflow))

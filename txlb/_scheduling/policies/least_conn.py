@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 def load(backend: Backend) -> float:
     """In-flight requests per unit of weight: the quantity least-connections minimises."""
-    return backend.active / backend.effective_weight
+    return backend.counts.active / backend.effective_weight
 
 
 class LeastConnections(Policy):

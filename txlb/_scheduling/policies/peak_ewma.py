@@ -88,7 +88,7 @@ class PeakEwmaLatency(Policy):
             return self._ties.best(unmeasured, load)
 
         def cost(backend: Backend) -> float:
-            return self._estimates[backend].seconds * (backend.active + 1) / (
+            return self._estimates[backend].seconds * (backend.counts.active + 1) / (
                 backend.effective_weight)
 
         lowest = min(cost(b) for b in candidates)

@@ -35,10 +35,10 @@ class QueueDepth(Policy):
 
     @staticmethod
     def depth(backend: Backend) -> float:
-        if backend.engine_depth is None:
-            return backend.active / backend.effective_weight
-        local = backend.started_since_scrape - backend.finished_since_scrape
-        return max(0.0, backend.engine_depth + local) / backend.effective_weight
+        if backend.engine.depth is None:
+            return backend.counts.active / backend.effective_weight
+        local = backend.counts.started_since_scrape - backend.counts.finished_since_scrape
+        return max(0.0, backend.engine.depth + local) / backend.effective_weight
 
     def choose(self, candidates: Sequence[Backend],
                request: RoutingRequest = ANY_REQUEST) -> Backend:
