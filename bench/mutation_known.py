@@ -36,8 +36,8 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
     KnownBug("chunked body over --max-body refused only once whole", "txlb/_server/site.py",
              "        if limit and self._body_seen > limit:\n",
              "        if False:\n"),
-    # (escaping moved to txlb/_records/escape.py: the escaped CR turned back into a raw one)
-    KnownBug("carriage return raw in the result log", "txlb/_records/escape.py",
+    # (escaping moved to txlb/_log/escape.py: the escaped CR turned back into a raw one)
+    KnownBug("carriage return raw in the result log", "txlb/_log/escape.py",
              "        text = _unprintable().sub(_unicode_escape, text)\n    return text\n",
              "        text = _unprintable().sub(_unicode_escape, text)\n"
              "    return text.replace('\\\\x0d', '\\r')\n"),

@@ -184,7 +184,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
                               "test_regressions", "test_resultlog", "test_exchange",
                               "test_resource", "test_router", "test_site",
                               "test_summary_answers"),
-    "_records/apis": _unit("test_summary", "test_prompt_tokens", "test_properties",
+    "_http/apis": _unit("test_summary", "test_prompt_tokens", "test_properties",
                            "test_regressions", "test_resultlog", "test_exchange",
                            "test_resource", "test_router", "test_site",
                            "test_summary_answers"),

@@ -31,7 +31,7 @@ from bench.sim_engines import (
 from txlb._cluster.pool import Pool
 from txlb._cluster.slots import Lease
 from txlb._config import BackendSpec
-from txlb._records.outcome import RequestOutcome
+from txlb._scheduling.outcome import RequestOutcome
 from txlb._scheduling.policies import IPolicy
 from txlb._scheduling.policies.registry import BUILT_IN, make_policy
 from txlb._scheduling.router import Router, RoutingError

@@ -25,7 +25,7 @@ from txlb._cluster.backend import Backend
 from txlb._cluster.pool import Pool
 from txlb._cluster.slots import Lease
 from txlb._config import BackendSpec
-from txlb._records.outcome import RequestOutcome
+from txlb._scheduling.outcome import RequestOutcome
 from txlb._scheduling.policies import IPolicy
 from txlb._scheduling.policies.cache_aware import CacheAware
 from txlb._scheduling.policies.least_conn import LeastConnections

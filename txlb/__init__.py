@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from txlb._config.backends import BackendSpec
     from txlb._config.config import Config, build_config
     from txlb._config.errors import ConfigError
-    from txlb._records.outcome import RequestOutcome
+    from txlb._scheduling.outcome import RequestOutcome
     from txlb._scheduling.policies import (
         IPolicy,
         IPolicyFactory,
@@ -52,7 +52,7 @@ _EXPORTS = {
     "Policy": "._scheduling.policies",
     "PolicyFactory": "._scheduling.policies",
     "LeastConnections": "._scheduling.policies.least_conn",
-    "RequestOutcome": "._records.outcome",
+    "RequestOutcome": "._scheduling.outcome",
     "RoutingRequest": "._scheduling.request",
 }
 

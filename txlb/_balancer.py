@@ -48,6 +48,7 @@ from txlb._config.config import Config, build_config
 from txlb._config.table import OPTIONS
 from txlb._discovery.membership import DnsMembership
 from txlb._discovery.resolver import system_resolver
+from txlb._log.quiet import QuietConnectionPool, RepeatSummary
 from txlb._proxy.context import LiveExchange, ProxyContext
 from txlb._proxy.resource import ProxyResource
 from txlb._records.bookkeeper import (
@@ -73,7 +74,6 @@ from txlb._scheduling.policies.registry import make_policy
 from txlb._scheduling.ratelimit import rate_limiter_for
 from txlb._scheduling.router import Router
 from txlb._server.lean import LeanSite
-from txlb._server.quiet import QuietConnectionPool, RepeatSummary
 from txlb._server.site import ProxySite
 from txlb._shared.store import RedisStore
 from txlb._upstream.agent import AgentUpstream

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 # The per-connection factory class of HTTPConnectionPool, private to twisted.web.client;
-# txlb subclasses it to silence its log lines (txlb._server.quiet.QuietConnectionPool).
+# txlb subclasses it to silence its log lines (txlb._log.quiet.QuietConnectionPool).
 from twisted.web.client import _HTTP11ClientFactory as HTTP11ClientFactory
 
 # The chunked body decoder of twisted.web's server, private to twisted.web.http; read by

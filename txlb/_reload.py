@@ -55,9 +55,9 @@ if TYPE_CHECKING:
     from txlb._cluster.pool import Pool
     from txlb._cluster.store import IBackendStore
     from txlb._discovery.membership import DnsMembership
+    from txlb._log.quiet import RepeatSummary
     from txlb._proxy.resource import ProxyResource
     from txlb._records.metrics import Metrics
-    from txlb._server.quiet import RepeatSummary
 
 log = Logger()
 

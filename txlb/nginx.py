@@ -149,7 +149,7 @@ def listen_directive(endpoint: str) -> str:
 
 
 def _error_body(status: int, message: str) -> str:
-    from txlb._proxy.errors import error_body
+    from txlb._http.errors import error_body
 
     return error_body(status, message).decode()
 

@@ -31,9 +31,9 @@ from txlb._config.config import Config
 from txlb._config.endpoints import is_loopback_endpoint
 from txlb._config.errors import ConfigError, closest_name
 from txlb._config.table import OPTIONS
+from txlb._log.quiet import QuietAcceptErrors
 from txlb._reload import ConfigSource, ReloadRefused
 from txlb._server.heap import FreezeHeapOnStart
-from txlb._server.quiet import QuietAcceptErrors
 from txlb._server.reactor import describe, install_by_default
 from txlb._server.site import LimitedRequest, ProxyChannel
 from txlb._verdict import verdict

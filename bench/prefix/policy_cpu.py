@@ -29,7 +29,7 @@ from txlb._cluster.backend import Backend
 from txlb._cluster.pool import Pool
 from txlb._cluster.slots import Lease
 from txlb._config import BackendSpec
-from txlb._records.outcome import RequestOutcome
+from txlb._scheduling.outcome import RequestOutcome
 from txlb._scheduling.policies import IPreparesRequests
 from txlb._scheduling.policies.registry import make_policy
 from txlb._scheduling.request import RoutingRequest

@@ -55,7 +55,7 @@ from txlb._cluster.backend import Backend
 from txlb._cluster.pool import Pool
 from txlb._cluster.slots import Lease
 from txlb._config import BackendSpec
-from txlb._records.outcome import RequestOutcome
+from txlb._scheduling.outcome import RequestOutcome
 from txlb._scheduling.policies import IPolicy, Policy
 from txlb._scheduling.policies._ties import WeightedTies
 from txlb._scheduling.policies.cache_aware import CacheAware

@@ -17,7 +17,7 @@ from twisted.internet.task import Clock
 from twisted.logger import Logger, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from txlb._server.quiet import AcceptErrorSummary, QuietAcceptErrors
+from txlb._log.quiet import AcceptErrorSummary, QuietAcceptErrors
 
 from ..processes import (
     ROOT,

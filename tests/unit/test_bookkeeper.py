@@ -25,8 +25,8 @@ from txlb._records.bookkeeper import (
 )
 from txlb._records.metrics import Metrics
 from txlb._records.observer import IRequestObserver, NullObserver
-from txlb._records.outcome import RequestOutcome
 from txlb._records.summary import RequestRecord, Summary, summarize
+from txlb._scheduling.outcome import RequestOutcome
 from txlb._scheduling.policies.least_conn import LeastConnections
 from txlb._scheduling.policies.peak_ewma import PeakEwmaLatency
 

@@ -19,7 +19,6 @@ from txlb import LoadBalancer, build_config
 from txlb._cluster.local_store import TokenLevels
 from txlb._cluster.store import DEBT_WINDOWS, ITokenLevels
 from txlb._config import MAX_BUDGET_TOKENS, ConfigError, parse_budgets, token_digest
-from txlb._records.outcome import RequestOutcome
 from txlb._records.summary import CAPTURE_LIMIT
 from txlb._scheduling.budgets import (
     MAX_CHOICES,
@@ -29,6 +28,7 @@ from txlb._scheduling.budgets import (
     estimate_tokens,
     go_duration,
 )
+from txlb._scheduling.outcome import RequestOutcome
 from txlb._scheduling.ratelimit import client_key
 from txlb._scheduling.request import RoutingRequest
 

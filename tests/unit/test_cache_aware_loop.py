@@ -18,7 +18,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from txlb import LoadBalancer
 from txlb._cluster.backend import Backend
 from txlb._records.bookkeeper import SummaryFeed, policy_learns
-from txlb._records.outcome import RequestOutcome
+from txlb._scheduling.outcome import RequestOutcome
 from txlb._scheduling.policies.cache_aware import CacheAware
 from txlb._scheduling.policies.least_conn import LeastConnections
 from txlb._scheduling.request import ANY_REQUEST, RoutingRequest

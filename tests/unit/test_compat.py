@@ -39,7 +39,7 @@ from txlb._compat import (
     write_buffer_empty,
     write_disconnected,
 )
-from txlb._server.quiet import QuietConnectionPool
+from txlb._log.quiet import QuietConnectionPool
 
 PAYLOAD = 16 * 1024 * 1024  # more than loopback's socket buffers take
 

@@ -22,6 +22,7 @@ from twisted.web.client import (
     ResponseNeverReceived,
 )
 
+from txlb._http.words import describe_failure
 from txlb._proxy import exchange, failures
 from txlb._proxy.failures import (
     FAILURES,
@@ -37,7 +38,6 @@ from txlb._proxy.failures import (
 )
 from txlb._records.summary import RequestRecord
 from txlb._upstream.resend import RESEND_WINDOW, may_send_again
-from txlb._upstream.words import describe_failure
 
 from ..helpers import keep_records
 from .test_proxy import BACKENDS, ProxyTestCase

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from txlb._records.outcome import RequestOutcome
 from txlb._records.summary import Summary
+from txlb._scheduling.outcome import RequestOutcome
 
 
 def summary(**fields: object) -> Summary:

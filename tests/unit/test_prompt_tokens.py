@@ -19,9 +19,9 @@ from txlb._cluster.pool import Pool
 from txlb._records.bookkeeper import SummaryConsumer
 from txlb._records.fields import BadSummary, from_wire, to_wire
 from txlb._records.metrics import TOKEN_TIME_BUCKETS, Metrics
-from txlb._records.outcome import RequestOutcome
 from txlb._records.resultlog import format_json, format_text
 from txlb._records.summary import Summary, summarize
+from txlb._scheduling.outcome import RequestOutcome
 from txlb._workers.reports import WorkerReports
 from txlb._workers.wire import Finished, decode, encode
 

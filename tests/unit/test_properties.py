@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from txlb._config import ConfigError, build_config, parse_backends, parse_size
-from txlb._proxy.headers import HOP_BY_HOP, downstream_response_headers, upstream_request_headers
+from txlb._http.headers import HOP_BY_HOP, downstream_response_headers, upstream_request_headers
 from txlb._records.resultlog import format_json, format_text
 from txlb._records.summary import CAPTURE_LIMIT, RequestRecord, summarize
 

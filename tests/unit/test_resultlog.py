@@ -23,7 +23,7 @@ from twisted.web.server import Site
 from txlb import (
     LoadBalancer,
 )
-from txlb._records.escape import escape
+from txlb._log.escape import escape
 from txlb._records.resultlog import RETRY_SECONDS, ResultLog, format_text, open_result_log
 from txlb._records.summary import MAX_LINE, MAX_ORID, RequestRecord, summarize
 

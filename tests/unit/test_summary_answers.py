@@ -17,7 +17,7 @@ import json
 from twisted.trial.unittest import SynchronousTestCase
 
 from txlb._config import ConfigError, build_config
-from txlb._records.escape import clip
+from txlb._log.escape import clip
 from txlb._records.resultlog import format_json
 from txlb._records.summary import Privacy, RequestRecord, dechunk, privacy_of, summarize
 

@@ -23,9 +23,9 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import ResponseFailed, ResponseNeverReceived
 
+from txlb._http.words import describe_failure
 from txlb._upstream.client import UpstreamClient
 from txlb._upstream.connection import UpstreamConnection
-from txlb._upstream.words import describe_failure
 
 from .test_upstream import SSE_HEAD, Owner
 

@@ -11,7 +11,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import RequestTransmissionFailed, ResponseFailed, ResponseNeverReceived
 
-from txlb._upstream.words import describe_failure
+from txlb._http.words import describe_failure
 
 from ..helpers import FakeResponse
 from .test_proxy import ProxyTestCase

@@ -38,7 +38,7 @@ from txlb._cluster.engines import prometheus_sum
 from txlb._cluster.hung import timed_out
 from txlb._cluster.pool import Pool
 from txlb._config.config import Config
-from txlb._upstream.words import describe_failure
+from txlb._http.words import describe_failure
 
 __all__ = ["HealthChecker", "prometheus_sum"]
 

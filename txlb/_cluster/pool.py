@@ -30,7 +30,7 @@ from txlb._cluster.slow_start import SlowStart
 from txlb._cluster.store import IBackendStore, IInFlightCounts
 from txlb._config.backends import BackendSpec
 from txlb._config.config import Config
-from txlb._records.escape import escape
+from txlb._log.escape import escape
 
 log = Logger()
 

@@ -22,9 +22,9 @@ from txlb._cluster.hung import InFlight
 from txlb._cluster.pool import Pool
 from txlb._cluster.slots import Lease
 from txlb._config.config import Config
+from txlb._log.quiet import RepeatSummary
 from txlb._records.observer import IRequestObserver, NullObserver
 from txlb._scheduling.ratelimit import client_key
-from txlb._server.quiet import RepeatSummary
 from txlb._upstream.interfaces import Upstream
 
 

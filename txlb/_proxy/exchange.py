@@ -30,9 +30,11 @@ from twisted.web.server import Request
 
 from txlb._cluster.backend import Backend
 from txlb._cluster.slots import Lease
+from txlb._http.errors import error_body, write_body
+from txlb._http.headers import flatten
+from txlb._http.words import describe_failure
 from txlb._proxy.client_end import cut_answer, detach, finish_answer
 from txlb._proxy.context import ProxyContext, RetryPlan
-from txlb._proxy.errors import error_body, write_body
 from txlb._proxy.failures import (
     FAILURES,
     Kind,
@@ -42,12 +44,10 @@ from txlb._proxy.failures import (
     provoked_by_request,
 )
 from txlb._proxy.head import UpstreamHead, client_head, upstream_head
-from txlb._proxy.headers import flatten
 from txlb._proxy.incoming import exposed_to, framed_writer
 from txlb._records.record import RequestRecord
 from txlb._scheduling.router import RoutingError
 from txlb._upstream.interfaces import UpstreamResponse
-from txlb._upstream.words import describe_failure
 
 #: the namespace operators see on these lines (worker logs name it): kept from before the
 #: exchange had a module of its own
@@ -191,7 +191,7 @@ class Exchange:
 
     def _say(self, kind: tuple[object, ...], level: LogLevel, format: str,
              **fields: object) -> None:
-        """A per-request warning: summarised per kind (see txlb._server.quiet.RepeatSummary)."""
+        """A per-request warning: summarised per kind (see txlb._log.quiet.RepeatSummary)."""
         repeats = self.context.repeats
         if repeats is None:
             log.emit(level, format, **fields)

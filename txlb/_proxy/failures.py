@@ -30,7 +30,7 @@ from twisted.internet import error as neterror
 from twisted.python.failure import Failure
 from twisted.web.client import RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived
 
-from txlb._upstream.words import describe_failure
+from txlb._http.words import describe_failure
 
 
 class Kind(enum.Enum):

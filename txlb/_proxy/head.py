@@ -5,7 +5,7 @@ response head into the head the client gets.
 Pure functions of values -- bytes, header lists, numbers; no request, transport or backend
 objects -- so every rule of what crosses the proxy can be tested by calling them, and the
 exchange only copies their results onto Twisted's objects.  Which single headers cross (the
-hop-by-hop set, ``Connection``'s tokens, ``X-Forwarded-*``) is :mod:`txlb._proxy.headers`;
+hop-by-hop set, ``Connection``'s tokens, ``X-Forwarded-*``) is :mod:`txlb._http.headers`;
 this module adds the rest of a head: the target, ``Content-Length``, ``Date``/``Server``,
 ``X-Backend``.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import attrs
 
-from txlb._proxy.headers import RawHeaders, downstream_response_headers, upstream_request_headers
+from txlb._http.headers import RawHeaders, downstream_response_headers, upstream_request_headers
 
 #: Response headers Twisted's Request writes itself: the backend's, when it sent them, win.
 _REQUEST_OWNED = (b"date", b"server")
@@ -62,7 +62,7 @@ def upstream_head(method: bytes, uri: bytes, mounted: int, headers: RawHeaders,
     The request head for the backend: the client's method, its target in origin-form below
     the mount point, and its end-to-end headers without those the upstream client writes
     itself (``Host``, ``Content-Length``), plus ``X-Forwarded-For``/``-Proto`` for this hop.
-    ``headers`` are lowercase ``(name, value)`` pairs (:func:`txlb._proxy.headers.flatten`).
+    ``headers`` are lowercase ``(name, value)`` pairs (:func:`txlb._http.headers.flatten`).
     """
     return UpstreamHead(method, origin_form(uri, mounted),
                         upstream_request_headers(headers, client_host, scheme))

@@ -15,7 +15,7 @@ import json
 from twisted.web.server import Request
 
 from txlb._config.config import Config
-from txlb._proxy.errors import error_body, write_body
+from txlb._http.errors import error_body, write_body
 from txlb._proxy.incoming import exposed_to
 from txlb._scheduling.router import Router
 

@@ -17,8 +17,8 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from txlb._cluster.slots import Lease
 from txlb._config.config import Config
+from txlb._http.errors import error_body, write_body
 from txlb._proxy.context import LiveExchange, ProxyContext, RetryPlan
-from txlb._proxy.errors import error_body, write_body
 from txlb._proxy.exchange import Exchange
 from txlb._proxy.incoming import local_path, read_body
 from txlb._proxy.local import LocalAnswers

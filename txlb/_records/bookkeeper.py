@@ -30,11 +30,11 @@ from txlb._config.config import Config
 from txlb._records.metrics import Metrics
 from txlb._records.needs import Needs
 from txlb._records.observer import IRequestObserver
-from txlb._records.outcome import RequestOutcome
 from txlb._records.privacy import KEEP_ALL, Privacy, privacy_of
 from txlb._records.record import RequestRecord
 from txlb._records.summary import Summary, summarize
 from txlb._scheduling.budgets import TokenBudgets
+from txlb._scheduling.outcome import RequestOutcome
 from txlb._scheduling.policies import IPolicy
 from txlb._scheduling.request import RoutingRequest
 
@@ -62,7 +62,7 @@ class SummaryConsumer:
 @attrs.frozen
 class OutcomeConsumer:
     """
-    One reader of finished requests' :class:`~txlb._records.outcome.RequestOutcome`\\ s --
+    One reader of finished requests' :class:`~txlb._scheduling.outcome.RequestOutcome`\\ s --
     what a policy (or a budget) learns: the feed builds each outcome once, with the
     request's client key, for every consumer of this kind.
     """

@@ -16,7 +16,7 @@ into one function each whose body is what a hand-written formatter would be: an 
 kind of line, a dict display per kind -- the way ``attrs`` and ``dataclasses`` write
 ``__init__``.  The generated source is kept on the function (``__source__``) for reading.
 
-Escaping happens in :mod:`txlb._records.escape` only: the rows name its functions.
+Escaping happens in :mod:`txlb._log.escape` only: the rows name its functions.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any
 
 import attrs
 
-from txlb._records.apis import CLASSIC_PATHS
-from txlb._records.escape import escape, escape_json
+from txlb._http.apis import CLASSIC_PATHS
+from txlb._log.escape import escape, escape_json
 from txlb._records.summary import Summary
 
 #: The kinds of line: what :func:`~txlb._records.summary.summarize` found the request was.

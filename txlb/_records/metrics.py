@@ -29,8 +29,8 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from txlb._cluster.pool import Pool
-from txlb._records.outcome import time_per_output_token
 from txlb._records.summary import Summary
+from txlb._scheduling.outcome import time_per_output_token
 
 #: 10 ms to 5 min: from a cached short completion to a long reasoning generation.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from txlb._records.apis import API_PATHS
+from txlb._http.apis import API_PATHS
 from txlb._records.capture import STREAM_FOLDS, StreamCapture
 from txlb._records.needs import Needs
 

@@ -20,15 +20,15 @@ from typing import Any
 import attrs
 
 from txlb._config.bounds import MAX_PREVIEW_CHARS
+from txlb._http.apis import API_PATHS
 from txlb._json_body import parse_json_object
+from txlb._log.escape import clip
 from txlb._records.answers.chat import parse_completion
 from txlb._records.answers.completion import int_or_none, is_stream, token_count
 from txlb._records.answers.embeddings import parse_embeddings
 from txlb._records.answers.messages import parse_messages
 from txlb._records.answers.responses import parse_responses
-from txlb._records.apis import API_PATHS
 from txlb._records.capture import dechunk, tail_lines
-from txlb._records.escape import clip
 from txlb._records.needs import Needs
 from txlb._records.privacy import KEEP_ALL, Privacy, privacy_of
 from txlb._records.record import CAPTURE_LIMIT, TAIL_LIMIT, RequestRecord
@@ -47,7 +47,7 @@ __all__ = [
 #: Request keys listed on an error line.
 MAX_REQ_KEYS = 64
 #: Bytes each value chosen by a client or a backend may take once escaped, in either
-#: format (:func:`~txlb._records.escape.clip`): with these no line is longer than
+#: format (:func:`~txlb._log.escape.clip`): with these no line is longer than
 #: :data:`MAX_LINE` bytes, plus the backend's name (which comes from the configuration).
 MAX_ORID = 256
 MAX_METHOD = 32

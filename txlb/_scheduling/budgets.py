@@ -35,8 +35,8 @@ from txlb._cluster.local_store import TokenLevels
 from txlb._cluster.store import Bucket, ITokenLevels
 from txlb._config.config import Config
 from txlb._config.limits import BudgetSpec
-from txlb._records.apis import API_PATHS
-from txlb._records.outcome import RequestOutcome
+from txlb._http.apis import API_PATHS
+from txlb._scheduling.outcome import RequestOutcome
 from txlb._scheduling.ratelimit import client_key
 from txlb._scheduling.request import RoutingRequest
 

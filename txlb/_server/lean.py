@@ -25,8 +25,8 @@ from zope.interface import classImplements
 
 from txlb._compat import alpn_mutates_shared_context
 from txlb._config.config import Config
+from txlb._log.quiet import RepeatSummary
 from txlb._server.lean_channel import DateCache, LeanChannel
-from txlb._server.quiet import RepeatSummary
 
 
 class LeanSite(ServerFactory):

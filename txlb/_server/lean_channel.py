@@ -54,7 +54,8 @@ from twisted.web.http_headers import Headers
 from twisted.web.resource import IResource
 from twisted.web.server import NOT_DONE_YET
 
-from txlb._proxy.errors import error_body
+from txlb._http.errors import error_body
+from txlb._log.quiet import RepeatSummary
 from txlb._server.lean_head import (
     MALFORMED_HEAD,
     Refused,
@@ -64,7 +65,6 @@ from txlb._server.lean_head import (
     request_line_so_far,
 )
 from txlb._server.lean_request import LeanRequest, ProducerRelay
-from txlb._server.quiet import RepeatSummary
 from txlb._server.rules import (
     CHUNKS_TOO_SMALL,
     MAX_HEAD_BYTES,

@@ -16,7 +16,7 @@ from typing import Any
 
 from twisted.logger import Logger, LogLevel
 
-from txlb._server.quiet import RepeatSummary
+from txlb._log.quiet import RepeatSummary
 
 #: The reason phrase of each status a refusal may have.
 _REASONS = {

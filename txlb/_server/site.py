@@ -43,7 +43,7 @@ for a second request nobody checked (request smuggling).  RFC 9112 §6.1-6.3 and
 * ``CONNECT``: 405 (txlb opens no tunnels; what follows its head is no request); in another
   case (``connect``): 400, as llhttp refuses it.
 
-Every such refusal has the OpenAI-style JSON body of :func:`txlb._proxy.errors.error_body`, says
+Every such refusal has the OpenAI-style JSON body of :func:`txlb._http.errors.error_body`, says
 ``Connection: close``, closes the connection, and never reaches the proxy.
 """
 
@@ -64,8 +64,8 @@ from twisted.web.server import version as server_version
 
 from txlb._compat import chunked_trailer, parsed_request_line, unterminated_line
 from txlb._config.config import Config
-from txlb._proxy.errors import error_body
-from txlb._server.quiet import RepeatSummary
+from txlb._http.errors import error_body
+from txlb._log.quiet import RepeatSummary
 from txlb._server.rules import (
     CHUNKS_TOO_SMALL,
     CONNECT_REFUSED,

@@ -27,7 +27,7 @@ from zope.interface import implementer
 
 from txlb._compat import response_connection_headers
 from txlb._config.config import Config
-from txlb._proxy.headers import RawHeaders, connection_tokens, flatten
+from txlb._http.headers import RawHeaders, connection_tokens, flatten
 from txlb._upstream.heads import MAX_CONTENT_LENGTH, BadResponse, parse_content_length
 from txlb._upstream.interfaces import IRelayOwner, UpstreamResponse
 

@@ -43,7 +43,7 @@ from twisted.internet.protocol import ClientFactory
 from twisted.python.failure import Failure
 
 from txlb._config.config import Config
-from txlb._proxy.headers import RawHeaders
+from txlb._http.headers import RawHeaders
 from txlb._upstream.connection import Attempt, UpstreamConnection
 from txlb._upstream.heads import request_head
 from txlb._upstream.interfaces import UpstreamResponse

@@ -25,7 +25,7 @@ from twisted.web.client import RequestTransmissionFailed, ResponseFailed, Respon
 from zope.interface import implementer
 
 from txlb._compat import unsent_bytes
-from txlb._proxy.headers import RawHeaders
+from txlb._http.headers import RawHeaders
 from txlb._upstream.heads import MAX_HEAD_BYTES, BadResponse, framing, parse_head
 from txlb._upstream.interfaces import IRelayOwner, UpstreamResponse
 from txlb._upstream.resend import may_send_again

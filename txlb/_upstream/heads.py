@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from txlb._proxy.headers import RawHeaders
+from txlb._http.headers import RawHeaders
 
 #: A response head larger than this is refused as a bad response (nginx's default
 #: proxy_buffer_size is 4-8 KiB; this is generous).

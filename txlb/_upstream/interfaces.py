@@ -16,7 +16,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IPushProducer
 from twisted.python.failure import Failure
 
-from txlb._proxy.headers import RawHeaders
+from txlb._http.headers import RawHeaders
 
 
 class IRelayOwner(TypingProtocol):

@@ -59,10 +59,10 @@ from txlb._balancer import LoadBalancer, SequentialService
 from txlb._cluster.shared_counts import SharedCounts
 from txlb._compat import adopt_listening_port
 from txlb._config.config import Config
+from txlb._log.quiet import summarise_accept_errors
 from txlb._records.bookkeeper import budget_reconciles, policy_learns
 from txlb._records.privacy import privacy_of
 from txlb._server.heap import freeze_heap
-from txlb._server.quiet import summarise_accept_errors
 from txlb._workers.relay import WorkerRelay, WorkerStore, take_levels
 from txlb._workers.reports import SupervisorForwarder
 from txlb._workers.wire import (

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from txlb._cluster.backend import Backend
     from txlb._config.option import OptionSpec
-    from txlb._records.outcome import RequestOutcome
+    from txlb._scheduling.outcome import RequestOutcome
 
 
 class IPolicy(Interface):

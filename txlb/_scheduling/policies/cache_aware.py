@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from twisted.internet.interfaces import IReactorTime
 
     from txlb._cluster.backend import Backend
-    from txlb._records.outcome import RequestOutcome
+    from txlb._scheduling.outcome import RequestOutcome
 
 #: The engine's KV cache usage (``vllm:kv_cache_usage_perc``) above which its matches stop
 #: attracting requests: near full, vLLM preempts running requests to make room.

@@ -17,7 +17,7 @@ from txlb._scheduling.request import ANY_REQUEST, RoutingRequest
 
 if TYPE_CHECKING:
     from txlb._cluster.backend import Backend
-    from txlb._records.outcome import RequestOutcome
+    from txlb._scheduling.outcome import RequestOutcome
 
 
 @attrs.define

@@ -10,14 +10,39 @@ bookkeeper), so every consumer reads the same numbers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 
-from txlb._records.summary import Summary
-
 if TYPE_CHECKING:
     from txlb._scheduling.request import RoutingRequest
+
+
+class Summary(Protocol):
+    """
+    What an outcome is made of: the fields of a request's
+    :class:`~txlb._records.summary.Summary` it reads -- declared here, beside the
+    outcome, so that what the schedulers learn from needs nothing of the records'.
+    """
+
+    @property
+    def backend(self) -> str: ...
+    @property
+    def status(self) -> int: ...
+    @property
+    def ttft(self) -> float | None: ...
+    @property
+    def dur(self) -> float: ...
+    @property
+    def prompt_tokens(self) -> int | None: ...
+    @property
+    def cached_prompt_tokens(self) -> int | None: ...
+    @property
+    def completion_tokens(self) -> int | None: ...
+    @property
+    def outcome(self) -> str: ...
+    @property
+    def stream(self) -> bool: ...
 
 
 @attrs.frozen

@@ -1,0 +1,1 @@
+"""HTTP rules every side of txlb shares: headers, error bodies, API paths, failures in words."""
