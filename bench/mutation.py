@@ -134,21 +134,42 @@ def baseline(copy: Path, modules: Iterable[str], timeout: float) -> bool:
 
 def annotation_spans(module: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """
-    Where the type annotations are, as ((line, column), (end line, end column)): every core
-    module has ``from __future__ import annotations``, so an annotation is never evaluated
-    and a mutant in one (``str | None`` to ``str & None``) is equivalent by construction.
+    Where the typing-only code is, as ((line, column), (end line, end column)): a mutant
+    there is equivalent by construction.
+
+    * every annotation: every core module has ``from __future__ import annotations``, so an
+      annotation is never evaluated (``str | None`` to ``str & None``);
+    * the body of a ``Protocol`` class: it declares a shape for the type checker, and no
+      code calls it (removing a ``@property`` of one changes nothing that runs);
+    * the test of ``if TYPE_CHECKING:``: ``if not TYPE_CHECKING:`` only runs those imports
+      at run time too, and ``tests/unit/test_import_graph.py`` keeps every such import
+      free of a circle, so the modules load the same.
     """
     tree = ast.parse((ROOT / "txlb" / f"{module}.py").read_text())
     spans = []
+
+    def span(node: ast.AST, end: ast.AST | None = None) -> None:
+        last = end if end is not None else node
+        if getattr(last, "end_lineno", None) is not None:
+            spans.append(((node.lineno, node.col_offset),  # type: ignore[attr-defined]
+                          (last.end_lineno, last.end_col_offset or 0)))  # type: ignore[attr-defined]
+
     for node in ast.walk(tree):
         annotation = None
         if isinstance(node, ast.arg | ast.AnnAssign):
             annotation = node.annotation
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             annotation = node.returns
+        elif isinstance(node, ast.ClassDef) and any(
+                getattr(base, "id", getattr(base, "attr", None)) == "Protocol"
+                for base in node.bases):
+            first = node.body[0]
+            decorators = getattr(first, "decorator_list", [])
+            span(decorators[0] if decorators else first, node.body[-1])
+        elif isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            span(node.test)
         if annotation is not None and annotation.end_lineno is not None:
-            spans.append(((annotation.lineno, annotation.col_offset),
-                          (annotation.end_lineno, annotation.end_col_offset or 0)))
+            span(annotation)
     return spans
 
 

@@ -317,12 +317,12 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "the byte skipped is the CR closing a chunk's data (the upstream client refuses any "
      "other framing, so the capture holds none): the next size line then starts with LF, "
      "which int() skips as whitespace"),
-    ("_records/record", "AddNot", "if not TYPE_CHECKING:",
-     "the import serves annotations only (from __future__ import annotations): made at "
-     "run time it changes nothing (no import cycle: the module still imports)"),
-    ("_records/privacy", "AddNot", "if not TYPE_CHECKING:",
-     "the import serves annotations only (from __future__ import annotations): made at "
-     "run time it changes nothing (no import cycle: the module still imports)"),
+    ("_cluster/backend_engine", "ReplaceFalseWithTrue", "@attrs.define(eq=True)",
+     "a backend's parts are never compared or hashed: each Backend holds its own for good, "
+     "so value equality (and the unhashable class it makes) changes nothing that runs"),
+    ("_cluster/backend_models", "ReplaceFalseWithTrue", "@attrs.define(eq=True)",
+     "a backend's parts are never compared or hashed: each Backend holds its own for good, "
+     "so value equality (and the unhashable class it makes) changes nothing that runs"),
     ("_records/summary", "ReplaceTrueWithFalse", "empty: bool = False",
      "empty is written only for completions, for which summarize passes it"),
     ("_records/summary", "ReplaceFalseWithTrue", "stream: bool = True",

@@ -169,3 +169,29 @@ class CopyTests(SynchronousTestCase):
         self.assertFalse(baseline(empty, ["m"], timeout=30))
         self.assertIn("the tests fail with no mutant", said.getvalue())
         self.assertIn("FAILED", said.getvalue())
+
+
+class TypingOnlyTests(SynchronousTestCase):
+    """No mutant is made where only the type checker reads the code."""
+
+    def positions(self, module: str) -> set[int]:
+        return {item.mutations[0].start_pos[0] for item in bench.mutation.mutants(module)}
+
+    def test_a_protocol_body_and_the_type_checking_guard_are_left_alone(self) -> None:
+        source = (Path(bench.mutation.ROOT) / "txlb" / "_records" / "privacy.py").read_text()
+        lines = source.splitlines()
+        protocol = next(i for i, line in enumerate(lines, 1) if line.startswith("class LogOptions"))
+        property_lines = [i for i, line in enumerate(lines, 1)
+                          if i > protocol and line.strip() == "@property"][:4]
+        self.assertEqual(len(property_lines), 4)
+        self.assertEqual(self.positions("_records/privacy") & set(property_lines), set())
+        guarded = (Path(bench.mutation.ROOT) / "txlb" / "_scheduling" / "policies"
+                   / "least_conn.py").read_text().splitlines()
+        guard = next(i for i, line in enumerate(guarded, 1) if line == "if TYPE_CHECKING:")
+        self.assertNotIn(guard, self.positions("_scheduling/policies/least_conn"))
+
+    def test_the_code_that_runs_is_still_mutated(self) -> None:
+        source = (Path(bench.mutation.ROOT) / "txlb" / "_records" / "privacy.py").read_text()
+        lines = source.splitlines()
+        body = next(i for i, line in enumerate(lines, 1) if "def privacy_of" in line)
+        self.assertTrue(any(line > body for line in self.positions("_records/privacy")))
