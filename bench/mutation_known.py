@@ -406,4 +406,10 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("_cluster/slow_start", "ReplaceFalseWithTrue", "attrs.field(default=None, repr=True)",
      "only a SlowStart's repr shows its clock: nothing txlb writes uses that repr (logs, "
      "status and metrics name a backend by its key)"),
+    ("_proxy/resource", "ReplaceComparisonOperator_GtE_Gt", "if request.code > 400:",
+     "_answered_locally runs only for LocalAnswers' own answers, which are 200 or 405 "
+     "(never 400), so >= 400 and > 400 mark the same answers proxy_error"),
+    ("_records/record", "NumberReplacer", "while len(tail) > 0 and",
+     "tail_size is always the sum of the tail's lengths, so with one chunk left "
+     "tail_size - len(tail[0]) is 0, under TAIL_LIMIT: the loop stops there either way"),
 )

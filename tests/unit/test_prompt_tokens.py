@@ -19,8 +19,9 @@ from txlb._cluster.pool import Pool
 from txlb._records.bookkeeper import SummaryConsumer
 from txlb._records.fields import BadSummary, from_wire, to_wire
 from txlb._records.metrics import TOKEN_TIME_BUCKETS, Metrics
+from txlb._records.needs import Needs
 from txlb._records.resultlog import format_json, format_text
-from txlb._records.summary import Summary, summarize
+from txlb._records.summary import RequestRecord, Summary, summarize
 from txlb._scheduling.outcome import RequestOutcome
 from txlb._workers.reports import WorkerReports
 from txlb._workers.wire import Finished, decode, encode
@@ -129,6 +130,33 @@ class OpenAIAnswersTests(SynchronousTestCase):
         # a prompt count without a cached one: the cached one from timings.cache_n
         answer = chat({"prompt_tokens": 30}, timings={"cache_n": 12, "prompt_n": 18})
         self.assertEqual(counts(CHAT, answer), (30, 12))
+
+
+class CountsOnlyTests(SynchronousTestCase):
+    """
+    With no result log, the metrics and the policies still read a stream's counts
+    (Needs.USAGE): only its events that hold them are parsed, and both kinds are found --
+    an OpenAI final ``usage`` chunk and llama.cpp's ``timings`` without any usage.
+    """
+
+    def counts_only(self, body: bytes) -> tuple[object, object]:
+        record_ = RequestRecord(started=100.0, method=b"POST", path=CHAT, orid_header=None,
+                                request_body=b"{}", backend=A, status=200, ended=101.0,
+                                content_type=SSE_TYPE, needs=Needs.USAGE)
+        record_.capture(body)
+        summary = summarize(record_)
+        return summary.prompt_tokens, summary.cached_prompt_tokens
+
+    def test_a_final_usage_chunk_without_timings_is_read(self) -> None:
+        body = sse(chunk("a"), chunk("b", "stop"),
+                   {"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 2,
+                                             "prompt_tokens_details": {"cached_tokens": 64}}})
+        self.assertEqual(self.counts_only(body), (100, 64))
+
+    def test_llamacpp_timings_without_usage_are_read(self) -> None:
+        timings = {"cache_n": 60, "prompt_n": 1, "predicted_n": 2}
+        body = sse(chunk("a"), chunk("b"), chunk(None, "length", timings=timings))
+        self.assertEqual(self.counts_only(body), (61, 60))
 
 
 class OtherAPIsTests(SynchronousTestCase):

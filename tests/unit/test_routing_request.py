@@ -143,6 +143,28 @@ class ProxyFillsTheRequestTests(SynchronousTestCase):
         self.assertEqual(json.loads(seen.body)["model"], "real")
         self.assertEqual(seen.prompt(), "p")
 
+    def test_an_alias_rewrite_keeps_a_19_digit_negative_integer_whole(self) -> None:
+        """
+        -9223372036854775809 is one below the 64-bit minimum (19 digits): the body sent
+        with the alias resolved holds it exactly, not rounded to a float.
+        """
+        path = self.mktemp()
+        with open(path, "w") as handle:
+            handle.write('log-file = "none"\nbackends = ["127.0.0.1:8002"]\n'
+                         '[[routes]]\nmodel = "alias"\nto = { "real" = 1 }\n')
+        from txlb import build_config
+
+        self.clock = Clock()
+        self.upstream = FakeUpstream()
+        self.policy = Recording()
+        lb = LoadBalancer(config=build_config({"config": path}, {}), reactor=self.clock,
+                          agent=self.upstream, probe_agent=FakeUpstream(), policy=self.policy)
+        self.site = Site(lb.resource(), reactor=self.clock)
+        self.post(b'{"model": "alias", "prompt": "p", "seed": -9223372036854775809}')
+        sent = json.loads(self.upstream.calls[0].body)
+        self.assertEqual(sent, {"model": "real", "prompt": "p", "seed": -9223372036854775809})
+        self.assertIs(type(sent["seed"]), int)
+
     def test_session_key_of_affinity(self) -> None:
         self.build(affinity="header:x-session")
         self.post(b'{"n": 1}', headers=[(b"x-session", b"abc")])

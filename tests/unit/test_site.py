@@ -184,6 +184,24 @@ class ChannelTests(FailoverTestCase):
         response.end()
         self.assertEqual(client.response().status, 200)
 
+    def test_every_control_character_in_a_header_value_is_400_and_a_tab_is_not(self) -> None:
+        """
+        RFC 9110 5.5: a field value holds no control character but HTAB; each other one
+        (0x01-0x08, 0x0B, 0x0C, 0x0E-0x1F, DEL) is refused as llhttp refuses it, before any
+        backend sees the request.
+        """
+        self.build()
+        for byte in [*range(0x01, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F]:
+            client = self.client()
+            client.request(b"GET", b"/v1/models/m", headers=[(b"X-Odd", b"a%cb" % byte)])
+            raw = client.transport.value()
+            self.assertTrue(raw.startswith(b"HTTP/1.1 400 "), hex(byte))
+            self.assertIn("control character", _error(raw)["message"])
+        self.assertEqual(self.upstream.calls, [])
+        client = self.client()
+        client.request(b"GET", b"/v1/models/m", headers=[(b"X-Odd", b"a\tb")])
+        self.assertEqual(len(self.upstream.calls), 1)
+
     def test_a_slow_head_is_logged_with_its_ipv6_peer_in_brackets(self) -> None:
         events = self.events()
         site = ProxySite(_Ok(), header_timeout=10, reactor=(clock := Clock()))  # no repeats

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from twisted.trial.unittest import SynchronousTestCase
 
 from txlb import Pool
-from txlb._log.escape import clip, escape, escape_json
 from txlb._log import escape as _escape
+from txlb._log.escape import clip, escape, escape_json
 from txlb._records.metrics import Metrics
 from txlb._records.resultlog import format_json, format_text
 from txlb._records.summary import (

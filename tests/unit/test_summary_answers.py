@@ -155,6 +155,14 @@ class AnswerShapeTests(SynchronousTestCase):
         summary = summarize(record(path=RESPONSES, chunks=[json.dumps(answer).encode()]))
         self.assertEqual(summary.preview, "ok")
 
+    def test_a_responses_answer_says_only_its_output_text_blocks(self) -> None:
+        """A message's other blocks (a refusal, an odd one holding ``text``) are no answer."""
+        answer = {"status": "completed", "output": [{"type": "message", "content": [
+            {"type": "refusal", "refusal": "no", "text": "not the answer"},
+            {"type": "output_text", "text": "ok"}]}]}
+        summary = summarize(record(path=RESPONSES, chunks=[json.dumps(answer).encode()]))
+        self.assertEqual((summary.preview, summary.finish), ("ok", "completed"))
+
     def test_a_content_block_that_is_no_object_is_skipped(self) -> None:
         answer = {"type": "message", "stop_reason": "end_turn",
                   "content": ["odd", {"type": "tool_use", "text": "not text"},
