@@ -7,8 +7,11 @@ class can inherit it too), and the choices of p2c, peak-EWMA and queue-depth at 
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import weakref
+from collections.abc import Sequence
 
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
@@ -18,6 +21,7 @@ from txlb import (
     BackendSpec,
     IPolicy,
     LeastConnections,
+    Policy,
     Pool,
     RequestOutcome,
     RoutingRequest,
@@ -33,6 +37,7 @@ from txlb._scheduling.policies import (
     round_robin,
     weighted_random,
 )
+from txlb._scheduling.policies.cache_aware import CacheAware
 from txlb._scheduling.policies.registry import find_factory
 
 
@@ -305,3 +310,85 @@ class PolicyChoiceTests(SynchronousTestCase):
 
         (only,) = [Backend(BackendSpec("127.0.0.1", 8002))]
         self.assertIs(PowerOfTwoChoices(random.Random(1)).choose([only]), only)
+
+
+class FewestErrors(Policy):
+    """docs/scheduling.md's example third-party policy, as a policy author writes it."""
+
+    name = "fewest-errors"
+
+    def __init__(self) -> None:
+        self._errors: weakref.WeakKeyDictionary[Backend, float] = weakref.WeakKeyDictionary()
+
+    def choose(self, candidates: Sequence[Backend],
+               request: RoutingRequest | None = None) -> Backend:
+        return min(candidates, key=lambda b: (b.active + self._errors.get(b, 0))
+                   / b.effective_weight)
+
+    def observe(self, backend: Backend, outcome: RequestOutcome) -> None:
+        errors = self._errors.get(backend, 0.0) * 0.9
+        self._errors[backend] = errors + (1 if outcome.status >= 500 else 0)
+
+
+class DocumentedBackendReadsTests(SynchronousTestCase):
+    """
+    What docs/scheduling.md promises a third-party policy can read from a backend --
+    ``active``, ``effective_weight``, ``key``, ``models``, ``engine_depth``,
+    ``kv_cache_usage``, ``responses`` -- reads as the value itself, not something to call.
+    """
+
+    def test_each_documented_name_reads_as_its_value(self) -> None:
+        pool = pool_of(1, 1)
+        busy, idle = list(pool)
+        busy.counts.counted(3)
+        pool.set_engine_depth(idle, 2, 1, 0.25)
+        pool.record_result(busy, 503, 0.1, None)
+        pool.record_result(idle, 200, 0.1, None)
+        self.assertEqual((busy.active, idle.active), (3, 0))
+        self.assertEqual((busy.engine_depth, idle.engine_depth), (None, 3.0))
+        self.assertEqual((busy.kv_cache_usage, idle.kv_cache_usage), (None, 0.25))
+        self.assertEqual((busy.responses, idle.responses), ({"5xx": 1}, {"2xx": 1}))
+        self.assertEqual((idle.key, idle.models, idle.effective_weight),
+                         ("127.0.0.1:9001", None, 1.0))
+
+    def test_the_documented_example_policy_runs(self) -> None:
+        pool = pool_of(1, 1)
+        a, b = list(pool)
+        policy = FewestErrors()
+        a.counts.counted(1)
+        self.assertIs(policy.choose([a, b]), b)  # fewer in flight
+        for _ in range(3):
+            policy.observe(b, RequestOutcome(backend=b.key, status=503, answered=True,
+                                             ttfb=0.1, duration=0.1))
+        self.assertIs(policy.choose([a, b]), a)  # its 5xx answers count as load
+
+
+class CacheAwareCountersTests(SynchronousTestCase):
+    """
+    ``--policy cache-aware`` with answers that report no cached tokens checks its index
+    against the engine's scraped prefix-cache counters: an engine that counts no hits where
+    hits were predicted has evicted what the index lists, and loses trust.
+    """
+
+    def test_hits_the_engine_never_counted_lower_the_trust(self) -> None:
+        pool = pool_of(1, 1)
+        backends = list(pool)
+        policy = CacheAware(secret=b"k" * 32)
+        words = "Tenant 20 rules: answer about account 158380. "
+        prompt = (words * 80)[:3200]
+
+        def chat(question: str) -> RoutingRequest:
+            body = {"model": "m", "messages": [{"role": "system", "content": prompt},
+                                               {"role": "user", "content": question}]}
+            return RoutingRequest(model="m", body=json.dumps(body).encode(), json=body)
+
+        home = policy.choose(backends, chat("0"))
+        counters = (0.0, 0.0)
+        pool.set_engine_depth(home, 0, 0, None, counters)
+        for n in range(8):
+            self.assertIs(policy.choose(backends, chat(f"{n + 1}")), home)
+            counters = (counters[0], counters[1] + 820)  # queried, never a hit
+            pool.set_engine_depth(home, 0, 0, None, counters)
+        facts = dict(policy.describe(home)["prefix_cache"])  # type: ignore[call-overload]
+        self.assertEqual(facts["counter_checks"], 7)
+        self.assertLess(facts["trust"], 0.3)

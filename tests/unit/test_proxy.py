@@ -13,9 +13,10 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import RequestTransmissionFailed, ResponseFailed, ResponseNeverReceived
 from twisted.web.resource import Resource
-from twisted.web.server import Site
+from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from txlb import LoadBalancer
+from txlb._proxy.client_end import cut_answer
 
 from ..helpers import ClientConnection, FakeResponse, FakeUpstream
 
@@ -742,3 +743,41 @@ class LocalClientTests(SynchronousTestCase):
         self.assertFalse(self.local(IPv6Address("TCP", "::ffff:10.0.0.1", 1)))
         self.assertFalse(self.local(IPv6Address("TCP", "fe80::1", 1)))
         self.assertFalse(self.local(IPv4Address("TCP", "localhost", 1)))  # not an address
+
+
+class CutAnswerTests(SynchronousTestCase):
+    """
+    ``cut_answer``, the ending of a failure after the head was sent: the client connection
+    is aborted (a truncated response, never a clean one) -- and a client already gone is
+    left as it is instead of raising in the middle of the exchange's way out (which would
+    skip the outcome, the record's end and the bookkeeping after it).
+    """
+
+    def held(self) -> tuple[ClientConnection, Request]:
+        """A client whose request the site holds open, and that request."""
+        requests: list[Request] = []
+
+        class Hold(Resource):
+            isLeaf = True
+
+            def render(self, request: Request) -> object:
+                requests.append(request)
+                return NOT_DONE_YET
+
+        client = ClientConnection(Site(Hold(), reactor=Clock()))
+        client.request(b"GET", b"/v1/completions")
+        return client, requests[0]
+
+    def test_a_cut_answer_aborts_the_client_connection_without_the_last_chunk(self) -> None:
+        client, request = self.held()
+        request.write(b"data: 1\n\n")
+        cut_answer(request)
+        self.assertTrue(client.transport.disconnected)  # aborted, not closed cleanly
+        self.assertFalse(client.response().complete)
+
+    def test_cutting_the_answer_of_a_client_already_gone_does_nothing(self) -> None:
+        client, request = self.held()
+        request.write(b"data: 1\n\n")
+        client.disconnect()  # the request no longer has a channel
+        cut_answer(request)  # must not raise
+        self.assertFalse(client.transport.disconnected)

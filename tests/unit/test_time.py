@@ -72,6 +72,19 @@ class InjectedClockTests(SynchronousTestCase):
         clock.advance(5)
         self.assertEqual(backend.slow_start.ramp, 0.5)
 
+    def test_a_retuned_slow_start_continues_the_ramp_at_the_new_length(self) -> None:
+        """A reloaded ``--slow-start`` reaches every backend: a ramp under way stretches."""
+        clock = Clock()
+        pool = Pool((BackendSpec("127.0.0.1", 8002),), clock=clock, slow_start=10)
+        backend = pool.get("127.0.0.1:8002")
+        assert backend is not None
+        pool.mark_down(backend, "test")
+        pool.mark_up(backend)
+        clock.advance(5)
+        self.assertEqual((backend.slow_start.length, backend.slow_start.ramp), (10, 0.5))
+        pool.retune(pool.outliers, 20)
+        self.assertEqual((backend.slow_start.length, backend.slow_start.ramp), (20, 0.25))
+
     def test_a_pool_without_a_clock_stands_at_zero(self) -> None:
         pool = Pool((BackendSpec("127.0.0.1", 8002),))
         self.assertEqual(pool.clock.seconds(), 0)

@@ -132,6 +132,34 @@ class ClientTests(unittest.TestCase):
             flags = transport.socket.flags  # type: ignore[attr-defined]
             self.assertEqual(flags, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # never taken
 
+    def test_an_idle_connection_whose_backend_said_nothing_is_reused(self) -> None:
+        """
+        On a real TCP socket: a backend that sent nothing and still holds its end keeps its
+        pooled connection in use (the peek finds nothing waiting); once it has closed its
+        end, the next request goes on a new connection.
+        """
+        listener = socket.create_server(("127.0.0.1", 0))
+        self.addCleanup(listener.close)
+        for backend_closes, reused in ((False, True), (True, False)):
+            client = UpstreamClient(MemoryReactorClock(), connect_timeout=5)
+            self.client, self.reactor = client, client._reactor  # type: ignore[attr-defined]
+            result = self.send(method=b"GET", body=None)
+            connection, transport = self.connect()
+            connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            result[0].deliver(Owner(), raw=True)
+            ours = socket.create_connection(listener.getsockname())
+            self.addCleanup(ours.close)
+            theirs, _ = listener.accept()
+            self.addCleanup(theirs.close)
+            if backend_closes:
+                theirs.close()
+                ours.recv(1, socket.MSG_PEEK)  # wait until the FIN is here
+            transport.socket = ours  # type: ignore[attr-defined]
+            transport.clear()
+            self.send(method=b"GET", body=None)
+            self.assertEqual(len(self.reactor.tcpClients), 1 if reused else 2, backend_closes)
+            self.assertEqual(bool(transport.value()), reused, backend_closes)
+
     def test_no_body_no_content_length(self) -> None:
         self.assertNotIn(b"Content-Length", request_head(b"GET", b"/", b"h", [], None))
         self.assertIn(b"Content-Length: 0\r\n", request_head(b"POST", b"/", b"h", [], b""))
