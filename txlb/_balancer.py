@@ -387,9 +387,12 @@ class LoadBalancer:
             self.proxy, self.summaries, self.classes, self.budgets, self.dns]
         if self.result_log is not None:
             self.reconfigurable.append(self.result_log)
+        # the pool, the classes, the budgets and the DNS names were made from the config
+        # above; the others take it now, as they will take each reload's
+        made: tuple[Reconfigurable, ...] = (self.pool, self.classes, self.budgets, self.dns)
         for part in self.reconfigurable:
-            if part not in (self.pool, self.classes, self.budgets, self.dns):
-                part.reconfigure(config)  # those four were made from the config above
+            if not any(part is one for one in made):
+                part.reconfigure(config)
         #: reloads (``kill -HUP``, ``POST /reload``): ``source`` is where the config is
         #: read again (the command line and environment as started, the file as it is now)
         self.reloader = Reloader(self, source, reactor)
