@@ -43,6 +43,7 @@ from txlb._cluster.local_store import TokenBuckets
 from txlb._config.backends import BackendSpec
 from txlb._config.config import Config, build_config
 from txlb._config.errors import ConfigError
+from txlb._config.option import OptionSpec
 from txlb._config.toml_file import read_toml
 from txlb._scheduling.policies import IPolicy, PolicyFactory
 from txlb._scheduling.policies.registry import find_factory, make_policy
@@ -65,10 +66,6 @@ log = Logger()
 #: open already), by ``Config`` attribute: a reload that changes one says so and keeps it.
 RESTART_ONLY: tuple[str, ...] = ("listen", "admin", "workers", "log_file", "resolver",
                                 "shared_state")
-
-#: What a ``takes_config`` policy (``cache-aware``) reads from the config: a change of any
-#: of them builds a new policy even under the same name.
-_POLICY_OPTIONS = ("cache_block", "cache_entries", "cache_load")
 
 
 class Reconfigurable(Protocol):
@@ -228,9 +225,11 @@ def _policy(lb: LoadBalancer, config: Config) -> IPolicy:
     if not lb.owns_policy:
         return lb.policy
     factory = find_factory(config.policy)
-    takes_config = isinstance(factory, PolicyFactory) and factory.takes_config
-    same_inputs = not takes_config or all(
-        getattr(old, name) == getattr(config, name) for name in _POLICY_OPTIONS)
+    # what it is built from: the options its module declares (cache-aware's --cache-*)
+    options: tuple[OptionSpec, ...] = (
+        factory.options if isinstance(factory, PolicyFactory) else ())
+    same_inputs = all(getattr(old, spec.attribute) == getattr(config, spec.attribute)
+                      for spec in options)
     if config.policy == old.policy and same_inputs:
         return lb.policy
     try:
