@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from bench.harness import HOST
+from bench.loadgen_http import ResponseParser
 
 MODEL = "sim-model"
 
@@ -59,8 +60,8 @@ class StreamClient(asyncio.Protocol):
     """
     One keep-alive HTTP/1.1 connection sending streaming completions back to back.
 
-    A small state machine over the raw bytes (head, chunk size, chunk data) rather than
-    an HTTP library, so the client spends as little CPU per event as it can.  Events are
+    The load generator's own response parser (:class:`bench.loadgen_http.ResponseParser`)
+    rather than an HTTP library, so the client spends as little CPU per event as it can.  Events are
     counted as ``\\n\\n`` terminators in the de-chunked body, carrying one byte across
     chunk boundaries so an event split between two chunks still counts once.
     """
@@ -72,11 +73,7 @@ class StreamClient(asyncio.Protocol):
         self.deadline = deadline
         self.done = done
         self.transport: asyncio.Transport | None = None
-        self.buffer = b""
-        self.state = "idle"
-        self.remaining = 0  # bytes left in the current chunk or fixed-length body
-        self.chunked = False
-        self.status = 0
+        self.parser = ResponseParser(self._count, self._response_done)
         self.last_newline = False
         self.in_flight = False
 
@@ -90,7 +87,7 @@ class StreamClient(asyncio.Protocol):
         if time.monotonic() >= self.deadline:
             self._finish()
             return
-        self.state = "head"
+        self.parser.reset()
         self.in_flight = True
         self.last_newline = False
         self.stats.started += 1
@@ -129,86 +126,14 @@ class StreamClient(asyncio.Protocol):
 
     def _response_done(self) -> None:
         self.in_flight = False
-        if self.status == 200:
+        if self.parser.status == 200:
             self.stats.completed += 1
         else:
             self.stats.errors += 1
         self._send()
 
     def data_received(self, data: bytes) -> None:
-        buf = self.buffer + data if self.buffer else data
-        pos = 0
-        end = len(buf)
-        while pos < end:
-            state = self.state
-            if state == "data":
-                take = min(self.remaining, end - pos)
-                self._count(buf[pos : pos + take])
-                pos += take
-                self.remaining -= take
-                if self.remaining == 0:
-                    if self.chunked:
-                        self.state = "crlf"
-                    else:
-                        self._response_done()
-                continue
-            if state == "crlf":
-                if end - pos < 2:
-                    break
-                pos += 2
-                self.state = "size"
-                continue
-            if state == "size":
-                eol = buf.find(b"\r\n", pos)
-                if eol < 0:
-                    break
-                size = int(buf[pos:eol].split(b";", 1)[0], 16)
-                pos = eol + 2
-                if size:
-                    self.remaining = size
-                    self.state = "data"
-                else:
-                    self.state = "trailer"
-                continue
-            if state == "trailer":
-                eol = buf.find(b"\r\n", pos)
-                if eol < 0:
-                    break
-                empty = eol == pos
-                pos = eol + 2
-                if empty:  # the blank line after the (normally absent) trailers
-                    self._response_done()
-                continue
-            if state == "head":
-                eoh = buf.find(b"\r\n\r\n", pos)
-                if eoh < 0:
-                    break
-                head = buf[pos:eoh].decode("latin-1").lower().split("\r\n")
-                pos = eoh + 4
-                self.status = int(head[0].split(" ", 2)[1])
-                self.chunked = any(
-                    line.startswith("transfer-encoding:") and "chunked" in line for line in head
-                )
-                if self.chunked:
-                    self.state = "size"
-                    continue
-                length = next(
-                    (int(line.split(":", 1)[1]) for line in head
-                     if line.startswith("content-length:")),
-                    None,
-                )
-                if length is None:  # delimited by close: not expected from txlb
-                    self.state = "data"
-                    self.remaining = 1 << 62
-                elif length == 0:
-                    self._response_done()
-                else:
-                    self.state = "data"
-                    self.remaining = length
-                continue
-            # "idle": bytes with no request outstanding; discard them
-            pos = end
-        self.buffer = buf[pos:]
+        self.parser.feed(data)
 
 
 async def generate_load(port: int, concurrency: int, duration: float, tokens: int) -> LoadStats:
