@@ -7,9 +7,12 @@ A reload happens in two steps, the way ``nginx -t`` then ``nginx -s reload`` doe
 1. **plan** (:func:`plan_reload`): everything that can fail is done first -- the new
    policy built, the backend changes worked out, the rate buckets chosen -- on the new
    config, touching nothing that runs;
-2. **apply** (:func:`apply_reload`): only assignments and the pool's own methods, which do
-   not fail, so a refused reload leaves the running config whole and an accepted one is
-   never half applied.
+2. **apply** (:func:`apply_reload`): the pool's membership methods, the planned policy and
+   rate limiter swapped in, then every part's ``reconfigure(config)`` -- the same list, in
+   the same order, that took the first config at start-up
+   (``LoadBalancer.configure_parts``).  None of it refuses, so a refused reload leaves the
+   running config whole and an accepted one is never half applied; a part that raises
+   keeps its own settings, logged.
 
 Which wins between the file and the admin API: the file says which backends exist and
 with what weight, ``max_conns`` and models -- a backend added at runtime through the admin
@@ -69,7 +72,7 @@ RESTART_ONLY: tuple[str, ...] = ("listen", "admin", "workers", "log_file", "reso
 
 
 class Reconfigurable(Protocol):
-    """A runtime part that takes a reloaded config itself (priority classes, budgets)."""
+    """A part built from the config: told each new one by ``reconfigure``."""
 
     def reconfigure(self, config: Config) -> None:
         """Take ``config`` (whole, validated) in place, keeping the live state."""
