@@ -56,6 +56,7 @@ from txlb._records.bookkeeper import (
     SummaryConsumer,
     SummaryFeed,
     budget_reconciles,
+    fair_shares_settle,
     metrics_counts,
     policy_learns,
     pool_results,
@@ -69,10 +70,12 @@ from txlb._records.summary import Summary
 from txlb._reload import ConfigSource, Reconfigurable, Reloader
 from txlb._scheduling.budgets import TokenBudgets
 from txlb._scheduling.classes import PriorityClasses
+from txlb._scheduling.fairness import FairShares
 from txlb._scheduling.policies import IPolicy
 from txlb._scheduling.policies.registry import make_policy
 from txlb._scheduling.ratelimit import rate_limiter_for
 from txlb._scheduling.router import Router
+from txlb._scheduling.tenants import Tenants
 from txlb._server.lean import LeanSite
 from txlb._server.site import ProxySite
 from txlb._shared.store import RedisStore
@@ -310,7 +313,12 @@ class LoadBalancer:
         #: the priority classes: how a request's class is found and how each class waits;
         #: ``reconfigure(config)`` changes them in place, the queue keeps its waiters
         self.classes = PriorityClasses(config)
-        self.router = Router(self.pool, self.policy, reactor, rng=rng, classes=self.classes)
+        #: the tenants' counters and the order they give each class's queue (VTC, or FIFO)
+        self.fairness = FairShares()
+        #: ``--auth keys``: who each request is, by its API key (off: nothing asked)
+        self.tenants = Tenants(config, self.store, reactor)
+        self.router = Router(self.pool, self.policy, reactor, rng=rng, classes=self.classes,
+                             fairness=self.fairness)
         self.history = History(reactor, self._current_backends,
                                lambda: self.router.queue_length)
         self.metrics.count_queue(lambda: self.router.queue_length, self.router.queue_lengths)
@@ -336,6 +344,7 @@ class LoadBalancer:
             pool_results(self.pool),
             policy_learns(self.pool, self.policy),
             budget_reconciles(self.budgets),
+            fair_shares_settle(self.fairness),
             metrics_counts(self.metrics),
             # the history counts requests and times them: nothing of the answer
             SummaryConsumer("the history", self.history.observe, Needs.NOTHING),
@@ -368,7 +377,7 @@ class LoadBalancer:
         )
         limiter, _ = rate_limiter_for(config, self.store, reactor)
         self.proxy = ProxyResource(self.router, context, rate_limiter=limiter,
-                                   budgets=self.budgets)
+                                   budgets=self.budgets, tenants=self.tenants)
         #: the backends ``dns:``/``srv:`` names yield (resolved only where membership is
         #: owned: see :meth:`service`); the resolver is made when a name first needs one
         servers = config.resolver  # --resolver needs a restart: the servers at start
@@ -384,12 +393,15 @@ class LoadBalancer:
         #: own parts may too.
         self.reconfigurable: list[Reconfigurable] = [
             self.pool, self.router, self.health, self.hung, context, self.upstream,
-            self.proxy, self.summaries, self.classes, self.budgets, self.dns]
+            self.proxy, self.summaries, self.classes, self.budgets, self.dns, self.fairness,
+            self.tenants]
         if self.result_log is not None:
             self.reconfigurable.append(self.result_log)
-        # the pool, the classes, the budgets and the DNS names were made from the config
+        # the pool, the classes, the budgets, the DNS names and the tenants were made from
+        # the config
         # above; the others take it now, as they will take each reload's
-        made: tuple[Reconfigurable, ...] = (self.pool, self.classes, self.budgets, self.dns)
+        made: tuple[Reconfigurable, ...] = (self.pool, self.classes, self.budgets, self.dns,
+                                            self.tenants)
         for part in self.reconfigurable:
             if not any(part is one for one in made):
                 part.reconfigure(config)

@@ -243,7 +243,7 @@ class WiringTests(SynchronousTestCase):
         self.assertIs(lb.proxy.context.observer, lb.bookkeeper)
         self.assertEqual([c.name for c in lb.summaries.consumers],
                          ["the pool's result counts", "the policy", "the token budgets",
-                          "the metrics", "the history"])
+                          "the fair shares", "the metrics", "the history"])
         self.serve_one(lb)
         self.assertEqual(lb.summaries.summarised, 1)
         backend = lb.pool.get(A)

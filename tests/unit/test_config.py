@@ -40,8 +40,9 @@ class BuildConfigTests(SynchronousTestCase):
         for field in attrs.fields(Config):
             if field.default is not attrs.NOTHING:
                 self.assertEqual(getattr(built, field.name), field.default, field.name)
-        # dns_backends is --backends' dns:/srv: entries, split off by build_config
-        self.assertEqual({f.name for f in attrs.fields(Config)} - {"dns_backends"},
+        # dns_backends is --backends' dns:/srv: entries, split off by build_config; keys
+        # is --keys-file as read
+        self.assertEqual({f.name for f in attrs.fields(Config)} - {"dns_backends", "keys"},
                          {spec.attribute for spec in OPTIONS})
 
     def test_backend_forms(self) -> None:

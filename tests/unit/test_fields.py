@@ -62,7 +62,7 @@ def summaries() -> list[Summary]:
     """One summary of every kind, each with the optional fields shown."""
     common: dict[str, Any] = dict(time=0.0, orid="o", backend="b:1", method="POST",
                                   status=200, outcome="timeout", dur=1.0, ttft=0.5,
-                                  tries=2, truncated=True, priority="batch")
+                                  tries=2, truncated=True, priority="batch", tenant="search")
     return [
         Summary(kind="completion", path="/v1/messages", finish="stop", completion_tokens=3,
                 max_tokens=9, clen=4, preview="abcd", empty=False, prompt_tokens=12,
@@ -215,7 +215,7 @@ class NewFieldTests(UTCTestCase):
         self.assertIn(" n=2 ptok=5 ", lines["embedding"])
         self.assertEqual(lines["other"], "01-01 00:00:00 orid=o b:1 POST /v1/models "
                                          "status=200 dur=1.000 end=timeout tries=2 trunc=True "
-                                         "class=batch")
+                                         "class=batch tenant=search")
 
 
 class UnchangedTests(UTCTestCase):
@@ -311,7 +311,7 @@ class WireFormTests(SynchronousTestCase):
     def test_what_may_be_null_may_be(self) -> None:
         nulls = [field.name for field in FIELDS if type(None) in field.wire.classes]
         self.assertEqual(nulls, ["backend", "ttft", "finish", "ctok", "max_tokens", "n",
-                                 "ptok", "cached", "req_keys", "class"])
+                                 "ptok", "cached", "req_keys", "class", "tenant"])
         summary = summary_from({**self.message(), **dict.fromkeys(nulls)})
         self.assertIsNone(summary.completion_tokens)
 

@@ -25,7 +25,7 @@ class _Router:
     def queue_status(self) -> dict[str, object]:
         return {"waiting": 2}
 
-    def model_list(self) -> dict[str, object]:
+    def model_list(self, only: object = None) -> dict[str, object]:
         return {"object": "list", "data": [{"id": "m"}]}
 
 

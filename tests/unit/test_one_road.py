@@ -27,6 +27,9 @@ from txlb._reload import RESTART_ONLY
 
 #: a config file's base lines every case starts from (TOML)
 BASE = 'backends = ["127.0.0.1:9000"]\n'
+#: a keys file of two tenants, for --auth keys
+KEYS = Path(__file__).parent.parent / "fixtures" / "keys" / "keys.toml"
+OTHER_KEYS = KEYS.with_name("other.toml")
 
 #: for each option a reload applies: (the extra base lines it needs to matter, the lines
 #: that set it to another value).  Every option of the table but the restart-only ones
@@ -79,6 +82,9 @@ CHANGES: dict[str, tuple[str, str]] = {
     "classes": ("", '[[classes]]\nname = "gold"\n[[classes]]\nname = "default"\n'),
     "priority_header": ("", 'priority-header = "X-Prio"\n'),
     "default_class": ("", 'default-class = "batch"\n'),
+    "keys_file": (f'auth = "keys"\nkeys-file = "{OTHER_KEYS}"\n', f'keys-file = "{KEYS}"\n'),
+    "auth": (f'keys-file = "{KEYS}"\n', 'auth = "keys"\n'),
+    "fairness": ("", 'fairness = "vtc"\n'),
 }
 
 #: options no part holds: read from the balancer's running config where they are used

@@ -50,6 +50,7 @@ RECORDS: dict[tuple[str, str], str] = {
     ("_scheduling/budgets.py", "routing"): "RoutingRequest.memo, the slot declared for "
                                            "what admission leaves for routing",
     ("_scheduling/policies/cache_aware.py", "request"): "RoutingRequest.memo (see budgets)",
+    ("_scheduling/fairness.py", "request"): "RoutingRequest.memo (see budgets)",
     ("_scheduling/policies/cache_aware.py", "prediction"): _RECORD,
     ("_scheduling/policies/peak_ewma.py", "previous"): _RECORD + ": one backend's average",
     ("_scheduling/prefix.py", "budget"): _RECORD + ": a hashing budget",

@@ -267,9 +267,17 @@ class HealthChecker(Service):
         return gatherResults(extras, consumeErrors=True)
 
     def _get(self, backend: Backend, path: bytes) -> Deferred[IResponse]:
-        """``GET path`` on ``backend``; a request that raises at once fails the Deferred."""
+        """
+        ``GET path`` on ``backend`` (with its engine's key, when it has one: an engine
+        started with ``--api-key`` answers nothing without it); a request that raises at
+        once fails the Deferred.
+        """
+        headers = Headers()
+        if backend.spec.api_key is not None:
+            headers.setRawHeaders(b"authorization",
+                                  [b"Bearer " + backend.spec.api_key.encode("ascii")])
         return defer.maybeDeferred(self._agent.request, b"GET", backend.base_url + path,
-                                   Headers())
+                                   headers)
 
     def _fetch(self, backend: Backend, path: bytes,
                read: Callable[[IResponse], Deferred[Any]]) -> Deferred[Any]:

@@ -9,6 +9,7 @@ once, for the command line, the environment, the config file and the admin API a
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -34,6 +35,9 @@ class BackendSpec:
     weight: int = 1
     max_conns: int = 0
     models: tuple[str, ...] = ()
+    #: the engine's own API key (``api_key``/``api_key_env``), sent as its bearer token in
+    #: place of the client's; never shown, logged or compared in a repr
+    api_key: str | None = attrs.field(default=None, repr=False)
 
     @property
     def key(self) -> str:
@@ -112,7 +116,10 @@ def parse_backends(option: str, value: object, top_level: Collection[str] = ()
     return specs
 
 
-_BACKEND_TABLE_KEYS = {"url", "weight", "max_conns", "models"}
+_BACKEND_TABLE_KEYS = {"url", "weight", "max_conns", "models", "api_key", "api_key_env"}
+#: An engine's key: printable ASCII without spaces (it goes into a header as it is).
+_ENGINE_KEY = re.compile(r"[\x21-\x7e]{1,512}")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
 #: The most addresses one ``dns:``/``srv:`` name brings into the pool: a hostile or broken
 #: DNS answer of thousands of records is cut here (the lowest addresses are kept, so the
@@ -135,6 +142,7 @@ class DnsBackendSpec:
     weight: int = 1
     max_conns: int = 0
     models: tuple[str, ...] = ()
+    api_key: str | None = attrs.field(default=None, repr=False)
 
     @property
     def key(self) -> str:
@@ -145,7 +153,8 @@ class DnsBackendSpec:
         """The backend one resolved address is."""
         return BackendSpec(host=host, port=port,
                            weight=self.weight if weight is None else weight,
-                           max_conns=self.max_conns, models=self.models)
+                           max_conns=self.max_conns, models=self.models,
+                           api_key=self.api_key)
 
 
 #: an SRV owner name: ``_service._proto.`` then a host name (RFC 2782)
@@ -267,10 +276,37 @@ def backend_item(option: str, item: object, top_level: Collection[str] = ()) -> 
 
 
 def _table_settings(item: dict[str, Any]) -> dict[str, Any]:
-    """A backend table's ``weight``, ``max_conns`` and ``models``, checked."""
+    """A backend table's ``weight``, ``max_conns``, ``models`` and engine key, checked."""
     weight = parse_count("backends.weight", item.get("weight", 1))
     max_conns = parse_nonnegative_int("backends.max_conns", item.get("max_conns", 0))
     models = item.get("models", [])
     if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
         raise ConfigError(f"backends.models: {models!r} is not a list of model names")
-    return {"weight": weight, "max_conns": max_conns, "models": tuple(models)}
+    return {"weight": weight, "max_conns": max_conns, "models": tuple(models),
+            "api_key": _engine_key(item)}
+
+
+def _engine_key(item: dict[str, Any]) -> str | None:
+    """
+    The engine's key of a backend table: ``api_key`` written in the file, or
+    ``api_key_env``, the environment variable that holds it (read when the config is
+    built, so a reload reads it again).  A message never shows the key.
+    """
+    if "api_key" in item and "api_key_env" in item:
+        raise ConfigError("backends: give api_key or api_key_env, not both")
+    if "api_key_env" in item:
+        name = item["api_key_env"]
+        if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
+            raise ConfigError(f"backends.api_key_env: {name!r} is not an environment "
+                              "variable's name")
+        key = os.environ.get(name)
+        if key is None:
+            raise ConfigError(f"backends.api_key_env: the environment has no {name}")
+    else:
+        key = item.get("api_key")
+        if key is None:
+            return None
+    if not isinstance(key, str) or not _ENGINE_KEY.fullmatch(key):
+        raise ConfigError("backends.api_key: the engine's key is not 1-512 printable "
+                          "ASCII characters without spaces")
+    return key

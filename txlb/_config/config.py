@@ -23,6 +23,7 @@ import attrs
 from txlb._config.backends import BackendSpec, DnsBackendSpec, split_backends
 from txlb._config.classes import ClassSpec, built_in
 from txlb._config.errors import ConfigError, did_you_mean
+from txlb._config.keys import KeysFile, read_keys
 from txlb._config.limits import BudgetSpec
 from txlb._config.routing import RouteSpec
 from txlb._config.shared import SharedStateSpec
@@ -95,6 +96,74 @@ class Config:
     #: the ``dns:``/``srv:`` entries of ``--backends`` (``backends`` holds the addresses)
     dns_backends: tuple[DnsBackendSpec, ...] = ()
     shared_state: SharedStateSpec | None = _DEFAULT["shared_state"]
+    auth: str = _DEFAULT["auth"]
+    keys_file: str | None = _DEFAULT["keys_file"]
+    #: ``--fairness``: ``None`` is ``auto`` (see :func:`fairness_of`)
+    fairness: str | None = _DEFAULT["fairness"]
+    #: ``--keys-file`` as read when this config was built (every reload reads it again)
+    keys: KeysFile | None = None
+
+
+def fairness_of(config: Config) -> str:
+    """The queue's order within a class: ``--fairness``, where ``auto`` is VTC with keys."""
+    if config.fairness is not None:
+        return config.fairness
+    return "vtc" if config.auth == "keys" else "fifo"
+
+
+def check_auth(config: Config) -> None:
+    """
+    ``--auth keys`` needs a keys file, and the keys file is the one source of who a client
+    is: a ``[[classes]]`` bound to key digests, or a budget of one client (a token, an
+    address, a header's value), would be a second one that can disagree with it, so either
+    is refused with keys on (a budget of every client applies to each tenant).  A tenant's
+    class must be one of the classes.
+    """
+    if config.auth != "keys":
+        return
+    if config.keys is None:
+        raise ConfigError("--auth: 'keys' needs --keys-file, the file of the tenants' keys "
+                          "(python -m txlb.keys makes one)")
+    for spec in config.classes:
+        if spec.keys:
+            raise ConfigError(f"classes.keys: class {spec.name!r} is bound to keys, but with "
+                              "--auth keys a tenant's class is set in the keys file "
+                              "(tenants.NAME.class)")
+    for budget in config.budgets:
+        if budget.key is not None:
+            raise ConfigError(f"budgets: budget {budget.name!r} is for one client, but with "
+                              "--auth keys the client is the tenant and a tenant's own "
+                              "budget is set in the keys file (tenants.NAME.tokens_per_minute)")
+    taken = {budget.name for budget in config.budgets}
+    for tenant in config.keys.tenants:
+        if tenant.windows and tenant_budget_name(tenant.name) in taken:
+            raise ConfigError(f"budgets: budget {tenant_budget_name(tenant.name)!r} is the "
+                              f"name of tenant {tenant.name!r}'s own budget (keys file); "
+                              "rename the [[budgets]] entry")
+    names = [spec.name for spec in class_specs(config)]
+    for tenant in config.keys.tenants:
+        if tenant.priority is not None and tenant.priority not in names:
+            raise ConfigError(f"--keys-file: tenants.{tenant.name}.class {tenant.priority!r} "
+                              f"is not one of the classes ({', '.join(names)})"
+                              f"{did_you_mean(tenant.priority, names)}")
+
+
+def tenant_budget_name(tenant: str) -> str:
+    """The budget a tenant's ``tokens_per_minute``/``tokens_per_day`` make: ``tenant.NAME``."""
+    return f"tenant.{tenant}"
+
+
+def with_tenant_budgets(config: Config) -> Config:
+    """
+    ``config`` with each tenant's own token budget (keys file) among its budgets, under
+    ``--auth keys``: one budget of that tenant's requests alone, limited and shown as a
+    ``[[budgets]]`` entry is.
+    """
+    if config.auth != "keys" or config.keys is None:
+        return config
+    own = tuple(BudgetSpec(tenant_budget_name(t.name), "tenant", f"tenant:{t.name}", None,
+                           t.windows) for t in config.keys.tenants if t.windows)
+    return attrs.evolve(config, budgets=config.budgets + own) if own else config
 
 
 def check_workers(config: Config) -> None:
@@ -189,9 +258,13 @@ def build_config(
                           "fills) or give --backends; the default fleet "
                           f"({DEFAULT_FLEET}) is used only without a config file")
     values["backends"], values["dns_backends"] = split_backends(values["backends"])
+    if values["keys_file"] is not None:
+        values["keys"] = read_keys(values["keys_file"])
     config = Config(**values)
     check_workers(config)
     check_classes(config)
+    check_auth(config)
+    config = with_tenant_budgets(config)
     if config.log_user == "hash" and config.log_user_key is None:
         # chosen once, here, so that every --workers worker digests with the same key
         config = attrs.evolve(config, log_user_key=secrets.token_hex(32))

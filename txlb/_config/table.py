@@ -30,6 +30,7 @@ from txlb._config.endpoints import (
     parse_listen,
     parse_token,
 )
+from txlb._config.keys import parse_auth, parse_fairness, parse_keys_path
 from txlb._config.limits import parse_budgets, parse_completion_estimate, parse_rate, parse_rate_key
 from txlb._config.option import OptionSpec
 from txlb._config.resultlog import (
@@ -166,6 +167,17 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("rate-key", "ip", parse_rate_key,
                "What a client is: 'ip', 'token' (the bearer token, never logged) or "
                "'header:NAME'."),
+    OptionSpec("auth", "off", parse_auth,
+               "'keys': every request needs an API key of --keys-file (401 without one); "
+               "its tenant names the client for classes, budgets, rate limits and fair "
+               "shares. 'off': no key is asked.", "LB_AUTH"),
+    OptionSpec("keys-file", None, parse_keys_path,
+               "The tenants and the SHA-256 of their API keys (TOML; python -m txlb.keys "
+               "makes a key); re-read on every reload.", "LB_KEYS_FILE"),
+    OptionSpec("fairness", "auto", parse_fairness,
+               "Who is served first within a priority class when requests queue: 'fifo' "
+               "(arrival order), 'vtc' (the tenant that has received the fewest weighted "
+               "tokens) or 'auto' (vtc with --auth keys, else fifo).", "LB_FAIRNESS"),
     OptionSpec("workers", 1, parse_count,
                "Processes sharing the listening socket (tcp only), with least-connections "
                "exact across them."),

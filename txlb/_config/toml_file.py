@@ -27,9 +27,10 @@ else:  # pragma: no cover - exercised only on 3.10
 MAX_CONFIG_BYTES = 4 * 1024**2
 
 
-def read_toml(path: str) -> dict[str, Any]:
+def read_toml(path: str, option: str = "config") -> dict[str, Any]:
     """
-    Read the ``--config`` file, turning every way it can fail into a ConfigError.
+    Read the ``--config`` file (or another TOML file of txlb's, named by ``option`` in the
+    messages: ``--keys-file``), turning every way it can fail into a ConfigError.
 
     Only a regular file is read: the path is opened without blocking (a FIFO's open
     would wait for a writer) and the opened file itself is checked, so a FIFO, a device
@@ -42,35 +43,35 @@ def read_toml(path: str) -> dict[str, Any]:
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as error:
-        raise ConfigError(f"--config: cannot read {path!r}: {error.strerror}") from None
+        raise ConfigError(f"--{option}: cannot read {path!r}: {error.strerror}") from None
     try:
         mode = os.fstat(descriptor).st_mode
         if not stat.S_ISREG(mode):
-            raise ConfigError(f"--config: {path!r} is not a regular file "
+            raise ConfigError(f"--{option}: {path!r} is not a regular file "
                               f"({_file_kind(mode)})")
         raw = _read_at_most(descriptor, MAX_CONFIG_BYTES + 1)
     except OSError as error:
-        raise ConfigError(f"--config: cannot read {path!r}: {error.strerror}") from None
+        raise ConfigError(f"--{option}: cannot read {path!r}: {error.strerror}") from None
     finally:
         os.close(descriptor)
     if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"--config: {path!r} is larger than "
+        raise ConfigError(f"--{option}: {path!r} is larger than "
                           f"{MAX_CONFIG_BYTES // 1024**2} MiB")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         line = raw.count(b"\n", 0, error.start) + 1
-        raise ConfigError(f"--config: {path!r} is not UTF-8 text: byte "
+        raise ConfigError(f"--{option}: {path!r} is not UTF-8 text: byte "
                           f"0x{raw[error.start]:02x} on line {line}") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"--config: {path!r} is not valid TOML: {error}") from None
+        raise ConfigError(f"--{option}: {path!r} is not valid TOML: {error}") from None
     except RecursionError:
-        raise ConfigError(f"--config: {path!r} is not valid TOML: arrays or inline tables "
+        raise ConfigError(f"--{option}: {path!r} is not valid TOML: arrays or inline tables "
                           "nested too deeply") from None
     except ValueError as error:  # an integer past Python's digit limit
-        raise ConfigError(f"--config: {path!r} is not valid TOML: {error}") from None
+        raise ConfigError(f"--{option}: {path!r} is not valid TOML: {error}") from None
 
 
 def _read_at_most(descriptor: int, limit: int) -> bytes:

@@ -16,6 +16,7 @@ from twisted.web.iweb import IRequest
 #: The ``type`` field for each status the balancer produces.
 ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
     408: "invalid_request_error",
@@ -29,13 +30,17 @@ ERROR_TYPES = {
 }
 
 
-def error_body(status: int, message: str) -> bytes:
-    """The JSON body for an error ``status`` with a human-readable ``message``."""
+def error_body(status: int, message: str, code: str | None = None) -> bytes:
+    """
+    The JSON body for an error ``status`` with a human-readable ``message``.  ``code`` is
+    OpenAI's own code where clients branch on it (``invalid_api_key``,
+    ``model_not_found``); else the status.
+    """
     body = {
         "error": {
             "message": message,
             "type": ERROR_TYPES.get(status, "proxy_error"),
-            "code": status,
+            "code": status if code is None else code,
         }
     }
     return json.dumps(body).encode("utf-8")

@@ -63,17 +63,21 @@ class ProxyContext:
     x_backend: str = "on"
     #: per-request warnings, one line per kind a minute (``None``: every one logged)
     repeats: RepeatSummary | None = None
+    #: ``--auth``: with ``keys`` a client's key is never forwarded to an engine
+    auth: str = "off"
 
     def reconfigure(self, config: Config) -> None:
         """
-        ``config``'s timeouts, retries, ``X-Backend`` exposure and ``--rate-key`` (who a
-        client is, for the outlier streak), for the exchanges that start from now on.
+        ``config``'s timeouts, retries, ``X-Backend`` exposure, ``--auth`` (whether a
+        client's key is forwarded) and ``--rate-key`` (who a client is, for the outlier
+        streak), for the exchanges that start from now on.
         """
         self.read_timeout = config.read_timeout
         self.send_timeout = config.send_timeout
         self.retries = config.retries
         self.retry_window = config.retry_window
         self.x_backend = config.x_backend
+        self.auth = config.auth
         self.client_key = functools.partial(client_key, kind=config.rate_key)
 
 

@@ -43,7 +43,7 @@ from txlb._proxy.failures import (
     failure_words,
     provoked_by_request,
 )
-from txlb._proxy.head import UpstreamHead, client_head, upstream_head
+from txlb._proxy.head import UpstreamHead, client_head, upstream_head, with_credentials
 from txlb._proxy.incoming import exposed_to, framed_writer
 from txlb._records.record import RequestRecord
 from txlb._scheduling.router import RoutingError
@@ -139,8 +139,10 @@ class Exchange:
         self._arm_watchdog()
         try:
             head = self._head
+            headers = with_credentials(head.headers, self.context.auth == "keys",
+                                       backend.spec.api_key)
             upstream = self._upstream = self.context.upstream.send(
-                backend.spec.host, backend.spec.port, head.method, head.target, head.headers, body)
+                backend.spec.host, backend.spec.port, head.method, head.target, headers, body)
         except Exception:
             # an Agent raises synchronously for a URI or method it rejects
             upstream = self._upstream = fail()

@@ -68,6 +68,24 @@ def upstream_head(method: bytes, uri: bytes, mounted: int, headers: RawHeaders,
                         upstream_request_headers(headers, client_host, scheme))
 
 
+#: The headers a client's API key comes in (OpenAI's, Anthropic's).
+CREDENTIALS = (b"authorization", b"x-api-key")
+
+
+def with_credentials(headers: RawHeaders, strip: bool, api_key: str | None) -> RawHeaders:
+    """
+    ``headers`` with the credentials the engine is to get: the client's own are dropped
+    when ``strip`` (``--auth keys``: a tenant's key is txlb's, never an engine's) or when
+    the backend has its own ``api_key``, which is then sent as the bearer token.
+    """
+    if not strip and api_key is None:
+        return headers
+    kept = [(name, value) for name, value in headers if name not in CREDENTIALS]
+    if api_key is not None:
+        kept.append((b"authorization", b"Bearer " + api_key.encode("ascii")))
+    return kept
+
+
 @attrs.frozen
 class ClientHead:
     """What the client gets of a backend's response head."""

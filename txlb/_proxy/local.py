@@ -15,6 +15,7 @@ import json
 from twisted.web.server import Request
 
 from txlb._config.config import Config
+from txlb._config.keys import TenantSpec
 from txlb._http.errors import error_body, write_body
 from txlb._proxy.incoming import exposed_to
 from txlb._scheduling.router import Router
@@ -45,11 +46,22 @@ class LocalAnswers:
         """``config``'s ``--lb-status``, from the next request on."""
         self.lb_status = config.lb_status
 
-    def answer(self, request: Request, path: bytes) -> bytes | None:
+    def open(self, request: Request, path: bytes) -> bool:
+        """
+        Whether ``request`` is answered without an API key under ``--auth keys``: ``OPTIONS
+        *`` (about the server, not a model) and ``/__lb_status`` where ``--lb-status``
+        exposes it -- what a load balancer or a probe in front of txlb asks.
+        """
+        return path == ASTERISK or (request.method == b"GET" and path == STATUS_PATH
+                                    and exposed_to(self.lb_status, request))
+
+    def answer(self, request: Request, path: bytes,
+               tenant: TenantSpec | None = None) -> bytes | None:
         """
         Answer ``request`` (for ``path``, relative to the mount point) if it is one of
         txlb's own: the body it was answered with (its status is the request's), for the
-        result log.  ``None``: it is not, and is left untouched, to forward.
+        result log.  ``None``: it is not, and is left untouched, to forward.  A
+        ``tenant`` with a list of models sees only those in ``/v1/models``.
         """
         if path == ASTERISK:
             return self._asterisk(request)
@@ -58,7 +70,8 @@ class LocalAnswers:
         if path == STATUS_PATH and exposed_to(self.lb_status, request):
             return _json(request, 200, self.status())
         if path == MODELS_PATH:
-            return _json(request, 200, self.router.model_list())
+            only = tenant.models if tenant is not None and tenant.models else None
+            return _json(request, 200, self.router.model_list(only))
         return None
 
     @staticmethod

@@ -1,8 +1,8 @@
 """
-The reverse-proxy resource: admit each request (shutdown, body limit, rate limit, token
-budgets), find its
-model and session, ask the router for a backend, and hand it to an
-:class:`~txlb._proxy.exchange.Exchange`, which forwards it and relays the answer.
+The reverse-proxy resource: admit each request (its API key first, with ``--auth keys``;
+then shutdown, body limit, rate limit, token budgets), find its model and session, ask the
+router for a backend, and hand it to an :class:`~txlb._proxy.exchange.Exchange`, which
+forwards it and relays the answer.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from txlb._cluster.slots import Lease
 from txlb._config.config import Config
+from txlb._config.keys import TenantSpec
 from txlb._http.errors import error_body, write_body
 from txlb._proxy.context import LiveExchange, ProxyContext, RetryPlan
 from txlb._proxy.exchange import Exchange
@@ -29,9 +30,20 @@ from txlb._scheduling.budgets import TokenBudgets
 from txlb._scheduling.ratelimit import RateLimiter
 from txlb._scheduling.request import RoutingRequest
 from txlb._scheduling.router import Router, RoutingError, retry_after_of
+from txlb._scheduling.tenants import Refusal, Tenants
 from txlb._scheduling.work import WorkBudget, read_json
 
 log = Logger()
+
+
+class _Refused(Exception):
+    """A request admission will not route: its status, message and OpenAI error code."""
+
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
 
 
 def needs_of(observer: IRequestObserver) -> Needs:
@@ -52,8 +64,10 @@ class ProxyResource(Resource):
     def __init__(self, router: Router, context: ProxyContext, retry_after: float = 1,
                  affinity: str | None = None, rate_limiter: RateLimiter | None = None,
                  max_body: int = 0, lb_status: str = "on",
-                 budgets: TokenBudgets | None = None) -> None:
+                 budgets: TokenBudgets | None = None, tenants: Tenants | None = None) -> None:
         super().__init__()
+        #: ``--auth keys``: who a request is, by its API key (off: ``None`` or disabled)
+        self.tenants = tenants
         #: what txlb answers itself (``/__lb_status``, ``/v1/models``) before admission
         self.local = LocalAnswers(router, lb_status)
         self.rate_limiter = rate_limiter
@@ -94,18 +108,20 @@ class ProxyResource(Resource):
         request.defaultContentType = None
         path = local_path(request)
         started = self.clock.seconds()
-        answered = self.local.answer(request, path)
+        tenant: TenantSpec | None = None
+        tenants = self.tenants
+        if tenants is not None and tenants.enabled and not self.local.open(request, path):
+            found = tenants.identify(request)
+            if isinstance(found, Refusal):
+                self._unauthorized(request, self._record(request, path, started), found)
+                return NOT_DONE_YET
+            tenant = found
+        answered = self.local.answer(request, path, tenant)
         if answered is not None:
             self._answered_locally(request, path, started, answered)
             return NOT_DONE_YET
-        record = RequestRecord(
-            started=started,
-            method=request.method,
-            path=path,
-            orid_header=request.getHeader(b"x-orid"),
-            request_body=read_body(request),
-            needs=needs_of(self.context.observer),
-        )
+        record = self._record(request, path, started)
+        record.tenant = tenant.name if tenant is not None else None
         if not record.path.startswith(b"/"):
             self._refuse(request, record, 400, "request target must be a path")
             return NOT_DONE_YET
@@ -129,13 +145,16 @@ class ProxyResource(Resource):
             self._refuse(request, record, 413, f"the request body is over the limit of "
                                                f"{self.max_body} bytes")
             return NOT_DONE_YET
-        if self.rate_limiter is not None:
-            wait = self.rate_limiter.check(request)
-            if wait is not None:
-                self._refuse(request, record, 429, "rate limit exceeded for this client; "
-                                                   f"retry in {wait}s", wait)
-                return NOT_DONE_YET
-        routing = self._routing_request(request, record)
+        wait = self._rate_wait(request, tenant)
+        if wait is not None:
+            self._refuse(request, record, 429, "rate limit exceeded for this client; "
+                                               f"retry in {wait}s", wait)
+            return NOT_DONE_YET
+        try:
+            routing = self._routing_request(request, record, tenant)
+        except _Refused as refused:
+            self._refuse(request, record, refused.status, refused.message, code=refused.code)
+            return NOT_DONE_YET
         budgets = self.budgets
         if budgets is not None and budgets.specs:
             admission = budgets.admit(request, routing, record.path, routing.priority)
@@ -148,6 +167,7 @@ class ProxyResource(Resource):
             record.count_events = admission.reserved
         record.client = routing.client
         record.routing = routing
+        self.router.fairness.price(routing, record.path, request.method)
         waiting = self.router.acquire(routing)
         if not waiting.called:
             # queued for a slot: a client that leaves also leaves the queue (once started,
@@ -162,7 +182,31 @@ class ProxyResource(Resource):
         ).addErrback(lambda failure: log.failure("routing a request failed", failure))
         return NOT_DONE_YET
 
-    def _routing_request(self, request: Request, record: RequestRecord) -> RoutingRequest:
+    def _record(self, request: Request, path: bytes, started: float) -> RequestRecord:
+        return RequestRecord(
+            started=started,
+            method=request.method,
+            path=path,
+            orid_header=request.getHeader(b"x-orid"),
+            request_body=read_body(request),
+            needs=needs_of(self.context.observer),
+        )
+
+    def _rate_wait(self, request: Request, tenant: TenantSpec | None) -> int | None:
+        """
+        ``Retry-After`` of a request over its rate, else ``None``: a tenant's own
+        ``rate_limit`` when it has one, else ``--rate-limit`` per tenant (with keys) or per
+        ``--rate-key`` client.
+        """
+        if tenant is not None and self.tenants is not None and self.tenants.has_own_rate(tenant):
+            return self.tenants.rate_wait(tenant)
+        if self.rate_limiter is None:
+            return None
+        return self.rate_limiter.check(
+            request, None if tenant is None else "tenant:" + tenant.name)
+
+    def _routing_request(self, request: Request, record: RequestRecord,
+                         tenant: TenantSpec | None = None) -> RoutingRequest:
         """
         What the request is routed by: the model it names (after alias resolution,
         rewriting the body for the backend), its session key for affinity, its client key,
@@ -183,7 +227,15 @@ class ProxyResource(Resource):
                 body["model"] = model = target
         # a class's models match the name the client sent or, for an alias, its target
         models = [m for m in (named, model) if m is not None]
-        priority = self.router.classes.resolve(request, record.path, models)
+        if tenant is not None and tenant.models and not any(m in tenant.models
+                                                            for m in models):
+            shown = f"`{named}`" if named is not None else "(none named)"
+            raise _Refused(404, f"The model {shown} does not exist or you do not have "
+                                f"access to it. Your models: {', '.join(tenant.models)}",
+                           "model_not_found")
+        priority = self.router.classes.resolve(
+            request, record.path, models, None if tenant is None else tenant.priority,
+            ranked=tenant is not None)
         session = None
         if self.affinity == "user":
             if body is not None and isinstance(body.get("user"), str | int):
@@ -191,8 +243,11 @@ class ProxyResource(Resource):
         elif self.affinity is not None:
             value = request.getHeader(self.affinity.split(":", 1)[1].encode("ascii"))
             session = value.decode("utf-8", "replace") if value else None
-        return RoutingRequest(model=model, session=session,
-                              client=self.context.client_key(request),
+        client = ("tenant:" + tenant.name if tenant is not None
+                  else self.context.client_key(request))
+        return RoutingRequest(model=model, session=session, client=client,
+                              tenant=None if tenant is None else tenant.name,
+                              weight=1.0 if tenant is None else tenant.weight,
                               priority=priority, body=record.request_body, json=body,
                               budget=budget)
 
@@ -200,6 +255,7 @@ class ProxyResource(Resource):
                  routing: RoutingRequest) -> None:
         record.queue_wait = lease.waited
         router = self.router
+        router.fairness.granted(routing)
         retry = RetryPlan(
             acquire=lambda tried: router.acquire(routing, exclude=tried),
             possible=lambda tried: router.can_serve_now(routing.model, tried),
@@ -265,13 +321,18 @@ class ProxyResource(Resource):
         record.ended = self.clock.seconds()
         self.context.observer.ended(record)
 
+    def _unauthorized(self, request: Request, record: RequestRecord, refusal: Refusal) -> None:
+        """A request without a valid key: 401 in OpenAI's shape, ``WWW-Authenticate`` set."""
+        request.responseHeaders.setRawHeaders(b"www-authenticate", [b'Bearer realm="txlb"'])
+        self._refuse(request, record, 401, refusal.message, code="invalid_api_key")
+
     def _refuse(self, request: Request, record: RequestRecord, status: int, message: str,
-                retry_after: int | None = None) -> None:
+                retry_after: int | None = None, code: str | None = None) -> None:
         """
         Answer a request txlb will not forward, and log it like any other -- the answer
         first, so that nothing in the bookkeeping can keep the client waiting.
         """
-        body = error_body(status, message)
+        body = error_body(status, message, code)
         record.answered_by_proxy(status, body)
         record.outcome = "proxy_error"
         record.ended = self.clock.seconds()

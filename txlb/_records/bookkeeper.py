@@ -34,6 +34,7 @@ from txlb._records.privacy import KEEP_ALL, Privacy, privacy_of
 from txlb._records.record import RequestRecord
 from txlb._records.summary import Summary, summarize
 from txlb._scheduling.budgets import TokenBudgets
+from txlb._scheduling.fairness import FairShares
 from txlb._scheduling.outcome import RequestOutcome
 from txlb._scheduling.policies import IPolicy
 from txlb._scheduling.request import RoutingRequest
@@ -205,6 +206,15 @@ def budget_reconciles(budgets: TokenBudgets) -> OutcomeConsumer:
     routing request, which does not cross to a ``--workers`` supervisor).
     """
     return OutcomeConsumer("the token budgets", budgets.reconcile)
+
+
+def fair_shares_settle(fairness: FairShares) -> OutcomeConsumer:
+    """
+    The fair queue's counters: what a request cost replaces what its grant charged its
+    tenant.  Declared where the request was routed (the charge rides on its routing
+    request), as the token budgets' reconciliation is.
+    """
+    return OutcomeConsumer("the fair shares", fairness.settle)
 
 
 def metrics_counts(metrics: Metrics) -> SummaryConsumer:

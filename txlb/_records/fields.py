@@ -248,6 +248,8 @@ FIELDS: tuple[Field, ...] = (
     Field("tries", INT, json_omit=_once, text=(Text(310, " tries=", omit=_once),)),
     Field("class", STR.optional(), attr="priority", json_omit=_unknown,
           text=(Text(330, " class=", escape, omit=_unknown),)),
+    Field("tenant", STR.optional(), json_omit=_unknown,
+          text=(Text(340, " tenant=", escape, omit=_unknown),)),
 )
 
 

@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 
 from txlb._cluster.pool import Pool
 from txlb._records.summary import Summary
+from txlb._records.tenant_metrics import TenantCounts
 from txlb._scheduling.outcome import time_per_output_token
 
 #: 10 ms to 5 min: from a cached short completion to a long reasoning generation.
@@ -196,6 +197,9 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.state = PoolCollector(pool)
         self.registry.register(self.state)
+        #: requests and tokens by tenant, and the 401s (``--auth keys``)
+        self.tenants = TenantCounts()
+        self.registry.register(self.tenants)
         #: where txlb_queue_length is read from: the router's queue, or under --workers
         #: every worker's (:meth:`PoolCollector.count_queue`)
         self.count_queue = self.state.count_queue
@@ -293,6 +297,7 @@ class Metrics:
             self._child(self.time_per_output_token, backend).observe(per_token)
         if summary.outcome == "client_abort":
             self._child(self.client_aborts, backend).inc()
+        self.tenants.observe(summary)
 
     def _child(self, metric: Any, backend: str) -> Any:
         """``metric.labels(backend)``, looked up once per metric and backend."""

@@ -67,6 +67,8 @@ class RequestRecord:
     #: who sent it: the ``--rate-key`` client key, for what learns from each request (the
     #: policy's outcome); never written to the result log
     client: str | None = None
+    #: the tenant of its API key (``--auth keys``): a name of the keys file, never the key
+    tenant: str | None = None
     #: what the request was routed by, for the policy that predicted something of it (a
     #: cache-aware policy's outcome); never written to the result log
     routing: RoutingRequest | None = attrs.field(default=None, repr=False)

@@ -107,6 +107,9 @@ class Summary:
     #: the priority class it was queued in; ``None`` for a request refused before its
     #: class was known (a rate limit, a bad target)
     priority: str | None = None
+    #: the tenant whose API key it presented (``--auth keys``); ``None`` without keys, or
+    #: for a request refused before its key was known
+    tenant: str | None = None
 
 
 def orid_of(header: bytes | None, request: dict[str, Any] | None,
@@ -194,6 +197,7 @@ def summarize(record: RequestRecord, privacy: Privacy = KEEP_ALL) -> Summary:
         "truncated": record.truncated,
         "tries": record.tries,
         "priority": None if record.routing is None else record.routing.priority,
+        "tenant": record.tenant,
     }
     if status != 200:
         keys = request_keys(request) if request is not None else None

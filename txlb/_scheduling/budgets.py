@@ -162,16 +162,26 @@ def charge(outcome: RequestOutcome, estimate: Estimate) -> int:
       early must not make a huge prompt free); nothing when it was never sent (no backend,
       the queue timed out, every try was refused).
     """
+    prompt, completion = served(outcome, estimate)
+    return prompt + completion
+
+
+def served(outcome: RequestOutcome, estimate: Estimate) -> tuple[int, int]:
+    """
+    The prompt and the completion tokens :func:`charge` charges, apart (the fair queue
+    prices them differently).
+    """
     if not outcome.answered:
         sent = outcome.backend not in ("", "-")
-        return estimate.prompt if sent and outcome.end in ("client_abort", "timeout") else 0
+        abandoned = sent and outcome.end in ("client_abort", "timeout")
+        return (estimate.prompt if abandoned else 0), 0
     if not 200 <= outcome.status < 300:
-        return 0
+        return 0, 0
     prompt = estimate.prompt if outcome.prompt_tokens is None else outcome.prompt_tokens
     completion = outcome.completion_tokens
     if completion is None:
         completion = max(estimate.completion, outcome.relayed_events or 0)
-    return prompt + completion
+    return prompt, completion
 
 
 @attrs.frozen
@@ -292,7 +302,8 @@ class TokenBudgets:
               priority: str | None) -> Admission:
         """
         Reserve the request's estimated tokens in every budget that applies to it (by its
-        client keys and its priority class ``priority``), or refuse it.  An admitted
+        client keys -- its tenant's name, with ``--auth keys`` -- and its priority class
+        ``priority``), or refuse it.  An admitted
         request's reservation rides on ``routing`` to :meth:`reconcile`.
         """
         keys: dict[str, str] = {}
@@ -302,7 +313,10 @@ class TokenBudgets:
                 continue
             client = keys.get(spec.kind)
             if client is None:
-                client = keys[spec.kind] = client_key(request, spec.kind)
+                # with --auth keys the tenant is the client, whatever the budget's key
+                client = keys[spec.kind] = (client_key(request, spec.kind)
+                                            if routing.tenant is None
+                                            else "tenant:" + routing.tenant)
             if spec.key is not None and client != spec.key:
                 continue
             applies.extend((spec.name, window, client) for window, _ in spec.windows)

@@ -16,6 +16,10 @@ Resolution, in order:
 3. When no class is bound to keys (a fleet with one tenant), the header is honoured as sent;
    without it (or with a name no class has), the model/path match, else the default class.
 
+With ``--auth keys`` the keys file binds instead: a tenant's ``class`` is what its requests
+get at most (without one, the model/path match, else the default class), and the header
+may only lower it, as in 1.
+
 The token is digested at once (:func:`~txlb._scheduling.ratelimit.bearer_digest`) and only
 the digest is compared: nothing here keeps or logs a key.
 """
@@ -89,15 +93,20 @@ class PriorityClasses:
         found = self._by_name.get(name)
         return found if found is not None else self._by_name[self.default]
 
-    def resolve(self, request: Request, path: bytes, models: Sequence[str]) -> str:
+    def resolve(self, request: Request, path: bytes, models: Sequence[str],
+                bound: str | None = None, ranked: bool = False) -> str:
         """
         The class of ``request`` (see the module's docstring).  ``models`` holds the model
-        the client named and, for an alias, the one it resolved to.
+        the client named and, for an alias, the one it resolved to.  ``ranked``: the
+        request's tenant is known (``--auth keys``), and ``bound`` is its class, if any.
         """
         asked = self._asked(request)
-        if self._by_key:
-            digest = bearer_digest(request)
-            bound = self._by_key.get(digest) if digest is not None else None
+        if ranked or self._by_key:
+            if not ranked:
+                digest = bearer_digest(request)
+                bound = self._by_key.get(digest) if digest is not None else None
+            if bound is not None and bound not in self._by_name:
+                bound = None  # checked at load; a class a reload took away meanwhile
             allowed = bound if bound is not None else self._matched(path, models)
             if asked is not None and self._by_name[asked].rank > self._by_name[allowed].rank:
                 return asked  # lower than allowed: a key may give way, never jump ahead

@@ -98,9 +98,13 @@ class RateLimiter:
         """The bucket's key for ``request`` (see :func:`client_key`)."""
         return client_key(request, self.key)
 
-    def check(self, request: Request) -> int | None:
-        """``None`` if the request may go, else the whole seconds for ``Retry-After``."""
-        wait = self.buckets.take(self.client_key(request))
+    def check(self, request: Request, client: str | None = None) -> int | None:
+        """
+        ``None`` if the request may go, else the whole seconds for ``Retry-After``.
+        ``client`` is its key when the caller knows it better than ``--rate-key`` (the
+        tenant of ``--auth keys``).
+        """
+        wait = self.buckets.take(client if client is not None else self.client_key(request))
         return None if wait <= 0 else max(1, math.ceil(wait))
 
 

@@ -29,6 +29,11 @@ class RoutingRequest:
     session: str | None = None
     #: the ``--rate-key`` client key (an address, or a header's value)
     client: str | None = None
+    #: the tenant whose API key the request presented (``--auth keys``), ``None`` without
+    #: keys: what the fair queue, the budgets and the result log know it by
+    tenant: str | None = None
+    #: the tenant's fair-share weight (its counter advances by its cost over this)
+    weight: float = 1.0
     #: the priority class's name (:mod:`txlb._scheduling.classes`): where it waits in the
     #: ``max_conns`` queue; a name no class has waits in the default class
     priority: str = DEFAULT_CLASS

@@ -10,9 +10,10 @@ in the queue of its priority class (:mod:`txlb._scheduling.classes`): one FIFO d
 class.  Nothing polls: the pool tells the router whenever capacity appears (a slot
 released, a backend up, undrained or added) and the queues are served in order -- first
 the waiters past their class's starvation age (every second slot at most), then the
-classes by precedence, FIFO within each -- every waiter the moment a backend it may use
-has room.  A waiter whose backends are
-all full is passed over, so it never holds up one (of any class) whose backends have room.
+classes by precedence, FIFO within each (or, with ``--fairness vtc``, the tenant that has
+received the least first: :mod:`txlb._scheduling.fairness`) -- every waiter the moment a
+backend it may use has room.  A waiter whose backends are all full is passed over, so it
+never holds up one (of any class) whose backends have room.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from txlb._cluster.slots import Lease
 from txlb._config.config import Config
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.classes import PriorityClasses, QueueClass
+from txlb._scheduling.fairness import FairShares
 from txlb._scheduling.policies import IPolicy, IPreparesRequests
 from txlb._scheduling.policies.least_conn import LeastConnections
 from txlb._scheduling.request import ANY_REQUEST, RoutingRequest
@@ -106,6 +108,7 @@ class Router:
         rng: random.Random | None = None,
         forward_unknown_models: bool = False,
         classes: PriorityClasses | None = None,
+        fairness: FairShares | None = None,
     ) -> None:
         self.pool = pool
         self.policy = policy
@@ -121,7 +124,9 @@ class Router:
         #: built-in three with ``queue_timeout``
         self.classes = classes if classes is not None else PriorityClasses(
             Config(backends=(), queue_timeout=queue_timeout))
-        #: one FIFO queue per class, highest class first
+        #: the order within a class: arrival, or the tenants' fair shares (VTC)
+        self.fairness = fairness if fairness is not None else FairShares()
+        #: one queue per class in arrival order, highest class first
         self._queues: dict[str, deque[_Waiter]] = {}
         self._length = 0
         #: the last slot went to a starving waiter: the next goes by precedence, so that
@@ -180,8 +185,11 @@ class Router:
             models.update(backend.models or ())
         return sorted(models)
 
-    def model_list(self) -> dict[str, object]:
-        """``GET /v1/models``: the union over healthy backends, in OpenAI's list shape."""
+    def model_list(self, only: Sequence[str] | None = None) -> dict[str, object]:
+        """
+        ``GET /v1/models``: the union over healthy backends, in OpenAI's list shape (of
+        the models in ``only``, when given: a tenant's).
+        """
         entries: dict[str, dict[str, object]] = {}
         for backend in self.pool:
             if not backend.health.healthy:
@@ -197,7 +205,8 @@ class Router:
         for alias in self.routes:
             entries.setdefault(alias, {"id": alias, "object": "model", "created": 0,
                                        "owned_by": "txlb"})
-        return {"object": "list", "data": [entries[m] for m in sorted(entries)]}
+        names = sorted(entries) if only is None else sorted(set(entries) & set(only))
+        return {"object": "list", "data": [entries[m] for m in names]}
 
     # -- taking a slot ------------------------------------------------------------------
 
@@ -419,6 +428,7 @@ class Router:
         waiter.deferred = Deferred(cancel)
         waiter.timer = self.clock.callLater(waiter.klass.queue_timeout, self._expire, waiter)
         self._queues[waiter.klass.name].append(waiter)
+        self.fairness.joined(waiter.klass.name, waiter.request)
         waiter.queued = True
         self._length += 1
         self.on_queue_length(self._length)
@@ -428,6 +438,7 @@ class Router:
         if waiter.queued:
             waiter.queued = False
             self._queues[waiter.klass.name].remove(waiter)
+            self.fairness.left(waiter.klass.name, waiter.request)
             self._length -= 1
             self.on_queue_length(self._length)
         if waiter.timer is not None and waiter.timer.active():
@@ -446,9 +457,10 @@ class Router:
         """
         The waiters in the order slots go to them, each with whether it comes as a starving
         one: first, class by class, those past their class's starvation age (the head of
-        each FIFO queue) -- unless the last slot went to a starving waiter -- then every
-        class by precedence, FIFO.  A snapshot, walked lazily: a dispatch that fills the
-        last free slot early looks at no more waiters than it must try.
+        each queue) -- unless the last slot went to a starving waiter -- then every class
+        by precedence, in its fair order (:meth:`FairShares.order`).  A snapshot, walked
+        lazily: a dispatch that fills the last free slot early looks at no more waiters
+        than it must try.
         """
         now = self.clock.seconds()
         snapshots = [(queue[0].klass, list(queue)) for queue in self._queues.values()
@@ -463,8 +475,8 @@ class Router:
                 skip[number] += 1
                 yield waiter, True
         for (_, waiters), starved in zip(snapshots, skip, strict=True):
-            for index in range(starved, len(waiters)):
-                yield waiters[index], False
+            for waiter in self.fairness.order(waiters[starved:]):
+                yield waiter, False
 
     def _dispatch(self) -> None:
         """
@@ -548,6 +560,7 @@ class Router:
                 waiter.timer.cancel()
             left = max(0.0, waiter.since + waiter.klass.queue_timeout - now)
             waiter.timer = self.clock.callLater(left, self._expire, waiter)
+        self.fairness.regroup((w.klass.name, w.request) for w in waiting if w.queued)
 
     def abandon_queue(self, message: str) -> None:
         """Refuse every queued request with 503 (the balancer is shutting down)."""

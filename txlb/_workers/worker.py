@@ -60,7 +60,7 @@ from txlb._cluster.shared_counts import SharedCounts
 from txlb._compat import adopt_listening_port
 from txlb._config.config import Config
 from txlb._log.quiet import summarise_accept_errors
-from txlb._records.bookkeeper import budget_reconciles, policy_learns
+from txlb._records.bookkeeper import budget_reconciles, fair_shares_settle, policy_learns
 from txlb._records.privacy import privacy_of
 from txlb._server.heap import freeze_heap
 from txlb._workers.relay import WorkerRelay, WorkerStore, take_levels
@@ -318,6 +318,8 @@ class SupervisorLink(Protocol):
         # ... and settles the token budgets of the requests it admitted, telling the
         # supervisor (and through it the other workers) what it took and gave back
         forwarder.summaries.add(budget_reconciles(balancer.budgets))
+        # ... and its fair queue's counters, of the requests it routed
+        forwarder.summaries.add(fair_shares_settle(balancer.fairness))
         balancer.budgets.report_to(
             spent=lambda buckets, amount, charged: self.report(
                 Spent([list(where) for where in buckets], amount, charged)),

@@ -1,0 +1,228 @@
+"""
+The fair queue (``--fairness vtc``): among tenants with requests waiting, the one that has
+received the least weighted service is served first; a tenant back from idle starts at the
+lowest counter of those waiting; weights divide the cost; FIFO is kept on request.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from txlb._config import build_config
+from txlb._scheduling.budgets import Estimate
+from txlb._scheduling.fairness import FairShares, cost_of
+from txlb._scheduling.outcome import RequestOutcome
+from txlb._scheduling.request import RoutingRequest
+from txlb._scheduling.tenants import key_digest
+
+from .test_failover import FailoverTestCase
+from .test_tenants import ALPHA, BETA, keys_file
+
+
+class _Waiter:
+    def __init__(self, tenant: str | None, label: str) -> None:
+        self.request = RoutingRequest(tenant=tenant)
+        self.label = label
+
+
+def vtc() -> FairShares:
+    return FairShares(enabled=True, default_completion=100)
+
+
+def served(fair: FairShares, request: RoutingRequest, prompt: int, completion: int,
+           status: int = 200) -> None:
+    """``request`` priced at ``prompt``/``completion``, granted, and ended as reported."""
+    fair.price(request, b"/v1/completions", b"POST")
+    fair.granted(request)
+    fair.settle(RequestOutcome(backend="b:1", status=status, answered=True, ttfb=0.1,
+                               duration=1.0, prompt_tokens=prompt,
+                               completion_tokens=completion, routing=request))
+
+
+class OrderTests(SynchronousTestCase):
+    def test_the_least_served_tenant_goes_first(self) -> None:
+        fair = vtc()
+        fair.counters.update({"heavy": 500.0, "light": 10.0})
+        waiters = [_Waiter("heavy", "h1"), _Waiter("heavy", "h2"), _Waiter("light", "l1")]
+        self.assertEqual(next(iter(fair.order(waiters))).label, "l1")
+
+    def test_fifo_keeps_arrival_order(self) -> None:
+        fair = FairShares(enabled=False)
+        fair.counters.update({"heavy": 500.0, "light": 10.0})
+        waiters = [_Waiter("heavy", "h1"), _Waiter("light", "l1")]
+        self.assertEqual([w.label for w in fair.order(waiters)], ["h1", "l1"])
+
+    def test_the_order_reads_counters_as_they_change(self) -> None:
+        """Serving one waiter charges its tenant: the next pick sees it."""
+        fair = vtc()
+        waiters = [_Waiter("a", "a1"), _Waiter("a", "a2"), _Waiter("b", "b1")]
+        order = fair.order(waiters)
+        first = next(order)
+        self.assertEqual(first.label, "a1")  # a tie at 0: the earliest arrival
+        fair.counters["a"] = 50.0  # what a1's grant charged
+        self.assertEqual(next(order).label, "b1")
+        self.assertEqual(next(order).label, "a2")
+
+    def test_a_tenant_back_from_idle_starts_at_the_lowest_waiting(self) -> None:
+        fair = vtc()
+        fair.joined("default", RoutingRequest(tenant="a"))
+        fair.joined("default", RoutingRequest(tenant="b"))
+        fair.counters.update({"a": 1000.0, "b": 800.0, "idle": 5.0})  # served meanwhile
+        fair.joined("default", RoutingRequest(tenant="idle"))
+        self.assertEqual(fair.counters["idle"], 800.0)  # no credit saved up while idle
+
+    def test_a_backlogged_tenant_is_not_lifted_again(self) -> None:
+        fair = vtc()
+        fair.counters.update({"a": 100.0, "b": 10.0})
+        fair.joined("default", RoutingRequest(tenant="b"))
+        fair.joined("default", RoutingRequest(tenant="a"))
+        fair.joined("default", RoutingRequest(tenant="b"))  # b already waits: stays
+        self.assertEqual(fair.counters["b"], 10.0)
+
+    def test_no_one_waiting_lifts_to_the_last_served(self) -> None:
+        fair = vtc()
+        served(fair, RoutingRequest(tenant="a", body=b"x" * 400), 100, 50)
+        fair.joined("default", RoutingRequest(tenant="new"))
+        self.assertGreater(fair.counters["new"], 0.0)
+
+    def test_leaving_the_queue_ends_the_backlog(self) -> None:
+        fair = vtc()
+        first = RoutingRequest(tenant="a")
+        fair.joined("default", first)
+        fair.left("default", first)
+        fair.counters["b"] = 70.0
+        fair.joined("default", RoutingRequest(tenant="b"))
+        fair.joined("default", RoutingRequest(tenant="a"))  # idle again: lifted to b's
+        self.assertEqual(fair.counters["a"], 70.0)
+
+
+class ChargeTests(SynchronousTestCase):
+    def test_input_costs_one_output_two_over_the_weight(self) -> None:
+        self.assertEqual(cost_of(100, 50, 1.0), 200.0)
+        self.assertEqual(cost_of(100, 50, 2.0), 100.0)
+
+    def test_usage_replaces_the_estimate(self) -> None:
+        fair = vtc()
+        body = {"prompt": "x" * 400, "max_tokens": 1000}
+        request = RoutingRequest(tenant="a", weight=2.0, body=json.dumps(body).encode(),
+                                 json=body)
+        fair.price(request, b"/v1/completions", b"POST")
+        fair.granted(request)
+        self.assertGreater(fair.counters["a"], 1000.0)  # the whole max_tokens, for now
+        fair.settle(RequestOutcome(backend="b:1", status=200, answered=True, ttfb=0.1,
+                                   duration=1.0, prompt_tokens=100, completion_tokens=10,
+                                   routing=request))
+        self.assertAlmostEqual(fair.counters["a"], cost_of(100, 10, 2.0))
+
+    def test_a_second_slot_is_not_charged_again(self) -> None:
+        fair = vtc()
+        request = RoutingRequest(tenant="a", body=b'{"prompt": "hi", "max_tokens": 10}')
+        fair.price(request, b"/v1/completions", b"POST")
+        fair.granted(request)
+        once = fair.counters["a"]
+        fair.granted(request)  # a failover's second backend
+        self.assertEqual(fair.counters["a"], once)
+
+    def test_an_error_costs_nothing(self) -> None:
+        fair = vtc()
+        served(fair, RoutingRequest(tenant="a", body=b'{"max_tokens": 99}'), 10, 0,
+               status=400)
+        self.assertEqual(fair.counters["a"], 0.0)
+
+    def test_without_a_tenant_nothing_is_counted(self) -> None:
+        fair = vtc()
+        served(fair, RoutingRequest(body=b"{}"), 10, 10)
+        self.assertEqual(fair.counters, {})
+
+    def test_estimate_is_the_budgets_estimate(self) -> None:
+        fair = vtc()
+        request = RoutingRequest(tenant="a", body=b'{"max_tokens": 7}', json={"max_tokens": 7})
+        fair.price(request, b"/v1/completions", b"POST")
+        charge = request.memo[fair]
+        self.assertIsInstance(charge.estimate, Estimate)
+        self.assertEqual(charge.estimate.completion, 7)
+
+
+def gap(order: list[str]) -> int:
+    """The most one tenant was ahead of the other in requests served, over ``order``."""
+    most = ahead = 0
+    for label in order:
+        ahead += 1 if label.startswith("a") else -1
+        most = max(most, abs(ahead))
+    return most
+
+
+class QueueTests(FailoverTestCase):
+    """Through the balancer: one backend at max_conns 1, two tenants queued."""
+
+    def build_queue(self, fairness: str) -> None:
+        keys = keys_file(self, '[tenants.alpha]\n[tenants.beta]\n'
+                               f'[[keys]]\nsha256 = "{key_digest(ALPHA)}"\ntenant = "alpha"\n'
+                               f'[[keys]]\nsha256 = "{key_digest(BETA)}"\ntenant = "beta"\n')
+        path = self.mktemp()
+        with open(path, "w") as handle:
+            handle.write(f'auth = "keys"\nkeys-file = "{keys}"\nfairness = "{fairness}"\n'
+                         'queue-timeout = 100\n'
+                         '[[backends]]\nurl = "10.0.0.1:8000"\nmax_conns = 1\n')
+        self.build(config=build_config({"config": path, "log-file": "none"}, {}),
+                   backends=None)
+
+    def send(self, key: bytes, label: str) -> Any:
+        client = self.client()
+        client.request(b"POST", b"/v1/completions",
+                       headers=[(b"Authorization", b"Bearer " + key)],
+                       body=json.dumps({"prompt": label, "max_tokens": 100}).encode())
+        return client
+
+    def finish_all(self) -> list[str]:
+        """Answer each forwarded request in turn; the prompts in the order they were sent."""
+        order = []
+        for n in range(20):
+            if n >= len(self.upstream.calls):
+                break
+            order.append(json.loads(self.upstream.calls[n].body)["prompt"])
+            self.answer(n, 200, json.dumps({"usage": {"prompt_tokens": 10,
+                                                      "completion_tokens": 100}}).encode())
+        return order
+
+    def test_vtc_shares_the_backend_between_two_backlogs(self) -> None:
+        """
+        alpha queues five before beta's four arrive: beta starts at alpha's counter (no
+        credit for having been idle), and from then on neither gets more than a request's
+        worth ahead of the other -- FIFO would serve alpha's whole backlog first.
+        """
+        self.build_queue("vtc")
+        for n in range(5):
+            self.send(ALPHA, f"a{n}")
+        for n in range(4):
+            self.send(BETA, f"b{n}")
+        self.assertEqual(self.lb.router.queue_length, 8)
+        order = self.finish_all()
+        self.assertEqual(order[:2], ["a0", "a1"])  # a0 had the slot; a1 wins the tie
+        self.assertLessEqual(gap(order[1:8]), 2)
+        self.assertEqual(sorted(order), sorted(f"a{n}" for n in range(5))
+                         + sorted(f"b{n}" for n in range(4)))
+
+    def test_fifo_serves_in_arrival_order(self) -> None:
+        self.build_queue("fifo")
+        for n in range(5):
+            self.send(ALPHA, f"a{n}")
+        for n in range(4):
+            self.send(BETA, f"b{n}")
+        order = self.finish_all()
+        self.assertEqual(order, ["a0", "a1", "a2", "a3", "a4", "b0", "b1", "b2", "b3"])
+        self.assertEqual(gap(order[1:8]), 4)
+
+    def test_auto_is_vtc_with_keys(self) -> None:
+        self.build_queue("auto")
+        self.assertTrue(self.lb.fairness.enabled)
+
+    def test_a_queued_requests_deadline_still_ends_its_wait(self) -> None:
+        self.build_queue("vtc")
+        self.send(ALPHA, "a0")
+        waiting = self.send(BETA, "b0")
+        self.clock.advance(100)
+        self.assertEqual(waiting.response().status, 503)

@@ -1,0 +1,212 @@
+"""
+Fair shares of the fleet between tenants: the Virtual Token Counter (``--fairness vtc``).
+
+The algorithm is the one of Sheng et al., "Fairness in Serving Large Language Models"
+(OSDI 2024).  Each tenant has a counter of the service it has received, in weighted
+tokens: a prompt token costs :data:`INPUT_PRICE`, a generated one :data:`OUTPUT_PRICE`,
+both divided by the tenant's weight.  When a slot frees up and requests wait, the queue
+serves the waiting tenant whose counter is lowest.  A tenant that was not waiting and
+starts to has its counter lifted to ``max(its own, the lowest of the tenants waiting)``
+(or, when no one waits, of the tenant last served): idling earns no credit to spend in a
+burst later.  Between two tenants that stay backlogged the difference of their counters
+stays within ``2 * max(w * L_input, w * M)`` -- ``L_input`` the longest prompt, ``M`` the
+tokens the fleet holds in flight -- whatever their demands.
+
+Every request of a tenant is charged, queued or not (a slot it got at once is service
+too): at its grant, its prompt (from the body's size) and its completion at the estimate
+the token budgets use (``max_tokens``, else ``--budget-completion-estimate``); at its end,
+the difference to what its ``usage`` reports (:meth:`FairShares.settle`).  Charging the
+estimate at once, not each token as it streams, means a tenant's long answers count
+against it while they run -- the error is on the side of the others.
+
+Only the order of the queue changes: priority classes, starvation guards and each
+request's deadline (503 when it runs out) are the router's, as without tenants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol, TypeVar
+
+import attrs
+
+from txlb._config.config import Config, fairness_of
+from txlb._scheduling.budgets import Estimate, estimate_tokens, served
+from txlb._scheduling.outcome import RequestOutcome
+from txlb._scheduling.request import RoutingRequest
+
+#: The weighted price of a prompt token and of a generated one (the paper's defaults:
+#: decoding a token costs an engine about twice what prefilling one does).
+INPUT_PRICE = 1.0
+OUTPUT_PRICE = 2.0
+
+
+class Queued(Protocol):
+    """What the fair order needs of a waiter: its request (its tenant)."""
+
+    @property
+    def request(self) -> RoutingRequest: ...
+
+
+W = TypeVar("W", bound=Queued)
+
+
+@attrs.define
+class Charge:
+    """What a request is charged at its grant: its tenant and the estimate, in tokens."""
+
+    tenant: str
+    weight: float
+    estimate: Estimate
+    #: charged already (a failover's second slot is not charged again)
+    applied: bool = False
+
+    @property
+    def cost(self) -> float:
+        return cost_of(self.estimate.prompt, self.estimate.completion, self.weight)
+
+    def apply(self) -> bool:
+        """Mark the charge made; ``False`` if it was made already."""
+        if self.applied:
+            return False
+        self.applied = True
+        return True
+
+
+def cost_of(prompt: int, completion: int, weight: float) -> float:
+    """The weighted service of ``prompt`` and ``completion`` tokens to a tenant."""
+    return (INPUT_PRICE * prompt + OUTPUT_PRICE * completion) / weight
+
+
+class FairShares:
+    """
+    The tenants' counters, and the order they give a class's waiters.  ``enabled`` is
+    ``--fairness vtc``; with ``fifo`` the counters are still kept (the admin API and the
+    bench show them) but the queue keeps arrival order.
+    """
+
+    def __init__(self, enabled: bool = False, default_completion: int = 256) -> None:
+        self.enabled = enabled
+        self.default_completion = default_completion
+        #: each tenant's service received, in weighted tokens
+        self.counters: dict[str, float] = {}
+        #: the counter of the tenant last given a slot: where a tenant returning while no
+        #: one waits starts
+        self._last_served = 0.0
+        #: per class, the tenants with requests waiting there, and how many
+        self._waiting: dict[str, dict[str, int]] = {}
+
+    def reconfigure(self, config: Config) -> None:
+        """
+        ``config``'s ``--fairness`` and completion estimate; with ``--auth keys``, the
+        tenants its keys file has: a removed tenant's counter is dropped.
+        """
+        self.enabled = fairness_of(config) == "vtc"
+        self.default_completion = config.budget_completion_estimate
+        if config.auth == "keys" and config.keys is not None:
+            kept = {tenant.name for tenant in config.keys.tenants}
+            self.counters = {name: value for name, value in self.counters.items()
+                             if name in kept}
+
+    def joined(self, klass: str, request: RoutingRequest) -> None:
+        """
+        ``request`` starts to wait in class ``klass``.  A tenant with nothing waiting there
+        is lifted to the lowest counter of the tenants that have (to the last one served's
+        when none have): what it did not use while idle is not saved up.
+        """
+        tenant = request.tenant
+        if tenant is None:
+            return
+        waiting = self._waiting.setdefault(klass, {})
+        if tenant not in waiting:
+            floor = min((self.counters.get(name, 0.0) for name in waiting),
+                        default=self._last_served)
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+        waiting[tenant] = waiting.get(tenant, 0) + 1
+
+    def left(self, klass: str, request: RoutingRequest) -> None:
+        """``request`` no longer waits in ``klass`` (served, expired, cancelled)."""
+        tenant = request.tenant
+        waiting = self._waiting.get(klass)
+        if tenant is None or waiting is None or tenant not in waiting:
+            return
+        waiting[tenant] -= 1
+        if not waiting[tenant]:
+            del waiting[tenant]
+
+    def regroup(self, waiters: Iterable[tuple[str, RoutingRequest]]) -> None:
+        """The queue was regrouped (a reload's classes): who waits where, afresh."""
+        self._waiting = {}
+        for klass, request in waiters:
+            if request.tenant is not None:
+                waiting = self._waiting.setdefault(klass, {})
+                waiting[request.tenant] = waiting.get(request.tenant, 0) + 1
+
+    def price(self, request: RoutingRequest, path: bytes, method: bytes) -> None:
+        """
+        Work out what ``request`` will be charged when it gets its slot (its tenant, its
+        estimate), before it is routed: the path and method are the proxy's to know.
+        """
+        if request.tenant is None:
+            return
+        estimate = estimate_tokens(request.body, request.json, path, self.default_completion,
+                                   method)
+        request.memo[self] = Charge(request.tenant, request.weight, estimate)
+
+    def granted(self, request: RoutingRequest) -> None:
+        """``request`` got its first slot: its tenant is charged what :meth:`price` said."""
+        charge = request.memo.get(self)
+        if not isinstance(charge, Charge) or not charge.apply():
+            return  # no tenant, or a failover's second slot: charged once
+        value = self.counters.get(charge.tenant, 0.0) + charge.cost
+        self.counters[charge.tenant] = value
+        self._last_served = value
+
+    def settle(self, outcome: RequestOutcome) -> None:
+        """
+        A request ended: what it cost (its ``usage``, else its estimate, as a token budget
+        charges it) replaces what its grant charged.
+        """
+        routing = outcome.routing
+        if routing is None:
+            return
+        charge = routing.memo.pop(self, None)
+        if (not isinstance(charge, Charge) or not charge.applied
+                or charge.tenant not in self.counters):
+            return
+        prompt, completion = served(outcome, charge.estimate)
+        spent = cost_of(prompt, completion, charge.weight)
+        self.counters[charge.tenant] = max(
+            0.0, self.counters[charge.tenant] + spent - charge.cost)
+
+    def order(self, waiters: Sequence[W]) -> Iterator[W]:
+        """
+        A class's ``waiters`` (in arrival order) in the order slots go to them: each time
+        the head of the waiting tenant with the lowest counter, read afresh at every step
+        (a waiter served meanwhile has charged its tenant), ties to the earliest arrival;
+        waiters without a tenant are a tenant of their own, ``None``, at counter 0.  With
+        fairness off, arrival order.
+        """
+        if not self.enabled:
+            yield from waiters
+            return
+        lines: dict[str | None, list[W]] = {}
+        for waiter in waiters:
+            lines.setdefault(waiter.request.tenant, []).append(waiter)
+        heads = {tenant: 0 for tenant in lines}
+        arrival = {id(waiter): index for index, waiter in enumerate(waiters)}
+
+        def rank(tenant: str | None) -> tuple[float, int]:
+            counter = 0.0 if tenant is None else self.counters.get(tenant, 0.0)
+            return counter, arrival[id(lines[tenant][heads[tenant]])]
+
+        while heads:
+            tenant = min(heads, key=rank)
+            yield lines[tenant][heads[tenant]]
+            heads[tenant] += 1
+            if heads[tenant] == len(lines[tenant]):
+                del heads[tenant]
+
+    def status(self) -> dict[str, float]:
+        """Each tenant's counter, rounded: what the admin API shows."""
+        return {name: round(value, 1) for name, value in sorted(self.counters.items())}
