@@ -481,6 +481,7 @@ class LoadBalancer:
         ``/__lb_status`` has.
         """
         from txlb._admin.app import Admin  # Klein (and its reactor import) only when it is built
+        from txlb._admin.tenants import TenantKeys
 
         budgets = self.budgets
         router = self.router
@@ -515,7 +516,13 @@ class LoadBalancer:
                       # the policy of the moment: a reload may replace it
                       describe=lambda backend: self.policy.describe(backend),
                       reload=lambda: self.reload_from_source("POST /reload"),
-                      config_status=self.reloader.generation.status)
+                      config_status=self.reloader.generation.status,
+                      tenants=TenantKeys(
+                          lambda: {"tenants": self.tenants.status(),
+                                   "fairness": self.fairness.status()},
+                          lambda: (self.config.keys_file if self.config.auth == "keys"
+                                   else None),
+                          lambda: self.reload_from_source("admin: tenant keys")))
         self._take(admin)
         return admin.resource()
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import hmac
 import ipaddress
-import json
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -42,7 +41,11 @@ from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException
 
 from txlb._admin import ADMIN_MAX_BODY  # the largest body the API reads
+from txlb._admin.answers import AdminError, json_body
+from txlb._admin.answers import error_payload as _error_payload
+from txlb._admin.answers import json_answer as _json
 from txlb._admin.history import CAPACITY, SAMPLE_SECONDS, History
+from txlb._admin.tenants import TenantKeys
 from txlb._cluster.backend import Backend
 from txlb._cluster.models import MAX_MODEL_NAME, MAX_MODEL_NAMES
 from txlb._cluster.pool import Pool
@@ -76,26 +79,6 @@ MAX_ADDRESS = 300
 
 #: The dashboard's page: served without the token, which the page itself asks for.
 _DASHBOARD = b"/"
-
-
-class AdminError(Exception):
-    """An error answered as ``{"error": {...}}`` with its status code."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def _json(request: IRequest, status: int, payload: object) -> bytes:
-    request.setResponseCode(status)
-    request.setHeader(b"content-type", b"application/json")
-    request.setHeader(b"cache-control", b"no-store")
-    return json.dumps(payload).encode("utf-8")
-
-
-def _error_payload(status: int, message: str) -> dict[str, object]:
-    return {"error": {"message": message, "type": "admin_error", "code": status}}
 
 
 def _authority(text: str) -> tuple[str, int | None] | None:
@@ -328,8 +311,11 @@ class Admin:
                  describe: Callable[[Backend], Mapping[str, object]] = lambda backend: {},
                  reload: Callable[[], Deferred[int]] | None = None,
                  config_status: Callable[[], dict[str, object]] | None = None,
+                 tenants: TenantKeys | None = None,
                  ) -> None:
         self.pool = pool
+        #: ``/tenants``: the tenants of ``--auth keys``, their keys added and revoked
+        self._tenants = tenants
         self._allowed_hosts = tuple(allowed_hosts)
         self._metrics = metrics
         self._token = token.encode("utf-8") if token else None
@@ -491,6 +477,25 @@ class Admin:
 
         return self._reload().addCallbacks(applied, refused)
 
+    def _tenant_keys(self) -> TenantKeys:
+        if self._tenants is None:
+            raise AdminError(404, "this balancer has no tenants")
+        return self._tenants
+
+    @app.route("/tenants", methods=["GET"])
+    def tenants(self, request: Request) -> bytes:
+        return _json(request, 200, self._tenant_keys().listing())
+
+    @app.route("/tenants/keys", methods=["POST"])
+    def add_key(self, request: Request) -> Deferred[bytes]:
+        made = self._tenant_keys().add(json_body(request))
+        return made.addCallback(lambda answer: _json(request, 201, answer))
+
+    @app.route("/tenants/keys/<string:key_id>", methods=["DELETE"])
+    def revoke_key(self, request: Request, key_id: str) -> Deferred[bytes]:
+        revoked = self._tenant_keys().revoke(key_id)
+        return revoked.addCallback(lambda answer: _json(request, 200, answer))
+
     @app.route("/backends/<string:key>/drain", methods=["POST"])
     def drain(self, request: Request, key: str) -> bytes:
         backend = self._backend(key)
@@ -508,7 +513,7 @@ class Admin:
 
     @app.route("/backends", methods=["POST"])
     def add(self, request: Request) -> bytes:
-        fields = self._json_body(request)
+        fields = json_body(request)
         unknown = sorted(set(fields) - set(_ADD_FIELDS))
         if unknown:
             raise AdminError(400, f"unknown field {unknown[0]!r}")
@@ -546,15 +551,3 @@ class Admin:
         state = self._backend_status(backend)
         state["removed"] = self.pool.get(key) is None
         return _json(request, 202 if not state["removed"] else 200, state)
-
-    def _json_body(self, request: Request) -> dict[str, Any]:
-        raw = request.content.read() if request.content is not None else b""
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            raise AdminError(400, "the body must be JSON") from None
-        except RecursionError:
-            raise AdminError(400, "the body is nested too deeply") from None
-        if not isinstance(body, dict):
-            raise AdminError(400, "the body must be a JSON object")
-        return body

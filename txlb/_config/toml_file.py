@@ -27,7 +27,7 @@ else:  # pragma: no cover - exercised only on 3.10
 MAX_CONFIG_BYTES = 4 * 1024**2
 
 
-def read_toml(path: str, option: str = "config") -> dict[str, Any]:
+def read_text(path: str, option: str = "config") -> str:
     """
     Read the ``--config`` file (or another TOML file of txlb's, named by ``option`` in the
     messages: ``--keys-file``), turning every way it can fail into a ConfigError.
@@ -63,6 +63,16 @@ def read_toml(path: str, option: str = "config") -> dict[str, Any]:
         line = raw.count(b"\n", 0, error.start) + 1
         raise ConfigError(f"--{option}: {path!r} is not UTF-8 text: byte "
                           f"0x{raw[error.start]:02x} on line {line}") from None
+    return text
+
+
+def read_toml(path: str, option: str = "config") -> dict[str, Any]:
+    """The TOML file at ``path`` read (:func:`read_text`) and parsed (:func:`loads`)."""
+    return loads(read_text(path, option), path, option)
+
+
+def loads(text: str, path: str, option: str = "config") -> dict[str, Any]:
+    """``text`` (the file at ``path``) parsed as TOML; every failure one ConfigError."""
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:

@@ -207,6 +207,8 @@ class FairShares:
             if heads[tenant] == len(lines[tenant]):
                 del heads[tenant]
 
-    def status(self) -> dict[str, float]:
-        """Each tenant's counter, rounded: what the admin API shows."""
-        return {name: round(value, 1) for name, value in sorted(self.counters.items())}
+    def status(self) -> dict[str, object]:
+        """The order in force and each tenant's counter, rounded: what the admin API shows."""
+        return {"order": "vtc" if self.enabled else "fifo",
+                "counters": {name: round(value, 1)
+                             for name, value in sorted(self.counters.items())}}
