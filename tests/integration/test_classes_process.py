@@ -24,7 +24,9 @@ from .test_integration import JSON
 BATCH_KEY = "sk-batch-tenant-integration"
 
 
-class ClassOrderTests(FaultTestCase):
+class QueueProcessCase(FaultTestCase):
+    """A balancer before one simulated engine at max_conns 1, and how to watch its queue."""
+
     async def start(self, classes: str = "") -> tuple[TwistdProcess, Path]:
         (sim,) = await self.sims(1, "--tokens-per-second", "20", "--ttft", "0.01")
         directory = Path(tempfile.mkdtemp(prefix="txlb-classes-"))
@@ -79,6 +81,8 @@ class ClassOrderTests(FaultTestCase):
                          timeout=20, what=f"{count} result-log lines")
         return [(line["orid"], line["class"]) for line in chats()]
 
+
+class ClassOrderTests(QueueProcessCase):
     @defer.inlineCallbacks
     def test_interactive_requests_are_served_before_batch_ones_queued_earlier(self) -> Any:
         lb, log = yield defer.ensureDeferred(self.start())

@@ -21,7 +21,7 @@ DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 OTHER_PROGRAMS = {
     "--user", "--now",  # systemctl, journalctl, loginctl
     "--port", "--model", "--max-num-seqs",  # vllm serve (the simulator takes them too)
-    "--served-model-name",  # vllm serve
+    "--served-model-name", "--api-key",  # vllm serve
     "--enable-prompt-tokens-details", "--enable-force-include-usage",  # vllm serve
     "--enable-cache-report",  # SGLang's launch_server
     "--alias", "--metrics",  # llama.cpp's llama-server
@@ -57,6 +57,7 @@ class DocsMatchOptionsTests(SynchronousTestCase):
         python = sys.executable
         known = (self.llmlb | options_of(twistd) | options_of(twistd, "vllm-sim")
                  | options_of(python, "-m", "txlb.nginx") | options_of(python, "-m", "txlb.demo")
+                 | options_of(python, "-m", "txlb.keys")
                  | options_of(python, "-m", "bench", "relay") | options_of(python, "-m", "bench.ab")
                  | options_of(python, "-m", "bench.fuzz")
                  | options_of(python, "-m", "bench.prefix")
