@@ -122,8 +122,17 @@ class TenantProcessTests(QueueProcessCase):
     @defer.inlineCallbacks
     def test_the_same_under_workers(self) -> Any:
         lb, log, made = yield defer.ensureDeferred(self.start_keys(
-            "--workers", "2", tenants='[tenants.beta]\nmodels = ["m1"]\n'))
+            "--workers", "2", "--admin", "tcp:0:interface=127.0.0.1",
+            tenants='[tenants.beta]\nmodels = ["m1"]\n'))
         yield from self.check_keys(lb, log, made)
+        # the workers told the supervisor what they served: its counters are the fleet's
+        response, body = yield defer.ensureDeferred(self.client.fetch(
+            lb.admin_url + "/tenants", b"GET"))
+        self.assertEqual(response.code, 200)
+        listing = json.loads(body.body)
+        self.assertEqual([t["name"] for t in listing["tenants"]], ["alpha", "beta"])
+        self.assertEqual(listing["fairness"]["order"], "vtc")
+        self.assertGreater(listing["fairness"]["counters"]["alpha"], 0)
 
     def send_as(self, lb: TwistdProcess, key: str, orid: str, tokens: int,
                 ) -> defer.Deferred[Any]:

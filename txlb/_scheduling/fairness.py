@@ -25,7 +25,7 @@ request's deadline (503 when it runs out) are the router's, as without tenants.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol, TypeVar
 
 import attrs
@@ -95,6 +95,24 @@ class FairShares:
         self._last_served = 0.0
         #: per class, the tenants with requests waiting there, and how many
         self._waiting: dict[str, dict[str, int]] = {}
+        #: told every change this process makes to a counter (``--workers``: the worker
+        #: passes it on, so every process holds the fleet's counters)
+        self.on_served: Callable[[str, float], object] | None = None
+
+    def report_to(self, served: Callable[[str, float], object]) -> None:
+        """Tell ``served`` of every change this process makes to a counter."""
+        self.on_served = served
+
+    def served_elsewhere(self, tenant: str, amount: float) -> None:
+        """Another process changed ``tenant``'s counter by ``amount``: the same here."""
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + amount
+
+    def _add(self, tenant: str, amount: float) -> float:
+        """Change ``tenant``'s counter by ``amount`` (told on); its value now."""
+        value = self.counters[tenant] = self.counters.get(tenant, 0.0) + amount
+        if amount and self.on_served is not None:
+            self.on_served(tenant, amount)
+        return value
 
     def reconfigure(self, config: Config) -> None:
         """
@@ -121,7 +139,9 @@ class FairShares:
         if tenant not in waiting:
             floor = min((self.counters.get(name, 0.0) for name in waiting),
                         default=self._last_served)
-            self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+            own = self.counters.get(tenant, 0.0)
+            if floor > own:
+                self._add(tenant, floor - own)  # a lift is an addition too: it travels
         waiting[tenant] = waiting.get(tenant, 0) + 1
 
     def left(self, klass: str, request: RoutingRequest) -> None:
@@ -158,9 +178,7 @@ class FairShares:
         charge = request.memo.get(self)
         if not isinstance(charge, Charge) or not charge.apply():
             return  # no tenant, or a failover's second slot: charged once
-        value = self.counters.get(charge.tenant, 0.0) + charge.cost
-        self.counters[charge.tenant] = value
-        self._last_served = value
+        self._last_served = self._add(charge.tenant, charge.cost)
 
     def settle(self, outcome: RequestOutcome) -> None:
         """
@@ -175,9 +193,8 @@ class FairShares:
                 or charge.tenant not in self.counters):
             return
         prompt, completion = served(outcome, charge.estimate)
-        spent = cost_of(prompt, completion, charge.weight)
-        self.counters[charge.tenant] = max(
-            0.0, self.counters[charge.tenant] + spent - charge.cost)
+        # what the grant charged is in the counter: the difference never takes it below 0
+        self._add(charge.tenant, cost_of(prompt, completion, charge.weight) - charge.cost)
 
     def order(self, waiters: Sequence[W]) -> Iterator[W]:
         """

@@ -26,6 +26,7 @@ from txlb._records.privacy import KEEP_ALL, Privacy
 from txlb._records.record import RequestRecord
 from txlb._records.summary import Summary
 from txlb._scheduling.budgets import TokenBudgets
+from txlb._scheduling.fairness import FairShares
 from txlb._workers.wire import (
     Answer,
     BudgetRefused,
@@ -35,6 +36,7 @@ from txlb._workers.wire import (
     Message,
     Ready,
     Retry,
+    Served,
     Spent,
     Suspect,
     Wait,
@@ -92,11 +94,13 @@ class WorkerReports:
     """
 
     def __init__(self, index: int, pool: Pool, bookkeeper: Bookkeeper,
-                 budgets: TokenBudgets | None = None) -> None:
+                 budgets: TokenBudgets | None = None,
+                 fairness: FairShares | None = None) -> None:
         self._index = index
         self._pool = pool
         self._bookkeeper = bookkeeper
         self._budgets = budgets
+        self._fairness = fairness
 
     def apply(self, message: FromWorker) -> bool:
         """
@@ -115,6 +119,9 @@ class WorkerReports:
                         message.amount, message.charged)
                 else:
                     self._budgets.count_refused(message.budget)
+        elif isinstance(message, Served):
+            if self._fairness is not None:
+                self._fairness.served_elsewhere(message.tenant, message.amount)
         elif isinstance(message, Retry):
             books.retried()
         elif isinstance(message, Wait):

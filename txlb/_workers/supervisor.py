@@ -73,6 +73,7 @@ from txlb._workers.wire import (
     Log,
     Ready,
     Reload,
+    Served,
     Shared,
     Spent,
     State,
@@ -175,7 +176,8 @@ class WorkerProcess(ProcessProtocol):
         #: what this worker reports, applied to the supervisor's bookkeeper
         self.reports = WorkerReports(index, supervisor.balancer.pool,
                                      supervisor.balancer.bookkeeper,
-                                     supervisor.balancer.budgets)
+                                     supervisor.balancer.budgets,
+                                     supervisor.balancer.fairness)
         self.started = started
         self.pid: int | None = None
         self.ready = False
@@ -345,6 +347,9 @@ class WorkerSupervisor(Service):
         # budget full (what the others spent is taken here as if it had spent it there)
         for where, short in self.balancer.budgets.deficits():
             worker.send(encode(Spent([list(where)], short, 0)))
+        # and the tenants' fair-share counters, as additions to its zeros
+        for tenant, served in self.balancer.fairness.counters.items():
+            worker.send(encode(Served(tenant, served)))
         if self._presence is not None:
             worker.send(self._shared_line())
 
@@ -431,7 +436,7 @@ class WorkerSupervisor(Service):
                     worker.serving()
                     log.info("worker {index} (pid {pid}) serving",
                              index=worker.index, pid=message.pid)
-                elif isinstance(message, Spent):
+                elif isinstance(message, Spent | Served):
                     self._relay(worker, message)
                 elif isinstance(message, Take):
                     self._take(worker, message)
@@ -443,8 +448,11 @@ class WorkerSupervisor(Service):
         if freed:
             self._slots_freed(worker)
 
-    def _relay(self, source: WorkerProcess, message: Spent) -> None:
-        """What one worker's token budgets spent, to every other worker (one encoding)."""
+    def _relay(self, source: WorkerProcess, message: Spent | Served) -> None:
+        """
+        What one worker's token budgets spent, or its fair queue served, to every other
+        worker (one encoding); the supervisor applies it too (its reports, below).
+        """
         line = encode(message)
         for worker in self.workers.values():
             if worker is not source:

@@ -5,7 +5,8 @@ one JSON line each, encoded and decoded here and nowhere else.
 Supervisor to worker (the worker's standard input): :class:`Hello` (its row, the config,
 the backends), :class:`State` (the backends again, whenever the supervisor's pool changed),
 :class:`Kick` (a slot was freed in another worker: look at your max_conns queue again),
-:class:`Stop`, :class:`Spent` (tokens another worker's budgets took or gave back), and with
+:class:`Stop`, :class:`Spent` (tokens another worker's budgets took or gave back),
+:class:`Served` (a change of a tenant's fair-share counter made elsewhere), and with
 ``--shared-state`` :class:`Shared` (whether Redis answers, and how many replicas share it)
 :class:`Taken` (the answer to a worker's :class:`Take`) and :class:`Levels` (the fleet's levels
 of token-budget buckets, as the shared state answered the supervisor).
@@ -13,7 +14,8 @@ of token-budget buckets, as the shared state answered the supervisor).
 Worker to supervisor (the worker's file descriptor 3): what its proxy observed
 (:class:`Finished`, :class:`Answer`, :class:`Suspect`, :class:`Retry`, :class:`Wait`,
 :class:`Down`; see :class:`txlb._records.observer.IRequestObserver`), :class:`Ready`,
-its token budgets' :class:`Spent` and :class:`BudgetRefused`, and :class:`Take` (a
+its token budgets' :class:`Spent` and :class:`BudgetRefused`, its fair queue's
+:class:`Served`, and :class:`Take` (a
 ``--rate-limit`` token the supervisor takes from the fleet's bucket for it, through its store:
 see txlb._workers.relay).  Every message says what it means in the balancer's terms, never
 how a store does it (no script, no key of Redis's), so any shared store serves the workers.
@@ -44,6 +46,7 @@ from typing import Any, ClassVar, TypeAlias
 import attrs
 
 from txlb._config.config import Config
+from txlb._config.keys import TENANT_NAME
 from txlb._records.fields import from_wire, to_wire
 from txlb._records.summary import Summary
 
@@ -167,6 +170,34 @@ class Spent:
     buckets: list[list[Any]] = _checked(_is_spent_buckets)
     amount: float = _checked(_is_seconds)
     charged: int = _checked(_is_count)
+
+
+def _is_tenant(value: object) -> bool:
+    return isinstance(value, str) and TENANT_NAME.fullmatch(value) is not None
+
+
+def _is_service(value: object) -> bool:
+    return _is_seconds(value) and abs(value) <= MAX_SERVICE  # type: ignore[arg-type]
+
+
+#: The largest change of a tenant's fair-share counter one message may carry: far above
+#: any request's weighted tokens (10**15 over a weight of 0.001), far below float trouble
+MAX_SERVICE = 1e18
+
+
+@attrs.frozen
+class Served:
+    """
+    A change of one tenant's fair-share counter (``--fairness vtc``), in weighted tokens:
+    a charge at a grant, a settlement at an end (negative when the estimate was high), a
+    lift when the tenant came back from idle.  Both ways, as :class:`Spent`: every change
+    is an addition, so every process that applies them all holds the same counters,
+    whatever order they arrive in.
+    """
+
+    kind: ClassVar[str] = "served"
+    tenant: str = _checked(_is_tenant)
+    amount: float = _checked(_is_service)
 
 
 #: The longest name of a fleet's rate bucket a ``take`` may carry (the names are digests)
@@ -323,16 +354,17 @@ class Log:
     text: str = _checked(_is_str)
 
 
-ToWorker: TypeAlias = Hello | State | Reload | Kick | Stop | Spent | Shared | Taken | Levels
+ToWorker: TypeAlias = (Hello | State | Reload | Kick | Stop | Spent | Served | Shared | Taken
+                      | Levels)
 FromWorker: TypeAlias = (Ready | Finished | Answer | Suspect | Retry | Wait | Down | Log
-                         | Spent | BudgetRefused | Take)
+                         | Spent | Served | BudgetRefused | Take)
 Message: TypeAlias = ToWorker | FromWorker
 
 #: Every message type but :class:`Finished` (a list on the wire), by its ``t``.
 _TYPES: dict[str, type[Any]] = {
-    cls.kind: cls for cls in (Hello, State, Reload, Kick, Stop, Spent, Shared, Taken, Levels,
-                              Ready, Answer, Suspect, Retry, Wait, Down, BudgetRefused, Log,
-                              Take)
+    cls.kind: cls for cls in (Hello, State, Reload, Kick, Stop, Spent, Served, Shared, Taken,
+                              Levels, Ready, Answer, Suspect, Retry, Wait, Down, BudgetRefused,
+                              Log, Take)
 }
 
 

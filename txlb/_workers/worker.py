@@ -75,6 +75,7 @@ from txlb._workers.wire import (
     Message,
     Ready,
     Reload,
+    Served,
     Shared,
     Spent,
     State,
@@ -263,6 +264,8 @@ class SupervisorLink(Protocol):
                 self._reload(message)
             elif isinstance(message, Kick) and self.balancer is not None:
                 self.balancer.pool.slots.capacity_changed()
+            elif isinstance(message, Served) and self.balancer is not None:
+                self.balancer.fairness.served_elsewhere(message.tenant, message.amount)
             elif isinstance(message, Spent) and self.balancer is not None:
                 self.balancer.budgets.spent_elsewhere(
                     [(name, window, client) for name, window, client in message.buckets],
@@ -318,8 +321,11 @@ class SupervisorLink(Protocol):
         # ... and settles the token budgets of the requests it admitted, telling the
         # supervisor (and through it the other workers) what it took and gave back
         forwarder.summaries.add(budget_reconciles(balancer.budgets))
-        # ... and its fair queue's counters, of the requests it routed
+        # ... and its fair queue's counters, of the requests it routed, telling the
+        # supervisor (and through it the other workers) each change
         forwarder.summaries.add(fair_shares_settle(balancer.fairness))
+        balancer.fairness.report_to(
+            lambda tenant, amount: self.report(Served(tenant, amount)))
         balancer.budgets.report_to(
             spent=lambda buckets, amount, charged: self.report(
                 Spent([list(where) for where in buckets], amount, charged)),
