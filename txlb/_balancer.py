@@ -43,6 +43,7 @@ from txlb._cluster.store_capabilities import (
     ISlotGates,
     IStoreReport,
     IStoreService,
+    ITenantSharing,
 )
 from txlb._config.config import Config, build_config
 from txlb._config.table import OPTIONS
@@ -78,6 +79,7 @@ from txlb._scheduling.router import Router
 from txlb._scheduling.tenants import Tenants
 from txlb._server.lean import LeanSite
 from txlb._server.site import ProxySite
+from txlb._shared.fair import SharedTenants
 from txlb._shared.store import RedisStore
 from txlb._upstream.agent import AgentUpstream
 from txlb._upstream.client import UpstreamClient
@@ -317,6 +319,12 @@ class LoadBalancer:
         self.fairness = FairShares()
         #: ``--auth keys``: who each request is, by its API key (off: nothing asked)
         self.tenants = Tenants(config, self.store, reactor)
+        #: with ``--shared-state``: the fleet's fair-share counters and revoked keys
+        self.shared_tenants: SharedTenants | None = None
+        tenant_sharing = ITenantSharing(self.store, None)
+        if tenant_sharing is not None:
+            self.shared_tenants = tenant_sharing.tenant_sharing(self.fairness)
+            self.shared_tenants.on_revoked.append(self.tenants.take_revoked)
         self.router = Router(self.pool, self.policy, reactor, rng=rng, classes=self.classes,
                              fairness=self.fairness)
         self.history = History(reactor, self._current_backends,
@@ -395,6 +403,8 @@ class LoadBalancer:
             self.pool, self.router, self.health, self.hung, context, self.upstream,
             self.proxy, self.summaries, self.classes, self.budgets, self.dns, self.fairness,
             self.tenants]
+        if self.shared_tenants is not None:
+            self.reconfigurable.append(self.shared_tenants)
         if self.result_log is not None:
             self.reconfigurable.append(self.result_log)
         # the pool, the classes, the budgets, the DNS names and the tenants were made from
@@ -522,9 +532,15 @@ class LoadBalancer:
                                    "fairness": self.fairness.status()},
                           lambda: (self.config.keys_file if self.config.auth == "keys"
                                    else None),
-                          lambda: self.reload_from_source("admin: tenant keys")))
+                          lambda: self.reload_from_source("admin: tenant keys"),
+                          self._announce_revoked))
         self._take(admin)
         return admin.resource()
+
+    def _announce_revoked(self, digest: str) -> None:
+        """A key revoked here: with ``--shared-state``, every replica is told."""
+        if self.shared_tenants is not None:
+            self.shared_tenants.revoke(digest)
 
     def main_factory(self) -> LeanSite:
         """

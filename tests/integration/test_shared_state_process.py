@@ -28,7 +28,9 @@ from .test_integration import JSON, Fleet
 MAX_REQUESTS = 400
 
 
-class SharedStateProcessTests(TestCase):
+class SharedStateCase(TestCase):
+    """A real redis-server, and replicas of twistd -n llmlb sharing it."""
+
     timeout = 120
 
     def setUp(self) -> None:
@@ -98,6 +100,8 @@ class SharedStateProcessTests(TestCase):
         landed += [(await self.open_stream(b))[0] for _ in range(4)]
         return set(landed)
 
+
+class SharedStateProcessTests(SharedStateCase):
     async def test_streams_of_two_replicas_land_on_eight_engines(self) -> None:
         self.assertEqual(len(await self.spread(shared=True)), 8)
 

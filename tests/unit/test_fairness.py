@@ -28,6 +28,14 @@ class _Waiter:
         self.label = label
 
 
+def queue(fair: FairShares, tenant: str) -> RoutingRequest:
+    """A request of ``tenant`` that arrives and waits in the default class."""
+    request = RoutingRequest(tenant=tenant)
+    fair.arrived("default", request)
+    fair.joined("default", request)
+    return request
+
+
 def vtc() -> FairShares:
     return FairShares(enabled=True, default_completion=100)
 
@@ -68,35 +76,63 @@ class OrderTests(SynchronousTestCase):
 
     def test_a_tenant_back_from_idle_starts_at_the_lowest_waiting(self) -> None:
         fair = vtc()
-        fair.joined("default", RoutingRequest(tenant="a"))
-        fair.joined("default", RoutingRequest(tenant="b"))
+        queue(fair, "a")
+        queue(fair, "b")
         fair.counters.update({"a": 1000.0, "b": 800.0, "idle": 5.0})  # served meanwhile
-        fair.joined("default", RoutingRequest(tenant="idle"))
+        queue(fair, "idle")
         self.assertEqual(fair.counters["idle"], 800.0)  # no credit saved up while idle
 
     def test_a_backlogged_tenant_is_not_lifted_again(self) -> None:
         fair = vtc()
         fair.counters.update({"a": 100.0, "b": 10.0})
-        fair.joined("default", RoutingRequest(tenant="b"))
-        fair.joined("default", RoutingRequest(tenant="a"))
-        fair.joined("default", RoutingRequest(tenant="b"))  # b already waits: stays
+        queue(fair, "b")
+        queue(fair, "a")
+        queue(fair, "b")  # b already waits: stays
         self.assertEqual(fair.counters["b"], 10.0)
 
     def test_no_one_waiting_lifts_to_the_last_served(self) -> None:
         fair = vtc()
         served(fair, RoutingRequest(tenant="a", body=b"x" * 400), 100, 50)
-        fair.joined("default", RoutingRequest(tenant="new"))
+        queue(fair, "new")
         self.assertGreater(fair.counters["new"], 0.0)
 
     def test_leaving_the_queue_ends_the_backlog(self) -> None:
         fair = vtc()
-        first = RoutingRequest(tenant="a")
-        fair.joined("default", first)
+        first = queue(fair, "a")
         fair.left("default", first)
         fair.counters["b"] = 70.0
-        fair.joined("default", RoutingRequest(tenant="b"))
-        fair.joined("default", RoutingRequest(tenant="a"))  # idle again: lifted to b's
+        queue(fair, "b")
+        queue(fair, "a")  # idle again: lifted to b's
         self.assertEqual(fair.counters["a"], 70.0)
+
+
+    def test_credit_built_while_nothing_queued_is_not_kept(self) -> None:
+        """
+        Served at once, a tenant still arrives: while nothing queues, every arrival is
+        lifted to the last one served, so no tenant carries a lead into the queue.
+        """
+        fair = vtc()
+
+        def at_once(tenant: str) -> None:
+            request = RoutingRequest(tenant=tenant, body=b"x" * 400, json={"max_tokens": 100})
+            fair.arrived("default", request)
+            fair.price(request, b"/v1/completions", b"POST")
+            fair.granted(request)
+
+        for _ in range(100):
+            at_once("steady")
+        at_once("bursty")
+        self.assertGreaterEqual(fair.counters["bursty"], fair.counters["steady"])
+
+    def test_a_failovers_second_slot_is_no_arrival(self) -> None:
+        fair = vtc()
+        request = RoutingRequest(tenant="a", body=b"{}", json={})
+        fair.price(request, b"/v1/completions", b"POST")
+        fair.granted(request)
+        fair.counters["b"] = 10_000.0
+        queue(fair, "b")
+        fair.arrived("default", request)  # retried elsewhere: not lifted again
+        self.assertLess(fair.counters["a"], 10_000.0)
 
 
 class ChargeTests(SynchronousTestCase):

@@ -4,7 +4,8 @@ key: each key by the first 8 hex digits of its SHA-256 and its label), make and 
 revoke one.  Adding and revoking edit the keys file (:mod:`txlb._config.keys_edit`: as
 text, atomically, mode 0600) and then reload, as ``POST /reload`` does, so the change is in
 force when the answer comes; a request admitted before keeps its tenant (a revoked key's
-stream finishes).
+stream finishes).  With ``--shared-state`` a revoked key is also told to the fleet, whose
+replicas refuse it within a second (:mod:`txlb._shared.fair`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ class TenantKeys:
 
     def __init__(self, listing: Callable[[], dict[str, object]],
                  keys_file: Callable[[], str | None],
-                 reload: Callable[[], Deferred[int]] | None) -> None:
+                 reload: Callable[[], Deferred[int]] | None,
+                 announce_revoked: Callable[[str], object] = lambda digest: None) -> None:
         self._listing = listing
+        #: tells the fleet (``--shared-state``) a key's digest is revoked
+        self._announce_revoked = announce_revoked
         self._keys_file = keys_file
         self._reload = reload
 
@@ -79,6 +83,7 @@ class TenantKeys:
             raise AdminError(400, str(error)) from None
         log.info("key {id} of tenant {tenant} revoked through the admin API",
                  id=entry.digest[:8], tenant=entry.tenant)
+        self._announce_revoked(entry.digest)
         return self._reloaded({"revoked": entry.digest[:8], "tenant": entry.tenant,
                                "label": entry.label})
 

@@ -18,7 +18,7 @@ are exact (one process); no wake means nobody else frees slots; and so on.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from twisted.application.service import IService
 from twisted.internet.defer import Deferred
@@ -141,3 +141,24 @@ class ISharedRateTakes(Interface):
         ``rate`` tokens a second and ``burst`` at most: the bucket's level after, ``None``
         if the store answered something that is no level; fails if it did not answer.
         """
+
+
+class FairCounters(Protocol):
+    """
+    What a store shares of the fair queue (:class:`~txlb._scheduling.fairness.FairShares`):
+    this host's changes, told as they happen, and the fleet's counters, taken in.
+    """
+
+    on_host_change: list[Callable[[str, float], object]]
+
+    def take_fleet(self, fleet: dict[str, float], unsent: dict[str, float]) -> None: ...
+
+
+class ITenantSharing(Interface):
+    """
+    A store that shares the tenants of ``--auth keys`` over the fleet: the fair queue's
+    counters and the keys revoked (:mod:`txlb._shared.fair`).
+    """
+
+    def tenant_sharing(fairness: FairCounters) -> Any:
+        """The fleet's part of ``fairness``: a :class:`txlb._shared.fair.SharedTenants`."""

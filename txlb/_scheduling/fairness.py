@@ -98,20 +98,50 @@ class FairShares:
         #: told every change this process makes to a counter (``--workers``: the worker
         #: passes it on, so every process holds the fleet's counters)
         self.on_served: Callable[[str, float], object] | None = None
+        #: told every change of this host's -- this process's and its workers' -- which
+        #: ``--shared-state`` sends to the fleet's counters
+        self.on_host_change: list[Callable[[str, float], object]] = []
+        #: told every change the fleet's counters brought (a supervisor's workers hear it)
+        self.on_fleet_change: list[Callable[[str, float], object]] = []
+        #: the tenants of the keys file (``None``: any name), past which nothing is counted
+        self._tenants: frozenset[str] | None = None
 
     def report_to(self, served: Callable[[str, float], object]) -> None:
         """Tell ``served`` of every change this process makes to a counter."""
         self.on_served = served
 
     def served_elsewhere(self, tenant: str, amount: float) -> None:
-        """Another process changed ``tenant``'s counter by ``amount``: the same here."""
+        """Another process of this host (a worker) changed ``tenant``'s counter by ``amount``."""
+        if self._tenants is not None and tenant not in self._tenants:
+            return
         self.counters[tenant] = self.counters.get(tenant, 0.0) + amount
+        for listener in self.on_host_change:
+            listener(tenant, amount)
+
+    def take_fleet(self, fleet: dict[str, float], unsent: dict[str, float]) -> None:
+        """
+        The fleet's counters as the shared state answered them: each counter here is the
+        fleet's plus what this host changed and has not sent yet.  A change is told to
+        :attr:`on_fleet_change` (a supervisor's workers apply it as theirs).
+        """
+        for tenant in set(fleet) | set(self.counters):
+            if self._tenants is not None and tenant not in self._tenants:
+                continue
+            value = fleet.get(tenant, 0.0) + unsent.get(tenant, 0.0)
+            change = value - self.counters.get(tenant, 0.0)
+            if abs(change) > 1e-9:
+                self.counters[tenant] = value
+                for listener in self.on_fleet_change:
+                    listener(tenant, change)
 
     def _add(self, tenant: str, amount: float) -> float:
         """Change ``tenant``'s counter by ``amount`` (told on); its value now."""
         value = self.counters[tenant] = self.counters.get(tenant, 0.0) + amount
-        if amount and self.on_served is not None:
-            self.on_served(tenant, amount)
+        if amount:
+            if self.on_served is not None:
+                self.on_served(tenant, amount)
+            for listener in self.on_host_change:
+                listener(tenant, amount)
         return value
 
     def reconfigure(self, config: Config) -> None:
@@ -121,27 +151,39 @@ class FairShares:
         """
         self.enabled = fairness_of(config) == "vtc"
         self.default_completion = config.budget_completion_estimate
+        self._tenants = None
         if config.auth == "keys" and config.keys is not None:
-            kept = {tenant.name for tenant in config.keys.tenants}
+            self._tenants = frozenset(tenant.name for tenant in config.keys.tenants)
             self.counters = {name: value for name, value in self.counters.items()
-                             if name in kept}
+                             if name in self._tenants}
+
+    def arrived(self, klass: str, request: RoutingRequest) -> None:
+        """
+        ``request`` asks for a slot in class ``klass``, queued or not: the paper's arrival
+        in the queue.  A tenant with nothing waiting there is lifted to the lowest counter
+        of the tenants that have (to the last one served's when none have): what it did
+        not use -- while idle, or while everyone was served at once -- is not saved up to
+        spend when the queue forms.  A failover's second slot is no arrival.
+        """
+        tenant = request.tenant
+        charge = request.memo.get(self)
+        if tenant is None or (isinstance(charge, Charge) and charge.applied):
+            return
+        waiting = self._waiting.get(klass, {})
+        if tenant in waiting:
+            return
+        floor = min((self.counters.get(name, 0.0) for name in waiting),
+                    default=self._last_served)
+        own = self.counters.get(tenant, 0.0)
+        if floor > own:
+            self._add(tenant, floor - own)  # a lift is an addition too: it travels
 
     def joined(self, klass: str, request: RoutingRequest) -> None:
-        """
-        ``request`` starts to wait in class ``klass``.  A tenant with nothing waiting there
-        is lifted to the lowest counter of the tenants that have (to the last one served's
-        when none have): what it did not use while idle is not saved up.
-        """
+        """``request`` starts to wait in class ``klass`` (it :meth:`arrived` first)."""
         tenant = request.tenant
         if tenant is None:
             return
         waiting = self._waiting.setdefault(klass, {})
-        if tenant not in waiting:
-            floor = min((self.counters.get(name, 0.0) for name in waiting),
-                        default=self._last_served)
-            own = self.counters.get(tenant, 0.0)
-            if floor > own:
-                self._add(tenant, floor - own)  # a lift is an addition too: it travels
         waiting[tenant] = waiting.get(tenant, 0) + 1
 
     def left(self, klass: str, request: RoutingRequest) -> None:

@@ -226,6 +226,7 @@ class Router:
             served = ", ".join(self.served_models()) or "none"
             return fail(RoutingError(
                 404, f"The model `{model}` does not exist. Served models: {served}"))
+        self.fairness.arrived(self.classes.get(request.priority).name, request)
         self._prepare(request)
         lease = self._take(serving, request)
         if lease is not None:
@@ -457,7 +458,8 @@ class Router:
         """
         The waiters in the order slots go to them, each with whether it comes as a starving
         one: first, class by class, those past their class's starvation age (the head of
-        each queue) -- unless the last slot went to a starving waiter -- then every class
+        each queue) while a higher class has waiters -- unless the last slot went to a
+        starving waiter -- then every class
         by precedence, in its fair order (:meth:`FairShares.order`).  A snapshot, walked
         lazily: a dispatch that fills the last free slot early looks at no more waiters
         than it must try.
@@ -467,8 +469,8 @@ class Router:
                      if queue]
         skip = [0] * len(snapshots)
         for number, (klass, waiters) in enumerate(snapshots):
-            if klass.starvation_age is None:
-                continue
+            if klass.starvation_age is None or number == 0:
+                continue  # starving matters behind a higher class only: here, the fair order
             for waiter in waiters:
                 if self._starved_last or now - waiter.since < klass.starvation_age:
                     break

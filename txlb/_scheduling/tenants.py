@@ -94,6 +94,9 @@ class Tenants:
         #: requests refused for their key, by reason (the metrics' counter)
         self.refused: dict[str, int] = {"missing": 0, "malformed": 0, "unknown": 0}
         self._buckets: dict[str, tuple[float, int, IRateBuckets]] = {}
+        #: the digests a ``--shared-state`` fleet revoked: refused whatever the keys file
+        #: says, until it is reloaded without them
+        self.revoked: frozenset[str] = frozenset()
         self.reconfigure(config)
 
     @property
@@ -132,11 +135,16 @@ class Tenants:
         if isinstance(presented, Refusal):
             self.refused[presented.reason] += 1
             return presented
-        tenant = self.keys.tenant(key_digest(presented))
+        digest = key_digest(presented)
+        tenant = None if digest in self.revoked else self.keys.tenant(digest)
         if tenant is None:
             self.refused["unknown"] += 1
             return Refusal(WRONG_KEY, "unknown")
         return tenant
+
+    def take_revoked(self, digests: frozenset[str]) -> None:
+        """The keys the fleet revoked, as the shared state answered (or a supervisor told)."""
+        self.revoked = digests
 
     def rate_wait(self, tenant: TenantSpec) -> int | None:
         """

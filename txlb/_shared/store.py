@@ -34,6 +34,7 @@ from zope.interface import implementer
 
 from txlb._cluster.store import IBackendStore, IRateBuckets, ITokenLevels
 from txlb._cluster.store_capabilities import (
+    FairCounters,
     IFleetPresence,
     IFleetWake,
     IPrefixSharing,
@@ -41,9 +42,11 @@ from txlb._cluster.store_capabilities import (
     ISlotGates,
     IStoreReport,
     IStoreService,
+    ITenantSharing,
 )
 from txlb._config.shared import SharedStateSpec
 from txlb._shared.counts import FleetCounts
+from txlb._shared.fair import SharedTenants
 from txlb._shared.levels import SharedTokenLevels
 from txlb._shared.link import Commands, RedisLink, Script
 from txlb._shared.marks import SharedMarks
@@ -212,7 +215,7 @@ def _pairs(items: Sequence[Any]) -> list[tuple[str, str]]:
 
 
 @implementer(IBackendStore, IStoreService, IStoreReport, IFleetWake, ISlotGates,
-             IPrefixSharing, IFleetPresence, ISharedRateTakes)
+             IPrefixSharing, IFleetPresence, ISharedRateTakes, ITenantSharing)
 class RedisStore:
     """
     Counts, marks, rate buckets and token budgets' levels shared through one Redis, and
@@ -301,6 +304,9 @@ class RedisStore:
 
     def prefix_index(self, pool: Pool, policy: Callable[[], object]) -> SharedPrefixIndex:
         return SharedPrefixIndex(self, pool, policy)
+
+    def tenant_sharing(self, fairness: FairCounters) -> SharedTenants:
+        return SharedTenants(self, fairness)
 
     def presence(self) -> tuple[bool, int]:
         return self.link.connected, self.replicas

@@ -73,6 +73,7 @@ from txlb._workers.wire import (
     Log,
     Ready,
     Reload,
+    Revoked,
     Served,
     Shared,
     Spent,
@@ -216,7 +217,8 @@ class WorkerProcess(ProcessProtocol):
                 log.warn("worker {index} sent a malformed message, ignored: {error}",
                          index=self.index, error=str(error))
                 continue
-            if isinstance(message, Hello | State | Reload | Kick | Stop | Shared | Taken | Levels):
+            if isinstance(message, Hello | State | Reload | Kick | Stop | Shared | Taken | Levels
+                          | Revoked):
                 log.warn("worker {index} sent a message only a supervisor sends, ignored: "
                          "{kind}", index=self.index, kind=message.kind)
                 continue
@@ -280,6 +282,10 @@ class WorkerSupervisor(Service):
         self._levels_call: IDelayedCall | None = None
         if isinstance(balancer.budgets.levels, SharedTokenLevels):
             balancer.budgets.levels.on_level.append(self._fleet_level)
+        if balancer.shared_tenants is not None:
+            # the other replicas' fair-share changes and revoked keys, to every worker
+            balancer.fairness.on_fleet_change.append(self._fleet_served)
+            balancer.shared_tenants.on_revoked.append(self._fleet_revoked)
 
     # -- start ----------------------------------------------------------------------------
 
@@ -350,6 +356,8 @@ class WorkerSupervisor(Service):
         # and the tenants' fair-share counters, as additions to its zeros
         for tenant, served in self.balancer.fairness.counters.items():
             worker.send(encode(Served(tenant, served)))
+        if self.balancer.tenants.revoked:
+            worker.send(encode(Revoked(sorted(self.balancer.tenants.revoked))))
         if self._presence is not None:
             worker.send(self._shared_line())
 
@@ -457,6 +465,18 @@ class WorkerSupervisor(Service):
         for worker in self.workers.values():
             if worker is not source:
                 worker.send(line)
+
+    def _fleet_served(self, tenant: str, amount: float) -> None:
+        """Another replica's change of a tenant's counter, as Redis answered: every worker's."""
+        line = encode(Served(tenant, amount))
+        for worker in self.workers.values():
+            worker.send(line)
+
+    def _fleet_revoked(self, digests: frozenset[str]) -> None:
+        """The keys the fleet revoked, as Redis answered: every worker refuses them too."""
+        line = encode(Revoked(sorted(digests)))
+        for worker in self.workers.values():
+            worker.send(line)
 
     def _take(self, worker: WorkerProcess, message: Take) -> None:
         """A worker's rate-limit take, through the store; the answer goes back to it."""

@@ -7,6 +7,7 @@ the backends), :class:`State` (the backends again, whenever the supervisor's poo
 :class:`Kick` (a slot was freed in another worker: look at your max_conns queue again),
 :class:`Stop`, :class:`Spent` (tokens another worker's budgets took or gave back),
 :class:`Served` (a change of a tenant's fair-share counter made elsewhere), and with
+``--shared-state`` :class:`Revoked` (the keys the fleet revoked),
 ``--shared-state`` :class:`Shared` (whether Redis answers, and how many replicas share it)
 :class:`Taken` (the answer to a worker's :class:`Take`) and :class:`Levels` (the fleet's levels
 of token-budget buckets, as the shared state answered the supervisor).
@@ -40,6 +41,7 @@ import base64
 import json
 import math
 import pickle
+import re
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeAlias
 
@@ -200,6 +202,28 @@ class Served:
     amount: float = _checked(_is_service)
 
 
+def _is_digests(value: object) -> bool:
+    return (isinstance(value, list) and len(value) <= MAX_REVOKED
+            and all(isinstance(d, str) and _HEX_DIGEST.fullmatch(d) for d in value))
+
+
+#: Revoked keys one message may carry (the keys file's bound)
+MAX_REVOKED = 100_000
+_HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+@attrs.frozen
+class Revoked:
+    """
+    The keys a ``--shared-state`` fleet revoked (their SHA-256 digests), as the shared
+    state answered the supervisor: its workers refuse them too, before their keys file is
+    reloaded without them.
+    """
+
+    kind: ClassVar[str] = "revoked"
+    digests: list[str] = _checked(_is_digests)
+
+
 #: The longest name of a fleet's rate bucket a ``take`` may carry (the names are digests)
 MAX_BUCKET_NAME = 64
 
@@ -354,17 +378,17 @@ class Log:
     text: str = _checked(_is_str)
 
 
-ToWorker: TypeAlias = (Hello | State | Reload | Kick | Stop | Spent | Served | Shared | Taken
-                      | Levels)
+ToWorker: TypeAlias = (Hello | State | Reload | Kick | Stop | Spent | Served | Revoked | Shared
+                      | Taken | Levels)
 FromWorker: TypeAlias = (Ready | Finished | Answer | Suspect | Retry | Wait | Down | Log
                          | Spent | Served | BudgetRefused | Take)
 Message: TypeAlias = ToWorker | FromWorker
 
 #: Every message type but :class:`Finished` (a list on the wire), by its ``t``.
 _TYPES: dict[str, type[Any]] = {
-    cls.kind: cls for cls in (Hello, State, Reload, Kick, Stop, Spent, Served, Shared, Taken,
-                              Levels, Ready, Answer, Suspect, Retry, Wait, Down, BudgetRefused,
-                              Log, Take)
+    cls.kind: cls for cls in (Hello, State, Reload, Kick, Stop, Spent, Served, Revoked, Shared,
+                              Taken, Levels, Ready, Answer, Suspect, Retry, Wait, Down,
+                              BudgetRefused, Log, Take)
 }
 
 

@@ -75,6 +75,7 @@ from txlb._workers.wire import (
     Message,
     Ready,
     Reload,
+    Revoked,
     Served,
     Shared,
     Spent,
@@ -264,6 +265,8 @@ class SupervisorLink(Protocol):
                 self._reload(message)
             elif isinstance(message, Kick) and self.balancer is not None:
                 self.balancer.pool.slots.capacity_changed()
+            elif isinstance(message, Revoked) and self.balancer is not None:
+                self.balancer.tenants.take_revoked(frozenset(message.digests))
             elif isinstance(message, Served) and self.balancer is not None:
                 self.balancer.fairness.served_elsewhere(message.tenant, message.amount)
             elif isinstance(message, Spent) and self.balancer is not None:
