@@ -55,6 +55,8 @@ SCENARIOS: tuple[Scenario, ...] = (
              "--replicas: fleet balance of several replicas", "bench.policies"),
     Scenario("classes", "what priority classes buy the interactive class under a batch flood",
              "bench.classes"),
+    Scenario("fairness", "what --fairness vtc buys light tenants against a heavy one's flood "
+             "(simulation)", "bench.fairness"),
     Scenario("prefix", "cache-aware routing against least-conn, an oracle and the routers",
              "bench.prefix"),
     Scenario("prefix.replicas_process", "the shared cache-aware index with real replica "
