@@ -57,6 +57,8 @@ SCENARIOS: tuple[Scenario, ...] = (
              "bench.classes"),
     Scenario("fairness", "what --fairness vtc buys light tenants against a heavy one's flood "
              "(simulation)", "bench.fairness"),
+    Scenario("auth_timing", "whether --auth keys' check takes longer for a closer guess",
+             "bench.auth_timing"),
     Scenario("prefix", "cache-aware routing against least-conn, an oracle and the routers",
              "bench.prefix"),
     Scenario("prefix.replicas_process", "the shared cache-aware index with real replica "
