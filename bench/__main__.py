@@ -56,7 +56,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("classes", "what priority classes buy the interactive class under a batch flood",
              "bench.classes"),
     Scenario("fairness", "what --fairness vtc buys light tenants against a heavy one's flood "
-             "(simulation)", "bench.fairness"),
+             "(simulation)", "bench.fairness_report"),
     Scenario("auth_timing", "whether --auth keys' check takes longer for a closer guess",
              "bench.auth_timing"),
     Scenario("prefix", "cache-aware routing against least-conn, an oracle and the routers",

@@ -31,20 +31,17 @@ period, run both with txlb's lift and with the paper's (every arrival lifted).  
 time: the figures depend on the seed, not on the machine, so one run per configuration is
 the measurement.
 
-``python -m bench.fairness`` writes bench/results/fairness.md.
+``python -m bench.fairness_report`` writes bench/results/fairness.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
 
 import attrs
 from twisted.internet.defer import Deferred
@@ -53,7 +50,6 @@ from twisted.python.failure import Failure
 
 from bench.classes import CAPPED
 from bench.policies_run import specs_for
-from bench.provenance import RESULTS
 from bench.sim_engines import (
     Z99,
     Engine,
@@ -67,7 +63,7 @@ from bench.sim_engines import (
 from txlb._cluster.pool import Pool
 from txlb._cluster.slots import Lease
 from txlb._config import Config
-from txlb._config.classes import DEFAULT_CLASS, built_in
+from txlb._config.classes import built_in
 from txlb._scheduling.budgets import CHARS_PER_TOKEN
 from txlb._scheduling.classes import PriorityClasses
 from txlb._scheduling.fairness import INPUT_PRICE, OUTPUT_PRICE, FairShares, cost_of
@@ -201,15 +197,13 @@ class Run:
 def run(params: Params, tenants: Sequence[Tenant], order: str, duration: float,
         capacity: float | None = None, estimate: str = "exact",
         only: frozenset[str] | None = None, guard: bool = True,
-        arrivals: Sequence[Arrival] | None = None, lift_all: bool = False) -> Run:
+        arrivals: Sequence[Arrival] | None = None) -> Run:
     """
     Replay the scenario's request sequence through one balancer with ``order`` (``vtc``
     or ``fifo``); ``only``: the requests of these tenants alone (the rest dropped);
     ``guard``: the built-in classes' starvation guard of the default class (at half the
     queue timeout), else none; ``arrivals``: this request sequence instead of the
-    tenants' Poisson streams; ``lift_all``: every arrival goes through
-    ``FairShares.joined`` (the lift) as in the paper's algorithm, where each request enters
-    the queue, even one that gets a slot at once -- txlb lifts only a request that queues.
+    tenants' Poisson streams.
     """
     started = time.perf_counter()
     capacity = capacity_of(params) if capacity is None else capacity
@@ -315,11 +309,7 @@ def run(params: Params, tenants: Sequence[Tenant], order: str, duration: float,
                                  body=bytes(arrival.prompt * CHARS_PER_TOKEN), json=asked)
         routed.append(routing)
         fairness.price(routing, PATH, METHOD)
-        if lift_all:  # the paper's arrival: into the queue, lifted if its tenant is not
-            fairness.joined(DEFAULT_CLASS, routing)
-        d: Deferred[Lease] = router.acquire(routing)
-        if lift_all:  # (a queued one joined again inside acquire: counted twice, once left)
-            fairness.left(DEFAULT_CLASS, routing)
+        d: Deferred[Lease] = router.acquire(routing)  # the arrival (and its lift) is its
         queued = not d.called
         if queued:
             queue(arrival.tenant)
@@ -403,14 +393,14 @@ class Comparison:
 def compare(name: str, params: Params, tenants: Sequence[Tenant], duration: float,
             capacity: float, alone: bool = True, estimate: str = "exact",
             guard: bool = True, arrivals: Sequence[Arrival] | None = None,
-            lift_all: bool = False, verbose: bool = False) -> Comparison:
+            verbose: bool = False) -> Comparison:
     """
     ``vtc`` and ``fifo`` on the same sequence (and, with ``alone``, the lights alone);
     ``verbose``: each run's wall time on stderr.
     """
     def one(order: str, only: frozenset[str] | None = None) -> Run:
         result = run(params, tenants, order, duration, capacity, estimate, only, guard,
-                     arrivals, lift_all)
+                     arrivals)
         if verbose:
             print(f"{name}, {order}{' (lights alone)' if only else ''}: "
                   f"{result.wall_seconds:.1f}s", file=sys.stderr, flush=True)
@@ -418,61 +408,3 @@ def compare(name: str, params: Params, tenants: Sequence[Tenant], duration: floa
 
     lights = frozenset(t.name for t in tenants if t.name != HEAVY)
     return Comparison(name, one("vtc"), one("fifo"), one("fifo", lights) if alone else None)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from bench.fairness_report import markdown
-
-    parser = argparse.ArgumentParser(prog="python -m bench.fairness", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--duration", type=float, default=120.0,
-                        help="simulated seconds of arrivals before the drain "
-                             "(default %(default)s)")
-    parser.add_argument("--load", type=float, default=1.5,
-                        help="offered load, times the fleet's full-batch capacity "
-                             "(default %(default)s)")
-    parser.add_argument("--heavy-ratio", type=float, default=10.0,
-                        help="the heavy tenant's rate over each light one's "
-                             "(default %(default)s)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "fairness.md")
-    args = parser.parse_args(argv)
-    params = Params(seed=args.seed, load=args.load, queue_timeout=1e9)
-    capacity = capacity_of(params)
-    duration, ratio = args.duration, args.heavy_ratio
-
-    def both(name: str, tenants: Sequence[Tenant], alone: bool = False,
-             **options: Any) -> Comparison:
-        return compare(name, options.pop("params", params), tenants,
-                       options.pop("duration", duration), capacity, alone=alone,
-                       verbose=True, **options)
-
-    main_runs = [both(f"{count} tenants", tenants_of(count, ratio), alone=True)
-                 for count in (2, 10)]
-    weighted = both("weighted", (Tenant("gold", 1.0, 2.0), Tenant("plain", 1.0)))
-    timeout = replace(params, queue_timeout=30.0)
-    variants = [
-        ("2 tenants, no max_tokens",
-         both("no max_tokens", tenants_of(2, ratio), estimate="default")),
-        ("10 tenants, queue timeout 30 s",
-         both("timeout 30 s", tenants_of(10, ratio), params=timeout)),
-        ("10 tenants, queue timeout 30 s, no starvation guard",
-         both("timeout 30 s, no guard", tenants_of(10, ratio), params=timeout, guard=False)),
-    ]
-    pair = (Tenant("steady", 1.0), Tenant("bursty", 1.0))
-    burst = burst_arrivals(params, capacity)
-    ends = max(end for phases in BURST.values() for _, end, _ in phases)
-    bursts = [both("burst", pair, duration=ends, arrivals=burst),
-              both("burst, paper's lift", pair, duration=ends, arrivals=burst, lift_all=True)]
-    command = "python -m bench.fairness" + "".join(
-        f" {arg}" for arg in (argv if argv is not None else sys.argv[1:]))
-    report = markdown(main_runs, weighted, variants, bursts, params, capacity, duration,
-                      ratio, command)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report)
-    print(report)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,11 +1,32 @@
-"""bench/results/fairness.md from :mod:`bench.fairness`' runs."""
+"""
+``python -m bench.fairness_report``: :mod:`bench.fairness`' runs, written to
+bench/results/fairness.md.
+"""
 
 from __future__ import annotations
 
+import argparse
+import sys
 from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
-from bench.fairness import HEAVY, Comparison, Run, bound, fleet_tokens
-from bench.provenance import git_revision
+from bench import fairness
+from bench.fairness import (
+    BURST,
+    HEAVY,
+    Comparison,
+    Run,
+    Tenant,
+    bound,
+    burst_arrivals,
+    capacity_of,
+    compare,
+    fleet_tokens,
+    tenants_of,
+)
+from bench.provenance import RESULTS, git_revision
 from bench.sim_engines import Params
 from txlb._scheduling.fairness import INPUT_PRICE, OUTPUT_PRICE
 
@@ -128,14 +149,8 @@ def reading(comparisons: Sequence[Comparison], weighted: Comparison,
               for r in (weighted.vtc, weighted.fifo)]
     lines.append(
         f"- weighted: gold (weight 2) got {ratios[0]:.2f} times plain's service with vtc, "
-        f"{ratios[1]:.2f} with fifo. Its counter gap "
-        f"({weighted.vtc.gaps.counters:,.0f}, against an interval gap of "
-        f"{weighted.vtc.gaps.interval:,.0f}) is the one the two tenants' counters had when "
-        "the queue first formed: while nothing waits, grants charge the counters (gold's at "
-        "half the price) but no one is lifted, so gold started the contention below plain "
-        "and was served first until its queue emptied and a new request lifted it -- soon "
-        "here, as the small interval gap says; a tenant that stays backlogged keeps such a "
-        "credit (see \"A credit carried into contention\").")
+        f"{ratios[1]:.2f} with fifo; the largest counter gap was "
+        f"{weighted.vtc.gaps.counters:,.0f} (interval gap {weighted.vtc.gaps.interval:,.0f}).")
     (_, no_max), (_, guarded), (_, unguarded) = variants
     lights = _lights(guarded.vtc)
     offered = load * sum(guarded.vtc.tenants[n].sent for n in lights) / sum(
@@ -146,24 +161,19 @@ def reading(comparisons: Sequence[Comparison], weighted: Comparison,
         f"{_worst_light(comparisons[0].vtc):.2f} s with exact estimates), its counter gap "
         f"{no_max.vtc.gaps.counters:,.0f}: the estimate's error costs nothing visible here.")
     lines.append(
-        f"- queue timeout 30 s (txlb's default): vtc no longer protects the light tenants: "
-        f"worst light p99 TTFT {_worst_light(guarded.vtc):.1f} s (fifo "
-        f"{_worst_light(guarded.fifo):.1f} s), {_refused(guarded.vtc, _lights(guarded.vtc))} "
-        "light requests refused, counter gap "
-        f"{guarded.vtc.gaps.counters:,.0f}. Removing the `default` class's starvation "
-        f"guard alone brings it back to {_worst_light(unguarded.vtc):.2f} s and "
-        f"{_refused(unguarded.vtc, _lights(unguarded.vtc))} refused: the guard serves every "
-        "waiter older than 15 s first, in arrival order, every second slot -- under an "
-        "overload those are the heavy tenant's, so it takes half the fleet whatever the "
-        f"counters say, and the lights (offered {offered:.0%} of the fleet) back up behind it.")
-    kept, lifted = bursts
+        f"- queue timeout 30 s (txlb's default): worst light p99 TTFT "
+        f"{_worst_light(guarded.vtc):.2f} s with vtc (fifo {_worst_light(guarded.fifo):.1f} "
+        f"s), {_refused(guarded.vtc, _lights(guarded.vtc))} light requests refused; without "
+        f"the starvation guard {_worst_light(unguarded.vtc):.2f} s and "
+        f"{_refused(unguarded.vtc, _lights(unguarded.vtc))} refused. The lights offer "
+        f"{offered:.0%} of the fleet. The guard serves a starving waiter ahead of a higher "
+        "class only, so within one class it leaves the fair order alone.")
+    (kept,) = bursts
     lines.append(
-        f"- burst: with txlb's lift, steady's p99 TTFT is {kept.vtc.tenants['steady'].p99_ttft:.1f}"
-        f" s with vtc, worse than fifo's {kept.fifo.tenants['steady'].p99_ttft:.1f} s, and the "
-        f"interval gap {kept.vtc.gaps.interval:,.0f} exceeds the bound with the peak in "
-        f"flight as M ({bound(kept.vtc.longest_prompt, kept.vtc.peak_in_flight_tokens):,.0f});"
-        f" with the paper's lift on every arrival, {lifted.vtc.tenants['steady'].p99_ttft:.1f}"
-        f" s and a gap of {lifted.vtc.gaps.interval:,.0f}.")
+        f"- burst: steady's p99 TTFT is {kept.vtc.tenants['steady'].p99_ttft:.1f} s with vtc "
+        f"against {kept.fifo.tenants['steady'].p99_ttft:.1f} s with fifo; the interval gap "
+        f"{kept.vtc.gaps.interval:,.0f} against the bound with the peak in flight as M, "
+        f"{bound(kept.vtc.longest_prompt, kept.vtc.peak_in_flight_tokens):,.0f}.")
     return lines
 
 
@@ -231,9 +241,11 @@ def markdown(comparisons: Sequence[Comparison], weighted: Comparison,
         "*No max_tokens*: the bodies carry no `max_tokens`, so a grant charges the default "
         "completion estimate (256) and the settle corrects it at the end. *Queue timeout "
         "30 s*: txlb's default `--queue-timeout`, so waits past 30 s are refused and the "
-        "built-in `default` class's starvation guard (at half the timeout, 15 s) serves "
-        "waiters older than that first, in arrival order, every second slot. *No starvation "
-        "guard*: the same with the guard removed from the classes.",
+        "built-in `default` class's starvation guard (at half the timeout, 15 s) is on: it "
+        "serves a waiter older than that ahead of a higher class's waiters (here no higher "
+        "class waits). *No starvation guard*: the same with the guard removed. (An earlier "
+        "version let the guard serve the oldest waiters of their own class first, in "
+        "arrival order, which under overload handed half the fleet to the heavy tenant.)",
         "",
         *variant_rows(variants),
         "",
@@ -241,16 +253,11 @@ def markdown(comparisons: Sequence[Comparison], weighted: Comparison,
         "",
         "`steady` sends at 0.5 x the capacity for 240 s; `bursty` at 0.05 x for 180 s, then "
         "at 3 x for 30 s. While nothing waits (the first 180 s) every request gets its slot "
-        "at once: `FairShares.granted` charges it, but the lift (`FairShares.joined`) runs "
-        "only for a request that queues (`Router._enqueue`), so the counters drift apart by "
-        "the difference of the service the two got. When the burst fills the fleet, "
-        "bursty's first queued request is lifted only to `_last_served`, the counter of the "
-        "tenant granted last -- most often bursty itself -- and steady, joining next, to the "
-        "lowest waiting counter, bursty's: no one is lifted. bursty keeps the whole "
-        "difference as a credit and is served first until it has spent it, while steady, "
-        "whose demand is its fair share, waits. *paper's lift*: the same sequence with "
-        "every arrival passing `FairShares.joined` before `acquire` (and `left` after it), "
-        "as in the paper's algorithm, where every request enters the queue.",
+        "at once; each is still an arrival (`Router.acquire` calls `FairShares.arrived`), "
+        "lifted to the lowest waiting counter or, with nothing waiting, to the last served "
+        "one's, so neither tenant carries a credit into the burst. (An earlier version "
+        "lifted only a request that queued: bursty then kept its quiet minutes as a credit "
+        "and steady's p99 TTFT was worse than fifo's.)",
         "",
         *burst_rows(bursts),
         "",
@@ -258,3 +265,59 @@ def markdown(comparisons: Sequence[Comparison], weighted: Comparison,
         "",
     ]
     return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.fairness_report",
+                                     description=fairness.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--duration", type=float, default=120.0,
+                        help="simulated seconds of arrivals before the drain "
+                             "(default %(default)s)")
+    parser.add_argument("--load", type=float, default=1.5,
+                        help="offered load, times the fleet's full-batch capacity "
+                             "(default %(default)s)")
+    parser.add_argument("--heavy-ratio", type=float, default=10.0,
+                        help="the heavy tenant's rate over each light one's "
+                             "(default %(default)s)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "fairness.md")
+    args = parser.parse_args(argv)
+    params = Params(seed=args.seed, load=args.load, queue_timeout=1e9)
+    capacity = capacity_of(params)
+    duration, ratio = args.duration, args.heavy_ratio
+
+    def both(name: str, tenants: Sequence[Tenant], alone: bool = False,
+             **options: Any) -> Comparison:
+        return compare(name, options.pop("params", params), tenants,
+                       options.pop("duration", duration), capacity, alone=alone,
+                       verbose=True, **options)
+
+    main_runs = [both(f"{count} tenants", tenants_of(count, ratio), alone=True)
+                 for count in (2, 10)]
+    weighted = both("weighted", (Tenant("gold", 1.0, 2.0), Tenant("plain", 1.0)))
+    timeout = replace(params, queue_timeout=30.0)
+    variants = [
+        ("2 tenants, no max_tokens",
+         both("no max_tokens", tenants_of(2, ratio), estimate="default")),
+        ("10 tenants, queue timeout 30 s",
+         both("timeout 30 s", tenants_of(10, ratio), params=timeout)),
+        ("10 tenants, queue timeout 30 s, no starvation guard",
+         both("timeout 30 s, no guard", tenants_of(10, ratio), params=timeout, guard=False)),
+    ]
+    pair = (Tenant("steady", 1.0), Tenant("bursty", 1.0))
+    burst = burst_arrivals(params, capacity)
+    ends = max(end for phases in BURST.values() for _, end, _ in phases)
+    bursts = [both("burst", pair, duration=ends, arrivals=burst)]
+    command = "python -m bench.fairness_report" + "".join(
+        f" {arg}" for arg in (argv if argv is not None else sys.argv[1:]))
+    report = markdown(main_runs, weighted, variants, bursts, params, capacity, duration,
+                      ratio, command)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report)
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
