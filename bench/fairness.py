@@ -66,7 +66,13 @@ from txlb._config import Config
 from txlb._config.classes import built_in
 from txlb._scheduling.budgets import CHARS_PER_TOKEN
 from txlb._scheduling.classes import PriorityClasses
-from txlb._scheduling.fairness import INPUT_PRICE, OUTPUT_PRICE, FairShares, cost_of
+from txlb._scheduling.fairness import (
+    INPUT_PRICE,
+    OUTPUT_PRICE,
+    FairShares,
+    StreamMeter,
+    cost_of,
+)
 from txlb._scheduling.outcome import RequestOutcome
 from txlb._scheduling.policies.registry import make_policy
 from txlb._scheduling.request import RoutingRequest
@@ -197,13 +203,16 @@ class Run:
 def run(params: Params, tenants: Sequence[Tenant], order: str, duration: float,
         capacity: float | None = None, estimate: str = "exact",
         only: frozenset[str] | None = None, guard: bool = True,
-        arrivals: Sequence[Arrival] | None = None) -> Run:
+        arrivals: Sequence[Arrival] | None = None, streamed: bool = True) -> Run:
     """
     Replay the scenario's request sequence through one balancer with ``order`` (``vtc``
     or ``fifo``); ``only``: the requests of these tenants alone (the rest dropped);
     ``guard``: the built-in classes' starvation guard of the default class (at half the
     queue timeout), else none; ``arrivals``: this request sequence instead of the
-    tenants' Poisson streams.
+    tenants' Poisson streams; ``streamed``: the bodies say ``"stream": true``, so a grant
+    charges the prompt and each answer's output is charged as its engine decodes it (what
+    txlb's :class:`~txlb._scheduling.fairness.StreamMeter` does with the relayed events),
+    else the grant charges the completion's estimate too.
     """
     started = time.perf_counter()
     capacity = capacity_of(params) if capacity is None else capacity
@@ -234,6 +243,17 @@ def run(params: Params, tenants: Sequence[Tenant], order: str, duration: float,
     gaps = Gaps()
     grants: dict[int, float] = {}  # request -> when it got its slot
     in_flight = [0, 0]  # tokens now, the most
+    meters: dict[int, StreamMeter] = {}  # request -> its stream's meter, while it decodes
+    metered: dict[int, int] = {}  # request -> tokens fed to its meter
+
+    def stream_progress() -> None:
+        """Every decoding answer's new tokens to its meter: what the relay would have seen."""
+        for engine in engines.values():
+            for job, produced in engine.decoding():
+                meter = meters.get(job.index)
+                if meter is not None and produced > metered[job.index]:
+                    meter.tokens(produced - metered[job.index])
+                    metered[job.index] = produced
 
     def sample() -> None:
         backlogged = [name for name, count in waiting.items() if count]
@@ -263,6 +283,9 @@ def run(params: Params, tenants: Sequence[Tenant], order: str, duration: float,
         assert request.lease is not None and request.first_token is not None
         outstanding[0] -= 1
         in_flight[0] -= request.prompt_tokens + request.output_tokens
+        stream_progress()  # the counters as the freed slot's choice would read them
+        meters.pop(request.index, None)
+        metered.pop(request.index, None)
         lease, request.lease = request.lease, None
         lease.release()  # as the exchange ends: the slot first, then the bookkeeping
         assert request.done is not None
@@ -281,6 +304,9 @@ def run(params: Params, tenants: Sequence[Tenant], order: str, duration: float,
         if queued:
             unqueue(routing.tenant)
         fairness.granted(routing)
+        meter = fairness.meter(routing)
+        if meter is not None:
+            meters[request.index], metered[request.index] = meter, 0
         grants[request.index] = clock.seconds()
         service[routing.tenant] += cost_of(request.prompt_tokens, request.output_tokens,
                                            routing.weight)
@@ -304,7 +330,10 @@ def run(params: Params, tenants: Sequence[Tenant], order: str, duration: float,
         requests.append(request)
         if index + 1 < len(arrivals):
             clock.callLater(arrivals[index + 1].when - clock.seconds(), arrive, index + 1)
-        asked = {} if estimate == "default" else {"max_tokens": arrival.output}
+        asked: dict[str, object] = ({} if estimate == "default"
+                                    else {"max_tokens": arrival.output})
+        if streamed:
+            asked["stream"] = True
         routing = RoutingRequest(tenant=arrival.tenant, weight=weights[arrival.tenant],
                                  body=bytes(arrival.prompt * CHARS_PER_TOKEN), json=asked)
         routed.append(routing)
@@ -393,14 +422,14 @@ class Comparison:
 def compare(name: str, params: Params, tenants: Sequence[Tenant], duration: float,
             capacity: float, alone: bool = True, estimate: str = "exact",
             guard: bool = True, arrivals: Sequence[Arrival] | None = None,
-            verbose: bool = False) -> Comparison:
+            verbose: bool = False, streamed: bool = True) -> Comparison:
     """
     ``vtc`` and ``fifo`` on the same sequence (and, with ``alone``, the lights alone);
     ``verbose``: each run's wall time on stderr.
     """
     def one(order: str, only: frozenset[str] | None = None) -> Run:
         result = run(params, tenants, order, duration, capacity, estimate, only, guard,
-                     arrivals)
+                     arrivals, streamed)
         if verbose:
             print(f"{name}, {order}{' (lights alone)' if only else ''}: "
                   f"{result.wall_seconds:.1f}s", file=sys.stderr, flush=True)

@@ -151,15 +151,18 @@ def reading(comparisons: Sequence[Comparison], weighted: Comparison,
         f"- weighted: gold (weight 2) got {ratios[0]:.2f} times plain's service with vtc, "
         f"{ratios[1]:.2f} with fifo; the largest counter gap was "
         f"{weighted.vtc.gaps.counters:,.0f} (interval gap {weighted.vtc.gaps.interval:,.0f}).")
-    (_, no_max), (_, guarded), (_, unguarded) = variants
+    (_, no_max), (_, unstreamed), (_, guarded), (_, unguarded) = variants
     lights = _lights(guarded.vtc)
     offered = load * sum(guarded.vtc.tenants[n].sent for n in lights) / sum(
         t.sent for t in guarded.vtc.tenants.values())
     lines.append(
-        f"- no max_tokens: the grant charges 256 completion tokens and the settle the rest; "
-        f"the light tenant's p99 TTFT is {_worst_light(no_max.vtc):.2f} s with vtc (against "
-        f"{_worst_light(comparisons[0].vtc):.2f} s with exact estimates), its counter gap "
-        f"{no_max.vtc.gaps.counters:,.0f}: the estimate's error costs nothing visible here.")
+        f"- not streamed: the grant charges each answer's whole (exact) completion at once; "
+        f"the light tenant's p99 TTFT is {_worst_light(unstreamed.vtc):.2f} s with vtc "
+        f"(against {_worst_light(comparisons[0].vtc):.2f} s streamed), its counter gap "
+        f"{unstreamed.vtc.gaps.counters:,.0f}. No max_tokens, not streamed: the grant "
+        f"charges 256 completion tokens and the settle the rest; the light tenant's p99 "
+        f"TTFT is {_worst_light(no_max.vtc):.2f} s, its counter gap "
+        f"{no_max.vtc.gaps.counters:,.0f}.")
     lines.append(
         f"- queue timeout 30 s (txlb's default): worst light p99 TTFT "
         f"{_worst_light(guarded.vtc):.2f} s with vtc (fifo {_worst_light(guarded.fifo):.1f} "
@@ -193,7 +196,10 @@ def markdown(comparisons: Sequence[Comparison], weighted: Comparison,
         f"{duration:g} simulated seconds, then the queue drains; together they offer "
         f"{params.load:g} x the fleet's full-batch capacity ({capacity:.1f} requests/s). "
         f"`heavy` sends {heavy_ratio:g} x the rate of each light tenant. Each request's body "
-        "makes the grant's estimate exact (`max_tokens` = its output) unless said otherwise; the "
+        "says `\"stream\": true` and `max_tokens` = its output unless said otherwise: a grant "
+        "charges the prompt, and each answer's output is charged as its engine decodes it, "
+        "16 tokens at a time (txlb's StreamMeter, fed the tokens the engine has produced "
+        "whenever a request ends, the moment a freed slot's choice reads the counters). The "
         "queue timeout is 10^9 s (nothing is refused) unless said otherwise. vtc and fifo "
         "replay the same request sequence; \"lights alone\" is the same sequence without "
         "`heavy`. TTFT: arrival at the balancer to first token.",
@@ -238,8 +244,10 @@ def markdown(comparisons: Sequence[Comparison], weighted: Comparison,
         "",
         "## Variants",
         "",
-        "*No max_tokens*: the bodies carry no `max_tokens`, so a grant charges the default "
-        "completion estimate (256) and the settle corrects it at the end. *Queue timeout "
+        "*Not streamed*: the bodies do not say `stream`, so a grant charges the prompt and "
+        "the completion's estimate (exact here) at once. *No max_tokens*: not streamed, and "
+        "the bodies carry no `max_tokens`, so a grant charges the default completion "
+        "estimate (256) and the settle corrects it at the end. *Queue timeout "
         "30 s*: txlb's default `--queue-timeout`, so waits past 30 s are refused and the "
         "built-in `default` class's starvation guard (at half the timeout, 15 s) is on: it "
         "serves a waiter older than that ahead of a higher class's waiters (here no higher "
@@ -299,7 +307,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     timeout = replace(params, queue_timeout=30.0)
     variants = [
         ("2 tenants, no max_tokens",
-         both("no max_tokens", tenants_of(2, ratio), estimate="default")),
+         both("no max_tokens", tenants_of(2, ratio), estimate="default", streamed=False)),
+        ("2 tenants, not streamed",
+         both("not streamed", tenants_of(2, ratio), streamed=False)),
         ("10 tenants, queue timeout 30 s",
          both("timeout 30 s", tenants_of(10, ratio), params=timeout)),
         ("10 tenants, queue timeout 30 s, no starvation guard",

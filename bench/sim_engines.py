@@ -14,7 +14,7 @@ import heapq
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -201,6 +201,12 @@ class DecodeBatch(Generic[JobT]):
         if self._finishing:
             delay = max(0.0, (self._finishing[0][0] - self._vtokens) / self.speed())
             self._timer = self.clock.callLater(delay, self._decoded)
+
+    def decoding(self) -> Iterator[tuple[JobT, int]]:
+        """Each sequence decoding now, with the tokens it has produced so far (its first)."""
+        self._advance()
+        for end, _, job in self._finishing:
+            yield job, max(1, job.output_tokens - math.ceil(end - self._vtokens))
 
     def _decoded(self) -> None:
         self._timer = None

@@ -13,11 +13,12 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from txlb._config import build_config
 from txlb._scheduling.budgets import Estimate
-from txlb._scheduling.fairness import FairShares, cost_of
+from txlb._scheduling.fairness import STREAM_STEP, FairShares, cost_of
 from txlb._scheduling.outcome import RequestOutcome
 from txlb._scheduling.request import RoutingRequest
 from txlb._scheduling.tenants import key_digest
 
+from ..helpers import FakeResponse
 from .test_failover import FailoverTestCase
 from .test_tenants import ALPHA, BETA, keys_file
 
@@ -182,6 +183,92 @@ class ChargeTests(SynchronousTestCase):
         self.assertEqual(charge.estimate.completion, 7)
 
 
+def streamed_request(fair: FairShares, tenant: str = "a") -> RoutingRequest:
+    """A streamed request of ``tenant``, priced and granted: 100 prompt tokens' body."""
+    body = {"prompt": "x" * 400, "max_tokens": 1000, "stream": True}
+    request = RoutingRequest(tenant=tenant, body=json.dumps(body).encode(), json=body)
+    fair.price(request, b"/v1/completions", b"POST")
+    fair.granted(request)
+    return request
+
+
+def sse(count: int) -> bytes:
+    return b"".join(b'data: {"choices": [{"text": "t"}]}\n\n' for _ in range(count))
+
+
+class StreamChargeTests(SynchronousTestCase):
+    """A streamed answer's output is charged as it streams, not at the grant."""
+
+    def test_the_grant_charges_the_prompt_alone(self) -> None:
+        fair = vtc()
+        request = streamed_request(fair)
+        prompt = request.memo[fair].estimate.prompt
+        self.assertEqual(fair.counters["a"], cost_of(prompt, 0, 1.0))
+
+    def test_each_step_of_events_is_charged_as_it_passes(self) -> None:
+        fair = vtc()
+        request = streamed_request(fair)
+        start = fair.counters["a"]
+        meter = fair.meter(request)
+        assert meter is not None
+        meter.feed(sse(STREAM_STEP - 1))
+        self.assertEqual(fair.counters["a"], start)  # not a step yet
+        meter.feed(sse(1))
+        self.assertEqual(fair.counters["a"], start + cost_of(0, STREAM_STEP, 1.0))
+        meter.feed(sse(3 * STREAM_STEP + 2))  # one chunk of several steps: charged at once
+        self.assertEqual(fair.counters["a"], start + cost_of(0, 4 * STREAM_STEP + 2, 1.0))
+
+    def test_events_split_across_chunks_still_count(self) -> None:
+        fair = vtc()
+        meter = fair.meter(streamed_request(fair))
+        assert meter is not None
+        start = fair.counters["a"]
+        data = sse(STREAM_STEP)
+        for index in range(0, len(data), 7):  # boundaries inside "data:" lose a few
+            meter.feed(data[index:index + 7])
+        meter.feed(sse(STREAM_STEP))
+        self.assertGreater(fair.counters["a"], start)
+
+    def test_usage_settles_what_streamed(self) -> None:
+        fair = vtc()
+        request = streamed_request(fair)
+        meter = fair.meter(request)
+        assert meter is not None
+        meter.feed(sse(5 * STREAM_STEP))
+        fair.settle(RequestOutcome(backend="b:1", status=200, answered=True, ttfb=0.1,
+                                   duration=1.0, prompt_tokens=90, completion_tokens=77,
+                                   routing=request))
+        self.assertAlmostEqual(fair.counters["a"], cost_of(90, 77, 1.0))
+        meter.feed(sse(4 * STREAM_STEP))  # late bytes after the end charge nothing
+        self.assertAlmostEqual(fair.counters["a"], cost_of(90, 77, 1.0))
+
+    def test_a_client_that_left_mid_stream_keeps_what_streamed(self) -> None:
+        fair = vtc()
+        request = streamed_request(fair)
+        meter = fair.meter(request)
+        assert meter is not None
+        meter.feed(sse(3 * STREAM_STEP))
+        prompt = request.memo[fair].estimate.prompt
+        fair.settle(RequestOutcome(backend="b:1", status=200, answered=False, ttfb=0.1,
+                                   duration=1.0, end="client_abort", routing=request))
+        self.assertAlmostEqual(fair.counters["a"], cost_of(prompt, 3 * STREAM_STEP, 1.0))
+
+    def test_a_non_streamed_answer_has_no_meter_and_pays_its_estimate(self) -> None:
+        fair = vtc()
+        body = {"prompt": "x" * 400, "max_tokens": 1000}
+        request = RoutingRequest(tenant="a", body=json.dumps(body).encode(), json=body)
+        fair.price(request, b"/v1/completions", b"POST")
+        self.assertIsNone(fair.meter(request))
+        fair.granted(request)
+        self.assertGreaterEqual(fair.counters["a"], cost_of(0, 1000, 1.0))
+
+    def test_no_tenant_no_meter(self) -> None:
+        fair = vtc()
+        request = RoutingRequest(body=b'{"stream": true}', json={"stream": True})
+        fair.price(request, b"/v1/completions", b"POST")
+        self.assertIsNone(fair.meter(request))
+
+
 def gap(order: list[str]) -> int:
     """The most one tenant was ahead of the other in requests served, over ``order``."""
     most = ahead = 0
@@ -255,6 +342,30 @@ class QueueTests(FailoverTestCase):
     def test_auto_is_vtc_with_keys(self) -> None:
         self.build_queue("auto")
         self.assertTrue(self.lb.fairness.enabled)
+
+    def test_a_stream_charges_its_tenant_while_it_runs(self) -> None:
+        """
+        Through the proxy: alpha's streamed answer moves alpha's counter as its events
+        pass (what a freed slot's choice reads meanwhile), and its usage settles it.
+        """
+        self.build_queue("vtc")
+        client = self.client()
+        client.request(b"POST", b"/v1/completions",
+                       headers=[(b"Authorization", b"Bearer " + ALPHA)],
+                       body=json.dumps({"prompt": "a0", "max_tokens": 100,
+                                        "stream": True}).encode())
+        fairness = self.lb.fairness
+        granted = fairness.counters["alpha"]
+        response = self.upstream.calls[0].respond(
+            FakeResponse(200, [(b"Content-Type", b"text/event-stream")]))
+        response.send(sse(4 * STREAM_STEP))
+        self.assertEqual(fairness.counters["alpha"],
+                         granted + cost_of(0, 4 * STREAM_STEP, 1.0))
+        self.assertIn(sse(1), client.transport.value())  # relayed as it came
+        response.send(b'data: {"choices": [], "usage": {"prompt_tokens": 3, '
+                      b'"completion_tokens": 70}}\n\ndata: [DONE]\n\n')
+        response.end()
+        self.assertAlmostEqual(fairness.counters["alpha"], cost_of(3, 70, 1.0))
 
     def test_a_queued_requests_deadline_still_ends_its_wait(self) -> None:
         self.build_queue("vtc")

@@ -73,10 +73,11 @@ class Exchange:
     __slots__ = ("request", "record", "lease", "context", "pool", "clock", "read_timeout",
                  "retry", "tried", "state", "client_gone", "_head", "_upstream",
                  "_producer", "_watchdog", "_now", "_last_activity", "_paused_at",
-                 "_write", "__weakref__")
+                 "_write", "_meter", "__weakref__")
 
     def __init__(self, request: Request, record: RequestRecord, lease: Lease,
-                 context: ProxyContext, retry: RetryPlan | None = None) -> None:
+                 context: ProxyContext, retry: RetryPlan | None = None,
+                 meter: Callable[[bytes], object] | None = None) -> None:
         self.request = request
         self.record = record
         self.lease = lease
@@ -98,6 +99,9 @@ class Exchange:
         #: how body bytes reach the client: ``request.write``, or straight to the channel
         #: when the backend's chunked framing is passed through as it came
         self._write: Callable[[bytes], object] = request.write
+        #: told each chunk of the body relayed: the fair queue's charge of a streamed
+        #: answer (:class:`~txlb._scheduling.fairness.StreamMeter`)
+        self._meter = meter
         record.backend = lease.backend.key
 
     # -- start ------------------------------------------------------------------------------
@@ -323,6 +327,8 @@ class Exchange:
         if record.first_byte is None:
             record.first_byte = now
         record.capture(data)
+        if self._meter is not None:
+            self._meter(data)
         self._write(data)
 
     def body_ended(self, failure: Failure | None) -> None:

@@ -260,7 +260,9 @@ class ProxyResource(Resource):
             acquire=lambda tried: router.acquire(routing, exclude=tried),
             possible=lambda tried: router.can_serve_now(routing.model, tried),
         )
-        exchange = Exchange(request, record, lease, self.context, retry)
+        meter = router.fairness.meter(routing)
+        exchange = Exchange(request, record, lease, self.context, retry,
+                            None if meter is None else meter.feed)
         self.live.add(exchange)
         exchange.start()
 

@@ -13,11 +13,14 @@ stays within ``2 * max(w * L_input, w * M)`` -- ``L_input`` the longest prompt, 
 tokens the fleet holds in flight -- whatever their demands.
 
 Every request of a tenant is charged, queued or not (a slot it got at once is service
-too): at its grant, its prompt (from the body's size) and its completion at the estimate
-the token budgets use (``max_tokens``, else ``--budget-completion-estimate``); at its end,
-the difference to what its ``usage`` reports (:meth:`FairShares.settle`).  Charging the
-estimate at once, not each token as it streams, means a tenant's long answers count
-against it while they run -- the error is on the side of the others.
+too), as txlb sees it served.  At its grant, its prompt (from the body's size).  A streamed
+answer (``"stream": true``) is charged its output as it streams: each SSE ``data:`` event
+counts as one token, charged :data:`STREAM_STEP` tokens at a time (:class:`StreamMeter`).
+A non-streamed answer shows nothing until its end, so its grant also charges its completion
+at the estimate the token budgets use (``max_tokens``, else
+``--budget-completion-estimate``): its long answer counts against it while it runs, the
+error on the side of the others.  At the end, the difference to what ``usage`` reports
+(:meth:`FairShares.settle`) makes the counter exact.
 
 Only the order of the queue changes: priority classes, starvation guards and each
 request's deadline (503 when it runs out) are the router's, as without tenants.
@@ -39,6 +42,10 @@ from txlb._scheduling.request import RoutingRequest
 #: decoding a token costs an engine about twice what prefilling one does).
 INPUT_PRICE = 1.0
 OUTPUT_PRICE = 2.0
+#: Streamed tokens charged at a time: a counter (and, under ``--workers``, the message that
+#: carries it) moves once per this many events of one answer, not once per token.  The
+#: paper's bound grows by at most this many output tokens per answer in flight.
+STREAM_STEP = 16
 
 
 class Queued(Protocol):
@@ -58,12 +65,22 @@ class Charge:
     tenant: str
     weight: float
     estimate: Estimate
+    #: the answer streams: its output is charged as it comes, not at the grant
+    streamed: bool = False
     #: charged already (a failover's second slot is not charged again)
     applied: bool = False
+    #: settled: the counter holds what the answer cost, and nothing more is charged
+    settled: bool = False
+    #: weighted tokens charged so far: the grant's, then each streamed step's
+    charged: float = 0.0
+    #: output tokens charged as they streamed
+    streamed_tokens: int = 0
 
     @property
     def cost(self) -> float:
-        return cost_of(self.estimate.prompt, self.estimate.completion, self.weight)
+        """What the grant charges: the prompt, and the completion unless it streams."""
+        completion = 0 if self.streamed else self.estimate.completion
+        return cost_of(self.estimate.prompt, completion, self.weight)
 
     def apply(self) -> bool:
         """Mark the charge made; ``False`` if it was made already."""
@@ -76,6 +93,35 @@ class Charge:
 def cost_of(prompt: int, completion: int, weight: float) -> float:
     """The weighted service of ``prompt`` and ``completion`` tokens to a tenant."""
     return (INPUT_PRICE * prompt + OUTPUT_PRICE * completion) / weight
+
+
+class StreamMeter:
+    """
+    A streamed answer's output charged as it passes: fed each chunk of the body (``feed``),
+    it counts the SSE ``data:`` events (one token each: an engine streams a token, or a
+    few, per event; the role, usage and ``[DONE]`` events make the count a little high
+    until the settle corrects it) and charges every :data:`STREAM_STEP` of them.  Cheap on
+    the relay's path: one ``bytes.count`` a chunk.
+    """
+
+    __slots__ = ("_shares", "_charge", "_seen", "_billed")
+
+    def __init__(self, shares: FairShares, charge: Charge) -> None:
+        self._shares = shares
+        self._charge = charge
+        self._seen = 0
+        self._billed = 0
+
+    def feed(self, data: bytes) -> None:
+        """A chunk of the answer's body, as relayed."""
+        self.tokens(data.count(b"data:"))
+
+    def tokens(self, count: int) -> None:
+        """``count`` more tokens streamed (the bench's engines say it directly)."""
+        self._seen += count
+        if self._seen - self._billed >= STREAM_STEP:
+            self._shares.charge_streamed(self._charge, self._seen - self._billed)
+            self._billed = self._seen
 
 
 class FairShares:
@@ -213,19 +259,42 @@ class FairShares:
             return
         estimate = estimate_tokens(request.body, request.json, path, self.default_completion,
                                    method)
-        request.memo[self] = Charge(request.tenant, request.weight, estimate)
+        body = request.json
+        streamed = isinstance(body, dict) and body.get("stream") is True
+        request.memo[self] = Charge(request.tenant, request.weight, estimate, streamed)
+
+    def meter(self, request: RoutingRequest) -> StreamMeter | None:
+        """
+        What charges ``request``'s streamed output as it is relayed (:class:`StreamMeter`);
+        ``None`` when it has no tenant or does not stream.
+        """
+        charge = request.memo.get(self)
+        if not isinstance(charge, Charge) or not charge.streamed:
+            return None
+        return StreamMeter(self, charge)
+
+    def charge_streamed(self, charge: Charge, tokens: int) -> None:
+        """``tokens`` more of ``charge``'s answer streamed: its tenant is charged them."""
+        if (not charge.applied or charge.settled
+                or (self._tenants is not None and charge.tenant not in self._tenants)):
+            return
+        amount = cost_of(0, tokens, charge.weight)
+        charge.charged += amount
+        charge.streamed_tokens += tokens
+        self._add(charge.tenant, amount)
 
     def granted(self, request: RoutingRequest) -> None:
         """``request`` got its first slot: its tenant is charged what :meth:`price` said."""
         charge = request.memo.get(self)
         if not isinstance(charge, Charge) or not charge.apply():
             return  # no tenant, or a failover's second slot: charged once
+        charge.charged = charge.cost
         self._last_served = self._add(charge.tenant, charge.cost)
 
     def settle(self, outcome: RequestOutcome) -> None:
         """
         A request ended: what it cost (its ``usage``, else its estimate, as a token budget
-        charges it) replaces what its grant charged.
+        charges it) replaces what its grant and its streamed steps charged.
         """
         routing = outcome.routing
         if routing is None:
@@ -234,9 +303,14 @@ class FairShares:
         if (not isinstance(charge, Charge) or not charge.applied
                 or charge.tenant not in self.counters):
             return
+        charge.settled = True
         prompt, completion = served(outcome, charge.estimate)
-        # what the grant charged is in the counter: the difference never takes it below 0
-        self._add(charge.tenant, cost_of(prompt, completion, charge.weight) - charge.cost)
+        if outcome.completion_tokens is None:
+            # no usage (a client that left mid-stream, a cut answer): what streamed was
+            # served all the same
+            completion = max(completion, charge.streamed_tokens)
+        # what was charged is in the counter: the difference never takes it below 0
+        self._add(charge.tenant, cost_of(prompt, completion, charge.weight) - charge.charged)
 
     def order(self, waiters: Sequence[W]) -> Iterator[W]:
         """
