@@ -83,10 +83,25 @@ class Charge:
         return cost_of(self.estimate.prompt, completion, self.weight)
 
     def apply(self) -> bool:
-        """Mark the charge made; ``False`` if it was made already."""
+        """Mark the grant's charge made (:attr:`cost`); ``False`` if it was made already."""
         if self.applied:
             return False
         self.applied = True
+        self.charged = self.cost
+        return True
+
+    def streamed_more(self, tokens: int) -> float:
+        """``tokens`` more streamed: what they cost, now charged."""
+        amount = cost_of(0, tokens, self.weight)
+        self.charged += amount
+        self.streamed_tokens += tokens
+        return amount
+
+    def settle(self) -> bool:
+        """Mark the charge settled; ``False`` if it was already."""
+        if self.settled:
+            return False
+        self.settled = True
         return True
 
 
@@ -278,17 +293,13 @@ class FairShares:
         if (not charge.applied or charge.settled
                 or (self._tenants is not None and charge.tenant not in self._tenants)):
             return
-        amount = cost_of(0, tokens, charge.weight)
-        charge.charged += amount
-        charge.streamed_tokens += tokens
-        self._add(charge.tenant, amount)
+        self._add(charge.tenant, charge.streamed_more(tokens))
 
     def granted(self, request: RoutingRequest) -> None:
         """``request`` got its first slot: its tenant is charged what :meth:`price` said."""
         charge = request.memo.get(self)
         if not isinstance(charge, Charge) or not charge.apply():
             return  # no tenant, or a failover's second slot: charged once
-        charge.charged = charge.cost
         self._last_served = self._add(charge.tenant, charge.cost)
 
     def settle(self, outcome: RequestOutcome) -> None:
@@ -301,9 +312,8 @@ class FairShares:
             return
         charge = routing.memo.pop(self, None)
         if (not isinstance(charge, Charge) or not charge.applied
-                or charge.tenant not in self.counters):
+                or charge.tenant not in self.counters or not charge.settle()):
             return
-        charge.settled = True
         prompt, completion = served(outcome, charge.estimate)
         if outcome.completion_tokens is None:
             # no usage (a client that left mid-stream, a cut answer): what streamed was
