@@ -12,10 +12,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
-from twisted.internet import defer, threads
+from twisted.internet import defer, reactor, task, threads
 
 from ..parts import missing
 from ..processes import ROOT, Client, TwistdProcess, chat_body, clean_environment, wait_until
@@ -135,9 +136,9 @@ class TenantProcessTests(QueueProcessCase):
         self.assertGreater(listing["fairness"]["counters"]["alpha"], 0)
 
     def send_as(self, lb: TwistdProcess, key: str, orid: str, tokens: int,
-                ) -> defer.Deferred[Any]:
+                stream: bool = False) -> defer.Deferred[Any]:
         return defer.ensureDeferred(self.client.fetch(
-            lb.url + "/v1/chat/completions", b"POST", chat_body(stream=False),
+            lb.url + "/v1/chat/completions", b"POST", chat_body(stream=stream),
             {**JSON, b"x-orid": [orid.encode()], b"x-sim-tokens": [str(tokens).encode()],
              b"authorization": [f"Bearer {key}".encode()]}))
 
@@ -157,3 +158,41 @@ class TenantProcessTests(QueueProcessCase):
         # beta starts at alpha's counter (no credit for idling): a tie, which a0 wins by
         # arriving first; then beta, ahead of the rest of alpha's backlog (FIFO: last)
         self.assertEqual([orid for orid, _ in order], ["busy", "a0", "b0", "a1", "a2"])
+
+    async def queued_in_workers(self, lb: TwistdProcess, length: int) -> None:
+        """Until ``length`` requests wait in the workers' queues together (admin ``/status``)."""
+        async def count() -> int:
+            _, body = await self.client.fetch(lb.admin_url + "/status")
+            return sum(row["queued"] for row in json.loads(body.body)["workers"])
+
+        deadline = time.monotonic() + 10
+        while (waiting := await count()) != length:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the workers' queues never held {length}: {waiting}")
+            await task.deferLater(reactor, 0.02)
+
+    @defer.inlineCallbacks
+    def test_the_fair_order_holds_across_workers(self) -> Any:
+        """
+        Under ``--workers 2`` the requests land in whichever worker accepts them; however
+        they land, a freed slot goes to the least served tenant waiting in either worker:
+        beta is served within two turns of the slot freeing up, never behind all of
+        alpha's backlog (what each worker's own order gives when beta waits alone in the
+        other worker).  The answers stream, so each is charged what it is served as it
+        is served: no estimate settles later and reorders the counters (the workers'
+        timing decides when a settle lands).
+        """
+        lb, log, made = yield defer.ensureDeferred(self.start_keys(
+            "--workers", "2", "--admin", "tcp:0:interface=127.0.0.1", max_conns=1))
+        answers = [self.send_as(lb, made["alpha"], "busy", 40, stream=True)]
+        yield defer.ensureDeferred(self.holding(lb))
+        for n in range(4):
+            answers.append(self.send_as(lb, made["alpha"], f"a{n}", 1, stream=True))
+            yield defer.ensureDeferred(self.queued_in_workers(lb, n + 1))
+        answers.append(self.send_as(lb, made["beta"], "b0", 1, stream=True))
+        yield defer.ensureDeferred(self.queued_in_workers(lb, 5))
+        results = yield defer.gatherResults(answers, consumeErrors=True)
+        self.assertEqual([response.code for response, _ in results], [200] * 6)
+        order = [orid for orid, _ in (yield defer.ensureDeferred(self.served(log, 6)))]
+        self.assertEqual(order[0], "busy")
+        self.assertIn("b0", order[1:3], order)

@@ -15,7 +15,9 @@ table of 64-bit cells:
   of the *other* replicas sharing the Redis, as its poll last read them (zero without
   shared state, and while Redis is unreachable: the host's own view);
 * in each row a few header cells (the worker's pid, how many requests it has queued at
-  ``max_conns``), then one **in-flight** cell and one **started** cell per backend slot.
+  ``max_conns``, and, for the fair handoff of ``--fairness vtc``, which tenants wait in its
+  highest class that has waiters), then one **in-flight** cell and one **started** cell
+  per backend slot.
 
 A backend's in-flight count is the sum of its column over the workers' rows and the remote
 row: exact for the host's requests, as old as the last poll for the other replicas'.  Each
@@ -46,9 +48,14 @@ from txlb._cluster.store import IInFlightCounts
 
 #: Distinct backend addresses a multi-worker balancer can know over its lifetime.
 MAX_SLOTS = 1024
-#: Header cells at the start of each row.
-_PID, _WAITERS = 0, 1
-_HEADER = 4
+#: Tenants a worker's fair-handoff cells can name (64 to a cell): see
+#: :meth:`SharedCounts.set_fair_waiting`.
+FAIR_TENANTS = 1024
+_FAIR_CELLS = FAIR_TENANTS // 64
+#: Header cells at the start of each row: the pid, the waiters, the class of the fair
+#: handoff's waiting tenants, then their bitmap.
+_PID, _WAITERS, _FAIR_CLASS, _FAIR_BITS = 0, 1, 2, 4
+_HEADER = _FAIR_BITS + _FAIR_CELLS
 _CELL = 8  # bytes: int64
 
 
@@ -165,6 +172,33 @@ class SharedCounts:
     def set_waiters(self, count: int) -> None:
         """How many requests this worker has queued at ``max_conns`` (see supervisor)."""
         self._cells[self._own_base() + _WAITERS] = count
+
+    def set_fair_waiting(self, rank: int, tenants: int) -> None:
+        """
+        The tenants waiting in this worker's highest class that has waiters: ``rank`` the
+        class's (``-1``: none wait), ``tenants`` a bitmap of their numbers (below
+        :data:`FAIR_TENANTS`; see :mod:`txlb._workers.handoff`).  Written a cell at a time:
+        another worker may read a set half old, half new -- a wrong guess it makes at most
+        once per grace (:mod:`txlb._scheduling.handoff`), never a lost slot.
+        """
+        cells, base = self._cells, self._own_base()
+        for cell in range(_FAIR_CELLS):
+            word = (tenants >> (64 * cell)) & 0xFFFF_FFFF_FFFF_FFFF
+            cells[base + _FAIR_BITS + cell] = word - (1 << 64) if word >> 63 else word
+        cells[base + _FAIR_CLASS] = rank
+
+    def others_fair_waiting(self) -> Iterator[tuple[int, int]]:
+        """Each other worker's :meth:`set_fair_waiting` (rank, bitmap), when it has waiters."""
+        cells, stride = self._cells, self._stride
+        for row in range(self.workers):
+            base = row * stride
+            if row == self.row or cells[base + _WAITERS] <= 0 or cells[base + _FAIR_CLASS] < 0:
+                continue
+            tenants = 0
+            for cell in range(_FAIR_CELLS):
+                tenants |= (cells[base + _FAIR_BITS + cell] & 0xFFFF_FFFF_FFFF_FFFF) << (64 * cell)
+            if tenants:
+                yield int(cells[base + _FAIR_CLASS]), tenants
 
     def set_pid(self, pid: int) -> None:
         self._cells[self._own_base() + _PID] = pid

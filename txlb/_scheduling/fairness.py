@@ -28,7 +28,7 @@ request's deadline (503 when it runs out) are the router's, as without tenants.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Protocol, TypeVar
 
 import attrs
@@ -166,6 +166,13 @@ class FairShares:
         self.on_fleet_change: list[Callable[[str, float], object]] = []
         #: the tenants of the keys file (``None``: any name), past which nothing is counted
         self._tenants: frozenset[str] | None = None
+        #: ``--workers``: the tenants waiting in a class in the other workers (the fair
+        #: handoff's, :mod:`txlb._workers.handoff`), whose counters an arrival is lifted to
+        self.waiting_elsewhere: Callable[[str], Iterable[str]] | None = None
+
+    def lift_with(self, waiting_elsewhere: Callable[[str], Iterable[str]]) -> None:
+        """Lift an arrival to the lowest counter waiting in the other workers too."""
+        self.waiting_elsewhere = waiting_elsewhere
 
     def report_to(self, served: Callable[[str, float], object]) -> None:
         """Tell ``served`` of every change this process makes to a counter."""
@@ -233,7 +240,10 @@ class FairShares:
         waiting = self._waiting.get(klass, {})
         if tenant in waiting:
             return
-        floor = min((self.counters.get(name, 0.0) for name in waiting),
+        names: Iterable[str] = waiting
+        if self.waiting_elsewhere is not None:  # --workers: the other workers' waiters too
+            names = [*waiting, *self.waiting_elsewhere(klass)]
+        floor = min((self.counters.get(name, 0.0) for name in names),
                     default=self._last_served)
         own = self.counters.get(tenant, 0.0)
         if floor > own:
@@ -256,6 +266,10 @@ class FairShares:
         waiting[tenant] -= 1
         if not waiting[tenant]:
             del waiting[tenant]
+
+    def waiting_in(self, klass: str) -> Collection[str]:
+        """The tenants with requests waiting in class ``klass``."""
+        return self._waiting.get(klass, {}).keys()
 
     def regroup(self, waiters: Iterable[tuple[str, RoutingRequest]]) -> None:
         """The queue was regrouped (a reload's classes): who waits where, afresh."""

@@ -18,6 +18,7 @@ never holds up one (of any class) whose backends have room.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections import deque
@@ -35,6 +36,8 @@ from txlb._config.config import Config
 from txlb._scheduling.affinity import BoundedLoadRing
 from txlb._scheduling.classes import PriorityClasses, QueueClass
 from txlb._scheduling.fairness import FairShares
+from txlb._scheduling.handoff import SlotHandoff
+from txlb._scheduling.model_list import model_list
 from txlb._scheduling.policies import IPolicy, IPreparesRequests
 from txlb._scheduling.policies.least_conn import LeastConnections
 from txlb._scheduling.request import ANY_REQUEST, RoutingRequest
@@ -133,6 +136,9 @@ class Router:
         #: under a sustained overload the guard shares the fleet instead of inverting the
         #: classes (every batch request starving would otherwise take every slot)
         self._starved_last = False
+        #: Told the queue's length whenever it changes (a worker process publishes it so
+        #: that slots freed in other workers wake this queue; see txlb._workers.supervisor).
+        self.on_queue_length: Callable[[int], object] = lambda length: None
         self._regroup()
         self.classes.on_change.append(self._regroup)
         #: what a request is routed by when the policy raises: a bug (or a body it chokes
@@ -142,9 +148,8 @@ class Router:
         #: the policy hashes (or otherwise reads) each request before the lock is taken
         self._prepares = IPreparesRequests.providedBy(policy)
         self.on_queue_wait: Callable[[float], object] = lambda seconds: None
-        #: Told the queue's length whenever it changes (a worker process publishes it so
-        #: that slots freed in other workers wake this queue; see txlb._workers.supervisor).
-        self.on_queue_length: Callable[[int], object] = lambda length: None
+        #: ``--workers``' fair handoff: a free slot left to another worker's waiter
+        self.handoff = SlotHandoff(clock, self._dispatch)
         pool.on_change.append(self._dispatch)
 
     def tell_waits(self, told: Callable[[float], object]) -> None:
@@ -186,27 +191,8 @@ class Router:
         return sorted(models)
 
     def model_list(self, only: Sequence[str] | None = None) -> dict[str, object]:
-        """
-        ``GET /v1/models``: the union over healthy backends, in OpenAI's list shape (of
-        the models in ``only``, when given: a tenant's).
-        """
-        entries: dict[str, dict[str, object]] = {}
-        for backend in self.pool:
-            if not backend.health.healthy:
-                continue
-            # listed inside their model's entry, as the engine does
-            aliases = backend.listing.aliases
-            for model in backend.models or ():
-                if model in aliases:
-                    continue
-                entry = backend.listing.entries.get(model) or {
-                    "id": model, "object": "model", "created": 0, "owned_by": "txlb"}
-                entries.setdefault(model, dict(entry))
-        for alias in self.routes:
-            entries.setdefault(alias, {"id": alias, "object": "model", "created": 0,
-                                       "owned_by": "txlb"})
-        names = sorted(entries) if only is None else sorted(set(entries) & set(only))
-        return {"object": "list", "data": [entries[m] for m in names]}
+        """``GET /v1/models`` (of the models in ``only``, when given: a tenant's)."""
+        return model_list(self.pool, self.routes, only)
 
     # -- taking a slot ------------------------------------------------------------------
 
@@ -362,7 +348,9 @@ class Router:
         # With --workers a backend's ``active`` is fresh only under the shared lock (other
         # workers take and release slots meanwhile): read the totals there, or a retry
         # would be made into a queue, or refused although a backend is free.
-        serving = self._serving(self._routed(model), exclude)
+        return self._has_room(self._serving(self._routed(model), exclude))
+
+    def _has_room(self, serving: Sequence[Backend]) -> bool:
         return self.pool.slots.exclusive(lambda: any(b.eligible for b in serving))
 
     def _serving(self, model: str | None, exclude: frozenset[str]) -> list[Backend]:
@@ -503,6 +491,11 @@ class Router:
             lease = None
             if worthy is None:
                 serving = self._serving(waiter.model, waiter.exclude)
+                if not starving and self.handoff.leaves(
+                        waiter.klass, waiter.request.tenant,
+                        functools.partial(self._has_room, serving)):
+                    failed[key] = True  # nor do the later ones of its (model, exclude)
+                    continue
                 lease = self._take(serving, waiter.request)
                 if lease is None:
                     worthy = failed[key] = self._queue_worthy(serving)
@@ -563,9 +556,11 @@ class Router:
             left = max(0.0, waiter.since + waiter.klass.queue_timeout - now)
             waiter.timer = self.clock.callLater(left, self._expire, waiter)
         self.fairness.regroup((w.klass.name, w.request) for w in waiting if w.queued)
+        self.on_queue_length(self._length)  # a reload: the classes' ranks may change
 
     def abandon_queue(self, message: str) -> None:
         """Refuse every queued request with 503 (the balancer is shutting down)."""
+        self.handoff.stop()
         for waiter in [w for queue in self._queues.values() for w in queue]:
             self._leave(waiter)
             if waiter.deferred is not None and not waiter.deferred.called:

@@ -63,6 +63,7 @@ from txlb._log.quiet import summarise_accept_errors
 from txlb._records.bookkeeper import budget_reconciles, fair_shares_settle, policy_learns
 from txlb._records.privacy import privacy_of
 from txlb._server.heap import freeze_heap
+from txlb._workers.handoff import FairHandoff
 from txlb._workers.relay import WorkerRelay, WorkerStore, take_levels
 from txlb._workers.reports import SupervisorForwarder
 from txlb._workers.wire import (
@@ -335,7 +336,13 @@ class SupervisorLink(Protocol):
             refused=lambda name: self.report(BudgetRefused(name)))
         balancer.reconfigurable.append(_ForwardedBooks(balancer, forwarder))
         balancer.pool.mirror(hello.state)
-        balancer.router.tell_queue_length(shared.set_waiters)
+        # the fair handoff: this worker's waiting tenants published, the others' read
+        handoff = FairHandoff(shared, balancer.classes, balancer.fairness)
+        handoff.reconfigure(config)
+        balancer.reconfigurable.append(handoff)
+        balancer.router.tell_queue_length(handoff.queue_changed)
+        balancer.router.handoff.defer_with(handoff.defers)
+        balancer.fairness.lift_with(handoff.waiting_elsewhere)
         services = self.services = SequentialService()
         balancer.service(health_checks=False).setServiceParent(services)
         AdoptedPort(self.reactor, LISTEN_FD, hello.family,
