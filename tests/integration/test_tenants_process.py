@@ -83,7 +83,23 @@ class TenantProcessTests(QueueProcessCase):
         self.addCleanup(self.client.pool.closeCachedConnections)
         return lb, log, made
 
+    async def models_learned(self, lb: TwistdProcess, key: str) -> None:
+        """
+        Until ``GET /v1/models`` lists the simulator's model: the balancer learns it from
+        the backend's own list, on the first health check after it starts.
+        """
+        deadline = time.monotonic() + 10
+        while True:
+            _, body = await self.client.fetch(
+                lb.url + "/v1/models", headers={b"authorization": [f"Bearer {key}".encode()]})
+            if b"sim-model" in body.body:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the model was never listed: {body.body!r}")
+            await task.deferLater(reactor, 0.02)
+
     def check_keys(self, lb: TwistdProcess, log: Path, made: dict[str, str]) -> Any:
+        yield defer.ensureDeferred(self.models_learned(lb, made["alpha"]))
         good = yield threads.deferToThread(ask_openai, lb.url, made["alpha"])
         self.assertEqual(good[0], "ok")
         self.assertEqual(good[1][0], ["sim-model"])
