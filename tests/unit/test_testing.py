@@ -792,3 +792,55 @@ class SimTapTests(unittest.TestCase):
         ]:
             e = self.assertRaises(usage.UsageError, self.parse, *args)
             self.assertIn(f"--{option}", str(e))
+
+
+class ContinuationTests(_Fixture):
+    """The simulator continues its own answer, as vLLM does with ``continue_final_message``."""
+
+    def continued(self, payload: dict[str, Any], headers: dict[str, str] | None = None,
+                  ) -> tuple[int, Any]:
+        self.make(ttft=0.0, tokens_per_second=1000)
+        d = self.request("POST", payload.pop("path", "/v1/chat/completions"), payload,
+                         headers)
+        self.advance(1)
+        return self.json_result(d)
+
+    def test_a_final_assistant_message_is_continued_from_its_last_token(self) -> None:
+        code, body = self.continued(_chat(
+            messages=[{"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": "tok0 tok1 tok2 "}],
+            continue_final_message=True, add_generation_prompt=False), {"X-Sim-Tokens": "5"})
+        self.assertEqual(code, 200)
+        # X-Sim-Tokens is the whole answer's length: two more make five
+        self.assertEqual(body["choices"][0]["message"]["content"], "tok3 tok4 ")
+        self.assertEqual(body["usage"]["completion_tokens"], 2)
+        self.assertEqual(body["usage"]["prompt_tokens"], 4)
+
+    def test_max_tokens_counts_the_continuation_alone(self) -> None:
+        code, body = self.continued(_chat(
+            messages=[{"role": "assistant", "content": "tok0 tok1"}],
+            continue_final_message=True, add_generation_prompt=False, max_tokens=3))
+        self.assertEqual(body["choices"][0]["message"]["content"], "tok2 tok3 tok4 ")
+        self.assertEqual(body["choices"][0]["finish_reason"], "length")
+
+    def test_vllm_refuses_it_with_the_generation_prompt(self) -> None:
+        code, body = self.continued(_chat(
+            messages=[{"role": "assistant", "content": "tok0"}], continue_final_message=True))
+        self.assertEqual(code, 400)
+        self.assertIn("add_generation_prompt", json.dumps(body))
+
+    def test_the_final_message_must_be_the_assistants(self) -> None:
+        code, body = self.continued(_chat(continue_final_message=True,
+                                          add_generation_prompt=False))
+        self.assertEqual(code, 400)
+
+    def test_other_text_continues_from_the_first_token(self) -> None:
+        code, body = self.continued(_chat(
+            messages=[{"role": "assistant", "content": "tokens tok9x"}],
+            continue_final_message=True, add_generation_prompt=False, max_tokens=1))
+        self.assertEqual(body["choices"][0]["message"]["content"], "tok0 ")
+
+    def test_a_completions_prompt_is_continued(self) -> None:
+        code, body = self.continued({"path": "/v1/completions", "model": "sim-model",
+                                     "prompt": "say tok0 tok1 ", "max_tokens": 2})
+        self.assertEqual(body["choices"][0]["text"], "tok2 tok3 ")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from twisted.web.server import Request
 
@@ -58,6 +58,23 @@ def count_words(value: object, depth: int = 0) -> int:
     return 0
 
 
+def continued_from(text: object) -> int:
+    """
+    Where a continuation of the simulator's own answer starts: its answers are the words
+    ``tok0 tok1 ...``, so a text that ends in ``tok<m>`` (its final assistant message, or
+    a completions prompt) is continued from token ``m + 1``; anything else from 0.  So a
+    stream resumed on another simulator reads as one uninterrupted answer.
+    """
+    if not isinstance(text, str):
+        return 0
+    words = text.split()
+    last = words[-1] if words else ""
+    number = last[3:]
+    if last[:3] != "tok" or not number.isdigit() or len(number) > 9:
+        return 0
+    return int(number) + 1
+
+
 def parse_completion(sim: Host, request: Request, body: bytes, chat: bool,
                      take_id: Callable[[], int]) -> Generation:
     """
@@ -89,11 +106,13 @@ def parse_completion(sim: Host, request: Request, body: bytes, chat: bool,
         max_tokens = payload.get("max_completion_tokens")
         if max_tokens is None:
             max_tokens = payload.get("max_tokens")
+        offset = continuation_of(payload, messages)
     else:
         if "prompt" not in payload:
             raise BadRequest(400, "Field required: prompt.")
         prompt_tokens = count_words(payload["prompt"])
         max_tokens = payload.get("max_tokens")
+        offset = continued_from(payload["prompt"])
     prompt = None
     if sim.cache is not None:
         prompt = render_prompt(payload, chat)
@@ -128,13 +147,15 @@ def parse_completion(sim: Host, request: Request, body: bytes, chat: bool,
                 raise ValueError(count)
         except ValueError:
             raise BadRequest(400, f"Invalid X-Sim-Tokens: {override!r}") from None
+        # the whole answer's length: a continuation makes what its first part did not
+        count = max(0, count - offset)
         finish_reason = "stop"
         if max_tokens is not None and max_tokens < count:
             count, finish_reason = max_tokens, "length"
     elif max_tokens is not None:
         count, finish_reason = max_tokens, "length"
     else:
-        count, finish_reason = sim.default_tokens, "stop"
+        count, finish_reason = max(0, sim.default_tokens - offset), "stop"
     available = sim.max_model_len - prompt_tokens
     if count > available:
         count, finish_reason = available, "length"
@@ -162,4 +183,24 @@ def parse_completion(sim: Host, request: Request, body: bytes, chat: bool,
         ident=f"{'chatcmpl' if chat else 'cmpl'}-{number}",
         created=int(sim._clock.seconds()),
         prompt=prompt,
+        content_offset=offset,
     )
+
+
+def continuation_of(payload: dict[str, Any], messages: list[Any]) -> int:
+    """
+    A chat request's continuation (``continue_final_message``), checked as vLLM checks it:
+    ``add_generation_prompt`` must be false with it (vLLM's default is true) and the last
+    message the assistant's; the token its answer continues from
+    (:func:`continued_from`), 0 for a request that continues nothing.
+    """
+    if payload.get("continue_final_message") is not True:
+        return 0
+    if payload.get("add_generation_prompt", True) is not False:
+        raise BadRequest(400, "Cannot set both `continue_final_message` and "
+                              "`add_generation_prompt` to True.")
+    last = messages[-1] if messages else None
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        raise BadRequest(400, "continue_final_message is set but the final message is "
+                              "not the assistant's.")
+    return continued_from(last.get("content"))

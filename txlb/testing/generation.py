@@ -68,6 +68,9 @@ class Generation:
     anchor_at: float = 0.0
     anchor_index: int = 0
     speed: float = 0.0
+    #: a continuation's first token's number: the answer it continues had this many
+    #: (:func:`~txlb.testing.completion.continued_from`)
+    content_offset: int = 0
 
     @property
     def total(self) -> int:
@@ -77,7 +80,7 @@ class Generation:
         """Token ``index`` of this generation as ``(is_reasoning, text)``."""
         if index < self.reasoning_count:
             return True, f"reason{index} "
-        return False, f"tok{index - self.reasoning_count} "
+        return False, f"tok{index - self.reasoning_count + self.content_offset} "
 
     def start(self) -> None:
         """
