@@ -275,6 +275,9 @@ def unsupported_notes(config: Config) -> list[str]:
         "--outlier-5xx: closest is 'proxy_next_upstream http_500' with max_fails, which "
         "also retries.",
     ]
+    if config.resume and config.resume_tries:
+        notes.append("--resume: nginx cannot continue a stream whose backend fails part-way; "
+                     "the client gets the answer cut short, as txlb with --resume off.")
     if config.dns_backends:
         notes.append("dns:/srv: backends: nginx re-resolves them on the TTL ('resolve' "
                      "below, open source since 1.27.3, with 'valid=' as its upper bound); "

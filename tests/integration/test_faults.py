@@ -141,8 +141,10 @@ class KillTests(FaultTestCase):
     @defer.inlineCallbacks
     def test_killed_mid_stream_then_restarted_on_the_same_port(self) -> Any:
         sims = yield defer.ensureDeferred(self.sims(2, "--tokens-per-second", "20"))
+        # --resume off: the victim's stream is cut (test_resume_process has it resumed)
         lb = yield defer.ensureDeferred(self.balancer([s.key for s in sims],
-                                                      "--health-interval", "0.5"))
+                                                      "--health-interval", "0.5",
+                                                      "--resume", "off"))
         streams = []
         for _ in range(2):
             response = yield defer.ensureDeferred(self.client.request(

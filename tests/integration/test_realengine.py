@@ -14,6 +14,7 @@ is skipped with "NOT RUN".
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import os
 import re
@@ -278,8 +279,50 @@ class FailureTests(RealEngineTestCase):
         predicted = await self.engine_metric(engine, "llamacpp:tokens_predicted_total")
         self.assertLess(predicted, 3000)  # stopped well before the end
 
-    async def test_kill_9_truncates_then_new_requests_go_elsewhere(self) -> None:
+    async def test_kill_9_resumes_the_stream_on_another_engine(self) -> None:
+        """
+        A llama-server killed mid-stream: the stream goes on on another one (llama.cpp
+        continues a final assistant message by itself), the client reads one answer with
+        its finish reason and the usage of the whole, every token asked for.
+        """
         await self.start()
+        asked = 2000
+        response = await self.client.request(
+            self.lb.url + "/v1/chat/completions", b"POST",
+            chat(max_tokens=asked, ignore_eos=True, stream_options={"include_usage": True}),
+            {b"content-type": [b"application/json"]})
+        victim = next(e for e in self.engines if e.key == header(response, b"x-backend"))
+        chunks = Chunks()
+        response.deliverBody(chunks)
+        await wait_until(lambda: chunks.body.count(b"data:") > 5, what="the stream to flow")
+        before = chunks.body
+        killed_at = time.monotonic()
+        victim.signal(signal.SIGKILL)
+        await chunks.done
+        self.assertTrue(chunks.clean)
+        # the longest wait between two reads, the kill's included: under 1 s
+        times = [at for at, _ in chunks.chunks]
+        gap = max(later - sooner for sooner, later in itertools.pairwise(times))
+        self.assertLess(gap, 1.0)
+        self.assertGreater(times[-1], killed_at)
+        print(f"\nllama-server killed mid-stream: the next token {gap:.2f}s later",
+              file=sys.stderr)
+        self.assertTrue(chunks.body.startswith(before))  # nothing sent twice
+        events = [json.loads(part[6:]) for part in chunks.body.decode().split("\n\n")
+                  if part.startswith("data: {")]
+        self.assertTrue(chunks.body.endswith(b"data: [DONE]\n\n"))
+        self.assertEqual(len({event["id"] for event in events}), 1)
+        finishes = [c["finish_reason"] for e in events for c in e["choices"]
+                    if c.get("finish_reason")]
+        self.assertEqual(finishes, ["length"])
+        self.assertEqual(events[-1]["usage"]["completion_tokens"], asked)
+        self.assertIn(f"backend {victim.key} failed part-way through a stream",
+                      self.lb.output())
+        await wait_until(lambda: not self.healthy(victim.key), timeout=5,
+                         what="the killed engine out of rotation")
+
+    async def test_kill_9_truncates_then_new_requests_go_elsewhere(self) -> None:
+        await self.start("--resume", "off")
         response = await self.client.request(
             self.lb.url + "/v1/chat/completions", b"POST", chat(max_tokens=3000),
             {b"content-type": [b"application/json"]})

@@ -62,7 +62,9 @@ def summaries() -> list[Summary]:
     """One summary of every kind, each with the optional fields shown."""
     common: dict[str, Any] = dict(time=0.0, orid="o", backend="b:1", method="POST",
                                   status=200, outcome="timeout", dur=1.0, ttft=0.5,
-                                  tries=2, truncated=True, priority="batch", tenant="search")
+                                  tries=2, resumes=1, resumed_backend="c:2",
+                                  resume_refused="n", truncated=True,
+                                  priority="batch", tenant="search")
     return [
         Summary(kind="completion", path="/v1/messages", finish="stop", completion_tokens=3,
                 max_tokens=9, clen=4, preview="abcd", empty=False, prompt_tokens=12,
@@ -214,7 +216,8 @@ class NewFieldTests(UTCTestCase):
         self.assertIn(" ERR_BODY | no", lines["error"])
         self.assertIn(" n=2 ptok=5 ", lines["embedding"])
         self.assertEqual(lines["other"], "01-01 00:00:00 orid=o b:1 POST /v1/models "
-                                         "status=200 dur=1.000 end=timeout tries=2 trunc=True "
+                                         "status=200 dur=1.000 end=timeout tries=2 resumed=1 "
+                                         "resumed_on=c:2 unresumed=n trunc=True "
                                          "class=batch tenant=search")
 
 
@@ -311,7 +314,8 @@ class WireFormTests(SynchronousTestCase):
     def test_what_may_be_null_may_be(self) -> None:
         nulls = [field.name for field in FIELDS if type(None) in field.wire.classes]
         self.assertEqual(nulls, ["backend", "ttft", "finish", "ctok", "max_tokens", "n",
-                                 "ptok", "cached", "req_keys", "class", "tenant"])
+                                 "ptok", "cached", "req_keys", "resumed_on", "unresumed", "class",
+                                 "tenant"])
         summary = summary_from({**self.message(), **dict.fromkeys(nulls)})
         self.assertIsNone(summary.completion_tokens)
 

@@ -64,6 +64,8 @@ CHANGES: dict[str, tuple[str, str]] = {
     "routes": ("", '[[routes]]\nmodel = "chat"\nto = { "m1" = 9, "m2" = 1 }\n'),
     "retries": ("", "retries = 1\n"),
     "retry_window": ("", "retry-window = 5\n"),
+    "resume": ("", 'resume = "off"\n'),
+    "resume_tries": ("", "resume-tries = 3\n"),
     "outlier_5xx": ("", "outlier-5xx = 3\n"),
     "outlier_cooldown": ("", "outlier-cooldown = 10\n"),
     "hung_after": ("", "hung-after = 2\n"),

@@ -41,6 +41,9 @@ RECORDS: dict[tuple[str, str], str] = {
     ("_proxy/exchange.py", "self.record"): _RECORD + ": the request's RequestRecord",
     ("_proxy/exchange.py", "self.request"): _TWISTED + " (Request.responseHeaders)",
     ("_proxy/resource.py", "record"): _RECORD + ": the request's RequestRecord",
+    ("_proxy/resuming.py", "record"): _RECORD + ": the request's RequestRecord (the "
+                                        "exchange's, whose resume half it is)",
+    ("_proxy/resuming.py", "self.record"): _RECORD + ": the request's RequestRecord",
     ("_proxy/resource.py", "request"): _TWISTED + " (Request.defaultContentType)",
     ("_records/metrics.py", "metric"): "a prometheus_client Metric family built right there",
     ("_records/resultlog.py", "sink"): _TWISTED + " (LogFile.rotateLength)",

@@ -96,6 +96,9 @@ class InFlight(Protocol):
     @property
     def backend(self) -> Backend: ...
 
+    def backend_hung(self) -> None:
+        """Its backend was judged hung: a stream may leave it (``--resume``)."""
+
 
 @attrs.define
 class _Unanswered:
@@ -431,6 +434,10 @@ class HangDetector(Service):
             self._cleared[backend] = self.clock.seconds()
             self.pool.mark_hung(backend, f"hung: no byte from any of {requests} requests "
                                          f"for {waited:.1f}s and {probe_result}")
+            if not backend.health.healthy:  # out: its streams may resume elsewhere
+                for request in list(self.live):
+                    if request.backend is backend:
+                        request.backend_hung()
 
         probe.addCallbacks(answered, failed)
         probe.addErrback(lambda failure: log.failure("judging {backend}", failure,

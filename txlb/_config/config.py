@@ -75,6 +75,8 @@ class Config:
     routes: tuple[RouteSpec, ...] = _DEFAULT["routes"]
     retries: int = _DEFAULT["retries"]
     retry_window: float = _DEFAULT["retry_window"]
+    resume: bool = _DEFAULT["resume"]
+    resume_tries: int = _DEFAULT["resume_tries"]
     outlier_5xx: int = _DEFAULT["outlier_5xx"]
     outlier_cooldown: float = _DEFAULT["outlier_cooldown"]
     hung_after: float = _DEFAULT["hung_after"]

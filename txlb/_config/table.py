@@ -56,6 +56,7 @@ from txlb._config.values import (
     parse_nonnegative_seconds,
     parse_path,
     parse_size,
+    parse_switch,
 )
 from txlb._scheduling.policies.registry import DEFAULT_POLICY, policy_options
 
@@ -144,6 +145,12 @@ OPTIONS: tuple[OptionSpec, ...] = (
                "Extra tries on another backend (refused/reset before a response, 502/503)."),
     OptionSpec("retry-window", 10.0, parse_duration,
                "Seconds after the request's arrival past which no new try starts."),
+    OptionSpec("resume", "on", parse_switch,
+               "Resume a chat or completions stream on another engine when its own fails "
+               "part-way, so the client reads one uninterrupted answer: 'on' or 'off'.",
+               "LB_RESUME"),
+    OptionSpec("resume-tries", 1, parse_nonnegative_int,
+               "Continuations one stream may have at most (0: none)."),
     OptionSpec("outlier-5xx", 5, parse_nonnegative_int,
                "5xx answers in a row that eject a backend for a cool-down (0: never)."),
     OptionSpec("outlier-cooldown", 30.0, parse_duration,

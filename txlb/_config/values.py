@@ -44,6 +44,16 @@ def parse_count(option: str, value: object) -> int:
     return count
 
 
+def parse_switch(option: str, value: object) -> bool:
+    """``on`` or ``off`` (a config file may say ``true`` or ``false``)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text not in ("on", "off"):
+        raise ConfigError(f"--{option}: {value!r} is not 'on' or 'off'")
+    return text == "on"
+
+
 def parse_nonnegative_int(option: str, value: object) -> int:
     """A whole number, 0 or more."""
     if isinstance(value, bool):

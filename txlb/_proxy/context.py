@@ -65,10 +65,13 @@ class ProxyContext:
     repeats: RepeatSummary | None = None
     #: ``--auth``: with ``keys`` a client's key is never forwarded to an engine
     auth: str = "off"
+    #: ``--resume-tries``: continuations a stream may have when its engine fails part-way
+    #: (0 with ``--resume off``)
+    resume_tries: int = 0
 
     def reconfigure(self, config: Config) -> None:
         """
-        ``config``'s timeouts, retries, ``X-Backend`` exposure, ``--auth`` (whether a
+        ``config``'s timeouts, retries, resumes, ``X-Backend`` exposure, ``--auth`` (whether a
         client's key is forwarded) and ``--rate-key`` (who a client is, for the outlier
         streak), for the exchanges that start from now on.
         """
@@ -78,6 +81,7 @@ class ProxyContext:
         self.retry_window = config.retry_window
         self.x_backend = config.x_backend
         self.auth = config.auth
+        self.resume_tries = config.resume_tries if config.resume else 0
         self.client_key = functools.partial(client_key, kind=config.rate_key)
 
 

@@ -45,7 +45,9 @@ from txlb._proxy.failures import (
 )
 from txlb._proxy.head import UpstreamHead, client_head, upstream_head, with_credentials
 from txlb._proxy.incoming import exposed_to, framed_writer
+from txlb._proxy.resuming import RESUME_KEEP, Resuming
 from txlb._records.record import RequestRecord
+from txlb._resume.rewrite import ContinuationRewriter
 from txlb._scheduling.router import RoutingError
 from txlb._upstream.interfaces import UpstreamResponse
 
@@ -54,7 +56,7 @@ from txlb._upstream.interfaces import UpstreamResponse
 log = Logger(namespace="txlb._proxy.resource")
 
 
-class Exchange:
+class Exchange(Resuming):
     """
     One client request, forwarded to one backend (or, on failover, to a few in turn).
 
@@ -73,7 +75,8 @@ class Exchange:
     __slots__ = ("request", "record", "lease", "context", "pool", "clock", "read_timeout",
                  "retry", "tried", "state", "client_gone", "_head", "_upstream",
                  "_producer", "_watchdog", "_now", "_last_activity", "_paused_at",
-                 "_write", "_meter", "__weakref__")
+                 "_write", "_meter", "_relayed", "_unresumable", "_raw_to_client", "_continuation",
+                 "_continuation_body", "_continuation_tries", "_client_write", "__weakref__")
 
     def __init__(self, request: Request, record: RequestRecord, lease: Lease,
                  context: ProxyContext, retry: RetryPlan | None = None,
@@ -102,6 +105,15 @@ class Exchange:
         #: told each chunk of the body relayed: the fair queue's charge of a streamed
         #: answer (:class:`~txlb._scheduling.fairness.StreamMeter`)
         self._meter = meter
+        #: --resume: the bytes the client got (a stream that may be continued), whether
+        #: they are in the backend's chunked framing, and the continuation relayed now
+        self._relayed: bytearray | None = None
+        self._unresumable: str | None = None  # why a stream no longer can be (too long)
+        self._raw_to_client = False
+        self._continuation: ContinuationRewriter | None = None
+        self._continuation_body = b""
+        self._continuation_tries = 0
+        self._client_write: Callable[[bytes], object] = request.write
         record.backend = lease.backend.key
 
     # -- start ------------------------------------------------------------------------------
@@ -133,12 +145,16 @@ class Exchange:
             return None
         return self._last_activity
 
-    def _send(self) -> None:
-        """One attempt: the request, body replayed from the buffered copy, to the leased backend."""
+    def _send(self, body: bytes | None = None) -> None:
+        """
+        One attempt: the request, body replayed from the buffered copy (or ``body``: a
+        stream's continuation), to the leased backend.
+        """
         request = self.request
-        body: bytes | None = self.record.request_body
-        if not body and request.getHeader(b"content-length") is None:
-            body = None  # no body, and no "Content-Length: 0" either
+        if body is None:
+            body = self.record.request_body
+            if not body and request.getHeader(b"content-length") is None:
+                body = None  # no body, and no "Content-Length: 0" either
         backend = self.lease.backend
         self._arm_watchdog()
         try:
@@ -213,6 +229,9 @@ class Exchange:
         self.lease.head_came(now, now - self._last_activity, response.code)
         self.context.observer.answered(self.lease.backend, response.code,
                                        self._blamed(response.code))
+        if self._continuation is not None:
+            self._continuation_head(response)
+            return
         if FAILURES[answered(response.code)].retried and self._can_retry():
             self._say(("retried", self.lease.backend.key, response.code), LogLevel.info,
                       "backend {backend} answered {status}; trying another",
@@ -227,6 +246,7 @@ class Exchange:
         except BaseException:
             response.discard()  # nobody will read it: close it, the backend stops
             raise
+        self._keep_for_resume(response, raw)
         response.deliver(self, raw)
 
     def _blamed(self, status: int) -> str | None:
@@ -283,7 +303,12 @@ class Exchange:
 
     def body_started(self, producer: IPushProducer) -> None:
         self._producer = producer
-        if self.state == "relaying":
+        if self._continuation is not None:
+            # the exchange is the client's producer already: the continuation's body
+            # starts paused if the client is
+            if self._paused_at is not None:
+                producer.pauseProducing()
+        elif self.state == "relaying":
             self.request.registerProducer(self, True)
 
     # -- IPushProducer: the client's flow control, passed upstream ------------------------
@@ -326,7 +351,13 @@ class Exchange:
         record = self.record
         if record.first_byte is None:
             record.first_byte = now
-        record.capture(data)
+        if self._continuation is None:  # a continuation's is captured as rewritten
+            record.capture(data)
+            relayed = self._relayed
+            if relayed is not None:
+                relayed += data
+                if len(relayed) > RESUME_KEEP:
+                    self._too_long()
         if self._meter is not None:
             self._meter(data)
         self._write(data)
@@ -336,7 +367,11 @@ class Exchange:
             return  # we stopped it ourselves (client gone, timeout): already ended
         self._producer = None  # finished: stopping it now would kill a reusable connection
         if failure is None:
+            if self._continuation is not None:
+                self._continuation.close()
             self._end("ok", finish_answer)
+            return
+        if self._try_resume(describe_failure(failure)):
             return
         if self.request.startedWriting:
             self._say(
@@ -377,6 +412,9 @@ class Exchange:
             # a reset may be a backend restarting, not a dead one: probe now, so a
             # healthy one is back at once
             self.context.observer.suspect(backend)
+        if self._continuation is not None:
+            self._continuation_failed(failure_words(failure))
+            return
         if rule.retried and self._can_retry():
             self._retry()
             return
@@ -404,6 +442,12 @@ class Exchange:
             self._watchdog = self.clock.callLater(self.read_timeout - silent,
                                                   self._read_timed_out)
             return
+        if self.state == "relaying" and self._try_resume(
+                f"silent for {self.read_timeout:g}s"):
+            return
+        if self._continuation is not None and self.state == "waiting":
+            self._continuation_failed(f"no answer in {self.read_timeout:g}s")
+            return
         self._say(
             ("silent", backend.key), LogLevel.warn,
             "backend {backend} silent for {timeout}s; giving up",
@@ -412,6 +456,15 @@ class Exchange:
         )
         self._give_up(Kind.READ_TIMEOUT, backend=self._named(backend),
                       timeout=self.read_timeout)
+
+    def backend_hung(self) -> None:
+        """
+        The hung-backend detector took this request's backend out: a stream it was
+        relaying (and not held up by its client) is resumed elsewhere if it can be; else
+        it waits out ``--read-timeout`` as before.
+        """
+        if self.state == "relaying" and self._paused_at is None:
+            self._try_resume("judged hung")
 
     def _client_lost(self, failure: Failure) -> None:
         if self.state == "ended":
@@ -458,6 +511,10 @@ class Exchange:
         else:
             self._fail(rule.status, rule.message.format(**fields), rule.outcome)
 
+    def _cut(self, outcome: str) -> None:
+        """End a stream the client has part of: cut short, as the backend left it."""
+        self._end(outcome, cut_answer)
+
     def _fail_before_body(self, status: int, message: str, outcome: str) -> None:
         """
         The backend's head came but nothing of it reached the client yet (a fixed-length
@@ -489,6 +546,7 @@ class Exchange:
         backend connection, which is how vLLM learns to abort the generation.
         """
         self.state = "ended"
+        self._relayed = None
         self.context.live.discard(self)
         try:
             self.lease.release()

@@ -198,6 +198,10 @@ def _once(tries: int) -> bool:
     return tries <= 1
 
 
+def _none_yet(count: int) -> bool:
+    return count == 0
+
+
 def _no(value: bool) -> bool:
     return not value
 
@@ -246,6 +250,12 @@ FIELDS: tuple[Field, ...] = (
     Field("trunc", BOOL, attr="truncated", json_omit=_no,
           text=(Text(320, " trunc=", flag, omit=_no),)),
     Field("tries", INT, json_omit=_once, text=(Text(310, " tries=", omit=_once),)),
+    Field("resumed", INT, attr="resumes", json_omit=_none_yet,
+          text=(Text(312, " resumed=", omit=_none_yet),)),
+    Field("resumed_on", STR.optional(), attr="resumed_backend", json_omit=_unknown,
+          text=(Text(314, " resumed_on=", escape, omit=_unknown),)),
+    Field("unresumed", STR.optional(), attr="resume_refused", json_omit=_unknown,
+          text=(Text(316, " unresumed=", escape, omit=_unknown),)),
     Field("class", STR.optional(), attr="priority", json_omit=_unknown,
           text=(Text(330, " class=", escape, omit=_unknown),)),
     Field("tenant", STR.optional(), json_omit=_unknown,

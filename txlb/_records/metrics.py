@@ -243,6 +243,11 @@ class Metrics:
             buckets=QUEUE_BUCKETS, registry=self.registry)
         self.retries = Counter(
             "txlb_retries", "Requests retried on another backend.", registry=self.registry)
+        self.resumes = Counter(
+            "txlb_stream_resumes",
+            "Streams whose engine failed part-way: continued on another engine (resumed), "
+            "or cut, by why they could not be.", ["result"], registry=self.registry)
+        self.resumes.labels("resumed")
         self.config_generation = Gauge(
             "txlb_config_generation",
             "The running configuration's generation: 1 at start, one more per applied "
@@ -297,6 +302,10 @@ class Metrics:
             self._child(self.time_per_output_token, backend).observe(per_token)
         if summary.outcome == "client_abort":
             self._child(self.client_aborts, backend).inc()
+        if summary.resumes:
+            self.resumes.labels("resumed").inc(summary.resumes)
+        if summary.resume_refused is not None:
+            self.resumes.labels(summary.resume_refused).inc()
         self.tenants.observe(summary)
 
     def _child(self, metric: Any, backend: str) -> Any:

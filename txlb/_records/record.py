@@ -62,6 +62,11 @@ class RequestRecord:
     truncated: bool = False
     queue_wait: float | None = None
     tries: int = 1
+    #: continuations of its stream on another engine (``--resume``), and the last one's
+    #: backend; or why its stream, cut, could not be continued (a metric's label)
+    resumes: int = 0
+    resumed_backend: str | None = None
+    resume_refused: str | None = None
     #: the captured response is in chunked framing (passed through as the backend sent it)
     chunked: bool = False
     #: who sent it: the ``--rate-key`` client key, for what learns from each request (the

@@ -93,6 +93,11 @@ class Summary:
     err_body: str = ""
     truncated: bool = False
     tries: int = 1
+    #: continuations of its stream on another engine, and the last one's backend
+    resumes: int = 0
+    resumed_backend: str | None = None
+    #: why its stream, cut by its engine, was not continued (``--resume``)
+    resume_refused: str | None = None
     #: the prompt's tokens as the engine counted them (completions and embeddings), and of
     #: those how many it served from its prefix cache (completions): ``None`` when the
     #: answer did not say; ``cached_prompt_tokens`` is never above ``prompt_tokens`` and is
@@ -196,6 +201,9 @@ def summarize(record: RequestRecord, privacy: Privacy = KEEP_ALL) -> Summary:
         "ttft": None if record.first_byte is None else record.first_byte - record.started,
         "truncated": record.truncated,
         "tries": record.tries,
+        "resumes": record.resumes,
+        "resumed_backend": record.resumed_backend,
+        "resume_refused": record.resume_refused,
         "priority": None if record.routing is None else record.routing.priority,
         "tenant": record.tenant,
     }

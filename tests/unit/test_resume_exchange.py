@@ -1,0 +1,181 @@
+"""
+A stream resumed on another engine, in memory: the exchange's side of ``--resume`` -- what
+is sent, what the client reads, every count back to 0 whatever fails.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from twisted.internet import error as neterror
+from twisted.python.failure import Failure
+from twisted.web.client import ResponseFailed
+
+from ..helpers import FakeResponse
+from .test_failover import FailoverTestCase
+
+SSE = [(b"Content-Type", b"text/event-stream")]
+CHAT = json.dumps({"model": "m", "stream": True, "max_tokens": 10,
+                   "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+def chunk(content: str | None = None, ident: str = "chatcmpl-1", role: bool = False,
+          finish: str | None = None) -> bytes:
+    delta: dict[str, Any] = {"role": "assistant"} if role else {}
+    if content is not None:
+        delta["content"] = content
+    return b"data: " + json.dumps({
+        "id": ident, "object": "chat.completion.chunk", "created": 1, "model": "m",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}).encode() + b"\n\n"
+
+
+def answer(code: int = 200) -> FakeResponse:
+    """A streamed 200, or an empty answer of ``code``."""
+    if code == 200:
+        return FakeResponse(200, SSE)
+    return FakeResponse(code, length=0)
+
+
+def died() -> Failure:
+    return Failure(ResponseFailed([Failure(neterror.ConnectionLost("engine killed"))]))
+
+
+class ResumeExchangeTests(FailoverTestCase):
+    def setUp(self) -> None:
+        self.build()
+
+    def stream(self, n: int, *events: bytes) -> Any:
+        response = self.upstream.calls[n].respond(answer())
+        for data in events:
+            response.send(data)
+        return response
+
+    def started(self, body: bytes = CHAT) -> Any:
+        client = self.client()
+        client.request(b"POST", b"/v1/chat/completions", body=body)
+        first = self.stream(0, chunk("", role=True), chunk("a "), chunk("b "))
+        return client, first
+
+    def sample(self, name: str, **labels: str) -> float | None:
+        return self.lb.metrics.registry.get_sample_value(name, labels)
+
+    def test_a_dead_engines_stream_goes_on_elsewhere(self) -> None:
+        client, first = self.started()
+        first.end(died())
+        self.assertEqual(len(self.upstream.calls), 2)
+        self.assertNotEqual(self.backend_of(0), self.backend_of(1))
+        sent = json.loads(self.upstream.calls[1].body)
+        self.assertEqual(sent["messages"][-1], {"role": "assistant", "content": "a b "})
+        self.assertEqual((sent["max_tokens"], sent["continue_final_message"],
+                          sent["add_generation_prompt"]), (8, True, False))
+        second = self.stream(1, chunk("", ident="chatcmpl-9", role=True),
+                             chunk("c ", ident="chatcmpl-9"),
+                             chunk(ident="chatcmpl-9", finish="stop"), b"data: [DONE]\n\n")
+        second.end()
+        response = client.response()
+        self.assertTrue(response.complete)
+        events = [part for part in response.body.split(b"\n\n") if part]
+        self.assertEqual(len(events), 6)  # one role chunk, a b c, the finish, [DONE]
+        texts = [json.loads(e[6:])["choices"][0]["delta"].get("content") for e in events[:-1]]
+        self.assertEqual(texts, ["", "a ", "b ", "c ", None])
+        self.assertNotIn(b"chatcmpl-9", response.body)
+        record = self.records[-1]
+        self.assertEqual((record.resumes, record.resumed_backend, record.outcome),
+                         (1, self.backend_of(1), "ok"))
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
+        self.assertEqual(self.sample("txlb_stream_resumes_total", result="resumed"), 1)
+
+    def test_a_continuation_refused_is_tried_on_another_engine(self) -> None:
+        client, first = self.started()
+        first.end(died())
+        self.upstream.calls[1].respond(answer(503)).end()
+        self.assertEqual(len(self.upstream.calls), 3)
+        self.assertEqual(len({self.backend_of(n) for n in range(3)}), 3)
+        self.stream(2, chunk("c "), b"data: [DONE]\n\n").end()
+        self.assertTrue(client.response().complete)
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
+
+    def test_no_engine_left_cuts_the_stream(self) -> None:
+        client, first = self.started()
+        first.end(died())
+        self.upstream.calls[1].fail(neterror.ConnectionRefusedError())
+        self.upstream.calls[2].fail(neterror.ConnectionRefusedError())
+        response = client.response()
+        self.assertFalse(response.complete)  # cut short, never a fake end
+        self.assertEqual(self.records[-1].resume_refused, "continuation_failed")
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
+        self.assertEqual(
+            self.sample("txlb_stream_resumes_total", result="continuation_failed"), 1)
+
+    def test_the_client_leaving_meanwhile_ends_it(self) -> None:
+        client, first = self.started()
+        first.end(died())
+        client.disconnect()
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
+        self.assertEqual(self.records[-1].outcome, "client_abort")
+
+    def test_a_request_that_cannot_be_continued_is_cut(self) -> None:
+        body = json.loads(CHAT)
+        body["n"] = 2
+        client, first = self.started(json.dumps(body).encode())
+        first.end(died())
+        self.assertEqual(len(self.upstream.calls), 1)
+        self.assertFalse(client.response().complete)
+        self.assertEqual(self.records[-1].resume_refused, "n")
+        self.assertEqual(self.sample("txlb_stream_resumes_total", result="n"), 1)
+
+    def test_a_cut_inside_an_event_is_not_resumed(self) -> None:
+        client, first = self.started()
+        first.send(chunk("c ")[:15])
+        first.end(died())
+        self.assertEqual(len(self.upstream.calls), 1)
+        self.assertEqual(self.records[-1].resume_refused, "mid_event")
+
+    def test_past_the_bound_a_stream_is_not_resumable(self) -> None:
+        client, first = self.started()
+        filler = chunk("x" * 4000)
+        for _ in range(140):  # 140 x 4 KiB: past 512 KiB
+            first.send(filler)
+        first.end(died())
+        self.assertEqual(len(self.upstream.calls), 1)
+        self.assertEqual(self.records[-1].resume_refused, "too_long")
+
+    def test_one_resume_at_most_by_default(self) -> None:
+        client, first = self.started()
+        first.end(died())
+        self.stream(1, chunk("c ")).end(died())
+        self.assertEqual(len(self.upstream.calls), 2)
+        self.assertFalse(client.response().complete)
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
+
+    def test_with_two_tries_it_resumes_twice_with_all_the_text(self) -> None:
+        self.build(resume_tries=2)
+        client, first = self.started()
+        first.end(died())
+        self.stream(1, chunk("", role=True), chunk("c ")).end(died())
+        sent = json.loads(self.upstream.calls[2].body)
+        self.assertEqual(sent["messages"][-1]["content"], "a b c ")
+        self.assertEqual(sent["max_tokens"], 7)
+        self.stream(2, chunk("", role=True), chunk("d "), b"data: [DONE]\n\n").end()
+        texts = [json.loads(e[6:])["choices"][0]["delta"].get("content")
+                 for e in client.response().body.split(b"\n\n") if e.startswith(b"data: {")]
+        self.assertEqual(texts, ["", "a ", "b ", "c ", "d "])
+        self.assertEqual(self.records[-1].resumes, 2)
+
+    def test_silence_past_the_read_timeout_resumes(self) -> None:
+        self.build(read_timeout=5)
+        client, first = self.started()
+        self.clock.advance(6)
+        self.assertEqual(len(self.upstream.calls), 2)
+        self.assertTrue(first.transport.stopped)  # the silent try is closed
+        self.stream(1, chunk("c "), b"data: [DONE]\n\n").end()
+        self.assertTrue(client.response().complete)
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
+
+    def test_resume_off_cuts(self) -> None:
+        self.build(resume=False)
+        client, first = self.started()
+        first.end(died())
+        self.assertEqual(len(self.upstream.calls), 1)
+        self.assertFalse(client.response().complete)

@@ -1,0 +1,248 @@
+"""
+The exchange's resume: a stream whose engine fails after its first byte is continued on
+another engine and relayed into the same client response (``--resume``,
+``--resume-tries``), so the client reads one uninterrupted answer.
+
+Kept beside :mod:`txlb._proxy.exchange` as the part of its state machine that only a failing
+stream runs: while it relays, an exchange keeps the bytes it sent the client (at most
+:data:`RESUME_KEEP`; past that the stream is cut as it would be without resumes); when its
+engine fails -- the connection closes or resets without the stream's end, or sends nothing
+for ``--read-timeout`` -- :meth:`Resuming._try_resume` reads what the client has
+(:mod:`txlb._resume.progress`), asks another engine for the rest
+(:mod:`txlb._resume.continuation`) and relays its events made the first try's
+(:mod:`txlb._resume.rewrite`).  Never onto the engine that failed, never when the client
+left, at most ``--resume-tries`` times a stream; a continuation that fails before its first
+byte is tried on another engine within ``--retries``, one that fails after it is resumed
+again while tries are left, else cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall, IPushProducer
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.server import Request
+
+from txlb._cluster.slots import Lease
+from txlb._json_body import parse_json_object
+from txlb._proxy.context import ProxyContext, RetryPlan
+from txlb._records.record import RequestRecord
+from txlb._resume.continuation import continuation_body, refusal_of
+from txlb._resume.progress import NotResumable, read_progress
+from txlb._resume.rewrite import ContinuationRewriter
+from txlb._upstream.interfaces import IRelayOwner, UpstreamResponse
+
+log = Logger(namespace="txlb._proxy.resource")
+
+#: the bytes of a stream kept for its resume: past them it is not resumable, and the
+#: memory is given back (the result log's capture limit)
+RESUME_KEEP = 512 * 1024
+
+
+def frame(data: bytes) -> bytes:
+    """``data`` as one chunk of HTTP/1.1 chunked framing."""
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class Resuming:
+    """The resume half of :class:`~txlb._proxy.exchange.Exchange` (a mixin: its state)."""
+
+    if not TYPE_CHECKING:
+        # no slots of its own (the exchange's hold its state); hidden from the type
+        # checker, which would otherwise refuse every assignment to the exchange's
+        __slots__ = ()
+
+    # what the exchange holds (declared for the type checker; the exchange's slots)
+    request: Request
+    record: RequestRecord
+    lease: Lease
+    context: ProxyContext
+    retry: RetryPlan | None
+    tried: set[str]
+    state: str
+    client_gone: bool
+    _upstream: Deferred[Any] | None
+    _producer: IPushProducer | None
+    _watchdog: IDelayedCall | None
+    _paused_at: float | None
+    _write: Callable[[bytes], object]
+    _client_write: Callable[[bytes], object]
+    _relayed: bytearray | None
+    _unresumable: str | None
+    _raw_to_client: bool
+    _continuation: ContinuationRewriter | None
+    _continuation_body: bytes
+    _continuation_tries: int
+
+    def _send(self, body: bytes | None = None) -> None: ...  # the exchange's
+
+    def _arm_watchdog(self) -> None: ...
+
+    def _end(self, outcome: str, answer_client: Any = None) -> None: ...
+
+    def _cut(self, outcome: str) -> None: ...
+
+    # -- keeping what the client got --------------------------------------------------------
+
+    def _keep_for_resume(self, response: UpstreamResponse, raw: bool) -> None:
+        """A 200 stream of chat or completions: its bytes are kept for a resume."""
+        if (self.context.resume_tries <= self.record.resumes or response.length is not None
+                or response.code != 200 or self.retry is None):
+            return
+        content_type = self.record.content_type or b""
+        if not content_type.startswith(b"text/event-stream"):
+            return
+        if self.record.path not in _RESUMABLE_PATHS:
+            self._unresumable = "api"  # the Responses or Messages API: not continued
+            return
+        self._relayed = bytearray()
+        self._raw_to_client = raw
+
+    def _kept(self, data: bytes) -> None:
+        """``data`` went to the client: kept, until the bound (then never resumable)."""
+        relayed = self._relayed
+        if relayed is not None:
+            relayed += data
+            if len(relayed) > RESUME_KEEP:
+                self._too_long()
+
+    def _too_long(self) -> None:
+        """Past :data:`RESUME_KEEP`: the stream is no longer resumable, its bytes let go."""
+        self._relayed = None
+        self._unresumable = "too_long"
+
+    # -- the resume -------------------------------------------------------------------------
+
+    def _try_resume(self, why: str) -> bool:
+        """
+        The stream's engine failed (``why``, for the service log): continue it elsewhere.
+        ``False`` when it cannot be (the reason is the record's), and the stream is cut.
+        """
+        relayed, self._relayed = self._relayed, None
+        record = self.record
+        if relayed is None:
+            record.resume_refused = self._unresumable  # a stream past the bound, or none
+            return False
+        if self.client_gone or self.retry is None or record.resumes >= self.context.resume_tries:
+            return False
+        chat = b"chat" in record.path
+        try:
+            payload = parse_json_object(record.request_body or b"")
+            if payload is None:
+                raise NotResumable("unreadable")
+            reason = refusal_of(payload, chat)
+            if reason is not None:
+                raise NotResumable(reason)
+            progress = read_progress(bytes(relayed), self._raw_to_client, chat)
+            body = continuation_body(payload, chat, progress)
+        except NotResumable as refused:
+            record.resume_refused = refused.reason
+            return False
+        failed = self.lease.backend
+        tried = self.tried | {failed.key}
+        if not self.retry.possible(frozenset(tried)):
+            record.resume_refused = "no_backend"
+            return False
+        log.warn("backend {backend} failed part-way through a stream ({why}); resuming it "
+                 "on another engine after {tokens} tokens", backend=failed.key, why=why,
+                 tokens=progress.tokens)
+        self.tried.add(failed.key)
+        # probed now: a dead engine leaves rotation at once, a restarting one comes back
+        self.context.observer.suspect(failed)
+        record.resumes += 1
+        record.resume_refused = None
+        self._leave_try()
+        if record.resumes < self.context.resume_tries:
+            self._relayed = relayed  # what the client has, for another resume
+        if self._continuation is None:
+            self._client_write = self._write
+        self._continuation = ContinuationRewriter(progress, chat, self._to_client)
+        self._write = self._continuation.feed
+        self._continuation_body = body
+        self._continuation_tries = 0
+        self._next_engine()
+        return True
+
+    def _leave_try(self) -> None:
+        """Close the failed try: its timer, its body's producer, its slot."""
+        self.state = "waiting"
+        if self._watchdog is not None and self._watchdog.active():
+            self._watchdog.cancel()
+        self._watchdog = None
+        if self._producer is not None:
+            producer, self._producer = self._producer, None
+            producer.stopProducing()
+        if self._upstream is not None:
+            upstream, self._upstream = self._upstream, None
+            upstream.cancel()
+        self.lease.release()
+
+    def _next_engine(self) -> None:
+        assert self.retry is not None
+        acquiring = self._upstream = self.retry.acquire(frozenset(self.tried))
+        acquiring.addCallbacks(self._resume_on, self._no_engine).addErrback(self._resume_bug)
+
+    def _resume_on(self, lease: Lease) -> None:
+        self._upstream = None
+        if self.state == "ended":
+            lease.release()  # the client left while we waited for an engine
+            return
+        self.lease = lease
+        self.record.resumed_backend = lease.backend.key
+        self._send(self._continuation_body)
+
+    def _no_engine(self, failure: Failure) -> None:
+        self._upstream = None
+        if self.state != "ended":
+            self.record.resume_refused = "no_backend"
+            self._cut("upstream_error")
+
+    def _resume_bug(self, failure: Failure) -> None:
+        log.failure("unexpected error resuming a stream", failure)
+        if self.state != "ended":
+            self._cut("proxy_error")
+
+    def _continuation_head(self, response: UpstreamResponse) -> None:
+        """The continuation answered: relayed if it streams, else another engine tried."""
+        content_type = b"".join(value for name, value in response.headers
+                                if name == b"content-type")
+        if response.code != 200 or not content_type.startswith(b"text/event-stream"):
+            response.discard()
+            self._continuation_failed(f"answered {response.code}")
+            return
+        self.state = "relaying"
+        self._arm_watchdog()
+        response.deliver(cast(IRelayOwner, self), False)
+
+    def _continuation_failed(self, why: str) -> None:
+        """Before its first byte: another engine within ``--retries``, else the cut."""
+        backend = self.lease.backend
+        self.tried.add(backend.key)
+        self.lease.release()
+        assert self.retry is not None
+        if (self._continuation_tries < self.context.retries and not self.client_gone
+                and self.retry.possible(frozenset(self.tried))):
+            self._continuation_tries += 1
+            log.info("the continuation on {backend} failed ({why}); trying another engine",
+                     backend=backend.key, why=why)
+            self._next_engine()
+            return
+        self.record.resume_refused = "continuation_failed"
+        self._cut("upstream_error")
+
+    def _to_client(self, data: bytes) -> None:
+        """The continuation's events, rewritten, to the client (and kept, as the first's)."""
+        if self._raw_to_client:
+            data = frame(data)
+        self._client_write(data)
+        self.record.capture(data)
+        self._kept(data)
+
+
+#: the paths whose streams can be continued: chat completions and completions
+_RESUMABLE_PATHS = frozenset({b"/v1/chat/completions", b"/chat/completions",
+                              b"/v1/completions", b"/completions"})
