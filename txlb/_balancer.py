@@ -500,6 +500,7 @@ class LoadBalancer:
 
         def status() -> dict[str, object]:
             extra: dict[str, object] = {"version": __version__}
+            extra["resumes"] = self.metrics.resume_status()
             extra.update(budgets.status())
             extra.update(dns.status())
             report = IStoreReport(self.store, None)

@@ -24,7 +24,7 @@ OTHER_PROGRAMS = {
     "--served-model-name", "--api-key",  # vllm serve
     "--enable-prompt-tokens-details", "--enable-force-include-usage",  # vllm serve
     "--enable-cache-report",  # SGLang's launch_server
-    "--alias", "--metrics",  # llama.cpp's llama-server
+    "--alias", "--metrics", "--no-prefill-assistant",  # llama.cpp's llama-server
     "--save", "--appendonly", "--requirepass",  # redis-server
     "--from-literal",  # kubectl create secret
 }

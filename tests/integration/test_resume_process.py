@@ -21,6 +21,7 @@ from typing import Any
 from twisted.internet import defer, reactor
 
 from ..processes import Chunks, chat_body, header, wait_until
+from ..redis import RedisServer
 from .test_faults import FaultTestCase
 from .test_integration import JSON
 
@@ -89,7 +90,20 @@ class ResumeTests(FaultTestCase):
 
     @defer.inlineCallbacks
     def test_a_killed_engines_stream_completes_token_exact(self) -> Any:
-        lb, log = yield defer.ensureDeferred(self.start())
+        yield from self.check_killed_engines_stream()
+
+    @defer.inlineCallbacks
+    def test_the_same_under_workers(self) -> Any:
+        yield from self.check_killed_engines_stream("--workers", "2")
+
+    @defer.inlineCallbacks
+    def test_the_same_with_shared_state(self) -> Any:
+        redis = RedisServer()
+        self.addCleanup(redis.stop)
+        yield from self.check_killed_engines_stream("--shared-state", redis.url)
+
+    def check_killed_engines_stream(self, *args: str) -> Any:
+        lb, log = yield defer.ensureDeferred(self.start(*args))
         body = chat_body(stream=True, stream_options={"include_usage": True})
         stream, first, killed_at = yield defer.ensureDeferred(
             self.killed_mid_stream(lb, body))

@@ -85,6 +85,7 @@ class ResumeExchangeTests(FailoverTestCase):
                          (1, self.backend_of(1), "ok"))
         self.assertEqual(self.lb.pool.slots.in_flight, 0)
         self.assertEqual(self.sample("txlb_stream_resumes_total", result="resumed"), 1)
+        self.assertEqual(self.lb.metrics.resume_status(), {"resumed": 1, "cut": {}})
 
     def test_a_continuation_refused_is_tried_on_another_engine(self) -> None:
         client, first = self.started()
@@ -124,6 +125,7 @@ class ResumeExchangeTests(FailoverTestCase):
         self.assertFalse(client.response().complete)
         self.assertEqual(self.records[-1].resume_refused, "n")
         self.assertEqual(self.sample("txlb_stream_resumes_total", result="n"), 1)
+        self.assertEqual(self.lb.metrics.resume_status(), {"resumed": 0, "cut": {"n": 1}})
 
     def test_a_cut_inside_an_event_is_not_resumed(self) -> None:
         client, first = self.started()

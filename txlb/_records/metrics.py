@@ -260,6 +260,21 @@ class Metrics:
         for result in ("ok", "refused"):
             self.config_reloads.labels(result)  # both series exist from the start
 
+    def resume_status(self) -> dict[str, object]:
+        """``/status``'s ``resumes``: streams continued elsewhere, and those cut, by reason."""
+        cut: dict[str, int] = {}
+        resumed = 0
+        for metric in self.resumes.collect():
+            for sample in metric.samples:
+                if not sample.name.endswith("_total"):
+                    continue
+                result = sample.labels["result"]
+                if result == "resumed":
+                    resumed = int(sample.value)
+                else:
+                    cut[result] = int(sample.value)
+        return {"resumed": resumed, "cut": cut}
+
     def reloaded(self, applied: bool, generation: int) -> None:
         """One reload of the configuration, applied (now ``generation``) or refused."""
         self.config_reloads.labels("ok" if applied else "refused").inc()
