@@ -14,6 +14,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from txlb._resume.continuation import continuation_body, refusal_of, stop_spans
 from txlb._resume.progress import NotResumable, Progress, read_progress, unframed
 from txlb._resume.rewrite import ContinuationRewriter
+from txlb._resume.tokens import TOKENIZE_ANSWER_LIMIT, WholeAnswer, count_of, tokenize_body
 
 
 def event(obj: dict[str, Any]) -> bytes:
@@ -190,3 +191,42 @@ class RewriterTests(SynchronousTestCase):
         rewriter = ContinuationRewriter(self.progress, True, out.append)
         rewriter.feed(b"data: hello\n\n: comment\ndata: {}\n\n")
         self.assertEqual(b"".join(out), b"data: hello\n\n: comment\ndata: {}\n\n")
+
+
+class TokenCountTests(SynchronousTestCase):
+    def test_vllms_and_llamacpps_answers(self) -> None:
+        self.assertEqual(count_of(b'{"count": 3, "tokens": [1, 2, 3]}', 10), 3)
+        self.assertEqual(count_of(b'{"tokens": [1, 2]}', 10), 2)
+
+    def test_nonsense_is_no_count(self) -> None:
+        for answer in (b"nope", b"[1]", b'{"count": "3"}', b'{"count": true}',
+                       b'{"count": 0}', b'{"count": 11}', b'{"tokens": 5}', b"{}"):
+            self.assertIsNone(count_of(answer, 10), answer)
+
+    def test_the_request_carries_both_engines_fields(self) -> None:
+        body = json.loads(tokenize_body("m", "a b"))
+        self.assertEqual(body, {"prompt": "a b", "content": "a b",
+                                "add_special_tokens": False, "model": "m"})
+        self.assertNotIn("model", json.loads(tokenize_body(None, "x")))
+
+    def test_an_answer_past_the_limit_is_stopped(self) -> None:
+        reader = WholeAnswer()
+        stopped: list[bool] = []
+
+        class Producer:
+            def stopProducing(self) -> None:
+                stopped.append(True)
+
+        reader.body_started(Producer())  # type: ignore[arg-type]
+        reader.body_chunk(b"x" * TOKENIZE_ANSWER_LIMIT)
+        reader.body_chunk(b"x")
+        self.assertIsNone(self.successResultOf(reader.done))
+        self.assertEqual(stopped, [True])
+        reader.body_ended(None)  # nothing more happens
+
+    def test_a_whole_answer(self) -> None:
+        reader = WholeAnswer()
+        reader.body_chunk(b'{"count"')
+        reader.body_chunk(b": 1}")
+        reader.body_ended(None)
+        self.assertEqual(self.successResultOf(reader.done), b'{"count": 1}')

@@ -57,6 +57,19 @@ class ResumeExchangeTests(FailoverTestCase):
         first = self.stream(0, chunk("", role=True), chunk("a "), chunk("b "))
         return client, first
 
+    def tokenized(self, n: int, count: int | None = None) -> None:
+        """Call ``n`` is the count of the text so far: answered ``count``, or 404 (none)."""
+        call = self.upstream.calls[n]
+        self.assertTrue(call.uri.endswith(b"/tokenize"), call.uri)
+        if count is None:
+            call.respond(FakeResponse(404, length=0)).end()
+            return
+        body = json.dumps({"count": count, "tokens": list(range(count))}).encode()
+        response = call.respond(FakeResponse(200, [(b"Content-Type", b"application/json")],
+                                             length=len(body)))
+        response.send(body)
+        response.end()
+
     def sample(self, name: str, **labels: str) -> float | None:
         return self.lb.metrics.registry.get_sample_value(name, labels)
 
@@ -65,11 +78,15 @@ class ResumeExchangeTests(FailoverTestCase):
         first.end(died())
         self.assertEqual(len(self.upstream.calls), 2)
         self.assertNotEqual(self.backend_of(0), self.backend_of(1))
-        sent = json.loads(self.upstream.calls[1].body)
+        asked = json.loads(self.upstream.calls[1].body)  # the text counted where it goes on
+        self.assertEqual((asked["prompt"], asked["add_special_tokens"]), ("a b ", False))
+        self.tokenized(1, 2)
+        self.assertEqual(self.backend_of(1), self.backend_of(2))
+        sent = json.loads(self.upstream.calls[2].body)
         self.assertEqual(sent["messages"][-1], {"role": "assistant", "content": "a b "})
         self.assertEqual((sent["max_tokens"], sent["continue_final_message"],
                           sent["add_generation_prompt"]), (8, True, False))
-        second = self.stream(1, chunk("", ident="chatcmpl-9", role=True),
+        second = self.stream(2, chunk("", ident="chatcmpl-9", role=True),
                              chunk("c ", ident="chatcmpl-9"),
                              chunk(ident="chatcmpl-9", finish="stop"), b"data: [DONE]\n\n")
         second.end()
@@ -82,26 +99,57 @@ class ResumeExchangeTests(FailoverTestCase):
         self.assertNotIn(b"chatcmpl-9", response.body)
         record = self.records[-1]
         self.assertEqual((record.resumes, record.resumed_backend, record.outcome),
-                         (1, self.backend_of(1), "ok"))
+                         (1, self.backend_of(2), "ok"))
         self.assertEqual(self.lb.pool.slots.in_flight, 0)
         self.assertEqual(self.sample("txlb_stream_resumes_total", result="resumed"), 1)
         self.assertEqual(self.lb.metrics.resume_status(), {"resumed": 1, "cut": {}})
 
+    def test_the_engines_count_makes_the_limits_and_the_usage(self) -> None:
+        """Two events held four tokens (speculative decoding): the engine's count wins."""
+        client, first = self.started(json.dumps({**json.loads(CHAT), "stream_options": {
+            "include_usage": True}}).encode())
+        first.end(died())
+        self.tokenized(1, 4)
+        self.assertEqual(json.loads(self.upstream.calls[2].body)["max_tokens"], 6)
+        usage = b"data: " + json.dumps({"id": "x", "choices": [], "usage": {
+            "prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}}).encode()
+        self.stream(2, chunk("c "), usage + b"\n\n", b"data: [DONE]\n\n").end()
+        events = [json.loads(e[6:]) for e in client.response().body.split(b"\n\n")
+                  if e.startswith(b"data: {")]
+        self.assertEqual(events[-1]["usage"], {"prompt_tokens": 1, "completion_tokens": 10,
+                                               "total_tokens": 11})
+
+    def test_an_engine_without_tokenize_keeps_the_events_count(self) -> None:
+        client, first = self.started()
+        first.end(died())
+        self.tokenized(1)
+        self.assertEqual(json.loads(self.upstream.calls[2].body)["max_tokens"], 8)
+
+    def test_a_count_that_never_comes_is_not_waited_for(self) -> None:
+        client, first = self.started()
+        first.end(died())
+        self.clock.advance(1.0)  # TOKENIZE_TIMEOUT
+        self.assertEqual(len(self.upstream.calls), 3)
+        self.assertEqual(json.loads(self.upstream.calls[2].body)["max_tokens"], 8)
+
     def test_a_continuation_refused_is_tried_on_another_engine(self) -> None:
         client, first = self.started()
         first.end(died())
-        self.upstream.calls[1].respond(answer(503)).end()
-        self.assertEqual(len(self.upstream.calls), 3)
-        self.assertEqual(len({self.backend_of(n) for n in range(3)}), 3)
-        self.stream(2, chunk("c "), b"data: [DONE]\n\n").end()
+        self.tokenized(1, 2)
+        self.upstream.calls[2].respond(answer(503)).end()
+        self.tokenized(3, 2)
+        self.assertEqual(len({self.backend_of(n) for n in (0, 2, 4)}), 3)
+        self.stream(4, chunk("c "), b"data: [DONE]\n\n").end()
         self.assertTrue(client.response().complete)
         self.assertEqual(self.lb.pool.slots.in_flight, 0)
 
     def test_no_engine_left_cuts_the_stream(self) -> None:
         client, first = self.started()
         first.end(died())
-        self.upstream.calls[1].fail(neterror.ConnectionRefusedError())
+        self.tokenized(1)
         self.upstream.calls[2].fail(neterror.ConnectionRefusedError())
+        self.tokenized(3)
+        self.upstream.calls[4].fail(neterror.ConnectionRefusedError())
         response = client.response()
         self.assertFalse(response.complete)  # cut short, never a fake end
         self.assertEqual(self.records[-1].resume_refused, "continuation_failed")
@@ -146,8 +194,9 @@ class ResumeExchangeTests(FailoverTestCase):
     def test_one_resume_at_most_by_default(self) -> None:
         client, first = self.started()
         first.end(died())
-        self.stream(1, chunk("c ")).end(died())
-        self.assertEqual(len(self.upstream.calls), 2)
+        self.tokenized(1, 2)
+        self.stream(2, chunk("c ")).end(died())
+        self.assertEqual(len(self.upstream.calls), 3)
         self.assertFalse(client.response().complete)
         self.assertEqual(self.lb.pool.slots.in_flight, 0)
 
@@ -155,11 +204,13 @@ class ResumeExchangeTests(FailoverTestCase):
         self.build(resume_tries=2)
         client, first = self.started()
         first.end(died())
-        self.stream(1, chunk("", role=True), chunk("c ")).end(died())
-        sent = json.loads(self.upstream.calls[2].body)
+        self.tokenized(1, 2)
+        self.stream(2, chunk("", role=True), chunk("c ")).end(died())
+        self.tokenized(3, 3)
+        sent = json.loads(self.upstream.calls[4].body)
         self.assertEqual(sent["messages"][-1]["content"], "a b c ")
         self.assertEqual(sent["max_tokens"], 7)
-        self.stream(2, chunk("", role=True), chunk("d "), b"data: [DONE]\n\n").end()
+        self.stream(4, chunk("", role=True), chunk("d "), b"data: [DONE]\n\n").end()
         texts = [json.loads(e[6:])["choices"][0]["delta"].get("content")
                  for e in client.response().body.split(b"\n\n") if e.startswith(b"data: {")]
         self.assertEqual(texts, ["", "a ", "b ", "c ", "d "])
@@ -171,7 +222,8 @@ class ResumeExchangeTests(FailoverTestCase):
         self.clock.advance(6)
         self.assertEqual(len(self.upstream.calls), 2)
         self.assertTrue(first.transport.stopped)  # the silent try is closed
-        self.stream(1, chunk("c "), b"data: [DONE]\n\n").end()
+        self.tokenized(1, 2)
+        self.stream(2, chunk("c "), b"data: [DONE]\n\n").end()
         self.assertTrue(client.response().complete)
         self.assertEqual(self.lb.pool.slots.in_flight, 0)
 

@@ -844,3 +844,13 @@ class ContinuationTests(_Fixture):
         code, body = self.continued({"path": "/v1/completions", "model": "sim-model",
                                      "prompt": "say tok0 tok1 ", "max_tokens": 2})
         self.assertEqual(body["choices"][0]["text"], "tok2 tok3 ")
+
+    def test_tokenize_counts_as_the_answers_are_counted(self) -> None:
+        self.make()
+        d = self.request("POST", "/tokenize", {"prompt": "tok0 tok1 tok2 "})
+        code, body = self.json_result(d)
+        self.assertEqual((code, body["count"], body["tokens"]), (200, 3, [0, 1, 2]))
+        d = self.request("POST", "/tokenize", {"content": "a b"})
+        self.assertEqual(self.json_result(d)[1]["count"], 2)
+        d = self.request("POST", "/tokenize", {"prompt": 3})
+        self.assertEqual(self.json_result(d)[0], 400)

@@ -76,7 +76,8 @@ class Exchange(Resuming):
                  "retry", "tried", "state", "client_gone", "_head", "_upstream",
                  "_producer", "_watchdog", "_now", "_last_activity", "_paused_at",
                  "_write", "_meter", "_relayed", "_unresumable", "_raw_to_client", "_continuation",
-                 "_continuation_body", "_continuation_tries", "_client_write", "__weakref__")
+                 "_continuation_body", "_continuation_tries", "_client_write",
+                 "_resume_plan", "__weakref__")
 
     def __init__(self, request: Request, record: RequestRecord, lease: Lease,
                  context: ProxyContext, retry: RetryPlan | None = None,

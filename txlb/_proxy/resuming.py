@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
-from twisted.internet.defer import Deferred
+import attrs
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IDelayedCall, IPushProducer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -30,10 +31,12 @@ from twisted.web.server import Request
 from txlb._cluster.slots import Lease
 from txlb._json_body import parse_json_object
 from txlb._proxy.context import ProxyContext, RetryPlan
+from txlb._proxy.head import CREDENTIALS, UpstreamHead, with_credentials
 from txlb._records.record import RequestRecord
 from txlb._resume.continuation import continuation_body, refusal_of
-from txlb._resume.progress import NotResumable, read_progress
+from txlb._resume.progress import NotResumable, Progress, read_progress
 from txlb._resume.rewrite import ContinuationRewriter
+from txlb._resume.tokens import TOKENIZE_TIMEOUT, WholeAnswer, count_of, tokenize_body
 from txlb._upstream.interfaces import IRelayOwner, UpstreamResponse
 
 log = Logger(namespace="txlb._proxy.resource")
@@ -77,6 +80,8 @@ class Resuming:
     _continuation: ContinuationRewriter | None
     _continuation_body: bytes
     _continuation_tries: int
+    _resume_plan: tuple[dict[str, Any], bool, Progress]
+    _head: UpstreamHead
 
     def _send(self, body: bytes | None = None) -> None: ...  # the exchange's
 
@@ -163,6 +168,7 @@ class Resuming:
         self._continuation = ContinuationRewriter(progress, chat, self._to_client)
         self._write = self._continuation.feed
         self._continuation_body = body
+        self._resume_plan = (payload, chat, progress)
         self._continuation_tries = 0
         self._next_engine()
         return True
@@ -193,6 +199,46 @@ class Resuming:
             return
         self.lease = lease
         self.record.resumed_backend = lease.backend.key
+        self._count_tokens()
+
+    def _count_tokens(self) -> None:
+        """
+        The text so far counted by the engine about to continue it (``/tokenize``, at
+        most :data:`~txlb._resume.tokens.TOKENIZE_TIMEOUT`), then the continuation sent.
+        """
+        payload, _, progress = self._resume_plan
+        spec = self.lease.backend.spec
+        headers = with_credentials(
+            [*((n, v) for n, v in self._head.headers if n in CREDENTIALS),
+             (b"content-type", b"application/json")],
+            self.context.auth == "keys", spec.api_key)
+        try:
+            asking = self.context.upstream.send(
+                spec.host, spec.port, b"POST", b"/tokenize", headers,
+                tokenize_body(payload.get("model"), progress.text))
+        except Exception:
+            asking = fail()
+        asking.addTimeout(TOKENIZE_TIMEOUT, self.context.clock)
+        answer: Deferred[bytes | None] = asking.addCallback(_whole_answer)
+        answer.addErrback(lambda failure: None)  # no count: the events' stands
+        answer.addCallback(self._counted).addErrback(self._resume_bug)
+        self._upstream = answer
+
+    def _counted(self, answer: bytes | None) -> None:
+        self._upstream = None
+        if self.state == "ended":
+            return
+        payload, chat, progress = self._resume_plan
+        count = None if answer is None else count_of(answer, len(progress.text))
+        if count is not None and count != progress.tokens:
+            try:
+                body = continuation_body(payload, chat, attrs.evolve(progress, tokens=count))
+            except NotResumable:
+                pass  # counted, it used every token asked: the events' count goes on
+            else:
+                self._continuation_body = body
+                if self._continuation is not None:
+                    self._continuation.recount(count)
         self._send(self._continuation_body)
 
     def _no_engine(self, failure: Failure) -> None:
@@ -241,6 +287,16 @@ class Resuming:
         self._client_write(data)
         self.record.capture(data)
         self._kept(data)
+
+
+def _whole_answer(response: UpstreamResponse) -> Deferred[bytes | None]:
+    """A 200's body, read whole (bounded); ``None`` for any other answer (discarded)."""
+    if response.code != 200:
+        response.discard()
+        return succeed(None)
+    reader = WholeAnswer()
+    response.deliver(reader, False)
+    return reader.done
 
 
 #: the paths whose streams can be continued: chat completions and completions

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import orjson
 
 from txlb._json_body import stdlib_loads
@@ -29,6 +30,10 @@ class ContinuationRewriter:
         self._first = chat  # a chat's first chunk may be the role alone
         self._partial = b""
         self._pending: list[bytes] = []
+
+    def recount(self, tokens: int) -> None:
+        """The first try's tokens, as the continuing engine counted them (``/tokenize``)."""
+        self._progress = attrs.evolve(self._progress, tokens=tokens)
 
     def feed(self, data: bytes) -> None:
         lines = (self._partial + data).split(b"\n")

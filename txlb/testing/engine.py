@@ -7,6 +7,7 @@ generation's timing and events, a completion's checks, the byte stream, the HTTP
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from typing import Any, Protocol, cast
 
@@ -16,7 +17,7 @@ from twisted.web.resource import IResource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from txlb._kvcache import BLOCK_TOKENS, PrefixCache
-from txlb.testing.completion import BadRequest, parse_completion
+from txlb.testing.completion import BadRequest, count_words, parse_completion
 from txlb.testing.filler import FillerProducer
 from txlb.testing.generation import Generation, Hung
 from txlb.testing.options import count, fraction, non_negative, positive, to_models
@@ -30,6 +31,7 @@ from txlb.testing.wire import (
     JSON,
     PROMETHEUS,
     SSE,
+    TOKENIZE_PATH,
     ReceivedRequest,
     dumps,
     error_body,
@@ -228,11 +230,33 @@ class SimulatedVLLM:
             if request.method != b"POST":
                 return self._error(request, 405, "Method Not Allowed")
             return self._completion(request, body, chat=path == CHAT_PATH)
+        if path == TOKENIZE_PATH:
+            if request.method != b"POST":
+                return self._error(request, 405, "Method Not Allowed")
+            return self._tokenize(request, body)
         if path == BYTES_PATH:
             if request.method != b"GET":
                 return self._error(request, 405, "Method Not Allowed")
             return self._bytes(request)
         return self._error(request, 404, "Not Found")
+
+    def _tokenize(self, request: Request, body: bytes) -> bytes:
+        """
+        ``POST /tokenize`` as vLLM answers it (``count``, ``tokens``, ``max_model_len``):
+        the words of its ``prompt`` (vLLM's field) or ``content`` (llama.cpp's).
+        """
+        try:
+            payload = json.loads(body)
+        except (ValueError, RecursionError) as e:
+            return self._error(request, 400, f"JSON decode error: {e}")
+        if not isinstance(payload, dict):
+            return self._error(request, 400, "The request body must be a JSON object.")
+        text = payload.get("prompt", payload.get("content"))
+        if not isinstance(text, str):
+            return self._error(request, 400, "Field required: prompt (a string).")
+        count = count_words(text)
+        return self._json(request, 200, {"count": count, "tokens": list(range(count)),
+                                         "max_model_len": self.max_model_len})
 
     def _json(self, request: Request, code: int, obj: object) -> bytes:
         request.setResponseCode(code)

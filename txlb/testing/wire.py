@@ -16,6 +16,7 @@ CONTROL_PATHS = (b"/health", b"/v1/models", b"/metrics")
 CHAT_PATH = b"/v1/chat/completions"
 COMPLETIONS_PATH = b"/v1/completions"
 BYTES_PATH = b"/sim/bytes"
+TOKENIZE_PATH = b"/tokenize"
 
 JSON = b"application/json"
 SSE = b"text/event-stream; charset=utf-8"
