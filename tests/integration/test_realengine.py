@@ -14,6 +14,7 @@ is skipped with "NOT RUN".
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import json
 import os
@@ -322,6 +323,53 @@ class FailureTests(RealEngineTestCase):
             answer, _ = await self.post(self.lb.url, chat(stream=False))
             self.assertEqual(answer.code, 200)
             self.assertNotEqual(header(answer, b"x-backend"), victim.key)
+
+    async def test_sigstop_mid_stream_resumes_within_3_5s(self) -> None:
+        """
+        A llama-server stopped mid-stream (accepts TCP, answers nothing): the hung-engine
+        detector takes it out -- short requests beside the stream, given up after 1 s, are
+        what it judges by -- and the stream goes on on another engine.
+        """
+        await self.start()
+        asked = 3000
+        response = await self.client.request(
+            self.lb.url + "/v1/chat/completions", b"POST",
+            chat(max_tokens=asked, ignore_eos=True, stream_options={"include_usage": True}),
+            {b"content-type": [b"application/json"]})
+        victim = next(e for e in self.engines if e.key == header(response, b"x-backend"))
+        chunks = Chunks()
+        response.deliverBody(chunks)
+        await wait_until(lambda: chunks.body.count(b"data:") > 5, what="the stream to flow")
+        victim.signal(signal.SIGSTOP)
+        self.addCleanup(victim.signal, signal.SIGCONT)
+        stopped_at = time.monotonic()
+        done = False
+
+        async def beside() -> None:
+            deadline = time.monotonic() + 30
+            while not done and time.monotonic() < deadline:
+                fetch = defer.ensureDeferred(self.post(self.lb.url, chat(stream=False)))
+                fetch.addTimeout(1.0, reactor)
+                with contextlib.suppress(Exception):  # a try that gave up after 1 s
+                    await fetch
+
+        loop = defer.ensureDeferred(beside())
+        try:
+            await chunks.done
+        finally:
+            done = True
+            await loop
+        self.assertTrue(chunks.clean)
+        self.assertTrue(chunks.body.endswith(b"data: [DONE]\n\n"))
+        events = [json.loads(part[6:]) for part in chunks.body.decode().split("\n\n")
+                  if part.startswith("data: {")]
+        self.assertEqual(events[-1]["usage"]["completion_tokens"], asked)
+        times = [stopped_at, *(at for at, _ in chunks.chunks if at > stopped_at)]
+        gap = max(later - sooner for sooner, later in itertools.pairwise(times))
+        self.assertLess(gap, 3.5, self.lb.output())
+        self.assertIn("judged hung", self.lb.output())
+        print(f"\nllama-server stopped mid-stream: the next token {gap:.2f}s later",
+              file=sys.stderr)
 
     async def test_kill_9_truncates_then_new_requests_go_elsewhere(self) -> None:
         await self.start("--resume", "off")
