@@ -136,6 +136,27 @@ class ResumeTests(FaultTestCase):
         self.assertEqual((line["end"], line["finish"], line["ctok"]), ("ok", "stop", TOKENS))
         self.assertIn(f"backend {first} failed part-way through a stream", lb.output())
 
+    @defer.inlineCallbacks
+    def test_a_reset_connections_stream_completes(self) -> Any:
+        """The engine resets the connection (a TCP RST) after its fifth token."""
+        lb, log = yield defer.ensureDeferred(self.start())
+        response = yield defer.ensureDeferred(self.client.request(
+            lb.url + "/v1/chat/completions", b"POST", chat_body(stream=True),
+            {**JSON, b"x-sim-tokens": [str(TOKENS).encode()], b"x-sim-reset-after": [b"5"]}))
+        stream = Chunks()
+        response.deliverBody(stream)
+        yield stream.done
+        yield defer.ensureDeferred(wait_until(
+            lambda: log.exists() and '"/v1/chat/completions"' in log.read_text(),
+            what="the log line"))
+        self.assertTrue(stream.clean, (self.result_line(log), stream.body[-300:]))
+        self.assertEqual(self.text_of(stream), "".join(f"tok{i} " for i in range(TOKENS)))
+        first = header(response, b"x-backend")
+        failed = [line for line in lb.output().splitlines()
+                  if f"backend {first} failed part-way through a stream" in line]
+        self.assertEqual(len(failed), 1, lb.output())
+        self.assertIn("reset", failed[0])  # a TCP RST, as the engine sent it
+
     def text_of(self, stream: Chunks) -> str:
         return "".join(c["choices"][0]["delta"].get("content") or ""
                        for c in events(stream.body)[:-1] if c["choices"])

@@ -854,3 +854,28 @@ class ContinuationTests(_Fixture):
         self.assertEqual(self.json_result(d)[1]["count"], 2)
         d = self.request("POST", "/tokenize", {"prompt": 3})
         self.assertEqual(self.json_result(d)[0], 400)
+
+    def test_reset_after_closes_the_connection_after_that_token(self) -> None:
+        self.make(ttft=0.0, tokens_per_second=10)
+        conn = _Connection(self.sim)
+        conn.post("/v1/chat/completions", _chat(stream=True),
+                  {"X-Sim-Tokens": "9", "X-Sim-Reset-After": "2"})
+        self.clock.advance(1)
+        self.assertFalse(conn.transport.disconnecting)  # what was written goes first
+        self.clock.advance(0.05)
+        events = _events(_split_response(conn.transport.value())[1])
+        contents = [e["choices"][0]["delta"].get("content") for e in events]
+        self.assertEqual(contents, ["", "tok0 ", "tok1 "])  # then the reset
+        self.assertTrue(conn.transport.disconnecting)
+        conn.disconnect()  # the connection's end reaches the simulator: no error
+        self.assertEqual(self.sim.running, 0)
+
+    def test_a_continuation_past_the_reset_is_not_reset(self) -> None:
+        self.make(ttft=0.0, tokens_per_second=1000)
+        d = self.request("POST", "/v1/chat/completions", _chat(
+            messages=[{"role": "assistant", "content": "tok0 tok1"}],
+            continue_final_message=True, add_generation_prompt=False),
+            {"X-Sim-Tokens": "4", "X-Sim-Reset-After": "2"})
+        self.advance(1)
+        self.assertEqual(self.json_result(d)[1]["choices"][0]["message"]["content"],
+                         "tok2 tok3 ")

@@ -160,6 +160,16 @@ def parse_completion(sim: Host, request: Request, body: bytes, chat: bool,
     if count > available:
         count, finish_reason = available, "length"
 
+    reset_after = None
+    reset = request.getHeader(b"x-sim-reset-after")
+    if reset is not None:
+        try:
+            reset_after = int(reset)
+            if reset_after < 1:
+                raise ValueError(reset_after)
+        except ValueError:
+            raise BadRequest(400, f"Invalid X-Sim-Reset-After: {reset!r}") from None
+
     thinking = False
     if chat:
         kwargs = payload.get("chat_template_kwargs")
@@ -184,6 +194,7 @@ def parse_completion(sim: Host, request: Request, body: bytes, chat: bool,
         created=int(sim._clock.seconds()),
         prompt=prompt,
         content_offset=offset,
+        reset_after=reset_after,
     )
 
 

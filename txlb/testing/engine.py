@@ -109,6 +109,9 @@ class SimulatedVLLM:
       ``max_tokens`` is smaller (then ``max_tokens`` and ``"length"``).
     * ``X-Sim-Status: CODE`` answers ``CODE`` at once with a vLLM-style error body, on any
       path except the three above (for failover tests).
+    * ``X-Sim-Reset-After: N`` resets the connection (a TCP RST) once the answer's token
+      ``N`` was written -- counted across a continuation, so a stream resumed elsewhere
+      from token ``N`` on is not reset again.
 
     Precedence for those other paths: ``X-Sim-Status``, then ``hang``, then routing; a
     completion is then checked for valid JSON (400), a known model (404), ``engine_dead``

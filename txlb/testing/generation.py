@@ -9,6 +9,8 @@ module (which makes generations) is the only one that knows the whole simulator.
 
 from __future__ import annotations
 
+import socket
+import struct
 from typing import Any, Protocol
 
 import attrs
@@ -32,6 +34,10 @@ class Simulator(Protocol):
     def _decode_speed(self) -> float: ...
 
     def _release(self, holder: Generation | Hung, completed: bool) -> None: ...
+
+
+#: seconds between ``X-Sim-Reset-After``'s last token and the reset
+RESET_DELAY = 0.05
 
 
 @attrs.define(eq=False)
@@ -71,6 +77,8 @@ class Generation:
     #: a continuation's first token's number: the answer it continues had this many
     #: (:func:`~txlb.testing.completion.continued_from`)
     content_offset: int = 0
+    #: ``X-Sim-Reset-After``: the answer's token after which the connection is reset
+    reset_after: int | None = None
 
     @property
     def total(self) -> int:
@@ -148,6 +156,10 @@ class Generation:
                 else:
                     self._event(self._chunk({"content": text}, None))
             self.emitted += 1
+            if (self.reset_after is not None and self.stream
+                    and self.emitted + self.content_offset == self.reset_after):
+                self._reset()
+                return
         if self.emitted >= self.total:
             self._complete()
         else:
@@ -172,6 +184,28 @@ class Generation:
             self._write(body)
         if not self.client_gone:
             self.request.finish()
+
+    def _reset(self) -> None:
+        """
+        End the connection with a TCP RST (``SO_LINGER`` 0, then an abortive close): an
+        engine's connection reset mid-answer.  No token comes meanwhile, and the close
+        waits :data:`RESET_DELAY` so that what was written is sent first (a close drops
+        what is still buffered).  The simulator frees the slot as for any client that
+        went away.
+        """
+        transport = self.request.channel.transport
+        if transport is None:
+            return
+        handle = getattr(transport, "getHandle", lambda: None)()
+        if handle is not None:
+            handle.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        abort = getattr(transport, "abortConnection", transport.loseConnection)
+
+        def reset() -> None:
+            self.call = None
+            abort()
+
+        self.call = self.sim._clock.callLater(RESET_DELAY, reset)
 
     def _write(self, data: bytes) -> None:
         if not self.client_gone:
