@@ -233,3 +233,27 @@ class ResumeExchangeTests(FailoverTestCase):
         first.end(died())
         self.assertEqual(len(self.upstream.calls), 1)
         self.assertFalse(client.response().complete)
+
+    def test_a_completions_stream_continues_its_prompt(self) -> None:
+        client = self.client()
+        client.request(b"POST", b"/v1/completions", body=json.dumps(
+            {"model": "m", "prompt": "say ", "stream": True, "max_tokens": 5}).encode())
+
+        def text(value: str, ident: str = "cmpl-1") -> bytes:
+            return b"data: " + json.dumps({"id": ident, "object": "text_completion",
+                                           "created": 1, "model": "m", "choices": [
+                                               {"index": 0, "text": value,
+                                                "finish_reason": None}]}).encode() + b"\n\n"
+
+        self.stream(0, text("a "), text("b ")).end(died())
+        self.tokenized(1, 2)
+        sent = json.loads(self.upstream.calls[2].body)
+        self.assertEqual((sent["prompt"], sent["max_tokens"]), ("say a b ", 3))
+        self.assertNotIn("continue_final_message", sent)
+        self.stream(2, text("c ", "cmpl-7"), b"data: [DONE]\n\n").end()
+        body = client.response().body
+        self.assertNotIn(b"cmpl-7", body)
+        texts = [json.loads(e[6:])["choices"][0]["text"] for e in body.split(b"\n\n")
+                 if e.startswith(b"data: {")]
+        self.assertEqual(texts, ["a ", "b ", "c "])
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
