@@ -257,3 +257,66 @@ class ResumeExchangeTests(FailoverTestCase):
                  if e.startswith(b"data: {")]
         self.assertEqual(texts, ["a ", "b ", "c "])
         self.assertEqual(self.lb.pool.slots.in_flight, 0)
+
+    def exchange(self) -> Any:
+        (live,) = self.lb.proxy.live
+        return live
+
+    def test_a_silent_continuation_is_left_for_another_engine(self) -> None:
+        self.build(read_timeout=5)
+        client, first = self.started()
+        first.end(died())
+        self.tokenized(1, 2)
+        self.clock.advance(6)  # call 2, the continuation, never answers
+        self.assertTrue(self.upstream.calls[2].cancelled)  # its engine stops generating
+        self.tokenized(3, 2)
+        self.assertEqual(self.lb.pool.slots.in_flight, 1)  # the next engine's slot only
+        self.stream(4, chunk("c "), b"data: [DONE]\n\n").end()
+        self.assertTrue(client.response().complete)
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
+        self.assertEqual(len(self.records), 1)
+
+    def test_a_count_whose_body_stalls_is_stopped_and_not_waited_for(self) -> None:
+        client, first = self.started()
+        first.end(died())
+        counting = self.upstream.calls[1].respond(
+            FakeResponse(200, [(b"Content-Type", b"application/json")], length=100))
+        counting.send(b'{"count": ')  # and nothing more
+        self.clock.advance(1.0)
+        self.assertTrue(counting.transport.stopped)
+        self.assertEqual(json.loads(self.upstream.calls[2].body)["max_tokens"], 8)
+
+    def test_a_hung_verdict_before_the_first_token_loses_nothing(self) -> None:
+        client = self.client()
+        client.request(b"POST", b"/v1/chat/completions", body=CHAT)
+        first = self.stream(0, chunk("", role=True))
+        self.exchange().backend_hung()  # nothing to continue yet: the stream goes on
+        self.assertEqual(len(self.upstream.calls), 1)
+        first.send(chunk("a "))
+        first.end(died())  # now it has a token: resumed
+        self.tokenized(1, 1)
+        self.stream(2, chunk("b "), b"data: [DONE]\n\n").end()
+        self.assertTrue(client.response().complete)
+        self.assertEqual((self.records[-1].resumes, self.records[-1].resume_refused), (1, None))
+
+    def test_a_continuation_dead_before_its_first_byte_goes_to_another_engine(self) -> None:
+        client, first = self.started()
+        first.end(died())
+        self.tokenized(1, 2)
+        self.upstream.calls[2].respond(answer()).end(died())  # a 200 head, no byte
+        self.tokenized(3, 2)
+        self.stream(4, chunk("c "), b"data: [DONE]\n\n").end()
+        self.assertTrue(client.response().complete)
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)
+
+    def test_a_continuation_event_without_end_is_cut_at_the_bound(self) -> None:
+        client, first = self.started()
+        first.end(died())
+        self.tokenized(1, 2)
+        second = self.stream(2, b"data: {")
+        for _ in range(140):
+            second.send(b"x" * 4096)  # 560 KiB of one event, never ended
+        self.assertTrue(second.transport.stopped)
+        self.assertFalse(client.response().complete)
+        self.assertEqual(self.records[-1].resume_refused, "event_too_long")
+        self.assertEqual(self.lb.pool.slots.in_flight, 0)

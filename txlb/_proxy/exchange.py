@@ -372,6 +372,10 @@ class Exchange(Resuming):
                 self._continuation.close()
             self._end("ok", finish_answer)
             return
+        if self._continuation is not None and not self._continuation.fed:
+            # the continuation's head came, then it failed before a byte of its body
+            self._continuation_failed(describe_failure(failure))
+            return
         if self._try_resume(describe_failure(failure)):
             return
         if self.request.startedWriting:
@@ -387,9 +391,11 @@ class Exchange(Resuming):
     # -- failures ---------------------------------------------------------------------------
 
     def _request_failed(self, failure: Failure) -> None:
+        if self.state != "waiting":
+            # ended (the client left, the watchdog fired: already answered), or a try the
+            # exchange itself cancelled to leave it (a silent continuation)
+            return
         self._upstream = None
-        if self.state == "ended":
-            return  # the client left, or the watchdog fired: already answered
         backend = self.lease.backend
         kind = classify(failure)
         rule = FAILURES[kind]
@@ -447,6 +453,7 @@ class Exchange(Resuming):
                 f"silent for {self.read_timeout:g}s"):
             return
         if self._continuation is not None and self.state == "waiting":
+            self._abandon_try()
             self._continuation_failed(f"no answer in {self.read_timeout:g}s")
             return
         self._say(
@@ -465,7 +472,7 @@ class Exchange(Resuming):
         it waits out ``--read-timeout`` as before.
         """
         if self.state == "relaying" and self._paused_at is None:
-            self._try_resume("judged hung")
+            self._try_resume("judged hung", cut=False)
 
     def _client_lost(self, failure: Failure) -> None:
         if self.state == "ended":

@@ -82,6 +82,7 @@ class Resuming:
     _continuation_tries: int
     _resume_plan: tuple[dict[str, Any], bool, Progress]
     _head: UpstreamHead
+    _last_activity: float
 
     def _send(self, body: bytes | None = None) -> None: ...  # the exchange's
 
@@ -122,15 +123,18 @@ class Resuming:
 
     # -- the resume -------------------------------------------------------------------------
 
-    def _try_resume(self, why: str) -> bool:
+    def _try_resume(self, why: str, cut: bool = True) -> bool:
         """
         The stream's engine failed (``why``, for the service log): continue it elsewhere.
-        ``False`` when it cannot be (the reason is the record's), and the stream is cut.
+        ``False`` when it cannot be: with ``cut``, the stream is cut (the reason is the
+        record's); without (a hung verdict: the engine may yet answer), the stream goes
+        on as it was, still resumable later.
         """
-        relayed, self._relayed = self._relayed, None
+        relayed = self._relayed
         record = self.record
         if relayed is None:
-            record.resume_refused = self._unresumable  # a stream past the bound, or none
+            if cut:
+                record.resume_refused = record.resume_refused or self._unresumable
             return False
         if self.client_gone or self.retry is None or record.resumes >= self.context.resume_tries:
             return False
@@ -145,13 +149,18 @@ class Resuming:
             progress = read_progress(bytes(relayed), self._raw_to_client, chat)
             body = continuation_body(payload, chat, progress)
         except NotResumable as refused:
-            record.resume_refused = refused.reason
+            if cut:
+                self._relayed = None
+                record.resume_refused = refused.reason
             return False
         failed = self.lease.backend
         tried = self.tried | {failed.key}
         if not self.retry.possible(frozenset(tried)):
-            record.resume_refused = "no_backend"
+            if cut:
+                self._relayed = None
+                record.resume_refused = "no_backend"
             return False
+        self._relayed = None
         log.warn("backend {backend} failed part-way through a stream ({why}); resuming it "
                  "on another engine after {tokens} tokens", backend=failed.key, why=why,
                  tokens=progress.tokens)
@@ -165,13 +174,24 @@ class Resuming:
             self._relayed = relayed  # what the client has, for another resume
         if self._continuation is None:
             self._client_write = self._write
-        self._continuation = ContinuationRewriter(progress, chat, self._to_client)
+        self._continuation = ContinuationRewriter(progress, chat, self._to_client,
+                                                  self._continuation_overflowed)
         self._write = self._continuation.feed
         self._continuation_body = body
         self._resume_plan = (payload, chat, progress)
         self._continuation_tries = 0
         self._next_engine()
         return True
+
+    def _abandon_try(self) -> None:
+        """Cancel the try in flight (a silent continuation): its errback is ignored."""
+        pending, self._upstream = self._upstream, None
+        self.state = "leaving"
+        try:
+            if pending is not None:
+                pending.cancel()
+        finally:
+            self.state = "waiting"
 
     def _leave_try(self) -> None:
         """Close the failed try: its timer, its body's producer, its slot."""
@@ -199,6 +219,8 @@ class Resuming:
             return
         self.lease = lease
         self.record.resumed_backend = lease.backend.key
+        # asked from now: the first engine's silence is not the new one's
+        self._last_activity = self.context.clock.seconds()
         self._count_tokens()
 
     def _count_tokens(self) -> None:
@@ -218,8 +240,9 @@ class Resuming:
                 tokenize_body(payload.get("model"), progress.text))
         except Exception:
             asking = fail()
-        asking.addTimeout(TOKENIZE_TIMEOUT, self.context.clock)
         answer: Deferred[bytes | None] = asking.addCallback(_whole_answer)
+        # the head and the whole body within the time: a body that stalls is stopped
+        answer.addTimeout(TOKENIZE_TIMEOUT, self.context.clock)
         answer.addErrback(lambda failure: None)  # no count: the events' stands
         answer.addCallback(self._counted).addErrback(self._resume_bug)
         self._upstream = answer
@@ -264,11 +287,16 @@ class Resuming:
         self._arm_watchdog()
         response.deliver(cast(IRelayOwner, self), False)
 
+    def _continuation_overflowed(self) -> None:
+        """The continuation sent an event past :data:`RESUME_KEEP`: cut, not kept."""
+        self.record.resume_refused = "event_too_long"
+        self._cut("upstream_error")
+
     def _continuation_failed(self, why: str) -> None:
         """Before its first byte: another engine within ``--retries``, else the cut."""
         backend = self.lease.backend
         self.tried.add(backend.key)
-        self.lease.release()
+        self._leave_try()
         assert self.retry is not None
         if (self._continuation_tries < self.context.retries and not self.client_gone
                 and self.retry.possible(frozenset(self.tried))):

@@ -16,6 +16,10 @@ import orjson
 from txlb._json_body import stdlib_loads
 from txlb._resume.progress import Progress
 
+#: the most of one event held while it is incomplete (a continuation that sends more without
+#: ending it is cut): the bound on what a stream keeps for a resume
+EVENT_LIMIT = 512 * 1024
+
 
 class ContinuationRewriter:
     """
@@ -23,12 +27,16 @@ class ContinuationRewriter:
     ``emit`` whole SSE events, rewritten: one ``emit`` per event the continuation sent.
     """
 
-    def __init__(self, progress: Progress, chat: bool,
-                 emit: Callable[[bytes], object]) -> None:
+    def __init__(self, progress: Progress, chat: bool, emit: Callable[[bytes], object],
+                 overflowed: Callable[[], object] = lambda: None) -> None:
         self._progress = progress
         self._emit = emit
+        #: told once when an event outgrows :data:`EVENT_LIMIT` (nothing more is kept)
+        self._overflowed = overflowed
+        #: a byte of the continuation came
+        self.fed = False
         self._first = chat  # a chat's first chunk may be the role alone
-        self._partial = b""
+        self._partial: bytes | None = b""
         self._pending: list[bytes] = []
 
     def recount(self, tokens: int) -> None:
@@ -36,8 +44,16 @@ class ContinuationRewriter:
         self._progress = attrs.evolve(self._progress, tokens=tokens)
 
     def feed(self, data: bytes) -> None:
+        if self._partial is None:
+            return  # overflowed: the stream is being cut
+        self.fed = True
         lines = (self._partial + data).split(b"\n")
         self._partial = lines.pop()
+        if len(self._partial) + sum(map(len, self._pending)) > EVENT_LIMIT:
+            self._partial = None
+            self._pending = []
+            self._overflowed()
+            return
         out = []
         for line in lines:
             line = line.rstrip(b"\r")
@@ -57,6 +73,8 @@ class ContinuationRewriter:
 
     def close(self) -> None:
         """The continuation ended: an event it did not end with a blank line still goes."""
+        if self._partial is None:
+            return
         if self._partial:
             self.feed(b"\n")
         if self._pending:

@@ -58,7 +58,8 @@ class WholeAnswer:
     """
 
     def __init__(self) -> None:
-        self.done: Deferred[bytes | None] = Deferred()
+        #: cancelled (a timeout, the client gone): the answer's read is stopped
+        self.done: Deferred[bytes | None] = Deferred(lambda _: self._stop())
         self._parts: list[bytes] = []
         self._size = 0
         self._producer: IPushProducer | None = None
@@ -66,13 +67,17 @@ class WholeAnswer:
     def body_started(self, producer: IPushProducer) -> None:
         self._producer = producer
 
+    def _stop(self) -> None:
+        if self._producer is not None:
+            producer, self._producer = self._producer, None
+            producer.stopProducing()
+
     def body_chunk(self, data: bytes) -> None:
         if self.done.called:
             return
         self._size += len(data)
         if self._size > TOKENIZE_ANSWER_LIMIT:
-            if self._producer is not None:
-                self._producer.stopProducing()
+            self._stop()
             self.done.callback(None)
             return
         self._parts.append(data)
