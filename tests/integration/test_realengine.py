@@ -280,14 +280,8 @@ class FailureTests(RealEngineTestCase):
         predicted = await self.engine_metric(engine, "llamacpp:tokens_predicted_total")
         self.assertLess(predicted, 3000)  # stopped well before the end
 
-    async def test_kill_9_resumes_the_stream_on_another_engine(self) -> None:
-        """
-        A llama-server killed mid-stream: the stream goes on on another one (llama.cpp
-        continues a final assistant message by itself), the client reads one answer with
-        its finish reason and the usage of the whole, every token asked for.
-        """
-        await self.start()
-        asked = 2000
+    async def flowing_stream(self, asked: int) -> tuple[Engine, Chunks]:
+        """A stream of ``asked`` tokens (``ignore_eos``), once it flows: its engine, its body."""
         response = await self.client.request(
             self.lb.url + "/v1/chat/completions", b"POST",
             chat(max_tokens=asked, ignore_eos=True, stream_options={"include_usage": True}),
@@ -296,6 +290,17 @@ class FailureTests(RealEngineTestCase):
         chunks = Chunks()
         response.deliverBody(chunks)
         await wait_until(lambda: chunks.body.count(b"data:") > 5, what="the stream to flow")
+        return victim, chunks
+
+    async def test_kill_9_resumes_the_stream_on_another_engine(self) -> None:
+        """
+        A llama-server killed mid-stream: the stream goes on on another one (llama.cpp
+        continues a final assistant message by itself), the client reads one answer with
+        its finish reason and the usage of the whole, every token asked for.
+        """
+        await self.start()
+        asked = 2000
+        victim, chunks = await self.flowing_stream(asked)
         before = chunks.body
         killed_at = time.monotonic()
         victim.signal(signal.SIGKILL)
@@ -332,14 +337,7 @@ class FailureTests(RealEngineTestCase):
         """
         await self.start()
         asked = 3000
-        response = await self.client.request(
-            self.lb.url + "/v1/chat/completions", b"POST",
-            chat(max_tokens=asked, ignore_eos=True, stream_options={"include_usage": True}),
-            {b"content-type": [b"application/json"]})
-        victim = next(e for e in self.engines if e.key == header(response, b"x-backend"))
-        chunks = Chunks()
-        response.deliverBody(chunks)
-        await wait_until(lambda: chunks.body.count(b"data:") > 5, what="the stream to flow")
+        victim, chunks = await self.flowing_stream(asked)
         victim.signal(signal.SIGSTOP)
         self.addCleanup(victim.signal, signal.SIGCONT)
         stopped_at = time.monotonic()

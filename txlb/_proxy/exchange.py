@@ -560,6 +560,15 @@ class Exchange(Resuming):
             self.lease.release()
         except Exception:  # a capacity listener failed: the rest must still happen
             log.failure("releasing a backend slot")
+        self._stop_try()
+        if answer_client is not None:
+            answer_client(self.request)
+        self.record.outcome = outcome
+        self.record.ended = self.clock.seconds()
+        self.context.observer.ended(self.record)
+
+    def _stop_try(self) -> None:
+        """Stop the try's watchdog, cancel its request, stop its body: the backend stops."""
         if self._watchdog is not None and self._watchdog.active():
             self._watchdog.cancel()
         self._watchdog = None
@@ -569,11 +578,6 @@ class Exchange(Resuming):
         if self._producer is not None:
             producer, self._producer = self._producer, None
             producer.stopProducing()
-        if answer_client is not None:
-            answer_client(self.request)
-        self.record.outcome = outcome
-        self.record.ended = self.clock.seconds()
-        self.context.observer.ended(self.record)
 
     def _arm_watchdog(self) -> None:
         """

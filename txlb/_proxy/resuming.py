@@ -23,10 +23,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 from twisted.internet.defer import Deferred, fail, succeed
-from twisted.internet.interfaces import IDelayedCall, IPushProducer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.server import Request
 
 from txlb._cluster.slots import Lease
 from txlb._json_body import parse_json_object
@@ -60,7 +58,6 @@ class Resuming:
         __slots__ = ()
 
     # what the exchange holds (declared for the type checker; the exchange's slots)
-    request: Request
     record: RequestRecord
     lease: Lease
     context: ProxyContext
@@ -69,9 +66,6 @@ class Resuming:
     state: str
     client_gone: bool
     _upstream: Deferred[Any] | None
-    _producer: IPushProducer | None
-    _watchdog: IDelayedCall | None
-    _paused_at: float | None
     _write: Callable[[bytes], object]
     _client_write: Callable[[bytes], object]
     _relayed: bytearray | None
@@ -88,9 +82,9 @@ class Resuming:
 
     def _arm_watchdog(self) -> None: ...
 
-    def _end(self, outcome: str, answer_client: Any = None) -> None: ...
-
     def _cut(self, outcome: str) -> None: ...
+
+    def _stop_try(self) -> None: ...
 
     # -- keeping what the client got --------------------------------------------------------
 
@@ -194,17 +188,9 @@ class Resuming:
             self.state = "waiting"
 
     def _leave_try(self) -> None:
-        """Close the failed try: its timer, its body's producer, its slot."""
+        """Close the failed try: its timer, its request and body, its slot."""
         self.state = "waiting"
-        if self._watchdog is not None and self._watchdog.active():
-            self._watchdog.cancel()
-        self._watchdog = None
-        if self._producer is not None:
-            producer, self._producer = self._producer, None
-            producer.stopProducing()
-        if self._upstream is not None:
-            upstream, self._upstream = self._upstream, None
-            upstream.cancel()
+        self._stop_try()
         self.lease.release()
 
     def _next_engine(self) -> None:

@@ -14,9 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-import orjson
 
-from txlb._json_body import stdlib_loads
+from txlb._json_body import parse_json_object
 
 
 class NotResumable(Exception):
@@ -87,14 +86,8 @@ def read_progress(relayed: bytes, chunked: bool, chat: bool) -> Progress:
 
 
 def _loads(payload: bytes) -> dict[str, Any]:
-    try:
-        event = orjson.loads(payload)
-    except ValueError:
-        try:
-            event = stdlib_loads(payload)
-        except ValueError:
-            raise NotResumable("unreadable") from None
-    if not isinstance(event, dict):
+    event = parse_json_object(payload)
+    if event is None:
         raise NotResumable("unreadable")
     return event
 

@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 import orjson
 
-from txlb._json_body import stdlib_loads
+from txlb._json_body import parse_json_object
 from txlb._resume.progress import Progress
 
 #: the most of one event held while it is incomplete (a continuation that sends more without
@@ -84,15 +84,9 @@ class ContinuationRewriter:
     def _data(self, payload: bytes) -> bytes | None:
         if payload == b"[DONE]":
             return payload
-        try:
-            event = orjson.loads(payload)
-        except ValueError:
-            try:
-                event = stdlib_loads(payload)
-            except ValueError:
-                return payload  # not ours to judge: the client gets it as sent
-        if not isinstance(event, dict):
-            return payload
+        event = parse_json_object(payload)
+        if event is None:
+            return payload  # not ours to judge: the client gets it as sent
         first, self._first = self._first, False
         if first and _role_only(event):
             return None

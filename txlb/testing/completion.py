@@ -139,14 +139,9 @@ def parse_completion(sim: Host, request: Request, body: bytes, chat: bool,
             "Please reduce the length of the messages or completion.",
         )
 
-    override = request.getHeader(b"x-sim-tokens")
+    override = header_count(request, b"X-Sim-Tokens", least=0)
     if override is not None:
-        try:
-            count = int(override)
-            if count < 0:
-                raise ValueError(count)
-        except ValueError:
-            raise BadRequest(400, f"Invalid X-Sim-Tokens: {override!r}") from None
+        count = override
         # the whole answer's length: a continuation makes what its first part did not
         count = max(0, count - offset)
         finish_reason = "stop"
@@ -160,15 +155,7 @@ def parse_completion(sim: Host, request: Request, body: bytes, chat: bool,
     if count > available:
         count, finish_reason = available, "length"
 
-    reset_after = None
-    reset = request.getHeader(b"x-sim-reset-after")
-    if reset is not None:
-        try:
-            reset_after = int(reset)
-            if reset_after < 1:
-                raise ValueError(reset_after)
-        except ValueError:
-            raise BadRequest(400, f"Invalid X-Sim-Reset-After: {reset!r}") from None
+    reset_after = header_count(request, b"X-Sim-Reset-After", least=1)
 
     thinking = False
     if chat:
@@ -196,6 +183,20 @@ def parse_completion(sim: Host, request: Request, body: bytes, chat: bool,
         content_offset=offset,
         reset_after=reset_after,
     )
+
+
+def header_count(request: Request, name: bytes, least: int) -> int | None:
+    """A test-control header's whole number, at least ``least``; 400 for anything else."""
+    value = request.getHeader(name)
+    if value is None:
+        return None
+    try:
+        number = int(value)
+        if number < least:
+            raise ValueError(number)
+    except ValueError:
+        raise BadRequest(400, f"Invalid {name.decode()}: {value!r}") from None
+    return number
 
 
 def continuation_of(payload: dict[str, Any], messages: list[Any]) -> int:
